@@ -1,0 +1,1 @@
+"""Sharded, atomic, resumable checkpoints (torch.distributed.checkpoint) and Hugging Face name mapping."""

@@ -1,0 +1,1 @@
+"""The training step loop, NaN/Inf guards, metrics and their sinks."""
