@@ -1,0 +1,1 @@
+"""The K3 model on one device: mixers, AttnRes, LatentMoE, balancers, FLOP counts."""

@@ -1,0 +1,39 @@
+"""How the model tells the optimizer what a parameter is, without importing the optimizer.
+
+Attributes on `nn.Parameter` (as Megatron marks `tensor_model_parallel`):
+- `head_blocks`: a 2-D attention projection made of per-head blocks, which Per-Head Muon
+  orthogonalises one by one;
+- `adamw_only`: a matrix that must not get Muon (embedding, output head, AttnRes queries).
+3-D parameters are stacks of expert matrices `[experts, out, in]`, one Muon matrix each.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class HeadBlocks:
+    """The weight `[out, in]` is `num_heads` equal blocks along `dim` (0: rows, 1: columns)."""
+
+    dim: int
+    num_heads: int
+
+
+def mark_head_blocks(param: torch.nn.Parameter, dim: int, num_heads: int) -> None:
+    if param.shape[dim] % num_heads:
+        raise ValueError(f"dimension {dim} of shape {tuple(param.shape)} does not split into {num_heads} heads")
+    param.head_blocks = HeadBlocks(dim, num_heads)
+
+
+def mark_adamw_only(param: torch.nn.Parameter) -> None:
+    param.adamw_only = True
+
+
+def head_blocks_of(param: torch.Tensor) -> Optional[HeadBlocks]:
+    return getattr(param, "head_blocks", None)
+
+
+def is_adamw_only(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "adamw_only", False))

@@ -1,0 +1,1 @@
+"""Per-Head Muon with AdamW grouping, learning-rate schedules and gradient clipping."""

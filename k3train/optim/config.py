@@ -1,0 +1,44 @@
+"""Optimizer and learning-rate schedule settings (the `optimizer:` and `schedule:` sections)."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class OptimizerConfig:
+    """Per-Head Muon for matrices, AdamW for everything else."""
+
+    name: Literal["muon", "adamw"] = "muon"
+    """'muon' (Per-Head Muon + AdamW for vectors, embeddings and head) or 'adamw' for every parameter."""
+    lr: float = 3e-3
+    """Peak learning rate (shared by Muon and AdamW: Muon's update is scaled to AdamW's RMS)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to norms, biases and other 1-D parameters)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    """Newton–Schulz iterations (quintic, coefficients 3.4445, -4.7750, 2.0315)."""
+    muon_update_rms: float = 0.2
+    """Update RMS target: each block's update is scaled by muon_update_rms * sqrt(max(rows, cols))."""
+    muon_per_head: bool = True
+    """Orthogonalise attention projections per head (Per-Head Muon) instead of whole."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold; 0 disables clipping."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule over `train.steps`."""
+
+    name: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Warmup then cosine decay; warmup-stable-decay; or warmup then constant."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to the peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    decay_fraction: float = 0.2
+    """WSD only: fraction of the steps spent in the final (linear) decay."""
