@@ -146,7 +146,7 @@ class ModelConfig:
              "num_experts_per_token must be smaller than num_experts"),
             (self.attn_res_block_size >= 1, "attn_res_block_size must be at least 1"),
             (self.hidden_size > 0 and self.num_hidden_layers > 0, "hidden_size and num_hidden_layers must be positive"),
-            (all(1 <= i <= self.num_hidden_layers for i in self.full_attn_layer_set | {0}),
+            (all(0 <= i < self.num_hidden_layers for i in self.full_attn_layer_set),
              "linear_attn_config.full_attn_layers must be 1-based layer numbers within num_hidden_layers"),
             (0 <= self.first_k_dense_replace <= self.num_hidden_layers,
              "first_k_dense_replace must lie in [0, num_hidden_layers]"),

@@ -1,0 +1,85 @@
+"""Attention Residuals: the operator, and the residual state a stage hands to the next.
+
+The state of the residual stream between sublayers is `ResidualState(partial, blocks)`:
+`blocks` are the completed block representations (the embedding first), `partial` the running
+sum of the current block's sublayer outputs (or, with plain residuals, the hidden state). It is
+also the stage I/O contract of the pipeline: a micro-batch crosses a stage boundary as
+`(partial, blocks)`.
+
+Wiring per sublayer (SPEC §1.3, the released modelling code): the sublayer's input is the
+depth-attention mix over `[*blocks, partial]`; if a block closes here, `partial` joins `blocks`
+and the sum restarts; the sublayer's output is added to `partial`. Mixing first and pushing
+afterwards attends over the same sources in the same order as the reference, so one rule covers
+`block` (push before the token mixer of every `attn_res_block_size`-th layer), `full` (push
+before every sublayer) and `none` (never mix, never push: `partial` is the plain residual).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from k3train.kernels.attn_res import attn_res_mix
+from k3train.model.norm import RMSNorm
+from k3train.model.param_roles import mark_adamw_only
+
+
+@dataclass
+class ResidualState:
+    """What flows between sublayers and across pipeline stages."""
+
+    partial: Optional[torch.Tensor]
+    blocks: list[torch.Tensor] = field(default_factory=list)
+
+    def sources(self) -> list[torch.Tensor]:
+        return self.blocks + ([self.partial] if self.partial is not None else [])
+
+
+class AttentionResidual(nn.Module):
+    """One `(query, key-norm)` pair: mixes the sources of one sublayer (or of the output).
+
+    The effective query is `norm.weight ⊙ proj.weight`, two tensors as in the Hugging Face
+    checkpoint. `proj` is zero-initialised, so every sublayer starts as a uniform average.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, recompute: bool):
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+        self.proj = nn.Linear(hidden_size, 1, bias=False)
+        nn.init.zeros_(self.proj.weight)
+        mark_adamw_only(self.proj.weight)
+        self.recompute = recompute
+
+    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        if len(sources) == 1:
+            return sources[0]  # softmax over one source is exactly 1
+        if self.recompute and torch.is_grad_enabled():
+            # Save only the sources (shared block tensors and this layer's partial sum); the
+            # stacked values, keys and softmax weights are rebuilt in backward.
+            return checkpoint(self._mix, *sources, use_reentrant=False)
+        return self._mix(*sources)
+
+    def _mix(self, *sources: torch.Tensor) -> torch.Tensor:
+        return attn_res_mix(sources, self.norm.weight, self.proj.weight[0], self.norm.eps)
+
+
+def apply_sublayer(
+    state: ResidualState,
+    attn_res: Optional[AttentionResidual],
+    push_block: bool,
+    sublayer,
+) -> ResidualState:
+    """Run one sublayer on the residual state (see the module docstring for the rule)."""
+    if attn_res is None:  # plain residual: h = x; x = x + f(h)
+        output = sublayer(state.partial)
+        return ResidualState(state.partial + output, state.blocks)
+    sublayer_input = attn_res(state.sources())
+    blocks, partial = state.blocks, state.partial
+    if push_block:
+        blocks, partial = blocks + [partial], None
+    output = sublayer(sublayer_input)
+    return ResidualState(output if partial is None else partial + output, blocks)

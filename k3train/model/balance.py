@@ -1,0 +1,141 @@
+"""Routing-bias balancers (SPEC §1.5): Quantile Balancing, exact and by histogram, and the sign update.
+
+A balancer watches the router during a step's forward passes (`observe`) and, after the
+optimizer step, returns the bias for the *next* step (`next_bias`); the batch that produced the
+statistics is never routed with the bias computed from it.
+
+Quantile Balancing, per expert j: with `α_i` the (k+1)-th largest biased score of token i and
+`r_ij = α_i − s_ij`, expert j is chosen for token i exactly when `b_j > r_ij`. The bias that lets
+`q = m·k/n` of the m tokens through is the `k/n` quantile of `r_{:,j}` (SPEC writes the same as
+`−quantile_{1−k/n}(s − α)`), recentred to mean zero. The histogram form counts `r` into fixed bins
+over `[min b − 1, max b + 1]` (every `r` lands there because `s ∈ [0, 1]`), so a step's counts add
+up across micro-batches and ranks with one all-reduce, and its quantile is off by at most a bin.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from k3train.model.config import ModelConfig
+
+StatisticsReducer = Callable[[torch.Tensor], None]  # in-place sum over the ranks that route distinct tokens
+
+
+class Balancer:
+    """Interface: `observe(scores, bias)` in forward, `next_bias(bias)` once per step."""
+
+    def observe(self, scores: torch.Tensor, bias: torch.Tensor) -> None:
+        """`scores [tokens, experts]` raw sigmoid scores (fp32); `bias` the bias used for this step."""
+
+    def next_bias(self, bias: torch.Tensor, reduce: Optional[StatisticsReducer] = None) -> torch.Tensor:
+        """The bias for the next step; resets the statistics."""
+        return bias
+
+
+def kth_largest_cutoff(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
+    """`α_i`: the (k+1)-th largest biased score of each token, `[tokens]`."""
+    return (scores + bias).topk(top_k + 1, dim=-1).values[:, -1]
+
+
+class ExactQuantileBalancer(Balancer):
+    """Keeps every margin of the step and takes `torch.quantile` (single process, tests, ablations)."""
+
+    def __init__(self, num_experts: int, top_k: int):
+        self.num_experts, self.top_k = num_experts, top_k
+        self.margins: list[torch.Tensor] = []
+
+    def observe(self, scores, bias):
+        self.margins.append(kth_largest_cutoff(scores, bias, self.top_k)[:, None] - scores)
+
+    def next_bias(self, bias, reduce=None):
+        if not self.margins:
+            return bias
+        margins = torch.cat(self.margins)
+        self.margins = []
+        new_bias = torch.quantile(margins.double(), self.top_k / self.num_experts, dim=0).to(bias.dtype)
+        return new_bias - new_bias.mean()
+
+
+class HistogramQuantileBalancer(Balancer):
+    """Counts margins into `bins` bins per expert; the counts are what ranks all-reduce."""
+
+    def __init__(self, num_experts: int, top_k: int, bins: int):
+        self.num_experts, self.top_k, self.bins = num_experts, top_k, bins
+        self.counts: Optional[torch.Tensor] = None  # [experts, bins] int64, summed over the step
+        self.range: Optional[tuple[float, float]] = None
+
+    @staticmethod
+    def margin_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return bias.min() - 1.0, bias.max() + 1.0
+
+    def observe(self, scores, bias):
+        low, high = self.margin_range(bias)
+        margins = kth_largest_cutoff(scores, bias, self.top_k)[:, None] - scores
+        bin_index = ((margins - low) / (high - low) * self.bins).long().clamp_(0, self.bins - 1)
+        flat = (bin_index + torch.arange(self.num_experts, device=scores.device) * self.bins).flatten()
+        counts = torch.bincount(flat, minlength=self.num_experts * self.bins).view(self.num_experts, self.bins)
+        self.counts = counts if self.counts is None else self.counts + counts
+
+    def next_bias(self, bias, reduce=None):
+        if self.counts is None:
+            return bias
+        counts, self.counts = self.counts, None
+        if reduce is not None:
+            reduce(counts)
+        new_bias = histogram_quantile(counts, self.top_k / self.num_experts, *self.margin_range(bias))
+        new_bias = new_bias.to(bias.dtype)
+        return new_bias - new_bias.mean()
+
+
+def histogram_quantile(counts: torch.Tensor, level: float, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Per row, the value below which a `level` fraction of the counted samples lie.
+
+    Reads the cumulative counts and interpolates linearly inside the bin where they cross
+    the target, so the error against the exact quantile is at most one bin width.
+    """
+    bins = counts.shape[-1]
+    counts = counts.double()
+    cumulative = counts.cumsum(-1)
+    target = cumulative[:, -1:] * level
+    crossing_bin = torch.searchsorted(cumulative, target).clamp_(max=bins - 1)  # first bin with cdf ≥ target
+    before = torch.where(crossing_bin > 0, cumulative.gather(-1, (crossing_bin - 1).clamp(min=0)), torch.zeros_like(target))
+    in_bin = counts.gather(-1, crossing_bin).clamp(min=1.0)
+    fraction = ((target - before) / in_bin).clamp(0.0, 1.0)
+    width = (high - low).double() / bins
+    return (low.double() + (crossing_bin.double() + fraction) * width).squeeze(-1)
+
+
+class SignBalancer(Balancer):
+    """DeepSeek's aux-loss-free update: `b += rate · sign(mean load − load)`, recentred."""
+
+    def __init__(self, num_experts: int, top_k: int, rate: float):
+        self.num_experts, self.top_k, self.rate = num_experts, top_k, rate
+        self.loads: Optional[torch.Tensor] = None
+
+    def observe(self, scores, bias):
+        chosen = (scores + bias).topk(self.top_k, dim=-1).indices.flatten()
+        loads = torch.bincount(chosen, minlength=self.num_experts)
+        self.loads = loads if self.loads is None else self.loads + loads
+
+    def next_bias(self, bias, reduce=None):
+        if self.loads is None:
+            return bias
+        loads, self.loads = self.loads, None
+        if reduce is not None:
+            reduce(loads)
+        loads = loads.to(bias.dtype)
+        delta = self.rate * torch.sign(loads.mean() - loads)
+        return bias + delta - delta.mean()
+
+
+def build_balancer(config: ModelConfig) -> Balancer:
+    n, k = config.num_experts, config.num_experts_per_token
+    if config.balancer == "quantile":
+        return ExactQuantileBalancer(n, k)
+    if config.balancer == "quantile_histogram":
+        return HistogramQuantileBalancer(n, k, config.balancer_bins)
+    if config.balancer == "sign":
+        return SignBalancer(n, k, config.balancer_sign_rate)
+    return Balancer()

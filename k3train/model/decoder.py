@@ -1,0 +1,68 @@
+"""One decoder layer: AttnRes → norm → token mixer (KDA or Gated MLA), AttnRes → norm → FFN."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from k3train.model.attn_res import AttentionResidual, ResidualState, apply_sublayer
+from k3train.model.config import ModelConfig
+from k3train.model.kda import KimiDeltaAttention
+from k3train.model.mla import GatedMLA
+from k3train.model.mlp import GLUMLP
+from k3train.model.moe import LatentMoE
+from k3train.model.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.attn_res_mode = config.attn_res
+        self.block_size = config.attn_res_block_size
+        self.recompute_sublayers = config.recompute == "sublayer"
+        self.is_mla = config.is_mla_layer(layer_index)
+        self.is_moe = config.is_moe_layer(layer_index)
+
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = GatedMLA(config) if self.is_mla else KimiDeltaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.is_moe:
+            self.block_sparse_moe = LatentMoE(config)
+        else:
+            self.mlp = GLUMLP(config, config.hidden_size, config.intermediate_size)
+        if config.attn_res != "none":
+            recompute_mix = config.recompute != "none"
+            self.self_attention_res = AttentionResidual(config.hidden_size, config.rms_norm_eps, recompute_mix)
+            self.mlp_res = AttentionResidual(config.hidden_size, config.rms_norm_eps, recompute_mix)
+        else:
+            self.self_attention_res = self.mlp_res = None
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if self.is_moe else self.mlp
+
+    def pushes_block_before_mixer(self) -> bool:
+        """Whether the running partial sum becomes a block representation before the token mixer."""
+        if self.attn_res_mode == "full":
+            return True
+        return self.attn_res_mode == "block" and self.layer_index % self.block_size == 0
+
+    def pushes_block_before_ffn(self) -> bool:
+        return self.attn_res_mode == "full"
+
+    def forward(self, state: ResidualState) -> ResidualState:
+        state = apply_sublayer(state, self.self_attention_res, self.pushes_block_before_mixer(), self._mixer_sublayer)
+        return apply_sublayer(state, self.mlp_res, self.pushes_block_before_ffn(), self._ffn_sublayer)
+
+    def _mixer_sublayer(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._maybe_recompute(lambda h: self.self_attn(self.input_layernorm(h)), hidden)
+
+    def _ffn_sublayer(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._maybe_recompute(lambda h: self.ffn(self.post_attention_layernorm(h)), hidden)
+
+    def _maybe_recompute(self, function, hidden: torch.Tensor) -> torch.Tensor:
+        if self.recompute_sublayers and torch.is_grad_enabled():
+            return checkpoint(function, hidden, use_reentrant=False)
+        return function(hidden)

@@ -1,0 +1,131 @@
+"""The K3 model: embedding → decoder layers → output AttnRes → final norm → head.
+
+Read top to bottom with `attn_res.py` (the residual state) and `decoder.py` (one layer). The
+model can be built as a slice `[start, end)` of the layers, with the embedding only on the first
+slice and the head only on the last: a pipeline stage runs `forward_layers` on the
+`ResidualState(partial, blocks)` it receives. Layers keep their global index in parameter names
+(`layers.5.…`), so checkpoints do not depend on how the layers were split.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.kernels.precision import upcast
+from k3train.model.attn_res import AttentionResidual, ResidualState
+from k3train.model.config import ModelConfig
+from k3train.model.decoder import DecoderLayer
+from k3train.model.kda import initialize_gate_parameters
+from k3train.model.moe import LatentMoE
+from k3train.model.norm import RMSNorm
+from k3train.model.param_roles import mark_adamw_only
+
+
+class K3Model(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_range: Optional[tuple[int, int]] = None,
+        with_embedding: Optional[bool] = None,
+        with_head: Optional[bool] = None,
+    ):
+        super().__init__()
+        config.validate()
+        self.config = config
+        start, end = layer_range if layer_range is not None else (0, config.num_hidden_layers)
+        if not 0 <= start < end <= config.num_hidden_layers:
+            raise ValueError(f"layer_range {layer_range} must satisfy 0 <= start < end <= {config.num_hidden_layers}")
+        self.layer_range = (start, end)
+        self.with_embedding = start == 0 if with_embedding is None else with_embedding
+        self.with_head = end == config.num_hidden_layers if with_head is None else with_head
+
+        if self.with_embedding:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            mark_adamw_only(self.embed_tokens.weight)
+        self.layers = nn.ModuleDict({str(index): DecoderLayer(config, index) for index in range(start, end)})
+        if self.with_head:
+            self.output_attn_res = (
+                AttentionResidual(config.hidden_size, config.rms_norm_eps, recompute=config.recompute != "none")
+                if config.attn_res != "none" else None
+            )
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.tie_word_embeddings and self.with_embedding:
+                self.lm_head.weight = self.embed_tokens.weight
+            mark_adamw_only(self.lm_head.weight)
+        self.init_weights(seed=0)
+
+    # ------------------------------------------------------------------ forward pieces
+    def embed(self, input_ids: torch.Tensor) -> ResidualState:
+        return ResidualState(partial=self.embed_tokens(input_ids), blocks=[])
+
+    def forward_layers(self, state: ResidualState) -> ResidualState:
+        for layer in self.layers.values():
+            state = layer(state)
+        return state
+
+    def output_hidden(self, state: ResidualState) -> torch.Tensor:
+        """The final aggregation over every block (and the last partial block), then the final norm."""
+        if self.output_attn_res is None:
+            return self.norm(state.partial)
+        return self.norm(self.output_attn_res(state.sources()))
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None, state: Optional[ResidualState] = None):
+        """Logits `[batch, seq, vocab]` on a model with a head; otherwise the outgoing `ResidualState`."""
+        if state is None:
+            state = self.embed(input_ids)
+        state = self.forward_layers(state)
+        if not self.with_head:
+            return state
+        return self.lm_head(self.output_hidden(state))
+
+    # ------------------------------------------------------------------ MoE hooks
+    def moe_layers(self) -> list[LatentMoE]:
+        return [layer.block_sparse_moe for layer in self.layers.values() if layer.is_moe]
+
+    def update_routing_biases(self, reduce=None) -> None:
+        """After the optimizer step: every MoE layer replaces its bias for the next step."""
+        for moe in self.moe_layers():
+            moe.update_routing_bias(reduce)
+
+    # ------------------------------------------------------------------ initialisation
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from `(seed, its name)` alone.
+
+        The same parameter gets the same values however the model is sliced into stages, so a
+        pipelined or sharded model starts from exactly the single-process weights.
+        """
+        config = self.config
+        for name, param in self.named_parameters():
+            if param.is_meta:
+                continue
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            value = torch.empty(param.shape, dtype=torch.float32)
+            if name.endswith("_res.proj.weight"):
+                value.zero_()  # AttnRes queries start at zero: a uniform average over the sources
+            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                value.fill_(1.0)
+            elif name.endswith("conv1d.weight"):
+                bound = 1.0 / math.sqrt(param.shape[-1])
+                value.uniform_(-bound, bound, generator=generator)
+            elif name.endswith("A_log") or name.endswith("dt_bias"):
+                continue  # initialised together below
+            else:
+                value.normal_(0.0, config.init_std, generator=generator)
+            param.copy_(value)
+        for name, module in self.named_modules():
+            if hasattr(module, "A_log") and not module.A_log.is_meta:
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                initialize_gate_parameters(module.A_log, module.dt_bias, module.gate_lower_bound is not None, generator)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32."""
+    return F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1))

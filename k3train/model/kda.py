@@ -1,0 +1,143 @@
+"""Kimi Delta Attention mixer (SPEC §1.1): projections, short convolutions, gates → kernels.kda.
+
+Per head, the delta rule with a channel-wise decay: `S_t = (I − β k kᵀ) Diag(α_t) S_{t−1} + β k vᵀ`,
+`o_t = S_tᵀ q_t`. The model side builds the inputs of that recurrence; the kernels compute it.
+A `KDACache` (recurrent state plus the short convolutions' last inputs) can be passed in and
+returned, so a sequence can be processed in pieces (inference, context parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.kernels.kda import chunk_kda, kda_gate, kda_gate_unbounded
+from k3train.kernels.precision import upcast
+from k3train.model.config import ModelConfig
+from k3train.model.param_roles import mark_head_blocks
+
+
+@dataclass
+class KDACache:
+    """What a KDA layer carries from one piece of a sequence to the next."""
+
+    recurrent_state: torch.Tensor  # [batch, heads, head_dim, head_dim], fp32
+    conv_tails: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v: [batch, channels, kernel - 1]
+
+
+def initialize_gate_parameters(
+    A_log: torch.Tensor, dt_bias: torch.Tensor, bounded: bool, generator: Optional[torch.Generator] = None
+) -> None:
+    """Fill the decay gate's parameters in place (call under `torch.no_grad()`)."""
+    # K3 starts A at 0 with the bounded gate; Kimi Linear draws A from log U(1, 16).
+    if bounded:
+        A_log.zero_()
+    else:
+        A_log.copy_(torch.empty(A_log.shape).uniform_(1, 16, generator=generator).log())
+    # Mamba's dt initialisation: dt log-uniform in [1e-3, 1e-1], stored as softplus⁻¹(dt).
+    dt = torch.exp(torch.empty(dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))
+    dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise 1-D convolution (no bias) followed by SiLU; weight `[channels, 1, kernel]`."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.kernel_size = kernel_size
+
+    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x [batch, seq, channels]` → (output, the last `kernel - 1` inputs for the next piece)."""
+        channels_first = x.transpose(1, 2)
+        if tail is None:
+            tail = channels_first.new_zeros(x.shape[0], x.shape[2], self.kernel_size - 1)
+        padded = torch.cat([tail.to(channels_first.dtype), channels_first], dim=-1)
+        output = F.conv1d(padded, self.weight.to(x.dtype), groups=x.shape[2])
+        return F.silu(output).transpose(1, 2), padded[..., padded.shape[-1] - (self.kernel_size - 1):]
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of the attention output times `sigmoid(gate)`, in fp32; weight `[head_dim]`."""
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = upcast(x)
+        normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normalized * upcast(self.weight) * torch.sigmoid(upcast(gate))).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        lac = config.linear_attn_config
+        self.num_heads, self.head_dim = lac.num_heads, lac.head_dim
+        self.gate_lower_bound = lac.gate_lower_bound
+        self.chunk_size = lac.chunk_size
+        hidden, heads, width = config.hidden_size, lac.num_heads, lac.num_heads * lac.head_dim
+
+        self.q_proj = nn.Linear(hidden, width, bias=False)
+        self.k_proj = nn.Linear(hidden, width, bias=False)
+        self.v_proj = nn.Linear(hidden, width, bias=False)
+        self.q_conv1d = ShortConvolution(width, lac.short_conv_kernel_size)
+        self.k_conv1d = ShortConvolution(width, lac.short_conv_kernel_size)
+        self.v_conv1d = ShortConvolution(width, lac.short_conv_kernel_size)
+        # Decay gate: low-rank input f_b(f_a(x)) + dt_bias, per-head A_log.
+        self.f_a_proj = nn.Linear(hidden, config.kda_gate_rank, bias=False)
+        self.f_b_proj = nn.Linear(config.kda_gate_rank, width, bias=False)
+        self.A_log = nn.Parameter(torch.empty(heads))
+        self.dt_bias = nn.Parameter(torch.empty(width))
+        self.b_proj = nn.Linear(hidden, heads, bias=False)
+        # Output: per-head RMSNorm gated by sigmoid(g_proj(x)) (full rank in K3).
+        self.g_proj = nn.Linear(hidden, width, bias=False)
+        self.o_norm = GatedRMSNorm(lac.head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+        for projection in (self.q_proj, self.k_proj, self.v_proj, self.g_proj):
+            mark_head_blocks(projection.weight, 0, heads)
+        mark_head_blocks(self.o_proj.weight, 1, heads)
+        with torch.no_grad():
+            initialize_gate_parameters(self.A_log, self.dt_bias, bounded=self.gate_lower_bound is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_with_cache(x, None, return_cache=False)[0]
+
+    def forward_with_cache(
+        self, x: torch.Tensor, cache: Optional[KDACache], return_cache: bool = True
+    ) -> tuple[torch.Tensor, Optional[KDACache]]:
+        batch, seq, _ = x.shape
+        heads, head_dim = self.num_heads, self.head_dim
+        tails = cache.conv_tails if cache is not None else (None, None, None)
+        q, q_tail = self.q_conv1d(self.q_proj(x), tails[0])
+        k, k_tail = self.k_conv1d(self.k_proj(x), tails[1])
+        v, v_tail = self.v_conv1d(self.v_proj(x), tails[2])
+        q = F.normalize(upcast(q.view(batch, seq, heads, head_dim)), dim=-1, eps=1e-6).to(x.dtype)
+        k = F.normalize(upcast(k.view(batch, seq, heads, head_dim)), dim=-1, eps=1e-6).to(x.dtype)
+        v = v.view(batch, seq, heads, head_dim)
+
+        gate_input = self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, head_dim)
+        if self.gate_lower_bound is not None:
+            g = kda_gate(gate_input, self.A_log, self.dt_bias, lower_bound=self.gate_lower_bound)
+        else:
+            g = kda_gate_unbounded(gate_input, self.A_log, self.dt_bias)
+        beta = torch.sigmoid(upcast(self.b_proj(x)))
+
+        output, final_state = chunk_kda(
+            q, k, v, g, beta,
+            initial_state=cache.recurrent_state if cache is not None else None,
+            output_final_state=return_cache,
+            chunk_size=self.chunk_size,
+        )
+        output = self.o_norm(output, self.g_proj(x).view(batch, seq, heads, head_dim))
+        output = self.o_proj(output.reshape(batch, seq, heads * head_dim))
+        new_cache = KDACache(final_state, (q_tail, k_tail, v_tail)) if return_cache else None
+        return output, new_cache

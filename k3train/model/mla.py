@@ -1,0 +1,70 @@
+"""Gated Multi-head Latent Attention with NoPE (SPEC §1.2).
+
+Low-rank query and key/value compressions as in DeepSeek's MLA, with the 'rope' slice of the
+head kept for checkpoint compatibility but never rotated: K3's KDA layers carry position, so
+the softmax layers are position-free. A per-head sigmoid gate multiplies the attention output
+before `o_proj`; there is no norm around it (the released checkpoints carry none).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.model.config import ModelConfig
+from k3train.model.norm import RMSNorm
+from k3train.model.param_roles import mark_head_blocks
+
+LATENT_NORM_EPS = 1e-6  # q_a/kv_a layernorms use 1e-6, not rms_norm_eps
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        heads, hidden, qk_head_dim = self.num_heads, config.hidden_size, config.qk_head_dim
+
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, heads * qk_head_dim, bias=False)
+            mark_head_blocks(self.q_proj.weight, 0, heads)
+        else:
+            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * qk_head_dim, bias=False)
+            mark_head_blocks(self.q_b_proj.weight, 0, heads)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False)
+        mark_head_blocks(self.kv_b_proj.weight, 0, heads)
+        self.use_output_gate = config.mla_use_output_gate
+        if self.use_output_gate:
+            self.g_proj = nn.Linear(hidden, heads * config.v_head_dim, bias=False)
+            mark_head_blocks(self.g_proj.weight, 0, heads)
+        self.o_proj = nn.Linear(heads * config.v_head_dim, hidden, bias=False)
+        mark_head_blocks(self.o_proj.weight, 1, heads)
+        self.softmax_scale = qk_head_dim**-0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        heads = self.num_heads
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(batch, seq, heads, -1)
+
+        compressed_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(compressed_kv)).view(batch, seq, heads, -1)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        # NoPE: the shared 'rope' key slice is broadcast to every head unrotated.
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, heads, -1)], dim=-1)
+
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale
+        ).transpose(1, 2)  # [batch, seq, heads, v_head_dim]
+        if self.use_output_gate:
+            attended = attended * torch.sigmoid(self.g_proj(x)).view(batch, seq, heads, -1)
+        return self.o_proj(attended.reshape(batch, seq, heads * self.v_head_dim))
