@@ -17,7 +17,7 @@ before every sublayer) and `none` (never mix, never push: `partial` is the plain
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -54,32 +54,51 @@ class AttentionResidual(nn.Module):
         mark_adamw_only(self.proj.weight)
         self.recompute = recompute
 
-    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+    def normalized_input(self, sources: list[torch.Tensor], norm: nn.Module) -> torch.Tensor:
+        """`norm(mix(sources))`: the input of the sublayer's first projection."""
         if len(sources) == 1:
-            return sources[0]  # softmax over one source is exactly 1
+            return norm(sources[0])  # softmax over one source is exactly 1
         if self.recompute and torch.is_grad_enabled():
-            # Save only the sources (shared block tensors and this layer's partial sum); the
-            # stacked values, keys and softmax weights are rebuilt in backward.
-            return checkpoint(self._mix, *sources, use_reentrant=False)
-        return self._mix(*sources)
+            # Save only the sources (block tensors shared by every later layer, and this layer's
+            # partial sum, the size of the hidden state a plain residual layer saves); the stacked
+            # values, keys, softmax weights and the mixed hidden state are rebuilt in backward.
+            return checkpoint(self._mix_and_normalize, norm, *sources, use_reentrant=False)
+        return self._mix_and_normalize(norm, *sources)
 
-    def _mix(self, *sources: torch.Tensor) -> torch.Tensor:
+    def mix(self, sources: list[torch.Tensor]) -> torch.Tensor:
         return attn_res_mix(sources, self.norm.weight, self.proj.weight[0], self.norm.eps)
+
+    def _mix_and_normalize(self, norm: nn.Module, *sources: torch.Tensor) -> torch.Tensor:
+        return norm(self.mix(list(sources)) if len(sources) > 1 else sources[0])
 
 
 def apply_sublayer(
     state: ResidualState,
     attn_res: Optional[AttentionResidual],
     push_block: bool,
-    sublayer,
+    norm: nn.Module,
+    sublayer: Callable[[torch.Tensor], torch.Tensor],
+    recompute_sublayer: bool = False,
 ) -> ResidualState:
-    """Run one sublayer on the residual state (see the module docstring for the rule)."""
-    if attn_res is None:  # plain residual: h = x; x = x + f(h)
-        output = sublayer(state.partial)
+    """Run one pre-norm sublayer on the residual state (see the module docstring for the rule).
+
+    `recompute_sublayer` checkpoints the whole sublayer (mix, norm and `sublayer`), saving only
+    its inputs.
+    """
+    sources = state.sources() if attn_res is not None else [state.partial]
+
+    def run(*inputs: torch.Tensor) -> torch.Tensor:
+        if attn_res is None:
+            return sublayer(norm(inputs[0]))
+        return sublayer(attn_res.normalized_input(list(inputs), norm))
+
+    if recompute_sublayer and torch.is_grad_enabled():
+        output = checkpoint(run, *sources, use_reentrant=False)
+    else:
+        output = run(*sources)
+    if attn_res is None:  # plain residual: x = x + f(norm(x))
         return ResidualState(state.partial + output, state.blocks)
-    sublayer_input = attn_res(state.sources())
     blocks, partial = state.blocks, state.partial
     if push_block:
         blocks, partial = blocks + [partial], None
-    output = sublayer(sublayer_input)
     return ResidualState(output if partial is None else partial + output, blocks)

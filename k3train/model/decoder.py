@@ -1,10 +1,12 @@
-"""One decoder layer: AttnRes → norm → token mixer (KDA or Gated MLA), AttnRes → norm → FFN."""
+"""One decoder layer: AttnRes → norm → token mixer (KDA or Gated MLA), AttnRes → norm → FFN.
+
+With `recompute: attn_res` (the default) each AttnRes mix is checkpointed together with the norm
+that follows it; with `recompute: sublayer` each whole sublayer is.
+"""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from k3train.model.attn_res import AttentionResidual, ResidualState, apply_sublayer
 from k3train.model.config import ModelConfig
@@ -53,16 +55,7 @@ class DecoderLayer(nn.Module):
         return self.attn_res_mode == "full"
 
     def forward(self, state: ResidualState) -> ResidualState:
-        state = apply_sublayer(state, self.self_attention_res, self.pushes_block_before_mixer(), self._mixer_sublayer)
-        return apply_sublayer(state, self.mlp_res, self.pushes_block_before_ffn(), self._ffn_sublayer)
-
-    def _mixer_sublayer(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._maybe_recompute(lambda h: self.self_attn(self.input_layernorm(h)), hidden)
-
-    def _ffn_sublayer(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._maybe_recompute(lambda h: self.ffn(self.post_attention_layernorm(h)), hidden)
-
-    def _maybe_recompute(self, function, hidden: torch.Tensor) -> torch.Tensor:
-        if self.recompute_sublayers and torch.is_grad_enabled():
-            return checkpoint(function, hidden, use_reentrant=False)
-        return function(hidden)
+        state = apply_sublayer(state, self.self_attention_res, self.pushes_block_before_mixer(),
+                               self.input_layernorm, self.self_attn, self.recompute_sublayers)
+        return apply_sublayer(state, self.mlp_res, self.pushes_block_before_ffn(),
+                              self.post_attention_layernorm, self.ffn, self.recompute_sublayers)

@@ -74,7 +74,7 @@ class K3Model(nn.Module):
         """The final aggregation over every block (and the last partial block), then the final norm."""
         if self.output_attn_res is None:
             return self.norm(state.partial)
-        return self.norm(self.output_attn_res(state.sources()))
+        return self.output_attn_res.normalized_input(state.sources(), self.norm)
 
     def forward(self, input_ids: Optional[torch.Tensor] = None, state: Optional[ResidualState] = None):
         """Logits `[batch, seq, vocab]` on a model with a head; otherwise the outgoing `ResidualState`."""

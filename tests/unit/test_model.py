@@ -92,6 +92,7 @@ def direct_attn_res_forward(model: K3Model, input_ids: torch.Tensor) -> torch.Te
         if len(sources) == 1:
             return sources[0]
         return attn_res_mix(sources, attn_res.norm.weight, attn_res.proj.weight[0], attn_res.norm.eps)
+    # (the model mixes through AttentionResidual.normalized_input; this calls the kernel directly)
 
     for index, layer in enumerate(model.layers.values()):
         hidden = mix(layer.self_attention_res, sources_for(2 * index))
@@ -288,3 +289,42 @@ def test_k3_preset_builds_on_meta_device():
     assert len(mla_layers) == 24 and mla_layers[-1] == "92" and "3" in mla_layers
     assert model.layers["5"].block_sparse_moe.experts.w1.shape == (896, 3072, 3584)
     assert model.layers["0"].mlp.gate_proj.weight.shape == (33792, 7168)
+
+
+# ---------------------------------------------------------------------------- activation memory
+def saved_activation_bytes(config: ModelConfig, layer_index: int) -> int:
+    """Bytes one layer saves for backward, each storage counted once, excluding parameters and
+    the block representations (shared by every later layer, held once per micro-batch)."""
+    torch.manual_seed(0)
+    model = K3Model(config)
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    state = model.embed(torch.randint(0, config.vocab_size, (2, 64)))
+    for index, layer in model.layers.items():
+        if int(index) != layer_index:
+            state = layer(state)
+            continue
+        excluded = parameter_storages | {block.untyped_storage().data_ptr() for block in state.blocks}
+        if layer.pushes_block_before_mixer() and state.partial is not None:
+            excluded.add(state.partial.untyped_storage().data_ptr())  # becomes a block here
+        saved: dict[int, int] = {}
+
+        def record(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in excluded:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+            layer(state)
+        return sum(saved.values())
+    raise AssertionError(f"no layer {layer_index}")
+
+
+@pytest.mark.parametrize("layer_index", [2, 3])  # a layer that closes a block, and one that does not
+def test_checkpointed_attn_res_layer_saves_no_more_than_plain_residual(layer_index):
+    plain = saved_activation_bytes(small_config(attn_res="none"), layer_index)
+    checkpointed = saved_activation_bytes(small_config(attn_res="block", recompute="attn_res"), layer_index)
+    uncheckpointed = saved_activation_bytes(small_config(attn_res="block", recompute="none"), layer_index)
+    print(f"layer {layer_index}: plain residual {plain} B, Block AttnRes checkpointed {checkpointed} B, "
+          f"not checkpointed {uncheckpointed} B")
+    assert checkpointed <= plain < uncheckpointed
