@@ -19,7 +19,7 @@ from torch import nn
 from k3train.kernels.kda import chunk_kda, kda_gate, kda_gate_unbounded
 from k3train.kernels.precision import upcast
 from k3train.model.config import ModelConfig
-from k3train.model.param_roles import mark_head_blocks
+from k3train.model.param_roles import mark_adamw_only, mark_head_blocks
 
 
 @dataclass
@@ -51,6 +51,7 @@ class ShortConvolution(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        mark_adamw_only(self.weight)  # 3-D but not a stack of matrices: C filters of 4 taps
         self.kernel_size = kernel_size
 
     def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,13 +15,19 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay (not applied to norms, biases and other 1-D parameters)."""
     adam_beta1: float = 0.9
+    """AdamW's first-moment decay (Moonlight, K2)."""
     adam_beta2: float = 0.95
+    """AdamW's second-moment decay."""
     adam_eps: float = 1e-8
+    """AdamW's denominator epsilon."""
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
     muon_nesterov: bool = True
+    """Orthogonalise `G + momentum * M` (Nesterov) instead of the momentum buffer `M`."""
     muon_ns_steps: int = 5
     """Newton–Schulz iterations (quintic, coefficients 3.4445, -4.7750, 2.0315)."""
+    muon_ns_eps: float = 1e-7
+    """Added to each block's Frobenius norm before Newton–Schulz (a zero gradient stays zero)."""
     muon_update_rms: float = 0.2
     """Update RMS target: each block's update is scaled by muon_update_rms * sqrt(max(rows, cols))."""
     muon_per_head: bool = True

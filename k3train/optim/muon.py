@@ -1,0 +1,269 @@
+"""Per-Head Muon (Moonlight's Muon, orthogonalised per attention head and per expert) with AdamW
+riding along for the parameters Muon must not touch, in one `torch.optim.Optimizer`.
+
+The Muon work is a list of independent units (`MuonWorkItem`: one parameter and how it splits
+into matrix blocks, `BlockLayout`) and the orthogonalisation is a pure function of the
+momentum-updated gradient (`orthogonalized_update`). A distributed Muon (ZeRO-1: owner ranks
+balanced by `MuonWorkItem.cost`, results all-gathered) reuses both without touching the maths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Literal, Optional
+
+import torch
+from torch.optim.adamw import adamw as adamw_functional
+
+from k3train.model.param_roles import head_blocks_of
+from k3train.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz, ns_cost
+
+BlockKind = Literal["matrix", "heads", "experts"]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How one Muon parameter splits into `num_blocks` independent `[rows, cols]` matrices.
+
+    - "matrix": a 2-D weight orthogonalised whole (one block);
+    - "heads": a 2-D attention projection cut into per-head blocks along `split_dim` (0: row
+      blocks of q/k/v-like projections, 1: column blocks of o_proj);
+    - "experts": a stack `[..., out, in]` of expert matrices, one block per leading index.
+    """
+
+    kind: BlockKind
+    num_blocks: int
+    rows: int
+    cols: int
+    split_dim: Optional[int] = None
+    """Parameter dimension cut into heads ("heads" only)."""
+
+    def to_blocks(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (parameter-shaped) as a batch `[num_blocks, rows, cols]` (a view where possible)."""
+        if self.kind == "heads" and self.split_dim == 1:
+            # [out, H*hd] -> [out, H, hd] -> [H, out, hd]: each head's columns become one block.
+            return t.reshape(self.rows, self.num_blocks, self.cols).transpose(0, 1)
+        return t.reshape(self.num_blocks, self.rows, self.cols)
+
+    def from_blocks(self, blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """Inverse of `to_blocks`: the batch `[num_blocks, rows, cols]` back in `shape`."""
+        if self.kind == "heads" and self.split_dim == 1:
+            return blocks.transpose(0, 1).reshape(shape)
+        return blocks.reshape(shape)
+
+    def block(self, t: torch.Tensor, index: int) -> torch.Tensor:
+        """Block `index` of the parameter-shaped `t`, as a `[rows, cols]` view."""
+        return self.to_blocks(t)[index]
+
+    def scale(self, update_rms: float) -> float:
+        """Moonlight's RMS matching from the block's own shape: `update_rms*sqrt(max(rows, cols))`.
+
+        An orthogonal `[A, B]` matrix has RMS `1/sqrt(max(A, B))`, so the scaled update has RMS
+        about `update_rms` whatever the block shape, and Muon reuses AdamW's lr and weight decay.
+        """
+        return update_rms * math.sqrt(max(self.rows, self.cols))
+
+    @property
+    def cost(self) -> int:
+        """Newton–Schulz cost of all blocks (`num_blocks * rows * cols * min(rows, cols)`)."""
+        return self.num_blocks * ns_cost(self.rows, self.cols)
+
+    def describe(self) -> str:
+        """Short form for start-up tables, e.g. `per-head 4×[32,128]`."""
+        shape = f"[{self.rows},{self.cols}]"
+        if self.kind == "matrix":
+            return f"matrix {shape}"
+        prefix = "per-head" if self.kind == "heads" else "experts"
+        return f"{prefix} {self.num_blocks}×{shape}"
+
+
+def block_layout(param: torch.Tensor, per_head: bool = True) -> BlockLayout:
+    """The block layout Muon uses for `param`, read from its shape and `head_blocks` marker."""
+    if param.ndim < 2:
+        raise ValueError(f"Muon needs a matrix or a stack of matrices, got {tuple(param.shape)}")
+    rows, cols = param.shape[-2], param.shape[-1]
+    if param.ndim > 2:
+        return BlockLayout("experts", math.prod(param.shape[:-2]), rows, cols)
+    heads = head_blocks_of(param)
+    if heads is None or not per_head:
+        return BlockLayout("matrix", 1, rows, cols)
+    if heads.dim not in (0, 1) or param.shape[heads.dim] % heads.num_heads:
+        raise ValueError(f"head_blocks {heads} does not fit a parameter {tuple(param.shape)}")
+    if heads.dim == 0:
+        return BlockLayout("heads", heads.num_heads, rows // heads.num_heads, cols, split_dim=0)
+    return BlockLayout("heads", heads.num_heads, rows, cols // heads.num_heads, split_dim=1)
+
+
+def orthogonalized_update(
+    momentum_input: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    update_rms: float = 0.2,
+    ns_steps: int = NS_STEPS,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    ns_eps: float = NS_EPS,
+) -> torch.Tensor:
+    """Muon's update for one parameter from its (Nesterov) momentum: each block orthogonalised
+    by one batched Newton–Schulz call and scaled by its own `layout.scale(update_rms)`.
+
+    Pure: no state, no parameters touched. Returned in parameter shape, in NS's compute dtype.
+    """
+    blocks = newton_schulz(layout.to_blocks(momentum_input), ns_steps, ns_coefficients, ns_eps)
+    return layout.from_blocks(blocks * layout.scale(update_rms), momentum_input.shape)
+
+
+@dataclass(frozen=True)
+class MuonWorkItem:
+    """One independent unit of Muon work: a parameter, its blocks and its param-group index.
+
+    A distributed Muon assigns work items to owner ranks (balancing `cost`); since blocks are
+    independent, an item may also be cut further along its block batch.
+    """
+
+    param: torch.Tensor = field(compare=False)
+    layout: BlockLayout
+    group_index: int
+
+    @property
+    def cost(self) -> int:
+        """Relative Newton–Schulz cost (see `newton_schulz.ns_cost`)."""
+        return self.layout.cost
+
+
+class PerHeadMuon(torch.optim.Optimizer):
+    """Moonlight Muon with per-head / per-expert blocks; groups with `algorithm="adamw"` get AdamW.
+
+    Muon, for each block of a parameter (SPEC §1.6, Moonlight arXiv 2502.16982 Eq. 1-4):
+        M = momentum * M + G                  (sum-style buffer, state "momentum_buffer")
+        U = G + momentum * M  if nesterov else M
+        O = NS(U) * update_rms * sqrt(max(rows, cols))   (block shape, per block)
+        W -= lr * weight_decay * W;   W -= lr * O
+    AdamW groups use `torch.optim.adamw`'s functional update (same state keys as
+    `torch.optim.AdamW`), so one optimizer object holds every parameter's state and the lr a
+    scheduler writes into `param_groups` reaches both kinds.
+
+    Group options (defaults from the constructor): `algorithm` ("muon" | "adamw"), `lr`,
+    `weight_decay`; Muon: `momentum`, `nesterov`, `ns_steps`, `ns_coefficients`, `ns_eps`,
+    `update_rms`, `per_head`; AdamW: `betas`, `adam_eps`, `foreach`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = NS_STEPS,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_eps: float = NS_EPS,
+        update_rms: float = 0.2,
+        per_head: bool = True,
+        betas: tuple[float, float] = (0.9, 0.95),
+        adam_eps: float = 1e-8,
+        algorithm: Literal["muon", "adamw"] = "muon",
+        foreach: Optional[bool] = None,
+    ) -> None:
+        if lr < 0 or weight_decay < 0 or momentum < 0:
+            raise ValueError(f"need lr, weight_decay, momentum >= 0: {lr}, {weight_decay}, {momentum}")
+        defaults = dict(
+            algorithm=algorithm, lr=lr, weight_decay=weight_decay, momentum=momentum,
+            nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients),
+            ns_eps=ns_eps, update_rms=update_rms, per_head=per_head, betas=tuple(betas),
+            adam_eps=adam_eps, foreach=foreach,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["algorithm"] not in ("muon", "adamw"):
+                raise ValueError(f"unknown algorithm {group['algorithm']!r} (muon or adamw)")
+            if group["algorithm"] == "muon":
+                for p in group["params"]:
+                    block_layout(p, group["per_head"])  # fail at construction, not at step 1
+
+    def work_items(self) -> list[MuonWorkItem]:
+        """Every Muon parameter as a work item, in param-group order (grads or not)."""
+        return [
+            MuonWorkItem(p, block_layout(p, group["per_head"]), index)
+            for index, group in enumerate(self.param_groups)
+            if group["algorithm"] == "muon"
+            for p in group["params"]
+        ]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One optimizer step over every group (Muon blocks, then AdamW groups)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for item in self.work_items():
+            if item.param.grad is None:
+                continue
+            group = self.param_groups[item.group_index]
+            update = orthogonalized_update(
+                self._momentum_input(item.param, group),
+                item.layout,
+                update_rms=group["update_rms"],
+                ns_steps=group["ns_steps"],
+                ns_coefficients=group["ns_coefficients"],
+                ns_eps=group["ns_eps"],
+            )
+            self._apply_update(item.param, update, group)
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                self._adamw_step(group)
+        return loss
+
+    def _momentum_input(self, param: torch.Tensor, group: dict) -> torch.Tensor:
+        """Advance the momentum buffer with `param.grad`; return what NS orthogonalises."""
+        grad = param.grad
+        if grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        momentum = group["momentum"]
+        # Moonlight's sum-style buffer; torch.optim.Muon's EMA buffer is (1 - momentum) times
+        # this and gives the same direction after NS's normalisation.
+        buf.mul_(momentum).add_(grad)
+        return grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+
+    @staticmethod
+    def _apply_update(param: torch.Tensor, update: torch.Tensor, group: dict) -> None:
+        """Decoupled weight decay with the unscaled lr, then the (already scaled) update."""
+        lr = group["lr"]
+        if group["weight_decay"]:
+            param.mul_(1.0 - lr * group["weight_decay"])
+        param.add_(update.to(param.dtype), alpha=-lr)
+
+    def _adamw_step(self, group: dict) -> None:
+        """AdamW on one group through torch's functional kernel (foreach on CUDA)."""
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("AdamW does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                # The same state as torch.optim.AdamW (a float32 CPU step tensor), so
+                # checkpoints and tools that know AdamW's layout read these groups unchanged.
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw_functional(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            foreach=group["foreach"], amsgrad=False, beta1=beta1, beta2=beta2,
+            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["adam_eps"],
+            maximize=False,
+        )

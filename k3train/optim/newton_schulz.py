@@ -1,0 +1,72 @@
+"""Newton–Schulz orthogonalisation of a batch of matrices (the core of Muon).
+
+Pure tensor functions with no knowledge of models or optimizers, so they can be reused by a
+distributed Muon (one owner rank per block), benchmarked alone, and tested against an SVD.
+"""
+
+from typing import Optional
+
+import torch
+
+NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+"""Quintic coefficients (a, b, c) of Keller Jordan / Moonlight; NeMo calls this set "simple"."""
+NS_STEPS: int = 5
+"""Iterations used by Moonlight and Kimi K2/K3."""
+NS_EPS: float = 1e-7
+"""Added to the Frobenius norm before dividing, so a zero gradient stays zero."""
+
+
+def ns_compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the iteration runs in: bf16 on CUDA, fp32 on CPU, float64 kept as is.
+
+    bf16 is what Moonlight runs (NS output only needs singular values in roughly [0.5, 1.5],
+    which bf16 easily resolves); CPU bf16 matmuls are slow and CPU runs are tests and debugging,
+    so they use fp32; float64 input stays float64 so tests can compare against exact maths.
+    """
+    if x.dtype == torch.float64:
+        return torch.float64
+    return torch.bfloat16 if x.is_cuda else torch.float32
+
+
+def newton_schulz(
+    x: torch.Tensor,
+    steps: int = NS_STEPS,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = NS_EPS,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Approximately orthogonalise each matrix of `x` (shape `[..., rows, cols]`).
+
+    Returns `U S' V^T` for `x = U S V^T`, with `S'` roughly in [0.5, 1.5] (not exactly 1: the
+    coefficients trade convergence for a steep slope at zero, see Keller Jordan's Muon notes).
+    Every matrix of the batch is normalised by its own Frobenius norm, so the matrices are
+    independent. The result has `x`'s shape and is in `compute_dtype` (default:
+    `ns_compute_dtype(x)`); the caller casts it when it adds it to a parameter.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"newton_schulz needs matrices [..., rows, cols], got {tuple(x.shape)}")
+    a, b, c = coefficients
+    dtype = compute_dtype or ns_compute_dtype(x)
+    # Work on the wide orientation: the Gram matrix X X^T is then [min, min], the cheap side.
+    transposed = x.size(-2) > x.size(-1)
+    if transposed:
+        x = x.mT
+    # Normalise in the input's precision (fp32 momentum) before rounding to bf16: the Frobenius
+    # norm bounds the spectral norm, so every singular value starts in [0, 1].
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    y = (x / (norm + eps)).to(dtype)
+    for _ in range(steps):
+        gram = y @ y.mT
+        poly = b * gram + c * (gram @ gram)
+        y = a * y + poly @ y
+    return y.mT if transposed else y
+
+
+def ns_cost(rows: int, cols: int) -> int:
+    """Relative cost of orthogonalising one `[rows, cols]` matrix: `rows * cols * min(rows, cols)`.
+
+    Each NS step does X X^T and B X (`min^2 * max` multiply-adds each) and A A (`min^3`), so
+    this is proportional to the FLOPs for a fixed step count. Megatron's
+    layer-wise distributed optimizer balances owners with the same `max * min^2` rule.
+    """
+    return rows * cols * min(rows, cols)
