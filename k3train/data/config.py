@@ -14,6 +14,8 @@ class DataConfig:
     """Blending weights, one per path; null means proportional to each dataset's token count."""
     tokenizer: str = "byte"
     """'byte' (built in, no download) or the path of a Hugging Face tokenizer.json."""
+    eos_token: Optional[str] = None
+    """End-of-document token of a Hugging Face tokenizer; null picks the usual one (<|endoftext|>, </s>, ...)."""
     seq_length: int = 128
     """Tokens per training sample (each sample carries one more token for the shifted labels)."""
     validation_fraction: float = 0.02
@@ -23,4 +25,6 @@ class DataConfig:
     max_epochs: int = 1
     """How many passes over the data a run may make before it is refused as too small."""
     cache_dir: Optional[str] = None
-    """Where the embedded default corpus and index caches are kept; null means ~/.cache/k3train."""
+    """Where the embedded default corpus is built and kept; null means $K3TRAIN_CACHE, else ~/.cache/k3train."""
+    corpus_max_bytes: int = 8_000_000
+    """Size cap in bytes of the embedded default corpus (Python standard-library sources; used when paths is empty)."""
