@@ -1,0 +1,183 @@
+"""The training loop: micro-batches → loss → optimizer step → balancer update → metrics → checkpoints.
+
+One `Trainer.train_step` is one optimizer step over `train.global_batch_size` samples, split into
+micro-batches whose gradients accumulate (each micro-batch's mean loss is divided by their
+number, so the step's gradient is that of the mean loss over the global batch). A step whose
+loss or gradient norm is not finite is skipped (no update, no balancer change, data consumed)
+and counted; `train.max_nonfinite_steps` skips in a row stop the run with a clear message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from k3train.config import JobConfig
+from k3train.model.k3 import K3Model, lm_loss
+from k3train.optim.clip import clip_grad_norm_
+from k3train.optim.schedules import lr_at, set_lr
+from k3train.training.metrics import MetricsLogger
+from k3train.training.throughput import PeakFlops, format_eta, peak_memory_gib
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. too many non-finite steps in a row); the message says why."""
+
+
+@dataclass
+class Progress:
+    """Loop counters saved in checkpoints."""
+
+    step: int = 0  # optimizer steps completed
+    consecutive_nonfinite: int = 0
+    skipped_steps: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "consecutive_nonfinite": self.consecutive_nonfinite,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: JobConfig,
+        model: K3Model,
+        optimizer: torch.optim.Optimizer,
+        data,
+        device: torch.device,
+        training_flops_per_token: float,
+        peak: PeakFlops,
+        logger: Optional[MetricsLogger],
+    ):
+        self.config, self.model, self.optimizer, self.data = config, model, optimizer, data
+        self.device = device
+        self.training_flops_per_token = training_flops_per_token
+        self.peak = peak
+        self.logger = logger
+        self.progress = Progress()
+        train = config.train
+        self.micro_batches = train.global_batch_size // train.micro_batch_size
+        self.tokens_per_step = train.global_batch_size * config.data.seq_length
+        self._run_start: Optional[float] = None
+        self._steps_this_run = 0
+
+    # ------------------------------------------------------------------ pieces
+    def autocast(self):
+        if self.config.train.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def micro_batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.to(self.device, non_blocking=True)
+        with self.autocast():
+            logits = self.model(tokens[:, :-1])
+        return lm_loss(logits, tokens[:, 1:])
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; returns the step's metrics."""
+        started = time.perf_counter()
+        config, model = self.config, self.model
+        step = self.progress.step + 1
+        lr = lr_at(step - 1, config.schedule, config.optimizer.lr, config.train.steps)
+        set_lr(self.optimizer, lr)
+        model.train()
+
+        batch = self.data.next_global_batch(config.train.global_batch_size)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for micro_batch in batch.split(config.train.micro_batch_size):
+            loss = self.micro_batch_loss(micro_batch)
+            (loss / self.micro_batches).backward()
+            loss_sum += loss.detach().double().cpu()
+        step_loss = (loss_sum / self.micro_batches).item()
+        grad_norm = clip_grad_norm_(model.parameters(), config.optimizer.clip_grad or math.inf).item()
+
+        expert_loads = [moe.pop_step_load() for moe in model.moe_layers()]
+        if math.isfinite(step_loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            model.update_routing_biases()  # used from the next step on
+            self.progress.consecutive_nonfinite = 0
+        else:
+            self.progress.skipped_steps += 1
+            self.progress.consecutive_nonfinite += 1
+            model.discard_routing_statistics()
+            if self.progress.consecutive_nonfinite >= config.train.max_nonfinite_steps:
+                raise TrainingError(
+                    f"step {step}: loss {step_loss} / grad_norm {grad_norm} not finite for "
+                    f"{self.progress.consecutive_nonfinite} steps in a row (train.max_nonfinite_steps="
+                    f"{config.train.max_nonfinite_steps}); lower optimizer.lr or resume from an earlier checkpoint"
+                )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step = step
+        return self._step_metrics(step, step_loss, grad_norm, lr, expert_loads, time.perf_counter() - started)
+
+    def _step_metrics(self, step, loss, grad_norm, lr, expert_loads, seconds) -> dict[str, Any]:
+        self._steps_this_run += 1
+        elapsed = time.perf_counter() - self._run_start if self._run_start else seconds
+        tokens_per_s = self.tokens_per_step / seconds
+        tflops = tokens_per_s * self.training_flops_per_token / 1e12
+        load_ratios = [load.max().item() / max(load.float().mean().item(), 1e-9) for load in expert_loads]
+        remaining = self.config.train.steps - step
+        return {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "tflops": tflops,
+            "mfu": tflops / self.peak.tflops,
+            "expert_load_max_over_mean": max(load_ratios) if load_ratios else None,
+            "expert_load_max_over_mean_per_layer": load_ratios,
+            "dropped_tokens": 0,  # a single process routes every token to its experts
+            "skipped_steps": self.progress.skipped_steps,
+            "memory_gib": peak_memory_gib(self.device),
+            "step_time_s": seconds,
+            "eta": format_eta(elapsed / self._steps_this_run * remaining),
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over `train.eval_batches` validation micro-batches (NaN if the split is empty)."""
+        self.model.eval()
+        losses = [self.micro_batch_loss(batch).item()
+                  for batch in self.data.validation_batches(self.config.train.micro_batch_size,
+                                                            self.config.train.eval_batches)]
+        self.model.train()
+        return sum(losses) / len(losses) if losses else math.nan
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, should_stop: Callable[[], bool], save_checkpoint: Callable[[int], None]) -> list[dict[str, Any]]:
+        """Train until `train.steps`, or until `should_stop()` (SIGTERM/SIGINT): then save and return."""
+        config = self.config
+        history = []
+        self._run_start = time.perf_counter()
+        while self.progress.step < config.train.steps:
+            metrics = self.train_step()
+            history.append(metrics)
+            step = metrics["step"]
+            if self.logger is not None and (step % config.train.log_interval == 0 or step == config.train.steps):
+                self.logger.log_step(metrics)
+            if config.train.eval_interval and step % config.train.eval_interval == 0:
+                loss = self.evaluate()
+                if self.logger is not None:
+                    self.logger.log_validation(step, loss)
+            if should_stop():
+                print(f"stop requested: saving a checkpoint at step {step} and exiting", flush=True)
+                save_checkpoint(step)
+                return history
+            if config.checkpoint.interval and step % config.checkpoint.interval == 0:
+                save_checkpoint(step)
+        if config.checkpoint.save_at_end and not (
+            config.checkpoint.interval and self.progress.step % config.checkpoint.interval == 0
+        ):
+            save_checkpoint(self.progress.step)
+        return history

@@ -1,0 +1,94 @@
+"""Metric sinks: the console step line, RUN_DIR/metrics.jsonl, and optional TensorBoard and wandb.
+
+Optional sinks are imported only when enabled; wandb runs offline unless the recipe says
+otherwise (`logging.wandb_mode`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from k3train.config import JobConfig
+
+
+def format_step_line(metrics: dict[str, Any], total_steps: int, mfu_label: str) -> str:
+    parts = [
+        f"step {metrics['step']}/{total_steps}",
+        f"loss {metrics['loss']:.4f}",
+        f"grad_norm {metrics['grad_norm']:.3g}",
+        f"lr {metrics['lr']:.2e}",
+        f"tok/s {metrics['tokens_per_s']:,.0f}",
+        f"TFLOP/s {metrics['tflops']:.3g}",
+        f"{mfu_label} {100 * metrics['mfu']:.1f}%",
+    ]
+    if metrics.get("expert_load_max_over_mean") is not None:
+        parts.append(f"expert load max/mean {metrics['expert_load_max_over_mean']:.2f}")
+        parts.append(f"dropped {metrics['dropped_tokens']}")
+    if metrics.get("skipped_steps"):
+        parts.append(f"skipped {metrics['skipped_steps']}")
+    parts.append(f"mem {metrics['memory_gib']:.2f} GiB")
+    parts.append(f"eta {metrics['eta']}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes every logged step to the enabled sinks; only rank 0 of a job should own one."""
+
+    def __init__(self, config: JobConfig, run_dir: Path, mfu_label: str):
+        self.total_steps = config.train.steps
+        self.mfu_label = mfu_label
+        self.jsonl = open(run_dir / "metrics.jsonl", "a") if config.logging.jsonl else None
+        self.tensorboard = None
+        if config.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.wandb_run = None
+        if config.logging.wandb and config.logging.wandb_mode != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project=config.logging.wandb_project, mode=config.logging.wandb_mode,
+                dir=str(run_dir), config=_json_safe(config),
+            )
+
+    def log_step(self, metrics: dict[str, Any]) -> None:
+        print(format_step_line(metrics, self.total_steps, self.mfu_label), flush=True)
+        self._write(metrics)
+
+    def log_validation(self, step: int, loss: float) -> None:
+        print(f"validation at step {step} | loss {loss:.4f} | ppl {math.exp(min(loss, 50)):.2f}", flush=True)
+        self._write({"step": step, "validation_loss": loss})
+
+    def _write(self, metrics: dict[str, Any]) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(metrics) + "\n")
+            self.jsonl.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, metrics["step"])
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=metrics["step"])
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _json_safe(config: JobConfig) -> dict:
+    from k3train.config import config_to_dict
+
+    return config_to_dict(config)
+
+
+def warn(message: str, stream: Optional[Any] = None) -> None:
+    print(f"warning: {message}", file=stream or sys.stderr, flush=True)

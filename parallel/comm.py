@@ -1,0 +1,123 @@
+"""Thin wrappers over torch.distributed collectives that count their traffic per group.
+
+Every collective k3train issues goes through a `Group`, which forwards to torch.distributed
+and adds the bytes this rank sends and one message to its `TrafficCounter`. Tests and benchmarks
+read the counters to check communication volume against the formulas. Byte counts are what this
+rank contributes: an all-reduce of N bytes counts N, an all-gather of a local shard of N bytes
+counts N, a reduce-scatter of a full N-byte input counts N, an all-to-all counts its input.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TrafficCounter:
+    """Bytes and messages per group name, for this rank."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    messages: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, group_name: str, tensor: torch.Tensor) -> None:
+        self.bytes[group_name] += tensor.numel() * tensor.element_size()
+        self.messages[group_name] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.messages.clear()
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        return {name: (self.bytes[name], self.messages[name]) for name in sorted(self.bytes)}
+
+
+@dataclass
+class Group:
+    """One process group: its ranks, this rank's place in it, and counted collectives.
+
+    A group of size 1 needs no process group: every collective is the identity (no traffic).
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    rank: int  # this process's index within `ranks`
+    process_group: Optional[dist.ProcessGroup]
+    counter: TrafficCounter
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, index: int) -> int:
+        return self.ranks[index]
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.size > 1:
+            self.counter.add(self.name, tensor)
+            dist.all_reduce(tensor, op=op, group=self.process_group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along `dim` (rank order)."""
+        if self.size == 1:
+            return tensor
+        self.counter.add(self.name, tensor)
+        tensor = tensor.contiguous()
+        if dim == 0:
+            output = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+            dist.all_gather_into_tensor(output, tensor, group=self.process_group)
+            return output
+        pieces = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(pieces, tensor, group=self.process_group)
+        return torch.cat(pieces, dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's equal slice along `dim`."""
+        if self.size == 1:
+            return tensor
+        if tensor.shape[dim] % self.size:
+            raise ValueError(f"{self.name}: dimension {dim} of {tuple(tensor.shape)} does not split into {self.size}")
+        self.counter.add(self.name, tensor)
+        pieces = [piece.contiguous() for piece in tensor.chunk(self.size, dim=dim)]
+        if dim == 0 and dist.get_backend(self.process_group) != "gloo":
+            output = torch.empty_like(pieces[0])
+            dist.reduce_scatter_tensor(output, tensor.contiguous(), group=self.process_group)
+            return output
+        # gloo has no reduce_scatter: an all-reduce then a slice moves more bytes but computes the same.
+        reduced = tensor.contiguous().clone()
+        dist.all_reduce(reduced, group=self.process_group)
+        return reduced.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+    def broadcast(self, tensor: torch.Tensor, source_index: int) -> torch.Tensor:
+        if self.size > 1:
+            if self.rank == source_index:
+                self.counter.add(self.name, tensor)
+            dist.broadcast(tensor, src=self.ranks[source_index], group=self.process_group)
+        return tensor
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Equal splits along dim 0: slice i goes to rank i, slice j of the output came from rank j."""
+        if self.size == 1:
+            return tensor
+        self.counter.add(self.name, tensor)
+        output = torch.empty_like(tensor)
+        dist.all_to_all_single(output, tensor.contiguous(), group=self.process_group)
+        return output
+
+    def send(self, tensor: torch.Tensor, destination_index: int) -> None:
+        self.counter.add(self.name, tensor)
+        dist.send(tensor.contiguous(), dst=self.ranks[destination_index], group=self.process_group)
+
+    def recv(self, tensor: torch.Tensor, source_index: int) -> torch.Tensor:
+        dist.recv(tensor, src=self.ranks[source_index], group=self.process_group)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.process_group)

@@ -1,0 +1,190 @@
+"""Process groups for data, tensor, pipeline and expert parallelism, from the launcher's environment.
+
+Rank order (TP fastest, then DP, then PP), as in Megatron:
+
+    global_rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so the ranks of a tensor-parallel group are neighbours (one node's fast links). Expert
+parallelism is carved out of the `dp × tp` ranks of one pipeline stage: number them
+`j = tp_rank + tp * dp_rank`; an expert-parallel group is `ep` consecutive `j`, and the
+expert-data-parallel group (which reduces expert gradients) joins the ranks with the same
+position in their expert-parallel groups. Context parallelism (`cp`) is reserved and must be 1.
+
+Groups of size 1 carry no process group and make every collective the identity, so the
+single-process model runs the same code with `ParallelState.single()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from k3train.parallel.comm import Group, TrafficCounter
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot run; the message names the sizes and what would fit."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved sizes of a job."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    virtual_stages: int = 1
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        return rank % self.tp, rank // self.tp % self.dp, rank // (self.tp * self.dp)
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    # Each method returns every group of its kind, as lists of global ranks.
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def data_tensor_groups(self) -> list[list[int]]:
+        """All `dp × tp` ranks of one stage: they route distinct tokens under sequence parallelism."""
+        block = self.tp * self.dp
+        return [list(range(p * block, (p + 1) * block)) for p in range(self.pp)]
+
+    def model_groups(self) -> list[list[int]]:
+        """All `tp × pp` ranks that hold one model replica (for the global gradient norm)."""
+        return [[self.rank_of(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+
+    def ep_groups(self) -> list[list[int]]:
+        block = self.tp * self.dp
+        return [[p * block + start + i for i in range(self.ep)]
+                for p in range(self.pp) for start in range(0, block, self.ep)]
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        block = self.tp * self.dp
+        return [[p * block + offset + start for start in range(0, block, self.ep)]
+                for p in range(self.pp) for offset in range(self.ep)]
+
+
+def resolve_layout(
+    world_size: int, tp: int, pp: int, dp: int, ep: int, virtual_stages: int,
+    mla_heads: int, kda_heads: int, vocab_size: int, num_experts: int, num_layers: int,
+) -> Layout:
+    """Check a layout against the world size and the model; raise LayoutError with a fix."""
+    if world_size % (tp * pp):
+        fits = [f"tp={t} pp={p}" for t in divisors(world_size) for p in divisors(world_size // t)][:6]
+        raise LayoutError(
+            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+            f"with {world_size} processes these fit: {', '.join(fits)}"
+        )
+    resolved_dp = world_size // (tp * pp)
+    if dp not in (0, resolved_dp):
+        raise LayoutError(
+            f"parallel.dp={dp} but world size {world_size} / (tp*pp = {tp * pp}) leaves dp={resolved_dp}; "
+            f"set parallel.dp=0 (automatic) or {resolved_dp}, or launch {dp * tp * pp} processes"
+        )
+    for what, count, size_name, size in (
+        ("model.num_attention_heads (MLA heads)", mla_heads, "parallel.tp", tp),
+        ("model.linear_attn_config.num_heads (KDA heads)", kda_heads, "parallel.tp", tp),
+        ("model.vocab_size", vocab_size, "parallel.tp", tp),
+        ("model.num_experts", num_experts, "parallel.ep", ep),
+    ):
+        if count and count % size:
+            raise LayoutError(
+                f"{what}={count} is not divisible by {size_name}={size}; "
+                f"{size_name} must divide {count}: one of {[d for d in divisors(count) if d <= 64]}"
+            )
+    if (tp * resolved_dp) % ep:
+        raise LayoutError(
+            f"parallel.ep={ep} must divide dp*tp = {resolved_dp}*{tp} = {resolved_dp * tp} (expert parallelism is "
+            f"carved out of the data- and tensor-parallel ranks); choose ep from {divisors(resolved_dp * tp)}"
+        )
+    if num_layers < pp * virtual_stages:
+        raise LayoutError(
+            f"model.num_hidden_layers={num_layers} cannot fill pp*virtual_stages = {pp}*{virtual_stages} = "
+            f"{pp * virtual_stages} pipeline chunks; use fewer stages"
+        )
+    return Layout(world_size, tp, pp, resolved_dp, ep, virtual_stages)
+
+
+class ParallelState:
+    """This rank's place in the layout and its groups (`tp`, `dp`, `pp`, `ep`, `expert_dp`,
+    `data_tensor`, `model`), each a counted `Group`."""
+
+    def __init__(self, layout: Layout, rank: int, sequence_parallel: bool = False, counter: Optional[TrafficCounter] = None):
+        self.layout = layout
+        self.rank = rank
+        self.sequence_parallel = sequence_parallel and layout.tp > 1
+        self.counter = counter or TrafficCounter()
+        self.tp_rank, self.dp_rank, self.pp_rank = layout.coordinates(rank)
+        distributed = layout.world_size > 1
+        self.tp = self._own_group("tp", layout.tp_groups(), distributed)
+        self.dp = self._own_group("dp", layout.dp_groups(), distributed)
+        self.pp = self._own_group("pp", layout.pp_groups(), distributed)
+        self.data_tensor = self._own_group("data_tensor", layout.data_tensor_groups(), distributed)
+        self.model = self._own_group("model", layout.model_groups(), distributed)
+        self.ep = self._own_group("ep", layout.ep_groups(), distributed)
+        self.expert_dp = self._own_group("expert_dp", layout.expert_dp_groups(), distributed)
+
+    def _own_group(self, name: str, all_groups: list[list[int]], distributed: bool) -> Group:
+        """Create every group of a kind (all ranks must, in the same order) and keep this rank's."""
+        mine = None
+        for ranks in all_groups:
+            process_group = dist.new_group(ranks) if distributed and len(ranks) > 1 else None
+            if self.rank in ranks:
+                mine = Group(name, tuple(ranks), ranks.index(self.rank), process_group, self.counter)
+        assert mine is not None, f"rank {self.rank} is in no {name} group"
+        return mine
+
+    @classmethod
+    def single(cls) -> "ParallelState":
+        return cls(Layout(1, 1, 1, 1, 1), rank=0)
+
+    @classmethod
+    def from_environment(cls, parallel_config, model_config, device_type: str = "cpu",
+                         timeout_s: float = 600.0) -> "ParallelState":
+        """Read torchrun's RANK/WORLD_SIZE, check the layout, initialise torch.distributed
+        (gloo on CPU, NCCL on CUDA) and build the groups."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        layout = resolve_layout(
+            world_size, parallel_config.tp, parallel_config.pp, parallel_config.dp, parallel_config.ep,
+            parallel_config.virtual_stages, model_config.num_attention_heads,
+            model_config.linear_attn_config.num_heads, model_config.vocab_size,
+            model_config.num_experts, model_config.num_hidden_layers,
+        )
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                backend="nccl" if device_type == "cuda" else "gloo",
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        return cls(layout, rank, parallel_config.sequence_parallel)
+
+    def describe(self) -> str:
+        layout = self.layout
+        return (f"rank {self.rank}/{layout.world_size}: tp {self.tp_rank}/{layout.tp}, dp {self.dp_rank}/{layout.dp}, "
+                f"pp {self.pp_rank}/{layout.pp}, ep {self.ep.rank}/{layout.ep}"
+                f"{', sequence parallel' if self.sequence_parallel else ''}")
+
+
+def default_device(local_rank: Optional[int] = None) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
