@@ -94,6 +94,11 @@ class K3Model(nn.Module):
         for moe in self.moe_layers():
             moe.update_routing_bias(reduce)
 
+    def discard_routing_statistics(self) -> None:
+        """After a skipped step: forget what the balancers saw, keep the biases."""
+        for moe in self.moe_layers():
+            moe.balancer.next_bias(moe.gate.e_score_correction_bias.clone())
+
     # ------------------------------------------------------------------ initialisation
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
