@@ -71,7 +71,7 @@ class Group:
         tensor = tensor.contiguous()
         if dim == 0:
             output = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
-            dist.all_gather_into_tensor(output, tensor, group=self.process_group)
+            dist.all_gather_single(output, tensor, group=self.process_group)
             return output
         pieces = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(pieces, tensor, group=self.process_group)
@@ -84,15 +84,11 @@ class Group:
         if tensor.shape[dim] % self.size:
             raise ValueError(f"{self.name}: dimension {dim} of {tuple(tensor.shape)} does not split into {self.size}")
         self.counter.add(self.name, tensor)
-        pieces = [piece.contiguous() for piece in tensor.chunk(self.size, dim=dim)]
-        if dim == 0 and dist.get_backend(self.process_group) != "gloo":
-            output = torch.empty_like(pieces[0])
-            dist.reduce_scatter_tensor(output, tensor.contiguous(), group=self.process_group)
-            return output
-        # gloo has no reduce_scatter: an all-reduce then a slice moves more bytes but computes the same.
-        reduced = tensor.contiguous().clone()
-        dist.all_reduce(reduced, group=self.process_group)
-        return reduced.chunk(self.size, dim=dim)[self.rank].contiguous()
+        if dim != 0:
+            tensor = tensor.movedim(dim, 0)
+        output = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
+        dist.reduce_scatter_single(output, tensor.contiguous(), group=self.process_group)
+        return output.movedim(0, dim).contiguous() if dim != 0 else output
 
     def broadcast(self, tensor: torch.Tensor, source_index: int) -> torch.Tensor:
         if self.size > 1:
