@@ -1,0 +1,9 @@
+"""Kimi Delta Attention kernels (SPEC §1.1): a token-by-token reference, the chunkwise-parallel
+PyTorch form used for training (dispatching to flash-linear-attention on CUDA when available),
+and the decay gates."""
+
+from .chunk import chunk_kda
+from .gate import kda_gate, kda_gate_unbounded
+from .naive import naive_recurrent_kda
+
+__all__ = ["chunk_kda", "kda_gate", "kda_gate_unbounded", "naive_recurrent_kda"]

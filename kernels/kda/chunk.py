@@ -1,0 +1,272 @@
+"""Chunkwise-parallel Kimi Delta Attention (the training path of SPEC §1.1).
+
+The math, per head. Split the sequence into chunks of `C` tokens. Inside one chunk let
+`G_i = Σ_{s ≤ i} g_s` be the cumulative log-decay from the chunk start (per key channel) and `S_0`
+the state entering the chunk. Write token t's update as `S_t = D_t S_{t−1} + k_t u_tᵀ` with
+`D_t = Diag(exp(g_t))` and `u_t = β_t (v_t − k_tᵀ D_t S_{t−1})`. Unrolling the recurrence gives
+
+    (I + A) u = β v − β (k ⊙ e^G) S_0,     A_ij = β_i Σ_c k_ic k_jc e^{G_ic − G_jc}   (j < i)
+    o = (q ⊙ e^G) S_0 + P u,               P_ij = Σ_c q_ic k_jc e^{G_ic − G_jc}       (j ≤ i)
+    S_C = e^{G_C} ⊙ S_0 + Σ_j (k_j ⊙ e^{G_C − G_j}) u_jᵀ
+
+(`q` pre-multiplied by `scale`). `I + A` is unit lower triangular; applying its inverse is the
+UT/WY transform, done here with `torch.linalg.solve_triangular`. Since `u` is affine in `S_0`,
+`u = u_base − W S_0`, every chunk's `u_base`, `W`, `P` and output terms are computed for all
+chunks at once with batched matmuls; only the state is carried across chunks, in a Python loop
+of three small matmuls per chunk (no per-token loop).
+
+The numerical range. With g ≥ −5 a 64-token chunk has `e^{G}` down to `e^{−320}`, so the textbook
+factorisation `e^{G_i − G_j} = e^{G_i} · e^{−G_j}` (`Q ⊙ Γ` times `K / Γ`) underflows and
+overflows in fp32. Here each chunk is cut into tiles of `tile` tokens, each with a reference
+point `r` (its middle token's `G`), and every decay is a product of bounded factors:
+
+    e^{G_i − G_j} = e^{G_i − r_a} · e^{r_a − r_b} · e^{r_b − G_j}    (i in tile a, j in tile b ≤ a)
+    e^{G_i}       = e^{G_i − r_a} · e^{r_a}
+    e^{G_C − G_j} = e^{r_b − G_j} · e^{G_C − r_b}
+
+The tile-local factors `e^{±(G − r)}` span at most the tile's decay `(tile − 1)·max|g|`; every
+other factor has a non-positive exponent. `tile` is the largest divisor of `C` whose span stays
+below 0.9·ln(finfo.max) (≈ 80 in fp32: 16 tokens at g = −5, the whole chunk for mild gates, one
+token for unbounded gates), so nothing overflows, the masked (j > i) products stay finite, and
+whatever a non-positive factor loses to underflow is below e^{80 − 103} ≈ 6e-11 in absolute
+terms, far under fp32 resolution. Cumulative sums and exponent differences are formed in float64
+and rounded once, so nearby tokens keep full relative precision even where `G` itself is near
+−320; each factor then carries a relative error of about `|exponent| · 2^−24` (≤ 2.4e-6 at
+g = −5 in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import fla_backend
+from .naive import check_kda_inputs, compute_dtype_for
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention, chunkwise-parallel, with flash-linear-attention's calling convention.
+
+    Args:
+        q, k: `[B, T, H, K]`, already L2-normalised by the caller.
+        v: `[B, T, H, V]`.
+        g: `[B, T, H, K]`, log-space decay (finite, ≤ 0).
+        beta: `[B, T, H]`, write strength in (0, 1).
+        scale: query scale, default `K ** -0.5`.
+        initial_state: `[B, H, K, V]` state before the first token, or None for zeros.
+        output_final_state: also return the state after the last token.
+        chunk_size: tokens per chunk of the PyTorch path; any `T` works (padded inside).
+            fla chooses its own tiling, so this does not reach the fla kernel.
+        backend: "auto" (fla's Triton kernel when the tensors are on CUDA in fp32/bf16/fp16
+            with K ≤ 256 and fla-core imports, else PyTorch), "torch" (always PyTorch) or
+            "fla" (always fla; an error if it cannot run).
+
+    Returns:
+        `(o, final_state)`: `o` is `[B, T, H, V]` in `v.dtype`; `final_state` is `[B, H, K, V]` in
+        float32 (float64 for float64 inputs on the PyTorch path), or None.
+    """
+    check_kda_inputs(q, k, v, g, beta, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if fla_backend.use_fla_backend(backend, q, k, v, g, beta, initial_state):
+        return fla_backend.run_fla_chunk_kda(
+            q, k, v, g, beta, scale, initial_state, output_final_state
+        )
+    return _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+
+
+def diagonal_tile_size(max_decay: float, chunk_size: int, dtype: torch.dtype) -> int:
+    """Largest divisor of `chunk_size` whose decay span `(tile − 1) · max_decay` fits the dtype.
+
+    `max_decay` is the largest `|g|` of the call. The span bound 0.9·ln(finfo.max) keeps every
+    tile-local factor `e^{±(G − r)}` normal (above the smallest normal number, so its reciprocal
+    is finite) and every product of two of them finite, and makes anything lost to underflow
+    negligible (see the module docstring).
+    """
+    span_limit = 0.9 * math.log(torch.finfo(dtype).max)
+    for tile in range(chunk_size, 1, -1):
+        if chunk_size % tile == 0 and (tile - 1) * max_decay <= span_limit:
+            return tile
+    return 1  # one-token tiles: every exponent is a pairwise difference G_i − G_j ≤ 0
+
+
+class TiledDecay(NamedTuple):
+    """Cumulative log-decay `G` of each chunk, measured from one reference point per tile."""
+
+    to_reference: torch.Tensor  # e^{G_i − r_a}, [..., n_tiles, tile, K], compute dtype
+    from_reference: torch.Tensor  # e^{r_a − G_i}, same shape
+    reference: torch.Tensor  # r_a = G at the tile's middle token, [..., n_tiles, 1, K], float64
+
+
+def tile_decay(log_decay: torch.Tensor, tile: int, dtype: torch.dtype) -> TiledDecay:
+    """Split `G` (`[..., C, K]`, float64, non-increasing along C) into tiles around references."""
+    *batch_shape, chunk, dim = log_decay.shape
+    tiled = log_decay.reshape(*batch_shape, chunk // tile, tile, dim)
+    middle = tile // 2
+    # (.contiguous(): broadcasting against a strided slice takes a much slower kernel path)
+    reference = tiled[..., middle : middle + 1, :].contiguous()
+    to_reference = torch.exp((tiled - reference).to(dtype))
+    return TiledDecay(to_reference, to_reference.reciprocal(), reference)
+
+
+def decayed_gram_matrices(
+    rows: Sequence[torch.Tensor], key_columns: torch.Tensor, reference: torch.Tensor
+) -> list[torch.Tensor]:
+    """Causal decayed Gram matrices inside each chunk, assembled from tiles.
+
+    For every `x ⊙ e^{G − r}` in `rows` returns, for `j ≤ i` (0 above the diagonal),
+    `M[..., i, j] = Σ_c x[i, c] k[j, c] exp(G[i, c] − G[j, c])`.
+
+    Args:
+        rows: tiled row inputs times `TiledDecay.to_reference`, `[..., n_tiles, tile, K]`.
+        key_columns: tiled keys times `TiledDecay.from_reference`, same shape.
+        reference: `TiledDecay.reference`, `[..., n_tiles, 1, K]`, float64.
+
+    Returns:
+        one `[..., C, C]` matrix per entry of `rows`.
+    """
+    *batch_shape, n_tiles, tile, dim = key_columns.shape
+    chunk = n_tiles * tile
+    if n_tiles == 1:
+        keys_seen = key_columns  # one tile per chunk: no bridges
+    else:
+        # Bridge e^{r_a − r_b} from key tile b to row tile a: exponent ≤ 0 for b ≤ a. Tiles after
+        # the row tile are masked to −inf *before* exponentiating, so their positive exponent
+        # never is.
+        reference = reference.squeeze(-2)
+        bridge_exponent = (reference.unsqueeze(-2) - reference.unsqueeze(-3)).to(key_columns.dtype)
+        later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1)
+        bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp()
+        # Keys as seen from each row tile a: [..., a, b, tile, K] -> [..., a, C, K].
+        keys_seen = (bridge.unsqueeze(-2) * key_columns.unsqueeze(-4)).reshape(
+            *batch_shape, n_tiles, chunk, dim
+        )
+
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=key_columns.device).tril()
+    grams = []
+    for row in rows:
+        gram = (row @ keys_seen.transpose(-1, -2)).reshape(*batch_shape, chunk, chunk)
+        # Entries above the diagonal inside a tile are finite but meaningless: select them away
+        # (masked_fill, not a multiply, so nothing of them reaches the values or the gradients).
+        grams.append(gram.masked_fill(~causal, 0.0))
+    return grams
+
+
+def _chunk_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The PyTorch chunkwise form; arguments as `chunk_kda`, already validated."""
+    batch, seq_len, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    dtype = compute_dtype_for(q, k, v, g, beta)
+    if initial_state is None:
+        state = q.new_zeros(batch * heads, key_dim, value_dim, dtype=dtype)
+    else:
+        state = initial_state.to(dtype).reshape(batch * heads, key_dim, value_dim)
+    if seq_len == 0:
+        o = v.new_zeros(batch, 0, heads, value_dim)
+        return o, (state.reshape(batch, heads, key_dim, value_dim) if output_final_state else None)
+
+    pad = (-seq_len) % chunk_size
+    n_chunks = (seq_len + pad) // chunk_size
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, D] -> [B*H, N, C, D], a view where the layout allows. Zero padding makes
+        the padded tokens no-ops on the state: k = 0 and beta = 0 write nothing, g = 0 decays
+        nothing."""
+        x = x.transpose(1, 2)
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        return x.reshape(batch * heads, n_chunks, chunk_size, x.shape[-1])
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        """`chunked`, contiguous (elementwise ops on the transposed strides are much slower),
+        in the compute dtype."""
+        return chunked(x).contiguous().to(dtype)
+
+    q_chunks, k_chunks, v_chunks = to_chunks(q), to_chunks(k), to_chunks(v)
+    beta_chunks = to_chunks(beta.unsqueeze(-1))  # [BH, N, C, 1]
+    log_decay = torch.cumsum(chunked(g), dim=-2, dtype=torch.float64)  # G (module docstring)
+
+    lowest, highest = torch.aminmax(g.detach())
+    max_decay = max(-float(lowest), float(highest))  # max |g|; highest ≤ 0 by contract
+    tile = diagonal_tile_size(max_decay, chunk_size, dtype)
+    decay = tile_decay(log_decay, tile, dtype)
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        return x.view(batch * heads, n_chunks, chunk_size // tile, tile, x.shape[-1])
+
+    k_rows = tiled(k_chunks) * decay.to_reference  # k_i e^{G_i − r}
+    q_rows = tiled(q_chunks) * decay.to_reference  # q_i e^{G_i − r}
+    k_columns = tiled(k_chunks) * decay.from_reference  # k_j e^{r − G_j}
+    key_gram, query_gram = decayed_gram_matrices([k_rows, q_rows], k_columns, decay.reference)
+    strict_key_gram = (beta_chunks * key_gram).tril(-1)  # A; the unit diagonal is implicit below
+    query_gram = query_gram * scale  # P (C×C per chunk: cheaper to scale than q)
+
+    # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
+    chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [BH, N, 1, 1, K]
+    reference_decay = decay.reference.to(dtype).exp()  # e^{r}
+    k_from_start = (k_rows * reference_decay).view_as(k_chunks)  # k e^{G}
+    q_from_start = (q_rows * reference_decay).view_as(q_chunks)  # q e^{G}
+    k_to_end = k_columns * (chunk_total - decay.reference).to(dtype).exp()  # k e^{G_C − G}
+    k_to_end = k_to_end.view_as(k_chunks).transpose(-1, -2)  # [BH, N, K, C]
+    chunk_decay = chunk_total.squeeze(-2).squeeze(-2).to(dtype).exp()  # e^{G_C}, [BH, N, K]
+
+    # UT transform: u = (I + A)⁻¹ Diag(β) (v − (k ⊙ e^G) S_0) = u_base − W S_0. The inverse is
+    # formed once per chunk (C×C right-hand sides are cheaper than K + V of them) with β folded
+    # into its columns.
+    identity = torch.eye(chunk_size, dtype=dtype, device=q.device)
+    ut_transform = torch.linalg.solve_triangular(
+        strict_key_gram, identity, upper=False, unitriangular=True
+    ) * beta_chunks.transpose(-1, -2)
+    u_base = ut_transform @ v_chunks
+    w = ut_transform @ k_from_start
+    # o = o_base + q_state S_0, with o_base = P u_base and q_state = scale (q ⊙ e^G) − P W.
+    o_base = query_gram @ u_base
+    q_state = torch.baddbmm(
+        q_from_start.flatten(0, 1),
+        query_gram.flatten(0, 1),
+        w.flatten(0, 1),
+        beta=scale,
+        alpha=-1.0,
+    ).view_as(q_chunks)
+
+    # Across chunks: the only sequential part, three small matmuls per chunk (per-chunk views
+    # taken up front with unbind: the loop is short enough for Python overhead to show).
+    chunk_outputs = []
+    for o_base_n, q_state_n, u_base_n, w_n, k_to_end_n, chunk_decay_n in zip(
+        *(x.unbind(1) for x in (o_base, q_state, u_base, w, k_to_end, chunk_decay.unsqueeze(-1)))
+    ):
+        chunk_outputs.append(torch.baddbmm(o_base_n, q_state_n, state))
+        u = torch.baddbmm(u_base_n, w_n, state, alpha=-1.0)
+        state = torch.baddbmm(state * chunk_decay_n, k_to_end_n, u)
+    o = torch.stack(chunk_outputs, dim=1)
+
+    o = o.reshape(batch, heads, n_chunks * chunk_size, value_dim)[:, :, :seq_len]
+    o = o.to(v.dtype).transpose(1, 2).contiguous()  # [B, T, H, V]
+    final_state = state.reshape(batch, heads, key_dim, value_dim) if output_final_state else None
+    return o, final_state

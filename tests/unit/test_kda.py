@@ -1,0 +1,401 @@
+"""Kimi Delta Attention kernels (SPEC §1.1): the recurrent reference checked by hand, the
+chunkwise form held to the reference in float64, fp32 range at the worst-case decay, bf16, the
+gates, and the guarded fla dispatch."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3train.kernels.kda import (
+    chunk_kda,
+    kda_gate,
+    kda_gate_unbounded,
+    naive_recurrent_kda,
+)
+from k3train.kernels.kda import fla_backend
+from k3train.kernels.kda.chunk import decayed_gram_matrices, diagonal_tile_size, tile_decay
+
+F64 = torch.float64
+
+
+def make_inputs(
+    seq_len: int,
+    *,
+    batch: int = 2,
+    heads: int = 2,
+    key_dim: int = 16,
+    value_dim: int = 8,
+    gate: str = "bounded",
+    dtype: torch.dtype = F64,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Kernel inputs (normalised q/k, beta in (0,1)) and a random initial state.
+
+    gate: "bounded" (K3's range, g in (−5, 0)), "worst" (g = −5 everywhere), "unbounded"
+    (Kimi Linear's gate with large rates, g down to about −100) or "none" (g = 0).
+    K ≠ V on purpose, so a transposed state would not fit.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, dtype=F64)
+
+    shape = (batch, seq_len, heads, key_dim)
+    if gate == "bounded":
+        g = -5.0 * torch.sigmoid(2.0 * randn(*shape))
+    elif gate == "worst":
+        g = torch.full(shape, -5.0, dtype=F64)
+    elif gate == "unbounded":
+        g = -20.0 * F.softplus(2.0 * randn(*shape))
+    elif gate == "none":
+        g = torch.zeros(shape, dtype=F64)
+    else:
+        raise ValueError(gate)
+    inputs = {
+        "q": F.normalize(randn(*shape), dim=-1),
+        "k": F.normalize(randn(*shape), dim=-1),
+        "v": randn(batch, seq_len, heads, value_dim),
+        "g": g,
+        "beta": torch.sigmoid(randn(batch, seq_len, heads)),
+    }
+    initial_state = 0.5 * randn(batch, heads, key_dim, value_dim)
+    return {name: x.to(dtype) for name, x in inputs.items()}, initial_state.to(dtype)
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+# ------------------------------------------------------------------ the reference by hand
+def hand_case() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """B = H = 1, K = 2, V = 1, T = 2, small exact numbers (worked through in the test)."""
+    inputs = {
+        "q": torch.tensor([[1.0, 1.0], [0.0, 1.0]], dtype=F64),
+        "k": torch.tensor([[1.0, 0.0], [0.6, 0.8]], dtype=F64),
+        "v": torch.tensor([[6.0], [1.0]], dtype=F64),
+        "g": torch.tensor([[math.log(0.5), 0.0], [0.0, math.log(0.25)]], dtype=F64),
+        "beta": torch.tensor([0.5, 0.5], dtype=F64),
+    }
+    inputs = {name: x.reshape(1, 2, 1, -1) for name, x in inputs.items()}
+    inputs["beta"] = inputs["beta"].reshape(1, 2, 1)
+    initial_state = torch.tensor([[4.0], [2.0]], dtype=F64).reshape(1, 1, 2, 1)
+    return inputs, initial_state
+
+
+@pytest.mark.parametrize("kernel", [naive_recurrent_kda, chunk_kda])
+def test_recurrence_matches_hand_arithmetic(kernel):
+    # S0 = [4, 2]ᵀ (K = 2 rows, V = 1 column), scale = 1.
+    # t=1: decay by [0.5, 1]         -> S = [2, 2];   kᵀS = 2,   v − kᵀS = 4
+    #      S += 0.5·[1, 0]·4          -> S = [4, 2];   o = [1, 1]·S = 6
+    # t=2: decay by [1, 0.25]        -> S = [4, 0.5]; kᵀS = 0.6·4 + 0.8·0.5 = 2.8, v − kᵀS = −1.8
+    #      S += 0.5·[0.6, 0.8]·(−1.8) -> S = [3.46, −0.22]; o = [0, 1]·S = −0.22
+    inputs, initial_state = hand_case()
+    o, final_state = kernel(
+        **inputs, scale=1.0, initial_state=initial_state, output_final_state=True
+    )
+    expected_o = torch.tensor([6.0, -0.22], dtype=F64)
+    torch.testing.assert_close(o.flatten(), expected_o, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        final_state.flatten(), torch.tensor([3.46, -0.22], dtype=F64), rtol=0, atol=1e-12
+    )
+    # The default scale is K^-1/2, and o is linear in the scale.
+    o_default, _ = kernel(**inputs, initial_state=initial_state)
+    torch.testing.assert_close(o_default, o * 2**-0.5, rtol=0, atol=1e-12)
+    # Without an initial state nothing is carried in: t=1 alone writes 0.5·[1,0]·6 -> o = 3.
+    o_fresh, _ = kernel(**{name: x[:, :1] for name, x in inputs.items()}, scale=1.0)
+    torch.testing.assert_close(
+        o_fresh.flatten(), torch.tensor([3.0], dtype=F64), rtol=0, atol=1e-12
+    )
+
+
+# ------------------------------------------------------------------ chunked vs recurrent, float64
+@pytest.mark.parametrize("chunk_size", [32, 64])
+@pytest.mark.parametrize("gate", ["bounded", "worst", "unbounded"])
+def test_chunk_matches_recurrent_float64(chunk_size, gate):
+    # T = 100 is not a multiple of either chunk size: the padded tail must not touch the state.
+    inputs, initial_state = make_inputs(100, gate=gate)
+    o_ref, state_ref = naive_recurrent_kda(
+        **inputs, initial_state=initial_state, output_final_state=True
+    )
+    o, state = chunk_kda(
+        **inputs, initial_state=initial_state, output_final_state=True, chunk_size=chunk_size
+    )
+    assert o.dtype == F64 and state.dtype == F64
+    assert max_error(o, o_ref) < 1e-9
+    assert max_error(state, state_ref) < 1e-9
+
+
+@pytest.mark.parametrize(
+    "chunk_size, gate",
+    [(32, "bounded"), (64, "unbounded")],  # one tile per chunk; tiles of 4 joined by bridges
+)
+def test_chunk_gradients_match_recurrent_float64(chunk_size, gate):
+    inputs, initial_state = make_inputs(100, heads=1, gate=gate)
+    leaves = {**inputs, "initial_state": initial_state}
+    generator = torch.Generator().manual_seed(1)
+    o_weight = torch.randn(inputs["v"].shape, generator=generator, dtype=F64)
+    state_weight = torch.randn(initial_state.shape, generator=generator, dtype=F64)
+
+    def gradients(kernel, **kwargs) -> dict[str, torch.Tensor]:
+        params = {name: x.clone().requires_grad_() for name, x in leaves.items()}
+        o, state = kernel(**params, output_final_state=True, **kwargs)
+        loss = (o * o_weight).sum() + (state * state_weight).sum()
+        return dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+
+    reference = gradients(naive_recurrent_kda)
+    chunked = gradients(chunk_kda, chunk_size=chunk_size)
+    for name in leaves:
+        assert max_error(chunked[name], reference[name]) < 1e-9, name
+
+
+@pytest.mark.parametrize("kernel", [naive_recurrent_kda, chunk_kda])
+def test_state_handover_equals_one_run(kernel):
+    inputs, initial_state = make_inputs(100)
+    kwargs = {"chunk_size": 32} if kernel is chunk_kda else {}
+    o_full, state_full = kernel(
+        **inputs, initial_state=initial_state, output_final_state=True, **kwargs
+    )
+    split = 37  # inside a chunk, so the hand-over state comes from a padded run
+    first = {name: x[:, :split] for name, x in inputs.items()}
+    second = {name: x[:, split:] for name, x in inputs.items()}
+    o_first, state_mid = kernel(
+        **first, initial_state=initial_state, output_final_state=True, **kwargs
+    )
+    o_second, state_end = kernel(
+        **second, initial_state=state_mid, output_final_state=True, **kwargs
+    )
+    assert max_error(torch.cat([o_first, o_second], dim=1), o_full) < 1e-12
+    assert max_error(state_end, state_full) < 1e-12
+
+
+@pytest.mark.parametrize("kernel", [naive_recurrent_kda, chunk_kda])
+def test_empty_sequence_returns_the_initial_state(kernel):
+    inputs, initial_state = make_inputs(0)
+    o, state = kernel(**inputs, initial_state=initial_state, output_final_state=True)
+    assert o.shape == (2, 0, 2, 8)
+    assert torch.equal(state, initial_state)
+
+
+def test_decayed_gram_matrices_match_pairwise_definition():
+    # Every tile size assembles the same matrix, including the bridges between tiles.
+    generator = torch.Generator().manual_seed(0)
+    chunk, dim = 32, 8
+    x = torch.randn(3, chunk, dim, generator=generator, dtype=F64)
+    keys = torch.randn(3, chunk, dim, generator=generator, dtype=F64)
+    g = -5.0 * torch.rand(3, chunk, dim, generator=generator, dtype=F64)
+    log_decay = g.cumsum(dim=-2)
+    # Direct definition (float64 takes the positive exponents above the diagonal), then masked.
+    pairwise_decay = torch.exp(log_decay[:, :, None, :] - log_decay[:, None, :, :])
+    expected = torch.einsum("bic,bjc,bijc->bij", x, keys, pairwise_decay).tril()
+    for tile in [1, 2, 4, 8, 16, 32]:
+        decay = tile_decay(log_decay, tile, F64)
+        tiled = lambda t: t.reshape(3, chunk // tile, tile, dim)  # noqa: E731
+        (gram,) = decayed_gram_matrices(
+            [tiled(x) * decay.to_reference], tiled(keys) * decay.from_reference, decay.reference
+        )
+        assert max_error(gram, expected) < 1e-12, tile
+
+
+def test_diagonal_tile_size_follows_the_decay_range():
+    # fp32 allows a decay span of 0.9·ln(3.4e38) ≈ 79.8 inside a tile.
+    assert diagonal_tile_size(5.0, 64, torch.float32) == 16  # K3's bound: 15·5 = 75
+    assert diagonal_tile_size(0.5, 64, torch.float32) == 64
+    assert diagonal_tile_size(100.0, 64, torch.float32) == 1
+    assert diagonal_tile_size(5.0, 48, torch.float32) == 16  # a divisor, not a power of two
+    assert diagonal_tile_size(5.0, 64, F64) == 64
+
+
+# ------------------------------------------------------------------ fp32 range, bf16
+FP32_TOLERANCE = 1e-5
+# Why 1e-5: every decay factor is e^x with |x| ≤ 40 rounded once to fp32 (relative error
+# ≤ 40·2^-24 ≈ 2.4e-6), entries of the Gram matrices sum K such terms of size ≤ 1, and the
+# unit-triangular solve does not amplify them here; the fp32 recurrence itself is off by ~1e-7.
+# Observed errors are ~1e-7 (|o| ≲ 1). A range bug (overflow, underflow of O(1) terms, NaN)
+# shows as errors of order 1e-2 or more.
+
+
+@pytest.mark.parametrize("gate", ["worst", "bounded", "unbounded", "none"])
+def test_fp32_chunk_matches_float64_reference(gate):
+    # g = −5 everywhere: e^{G} reaches e^{−320} across a 64-token chunk (SPEC §1.1).
+    inputs, initial_state = make_inputs(192, batch=1, heads=2, key_dim=64, value_dim=64, gate=gate)
+    inputs32 = {name: x.float() for name, x in inputs.items()}
+    o_ref, state_ref = naive_recurrent_kda(
+        **{name: x.double() for name, x in inputs32.items()},
+        initial_state=initial_state,
+        output_final_state=True,
+    )
+    o, state = chunk_kda(**inputs32, initial_state=initial_state.float(), output_final_state=True)
+    assert o.dtype == torch.float32 and state.dtype == torch.float32
+    assert torch.isfinite(o).all() and torch.isfinite(state).all()
+    assert max_error(o, o_ref) < FP32_TOLERANCE
+    assert max_error(state, state_ref) < FP32_TOLERANCE
+
+
+def test_fp32_gradients_stay_finite_and_accurate_at_worst_case_decay():
+    inputs, initial_state = make_inputs(
+        128, batch=1, heads=1, key_dim=32, value_dim=32, gate="worst"
+    )
+    leaves = {**inputs, "initial_state": initial_state}
+    generator = torch.Generator().manual_seed(1)
+    o_weight = torch.randn(inputs["v"].shape, generator=generator, dtype=F64)
+
+    def gradients(kernel, dtype) -> dict[str, torch.Tensor]:
+        params = {name: x.to(dtype).requires_grad_() for name, x in leaves.items()}
+        o, state = kernel(**params, output_final_state=True)
+        loss = (o * o_weight.to(dtype)).sum() + state.sum()
+        return dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+
+    reference = gradients(naive_recurrent_kda, F64)
+    chunked = gradients(chunk_kda, torch.float32)
+    for name, grad in chunked.items():
+        assert torch.isfinite(grad).all(), name
+        scale = reference[name].abs().max().item()
+        assert max_error(grad, reference[name]) < 1e-5 * max(scale, 1.0), name
+
+
+@pytest.mark.parametrize("kernel", [naive_recurrent_kda, chunk_kda])
+def test_bf16_inputs_give_bf16_output_close_to_reference(kernel):
+    inputs, initial_state = make_inputs(80, gate="bounded", dtype=torch.bfloat16)
+    o, state = kernel(**inputs, initial_state=initial_state, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and state.dtype == torch.float32
+    o_ref, state_ref = naive_recurrent_kda(
+        **{name: x.double() for name, x in inputs.items()},
+        initial_state=initial_state.double(),
+        output_final_state=True,
+    )
+    # Accumulation is fp32 on the same (bf16-rounded) inputs; what remains is the final rounding
+    # of o to bf16 (8 significant bits, relative 2^-9 ≈ 2e-3).
+    assert max_error(o, o_ref) < 4e-3 * o_ref.abs().max().item()
+    assert max_error(state, state_ref) < 1e-5
+
+
+# ------------------------------------------------------------------ gates
+def gate_inputs(dtype: torch.dtype = torch.float32):
+    generator = torch.Generator().manual_seed(0)
+    heads, key_dim = 3, 4
+    z = torch.randn(2, 5, heads, key_dim, generator=generator).to(dtype)
+    A_log = torch.log(torch.tensor([0.5, 1.0, 2.0]))  # moderate rates keep sigmoid unsaturated
+    dt_bias = torch.randn(heads * key_dim, generator=generator)
+    return z, A_log, dt_bias
+
+
+def test_bounded_gate_formula_and_range():
+    z, A_log, dt_bias = gate_inputs()
+    for lower_bound in (-5.0, -2.0):
+        g = kda_gate(z, A_log, dt_bias, lower_bound=lower_bound)
+        assert g.dtype == torch.float32 and g.shape == z.shape
+        assert (g > lower_bound).all() and (g < 0).all()
+        for head in range(3):  # head h uses A_log[h] and dt_bias[h*K:(h+1)*K]
+            argument = A_log[head].exp() * (z[:, :, head] + dt_bias[4 * head : 4 * head + 4])
+            torch.testing.assert_close(g[:, :, head], lower_bound * torch.sigmoid(argument))
+    # Saturated inputs reach the closed ends in fp32, never beyond.
+    extreme = kda_gate(torch.full_like(z, 1e4), A_log, dt_bias)
+    assert (extreme >= -5.0).all() and torch.isfinite(extreme).all()
+
+
+def test_unbounded_gate_formula_and_sign():
+    z, A_log, dt_bias = gate_inputs(torch.bfloat16)
+    g = kda_gate_unbounded(z, A_log, dt_bias)
+    assert g.dtype == torch.float32 and (g <= 0).all()
+    for head in range(3):
+        argument = z[:, :, head].float() + dt_bias[4 * head : 4 * head + 4]
+        torch.testing.assert_close(g[:, :, head], -A_log[head].exp() * F.softplus(argument))
+
+
+def test_gates_reject_wrong_parameter_shapes():
+    z, A_log, dt_bias = gate_inputs()
+    with pytest.raises(ValueError):
+        kda_gate(z, A_log[:2], dt_bias)
+    with pytest.raises(ValueError):
+        kda_gate_unbounded(z, A_log, dt_bias[:-1])
+
+
+# ------------------------------------------------------------------ fla dispatch
+FLA_IMPORT_PROBE = """
+import importlib.abc, json, sys
+
+class Recorder(importlib.abc.MetaPathFinder):
+    attempts = []
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.partition(".")[0] in ("fla", "triton"):
+            self.attempts.append(fullname)
+        return None  # let the import go on: where fla is installed it would land in sys.modules
+
+sys.meta_path.insert(0, Recorder())
+sys.path.insert(0, sys.argv[1])
+import torch
+from k3train.kernels.kda import chunk_kda
+from k3train.kernels.kda import fla_backend
+
+x = torch.randn(1, 20, 2, 8)
+chunk_kda(x, x, x, -x.abs(), torch.rand(1, 20, 2), output_final_state=True)  # backend="auto"
+print(json.dumps({
+    "attempts": Recorder.attempts,
+    "loaded": sorted(m for m in sys.modules if m.partition(".")[0] in ("fla", "triton")),
+    "loader_calls": fla_backend.load_fla_chunk_kda.cache_info().misses,
+}))
+"""
+
+
+def test_cpu_never_imports_fla():
+    # A fresh interpreter, so that an import at module level counts as much as one in the call.
+    checkout = str(pathlib.Path(__file__).resolve().parents[2])
+    result = subprocess.run(
+        [sys.executable, "-c", FLA_IMPORT_PROBE, checkout],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"attempts": [], "loaded": [], "loader_calls": 0}
+
+
+def test_backend_selection_rules():
+    inputs, _ = make_inputs(4, dtype=torch.float32)
+    tensors = list(inputs.values())
+    assert fla_backend.use_fla_backend("torch", *tensors) is False
+    assert fla_backend.use_fla_backend("auto", *tensors) is False  # CPU tensors
+    with pytest.raises(ValueError):
+        fla_backend.use_fla_backend("fla", *tensors)  # fla needs CUDA tensors
+    with pytest.raises(ValueError):
+        chunk_kda(**inputs, backend="triton")
+
+
+def test_fla_call_passes_layouts_and_fp32_state(monkeypatch):
+    # The call into fla itself, with a stand-in for fla.ops.kda.chunk_kda (no CUDA here).
+    calls = []
+
+    def fake_fla_chunk_kda(q, k, v, g, beta, **kwargs):
+        calls.append(((q, k, v, g, beta), kwargs))
+        return v.clone(), None
+
+    monkeypatch.setattr(fla_backend, "load_fla_chunk_kda", lambda: fake_fla_chunk_kda)
+    inputs, initial_state = make_inputs(4, dtype=torch.bfloat16)
+    o, _ = fla_backend.run_fla_chunk_kda(
+        *inputs.values(), scale=0.25, initial_state=initial_state, output_final_state=True
+    )
+    (positional, kwargs), = calls
+    assert all(a is b for a, b in zip(positional, inputs.values()))  # same layouts, no copies
+    assert kwargs["scale"] == 0.25 and kwargs["output_final_state"] is True
+    assert kwargs["initial_state"].dtype == torch.float32
+    assert torch.equal(kwargs["initial_state"], initial_state.float())
+    assert torch.equal(o, inputs["v"])
+
+
+def test_input_shapes_are_checked():
+    inputs, initial_state = make_inputs(10)
+    with pytest.raises(ValueError):
+        chunk_kda(**{**inputs, "beta": inputs["beta"][..., None]})
+    with pytest.raises(ValueError):
+        naive_recurrent_kda(**inputs, initial_state=initial_state.transpose(-1, -2))
