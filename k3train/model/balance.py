@@ -14,13 +14,12 @@ up across micro-batches and ranks with one all-reduce, and its quantile is off b
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from k3train.model.config import ModelConfig
 
-StatisticsReducer = Callable[[torch.Tensor], None]  # in-place sum over the ranks that route distinct tokens
 
 
 class Balancer:
@@ -29,8 +28,9 @@ class Balancer:
     def observe(self, scores: torch.Tensor, bias: torch.Tensor) -> None:
         """`scores [tokens, experts]` raw sigmoid scores (fp32); `bias` the bias used for this step."""
 
-    def next_bias(self, bias: torch.Tensor, reduce: Optional[StatisticsReducer] = None) -> torch.Tensor:
-        """The bias for the next step; resets the statistics."""
+    def next_bias(self, bias: torch.Tensor, group=None) -> torch.Tensor:
+        """The bias for the next step; resets the statistics. `group` (a `k3train.parallel.comm.Group`
+        or None) holds every rank that routed distinct tokens: statistics are combined over it."""
         return bias
 
 
@@ -49,11 +49,13 @@ class ExactQuantileBalancer(Balancer):
     def observe(self, scores, bias):
         self.margins.append(kth_largest_cutoff(scores, bias, self.top_k)[:, None] - scores)
 
-    def next_bias(self, bias, reduce=None):
+    def next_bias(self, bias, group=None):
         if not self.margins:
             return bias
         margins = torch.cat(self.margins)
         self.margins = []
+        if group is not None:
+            margins = group.all_gather(margins, dim=0)
         new_bias = torch.quantile(margins.double(), self.top_k / self.num_experts, dim=0).to(bias.dtype)
         return new_bias - new_bias.mean()
 
@@ -78,12 +80,12 @@ class HistogramQuantileBalancer(Balancer):
         counts = torch.bincount(flat, minlength=self.num_experts * self.bins).view(self.num_experts, self.bins)
         self.counts = counts if self.counts is None else self.counts + counts
 
-    def next_bias(self, bias, reduce=None):
+    def next_bias(self, bias, group=None):
         if self.counts is None:
             return bias
         counts, self.counts = self.counts, None
-        if reduce is not None:
-            reduce(counts)
+        if group is not None:
+            group.all_reduce(counts)  # one all-reduce of experts × bins integers
         new_bias = histogram_quantile(counts, self.top_k / self.num_experts, *self.margin_range(bias))
         new_bias = new_bias.to(bias.dtype)
         return new_bias - new_bias.mean()
@@ -119,12 +121,12 @@ class SignBalancer(Balancer):
         loads = torch.bincount(chosen, minlength=self.num_experts)
         self.loads = loads if self.loads is None else self.loads + loads
 
-    def next_bias(self, bias, reduce=None):
+    def next_bias(self, bias, group=None):
         if self.loads is None:
             return bias
         loads, self.loads = self.loads, None
-        if reduce is not None:
-            reduce(loads)
+        if group is not None:
+            group.all_reduce(loads)
         loads = loads.to(bias.dtype)
         delta = self.rate * torch.sign(loads.mean() - loads)
         return bias + delta - delta.mean()

@@ -15,11 +15,13 @@ from k3train.model.mla import GatedMLA
 from k3train.model.mlp import GLUMLP
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
+from k3train.parallel.tensor import TensorParallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, tensor_parallel: TensorParallel | None = None):
         super().__init__()
+        tp = tensor_parallel or TensorParallel.single()
         self.layer_index = layer_index
         self.attn_res_mode = config.attn_res
         self.block_size = config.attn_res_block_size
@@ -28,18 +30,21 @@ class DecoderLayer(nn.Module):
         self.is_moe = config.is_moe_layer(layer_index)
 
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = GatedMLA(config) if self.is_mla else KimiDeltaAttention(config)
+        self.self_attn = GatedMLA(config, tp) if self.is_mla else KimiDeltaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(config)
+            self.block_sparse_moe = LatentMoE(config, tp)
         else:
-            self.mlp = GLUMLP(config, config.hidden_size, config.intermediate_size)
+            self.mlp = GLUMLP(config, config.hidden_size, config.intermediate_size, tp)
         if config.attn_res != "none":
             recompute_mix = config.recompute != "none"
             self.self_attention_res = AttentionResidual(config.hidden_size, config.rms_norm_eps, recompute_mix)
             self.mlp_res = AttentionResidual(config.hidden_size, config.rms_norm_eps, recompute_mix)
         else:
             self.self_attention_res = self.mlp_res = None
+        if tp.sequence_parallel:  # norms and AttnRes see only this rank's tokens
+            outside_regions = [self.input_layernorm, self.post_attention_layernorm, self.self_attention_res, self.mlp_res]
+            tp.mark_partial_grad([p for module in outside_regions if module is not None for p in module.parameters()])
 
     @property
     def ffn(self) -> nn.Module:

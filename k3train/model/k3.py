@@ -25,6 +25,7 @@ from k3train.model.kda import initialize_gate_parameters
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
 from k3train.model.param_roles import mark_adamw_only
+from k3train.parallel.tensor import TensorParallel, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
 class K3Model(nn.Module):
@@ -34,10 +35,14 @@ class K3Model(nn.Module):
         layer_range: Optional[tuple[int, int]] = None,
         with_embedding: Optional[bool] = None,
         with_head: Optional[bool] = None,
+        parallel=None,
     ):
+        """`parallel`: a `k3train.parallel.state.ParallelState`, or None for one process."""
         super().__init__()
         config.validate()
         self.config = config
+        self.tp = tp = (TensorParallel(parallel.tp, parallel.sequence_parallel) if parallel is not None
+                        else TensorParallel.single())
         start, end = layer_range if layer_range is not None else (0, config.num_hidden_layers)
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"layer_range {layer_range} must satisfy 0 <= start < end <= {config.num_hidden_layers}")
@@ -46,16 +51,20 @@ class K3Model(nn.Module):
         self.with_head = end == config.num_hidden_layers if with_head is None else with_head
 
         if self.with_embedding:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
             mark_adamw_only(self.embed_tokens.weight)
-        self.layers = nn.ModuleDict({str(index): DecoderLayer(config, index) for index in range(start, end)})
+        self.layers = nn.ModuleDict({str(index): DecoderLayer(config, index, tp) for index in range(start, end)})
         if self.with_head:
             self.output_attn_res = (
                 AttentionResidual(config.hidden_size, config.rms_norm_eps, recompute=config.recompute != "none")
                 if config.attn_res != "none" else None
             )
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if tp.sequence_parallel:
+                tp.mark_partial_grad(list(self.norm.parameters()) + (
+                    list(self.output_attn_res.parameters()) if self.output_attn_res is not None else []))
+            # Vocabulary split over TP: each rank computes the logits of its own rows.
+            self.lm_head = tp.shard_linear(nn.Linear(config.hidden_size, config.vocab_size, bias=False), 0)
             if config.tie_word_embeddings and self.with_embedding:
                 self.lm_head.weight = self.embed_tokens.weight
             mark_adamw_only(self.lm_head.weight)
@@ -77,22 +86,31 @@ class K3Model(nn.Module):
         return self.output_attn_res.normalized_input(state.sources(), self.norm)
 
     def forward(self, input_ids: Optional[torch.Tensor] = None, state: Optional[ResidualState] = None):
-        """Logits `[batch, seq, vocab]` on a model with a head; otherwise the outgoing `ResidualState`."""
+        """Logits `[batch, seq, vocab / tp]` on a model with a head (this rank's vocabulary rows,
+        every token); otherwise the outgoing `ResidualState`."""
         if state is None:
             state = self.embed(input_ids)
         state = self.forward_layers(state)
         if not self.with_head:
             return state
-        return self.lm_head(self.output_hidden(state))
+        return self.lm_head(self.tp.enter(self.output_hidden(state)))
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (vocabulary-parallel under TP), fp32 or wider."""
+        if self.tp.size == 1:
+            return lm_loss(logits, labels)
+        vocab_start = self.tp.rank * logits.shape[-1]
+        return vocab_parallel_cross_entropy(logits, labels, vocab_start, self.tp.group).mean()
 
     # ------------------------------------------------------------------ MoE hooks
     def moe_layers(self) -> list[LatentMoE]:
         return [layer.block_sparse_moe for layer in self.layers.values() if layer.is_moe]
 
-    def update_routing_biases(self, reduce=None) -> None:
-        """After the optimizer step: every MoE layer replaces its bias for the next step."""
+    def update_routing_biases(self, group=None) -> None:
+        """After the optimizer step: every MoE layer replaces its bias for the next step
+        (`group`: the ranks whose routing statistics are combined, see `LatentMoE`)."""
         for moe in self.moe_layers():
-            moe.update_routing_bias(reduce)
+            moe.update_routing_bias(group)
 
     def discard_routing_statistics(self) -> None:
         """After a skipped step: forget what the balancers saw, keep the biases."""
@@ -112,7 +130,8 @@ class K3Model(nn.Module):
             if param.is_meta:
                 continue
             generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            value = torch.empty(param.shape, dtype=torch.float32)
+            full_shape = getattr(param, "full_shape", tuple(param.shape))  # TP shards: draw the whole tensor
+            value = torch.empty(full_shape, dtype=torch.float32)
             if name.endswith("_res.proj.weight"):
                 value.zero_()  # AttnRes queries start at zero: a uniform average over the sources
             elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
@@ -124,11 +143,20 @@ class K3Model(nn.Module):
                 continue  # initialised together below
             else:
                 value.normal_(0.0, config.init_std, generator=generator)
-            param.copy_(value)
+            param.copy_(self._local_part(param, value))
         for name, module in self.named_modules():
             if hasattr(module, "A_log") and not module.A_log.is_meta:
                 generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                initialize_gate_parameters(module.A_log, module.dt_bias, module.gate_lower_bound is not None, generator)
+                full_A_log = torch.empty(getattr(module.A_log, "full_shape", module.A_log.shape))
+                full_dt_bias = torch.empty(getattr(module.dt_bias, "full_shape", module.dt_bias.shape))
+                initialize_gate_parameters(full_A_log, full_dt_bias, module.gate_lower_bound is not None, generator)
+                module.A_log.copy_(self._local_part(module.A_log, full_A_log))
+                module.dt_bias.copy_(self._local_part(module.dt_bias, full_dt_bias))
+
+    def _local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        if getattr(param, "tensor_parallel", False):
+            return self.tp.local_slice(full, param.partition_dim)
+        return full
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from k3train.kernels.kda import chunk_kda, kda_gate, kda_gate_unbounded
 from k3train.kernels.precision import upcast
 from k3train.model.config import ModelConfig
 from k3train.model.param_roles import mark_adamw_only, mark_head_blocks
+from k3train.parallel.tensor import TensorParallel
 
 
 @dataclass
@@ -79,35 +80,51 @@ class GatedRMSNorm(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Heads split over tensor-parallel ranks: projections, short convolutions and gates are
+    sharded per channel; the low-rank gate input `f_a` and the output norm are replicated."""
+
+    def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None):
         super().__init__()
+        self.tp = tp = tensor_parallel or TensorParallel.single()
         lac = config.linear_attn_config
-        self.num_heads, self.head_dim = lac.num_heads, lac.head_dim
+        self.num_heads, self.head_dim = lac.num_heads // tp.size, lac.head_dim  # heads on this rank
         self.gate_lower_bound = lac.gate_lower_bound
         self.chunk_size = lac.chunk_size
         hidden, heads, width = config.hidden_size, lac.num_heads, lac.num_heads * lac.head_dim
+        local_width = width // tp.size
 
-        self.q_proj = nn.Linear(hidden, width, bias=False)
-        self.k_proj = nn.Linear(hidden, width, bias=False)
-        self.v_proj = nn.Linear(hidden, width, bias=False)
-        self.q_conv1d = ShortConvolution(width, lac.short_conv_kernel_size)
-        self.k_conv1d = ShortConvolution(width, lac.short_conv_kernel_size)
-        self.v_conv1d = ShortConvolution(width, lac.short_conv_kernel_size)
+        def column(in_features: int, out_features: int, per_head: bool = True) -> nn.Linear:
+            linear = nn.Linear(in_features, out_features, bias=False)
+            if per_head:
+                mark_head_blocks(linear.weight, 0, heads)
+            return tp.shard_linear(linear, partition_dim=0)
+
+        self.q_proj, self.k_proj, self.v_proj = (column(hidden, width) for _ in range(3))
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            ShortConvolution(local_width, lac.short_conv_kernel_size) for _ in range(3))
         # Decay gate: low-rank input f_b(f_a(x)) + dt_bias, per-head A_log.
         self.f_a_proj = nn.Linear(hidden, config.kda_gate_rank, bias=False)
-        self.f_b_proj = nn.Linear(config.kda_gate_rank, width, bias=False)
-        self.A_log = nn.Parameter(torch.empty(heads))
-        self.dt_bias = nn.Parameter(torch.empty(width))
-        self.b_proj = nn.Linear(hidden, heads, bias=False)
+        self.f_b_proj = column(config.kda_gate_rank, width, per_head=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(local_width))
+        self.b_proj = column(hidden, heads, per_head=False)
         # Output: per-head RMSNorm gated by sigmoid(g_proj(x)) (full rank in K3).
-        self.g_proj = nn.Linear(hidden, width, bias=False)
+        self.g_proj = column(hidden, width)
         self.o_norm = GatedRMSNorm(lac.head_dim, config.rms_norm_eps)
-        self.o_proj = nn.Linear(width, hidden, bias=False)
-        for projection in (self.q_proj, self.k_proj, self.v_proj, self.g_proj):
-            mark_head_blocks(projection.weight, 0, heads)
-        mark_head_blocks(self.o_proj.weight, 1, heads)
+        o_proj = nn.Linear(width, hidden, bias=False)
+        mark_head_blocks(o_proj.weight, 1, heads)
+        self.o_proj = tp.shard_linear(o_proj, partition_dim=1)
+
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            tp.mark_sharded(conv.weight, 0, (width, 1, lac.short_conv_kernel_size))
+        tp.mark_sharded(self.A_log, 0, (heads,))
+        tp.mark_sharded(self.dt_bias, 0, (width,))
+        tp.mark_partial_grad([self.f_a_proj.weight, self.o_norm.weight])
         with torch.no_grad():
-            initialize_gate_parameters(self.A_log, self.dt_bias, bounded=self.gate_lower_bound is not None)
+            full_A_log, full_dt_bias = torch.empty(heads), torch.empty(width)
+            initialize_gate_parameters(full_A_log, full_dt_bias, bounded=self.gate_lower_bound is not None)
+            self.A_log.copy_(tp.local_slice(full_A_log, 0))
+            self.dt_bias.copy_(tp.local_slice(full_dt_bias, 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_with_cache(x, None, return_cache=False)[0]
@@ -115,6 +132,7 @@ class KimiDeltaAttention(nn.Module):
     def forward_with_cache(
         self, x: torch.Tensor, cache: Optional[KDACache], return_cache: bool = True
     ) -> tuple[torch.Tensor, Optional[KDACache]]:
+        x = self.tp.enter(x)
         batch, seq, _ = x.shape
         heads, head_dim = self.num_heads, self.head_dim
         tails = cache.conv_tails if cache is not None else (None, None, None)
@@ -139,6 +157,6 @@ class KimiDeltaAttention(nn.Module):
             chunk_size=self.chunk_size,
         )
         output = self.o_norm(output, self.g_proj(x).view(batch, seq, heads, head_dim))
-        output = self.o_proj(output.reshape(batch, seq, heads * head_dim))
+        output = self.tp.leave(self.o_proj(output.reshape(batch, seq, heads * head_dim)))
         new_cache = KDACache(final_state, (q_tail, k_tail, v_tail)) if return_cache else None
         return output, new_cache

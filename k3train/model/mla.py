@@ -13,19 +13,23 @@ from torch import nn
 from k3train.model.config import ModelConfig
 from k3train.model.norm import RMSNorm
 from k3train.model.param_roles import mark_head_blocks
+from k3train.parallel.tensor import TensorParallel
 
 LATENT_NORM_EPS = 1e-6  # q_a/kv_a layernorms use 1e-6, not rms_norm_eps
 
 
 class GatedMLA(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Heads split over tensor-parallel ranks; the low-rank `q_a`/`kv_a` stages are replicated."""
+
+    def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        self.tp = tensor_parallel or TensorParallel.single()
+        self.num_heads = config.num_attention_heads // self.tp.size  # heads on this rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
-        heads, hidden, qk_head_dim = self.num_heads, config.hidden_size, config.qk_head_dim
+        heads, hidden, qk_head_dim = config.num_attention_heads, config.hidden_size, config.qk_head_dim
 
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, heads * qk_head_dim, bias=False)
@@ -46,8 +50,21 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(heads * config.v_head_dim, hidden, bias=False)
         mark_head_blocks(self.o_proj.weight, 1, heads)
         self.softmax_scale = qk_head_dim**-0.5
+        self._shard_heads()
+
+    def _shard_heads(self) -> None:
+        tp = self.tp
+        for name in ("q_proj", "q_b_proj", "kv_b_proj", "g_proj"):
+            if hasattr(self, name):
+                setattr(self, name, tp.shard_linear(getattr(self, name), partition_dim=0))
+        self.o_proj = tp.shard_linear(self.o_proj, partition_dim=1)
+        replicated = [self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight]
+        if hasattr(self, "q_a_proj"):
+            replicated += [self.q_a_proj.weight, self.q_a_layernorm.weight]
+        tp.mark_partial_grad(replicated)  # each rank back-propagates only its own heads into them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tp.enter(x)
         batch, seq, _ = x.shape
         heads = self.num_heads
         if hasattr(self, "q_proj"):
@@ -67,4 +84,4 @@ class GatedMLA(nn.Module):
         ).transpose(1, 2)  # [batch, seq, heads, v_head_dim]
         if self.use_output_gate:
             attended = attended * torch.sigmoid(self.g_proj(x)).view(batch, seq, heads, -1)
-        return self.o_proj(attended.reshape(batch, seq, heads * self.v_head_dim))
+        return self.tp.leave(self.o_proj(attended.reshape(batch, seq, heads * self.v_head_dim)))

@@ -7,6 +7,7 @@ from torch import nn
 
 from k3train.kernels.situ_glu import situ_glu, swiglu
 from k3train.model.config import ModelConfig
+from k3train.parallel.tensor import TensorParallel
 
 
 def glu_activation(config: ModelConfig):
@@ -17,14 +18,17 @@ def glu_activation(config: ModelConfig):
 
 
 class GLUMLP(nn.Module):
-    """`down_proj(act(gate_proj x, up_proj x))` (HF names)."""
+    """`down_proj(act(gate_proj x, up_proj x))` (HF names); the intermediate width is split over TP."""
 
-    def __init__(self, config: ModelConfig, hidden_size: int, intermediate_size: int):
+    def __init__(self, config: ModelConfig, hidden_size: int, intermediate_size: int,
+                 tensor_parallel: TensorParallel | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.tp = tp = tensor_parallel or TensorParallel.single()
+        self.gate_proj = tp.shard_linear(nn.Linear(hidden_size, intermediate_size, bias=False), partition_dim=0)
+        self.up_proj = tp.shard_linear(nn.Linear(hidden_size, intermediate_size, bias=False), partition_dim=0)
+        self.down_proj = tp.shard_linear(nn.Linear(intermediate_size, hidden_size, bias=False), partition_dim=1)
         self.activation = glu_activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+        x = self.tp.enter(x)
+        return self.tp.leave(self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x))))

@@ -22,6 +22,7 @@ from k3train.model.balance import build_balancer
 from k3train.model.config import ModelConfig
 from k3train.model.mlp import GLUMLP, glu_activation
 from k3train.model.norm import RMSNorm
+from k3train.parallel.tensor import TensorParallel
 
 
 def inside_backward() -> bool:
@@ -83,9 +84,13 @@ class LocalExperts(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Router, latent projections and routed experts run on this rank's tokens with replicated
+    weights (expert parallelism distributes the experts later); the shared experts are a TP region."""
+
+    def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None):
         super().__init__()
         self.config = config
+        tp = tensor_parallel or TensorParallel.single()
         self.gate = MoEGate(config)
         self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
         self.experts = LocalExperts(config, config.num_experts)
@@ -94,9 +99,12 @@ class LatentMoE(nn.Module):
         )
         self.routed_expert_up_proj = nn.Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
         self.shared_experts = (
-            GLUMLP(config, config.hidden_size, config.num_shared_experts * config.moe_intermediate_size)
+            GLUMLP(config, config.hidden_size, config.num_shared_experts * config.moe_intermediate_size, tp)
             if config.num_shared_experts > 0 else None
         )
+        if tp.sequence_parallel:  # each TP rank routes its own tokens: gradients are partial sums
+            routed = [p for name, p in self.named_parameters() if not name.startswith("shared_experts.")]
+            tp.mark_partial_grad(routed)
         self.balancer = build_balancer(config)
         # Tokens per expert over the current step, for metrics (not saved).
         self.register_buffer("step_expert_load", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
@@ -112,16 +120,20 @@ class LatentMoE(nn.Module):
         routed = self.experts(self.routed_expert_down_proj(tokens), expert_ids, weights)
         if self.routed_expert_norm is not None:
             routed = self.routed_expert_norm(routed)
-        output = self.routed_expert_up_proj(routed)
-        if self.shared_experts is not None:
-            output = output + self.shared_experts(tokens)
-        return output.view(shape)
+        output = self.routed_expert_up_proj(routed).view(shape)
+        if self.shared_experts is not None:  # [batch, seq, hidden]: a TP region gathers the sequence
+            output = output + self.shared_experts(x)
+        return output
 
     @torch.no_grad()
-    def update_routing_bias(self, reduce=None) -> None:
-        """Replace the bias by the balancer's estimate from this step (used from the next step on)."""
+    def update_routing_bias(self, group=None) -> None:
+        """Replace the bias by the balancer's estimate from this step (used from the next step on).
+
+        `group`: the ranks that routed distinct tokens through this layer this step; their
+        statistics are combined so that every rank computes the same bias.
+        """
         bias = self.gate.e_score_correction_bias
-        bias.copy_(self.balancer.next_bias(bias, reduce))
+        bias.copy_(self.balancer.next_bias(bias, group))
 
     def pop_step_load(self) -> torch.Tensor:
         load = self.step_expert_load.clone()

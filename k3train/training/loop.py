@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from k3train.config import JobConfig
-from k3train.model.k3 import K3Model, lm_loss
+from k3train.model.k3 import K3Model
 from k3train.optim.clip import clip_grad_norm_
 from k3train.optim.schedules import lr_at, set_lr
 from k3train.training.metrics import MetricsLogger
@@ -81,7 +81,7 @@ class Trainer:
         tokens = tokens.to(self.device, non_blocking=True)
         with self.autocast():
             logits = self.model(tokens[:, :-1])
-        return lm_loss(logits, tokens[:, 1:])
+        return self.model.loss(logits, tokens[:, 1:])
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns the step's metrics."""

@@ -1,0 +1,256 @@
+"""Tensor and sequence parallelism: the communication around a tensor-parallel region, sharded
+parameters, vocabulary-parallel embedding and cross-entropy.
+
+A tensor-parallel region is a stretch of a sublayer whose weights are split over the `tp`
+ranks: column-parallel projections (output features split, here always by whole heads or
+channels) followed by a row-parallel one (input features split). Entering and leaving it is
+the only communication:
+
+| | enter (forward / backward) | leave (forward / backward) |
+| --- | --- | --- |
+| tensor parallel | identity / all-reduce | all-reduce / identity |
+| + sequence parallel | all-gather sequence / reduce-scatter | reduce-scatter sequence / all-gather |
+
+With sequence parallelism the activations between regions (norms, AttnRes, the routed experts)
+are split along the sequence (dim 1 of `[batch, seq, hidden]`): each token's residual state and
+block representations live on one TP rank only.
+
+Parameters carry how they are split (Megatron marks them the same way):
+- `param.tensor_parallel = True`, `param.partition_dim`: a shard of the full tensor;
+- `param.tp_partial_grad = True`: replicated, but each TP rank's gradient covers only its own
+  heads or tokens, so gradients are summed over `tp` (`reduce_tensor_parallel_grads`).
+With a TP group of size 1 every function here is the identity and nothing is marked.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.kernels.precision import upcast
+from k3train.parallel.comm import Group
+
+SEQUENCE_DIM = 1
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad.contiguous().clone()), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        return group.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return group.all_gather(x, dim=SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.reduce_scatter(grad, dim=SEQUENCE_DIM), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return group.reduce_scatter(x, dim=SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_gather(grad, dim=SEQUENCE_DIM), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Keep this rank's slice of a replicated tensor; backward gathers the slices."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return x.chunk(group.size, dim=SEQUENCE_DIM)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_gather(grad, dim=SEQUENCE_DIM), None
+
+
+class TensorParallel:
+    """The TP group and whether sequence parallelism is on: what the model's layers need."""
+
+    def __init__(self, group: Group, sequence_parallel: bool):
+        self.group = group
+        self.sequence_parallel = sequence_parallel and group.size > 1
+
+    @classmethod
+    def single(cls) -> "TensorParallel":
+        """No tensor parallelism: every region boundary is the identity."""
+        from k3train.parallel.comm import TrafficCounter
+
+        return cls(Group("tp", (0,), 0, None, TrafficCounter()), sequence_parallel=False)
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Input of a TP region: the full sequence, replicated on every TP rank."""
+        if self.size == 1:
+            return x
+        if self.sequence_parallel:
+            return _GatherSequence.apply(x, self.group)
+        return _CopyToRegion.apply(x, self.group)
+
+    def leave(self, partial_output: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial outputs (row-parallel projection) back into the residual layout."""
+        if self.size == 1:
+            return partial_output
+        if self.sequence_parallel:
+            return _ReduceScatterSequence.apply(partial_output, self.group)
+        return _ReduceFromRegion.apply(partial_output, self.group)
+
+    def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """A replicated activation → this rank's sequence shard (identity without SP)."""
+        if not self.sequence_parallel:
+            return x
+        return _ScatterSequence.apply(x, self.group)
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's sequence shard → the full sequence (identity without SP)."""
+        if not self.sequence_parallel:
+            return x
+        return _GatherSequence.apply(x, self.group)
+
+    # ------------------------------------------------------------------ parameters
+    def shard_linear(self, linear: nn.Linear, partition_dim: int) -> nn.Linear:
+        """Replace `linear` by its shard: `partition_dim` 0 = column-parallel, 1 = row-parallel."""
+        if self.size == 1:
+            return linear
+        full_shape = tuple(linear.weight.shape)
+        if full_shape[partition_dim] % self.size:
+            raise ValueError(f"cannot split {full_shape} along {partition_dim} over {self.size} TP ranks")
+        in_features, out_features = linear.in_features, linear.out_features
+        if partition_dim == 0:
+            out_features //= self.size
+        else:
+            in_features //= self.size
+        shard = nn.Linear(in_features, out_features, bias=False, device=linear.weight.device,
+                          dtype=linear.weight.dtype)
+        for attribute, value in vars(linear.weight).items():  # keep role markers (head blocks etc.)
+            setattr(shard.weight, attribute, value)
+        self.mark_sharded(shard.weight, partition_dim, full_shape)
+        return shard
+
+    def mark_sharded(self, param: nn.Parameter, partition_dim: int, full_shape: tuple[int, ...]) -> None:
+        if self.size == 1:
+            return
+        param.tensor_parallel = True
+        param.partition_dim = partition_dim
+        param.full_shape = full_shape
+        head_blocks = getattr(param, "head_blocks", None)
+        if head_blocks is not None:  # whole heads per rank: the shard has fewer heads
+            from k3train.model.param_roles import HeadBlocks
+
+            param.head_blocks = HeadBlocks(head_blocks.dim, head_blocks.num_heads // self.size)
+
+    def mark_partial_grad(self, params: Iterable[nn.Parameter]) -> None:
+        if self.size == 1:
+            return
+        for param in params:
+            param.tp_partial_grad = True
+
+    def local_slice(self, full: torch.Tensor, partition_dim: int) -> torch.Tensor:
+        return full.chunk(self.size, dim=partition_dim)[self.rank]
+
+
+def reduce_tensor_parallel_grads(model: nn.Module, group: Group) -> None:
+    """Sum over `tp` the gradients of replicated parameters that each rank saw only in part."""
+    if group.size == 1:
+        return
+    grads = [p.grad for p in model.parameters() if getattr(p, "tp_partial_grad", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([upcast(g.reshape(-1)) for g in grads])  # fp32 (float64 stays float64)
+    group.all_reduce(flat)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+# ---------------------------------------------------------------------------- vocabulary parallel
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over `tp`; each rank looks up its own range, the region's exit sums."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tensor_parallel: TensorParallel):
+        super().__init__()
+        self.tp = tensor_parallel
+        local_rows = vocab_size // tensor_parallel.size
+        self.vocab_start = tensor_parallel.rank * local_rows
+        self.vocab_end = self.vocab_start + local_rows
+        self.weight = nn.Parameter(torch.empty(local_rows, hidden_size))
+        tensor_parallel.mark_sharded(self.weight, 0, (vocab_size, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids [batch, seq]` (full sequence) → embeddings in the residual layout."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        embeddings = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.leave(embeddings)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy per token over logits split along the vocabulary; three small all-reduces."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start: int, group: Group):
+        logits = logits.float() if logits.dtype != torch.float64 else logits
+        max_logit = logits.max(dim=-1).values
+        group.all_reduce(max_logit, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - max_logit.unsqueeze(-1)
+        local_labels = labels - vocab_start
+        inside = (local_labels >= 0) & (local_labels < logits.shape[-1])
+        target = shifted.gather(-1, local_labels.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        target = torch.where(inside, target, torch.zeros_like(target))
+        group.all_reduce(target)
+        exp = shifted.exp()
+        sum_exp = exp.sum(-1)
+        group.all_reduce(sum_exp)
+        ctx.save_for_backward(exp, sum_exp, local_labels, inside)
+        return torch.log(sum_exp) - target
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        exp, sum_exp, local_labels, inside = ctx.saved_tensors
+        grad = exp / sum_exp.unsqueeze(-1)
+        one_hot = torch.zeros_like(grad).scatter_(-1, local_labels.clamp(0, grad.shape[-1] - 1).unsqueeze(-1),
+                                                  inside.unsqueeze(-1).to(grad.dtype))
+        return (grad - one_hot) * grad_loss.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: Group) -> torch.Tensor:
+    """Per-token loss `[...]` from this rank's logits `[..., vocab/tp]` (vocabulary from `vocab_start`)."""
+    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, group)
