@@ -168,6 +168,7 @@ class TensorParallel:
         param.tensor_parallel = True
         param.partition_dim = partition_dim
         param.full_shape = full_shape
+        param.tensor_parallel_group = self.group  # Muon gathers whole matrices through it
         head_blocks = getattr(param, "head_blocks", None)
         if head_blocks is not None:  # whole heads per rank: the shard has fewer heads
             from k3train.model.param_roles import HeadBlocks
@@ -254,3 +255,49 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: Group) -> torch.Tensor:
     """Per-token loss `[...]` from this rank's logits `[..., vocab/tp]` (vocabulary from `vocab_start`)."""
     return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, group)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def install_sharded_state_dict(model: nn.Module, tensor_parallel: TensorParallel) -> None:
+    """Make `model.state_dict()` describe TP shards as DTensors of the full tensor.
+
+    torch.distributed.checkpoint then stores every parameter once, by its global shape and each
+    rank's slice, and loading under another TP size (or on one process) reads whichever slice
+    the new layout needs. `load_state_dict` accepts DTensors, this rank's shard, or the full
+    tensor (which it slices).
+    """
+    if tensor_parallel.size == 1:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = {name: param for name, param in model.named_parameters(remove_duplicate=False)
+               if getattr(param, "tensor_parallel", False)}
+    meshes: dict[str, DeviceMesh] = {}
+
+    def mesh_for(device: torch.device) -> DeviceMesh:
+        if device.type not in meshes:
+            meshes[device.type] = DeviceMesh.from_group(tensor_parallel.group.process_group, device_type=device.type)
+        return meshes[device.type]
+
+    def to_dtensors(module, state_dict, prefix, local_metadata):
+        for name, param in sharded.items():
+            key = prefix + name
+            if key in state_dict and not isinstance(state_dict[key], DTensor):
+                full_shape = torch.Size(param.full_shape)
+                state_dict[key] = DTensor.from_local(
+                    state_dict[key], mesh_for(param.device), [Shard(param.partition_dim)], run_check=False,
+                    shape=full_shape, stride=torch.empty(full_shape, device="meta").stride(),
+                )
+
+    def from_dtensors(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for name, param in sharded.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if isinstance(value, DTensor):
+                state_dict[key] = value.to_local()
+            elif value is not None and tuple(value.shape) == tuple(param.full_shape) != tuple(param.shape):
+                state_dict[key] = tensor_parallel.local_slice(value, param.partition_dim)
+
+    model.register_state_dict_post_hook(to_dtensors)
+    model.register_load_state_dict_pre_hook(from_dtensors)

@@ -25,7 +25,12 @@ from k3train.model.kda import initialize_gate_parameters
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
 from k3train.model.param_roles import mark_adamw_only
-from k3train.parallel.tensor import TensorParallel, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from k3train.parallel.tensor import (
+    TensorParallel,
+    VocabParallelEmbedding,
+    install_sharded_state_dict,
+    vocab_parallel_cross_entropy,
+)
 
 
 class K3Model(nn.Module):
@@ -69,6 +74,7 @@ class K3Model(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
             mark_adamw_only(self.lm_head.weight)
         self.init_weights(seed=0)
+        install_sharded_state_dict(self, tp)  # checkpoints hold full tensors, loadable under any TP size
 
     # ------------------------------------------------------------------ forward pieces
     def embed(self, input_ids: torch.Tensor) -> ResidualState:

@@ -113,6 +113,18 @@ def orthogonalized_update(
     return layout.from_blocks(blocks * layout.scale(update_rms), momentum_input.shape)
 
 
+def sharded_matrix_update(param: torch.Tensor, momentum_input: torch.Tensor, options: dict) -> torch.Tensor:
+    """Muon's update of this rank's shard of a tensor-parallel matrix that is not split by heads
+    (an MLP's gate/up/down projection): the shards are gathered over the TP group
+    (`param.tensor_parallel_group`, set by `k3train.parallel.tensor`), the whole matrix is
+    orthogonalised and scaled by its own shape, and each rank keeps its slice. Orthogonalising
+    the shards separately would be a different optimizer."""
+    tp_group = param.tensor_parallel_group
+    full = tp_group.all_gather(momentum_input, dim=param.partition_dim)
+    update = orthogonalized_update(full, BlockLayout("matrix", 1, full.shape[0], full.shape[1]), **options)
+    return update.chunk(tp_group.size, dim=param.partition_dim)[tp_group.rank]
+
+
 @dataclass(frozen=True)
 class MuonWorkItem:
     """One independent unit of Muon work: a parameter, its blocks and its param-group index.
@@ -201,14 +213,13 @@ class PerHeadMuon(torch.optim.Optimizer):
             if item.param.grad is None:
                 continue
             group = self.param_groups[item.group_index]
-            update = orthogonalized_update(
-                self._momentum_input(item.param, group),
-                item.layout,
-                update_rms=group["update_rms"],
-                ns_steps=group["ns_steps"],
-                ns_coefficients=group["ns_coefficients"],
-                ns_eps=group["ns_eps"],
-            )
+            options = dict(update_rms=group["update_rms"], ns_steps=group["ns_steps"],
+                           ns_coefficients=group["ns_coefficients"], ns_eps=group["ns_eps"])
+            momentum_input = self._momentum_input(item.param, group)
+            if item.layout.kind == "matrix" and getattr(item.param, "tensor_parallel", False):
+                update = sharded_matrix_update(item.param, momentum_input, options)
+            else:
+                update = orthogonalized_update(momentum_input, item.layout, **options)
             self._apply_update(item.param, update, group)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":

@@ -21,3 +21,14 @@ def test_tensor_parallel_matches_single_process(tp, sequence_parallel):
         assert result["max_grad_error"] < TOLERANCE, (rank, result["worst_param"], result["max_grad_error"])
         assert result["checked"] > 50
     print({rank: (r["max_grad_error"], r["traffic"]) for rank, r in enumerate(results)})
+
+
+@pytest.mark.parametrize("tp,sequence_parallel", [(2, True)])
+def test_tensor_parallel_optimizer_steps_match_single_process(tp, sequence_parallel):
+    """Three Per-Head Muon + AdamW steps: 1e-10 (Newton–Schulz amplifies the ulp-level gradient
+    differences a little over three steps; a wrong per-shard orthogonalisation is off by O(lr))."""
+    results = run_workers(tp, "tests.distributed.workers_tp:compare_three_steps",
+                          {"tp": tp, "sequence_parallel": sequence_parallel}, timeout_s=240)
+    for rank, result in enumerate(results):
+        assert result["max_param_error"] < 1e-10, (rank, result)
+        assert result["bias_error"] < 1e-10, (rank, result)
