@@ -20,7 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from k3train.checkpoint import Checkpointer, GracefulExit, RNGState  # noqa: E402
+from k3train.checkpoint import Checkpointer, GracefulExit, RNGState, read_manifest  # noqa: E402
 from k3train.config import JobConfig, parse_job_args_or_exit, save_config  # noqa: E402
 from k3train.data import build_data  # noqa: E402
 from k3train.model.flops import training_flops_per_token  # noqa: E402
@@ -101,8 +101,14 @@ def main(argv: list[str] | None = None) -> int:
 
     resume_from = checkpointer.resolve_resume(config.checkpoint.resume)
     if resume_from is not None:
-        checkpointer.load(resume_from, app_state())
-        print(f"resumed from {resume_from} at step {trainer.progress.step}")
+        if (read_manifest(resume_from) or {}).get("keys") == ["model"]:
+            # A model-only checkpoint (tools/convert_checkpoint.py from-hf): fine-tune from its
+            # weights with a fresh optimizer, data position, step counter and RNG streams.
+            checkpointer.load(resume_from, {"model": model})
+            print(f"initialised the model from {resume_from} (model-only checkpoint: fresh optimizer, step 0)")
+        else:
+            checkpointer.load(resume_from, app_state())
+            print(f"resumed from {resume_from} at step {trainer.progress.step}")
 
     def save_checkpoint(step: int) -> None:
         path = checkpointer.save(step, app_state())

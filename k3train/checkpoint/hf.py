@@ -1,0 +1,882 @@
+"""Kimi K3 Hugging Face hub format ⇄ k3train: tensor names and shapes, and `config.json`.
+
+The target is the hub layout of `moonshotai/Kimi-K3` (references §2.1): a top-level
+`config.json` with `model_type: "kimi_k3"` and a nested `text_config` (`model_type:
+"kimi_linear"`), text weights under `language_model.model.` plus `language_model.lm_head.weight`,
+routed experts unquantised as `experts.{e}.w{1,2,3}.weight` (no `quantization_config`).
+
+Name mapping (k3train state-dict name → HF name, `P = language_model.model.`):
+
+    embed_tokens.weight, norm.weight          → P + same name
+    lm_head.weight                            → language_model.lm_head.weight (absent when tied)
+    layers.L.<anything not below>             → P + layers.L.<same>   (norms, self_attn.*, mlp.*,
+                                                 block_sparse_moe.{gate,routed_expert_*,shared_experts}.*)
+    layers.L.self_attention_res.{norm,proj}.weight → P + layers.L.self_attention_res_{norm,proj}.weight
+    layers.L.mlp_res.{norm,proj}.weight       → P + layers.L.mlp_res_{norm,proj}.weight
+    output_attn_res.{norm,proj}.weight        → P + output_attn_res_{norm,proj}.weight
+    layers.L.block_sparse_moe.experts.wK  [E, out, in] (stacked)
+                                              → P + layers.L.block_sparse_moe.experts.{e}.wK.weight [out, in]
+
+`A_log` is written `[num_heads]`. The published checkpoint allocates it `[head_dim]` (heads
+first, zero padding after); `hf_tensor_specs(..., a_log_width=head_dim)` writes that layout, and
+import accepts `[H]`, `[>= H]` (narrowed; the padding must be zero) and Kimi Linear's 4-D
+`[1, 1, H, 1]`. `gate.e_score_correction_bias`, `A_log`, `dt_bias` and the short-convolution
+weights stay float32 whatever the export dtype (the hub checkpoint ships them as F32).
+
+Everything above is pure (config in, names/shapes/dicts out). The read-only helpers at the end
+(`find_checkpoint`, `CheckpointTensorReader`, `HFDirectory`, `load_hf_weights`) are the I/O both
+`tools/convert_checkpoint.py` and `tools/score.py` need; they never modify what they read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from k3train.model.config import LinearAttnConfig, ModelConfig
+
+HF_TEXT_PREFIX = "language_model.model."
+HF_LM_HEAD = "language_model.lm_head.weight"
+HF_MODEL_TYPE = "kimi_k3"
+HF_TEXT_MODEL_TYPE = "kimi_linear"
+HF_ARCHITECTURES = ["KimiK3ForConditionalGeneration"]
+HF_TEXT_ARCHITECTURES = ["KimiLinearForCausalLM"]
+DEFAULT_MAX_POSITION_EMBEDDINGS = 1048576
+"""The published value. K3 has no position embeddings (KDA carries position, MLA is NoPE), so
+this is no architectural limit; HF tooling reads it as the usable context length."""
+
+FP32_TENSOR_SUFFIXES = ("gate.e_score_correction_bias", "self_attn.A_log", "self_attn.dt_bias", "conv1d.weight")
+"""Tensors exported as float32 whatever `--dtype` says (F32 in the published checkpoint)."""
+
+_ATTN_RES_PAIRS = ("self_attention_res", "mlp_res", "output_attn_res")
+_EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up, down (HF order of the reference listing)
+
+# ModelConfig fields written under the same name into text_config.
+_HF_MODEL_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "first_k_dense_replace",
+    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "mla_use_output_gate", "num_experts", "num_experts_per_token", "num_shared_experts",
+    "moe_intermediate_size", "routed_expert_hidden_size", "latent_moe_use_norm", "moe_renormalize",
+    "routed_scaling_factor", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta",
+    "attn_res_block_size", "rms_norm_eps", "tie_word_embeddings",
+)
+_HF_LINEAR_ATTN_FIELDS = ("num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound")
+# Fields k3train derives itself (never stored in the k3train sub-dict).
+_DERIVED_LINEAR_ATTN_FIELDS = ("full_attn_layers",)
+# Alternative spellings some configs use (transformers' KimiLinearConfig attribute_map).
+_HF_ALIASES = {
+    "num_experts_per_tok": "num_experts_per_token",
+    "n_shared_experts": "num_shared_experts",
+    "norm_topk_prob": "moe_renormalize",
+    "num_local_experts": "num_experts",
+    "n_routed_experts": "num_experts",
+    "n_group": "num_expert_group",
+}
+
+
+class HFConversionError(ValueError):
+    """A configuration, tensor or checkpoint that cannot be converted; the message (one line) says
+    which and why."""
+
+
+# ============================================================================ tensor specs
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One HF tensor and where it lives in the k3train state dict."""
+
+    k3_name: str
+    """k3train state-dict name (no `model.` checkpoint prefix)."""
+    hf_name: str
+    """Full hub name (`language_model.model.…`)."""
+    shape: tuple[int, ...]
+    """HF shape."""
+    k3_shape: tuple[int, ...]
+    """Shape of the whole k3train tensor (the stack `[E, …]` for routed experts)."""
+    expert: Optional[int] = None
+    """Index into the stacked k3train tensor; None: the whole tensor."""
+    keep_fp32: bool = False
+    """Exported as float32 whatever the requested dtype."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def export_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.keep_fp32 else dtype
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        return self.numel * self.export_dtype(dtype).itemsize
+
+
+def _keeps_fp32(k3_name: str) -> bool:
+    return k3_name.endswith(FP32_TENSOR_SUFFIXES)
+
+
+def default_full_attn_layers(num_hidden_layers: int) -> list[int]:
+    """K3's pattern, 1-based: every 4th layer and the last one (ModelConfig's null)."""
+    layers = [i for i in range(1, num_hidden_layers + 1) if i % 4 == 0]
+    if num_hidden_layers not in layers:
+        layers.append(num_hidden_layers)
+    return layers
+
+
+def _layer_tensors(config: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(k3train name below `layers.L.`, shape) of one decoder layer, routed experts stacked."""
+    d, lac = config.hidden_size, config.linear_attn_config
+    out: list[tuple[str, tuple[int, ...]]] = [("input_layernorm.weight", (d,))]
+    if config.is_mla_layer(index):
+        heads = config.num_attention_heads
+        a = "self_attn."
+        if config.q_lora_rank is None:
+            out.append((a + "q_proj.weight", (heads * config.qk_head_dim, d)))
+        else:
+            out += [
+                (a + "q_a_proj.weight", (config.q_lora_rank, d)),
+                (a + "q_a_layernorm.weight", (config.q_lora_rank,)),
+                (a + "q_b_proj.weight", (heads * config.qk_head_dim, config.q_lora_rank)),
+            ]
+        out += [
+            (a + "kv_a_proj_with_mqa.weight", (config.kv_lora_rank + config.qk_rope_head_dim, d)),
+            (a + "kv_a_layernorm.weight", (config.kv_lora_rank,)),
+            (a + "kv_b_proj.weight", (heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank)),
+        ]
+        if config.mla_use_output_gate:
+            out.append((a + "g_proj.weight", (heads * config.v_head_dim, d)))
+        out.append((a + "o_proj.weight", (d, heads * config.v_head_dim)))
+    else:
+        heads, width, rank = lac.num_heads, lac.num_heads * lac.head_dim, config.kda_gate_rank
+        a = "self_attn."
+        out += [
+            (a + "q_proj.weight", (width, d)),
+            (a + "k_proj.weight", (width, d)),
+            (a + "v_proj.weight", (width, d)),
+            (a + "q_conv1d.weight", (width, 1, lac.short_conv_kernel_size)),
+            (a + "k_conv1d.weight", (width, 1, lac.short_conv_kernel_size)),
+            (a + "v_conv1d.weight", (width, 1, lac.short_conv_kernel_size)),
+            (a + "f_a_proj.weight", (rank, d)),
+            (a + "f_b_proj.weight", (width, rank)),
+            (a + "dt_bias", (width,)),
+            (a + "A_log", (heads,)),
+            (a + "b_proj.weight", (heads, d)),
+            (a + "g_proj.weight", (width, d)),
+            (a + "o_norm.weight", (lac.head_dim,)),
+            (a + "o_proj.weight", (d, width)),
+        ]
+    out.append(("post_attention_layernorm.weight", (d,)))
+    if config.is_moe_layer(index):
+        m, n = "block_sparse_moe.", config.num_experts
+        latent, inner = config.routed_expert_hidden_size, config.moe_intermediate_size
+        out += [
+            (m + "gate.weight", (n, d)),
+            (m + "gate.e_score_correction_bias", (n,)),
+            (m + "routed_expert_down_proj.weight", (latent, d)),
+            (m + "experts.w1", (n, inner, latent)),
+            (m + "experts.w3", (n, inner, latent)),
+            (m + "experts.w2", (n, latent, inner)),
+        ]
+        if config.latent_moe_use_norm:
+            out.append((m + "routed_expert_norm.weight", (latent,)))
+        out.append((m + "routed_expert_up_proj.weight", (d, latent)))
+        if config.num_shared_experts > 0:
+            shared = config.num_shared_experts * config.moe_intermediate_size
+            out += [
+                (m + "shared_experts.gate_proj.weight", (shared, d)),
+                (m + "shared_experts.up_proj.weight", (shared, d)),
+                (m + "shared_experts.down_proj.weight", (d, shared)),
+            ]
+    else:
+        out += [
+            ("mlp.gate_proj.weight", (config.intermediate_size, d)),
+            ("mlp.up_proj.weight", (config.intermediate_size, d)),
+            ("mlp.down_proj.weight", (d, config.intermediate_size)),
+        ]
+    if config.attn_res != "none":
+        for pair in _ATTN_RES_PAIRS[:2]:
+            out += [(f"{pair}.norm.weight", (d,)), (f"{pair}.proj.weight", (1, d))]
+    return out
+
+
+def k3_state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of `K3Model(config).state_dict()` (persistent buffers included) and its shape,
+    from the config alone (no weights are built). A tied head keeps its own key, as in the model."""
+    d = config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, d)}
+    for index in range(config.num_hidden_layers):
+        for name, shape in _layer_tensors(config, index):
+            shapes[f"layers.{index}.{name}"] = shape
+    if config.attn_res != "none":
+        shapes["output_attn_res.norm.weight"] = (d,)
+        shapes["output_attn_res.proj.weight"] = (1, d)
+    shapes["norm.weight"] = (d,)
+    shapes["lm_head.weight"] = (config.vocab_size, d)
+    return shapes
+
+
+def hf_name(k3_name: str, expert: Optional[int] = None) -> str:
+    """The hub name of a k3train tensor (of expert `expert` for a stacked expert tensor)."""
+    if k3_name == "lm_head.weight":
+        return HF_LM_HEAD
+    name = k3_name
+    for pair in _ATTN_RES_PAIRS:
+        name = re.sub(rf"(^|\.){pair}\.(norm|proj)\.weight$", rf"\1{pair}_\2.weight", name)
+    match = re.fullmatch(r"(layers\.\d+\.block_sparse_moe\.experts)\.(w[123])", name)
+    if match:
+        if expert is None:
+            raise ValueError(f"{k3_name} is a stack of experts: pass the expert index")
+        name = f"{match.group(1)}.{expert}.{match.group(2)}.weight"
+    elif expert is not None:
+        raise ValueError(f"{k3_name} is not an expert stack")
+    return HF_TEXT_PREFIX + name
+
+
+def hf_tensor_specs(config: ModelConfig, a_log_width: Optional[int] = None) -> list[TensorSpec]:
+    """Every HF tensor of `config`, in file order (model-level first, layer by layer, head last).
+
+    Routed experts are listed expert by expert (w1, w3, w2 of expert 0, then of expert 1, …), so
+    a writer streaming in this order reads each stacked k3train tensor slab by slab. A tied head
+    has no `language_model.lm_head.weight`. `a_log_width` (≥ num_heads) writes `A_log` zero-padded
+    to that width, as the published checkpoint does with `head_dim`.
+    """
+    heads = config.linear_attn_config.num_heads
+    if a_log_width is not None and a_log_width < heads:
+        raise ValueError(f"a_log_width ({a_log_width}) must be at least num_heads ({heads})")
+    specs: list[TensorSpec] = []
+    shapes = k3_state_shapes(config)
+    for k3_name, shape in shapes.items():
+        if k3_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if re.fullmatch(r"layers\.\d+\.block_sparse_moe\.experts\.w[123]", k3_name):
+            continue  # emitted expert by expert below, at the place of w1
+        hf_shape = shape
+        if k3_name.endswith("self_attn.A_log") and a_log_width is not None:
+            hf_shape = (a_log_width,)
+        specs.append(TensorSpec(k3_name, hf_name(k3_name), hf_shape, shape, None, _keeps_fp32(k3_name)))
+        if k3_name.endswith("block_sparse_moe.routed_expert_down_proj.weight"):
+            stack = k3_name[: -len("routed_expert_down_proj.weight")] + "experts."
+            stacks = [(stack + w, HF_TEXT_PREFIX + stack, w, shapes[stack + w]) for w in _EXPERT_WEIGHTS]
+            for expert in range(config.num_experts):
+                for k3, hf_stack, w, stacked in stacks:  # == hf_name(k3, expert), without the regexes
+                    specs.append(TensorSpec(k3, f"{hf_stack}{expert}.{w}.weight", stacked[1:], stacked, expert))
+    return specs
+
+
+# ============================================================================ tensor values
+
+
+def export_tensor(spec: TensorSpec, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The HF tensor of `spec` from the k3train tensor (the expert's slice already taken)."""
+    if tuple(tensor.shape) != tuple(spec.k3_shape[1:] if spec.expert is not None else spec.k3_shape):
+        raise HFConversionError(f"{spec.k3_name}: got shape {tuple(tensor.shape)}, expected {spec.k3_shape}")
+    out = tensor.detach().to(spec.export_dtype(dtype))
+    if spec.k3_name.endswith("self_attn.A_log") and spec.shape != spec.k3_shape:
+        padded = torch.zeros(spec.shape, dtype=out.dtype)
+        padded[: out.shape[0]] = out
+        out = padded
+    return out.contiguous()
+
+
+def import_tensor(spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
+    """The k3train tensor (the expert's slice for an expert spec) from an HF tensor, in its dtype.
+
+    Only `A_log` has accepted variants: `[H]`, `[>= H]` with zero padding, and 4-D `[1, 1, H, 1]`.
+    Any other shape difference raises `HFConversionError`.
+    """
+    want = spec.k3_shape[1:] if spec.expert is not None else spec.k3_shape
+    shape = tuple(tensor.shape)
+    if spec.k3_name.endswith("self_attn.A_log") and shape != want:
+        heads = want[0]
+        if len(shape) == 4 and shape[0] == shape[1] == shape[3] == 1 and shape[2] == heads:
+            return tensor.reshape(heads)
+        if len(shape) == 1 and shape[0] > heads:
+            if torch.count_nonzero(tensor[heads:]).item():
+                raise HFConversionError(
+                    f"{spec.hf_name} has shape {list(shape)} for {heads} heads and its padding "
+                    f"[{heads}:{shape[0]}) is not zero: cannot tell which entries are the heads"
+                )
+            return tensor[:heads]
+    if shape != want:
+        raise HFConversionError(f"{spec.hf_name} has shape {list(shape)}, the config implies {list(want)}")
+    return tensor
+
+
+def hf_shape_matches(spec: TensorSpec, shape: Sequence[int]) -> bool:
+    """Whether an HF tensor of `shape` can be imported for `spec` (see `import_tensor`)."""
+    shape = tuple(shape)
+    want = spec.k3_shape[1:] if spec.expert is not None else spec.k3_shape
+    if shape == want:
+        return True
+    if spec.k3_name.endswith("self_attn.A_log"):
+        heads = want[0]
+        return (len(shape) == 1 and shape[0] >= heads) or shape == (1, 1, heads, 1)
+    return False
+
+
+def check_hf_tensors(
+    available: Mapping[str, tuple[int, ...]], specs: Sequence[TensorSpec], source: str = "the checkpoint"
+) -> list[str]:
+    """Refuse a set of HF tensor names/shapes k3train cannot load; return the ignored names.
+
+    Names outside `language_model.` (a vision tower, projectors) are ignored and returned.
+    Raises `HFConversionError` for quantised experts, a low-rank KDA output gate, missing tensors,
+    text tensors k3train has no place for, and shape mismatches (one line, first few named).
+    """
+    names = list(available)
+    packed = [n for n in names if n.endswith((".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point"))]
+    if packed:
+        raise HFConversionError(
+            f"{source} holds quantised experts ({_listing(packed)}): k3train loads unquantised weights "
+            "only; dequantise the experts to BF16 (.weight tensors) first"
+        )
+    low_rank_gate = [n for n in names if ".g_a_proj." in n or ".g_b_proj." in n]
+    if low_rank_gate:
+        raise HFConversionError(
+            f"{source} has a low-rank KDA output gate ({_listing(low_rank_gate)}): k3train implements "
+            "K3's full-rank g_proj only (use_full_rank_gate true)"
+        )
+    by_name = {spec.hf_name: spec for spec in specs}
+    missing = [spec.hf_name for spec in specs if spec.hf_name not in available]
+    if missing:
+        raise HFConversionError(f"{source} lacks tensors the config implies: {_listing(missing)}")
+    text = [n for n in names if n.startswith("language_model.")]
+    unexpected = [n for n in text if n not in by_name]
+    if unexpected:
+        raise HFConversionError(
+            f"{source} has text-model tensors k3train has no place for: {_listing(unexpected)}"
+        )
+    wrong = []
+    for name in text:
+        spec, shape = by_name[name], tuple(available[name])
+        if not hf_shape_matches(spec, shape):
+            want = spec.k3_shape[1:] if spec.expert is not None else spec.k3_shape
+            wrong.append(f"{name} {list(shape)} vs {list(want)}")
+    if wrong:
+        raise HFConversionError(f"{source} has tensors whose shape the config does not imply: {_listing(wrong)}")
+    return [n for n in names if not n.startswith("language_model.")]
+
+
+def _listing(items: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(items[:limit])
+    return f"{shown}{', ...' if len(items) > limit else ''} ({len(items)} in all)" if len(items) > 1 else shown
+
+
+# ============================================================================ config.json
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_hf_config(
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    bos_token_id: Optional[int] = None,
+    eos_token_id: Optional[int] = None,
+    pad_token_id: Optional[int] = None,
+    max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
+    allow_k3train_only: bool = False,
+) -> dict[str, Any]:
+    """The hub `config.json` of `config` (references §2.1; no `quantization_config`).
+
+    Fields with no HF name (attn_res mode, balancer, recompute, init_std, KDA chunk size, …) go
+    into `text_config["k3train"]`, so `from_hf_config` restores the exact ModelConfig.
+
+    The HF modelling code implements Block AttnRes only: `attn_res: full` or `none` raises
+    `HFConversionError` unless `allow_k3train_only` (the directory then loads in k3train, through
+    `from_hf_config`/`tools/score.py`/`from-hf`, but not in Hugging Face's K3 code).
+    """
+    config.validate()
+    if config.attn_res != "block" and not allow_k3train_only:
+        raise HFConversionError(
+            f"model.attn_res={config.attn_res!r} cannot be exported: the Hugging Face Kimi K3 modelling "
+            "code implements only Block AttnRes (attn_res_block_size); pass --allow-k3train-only to "
+            "write a directory that k3train (tools/score.py, from-hf) reads but HF's K3 code cannot run"
+        )
+    lac = config.linear_attn_config
+    num_layers = config.num_hidden_layers
+    full = sorted(i + 1 for i in config.full_attn_layer_set)
+    kda = [i for i in range(1, num_layers + 1) if i not in set(full)]
+
+    text: dict[str, Any] = {
+        "model_type": HF_TEXT_MODEL_TYPE,
+        "architectures": list(HF_TEXT_ARCHITECTURES),
+    }
+    for name in _HF_MODEL_FIELDS:
+        text[name] = getattr(config, name)
+    text.update({
+        "moe_layer_freq": 1,
+        "num_key_value_heads": config.num_attention_heads,
+        "mla_use_nope": True,
+        "moe_router_activation_func": "sigmoid",
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "max_position_embeddings": int(max_position_embeddings),
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": _dtype_name(dtype),
+        "linear_attn_config": {
+            "num_heads": lac.num_heads,
+            "head_dim": lac.head_dim,
+            "short_conv_kernel_size": lac.short_conv_kernel_size,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": lac.gate_lower_bound,
+            "kda_layers": kda,
+            "full_attn_layers": full,
+        },
+    })
+    if config.attn_res == "none":
+        text.pop("attn_res_block_size")
+    for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if value is not None:
+            text[key] = int(value)
+    text["k3train"] = _k3train_extras(config)
+
+    top: dict[str, Any] = {
+        "architectures": list(HF_ARCHITECTURES),
+        "model_type": HF_MODEL_TYPE,
+        "text_config": text,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "torch_dtype": _dtype_name(dtype),
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in text:
+            top[key] = text[key]
+    return top
+
+
+def _k3train_extras(config: ModelConfig) -> dict[str, Any]:
+    """ModelConfig fields with no HF name (every field not written under its own name)."""
+    extras: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if f.name in _HF_MODEL_FIELDS or f.name == "linear_attn_config":
+            continue
+        extras[f.name] = getattr(config, f.name)
+    lac_extras = {
+        f.name: getattr(config.linear_attn_config, f.name)
+        for f in dataclasses.fields(config.linear_attn_config)
+        if f.name not in _HF_LINEAR_ATTN_FIELDS and f.name not in _DERIVED_LINEAR_ATTN_FIELDS
+    }
+    if lac_extras:
+        extras["linear_attn_config"] = lac_extras
+    return extras
+
+
+def _refuse(source: str, what: str) -> HFConversionError:
+    return HFConversionError(f"cannot convert {source}: {what}")
+
+
+def from_hf_config(hf_config: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+    """The ModelConfig of a hub `config.json` (a `kimi_k3` config with `text_config`, or a bare
+    `kimi_linear` text config).
+
+    Raises `HFConversionError` (one line) for what k3train cannot represent: rotary MLA
+    (`mla_use_nope` false), grouped top-k with more than one group, a `quantization_config`, a
+    low-rank KDA output gate, another router activation, MoE on a layer pattern other than
+    `moe_layer_freq: 1`, a non-latent MoE, multi-token-prediction layers.
+    """
+    top = dict(hf_config)
+    if top.get("model_type") == HF_MODEL_TYPE or "text_config" in top:
+        text = dict(top.get("text_config") or {})
+    else:
+        text = top
+    model_type = text.get("model_type")
+    if model_type not in (HF_TEXT_MODEL_TYPE, None):
+        raise _refuse(source, f"text model_type {model_type!r} is not {HF_TEXT_MODEL_TYPE!r} (Kimi Linear / K3)")
+    for key, canonical in _HF_ALIASES.items():
+        if key in text and canonical not in text:
+            text[canonical] = text[key]
+    quant = top.get("quantization_config") or text.get("quantization_config")
+    if quant:
+        what = "/".join(str(quant.get(k)) for k in ("quant_method", "format") if quant.get(k)) if isinstance(quant, Mapping) else quant
+        raise _refuse(source, f"quantised checkpoint (quantization_config {what}): k3train loads unquantised "
+                              "weights only; dequantise the experts to BF16 first")
+    if not text.get("mla_use_nope", False):
+        raise _refuse(source, "rotary MLA (text_config.mla_use_nope is not true): k3train implements NoPE "
+                              "Gated MLA only")
+    groups, topk_groups = int(text.get("num_expert_group", 1) or 1), int(text.get("topk_group", 1) or 1)
+    if groups > 1 or topk_groups > 1:
+        raise _refuse(source, f"grouped top-k routing (num_expert_group={groups}, topk_group={topk_groups}): "
+                              "k3train routes with a single group")
+    activation = text.get("moe_router_activation_func", "sigmoid")
+    if activation != "sigmoid":
+        raise _refuse(source, f"router activation {activation!r}: k3train implements the sigmoid router only")
+    if int(text.get("moe_layer_freq", 1)) != 1:
+        raise _refuse(source, f"moe_layer_freq={text['moe_layer_freq']}: k3train puts MoE on every layer "
+                              "after first_k_dense_replace")
+    if int(text.get("num_nextn_predict_layers", 0) or 0) > 0:
+        raise _refuse(source, f"{text['num_nextn_predict_layers']} multi-token-prediction layers: k3train has "
+                              "no MTP layers")
+    hidden_act = text.get("hidden_act", "situ")
+    if hidden_act not in ("situ", "silu"):
+        raise _refuse(source, f"hidden_act {hidden_act!r}: k3train implements 'situ' and 'silu' GLUs")
+    linear = dict(text.get("linear_attn_config") or {})
+    if linear and not linear.get("use_full_rank_gate", True):
+        raise _refuse(source, "low-rank KDA output gate (linear_attn_config.use_full_rank_gate false, "
+                              "g_a_proj/g_b_proj): k3train implements K3's full-rank g_proj only")
+    num_experts = int(text.get("num_experts", 0) or 0)
+    if num_experts > 0 and text.get("routed_expert_hidden_size") is None:
+        raise _refuse(source, "MoE without routed_expert_hidden_size (not a LatentMoE): k3train implements "
+                              "Stable LatentMoE only")
+
+    defaults = ModelConfig()
+    values: dict[str, Any] = {}
+    for name in _HF_MODEL_FIELDS:
+        if name in text:
+            values[name] = text[name]
+    values.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", defaults.tie_word_embeddings))
+    num_layers = int(values.get("num_hidden_layers", defaults.num_hidden_layers))
+    extras = dict(text.get("k3train") or {})
+
+    lac_values: dict[str, Any] = {}
+    for name in _HF_LINEAR_ATTN_FIELDS:
+        if name in linear:
+            lac_values[name] = linear[name]
+    full = linear.get("full_attn_layers")
+    kda = linear.get("kda_layers")
+    if full is None and kda is not None:
+        full = [i for i in range(1, num_layers + 1) if i not in set(kda)]
+    if full is not None:
+        full = sorted(int(i) for i in full)
+        kda_set = set(int(i) for i in kda) if kda is not None else set(range(1, num_layers + 1)) - set(full)
+        if set(full) & kda_set or set(full) | kda_set != set(range(1, num_layers + 1)):
+            raise _refuse(source, "linear_attn_config.kda_layers and full_attn_layers do not split layers "
+                                  f"1..{num_layers} between them")
+        lac_values["full_attn_layers"] = None if full == default_full_attn_layers(num_layers) else full
+    lac_values.update(extras.pop("linear_attn_config", None) or {})
+    values["linear_attn_config"] = LinearAttnConfig(**_known(LinearAttnConfig, lac_values, source))
+
+    if "attn_res_block_size" not in text and "attn_res" not in extras:
+        values["attn_res"] = "none"  # no AttnRes in the checkpoint (e.g. a plain Kimi Linear)
+    for name, value in extras.items():
+        if name not in _HF_MODEL_FIELDS:
+            values[name] = value
+    config = ModelConfig(**_known(ModelConfig, values, source))
+    try:
+        config.validate()
+    except ValueError as error:
+        raise _refuse(source, str(error)) from None
+    return config
+
+
+def _known(cls: type, values: dict[str, Any], source: str) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        warnings.warn(f"{source}: ignoring k3train fields this version does not know: {', '.join(unknown)}", stacklevel=3)
+    return {k: v for k, v in values.items() if k in names}
+
+
+def special_token_ids(tokenizer: str) -> dict[str, int]:
+    """bos/eos/pad ids of a k3train `data.tokenizer` value, as far as they are known."""
+    if tokenizer == "byte":
+        from k3train.data.tokenizers import ByteTokenizer
+
+        return {"bos_token_id": ByteTokenizer.bos_id, "eos_token_id": ByteTokenizer.eos_id,
+                "pad_token_id": ByteTokenizer.pad_id}
+    try:
+        from k3train.data.tokenizers import build_tokenizer
+
+        return {"eos_token_id": int(build_tokenizer(tokenizer).eos_id)}
+    except Exception:  # a tokenizer that cannot be read here: leave the ids out
+        return {}
+
+
+# ============================================================================ read-only I/O
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The complete k3train checkpoint `path` names: a `step_XXXXXXXX` directory, a checkpoint
+    directory (its newest complete step) or a run directory (`RUN/checkpoints`, newest step).
+
+    Never modifies anything (unlike `Checkpointer(...)`, which cleans stale saves on start-up).
+    """
+    from k3train.checkpoint.checkpointer import is_complete
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise HFConversionError(f"checkpoint {path} does not exist")
+    if is_complete(path):
+        return path
+    for root in (path, path / "checkpoints"):
+        if root.is_dir():
+            steps = [(int(m.group(1)), e) for e in root.iterdir()
+                     if (m := _STEP_DIR.match(e.name)) and e.is_dir() and is_complete(e)]
+            if steps:
+                return max(steps)[1]
+    raise HFConversionError(
+        f"{path} is neither a complete k3train checkpoint (step_XXXXXXXX with .metadata and a complete "
+        "k3train.json) nor a directory holding one (checkpoints/ of a run)"
+    )
+
+
+def run_config_path(checkpoint: Path, explicit: Optional[str | Path] = None) -> Path:
+    """The run's `config.yaml`: `explicit` when given, else `CHECKPOINT/../../config.yaml`."""
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise HFConversionError(f"--config {path} is not a file")
+        return path
+    path = checkpoint.resolve().parent.parent / "config.yaml"
+    if not path.is_file():
+        raise HFConversionError(
+            f"no config.yaml next to the checkpoint's run directory ({path} does not exist); pass "
+            "--config RUN_DIR/config.yaml (the resolved config the run wrote)"
+        )
+    return path
+
+
+class CheckpointTensorReader:
+    """Reads a k3train DCP checkpoint's model tensors a few at a time (one `dcp.load` per batch,
+    with a partial state dict), whatever layout saved it: DCP reshards every saved chunk into the
+    requested plain tensor or slice of one. Peak memory ≈ the requested batch plus the largest
+    saved chunk it touches (DCP's file reader loads a saved chunk whole)."""
+
+    def __init__(self, path: str | Path, app_key: str = "model") -> None:
+        from k3train.checkpoint.checkpointer import CheckpointError, verify_checkpoint
+
+        self.path = Path(path)
+        try:
+            self.metadata = verify_checkpoint(self.path)
+        except CheckpointError as error:
+            raise HFConversionError(str(error)) from None
+        metadata = self.metadata
+
+        class _CachedReader(FileSystemReader):  # one metadata read, not one per dcp.load call
+            def read_metadata(self, *args: Any, **kwargs: Any):
+                return metadata
+
+        self._reader = _CachedReader(str(self.path))
+        self.fqns: dict[str, str] = {}
+        planner_data = dict(metadata.planner_data or {})
+        for fqn, md in metadata.state_dict_metadata.items():
+            path_ = planner_data.get(fqn)
+            if path_ is not None and len(path_) == 2 and path_[0] == app_key:
+                name = str(path_[1])
+            elif path_ is None and fqn.startswith(app_key + "."):
+                name = fqn[len(app_key) + 1:]
+            else:
+                continue
+            if hasattr(md, "chunks"):  # tensors only
+                self.fqns[name] = fqn
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        sdm = self.metadata.state_dict_metadata
+        return {name: tuple(sdm[fqn].size) for name, fqn in self.fqns.items()}
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.metadata.state_dict_metadata[self.fqns[name]].properties.dtype
+
+    def dim0_boundaries(self, name: str) -> list[int]:
+        """Where saved chunks start or end along dim 0 (e.g. expert-parallel shards)."""
+        md = self.metadata.state_dict_metadata[self.fqns[name]]
+        cuts = {0, int(md.size[0])}
+        for chunk in md.chunks:
+            cuts.add(int(chunk.offsets[0]))
+            cuts.add(int(chunk.offsets[0] + chunk.sizes[0]))
+        return sorted(cuts)
+
+    def check_names(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        """Raise `HFConversionError` unless the checkpoint's model tensors are exactly `expected`."""
+        have = self.shapes()
+        missing = [n for n in expected if n not in have]
+        extra = [n for n in have if n not in expected]
+        wrong = [f"{n} {list(have[n])} vs {list(s)}" for n, s in expected.items() if n in have and have[n] != tuple(s)]
+        problems = []
+        if missing:
+            problems.append(f"missing model tensors the config implies: {_listing(missing)}")
+        if extra:
+            problems.append(f"model tensors the config does not imply (or the HF mapping does not cover): {_listing(extra)}")
+        if wrong:
+            problems.append(f"shapes (checkpoint vs config): {_listing(wrong)}")
+        if problems:
+            raise HFConversionError(
+                f"checkpoint {self.path} does not match its config ({'; '.join(problems)}); is --config the "
+                "run's config.yaml?"
+            )
+
+    def read(self, requests: Sequence[tuple[str, Optional[tuple[int, int]]]]) -> list[torch.Tensor]:
+        """One `dcp.load`: each request is (name, None) for a whole tensor or (name, (start, end))
+        for rows [start, end) along dim 0; tensors come back in the checkpoint's dtype."""
+        sdm = self.metadata.state_dict_metadata
+        targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+        out = []
+        for name, rows in requests:
+            fqn = self.fqns[name]
+            md = sdm[fqn]
+            size = list(md.size)
+            offsets = [0] * len(size)
+            if rows is not None:
+                offsets[0], size[0] = rows[0], rows[1] - rows[0]
+            if fqn in targets:
+                raise ValueError(f"{name} requested twice in one read")
+            tensor = torch.empty(size, dtype=md.properties.dtype)
+            targets[fqn] = (tensor, tuple(offsets))
+            out.append(tensor)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
+            dcp.load({}, storage_reader=self._reader, planner=_SliceLoadPlanner(targets), no_dist=True)
+        return out
+
+
+class _SliceLoadPlanner(LoadPlanner):
+    """Reads `{fqn: (destination, offsets)}`: the region of each saved tensor that starts at
+    `offsets` and has the destination's size, through DCP's resharding read items (one item per
+    saved chunk the region overlaps)."""
+
+    def __init__(self, targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> None:
+        self.targets = targets
+        self.metadata = None
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, (tensor, offsets) in self.targets.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.size())
+            items += create_read_items_for_chunk_list(fqn, md, [chunk])
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        raise RuntimeError(f"unexpected non-tensor read of {read_item.dest_index.fqn}")
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        tensor = self.targets[read_item.dest_index.fqn][0]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            tensor = tensor.narrow(dim, start, length)
+        return tensor
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass  # resolve_tensor handed out a view of the destination: nothing to copy back
+
+
+class HFDirectory:
+    """A hub-format directory: `config.json` plus `model.safetensors` or sharded
+    `model-*.safetensors` with `model.safetensors.index.json`. Tensors are read one at a time."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise HFConversionError(f"{self.path} has no config.json: not a Hugging Face model directory")
+        self.config = json.loads(config_path.read_text(encoding="utf-8"))
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            self.files = {name: self.path / file for name, file in weight_map.items()}
+        elif single.is_file():
+            self.files = None
+            self._single = single
+        else:
+            raise HFConversionError(f"{self.path} has neither model.safetensors.index.json nor model.safetensors")
+        self._open: dict[Path, Any] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        files = sorted(set(self.files.values())) if self.files is not None else [single]
+        for file in files:
+            if not file.is_file():
+                raise HFConversionError(f"{file} is listed in the index but missing")
+            handle = self._handle(file)
+            for name in handle.keys():
+                self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+        if self.files is None:
+            self.files = {name: single for name in self._shapes}
+        else:
+            absent = [n for n in self.files if n not in self._shapes]
+            if absent:
+                raise HFConversionError(f"index names tensors its shards do not hold: {_listing(absent)}")
+
+    @staticmethod
+    def is_hf_dir(path: str | Path) -> bool:
+        path = Path(path)
+        return (path / "config.json").is_file() and (
+            (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file())
+
+    def _handle(self, file: Path):
+        from safetensors import safe_open
+
+        if file not in self._open:
+            self._open[file] = safe_open(str(file), framework="pt")
+        return self._open[file]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(self.files[name]).get_tensor(name)
+
+
+def build_empty_model(config: ModelConfig):
+    """`K3Model(config)` with uninitialised (CPU) parameters, for loading every tensor: built on
+    the meta device, so nothing is initialised twice; non-persistent buffers are zeroed."""
+    from k3train.model.k3 import K3Model
+
+    with torch.device("meta"):
+        model = K3Model(config)
+    # to_empty() gives every module its own new Parameter, which unties shared ones (a tied
+    # head): remember who shared what and tie again afterwards.
+    shared: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    model.to_empty(device="cpu")
+    for names in shared.values():
+        owner = model.get_parameter(names[0])
+        for name in names[1:]:
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, owner)
+    persistent = set(model.state_dict())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name not in persistent:
+                buffer.zero_()
+    return model
+
+
+def load_hf_weights(
+    model: torch.nn.Module, hf: HFDirectory, specs: Sequence[TensorSpec],
+    progress: Optional[Callable[[int], None]] = None,
+) -> None:
+    """Copy every spec's HF tensor into `model` (one tensor in memory at a time besides the
+    model); every model tensor must be covered (a tied head through the embedding). `progress(1)`
+    is called after each tensor."""
+    state = model.state_dict()
+    covered: set[str] = set()
+    with torch.no_grad():
+        for spec in specs:
+            value = import_tensor(spec, hf.get(spec.hf_name))
+            target = state[spec.k3_name]
+            if spec.expert is not None:
+                target = target[spec.expert]
+            target.copy_(value)
+            covered.add(spec.k3_name)
+            if progress is not None:
+                progress(1)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    uncovered = [n for n in state if n not in covered and n not in tied]
+    if uncovered:
+        raise HFConversionError(f"the HF tensors left model tensors unset: {_listing(uncovered)}")
