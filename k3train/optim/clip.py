@@ -32,7 +32,8 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     if grads:
         device = grads[0].device
-        norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32).to(device) for g in grads]
+        norms = [torch.linalg.vector_norm(g, 2, dtype=torch.promote_types(g.dtype, torch.float32)).float().to(device)
+                 for g in grads]
         squared_norm = torch.stack(norms).square().sum()
     else:
         # A rank without gradients (e.g. an empty pipeline stage) still joins the reduction.

@@ -1,0 +1,367 @@
+"""Pipeline parallelism: 1F1B and interleaved 1F1B over model chunks, with the AttnRes block cache.
+
+A micro-batch crosses a stage boundary as `(partial_sum, new_block_representations)`: the
+receiver keeps, per micro-batch in flight, every block it has received or produced
+(`pipeline_cache.BlockCache`), so a hop carries only the blocks the receiver does not hold yet
+(the exact delta; both sides know it from the plan, `pipeline_schedule.PipelinePlan`). Backward
+returns the gradient of the partial sum and of exactly those blocks; gradients of cached blocks
+accumulate locally and flow into the backward of the chunk that introduced the block on this
+rank. SPEC §2.1 works an example through.
+
+How the training loop calls it (one optimizer step)::
+
+    plan = PipelinePlan.from_config(config.model, config.parallel)
+    chunks = build_model_chunks(config.model, plan, state)           # this rank's K3Model slices
+    schedule = PipelineSchedule(plan, state.pp, residual_shape(micro_batch_size, seq_length,
+                                config.model.hidden_size, state.tp.size, state.sequence_parallel),
+                                dtype=torch.float32, forward_context=trainer.autocast)
+    loss = schedule.run(chunks, micro_batches)   # list of M token tensors [mb, seq+1]; None allowed
+                                                 # on ranks that hold neither the first nor last chunk
+    # every chunk's parameters now hold the gradient of the mean loss over the M micro-batches;
+    # `loss` (float64 scalar) is that mean, broadcast from the last stage to every pp rank.
+    ...reduce gradients over dp/tp, clip, optimizer.step(), chunk.update_routing_biases() per chunk
+
+Data parallelism overlapped with the pipeline's backward: one `GradientReducer` over
+`nn.ModuleList(chunks)` and `PipelineSchedule(..., before_backward=lambda v, last:
+reducer.set_last_micro_batch(last))`, then `reducer.finish()` after `run` (each chunk's
+gradients are reduced during its last backward of the step).
+
+`schedule.run(chunks, micro_batches, forward_only=True)` evaluates (no graph, no backward).
+`chunks` is in virtual-stage order (chunk `v` of rank `r` is global chunk `v·P + r`); chunk 0
+embeds `tokens[:, :-1]`, the last chunk returns logits and `chunk.loss(logits, tokens[:, 1:])`
+is the micro-batch's mean loss. With `pp = 1` the same call runs plain gradient accumulation.
+
+Communication: non-blocking `isend`/`irecv` (`comm.Group`, counted under `pp.forward` and
+`pp.backward`). Every send is posted right after its compute and never waited on until the end
+of the step; the receives of a step are posted one step ahead and waited on just before it, so
+a rank only ever blocks on data its peer produces earlier in its own order; Megatron's orders
+are deadlock-free under that rule (`pipeline_schedule.simulate` checks it, tests/unit). On gloo every message carries a unique tag (direction, hop,
+micro-batch, index), so forward activations and backward gradients between the same two ranks
+(P = 2) cannot be confused. Per direction and rank pair, sends and receives are also posted in
+the same order on both sides (both follow the schedule's lexicographic micro-batch order), which
+is what a tag-less backend needs, except that with P = 2 forward and backward messages share a
+direction: give `grad_group` (a second process group over the same ranks) there on NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Optional, Sequence
+
+import torch
+from torch import nn
+
+from k3train.model.attn_res import ResidualState
+from k3train.parallel.comm import Group
+from k3train.parallel.pipeline_cache import BlockCache, BlockCacheError
+from k3train.parallel.pipeline_schedule import (  # noqa: F401  (re-exported)
+    PROTOCOLS, PipelineConfigError, PipelinePlan, Step, blocks_before_layer, bubble_formula,
+    interleaved_one_f_one_b, one_f_one_b, partition_layers, schedule_steps, simulate,
+)
+
+FORWARD, BACKWARD = 0, 1
+
+
+def residual_shape(micro_batch_size: int, seq_length: int, hidden_size: int, tp_size: int = 1,
+                   sequence_parallel: bool = False) -> tuple[int, int, int]:
+    """Shape of the partial sum and of every block on the wire (`[mb, seq / tp under SP, d]`)."""
+    if sequence_parallel and tp_size > 1:
+        if seq_length % tp_size:
+            raise PipelineConfigError(f"data.seq_length={seq_length} does not split over tp={tp_size} "
+                                      f"(sequence parallelism)")
+        seq_length //= tp_size
+    return (micro_batch_size, seq_length, hidden_size)
+
+
+def build_model_chunks(model_config, plan: PipelinePlan, state, dtype: Optional[torch.dtype] = None,
+                       seed: Optional[int] = None) -> list[nn.Module]:
+    """This rank's `K3Model` slices in virtual-stage order (embedding only on chunk 0, head only on
+    the last chunk; parameter names keep global layer indices)."""
+    from k3train.model.k3 import K3Model
+
+    chunks = []
+    for layer_range in plan.layer_ranges(state.pp.rank):
+        chunk = K3Model(model_config, layer_range=layer_range, parallel=state)
+        if dtype is not None:
+            chunk = chunk.to(dtype)
+        if seed is not None:
+            chunk.init_weights(seed)
+        chunks.append(chunk)
+    return chunks
+
+
+def theoretical_peak_blocks(plan: PipelinePlan, rank: int, micro_batches: int) -> int:
+    """The most block tensors this rank must hold at once in a step: every block of every
+    micro-batch in flight, once (`PipelinePlan.held_blocks` after each of the rank's steps)."""
+    held: dict[int, int] = {}
+    peak = 0
+    for step in schedule_steps(plan.pp, plan.virtual_stages, rank, micro_batches):
+        chunk = plan.chunk_index(rank, step.virtual_stage)
+        held[step.micro_batch] = plan.held_blocks(chunk, step.kind)
+        peak = max(peak, sum(held.values()))
+    return peak
+
+
+@dataclass
+class PipelineStats:
+    """What the last `run` did on this rank (times in seconds, from `time.perf_counter`)."""
+
+    total_s: float = 0.0
+    compute_s: float = 0.0  # forward/backward of the chunks, including posting sends
+    wait_s: float = 0.0  # blocked on receives, and on outstanding sends at the end
+    steps: int = 0
+    peak_live_blocks: int = 0
+    peak_block_grads: int = 0
+    step_log: list[tuple[str, float, float]] = field(default_factory=list)  # (step, start, end) of compute
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the step this rank spent not computing."""
+        return 1.0 - self.compute_s / self.total_s if self.total_s > 0 else 0.0
+
+
+@dataclass
+class _ChunkRecord:
+    """One chunk's forward for one micro-batch, kept until its backward."""
+
+    partial_in: Optional[torch.Tensor]  # received leaf (None on chunk 0)
+    leaves: list[torch.Tensor]  # leaves of blocks 0 … blocks_at[c]-1 in this graph
+    partial_out: Optional[torch.Tensor] = None
+    produced: dict[int, torch.Tensor] = field(default_factory=dict)  # block id → tensor in the graph
+    loss: Optional[torch.Tensor] = None
+
+
+class PipelineSchedule:
+    """Runs one step of micro-batches through this rank's model chunks (see the module docstring).
+
+    Args:
+        plan: the partition and block protocol (same on every rank).
+        group: the pipeline group (`state.pp`); its size must be `plan.pp`.
+        tensor_shape: shape of the partial sum and of each block (`residual_shape`).
+        dtype: the dtype they travel in (and are received in).
+        device: where receive buffers live (default: CPU, or the current CUDA device).
+        forward_context: a context-manager factory around each chunk forward (e.g. autocast).
+        grad_group: group for the backward messages (default `group`; see the module docstring).
+        before_backward: `fn(virtual_stage, last)` called before every backward step; `last` is
+            True for the last backward of that chunk in the step (turn on gradient reduction there).
+        after_step: `fn(step, schedule)` called after every step (tests: cache accounting).
+        trace_cache: record every cache change in `self.cache.trace`.
+    """
+
+    def __init__(self, plan: PipelinePlan, group: Group, tensor_shape: Sequence[int],
+                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 forward_context: Optional[Callable[[], ContextManager]] = None,
+                 grad_group: Optional[Group] = None,
+                 before_backward: Optional[Callable[[int, bool], None]] = None,
+                 after_step: Optional[Callable[[Step, "PipelineSchedule"], None]] = None,
+                 trace_cache: bool = False):
+        if group.size != plan.pp:
+            raise PipelineConfigError(f"the pipeline group has {group.size} ranks but the plan has pp={plan.pp}")
+        self.plan = plan
+        self.group = group
+        self.grad_group = grad_group or group
+        self.rank = group.rank
+        self.tensor_shape = tuple(tensor_shape)
+        self.dtype = dtype
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                 else torch.device("cpu"))
+        self.forward_context = forward_context or contextlib.nullcontext
+        self.before_backward = before_backward
+        self.after_step = after_step
+        self.trace_cache = trace_cache
+        self.cache = BlockCache(trace_cache)
+        self.stats = PipelineStats()
+        self._pending: list[tuple[torch.distributed.Work, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ the step
+    def run(self, model_chunks: Sequence[nn.Module], micro_batches: Sequence[Optional[torch.Tensor]],
+            forward_only: bool = False, loss_scale: Optional[float] = None) -> torch.Tensor:
+        """One step over `micro_batches` (token tensors `[mb, seq+1]`, needed on the ranks holding
+        the first or last chunk); returns the mean micro-batch loss on every rank of the group.
+        Gradients of `loss_scale · Σ losses` (default `1/M`: the mean) accumulate into the chunks'
+        parameters."""
+        plan, rank = self.plan, self.rank
+        if len(model_chunks) != plan.virtual_stages:
+            raise PipelineConfigError(f"rank {rank} got {len(model_chunks)} model chunks; the plan gives it "
+                                      f"{plan.virtual_stages} (one per virtual stage)")
+        self._chunks = list(model_chunks)
+        self._micro_batches = micro_batches
+        self._count = len(micro_batches)
+        self._scale = 1.0 / self._count if loss_scale is None else loss_scale
+        self._forward_only = forward_only
+        steps = schedule_steps(plan.pp, plan.virtual_stages, rank, self._count, forward_only)
+        last_backward = {}
+        for index, step in enumerate(steps):
+            if step.kind == "backward":
+                last_backward[step.virtual_stage] = index
+        self.cache = BlockCache(self.trace_cache)
+        self.stats = PipelineStats()
+        self._records: dict[tuple[int, int], _ChunkRecord] = {}
+        self._losses: list[torch.Tensor] = []
+        started = time.perf_counter()
+
+        received = self._post_receives(steps[0])
+        for index, step in enumerate(steps):
+            upcoming = self._post_receives(steps[index + 1]) if index + 1 < len(steps) else None
+            tensors = self._wait(received)
+            begin = time.perf_counter()
+            if step.kind == "forward":
+                self._forward(step, tensors)
+            else:
+                if self.before_backward is not None:
+                    self.before_backward(step.virtual_stage, last_backward[step.virtual_stage] == index)
+                self._backward(step, tensors)
+            end = time.perf_counter()
+            self.stats.compute_s += end - begin
+            self.stats.step_log.append((repr(step), begin - started, end - started))
+            self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
+            if self.after_step is not None:
+                self.after_step(step, self)
+            received = upcoming
+        wait_start = time.perf_counter()
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+        self.stats.wait_s += time.perf_counter() - wait_start
+        self.stats.total_s = time.perf_counter() - started
+        self.stats.steps = len(steps)
+        self.stats.peak_live_blocks = self.cache.peak
+        self.stats.peak_block_grads = self.cache.peak_grads
+        if self._records or self.cache.micro_batches():
+            raise BlockCacheError(f"step ended with records {sorted(self._records)} and cached micro-batches "
+                                  f"{self.cache.micro_batches()}")
+
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self._losses:
+            loss = torch.stack([l.double() for l in self._losses]).sum() / self._count
+        return self.group.broadcast(loss, source_index=plan.rank_of(plan.num_chunks - 1))
+
+    # ------------------------------------------------------------------ forward
+    def _forward(self, step: Step, received: Optional[list[torch.Tensor]]) -> None:
+        plan, cache, mb = self.plan, self.cache, step.micro_batch
+        chunk_index = plan.chunk_index(self.rank, step.virtual_stage)
+        chunk = self._chunks[step.virtual_stage]
+        is_last = chunk_index == plan.num_chunks - 1
+        grad = not self._forward_only
+        record = _ChunkRecord(partial_in=None, leaves=[])
+        with torch.set_grad_enabled(grad):
+            with self.forward_context():
+                if chunk_index == 0:
+                    output = chunk(self._tokens(mb, chunk_index)[:, :-1])
+                else:
+                    record.partial_in = received[0].requires_grad_(grad)
+                    for block, buffer in zip(plan.received_blocks(chunk_index), received[1:]):
+                        cache.put(mb, block, buffer, "receive")
+                    count = plan.blocks_at[chunk_index]
+                    record.leaves = (cache.leaves(mb, count) if grad
+                                     else [cache.value(mb, j) for j in range(count)])
+                    output = chunk(state=ResidualState(record.partial_in, list(record.leaves)))
+            if is_last:
+                record.loss = chunk.loss(output, self._tokens(mb, chunk_index)[:, 1:])
+                self._losses.append(record.loss.detach())
+            else:
+                self._check_output(output, chunk_index, record.leaves)
+                record.partial_out = output.partial
+                for block in plan.produced_blocks(chunk_index):
+                    record.produced[block] = output.blocks[block]
+                    cache.put(mb, block, output.blocks[block], "produce")
+                hop = plan.hop_blocks(chunk_index)
+                self._send([output.partial] + [cache.value(mb, j) for j in hop], FORWARD, chunk_index, mb,
+                           plan.rank_of(chunk_index + 1))
+        if grad:
+            self._records[(step.virtual_stage, mb)] = record
+        elif step.virtual_stage == plan.virtual_stages - 1:
+            cache.drop(mb)  # the rank's last chunk of this micro-batch: nothing needs its blocks
+
+    def _check_output(self, output, chunk_index: int, leaves: list[torch.Tensor]) -> None:
+        expected = self.plan.blocks_at[chunk_index + 1]
+        if not isinstance(output, ResidualState) or len(output.blocks) != expected:
+            got = len(output.blocks) if isinstance(output, ResidualState) else type(output).__name__
+            raise PipelineConfigError(
+                f"chunk {chunk_index} (layers {self.plan.chunks[chunk_index]}) returned {got} blocks; the plan "
+                f"expects {expected}: the plan's attn_res/block size disagree with the model's")
+        if any(output.blocks[j] is not leaf for j, leaf in enumerate(leaves)):
+            raise PipelineConfigError(f"chunk {chunk_index} replaced a block it received (blocks are append-only)")
+
+    def _tokens(self, micro_batch: int, chunk_index: int) -> torch.Tensor:
+        tokens = self._micro_batches[micro_batch]
+        if tokens is None:
+            raise PipelineConfigError(f"chunk {chunk_index} needs the tokens of micro-batch {micro_batch} "
+                                      f"(the first and last stages read inputs and labels)")
+        return tokens.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ backward
+    def _backward(self, step: Step, received: Optional[list[torch.Tensor]]) -> None:
+        plan, cache, mb = self.plan, self.cache, step.micro_batch
+        chunk_index = plan.chunk_index(self.rank, step.virtual_stage)
+        record = self._records.pop((step.virtual_stage, mb))
+        if chunk_index == plan.num_chunks - 1:
+            roots, grads = [record.loss * self._scale], [None]
+        else:
+            roots = [record.partial_out]
+            grads = [received[0].to(record.partial_out.dtype)]
+            hop_grads = dict(zip(plan.hop_blocks(chunk_index), received[1:]))
+            for block, tensor in record.produced.items():
+                grad = hop_grads.pop(block)  # a block a chunk pushes always travels on its outgoing hop
+                local = cache.pop_grad(mb, block)  # this rank's later chunks' use of it
+                roots.append(tensor)
+                grads.append((grad if local is None else grad + local).to(tensor.dtype))
+            for block, grad in hop_grads.items():  # blocks this chunk passed on: they came in with it
+                cache.accumulate(mb, block, grad)
+        torch.autograd.backward(roots, grads)
+        for block, leaf in enumerate(record.leaves):
+            cache.accumulate(mb, block, leaf.grad)
+        if chunk_index > 0:
+            incoming = plan.received_blocks(chunk_index)
+            zeros = lambda: torch.zeros(self.tensor_shape, dtype=self.dtype, device=self.device)  # noqa: E731
+            partial_grad = record.partial_in.grad if record.partial_in.grad is not None else zeros()
+            block_grads = [cache.pop_grad(mb, j) for j in incoming]
+            self._send([partial_grad] + [g if g is not None else zeros() for g in block_grads], BACKWARD,
+                       chunk_index - 1, mb, plan.rank_of(chunk_index - 1))
+            cache.release(mb, incoming, "release")
+        cache.release(mb, record.produced, "release")
+        if step.virtual_stage == 0:
+            cache.finish(mb)
+
+    # ------------------------------------------------------------------ communication
+    def _tag(self, direction: int, hop: int, micro_batch: int, index: int) -> int:
+        return ((direction * self.plan.num_chunks + hop) * self._count + micro_batch) * self.plan.max_hop_tensors + index
+
+    def _send(self, tensors: list[torch.Tensor], direction: int, hop: int, micro_batch: int,
+              destination: int) -> None:
+        group = self.group if direction == FORWARD else self.grad_group
+        label = f"{self.group.name}.{'forward' if direction == FORWARD else 'backward'}"
+        for index, tensor in enumerate(tensors):
+            tensor = tensor.detach().to(self.dtype).contiguous()
+            work = group.isend(tensor, destination, tag=self._tag(direction, hop, micro_batch, index), label=label)
+            self._pending.append((work, tensor))
+
+    def _post_receives(self, step: Step) -> Optional[list[tuple[torch.Tensor, torch.distributed.Work]]]:
+        """Post the receives a step needs (its inputs: activations for a forward, gradients for a
+        backward); None when it needs none."""
+        plan = self.plan
+        chunk_index = plan.chunk_index(self.rank, step.virtual_stage)
+        if step.kind == "forward":
+            if chunk_index == 0:
+                return None
+            direction, hop, source, group = FORWARD, chunk_index - 1, plan.rank_of(chunk_index - 1), self.group
+        else:
+            if chunk_index == plan.num_chunks - 1:
+                return None
+            direction, hop, source, group = BACKWARD, chunk_index, plan.rank_of(chunk_index + 1), self.grad_group
+        posted = []
+        for index in range(1 + len(plan.hop_blocks(hop))):
+            buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+            posted.append((buffer, group.irecv(buffer, source, tag=self._tag(direction, hop, step.micro_batch, index))))
+        return posted
+
+    def _wait(self, posted) -> Optional[list[torch.Tensor]]:
+        if posted is None:
+            return None
+        start = time.perf_counter()
+        for _, work in posted:
+            work.wait()
+        self.stats.wait_s += time.perf_counter() - start
+        return [buffer for buffer, _ in posted]

@@ -1,0 +1,180 @@
+"""Data parallelism (parallel/data.py) against one process: bucketed gradient all-reduce, ZeRO-1 /
+distributed Per-Head Muon, gradient accumulation, global-norm clipping, traffic, resharding.
+
+One launch of 4 gloo ranks runs every check (tests/distributed/workers_data.py); the tests below
+only read its numbers. The debug model runs in float64, so the only difference from the
+single-process run is the summation order (per-replica partial sums of the batch, then the
+all-reduce) — about 1e-16 relative. Tolerances:
+
+- loss averaged over DP: 1e-12 absolute (losses are ~6; measured <= 3e-15);
+- every gradient after one step: 1e-10 absolute (gradients up to ~1; measured <= 2e-15);
+- every parameter after three steps (Per-Head Muon + AdamW, lr 1e-2): 1e-10 absolute (measured
+  <= 1e-12). Newton–Schulz amplifies input differences by at most ~a^5 ≈ 500 (its slope at 0
+  is a = 3.4445 per step) and AdamW's g/sqrt(v) by up to 1/eps for gradients near eps, so the
+  parameters drift further from the reference than the gradients do;
+- ZeRO-1 on vs off: bit-identical (the owner runs exactly what every rank runs otherwise);
+- clipping (float32, as `clip_grad_norm_` norms in fp32 and cannot norm float64 gradients):
+  norm within 1e-5 relative, clipped gradients within 1e-6 of the largest gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3train.model.config import ModelConfig
+from k3train.model.k3 import K3Model, lm_loss
+from k3train.optim.builder import build_optimizer
+from k3train.optim.clip import clip_grad_norm_
+from k3train.optim.config import OptimizerConfig
+from k3train.parallel.data import DistributedOptimizer, GradientReducer, clip_grad_norm
+from k3train.parallel.state import ParallelState
+from tests.distributed.harness import run_workers
+
+LOSS_TOL, GRAD_TOL, PARAM_TOL = 1e-12, 1e-10, 1e-10
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    checkpoint_dir = tmp_path_factory.mktemp("dp_checkpoints")
+    per_rank = run_workers(4, "tests.distributed.workers_data:run", {"checkpoint_dir": str(checkpoint_dir)},
+                           timeout_s=240)
+    print("seconds per part (rank 0):", per_rank[0]["seconds"])
+    return per_rank
+
+
+@pytest.mark.parametrize("layout", ["dp4", "dp2"])
+@pytest.mark.parametrize("zero", ["zero_off", "zero_on"])
+def test_matches_single_process(results, layout, zero):
+    for rank, result in enumerate(results):
+        diff = result[layout][zero]
+        assert diff["loss"] < LOSS_TOL, (rank, diff)
+        assert diff["grads"] < GRAD_TOL, (rank, diff)
+        assert diff["params"] < PARAM_TOL, (rank, diff)
+
+
+@pytest.mark.parametrize("layout", ["dp4", "dp2"])
+def test_zero1_is_bit_identical_to_replicated_optimizer(results, layout):
+    assert all(result[layout]["on_vs_off"] == 0.0 for result in results)
+
+
+def test_gradient_accumulation(results):
+    for result in results:
+        diff = result["accumulation"]
+        assert diff["loss"] < LOSS_TOL and diff["grads"] < GRAD_TOL and diff["params"] < PARAM_TOL, diff
+
+
+def test_buckets_launch_during_backward(results):
+    """The hooks launched every bucket before finish() (overlap) up to the first one holding a
+    parameter without gradient (layer 0's unused AttnRes query): only that bucket and those of
+    layer 0 and the embedding, the very end of backward, wait for finish()."""
+    for result in results:
+        for layout in ("dp4", "dp2"):
+            first_unused = result[layout]["first_unused_bucket"]
+            assert result[layout]["launched_in_backward"] == [first_unused] * 3
+            waiting = [name for bucket in result[layout]["bucket_names"][first_unused + 1:] for name in bucket]
+            assert all(name.startswith(("layers.0.", "embed_tokens.")) for name in waiting), waiting
+            assert 1 < first_unused < result[layout]["buckets"]
+
+
+@pytest.mark.parametrize("layout", ["dp4", "dp2"])
+def test_traffic(results, layout):
+    """DP all-reduce: (numel + one has-gradient flag per tensor) x 8 bytes (float64 buffers), one
+    message per bucket; ZeRO-1: the padded all-gather; without ZeRO-1 no exchange at all."""
+    for result in results:
+        traffic = result[layout]["traffic_zero_on"]
+        assert traffic["grad"] == traffic["grad_expected"]
+        assert traffic["grad"][0] == 8 * (traffic["model_numel"] + traffic["model_tensors"])
+        assert traffic["exchange"] == traffic["exchange_expected"]
+        assert result[layout]["traffic_zero_off"]["exchange"] == (0, 0)
+    # Every rank sends the same padded length: together at least the model once.
+    sent = sum(result[layout]["traffic_zero_on"]["exchange"][0] for result in results)
+    tp = 2 if layout == "dp2" else 1
+    assert sent >= tp * 8 * results[0][layout]["traffic_zero_on"]["model_numel"]
+
+
+def test_fp32_gradient_traffic(results):
+    """With float32 parameters the buckets are fp32: (numel + flags) x 4 bytes per step."""
+    for result in results:
+        clip = result["clip_dp4"]
+        assert clip["fp32_grad_traffic"] == clip["fp32_expected"]
+
+
+def test_broadcast_exchange(results):
+    """Broadcast per parameter: same parameters; each rank sends exactly what it owns. (This run
+    also reduces without hooks, `overlap=False`: everything in finish().)"""
+    sent = 0
+    for result in results:
+        broadcast = result["broadcast"]
+        assert broadcast["launched_in_backward"] == [0]
+        assert broadcast["grads"] < GRAD_TOL and broadcast["params"] < PARAM_TOL
+        assert broadcast["traffic"]["exchange"] == broadcast["traffic"]["exchange_expected"]
+        sent += broadcast["traffic"]["exchange"][0]
+    assert sent == 8 * results[0]["broadcast"]["traffic"]["model_numel"]
+
+
+@pytest.mark.parametrize("layout", ["dp4", "dp2"])
+def test_ownership_plan_identical_and_balanced(results, layout):
+    plans = [result[layout]["plan"] for result in results]
+    assert all(plan["owners"] == plans[0]["owners"] for plan in plans)
+    costs = plans[0]["costs"]["dp"]
+    assert len(costs) == (4 if layout == "dp4" else 2)
+    assert max(costs) / min(costs) < 1.05, plans[0]["describe"]
+    # Optimizer state exists only for owned parameters (those with a gradient): the ranks of a
+    # replica group split it, each "TP" pair of dp2 holds the same half.
+    owned = [result[layout]["owned_state_entries"] for result in results]
+    assert sum(owned) == (1 if layout == "dp4" else 2) * results[0]["trained_tensors"]
+    assert all(0 < n < results[0]["trained_tensors"] for n in owned)
+
+
+@pytest.mark.parametrize("layout", ["clip_dp4", "clip_dp2_tp2"])
+def test_clipping_uses_single_process_norm(results, layout):
+    for result in results:
+        clip = result[layout]
+        assert clip["norm"] == pytest.approx(clip["reference_norm"], rel=1e-5)
+        assert clip["clipped_grads"] < 1e-6 * clip["grad_scale"]
+
+
+def test_tp_partial_grads_reduce_over_data_tensor(results):
+    """`tp_partial_grad` parameters: one SUM over the dp x tp ranks / dp, nothing over dp alone."""
+    for result in results:
+        check = result["tp_partial"]
+        assert check["grads"] < GRAD_TOL, check
+        bytes_expected, buckets = check["expected"]
+        assert set(bytes_expected) == {"data_tensor"}
+        assert check["traffic"] == {"data_tensor": (bytes_expected["data_tensor"], buckets)}
+
+
+def test_reshard_dp2_to_dp4(results):
+    """Two steps under DP2 + ZeRO-1, the third under DP4 + ZeRO-1 from the saved state, by name
+    and through the Checkpointer: the single-process parameters after three steps."""
+    for result in results:
+        reshard = result["reshard"]
+        assert reshard["by_name"] < PARAM_TOL and reshard["checkpoint"] < PARAM_TOL, reshard
+    trained = results[0]["trained_tensors"]
+    assert sum(result["reshard"]["saved_entries_dp2"] for result in results) == 2 * trained
+    assert sum(result["reshard"]["loaded_entries_dp4"] for result in results) == trained
+
+
+def test_single_process_is_plain_pytorch():
+    """With every size 1 (no launch): no buckets, no traffic, the optimizer steps every
+    parameter like `build_optimizer`'s, and the norm is `clip_grad_norm_`'s to the bit."""
+    config = ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2)
+    tokens = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    models = [K3Model(config), K3Model(config)]
+    state = ParallelState.single()
+    reducer = GradientReducer(models[0], state)
+    optimizers = [DistributedOptimizer(models[0], OptimizerConfig(lr=1e-2), state, zero1=True),
+                  build_optimizer(models[1], OptimizerConfig(lr=1e-2))]
+    norms = []
+    for model, optimizer, clip in zip(models, optimizers, (lambda p: clip_grad_norm(p, 0.1, state),
+                                                           lambda p: clip_grad_norm_(list(p), 0.1))):
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        norms.append(clip(model.parameters()))
+        optimizer.step()
+    reducer.finish()
+    assert reducer.buckets == [] and state.counter.snapshot() == {}
+    assert norms[0].item() == norms[1].item()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), name
+    assert len(optimizers[0].optimizer.state) == len(optimizers[1].state)
