@@ -114,6 +114,17 @@ class Group:
         dist.recv(tensor, src=self.ranks[source_index], group=self.process_group)
         return tensor
 
+    def isend(self, tensor: torch.Tensor, destination_index: int, tag: int = 0,
+              label: Optional[str] = None) -> dist.Work:
+        """Non-blocking send of a contiguous `tensor` (unchanged until the work completes),
+        counted under `label` (default: the group's name, e.g. `pp.forward` for pipeline hops)."""
+        self.counter.add(label or self.name, tensor)
+        return dist.isend(tensor, dst=self.ranks[destination_index], group=self.process_group, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, source_index: int, tag: int = 0) -> dist.Work:
+        """Non-blocking receive into `tensor` (matched by source and tag on gloo)."""
+        return dist.irecv(tensor, src=self.ranks[source_index], group=self.process_group, tag=tag)
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.process_group)
