@@ -23,9 +23,11 @@ import torch  # noqa: E402
 from k3train.checkpoint import Checkpointer, GracefulExit, RNGState, read_manifest  # noqa: E402
 from k3train.config import JobConfig, parse_job_args_or_exit, save_config  # noqa: E402
 from k3train.data import build_data  # noqa: E402
-from k3train.model.flops import training_flops_per_token  # noqa: E402
+from k3train.model.flops import parameter_counts, training_flops_per_token  # noqa: E402
 from k3train.model.k3 import K3Model  # noqa: E402
-from k3train.optim.builder import build_optimizer, describe_param_groups  # noqa: E402
+from k3train.optim.builder import describe_param_groups  # noqa: E402
+from k3train.parallel.data import DistributedOptimizer, GradientReducer  # noqa: E402
+from k3train.parallel.state import LayoutError, ParallelState  # noqa: E402
 from k3train.training.loop import Trainer, TrainingError  # noqa: E402
 from k3train.training.metrics import MetricsLogger  # noqa: E402
 from k3train.training.throughput import peak_flops  # noqa: E402
@@ -36,19 +38,6 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def check_single_process(config: JobConfig) -> None:
-    """This version trains on one process; refuse parallel layouts clearly instead of ignoring them."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    parallel = config.parallel
-    split = {name: getattr(parallel, name) for name in ("tp", "pp", "ep", "cp", "virtual_stages")}
-    if world_size > 1 or parallel.dp > 1 or any(size > 1 for size in split.values()):
-        fail(
-            f"this k3train version trains on a single process (WORLD_SIZE={world_size}, "
-            f"parallel={split}, dp={parallel.dp}); launch with `python pretrain_k3.py` and keep "
-            "parallel.* at 1: the DP/TP/PP/EP layouts arrive with the parallel issues"
-        )
-
-
 def select_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         fail("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
@@ -57,41 +46,69 @@ def select_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def main(argv: list[str] | None = None) -> int:
-    # 1. Recipe → config, written next to everything the run produces.
-    config, run_dir_arg = parse_job_args_or_exit(argv)
-    run_dir = pathlib.Path(run_dir_arg or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, str(run_dir / "config.yaml"))
-    print(f"run directory: {run_dir}")
+def shared_run_dir(requested: str | None) -> pathlib.Path:
+    """`--run-dir`, or `runs/run-<timestamp>` chosen by rank 0 and sent to every rank."""
+    name = [requested or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}"]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(name, src=0)
+    return pathlib.Path(name[0])
 
-    # 2. Parallel state: one process in this version.
-    check_single_process(config)
+
+def main(argv: list[str] | None = None) -> int:
+    # 1. Recipe → config.
+    config, run_dir_arg = parse_job_args_or_exit(argv)
+
+    # 2. Parallel state from torchrun's environment (one process without it).
     device = select_device(config.train.device)
+    try:
+        parallel = ParallelState.from_environment(config.parallel, config.model, device.type)
+    except LayoutError as error:
+        fail(str(error))
+    unsupported = {name: getattr(config.parallel, name) for name in ("pp", "ep", "cp", "virtual_stages")
+                   if getattr(config.parallel, name) > 1}
+    if unsupported:
+        fail(f"parallel layout {unsupported} is not available in this version yet (tensor, sequence and "
+             "data parallelism are); set these to 1")
+    is_logging_rank = parallel.rank == 0
+    if not is_logging_rank:
+        sys.stdout = open(os.devnull, "w")  # one rank prints; errors still reach stderr
+    run_dir = shared_run_dir(run_dir_arg)
+    if is_logging_rank:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, str(run_dir / "config.yaml"))  # the resolved config, next to everything the run writes
+    print(f"run directory: {run_dir}")
+    print(f"parallel: {parallel.describe()} (world {parallel.layout.world_size}: tp {parallel.layout.tp}, "
+          f"dp {parallel.layout.dp}, pp {parallel.layout.pp})")
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     torch.manual_seed(config.train.seed)
 
-    # 3. Model, initialised from the seed alone (the same weights under any later layout).
-    model = K3Model(config.model)
+    # 3. Model (this rank's shards), initialised from the seed alone: the same weights under any layout.
+    model = K3Model(config.model, parallel=parallel)
     model.init_weights(config.train.seed)
     model.to(device)
-    total_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {total_params / 1e6:.2f}M parameters, {config.model.num_hidden_layers} layers, "
-          f"attn_res={config.model.attn_res}, balancer={config.model.balancer}")
+    counts = parameter_counts(config.model)
+    print(f"model: {counts.total / 1e6:.2f}M parameters ({counts.active / 1e6:.2f}M active per token), "
+          f"{config.model.num_hidden_layers} layers, attn_res={config.model.attn_res}, balancer={config.model.balancer}")
 
     # 4. Data: samples of seq_length + 1 tokens, deterministic and resumable.
     data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
 
-    # 5. Optimizer (Per-Head Muon + AdamW) and its schedule (a pure function of the step).
-    optimizer = build_optimizer(model, config.optimizer)
+    # 5. Gradient reduction over data parallel, and the optimizer: Per-Head Muon + AdamW, its state
+    #    sharded over DP (ZeRO-1) when asked; the LR schedule is a pure function of the step.
+    reducer = GradientReducer(model, parallel)
+    optimizer = DistributedOptimizer(model, config.optimizer, parallel, zero1=config.parallel.zero1)
     print(describe_param_groups(model, config.optimizer))
 
     # 6. Resume from the newest complete checkpoint, if asked to.
     peak = peak_flops(device, config.logging.peak_tflops)
-    logger = MetricsLogger(config, run_dir, peak.label)
-    trainer = Trainer(config, model, optimizer, data, device,
-                      training_flops_per_token(config.model, config.data.seq_length).total, peak, logger)
+    logger = MetricsLogger(config, run_dir, peak.label) if is_logging_rank else None
+    try:
+        trainer = Trainer(config, model, optimizer, data, device,
+                          training_flops_per_token(config.model, config.data.seq_length).total, peak,
+                          logger, parallel, reducer)
+    except TrainingError as error:
+        fail(str(error))
     checkpointer = Checkpointer(config.checkpoint.dir or run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
 
     def app_state() -> dict:
@@ -117,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     # 7. Train.
     try:
         with GracefulExit() as stop:
-            history = trainer.run(lambda: stop.should_stop, save_checkpoint)
+            history = trainer.run(stop.requested, save_checkpoint)  # any rank signalled: all stop
     except TrainingError as error:
         fail(str(error))
     finally:
-        logger.close()
+        if logger is not None:
+            logger.close()
     if history:
         print(f"done: step {trainer.progress.step}, loss {history[0]['loss']:.4f} → {history[-1]['loss']:.4f}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 

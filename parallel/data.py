@@ -100,6 +100,7 @@ from k3train.optim.config import OptimizerConfig
 from k3train.optim.muon import block_layout
 from k3train.parallel.comm import Group
 from k3train.parallel.state import ParallelState
+from k3train.parallel.tensor import _MeshCache, as_global_dtensor, local_from_saved
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 """Gradient bucket / parameter-exchange chunk size (Megatron's DDP default is 40M elements;
@@ -511,12 +512,12 @@ class DistributedOptimizer:
     computation every rank would run.
 
     `param_groups` are the optimizer's groups (the same groups on every rank, possibly empty
-    under ZeRO-1), so `set_lr` works. For checkpoints, register `optimizer.optimizer` (a plain
-    `torch.optim.Optimizer` over the owned parameters) with the Checkpointer: it saves
-    `state.<parameter name>.*` for the owned parameters only (ranks' keys are disjoint, DCP
-    unions them), and on load each rank reads the entries of the parameters it owns now, so a
-    checkpoint reloads under another DP size (or without ZeRO, or in one process). `state_dict()`
-    / `load_state_dict()` give the same by-name view for code that handles the dicts itself.
+    under ZeRO-1), so `set_lr` works. For checkpoints, register this object itself with the
+    Checkpointer: `state_dict()` holds `state.<parameter name>.*` for the owned parameters only
+    (DP ranks' keys are disjoint, DCP unions them), with the state of TP-sharded parameters as
+    DTensors of the full tensor; on load each rank takes the entries of the parameters it owns
+    now, sliced to its TP shard, so a checkpoint reloads under another DP or TP size (or without
+    ZeRO, or in one process).
     """
 
     def __init__(
@@ -540,6 +541,8 @@ class DistributedOptimizer:
         # to the owned ones: the builder stays the one place that knows the hyper-parameters.
         self.optimizer = build_optimizer(model, config)
         named = dict(model.named_parameters())
+        self._params_by_name = named
+        self._meshes = _MeshCache()
         self._owned_names = [name for name in self.plan.owners
                              if not zero1 or self.plan.owners[name] == replica_group(named[name], state).rank]
         if zero1:
@@ -621,6 +624,15 @@ class DistributedOptimizer:
                 param.grad.zero_()
 
     # ------------------------------------------------------------------ state by name
+    def _local_view(self, name: str, param_state: dict[str, Any]) -> dict[str, Any]:
+        """Inverse of `_global_view`: this rank's TP shard of each saved state tensor."""
+        param = self._params_by_name[name]
+        if not getattr(param, "tensor_parallel", False):
+            return param_state
+        return {key: local_from_saved(value, param).clone()
+                if isinstance(value, torch.Tensor) and value.ndim == param.ndim else value
+                for key, value in param_state.items()}
+
     def _positional_names(self) -> list[str]:
         return [name for group in self.optimizer.param_groups for name in group["param_names"]]
 
@@ -631,14 +643,25 @@ class DistributedOptimizer:
         inner = self.optimizer.state_dict()
         names = self._positional_names()
         groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in inner["param_groups"]]
-        return {"state": {names[i]: value for i, value in inner["state"].items()}, "param_groups": groups}
+        state = {names[i]: self._global_view(names[i], value) for i, value in inner["state"].items()}
+        return {"state": state, "param_groups": groups}
+
+    def _global_view(self, name: str, param_state: dict[str, Any]) -> dict[str, Any]:
+        """TP-sharded parameters' state tensors as DTensors of the full tensor, so a checkpoint
+        holds each momentum once, reloadable under another TP size (like the parameters)."""
+        param = self._params_by_name[name]
+        if not getattr(param, "tensor_parallel", False):
+            return param_state
+        return {key: as_global_dtensor(value, param, self._meshes)
+                if isinstance(value, torch.Tensor) and value.shape == param.shape else value
+                for key, value in param_state.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the entries of the parameters this rank owns now from a by-name state dict (one
         rank's, or the union of every rank's); owned parameters absent from it start fresh."""
         names = self._positional_names()
         saved = state_dict["state"]
-        state = {i: saved[name] for i, name in enumerate(names) if name in saved}
+        state = {i: self._local_view(name, saved[name]) for i, name in enumerate(names) if name in saved}
         if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
             raise ValueError(f"state dict has {len(state_dict['param_groups'])} param groups, "
                              f"the optimizer {len(self.optimizer.param_groups)}")

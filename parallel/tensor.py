@@ -24,7 +24,7 @@ With a TP group of size 1 every function here is the identity and nothing is mar
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -258,6 +258,45 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, voc
 
 
 # ---------------------------------------------------------------------------- checkpoints
+class _MeshCache:
+    """One DeviceMesh per (TP group, device type), built on first use (all TP ranks reach it together)."""
+
+    def __init__(self) -> None:
+        self.meshes: dict[tuple[int, str], Any] = {}
+
+    def get(self, group: Group, device_type: str):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        key = (id(group), device_type)
+        if key not in self.meshes:
+            self.meshes[key] = DeviceMesh.from_group(group.process_group, device_type=device_type)
+        return self.meshes[key]
+
+
+def as_global_dtensor(local: torch.Tensor, param: torch.Tensor, meshes: _MeshCache):
+    """`local` (this rank's shard of something shaped like the TP-sharded `param`) as a DTensor
+    of the full tensor, sharing `local`'s storage (loading into it writes `local` in place)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    full_shape = torch.Size(param.full_shape)
+    return DTensor.from_local(
+        local, meshes.get(param.tensor_parallel_group, local.device.type), [Shard(param.partition_dim)],
+        run_check=False, shape=full_shape, stride=torch.empty(full_shape, device="meta").stride(),
+    )
+
+
+def local_from_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a saved value: a DTensor, the full tensor, or already the shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if tuple(value.shape) == tuple(param.full_shape) != tuple(param.shape):
+        group = param.tensor_parallel_group
+        return value.chunk(group.size, dim=param.partition_dim)[group.rank]
+    return value
+
+
 def install_sharded_state_dict(model: nn.Module, tensor_parallel: TensorParallel) -> None:
     """Make `model.state_dict()` describe TP shards as DTensors of the full tensor.
 
@@ -268,36 +307,21 @@ def install_sharded_state_dict(model: nn.Module, tensor_parallel: TensorParallel
     """
     if tensor_parallel.size == 1:
         return
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
     sharded = {name: param for name, param in model.named_parameters(remove_duplicate=False)
                if getattr(param, "tensor_parallel", False)}
-    meshes: dict[str, DeviceMesh] = {}
-
-    def mesh_for(device: torch.device) -> DeviceMesh:
-        if device.type not in meshes:
-            meshes[device.type] = DeviceMesh.from_group(tensor_parallel.group.process_group, device_type=device.type)
-        return meshes[device.type]
+    meshes = _MeshCache()
 
     def to_dtensors(module, state_dict, prefix, local_metadata):
         for name, param in sharded.items():
             key = prefix + name
-            if key in state_dict and not isinstance(state_dict[key], DTensor):
-                full_shape = torch.Size(param.full_shape)
-                state_dict[key] = DTensor.from_local(
-                    state_dict[key], mesh_for(param.device), [Shard(param.partition_dim)], run_check=False,
-                    shape=full_shape, stride=torch.empty(full_shape, device="meta").stride(),
-                )
+            if key in state_dict:
+                state_dict[key] = as_global_dtensor(state_dict[key], param, meshes)
 
     def from_dtensors(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         for name, param in sharded.items():
             key = prefix + name
-            value = state_dict.get(key)
-            if isinstance(value, DTensor):
-                state_dict[key] = value.to_local()
-            elif value is not None and tuple(value.shape) == tuple(param.full_shape) != tuple(param.shape):
-                state_dict[key] = tensor_parallel.local_slice(value, param.partition_dim)
+            if key in state_dict:
+                state_dict[key] = local_from_saved(state_dict[key], param)
 
     model.register_state_dict_post_hook(to_dtensors)
     model.register_load_state_dict_pre_hook(from_dtensors)

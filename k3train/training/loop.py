@@ -19,10 +19,11 @@ import torch
 
 from k3train.config import JobConfig
 from k3train.model.k3 import K3Model
-from k3train.optim.clip import clip_grad_norm_
 from k3train.optim.schedules import lr_at, set_lr
+from k3train.parallel.data import GradientReducer, average_over_dp, clip_grad_norm
+from k3train.parallel.state import ParallelState
 from k3train.training.metrics import MetricsLogger
-from k3train.training.throughput import PeakFlops, format_eta, peak_memory_gib
+from k3train.training.throughput import PeakFlops, format_eta, rank_memory_gib
 
 
 class TrainingError(RuntimeError):
@@ -48,26 +49,42 @@ class Progress:
 
 
 class Trainer:
+    """Runs the steps of one rank. Parallel layouts enter through `parallel` (a
+    `k3train.parallel.state.ParallelState`; `ParallelState.single()` for one process, where every
+    collective is the identity) and `reducer` (the data-parallel gradient reducer)."""
+
     def __init__(
         self,
         config: JobConfig,
         model: K3Model,
-        optimizer: torch.optim.Optimizer,
+        optimizer,
         data,
         device: torch.device,
         training_flops_per_token: float,
         peak: PeakFlops,
         logger: Optional[MetricsLogger],
+        parallel: ParallelState,
+        reducer: GradientReducer,
     ):
         self.config, self.model, self.optimizer, self.data = config, model, optimizer, data
         self.device = device
         self.training_flops_per_token = training_flops_per_token
         self.peak = peak
         self.logger = logger
+        self.parallel = parallel
+        self.reducer = reducer
         self.progress = Progress()
         train = config.train
-        self.micro_batches = train.global_batch_size // train.micro_batch_size
-        self.tokens_per_step = train.global_batch_size * config.data.seq_length
+        dp = parallel.layout.dp
+        if train.global_batch_size % (train.micro_batch_size * dp):
+            raise TrainingError(
+                f"train.global_batch_size={train.global_batch_size} must be a multiple of train.micro_batch_size="
+                f"{train.micro_batch_size} times the data-parallel size {dp}"
+            )
+        self.micro_batches = train.global_batch_size // (train.micro_batch_size * dp)  # per rank
+        self.tokens_per_step = train.global_batch_size * config.data.seq_length  # whole job
+        # The ranks that routed distinct tokens: they pool their balancer statistics.
+        self.routing_group = parallel.data_tensor if parallel.sequence_parallel else parallel.dp
         self._run_start: Optional[float] = None
         self._steps_this_run = 0
 
@@ -86,25 +103,30 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns the step's metrics."""
         started = time.perf_counter()
-        config, model = self.config, self.model
+        config, model, parallel = self.config, self.model, self.parallel
         step = self.progress.step + 1
         lr = lr_at(step - 1, config.schedule, config.optimizer.lr, config.train.steps)
         set_lr(self.optimizer, lr)
         model.train()
 
-        batch = self.data.next_global_batch(config.train.global_batch_size)
+        # This data-parallel rank's rows of the step's global batch (TP ranks share them).
+        batch = self.data.next_global_batch(config.train.global_batch_size, parallel.dp_rank, parallel.layout.dp)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for micro_batch in batch.split(config.train.micro_batch_size):
-            loss = self.micro_batch_loss(micro_batch)
-            (loss / self.micro_batches).backward()
+        micro_batches = batch.split(config.train.micro_batch_size)
+        for index, micro_batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.reducer.no_sync():  # reduce once per step
+                loss = self.micro_batch_loss(micro_batch)
+                (loss / self.micro_batches).backward()
             loss_sum += loss.detach().double().cpu()
-        step_loss = (loss_sum / self.micro_batches).item()
-        grad_norm = clip_grad_norm_(model.parameters(), config.optimizer.clip_grad or math.inf).item()
+        self.reducer.finish()
+        step_loss = average_over_dp(loss_sum / self.micro_batches, parallel).item()
+        grad_norm = clip_grad_norm(model.parameters(), config.optimizer.clip_grad, parallel).item()
 
-        expert_loads = [moe.pop_step_load() for moe in model.moe_layers()]
-        if math.isfinite(step_loss) and math.isfinite(grad_norm):
+        expert_loads = self._pooled_expert_loads()
+        if math.isfinite(step_loss) and math.isfinite(grad_norm):  # the same decision on every rank
             self.optimizer.step()
-            model.update_routing_biases()  # used from the next step on
+            model.update_routing_biases(self.routing_group)  # used from the next step on
             self.progress.consecutive_nonfinite = 0
         else:
             self.progress.skipped_steps += 1
@@ -120,13 +142,23 @@ class Trainer:
         self.progress.step = step
         return self._step_metrics(step, step_loss, grad_norm, lr, expert_loads, time.perf_counter() - started)
 
+    def _pooled_expert_loads(self) -> list[torch.Tensor]:
+        """Tokens per expert of each MoE layer this step, over every rank that routed tokens."""
+        loads = [moe.pop_step_load() for moe in self.model.moe_layers()]
+        if not loads or self.routing_group.size == 1:
+            return loads
+        stacked = self.routing_group.all_reduce(torch.stack(loads))
+        return list(stacked.unbind(0))
+
     def _step_metrics(self, step, loss, grad_norm, lr, expert_loads, seconds) -> dict[str, Any]:
         self._steps_this_run += 1
         elapsed = time.perf_counter() - self._run_start if self._run_start else seconds
+        world_size = self.parallel.layout.world_size
         tokens_per_s = self.tokens_per_step / seconds
-        tflops = tokens_per_s * self.training_flops_per_token / 1e12
+        tflops = tokens_per_s * self.training_flops_per_token / world_size / 1e12  # per device
         load_ratios = [load.max().item() / max(load.float().mean().item(), 1e-9) for load in expert_loads]
         remaining = self.config.train.steps - step
+        memory = rank_memory_gib(self.device, world_size)
         return {
             "step": step,
             "loss": loss,
@@ -137,9 +169,10 @@ class Trainer:
             "mfu": tflops / self.peak.tflops,
             "expert_load_max_over_mean": max(load_ratios) if load_ratios else None,
             "expert_load_max_over_mean_per_layer": load_ratios,
-            "dropped_tokens": 0,  # a single process routes every token to its experts
+            "dropped_tokens": 0,  # every routed slot reaches its expert on this path
             "skipped_steps": self.progress.skipped_steps,
-            "memory_gib": peak_memory_gib(self.device),
+            "memory_gib": max(memory),
+            "memory_gib_per_rank": memory,
             "step_time_s": seconds,
             "eta": format_eta(elapsed / self._steps_this_run * remaining),
         }

@@ -30,13 +30,17 @@ def format_step_line(metrics: dict[str, Any], total_steps: int, mfu_label: str) 
         parts.append(f"dropped {metrics['dropped_tokens']}")
     if metrics.get("skipped_steps"):
         parts.append(f"skipped {metrics['skipped_steps']}")
-    parts.append(f"mem {metrics['memory_gib']:.2f} GiB")
+    per_rank = metrics.get("memory_gib_per_rank") or []
+    if len(per_rank) > 1:  # the largest rank, and the spread across ranks
+        parts.append(f"mem {max(per_rank):.2f} GiB max/rank (min {min(per_rank):.2f})")
+    else:
+        parts.append(f"mem {metrics['memory_gib']:.2f} GiB")
     parts.append(f"eta {metrics['eta']}")
     return " | ".join(parts)
 
 
 class MetricsLogger:
-    """Writes every logged step to the enabled sinks; only rank 0 of a job should own one."""
+    """Writes every logged step to the enabled sinks; only global rank 0 of a job owns one."""
 
     def __init__(self, config: JobConfig, run_dir: Path, mfu_label: str):
         self.total_steps = config.train.steps

@@ -68,6 +68,16 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux reports KiB
 
 
+def rank_memory_gib(device: torch.device, world_size: int) -> list[float]:
+    """Every rank's peak memory (one small all-gather when there are several ranks)."""
+    own = peak_memory_gib(device)
+    if world_size == 1 or not torch.distributed.is_initialized():
+        return [own]
+    gathered = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, torch.tensor([own], dtype=torch.float64, device=device))
+    return [value.item() for value in gathered]
+
+
 def format_eta(seconds: float) -> str:
     seconds = max(0, int(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
