@@ -4,8 +4,8 @@
     python pretrain_k3.py --recipe recipes/debug.yaml [--run-dir DIR] [section.field=value ...]
     python pretrain_k3.py --help-config        # every recipe field, its default and meaning
 
-The job, top to bottom: recipe → config → parallel state → model → data → optimizer and
-schedule → checkpoint resume → training loop → checkpoints.
+The job, top to bottom: recipe → config → parallel state → model (this rank's stages and
+experts) → data → optimizer → pipeline schedule → checkpoint resume → training loop → checkpoints.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from k3train.checkpoint import Checkpointer, GracefulExit, RNGState, read_manife
 from k3train.config import JobConfig, parse_job_args_or_exit, save_config  # noqa: E402
 from k3train.data import build_data  # noqa: E402
 from k3train.model.flops import parameter_counts, training_flops_per_token  # noqa: E402
-from k3train.model.k3 import K3Model  # noqa: E402
+from k3train.model.k3 import K3Model, K3Stage  # noqa: E402
 from k3train.optim.builder import describe_param_groups  # noqa: E402
 from k3train.parallel.data import DistributedOptimizer, GradientReducer  # noqa: E402
+from k3train.parallel.expert import ExpertParallel  # noqa: E402
+from k3train.parallel.pipeline import PipelineConfigError, PipelinePlan, PipelineSchedule, residual_shape  # noqa: E402
 from k3train.parallel.state import LayoutError, ParallelState  # noqa: E402
 from k3train.training.loop import Trainer, TrainingError  # noqa: E402
 from k3train.training.metrics import MetricsLogger  # noqa: E402
@@ -64,11 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         parallel = ParallelState.from_environment(config.parallel, config.model, device.type)
     except LayoutError as error:
         fail(str(error))
-    unsupported = {name: getattr(config.parallel, name) for name in ("pp", "ep", "cp", "virtual_stages")
-                   if getattr(config.parallel, name) > 1}
-    if unsupported:
-        fail(f"parallel layout {unsupported} is not available in this version yet (tensor, sequence and "
-             "data parallelism are); set these to 1")
+    if config.parallel.cp > 1:
+        fail("parallel.cp (context parallelism) is reserved and not implemented yet; set parallel.cp=1")
     is_logging_rank = parallel.rank == 0
     if not is_logging_rank:
         sys.stdout = open(os.devnull, "w")  # one rank prints; errors still reach stderr
@@ -77,19 +76,31 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, str(run_dir / "config.yaml"))  # the resolved config, next to everything the run writes
     print(f"run directory: {run_dir}")
-    print(f"parallel: {parallel.describe()} (world {parallel.layout.world_size}: tp {parallel.layout.tp}, "
-          f"dp {parallel.layout.dp}, pp {parallel.layout.pp})")
+    layout = parallel.layout
+    print(f"parallel: world {layout.world_size} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp} "
+          f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
+          f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}")
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     torch.manual_seed(config.train.seed)
 
-    # 3. Model (this rank's shards), initialised from the seed alone: the same weights under any layout.
-    model = K3Model(config.model, parallel=parallel)
-    model.init_weights(config.train.seed)
-    model.to(device)
+    # 3. Model: this rank's pipeline chunks, with its TP shards and EP experts, initialised from
+    #    the seed alone (the same weights under any layout).
+    try:
+        plan = PipelinePlan.from_config(config.model, config.parallel)
+        expert_parallel = ExpertParallel.from_state(parallel, config.parallel, config.model.num_experts)
+    except (PipelineConfigError, ValueError) as error:
+        fail(str(error))
+    chunks = []
+    for layer_range in plan.layer_ranges(parallel.pp_rank):
+        chunk = K3Model(config.model, layer_range=layer_range, parallel=parallel, expert_parallel=expert_parallel)
+        chunk.init_weights(config.train.seed)
+        chunks.append(chunk.to(device))
+    model = K3Stage(chunks)
     counts = parameter_counts(config.model)
     print(f"model: {counts.total / 1e6:.2f}M parameters ({counts.active / 1e6:.2f}M active per token), "
-          f"{config.model.num_hidden_layers} layers, attn_res={config.model.attn_res}, balancer={config.model.balancer}")
+          f"{config.model.num_hidden_layers} layers, attn_res={config.model.attn_res}, balancer={config.model.balancer}; "
+          f"this rank holds layers {plan.layer_ranges(parallel.pp_rank)}")
 
     # 4. Data: samples of seq_length + 1 tokens, deterministic and resumable.
     data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
@@ -100,13 +111,26 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = DistributedOptimizer(model, config.optimizer, parallel, zero1=config.parallel.zero1)
     print(describe_param_groups(model, config.optimizer))
 
-    # 6. Resume from the newest complete checkpoint, if asked to.
+    # 6. The schedule: micro-batches through the pipeline stages (1F1B, interleaved with virtual
+    #    stages; one stage is plain gradient accumulation), reducing gradients on the last backward.
+    try:
+        schedule = PipelineSchedule(
+            plan, parallel.pp,
+            residual_shape(config.train.micro_batch_size, config.data.seq_length, config.model.hidden_size,
+                           parallel.tp.size, parallel.sequence_parallel),
+            dtype=torch.float32, device=device,
+            before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
+        )
+    except PipelineConfigError as error:
+        fail(str(error))
+
+    # 7. Resume from the newest complete checkpoint, if asked to.
     peak = peak_flops(device, config.logging.peak_tflops)
     logger = MetricsLogger(config, run_dir, peak.label) if is_logging_rank else None
     try:
         trainer = Trainer(config, model, optimizer, data, device,
                           training_flops_per_token(config.model, config.data.seq_length).total, peak,
-                          logger, parallel, reducer)
+                          logger, parallel, reducer, schedule)
     except TrainingError as error:
         fail(str(error))
     checkpointer = Checkpointer(config.checkpoint.dir or run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
@@ -131,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         path = checkpointer.save(step, app_state())
         print(f"checkpoint saved: {path}", flush=True)
 
-    # 7. Train.
+    # 8. Train.
     try:
         with GracefulExit() as stop:
             history = trainer.run(stop.requested, save_checkpoint)  # any rank signalled: all stop

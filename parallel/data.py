@@ -100,7 +100,7 @@ from k3train.optim.config import OptimizerConfig
 from k3train.optim.muon import block_layout
 from k3train.parallel.comm import Group
 from k3train.parallel.state import ParallelState
-from k3train.parallel.tensor import _MeshCache, as_global_dtensor, local_from_saved
+from k3train.parallel.tensor import _MeshCache, as_global_dtensor, is_sharded, local_from_saved
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 """Gradient bucket / parameter-exchange chunk size (Megatron's DDP default is 40M elements;
@@ -627,7 +627,7 @@ class DistributedOptimizer:
     def _local_view(self, name: str, param_state: dict[str, Any]) -> dict[str, Any]:
         """Inverse of `_global_view`: this rank's TP shard of each saved state tensor."""
         param = self._params_by_name[name]
-        if not getattr(param, "tensor_parallel", False):
+        if not is_sharded(param):
             return param_state
         return {key: local_from_saved(value, param).clone()
                 if isinstance(value, torch.Tensor) and value.ndim == param.ndim else value
@@ -647,10 +647,10 @@ class DistributedOptimizer:
         return {"state": state, "param_groups": groups}
 
     def _global_view(self, name: str, param_state: dict[str, Any]) -> dict[str, Any]:
-        """TP-sharded parameters' state tensors as DTensors of the full tensor, so a checkpoint
-        holds each momentum once, reloadable under another TP size (like the parameters)."""
+        """Sharded parameters' state tensors (TP shards, expert stacks) as DTensors of the full
+        tensor, so a checkpoint holds each momentum once, reloadable under another layout."""
         param = self._params_by_name[name]
-        if not getattr(param, "tensor_parallel", False):
+        if not is_sharded(param):
             return param_state
         return {key: as_global_dtensor(value, param, self._meshes)
                 if isinstance(value, torch.Tensor) and value.shape == param.shape else value

@@ -169,6 +169,7 @@ class TensorParallel:
         param.partition_dim = partition_dim
         param.full_shape = full_shape
         param.tensor_parallel_group = self.group  # Muon gathers whole matrices through it
+        param.shard_group = self.group  # checkpoints store the full tensor, sharded over this group
         head_blocks = getattr(param, "head_blocks", None)
         if head_blocks is not None:  # whole heads per rank: the shard has fewer heads
             from k3train.model.param_roles import HeadBlocks
@@ -273,14 +274,20 @@ class _MeshCache:
         return self.meshes[key]
 
 
+def is_sharded(param: torch.Tensor) -> bool:
+    """A slice of a larger tensor: a TP shard, or a rank's experts under expert parallelism."""
+    return getattr(param, "shard_group", None) is not None
+
+
 def as_global_dtensor(local: torch.Tensor, param: torch.Tensor, meshes: _MeshCache):
-    """`local` (this rank's shard of something shaped like the TP-sharded `param`) as a DTensor
-    of the full tensor, sharing `local`'s storage (loading into it writes `local` in place)."""
+    """`local` (this rank's slice of something shaped like the sharded `param`: a TP shard or
+    an expert-parallel stack) as a DTensor of the full tensor over `param.shard_group`, sharing
+    `local`'s storage (loading into it writes `local` in place)."""
     from torch.distributed.tensor import DTensor, Shard
 
     full_shape = torch.Size(param.full_shape)
     return DTensor.from_local(
-        local, meshes.get(param.tensor_parallel_group, local.device.type), [Shard(param.partition_dim)],
+        local, meshes.get(param.shard_group, local.device.type), [Shard(param.partition_dim)],
         run_check=False, shape=full_shape, stride=torch.empty(full_shape, device="meta").stride(),
     )
 
@@ -292,23 +299,23 @@ def local_from_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if isinstance(value, DTensor):
         return value.to_local()
     if tuple(value.shape) == tuple(param.full_shape) != tuple(param.shape):
-        group = param.tensor_parallel_group
+        group = param.shard_group
         return value.chunk(group.size, dim=param.partition_dim)[group.rank]
     return value
 
 
-def install_sharded_state_dict(model: nn.Module, tensor_parallel: TensorParallel) -> None:
-    """Make `model.state_dict()` describe TP shards as DTensors of the full tensor.
+def install_sharded_state_dict(model: nn.Module) -> None:
+    """Make `model.state_dict()` describe sharded parameters (TP shards, expert-parallel expert
+    stacks) as DTensors of the full tensor.
 
     torch.distributed.checkpoint then stores every parameter once, by its global shape and each
     rank's slice, and loading under another TP size (or on one process) reads whichever slice
     the new layout needs. `load_state_dict` accepts DTensors, this rank's shard, or the full
     tensor (which it slices).
     """
-    if tensor_parallel.size == 1:
+    sharded = {name: param for name, param in model.named_parameters(remove_duplicate=False) if is_sharded(param)}
+    if not sharded:
         return
-    sharded = {name: param for name, param in model.named_parameters(remove_duplicate=False)
-               if getattr(param, "tensor_parallel", False)}
     meshes = _MeshCache()
 
     def to_dtensors(module, state_dict, prefix, local_metadata):

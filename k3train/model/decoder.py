@@ -19,7 +19,8 @@ from k3train.parallel.tensor import TensorParallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tensor_parallel: TensorParallel | None = None):
+    def __init__(self, config: ModelConfig, layer_index: int, tensor_parallel: TensorParallel | None = None,
+                 expert_parallel=None):
         super().__init__()
         tp = tensor_parallel or TensorParallel.single()
         self.layer_index = layer_index
@@ -33,7 +34,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = GatedMLA(config, tp) if self.is_mla else KimiDeltaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(config, tp)
+            self.block_sparse_moe = LatentMoE(config, tp, expert_parallel)
         else:
             self.mlp = GLUMLP(config, config.hidden_size, config.intermediate_size, tp)
         if config.attn_res != "none":

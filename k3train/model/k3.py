@@ -41,8 +41,10 @@ class K3Model(nn.Module):
         with_embedding: Optional[bool] = None,
         with_head: Optional[bool] = None,
         parallel=None,
+        expert_parallel=None,
     ):
-        """`parallel`: a `k3train.parallel.state.ParallelState`, or None for one process."""
+        """`parallel`: a `k3train.parallel.state.ParallelState`, or None for one process;
+        `expert_parallel`: a `k3train.parallel.expert.ExpertParallel` (this rank's experts only), or None."""
         super().__init__()
         config.validate()
         self.config = config
@@ -58,7 +60,7 @@ class K3Model(nn.Module):
         if self.with_embedding:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
             mark_adamw_only(self.embed_tokens.weight)
-        self.layers = nn.ModuleDict({str(index): DecoderLayer(config, index, tp) for index in range(start, end)})
+        self.layers = nn.ModuleDict({str(index): DecoderLayer(config, index, tp, expert_parallel) for index in range(start, end)})
         if self.with_head:
             self.output_attn_res = (
                 AttentionResidual(config.hidden_size, config.rms_norm_eps, recompute=config.recompute != "none")
@@ -74,7 +76,7 @@ class K3Model(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
             mark_adamw_only(self.lm_head.weight)
         self.init_weights(seed=0)
-        install_sharded_state_dict(self, tp)  # checkpoints hold full tensors, loadable under any TP size
+        install_sharded_state_dict(self)  # checkpoints hold full tensors, loadable under any layout
 
     # ------------------------------------------------------------------ forward pieces
     def embed(self, input_ids: torch.Tensor) -> ResidualState:
@@ -135,6 +137,9 @@ class K3Model(nn.Module):
         for name, param in self.named_parameters():
             if param.is_meta:
                 continue
+            if name.split(".")[-1] in ("w1", "w2", "w3"):  # expert stacks: one stream per expert
+                self._init_experts(name, param, seed)
+                continue
             generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             full_shape = getattr(param, "full_shape", tuple(param.shape))  # TP shards: draw the whole tensor
             value = torch.empty(full_shape, dtype=torch.float32)
@@ -159,6 +164,16 @@ class K3Model(nn.Module):
                 module.A_log.copy_(self._local_part(module.A_log, full_A_log))
                 module.dt_bias.copy_(self._local_part(module.dt_bias, full_dt_bias))
 
+    def _init_experts(self, name: str, param: torch.Tensor, seed: int) -> None:
+        """Expert `e` of a stack is drawn from `(seed, name, e)`: the same values whichever rank
+        holds it, without ever materialising all experts of a layer on one rank."""
+        first = getattr(param, "expert_offset", 0)
+        for local_index in range(param.shape[0]):
+            key = f"{name}.{first + local_index}"
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+            value = torch.empty(param.shape[1:], dtype=torch.float32).normal_(0.0, self.config.init_std, generator=generator)
+            param[local_index].copy_(value)
+
     def _local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         if getattr(param, "tensor_parallel", False):
             return self.tp.local_slice(full, param.partition_dim)
@@ -168,3 +183,36 @@ class K3Model(nn.Module):
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32."""
     return F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class K3Stage(nn.Module):
+    """This rank's model chunks (one per virtual pipeline stage) as one module with the names of
+    the whole model: `layers.<global index>`, and `embed_tokens` / `norm` / `lm_head` where this
+    rank holds them. The gradient reducer, the optimizer and checkpoints see one set of names
+    whatever the pipeline layout, so a checkpoint saved under one layout loads under another.
+    The chunks keep running the forward passes; this module only owns the same submodules.
+    """
+
+    def __init__(self, chunks: list[K3Model]):
+        super().__init__()
+        self.chunks = chunks  # a plain list: the submodules are registered below under global names
+        self.layers = nn.ModuleDict()
+        for chunk in chunks:
+            for index, layer in chunk.layers.items():
+                self.layers[index] = layer
+        for name in ("embed_tokens", "output_attn_res", "norm", "lm_head"):
+            for chunk in chunks:
+                if getattr(chunk, name, None) is not None:
+                    setattr(self, name, getattr(chunk, name))
+        install_sharded_state_dict(self)
+
+    def moe_layers(self) -> list[LatentMoE]:
+        return [moe for chunk in self.chunks for moe in chunk.moe_layers()]
+
+    def update_routing_biases(self, group=None) -> None:
+        for chunk in self.chunks:
+            chunk.update_routing_biases(group)
+
+    def discard_routing_statistics(self) -> None:
+        for chunk in self.chunks:
+            chunk.discard_routing_statistics()

@@ -5,12 +5,16 @@
 The router reads the full-width `x` in fp32: scores `s = sigmoid(x W_r)`, top-k on `s + b`
 (`b` the balancing bias, a buffer updated between steps), weights `p` from the raw `s` of the
 chosen experts, renormalised and scaled. Routed experts live in the latent width
-(`routed_expert_hidden_size`); `LocalExperts` computes them over tokens grouped by expert, and
-is the seam where the expert-parallel dispatcher plugs in (latent token slots in, outputs back
-in the same slots).
+(`routed_expert_hidden_size`); `LocalExperts` computes them over tokens grouped by expert. With
+expert parallelism (`LatentMoE(..., expert_parallel=...)`, see `k3train/parallel/expert.py`) this
+rank keeps only its home experts and the dispatcher sends latent token slots to the experts'
+ranks and brings the outputs back into the same slots. `pop_step_stats()` gives a step's
+tokens per expert, dropped slots and replicated experts.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -83,17 +87,52 @@ class LocalExperts(nn.Module):
         return combined.index_add_(0, token_of_slot, weighted).to(latent.dtype)
 
 
-class LatentMoE(nn.Module):
-    """Router, latent projections and routed experts run on this rank's tokens with replicated
-    weights (expert parallelism distributes the experts later); the shared experts are a TP region."""
+@dataclass
+class MoEStepStats:
+    """One MoE layer's routing over a step (all micro-batches), for the step line and metrics.jsonl."""
 
-    def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None):
+    expert_load: torch.Tensor  # [experts] int64: slots routed to each expert
+    routed_slots: int  # tokens · top_k
+    dropped_slots: int  # slots that did not reach their expert (capacity overflow)
+    replicated_experts: float  # replica placements per micro-batch (balanced expert parallelism)
+    micro_batches: int
+
+    @property
+    def load_max_over_mean(self) -> float:
+        mean = self.expert_load.double().mean().item()
+        return self.expert_load.max().item() / mean if mean > 0 else 0.0
+
+    @property
+    def dropped_fraction(self) -> float:
+        return self.dropped_slots / self.routed_slots if self.routed_slots else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        mean = self.expert_load.double().mean().item()
+        return {"tokens_per_expert_max": int(self.expert_load.max().item()), "tokens_per_expert_mean": mean,
+                "load_max_over_mean": self.load_max_over_mean, "dropped_slots": self.dropped_slots,
+                "dropped_fraction": self.dropped_fraction, "replicated_experts": self.replicated_experts}
+
+
+class LatentMoE(nn.Module):
+    """Router, latent projections and routed experts on this rank's tokens; the shared experts are
+    a TP region.
+
+    `expert_parallel` (a `k3train.parallel.expert.ExpertParallel`, or None): with it this rank
+    holds only its `E/ep` home experts as `experts.w1/w3/w2` (marked `expert_parallel = True`
+    with their `expert_offset`) and the routed experts run through its fixed-size dispatch.
+    """
+
+    def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None, expert_parallel=None):
         super().__init__()
         self.config = config
         tp = tensor_parallel or TensorParallel.single()
+        self.expert_parallel = expert_parallel
         self.gate = MoEGate(config)
         self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
-        self.experts = LocalExperts(config, config.num_experts)
+        num_local = config.num_experts if expert_parallel is None else expert_parallel.num_local_experts
+        self.experts = LocalExperts(config, num_local)
+        if expert_parallel is not None:
+            expert_parallel.mark_expert_params(self.experts)
         self.routed_expert_norm = (
             RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps) if config.latent_moe_use_norm else None
         )
@@ -103,21 +142,39 @@ class LatentMoE(nn.Module):
             if config.num_shared_experts > 0 else None
         )
         if tp.sequence_parallel:  # each TP rank routes its own tokens: gradients are partial sums
-            routed = [p for name, p in self.named_parameters() if not name.startswith("shared_experts.")]
+            routed = [p for name, p in self.named_parameters() if not name.startswith("shared_experts.")
+                      and not getattr(p, "expert_parallel", False)]  # EP experts already sum every token
             tp.mark_partial_grad(routed)
         self.balancer = build_balancer(config)
-        # Tokens per expert over the current step, for metrics (not saved).
+        # Routing over the current step, for metrics (not saved): slots per expert, then
+        # [routed slots, dropped slots, replica placements, micro-batches].
         self.register_buffer("step_expert_load", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("step_dispatch_counts", torch.zeros(4, dtype=torch.int64), persistent=False)
+        self.last_dispatch = None  # the latest ExpertParallel DispatchInfo (diagnostics, tests)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         scores, expert_ids, weights = self.gate(tokens)
-        if self.training and torch.is_grad_enabled() and not inside_backward():
+        collect = self.training and torch.is_grad_enabled() and not inside_backward()
+        if collect:
             with torch.no_grad():  # statistics for the next step's bias; never twice under recompute
                 self.balancer.observe(scores.detach(), self.gate.e_score_correction_bias)
-                self.step_expert_load += torch.bincount(expert_ids.flatten(), minlength=self.config.num_experts)
-        routed = self.experts(self.routed_expert_down_proj(tokens), expert_ids, weights)
+                flat_ids = expert_ids.flatten()  # scatter_add, not bincount: no host sync on CUDA
+                self.step_expert_load.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+        latent = self.routed_expert_down_proj(tokens)
+        if self.expert_parallel is None:
+            routed = self.experts(latent, expert_ids, weights)
+        else:
+            routed, self.last_dispatch = self.expert_parallel(latent, expert_ids, weights, self.experts)
+        if collect:
+            with torch.no_grad():  # device-side counters: nothing is read on the host here
+                counts = self.step_dispatch_counts
+                counts[0] += expert_ids.numel()
+                counts[3] += 1
+                if self.expert_parallel is not None:
+                    counts[1] += self.last_dispatch.dropped
+                    counts[2] += self.last_dispatch.replicas
         if self.routed_expert_norm is not None:
             routed = self.routed_expert_norm(routed)
         output = self.routed_expert_up_proj(routed).view(shape)
@@ -135,7 +192,39 @@ class LatentMoE(nn.Module):
         bias = self.gate.e_score_correction_bias
         bias.copy_(self.balancer.next_bias(bias, group))
 
-    def pop_step_load(self) -> torch.Tensor:
-        load = self.step_expert_load.clone()
+    @torch.no_grad()
+    def use_expert_parallel(self, expert_parallel) -> None:
+        """Switch a layer built with all experts to expert parallelism: keep only this rank's home
+        experts (slices of the current stacks, so a model initialised or loaded whole keeps its
+        values) and route through `expert_parallel`."""
+        full = self.experts
+        offset, count = expert_parallel.expert_offset, expert_parallel.num_local_experts
+        local = LocalExperts(self.config, count).to(device=full.w1.device, dtype=full.w1.dtype)
+        for name in ("w1", "w3", "w2"):
+            getattr(local, name).copy_(getattr(full, name)[offset:offset + count])
+        expert_parallel.mark_expert_params(local)
+        self.experts = local
+        self.expert_parallel = expert_parallel
+
+    def pop_step_stats(self, group=None) -> MoEStepStats:
+        """This step's routing statistics, then reset them (call once per step, after backward).
+
+        `group` (optional): sum over these ranks first (e.g. `routing_statistics_group(state)`),
+        so that the loads are the layer's global ones; replica placements are then averaged.
+        """
+        packed = torch.cat([self.step_expert_load, self.step_dispatch_counts])
         self.step_expert_load.zero_()
-        return load
+        self.step_dispatch_counts.zero_()
+        size = 1
+        if group is not None and group.size > 1:
+            group.all_reduce(packed)
+            size = group.size
+        experts = self.config.num_experts
+        routed, dropped, replicas, micro_batches = packed[experts:].tolist()
+        micro_batches //= size
+        return MoEStepStats(packed[:experts].cpu(), routed, dropped,
+                            replicas / size / max(micro_batches, 1), micro_batches)
+
+    def pop_step_load(self) -> torch.Tensor:
+        """Slots per expert this step (resets every step statistic; see `pop_step_stats`)."""
+        return self.pop_step_stats().expert_load

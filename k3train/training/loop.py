@@ -18,9 +18,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from k3train.config import JobConfig
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3Stage
 from k3train.optim.schedules import lr_at, set_lr
 from k3train.parallel.data import GradientReducer, average_over_dp, clip_grad_norm
+from k3train.parallel.pipeline import PipelineSchedule
 from k3train.parallel.state import ParallelState
 from k3train.training.metrics import MetricsLogger
 from k3train.training.throughput import PeakFlops, format_eta, rank_memory_gib
@@ -51,12 +52,14 @@ class Progress:
 class Trainer:
     """Runs the steps of one rank. Parallel layouts enter through `parallel` (a
     `k3train.parallel.state.ParallelState`; `ParallelState.single()` for one process, where every
-    collective is the identity) and `reducer` (the data-parallel gradient reducer)."""
+    collective is the identity), `schedule` (the pipeline schedule over this rank's model chunks;
+    with one stage it is plain gradient accumulation) and `reducer` (the data-parallel gradient
+    reducer over `model`, the `K3Stage` that owns this rank's chunks)."""
 
     def __init__(
         self,
         config: JobConfig,
-        model: K3Model,
+        model: K3Stage,
         optimizer,
         data,
         device: torch.device,
@@ -65,8 +68,10 @@ class Trainer:
         logger: Optional[MetricsLogger],
         parallel: ParallelState,
         reducer: GradientReducer,
+        schedule: PipelineSchedule,
     ):
         self.config, self.model, self.optimizer, self.data = config, model, optimizer, data
+        self.schedule = schedule
         self.device = device
         self.training_flops_per_token = training_flops_per_token
         self.peak = peak
@@ -94,12 +99,6 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def micro_batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        tokens = tokens.to(self.device, non_blocking=True)
-        with self.autocast():
-            logits = self.model(tokens[:, :-1])
-        return self.model.loss(logits, tokens[:, 1:])
-
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns the step's metrics."""
         started = time.perf_counter()
@@ -109,21 +108,17 @@ class Trainer:
         set_lr(self.optimizer, lr)
         model.train()
 
-        # This data-parallel rank's rows of the step's global batch (TP ranks share them).
+        # This data-parallel rank's rows of the step's global batch (TP and PP ranks share them),
+        # through the pipeline schedule: forward and backward of every micro-batch, gradients of
+        # the mean loss accumulated, the data-parallel reduction launched during the last backward.
         batch = self.data.next_global_batch(config.train.global_batch_size, parallel.dp_rank, parallel.layout.dp)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        micro_batches = batch.split(config.train.micro_batch_size)
-        for index, micro_batch in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else self.reducer.no_sync():  # reduce once per step
-                loss = self.micro_batch_loss(micro_batch)
-                (loss / self.micro_batches).backward()
-            loss_sum += loss.detach().double().cpu()
+        micro_batches = [mb.to(self.device, non_blocking=True) for mb in batch.split(config.train.micro_batch_size)]
+        local_loss = self.schedule.run(self.model.chunks, micro_batches)
         self.reducer.finish()
-        step_loss = average_over_dp(loss_sum / self.micro_batches, parallel).item()
+        step_loss = average_over_dp(local_loss, parallel).item()
         grad_norm = clip_grad_norm(model.parameters(), config.optimizer.clip_grad, parallel).item()
 
-        expert_loads = self._pooled_expert_loads()
+        expert_stats = self._pooled_expert_stats()
         if math.isfinite(step_loss) and math.isfinite(grad_norm):  # the same decision on every rank
             self.optimizer.step()
             model.update_routing_biases(self.routing_group)  # used from the next step on
@@ -140,23 +135,22 @@ class Trainer:
                 )
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step = step
-        return self._step_metrics(step, step_loss, grad_norm, lr, expert_loads, time.perf_counter() - started)
+        return self._step_metrics(step, step_loss, grad_norm, lr, expert_stats, time.perf_counter() - started)
 
-    def _pooled_expert_loads(self) -> list[torch.Tensor]:
-        """Tokens per expert of each MoE layer this step, over every rank that routed tokens."""
-        loads = [moe.pop_step_load() for moe in self.model.moe_layers()]
-        if not loads or self.routing_group.size == 1:
-            return loads
-        stacked = self.routing_group.all_reduce(torch.stack(loads))
-        return list(stacked.unbind(0))
+    def _pooled_expert_stats(self) -> list:
+        """Each local MoE layer's routing this step (tokens per expert, dropped slots, replicas),
+        pooled over every rank that routed tokens through it. Pipeline stages report their own
+        layers; the step line shows this rank's worst layer."""
+        return [moe.pop_step_stats(self.routing_group) for moe in self.model.moe_layers()]
 
-    def _step_metrics(self, step, loss, grad_norm, lr, expert_loads, seconds) -> dict[str, Any]:
+    def _step_metrics(self, step, loss, grad_norm, lr, expert_stats, seconds) -> dict[str, Any]:
         self._steps_this_run += 1
         elapsed = time.perf_counter() - self._run_start if self._run_start else seconds
         world_size = self.parallel.layout.world_size
         tokens_per_s = self.tokens_per_step / seconds
         tflops = tokens_per_s * self.training_flops_per_token / world_size / 1e12  # per device
-        load_ratios = [load.max().item() / max(load.float().mean().item(), 1e-9) for load in expert_loads]
+        load_ratios = [stats.load_max_over_mean for stats in expert_stats]
+        dropped = sum(stats.dropped_slots for stats in expert_stats)
         remaining = self.config.train.steps - step
         memory = rank_memory_gib(self.device, world_size)
         return {
@@ -169,7 +163,9 @@ class Trainer:
             "mfu": tflops / self.peak.tflops,
             "expert_load_max_over_mean": max(load_ratios) if load_ratios else None,
             "expert_load_max_over_mean_per_layer": load_ratios,
-            "dropped_tokens": 0,  # every routed slot reaches its expert on this path
+            "dropped_tokens": dropped,  # routed (token, expert) slots beyond expert capacity
+            "dropped_tokens_per_layer": [stats.dropped_slots for stats in expert_stats],
+            "replicated_experts_per_layer": [stats.replicated_experts for stats in expert_stats],
             "skipped_steps": self.progress.skipped_steps,
             "memory_gib": max(memory),
             "memory_gib_per_rank": memory,
@@ -179,13 +175,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over `train.eval_batches` validation micro-batches (NaN if the split is empty)."""
+        """Mean loss over `train.eval_batches` validation micro-batches of this DP rank, averaged
+        over DP (NaN if the split is empty)."""
+        parallel = self.parallel
+        batches = [batch.to(self.device) for batch in self.data.validation_batches(
+            self.config.train.micro_batch_size, self.config.train.eval_batches,
+            dp_rank=parallel.dp_rank, dp_size=parallel.layout.dp)]
+        if not batches:
+            return math.nan
         self.model.eval()
-        losses = [self.micro_batch_loss(batch).item()
-                  for batch in self.data.validation_batches(self.config.train.micro_batch_size,
-                                                            self.config.train.eval_batches)]
+        loss = self.schedule.run(self.model.chunks, batches, forward_only=True)
         self.model.train()
-        return sum(losses) / len(losses) if losses else math.nan
+        return average_over_dp(loss, parallel).item()
 
     # ------------------------------------------------------------------ the loop
     def run(self, should_stop: Callable[[], bool], save_checkpoint: Callable[[int], None]) -> list[dict[str, Any]]:

@@ -1,19 +1,22 @@
-"""`pretrain_k3.py` under DP×TP on gloo reproduces the single-process losses, and checkpoints
-saved under DP2×TP2 resume under TP4 and on one process with the same next-step loss.
+"""`pretrain_k3.py` under parallel layouts on gloo reproduces the single-process losses, and
+checkpoints saved under one layout resume under another with the same next-step loss.
 
 Tolerance: the model runs in fp32 and the layouts sum partial results (TP row-parallel outputs,
-DP gradient averages) in different orders, so losses agree to fp32 rounding amplified over a few
-optimizer steps: 2e-5 absolute on losses of about 6 (a wrong reduction is off by >1e-2).
+DP gradient averages, expert combines) in different orders, so losses agree to fp32 rounding
+amplified over a few optimizer steps: 2e-5 absolute on losses of about 6 (a wrong reduction or
+a lost block representation is off by more than 1e-2).
 """
 
 import json
 import pathlib
 
+import pytest
+
 from tests.distributed.harness import CHECKOUT, run_workers
 
 TOLERANCE = 2e-5
 SMALL = ["data.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_interval=0",
-         "schedule.warmup_steps=1", "logging.jsonl=true", "train.device=cpu"]
+         "schedule.warmup_steps=1", "train.device=cpu", "train.steps=3", "checkpoint.interval=2"]
 
 
 def losses(run_dir: pathlib.Path) -> dict[int, float]:
@@ -21,25 +24,49 @@ def losses(run_dir: pathlib.Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def pretrain(world_size: int, run_dir: pathlib.Path, *overrides: str) -> None:
+def pretrain(world_size: int, run_dir: pathlib.Path, *overrides: str) -> dict[int, float]:
     argv = ["--recipe", str(CHECKOUT / "recipes/debug.yaml"), "--run-dir", str(run_dir), *SMALL, *overrides]
     codes = run_workers(world_size, "tests.distributed.workers_pretrain:run_pretrain", argv, timeout_s=420)
     assert codes == [0] * world_size, codes
+    return losses(run_dir)
 
 
-def test_dp_tp_training_matches_single_process_and_checkpoints_reshard(tmp_path):
-    single, parallel = tmp_path / "single", tmp_path / "dp2tp2"
-    pretrain(1, single, "train.steps=3")
-    pretrain(4, parallel, "train.steps=3", "parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true",
-             "checkpoint.interval=2")
-    reference, measured = losses(single), losses(parallel)
-    assert sorted(measured) == [1, 2, 3]
-    for step in (1, 2, 3):
+def assert_close(measured: dict[int, float], reference: dict[int, float], steps) -> None:
+    assert sorted(measured) == list(steps), measured
+    for step in steps:
         assert abs(measured[step] - reference[step]) < TOLERANCE, (step, measured, reference)
 
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> tuple[pathlib.Path, dict[int, float]]:
+    run_dir = tmp_path_factory.mktemp("single")
+    return run_dir, pretrain(1, run_dir)
+
+
+def test_dp_tp_sp_matches_single_process_and_reshards_to_tp4_and_one_process(single, tmp_path):
+    reference = single[1]
+    parallel = tmp_path / "dp2tp2"
+    measured = pretrain(4, parallel, "parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true")
+    assert_close(measured, reference, [1, 2, 3])
     checkpoint = parallel / "checkpoints" / "step_00000002"
     for world_size, layout in ((4, ["parallel.tp=4", "parallel.dp=1"]), (1, [])):
-        resumed = tmp_path / f"resumed-{world_size}"
-        pretrain(world_size, resumed, "train.steps=3", f"checkpoint.resume={checkpoint}", *layout)
-        assert sorted(losses(resumed)) == [3]
-        assert abs(losses(resumed)[3] - measured[3]) < TOLERANCE, (world_size, losses(resumed), measured)
+        resumed = pretrain(world_size, tmp_path / f"resumed-{world_size}", f"checkpoint.resume={checkpoint}", *layout)
+        assert_close(resumed, measured, [3])
+
+
+def test_interleaved_pipeline_matches_single_process_and_reshards_both_ways(single, tmp_path):
+    single_dir, reference = single
+    pipelined = tmp_path / "pp4v2"
+    measured = pretrain(4, pipelined, "parallel.pp=4", "parallel.virtual_stages=2")
+    assert_close(measured, reference, [1, 2, 3])
+    # Saved under PP4×V2, resumed on one process; saved on one process, resumed under PP2.
+    resumed = pretrain(1, tmp_path / "pp-to-1", f"checkpoint.resume={pipelined / 'checkpoints' / 'step_00000002'}")
+    assert_close(resumed, measured, [3])
+    resumed = pretrain(2, tmp_path / "1-to-pp", f"checkpoint.resume={single_dir / 'checkpoints' / 'step_00000002'}",
+                       "parallel.pp=2")
+    assert_close(resumed, reference, [3])
+
+
+def test_expert_parallel_with_data_parallel_matches_single_process(single, tmp_path):
+    measured = pretrain(4, tmp_path / "ep2dp4", "parallel.ep=2")
+    assert_close(measured, single[1], [1, 2, 3])

@@ -1,0 +1,320 @@
+"""Expert-parallel dispatch and routing balance, as tables.
+
+(a) Dispatch + combine bytes per token in the latent width against the full width. The real
+    dispatch code (`k3train.parallel.expert.ExpertParallel`, K3 dimensions) runs on the `meta`
+    device through a loopback group whose collectives are counted by `comm.TrafficCounter`:
+    since every buffer shape is a function of the config and micro-batch size alone, the counted
+    bytes are exactly what each EP rank sends, whatever the routing.
+(b) Router scores that drift over steps (896 experts, top-16): the max/mean expert load per step
+    when the bias comes from `quantile`, `quantile_histogram`, `sign` or `none`
+    (`k3train/model/balance.py`, bias from step t used at step t+1), plus a non-causal floor (the
+    exact quantile bias of the same batch).
+(c) The histogram quantile against the exact one for 100, 1000 and 10000 bins.
+(d) Dropped slots of the fixed-size dispatch (EP 16, K3 routing from (b)) in `capacity` and
+    `balanced` mode at several capacity factors, routed by the real planner and drop policy.
+
+    OMP_NUM_THREADS=1 python benchmarks/moe.py                  # all tables, ~1-2 min on one core
+    OMP_NUM_THREADS=1 python benchmarks/moe.py --tables a c     # some of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from k3train.model.balance import (  # noqa: E402
+    Balancer, ExactQuantileBalancer, HistogramQuantileBalancer, SignBalancer, histogram_quantile, kth_largest_cutoff,
+)
+from k3train.model.config import ModelConfig  # noqa: E402
+from k3train.model.mlp import glu_activation  # noqa: E402
+from k3train.parallel.comm import Group, TrafficCounter  # noqa: E402
+from k3train.parallel.expert import (  # noqa: E402
+    ExpertParallel, balanced_route, capacity_per_pair, home_route, pack_slots, plan_replicas,
+)
+
+
+def table(headers: list[str], rows: list[list], title: str) -> None:
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c:.4g}" if isinstance(c, float) else str(c)
+                                            for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    print(f"\n{title}")
+    for index, row in enumerate(cells):
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |")
+        if index == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+# ---------------------------------------------------------------------------------------------- (a)
+class LoopbackGroup(Group):
+    """Counts collectives like a group of `size` ranks; the data just comes back (shapes only)."""
+
+    def all_to_all(self, tensor):
+        self.counter.add(self.name, tensor)
+        return tensor.clone()
+
+    def all_gather(self, tensor, dim=0):
+        self.counter.add(self.name, tensor)
+        return torch.cat([tensor] * self.size, dim=dim)
+
+
+class MetaExperts(torch.nn.Module):
+    def __init__(self, config: ModelConfig, count: int, latent: int, dtype):
+        super().__init__()
+        inner = config.moe_intermediate_size
+        self.w1 = torch.nn.Parameter(torch.empty(count, inner, latent, device="meta", dtype=dtype))
+        self.w3 = torch.nn.Parameter(torch.empty(count, inner, latent, device="meta", dtype=dtype))
+        self.w2 = torch.nn.Parameter(torch.empty(count, latent, inner, device="meta", dtype=dtype))
+        self.activation = glu_activation(config)
+
+
+def dispatch_bytes(config: ModelConfig, width: int, ep: int, tokens: int, mode: str, capacity_factor: float,
+                   max_replicas: int, dtype=torch.bfloat16) -> dict[str, int]:
+    """Bytes one EP rank sends per micro-batch and MoE layer, forward + backward, by buffer."""
+    counter = TrafficCounter()
+    group = LoopbackGroup("ep", tuple(range(ep)), 0, None, counter)
+    expert_parallel = ExpertParallel(group, config.num_experts, mode, capacity_factor, max_replicas, compute="gather")
+    experts = MetaExperts(config, expert_parallel.num_local_experts, width, dtype)
+    k = config.num_experts_per_token
+    latent = torch.empty(tokens, width, device="meta", dtype=dtype, requires_grad=True)
+    ids = torch.empty(tokens, k, device="meta", dtype=torch.int64)
+    weights = torch.empty(tokens, k, device="meta", dtype=torch.float32, requires_grad=True)
+    recorded = []
+    original_add = counter.add
+
+    def add(name, tensor):
+        recorded.append((tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size()))
+        original_add(name, tensor)
+
+    counter.add = add
+    routed, _ = expert_parallel(latent, ids, weights, experts)
+    routed.sum().backward()
+    capacity = expert_parallel.capacity(tokens, k)
+    kinds = {"tokens": 0, "ids": 0, "slot counts": 0, "replica weights": 0}
+    for shape, dtype_, nbytes in recorded:
+        if shape == (ep, capacity, width):
+            kinds["tokens"] += nbytes
+        elif shape == (ep, capacity):
+            kinds["ids"] += nbytes
+        elif len(shape) == 2 and shape[0] == 1:
+            kinds["slot counts"] += nbytes
+        else:
+            kinds["replica weights"] += nbytes
+    kinds["capacity"] = capacity
+    return kinds
+
+
+def table_a(args) -> None:
+    config = ModelConfig.preset("k3")
+    d, l, k = config.hidden_size, config.routed_expert_hidden_size, config.num_experts_per_token
+    rows = []
+    for mode in ("capacity", "balanced"):
+        for width, label in ((l, f"latent {l}"), (d, f"full {d}")):
+            counted = dispatch_bytes(config, width, args.ep, args.tokens, mode, args.capacity_factor, args.max_replicas)
+            per_token = {key: value / args.tokens for key, value in counted.items() if key != "capacity"}
+            rows.append([mode, label, counted["capacity"], per_token["tokens"], per_token["ids"],
+                         per_token["slot counts"], per_token["replica weights"],
+                         per_token["tokens"] + per_token["ids"] + per_token["slot counts"]])
+    for index in range(0, len(rows), 2):
+        latent_row, full_row = rows[index], rows[index + 1]
+        ratio_tokens = latent_row[3] / full_row[3]
+        ratio_all = latent_row[7] / full_row[7]
+        latent_row.append(f"{ratio_tokens:.4f} / {ratio_all:.4f}")
+        full_row.append("1 / 1")
+    ideal = 4 * k * args.capacity_factor * l * 2  # 4 all-to-alls (fwd dispatch+combine, bwd both), bf16
+    table(["mode", "width", "C_pair", "token bufs B/tok", "ids B/tok", "slot counts B/tok", "replica weights B/tok",
+           "dispatch+combine B/tok", "latent/full (tokens / all)"], rows,
+          f"(a) bytes one EP rank sends per token and MoE layer, forward + backward: K3 (d={d}, l={l}, k={k}, "
+          f"E={config.num_experts}), ep={args.ep}, s={args.tokens} tokens/rank, "
+          f"capacity_factor={args.capacity_factor}, "
+          f"bf16; counted through the dispatch code on the meta device. Formula for the token buffers: "
+          f"4·k·cf·l·2 B = {ideal:.0f} B/token (latent).")
+    print("  Replica weights (balanced mode): a fixed [ep, max_replicas, 3·I·width] all-to-all forward and the same "
+          "for their gradients backward, per layer and micro-batch; per token they shrink as s grows, and a one-sided "
+          "fetch (MoonEP) would move max_replicas instead of ep·max_replicas expert matrices.")
+
+
+# ---------------------------------------------------------------------------------------------- (b)
+class DriftingRouter:
+    """Sigmoid scores for `experts` experts: a static popularity, a slow per-expert sinusoidal
+    drift, token topics (low rank) and noise."""
+
+    def __init__(self, experts: int, topics: int = 16, seed: int = 0, drift: float = 0.5, period: float = 100.0):
+        generator = torch.Generator().manual_seed(seed)
+        self.generator = generator
+        self.popularity = torch.randn(experts, generator=generator) * 0.6
+        self.phase = torch.rand(experts, generator=generator) * 2 * math.pi
+        self.affinity = torch.randn(topics, experts, generator=generator) * 0.8
+        self.topics, self.drift, self.period = topics, drift, period
+
+    def scores(self, step: int, tokens: int) -> torch.Tensor:
+        generator = self.generator
+        mean = self.popularity + self.drift * torch.sin(2 * math.pi * step / self.period + self.phase)
+        topic = torch.randint(0, self.topics, (tokens,), generator=generator)
+        noise = torch.randn(tokens, mean.shape[0], generator=generator)
+        return torch.sigmoid(mean + self.affinity[topic] + noise - 2.0)
+
+
+def table_b(args) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    experts, k = 896, 16
+    router = DriftingRouter(experts, seed=1)
+    balancers = {
+        "none": Balancer(),
+        "sign (rate 1e-3)": SignBalancer(experts, k, rate=1e-3),
+        "sign (rate 1e-2)": SignBalancer(experts, k, rate=1e-2),
+        "quantile": ExactQuantileBalancer(experts, k),
+        "quantile_histogram": HistogramQuantileBalancer(experts, k, 1000),
+        "same-batch floor": None,
+    }
+    biases = {name: torch.zeros(experts) for name in balancers}
+    history = {name: [] for name in balancers}
+    kept_scores, kept_biases = [], []
+    started = time.perf_counter()
+    for step in range(args.steps):
+        scores = router.scores(step, args.router_tokens)
+        for name, balancer in balancers.items():
+            if balancer is None:  # non-causal: the exact quantile bias of this very batch
+                exact = ExactQuantileBalancer(experts, k)
+                exact.observe(scores, torch.zeros(experts))
+                bias = exact.next_bias(torch.zeros(experts))
+            else:
+                bias = biases[name]
+            chosen = (scores + bias).topk(k, dim=-1).indices.flatten()
+            load = torch.zeros(experts).index_add_(0, chosen, torch.ones(chosen.shape[0]))
+            history[name].append((load.max() / load.mean()).item())
+            if balancer is not None:
+                balancer.observe(scores, bias)
+                biases[name] = balancer.next_bias(bias)
+        if step in (0, args.steps // 2):
+            kept_scores.append(scores)
+            kept_biases.append(biases["quantile"].clone())
+    marks = [s for s in (1, 2, 3, 5, 10, 20, 50, 100, 200) if s <= args.steps]
+    rows = []
+    for name, values in history.items():
+        tail = values[min(10, len(values) - 1):]
+        rows.append([name] + [values[m - 1] for m in marks] + [sum(tail) / len(tail), max(tail)])
+    q = args.router_tokens * k / experts
+    table(["balancer"] + [f"step {m}" for m in marks] + [f"mean steps>10", "max steps>10"], rows,
+          f"(b) max/mean expert load per step: 896 experts, top-16, {args.router_tokens} tokens/step "
+          f"(q = {q:.0f} slots/expert), scores drifting with period {router.period:.0f} steps; bias from step t "
+          f"applied at t+1 ({time.perf_counter() - started:.0f} s)")
+    return kept_scores, kept_biases
+
+
+# ---------------------------------------------------------------------------------------------- (c)
+def table_c(args, scores_list=None, biases=None) -> None:
+    experts, k = 896, 16
+    if scores_list is None:
+        router = DriftingRouter(experts, seed=1)
+        scores_list = [router.scores(0, args.router_tokens), router.scores(20, args.router_tokens)]
+        biases = [torch.zeros(experts), torch.randn(experts) * 0.05]
+    rows = []
+    for case, (scores, bias) in enumerate(zip(scores_list, biases)):
+        margins = (kth_largest_cutoff(scores, bias, k)[:, None] - scores).double()
+        exact = torch.quantile(margins, k / experts, dim=0)  # ExactQuantileBalancer's convention
+        exact_bias = exact - exact.mean()
+        rank = math.ceil(margins.shape[0] * k / experts)  # the sample the histogram's cdf crosses at
+        inverse_cdf = margins.kthvalue(rank, dim=0).values
+        for bins in (100, 1000, 10000):
+            balancer = HistogramQuantileBalancer(experts, k, bins)
+            balancer.observe(scores, bias)
+            low, high = HistogramQuantileBalancer.margin_range(bias)
+            raw = histogram_quantile(balancer.counts, k / experts, low, high)
+            new_bias = balancer.next_bias(bias).double()
+            width = (high - low).item() / bins
+            error = (raw - exact).abs()
+            cdf_error = (raw - inverse_cdf).abs()
+            chosen = (scores + new_bias.float()).topk(k, -1).indices.flatten()
+            load = torch.bincount(chosen, minlength=experts).double()
+            chosen_exact = (scores + exact_bias.float()).topk(k, -1).indices.flatten()
+            load_exact = torch.bincount(chosen_exact, minlength=experts).double()
+            rows.append([f"batch {case + 1}", bins, width, cdf_error.max().item() / width, error.max().item(),
+                         error.mean().item(), error.max().item() / width, (new_bias - exact_bias).abs().max().item(),
+                         (load.max() / load.mean()).item(), (load_exact.max() / load_exact.mean()).item(),
+                         bins * experts * 8])
+    table(["margins", "bins", "bin width", "max err vs inverse cdf / bin", "max |err| vs torch.quantile",
+           "mean |err|", "max err / bin", "max bias diff",
+           "max/mean load (hist bias)", "max/mean load (exact bias)", "all-reduce bytes (int64)"], rows,
+          f"(c) histogram quantile vs exact (torch.quantile) per expert, 896 experts, top-16, "
+          f"{args.router_tokens} tokens; 'inverse cdf' is the ceil(m·k/n)-th smallest margin, the sample the "
+          f"histogram's cumulative counts cross at (bounded by one bin); torch.quantile interpolates between neighbouring samples, "
+          f"whose gaps in the sparse tail exceed a bin at 10000 bins; loads: the same batch routed with each bias")
+
+
+# ---------------------------------------------------------------------------------------------- (d)
+def table_d(args) -> None:
+    experts, k, ep, replicas = 896, 16, args.ep, args.max_replicas
+    tokens = args.dispatch_tokens
+    router = DriftingRouter(experts, seed=2)
+    balancer = ExactQuantileBalancer(experts, k)
+    bias = torch.zeros(experts)
+    cases = {}
+    for step in range(12):  # warm the quantile bias up on the drifting router
+        scores = router.scores(step, ep * tokens)
+        if step == 0:
+            cases["none (step 1)"] = (scores, torch.zeros(experts))
+        balancer.observe(scores, bias)
+        bias = balancer.next_bias(bias)
+    cases["quantile (step 13)"] = (router.scores(12, ep * tokens), bias)
+    rows = []
+    for label, (scores, case_bias) in cases.items():
+        ids = (scores + case_bias).topk(k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        ids, weights = ids.view(ep, tokens, k), weights.view(ep, tokens, k)
+        counts = torch.zeros(ep, experts, dtype=torch.int64)
+        for source in range(ep):
+            counts[source].index_add_(0, ids[source].flatten(), torch.ones(tokens * k, dtype=torch.int64))
+        plan = plan_replicas(counts, replicas)
+        rank_load = counts.sum(0).view(ep, -1).sum(1).double()
+        for factor in args.capacity_factors:
+            capacity = capacity_per_pair(tokens, k, ep, factor)
+            dropped = {"capacity": 0, "balanced": 0}
+            for source in range(ep):
+                flat, w = ids[source].flatten(), weights[source].flatten()
+                routes = {"capacity": home_route(flat, experts // ep)[0],
+                          "balanced": balanced_route(flat, counts, source, plan)[0]}
+                for mode, dest in routes.items():
+                    dropped[mode] += int((~pack_slots(dest, w, ep, capacity)[1]).sum())
+            total = ep * tokens * k
+            rows.append([label, factor, capacity, (rank_load.max() / rank_load.mean()).item(),
+                         (plan.rank_load.max().double() / plan.rank_load.double().mean()).item(),
+                         int(plan.num_replicas), dropped["capacity"] / total, dropped["balanced"] / total])
+    table(["routing", "capacity_factor", "C_pair", "rank load max/mean (home)", "planned max/mean",
+           "replicas", "dropped (capacity)", "dropped (balanced)"], rows,
+          f"(d) dropped slots of the fixed-size dispatch: 896 experts, top-16, ep={ep}, {tokens} tokens/rank, "
+          f"max_replicas_per_rank={replicas}; real planner and drop policy")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tables", nargs="*", default=["a", "b", "c", "d"])
+    parser.add_argument("--ep", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=4096, help="(a) tokens per rank and micro-batch")
+    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--max-replicas", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40, help="(b) steps of the drifting router")
+    parser.add_argument("--router-tokens", type=int, default=4096, help="(b, c) tokens per step")
+    parser.add_argument("--dispatch-tokens", type=int, default=1024, help="(d) tokens per rank")
+    parser.add_argument("--capacity-factors", type=float, nargs="*", default=[1.0, 1.25, 1.5])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kept = (None, None)
+    if "a" in args.tables:
+        table_a(args)
+    if "b" in args.tables:
+        kept = table_b(args)
+    if "c" in args.tables:
+        table_c(args, *kept)
+    if "d" in args.tables:
+        table_d(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Expert parallelism reproduces the single-process loss and gradients (gloo, CPU, float64).
+
+Two launches (2 and 4 ranks) run every check. Layouts: EP2, EP4 and EP2×DP2 (ep carved out of
+dp), EP2 with TP2 and sequence parallelism (2 and 4 ranks), EP2 inside PP2 stages with two
+micro-batches per DP rank; `balanced` mode, `capacity` mode with a capacity that drops nothing
+(`C_pair = s·k`), and `capacity` mode with a small capacity, where the reference model drops, per
+source rank, the slots a plain-Python reference of the drop policy picks, and the EP model must
+drop exactly those. The gate bias favours the first EP rank's experts so that `balanced` mode
+has to replicate (asserted). Gradients are reduced by parallel/data.py's GradientReducer
+(expert parameters over `state.expert_dp`).
+
+Tolerance: float64; the EP model sums the same products in another order (the combine adds a
+token's k outputs in slot order, the reference per expert), so differences are a few ulps:
+1e-12 absolute on the loss (≈ 6) and on every gradient (O(1e-2)); observed ≤ 5e-16 and, for
+expert gradients, ≤ 5e-18. The routing bias for the next step (Quantile Balancing histogram,
+combined over `routing_statistics_group`) and the step's per-expert loads must match exactly.
+
+The static-shape check runs a whole EP MoE layer (planner, dispatch, replica exchange, local
+experts on the static gather path, combine, and backward) under a dispatch mode that fails on
+any device-to-host read or data-dependent shape, for four very different routings, and requires
+identical op traces and exchanged buffer shapes equal to `ExpertParallel.buffer_shapes`.
+"""
+
+import pytest
+
+from tests.distributed.harness import run_workers
+
+TOLERANCE = 1e-12
+TARGET = "tests.distributed.workers_expert:run_checks"
+
+
+def balanced(ep, **extra):
+    return {"check": "equivalence", "ep": ep, "mode": "balanced", "capacity_factor": float(ep), "skew": 0.05, **extra}
+
+
+def no_drop(ep, **extra):
+    return {"check": "equivalence", "ep": ep, "mode": "capacity", "capacity_factor": float(ep), "skew": 0.05, **extra}
+
+
+def dropping(ep, capacity_factor, **extra):
+    return {"check": "equivalence", "ep": ep, "mode": "capacity", "capacity_factor": capacity_factor, "skew": 0.05,
+            **extra}
+
+
+SP = {"tp": 2, "sequence_parallel": True}
+PP = {"check": "pipeline", "pp": 2, "config": {"num_hidden_layers": 4}, "micro_batches": 2}
+
+CHECKS = {
+    2: [
+        balanced(2),
+        no_drop(2),
+        dropping(2, 0.5),
+        balanced(2, config={"recompute": "sublayer"}),  # MoE forward recomputed in backward
+        balanced(2, **SP),
+        no_drop(2, **SP),
+        dropping(2, 0.5, **SP),
+        {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25},
+        {"check": "static_shapes", "mode": "capacity", "capacity_factor": 1.25},
+    ],
+    4: [
+        balanced(4),
+        no_drop(4),
+        dropping(4, 0.75),
+        balanced(2),  # EP2 × DP2: two EP groups, expert grads reduced over expert_dp
+        no_drop(2),
+        dropping(2, 0.5),
+        balanced(2, **SP),  # TP2 × DP2, EP2 = the TP ranks
+        balanced(4, **SP),  # EP4 over TP2 × DP2
+        {**balanced(2), **PP},
+        {**no_drop(2), **PP},
+    ],
+}
+
+
+def name(spec):
+    parts = [spec["check"], spec.get("mode", "")]
+    for key in ("ep", "tp", "pp"):
+        if spec.get(key, 1) > 1:
+            parts.append(f"{key}{spec[key]}")
+    parts.append(f"cf{spec['capacity_factor']}")
+    if spec.get("config"):
+        parts.append(str(spec["config"]))
+    return " ".join(parts)
+
+
+def check_equivalence(spec, rank, result):
+    label = (name(spec), rank)
+    assert abs(result["loss"] - result["reference_loss"]) < TOLERANCE, (label, result["loss"], result["reference_loss"])
+    assert result["max_grad_error"] < TOLERANCE, (label, result["worst_param"], result["max_grad_error"])
+    assert result["expert_params_checked"] >= 3 and result["checked"] > 40, label
+    assert result["bias_error"] < TOLERANCE and result["load_matches"], (label, result["bias_error"])
+    layers = result["layers"].values()
+    if spec["mode"] == "balanced" or spec["capacity_factor"] >= spec["ep"]:
+        assert all(layer["dropped"] == 0 for layer in layers), (label, result["layers"])
+    if spec["mode"] == "balanced":  # the skew makes the planner replicate, and it helps
+        assert all(layer["replicas"] > 0 for layer in layers), (label, result["layers"])
+        assert all(max(layer["rank_load"]) < max(layer["load_before"]) for layer in layers), label
+    if spec["mode"] == "capacity" and spec["capacity_factor"] < spec["ep"]:
+        assert all(layer["keep_mismatches"] == 0 and layer["dropped"] == layer["reference_dropped"] > 0
+                   for layer in layers), (label, result["layers"])
+
+
+def check_static(spec, result):
+    assert result["identical"], (name(spec), result["first_difference"])
+    expected = result["expected_shapes"]
+    for kind, shape in result["exchanges"]:
+        if kind == "all_gather":
+            assert (spec["mode"], shape) == ("balanced", (1, expected["slot_counts"][1]))
+        else:
+            assert shape in (expected["dispatch"], expected["dispatch_ids"], expected.get("replica_weights")), shape
+    if spec["mode"] == "balanced":
+        assert any(facts["replicas"] > 0 for facts in result["facts"].values())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_parallel_matches_single_process(world_size):
+    checks = CHECKS[world_size]
+    results = run_workers(world_size, TARGET, checks, timeout_s=240)
+    for rank, per_rank in enumerate(results):
+        for spec, result in zip(checks, per_rank):
+            if spec["check"] == "static_shapes":
+                check_static(spec, result)
+            else:
+                check_equivalence(spec, rank, result)
+    summary = {name(spec): (max(r[i].get("max_grad_error", 0.0) for r in results),
+                            sum(layer.get("dropped", 0) for r in results for layer in r[i].get("layers", {}).values()))
+               for i, spec in enumerate(checks)}
+    print(summary)

@@ -1,0 +1,257 @@
+"""Expert-parallel planner, slot routing and drop policy in one process (parallel/expert.py).
+
+Several EP ranks are simulated by calling the per-source functions once per source; the
+multi-process equivalence runs are in tests/distributed/test_expert_parallel.py.
+"""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from k3train.model.balance import Balancer
+from k3train.model.config import ModelConfig
+from k3train.model.moe import LatentMoE
+from k3train.parallel.comm import Group, TrafficCounter
+from k3train.parallel.expert import (
+    ExpertParallel, balanced_route, capacity_per_pair, home_route, pack_slots, plan_replicas,
+)
+from tests.distributed.workers_expert import StaticShapeGuard, no_host_reads, reference_capacity_keep
+
+
+def single_group() -> Group:
+    return Group("ep", (0,), 0, None, TrafficCounter())
+
+
+def skewed_routing(sources: int, tokens: int, experts: int, top_k: int, skew: float, seed: int):
+    """Per source: expert ids [tokens, k] (distinct per token) and weights, hot experts first."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(sources, tokens, experts, generator=generator) + skew * torch.linspace(1, -1, experts)
+    weights, ids = logits.sigmoid().topk(top_k, dim=-1)
+    return ids, weights
+
+
+# ---------------------------------------------------------------------------- capacity and drop policy
+def test_capacity_is_a_function_of_config_and_micro_batch():
+    assert capacity_per_pair(tokens=64, top_k=4, ep=2, capacity_factor=1.25) == 160
+    assert capacity_per_pair(tokens=64, top_k=4, ep=4, capacity_factor=4.0) == 256  # = s·k: never drops
+    assert capacity_per_pair(tokens=64, top_k=4, ep=4, capacity_factor=100.0) == 256  # capped at s·k
+    assert capacity_per_pair(tokens=3, top_k=1, ep=8, capacity_factor=0.1) == 1
+    expert_parallel = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "balanced", 1.25, max_replicas_per_rank=2)
+    shapes = expert_parallel.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48)
+    assert shapes == {"dispatch": (4, 80, 32), "dispatch_ids": (4, 80), "combine": (4, 80, 32),
+                      "slot_counts": (4, 16), "replica_weights": (4, 2, 3 * 48 * 32)}
+
+
+@pytest.mark.parametrize("ranks,capacity", [(1, 5), (2, 7), (4, 3), (4, 64), (8, 1)])
+def test_drop_policy_keeps_highest_weights_per_destination(ranks, capacity):
+    experts, top_k, tokens = 16, 4, 40
+    ids, weights = skewed_routing(1, tokens, experts, top_k, skew=2.0, seed=ranks * 10 + capacity)
+    ids, weights = ids[0], weights[0]
+    weights = (weights * 8).round() / 8  # many ties: broken by slot index
+    dest, _ = home_route(ids.reshape(-1), experts // ranks)
+    buffer_index, keep = pack_slots(dest, weights.reshape(-1), ranks, capacity)
+    expected = reference_capacity_keep(ids, weights, ranks, experts // ranks, capacity)
+    assert torch.equal(keep.view(tokens, top_k), expected)
+    kept = buffer_index[keep]
+    assert kept.unique().numel() == kept.numel()  # one slot per buffer row
+    assert torch.all(kept // capacity == dest[keep]) and torch.all(buffer_index[~keep] == ranks * capacity)
+
+
+# ---------------------------------------------------------------------------- planner
+def test_planner_leaves_balanced_routing_alone():
+    counts = torch.full((4, 16), 10, dtype=torch.int64)
+    plan = plan_replicas(counts, max_replicas_per_rank=2)
+    assert not plan.valid.any() and torch.equal(plan.rank_load, torch.full((4,), 160))
+
+
+@pytest.mark.parametrize("ranks,replicas,skew", [(2, 2, 1.0), (4, 2, 2.0), (4, 1, 4.0), (8, 2, 3.0), (8, 3, 1.0)])
+def test_planner_invariants(ranks, replicas, skew):
+    experts, top_k, tokens = 32, 4, 64
+    ids, _ = skewed_routing(ranks, tokens, experts, top_k, skew, seed=ranks)
+    counts = torch.stack([torch.bincount(ids[r].flatten(), minlength=experts) for r in range(ranks)])
+    plan = plan_replicas(counts, replicas)
+    local = experts // ranks
+    valid = plan.valid
+    # each rank hosts at most `replicas`, never a replica of its own expert, slots 0..used-1
+    for rank in range(ranks):
+        slots = plan.slot[valid & (plan.dest == rank)]
+        assert slots.numel() <= replicas and sorted(slots.tolist()) == list(range(slots.numel()))
+    assert torch.all(plan.expert[valid] // local != plan.dest[valid])
+    # every expert's slots are split exactly between its home and its replicas, as intervals
+    held = plan.home.clone().index_add_(0, plan.expert[valid], plan.amount[valid])
+    assert torch.equal(held, plan.load)
+    for e in plan.expert[valid].unique().tolist():
+        entries = (valid & (plan.expert == e)).nonzero().flatten().tolist()
+        position = int(plan.home[e])
+        for j in entries:
+            assert int(plan.start[j]) == position
+            position += int(plan.amount[j])
+    # planned rank loads are what the plan says, and never worse than before
+    rank_load = plan.home.view(ranks, local).sum(1).index_add_(0, plan.dest[valid], plan.amount[valid])
+    assert torch.equal(rank_load, plan.rank_load)
+    target = tokens * top_k
+    before = counts.sum(0).view(ranks, local).sum(1)
+    assert plan.rank_load.max() <= max(before.max(), target) and plan.rank_load.max() <= before.max()
+    assert torch.equal(plan_replicas(counts, replicas).expert, plan.expert)  # deterministic
+
+
+def test_planner_balances_exactly_when_replica_slots_suffice():
+    # rank 0 has two hot experts (share 300 each); ranks 1..3 are light: 3 replicas are enough
+    counts = torch.full((4, 16), 0, dtype=torch.int64)
+    load = torch.tensor([300, 300, 20, 20] + [60] * 12)
+    counts[:] = load // 4
+    plan = plan_replicas(counts, max_replicas_per_rank=1)
+    target = int(counts.sum()) // 4
+    assert int(plan.rank_load.max()) == target == int(plan.rank_load.min())
+
+
+# ---------------------------------------------------------------------------- slot routing
+@pytest.mark.parametrize("ranks,replicas", [(2, 2), (4, 2), (8, 1)])
+def test_balanced_route_follows_the_plan(ranks, replicas):
+    experts, top_k, tokens = 32, 4, 64
+    local = experts // ranks
+    ids, weights = skewed_routing(ranks, tokens, experts, top_k, 2.5, seed=5 + ranks)
+    counts = torch.stack([torch.bincount(ids[r].flatten(), minlength=experts) for r in range(ranks)])
+    plan = plan_replicas(counts, replicas)
+    assert plan.valid.any()
+    received = torch.zeros(ranks, local + replicas, dtype=torch.int64)  # per destination and local id
+    pair = torch.zeros(ranks, ranks, dtype=torch.int64)
+    for source in range(ranks):
+        flat = ids[source].flatten()
+        dest, local_id = balanced_route(flat, counts, source, plan)
+        home = flat // local
+        at_home = dest == home
+        assert torch.all(local_id[at_home] == flat[at_home] % local)
+        # a slot away from home goes to a valid replica of its own expert
+        for slot in (~at_home).nonzero().flatten().tolist():
+            entry = ((plan.dest == dest[slot]) & (plan.slot == local_id[slot] - local) & plan.valid).nonzero()
+            assert entry.numel() == 1 and int(plan.expert[entry]) == int(flat[slot])
+        received.index_put_((dest, local_id), torch.ones_like(dest), accumulate=True)
+        pair[source] = torch.bincount(dest, minlength=ranks)
+        # with C = s·k nothing is dropped
+        _, keep = pack_slots(dest, weights[source].flatten(), ranks, tokens * top_k)
+        assert keep.all()
+    # each holder receives its planned share up to rounding (one slot per source)
+    planned_home = plan.home.view(ranks, local)
+    assert (received[:, :local] - planned_home).abs().max() <= ranks
+    for j in plan.valid.nonzero().flatten().tolist():
+        got = int(received[plan.dest[j], local + plan.slot[j]])
+        assert abs(got - int(plan.amount[j])) <= ranks
+    assert torch.equal(received.sum(1), pair.sum(0))
+    assert abs(int(received.sum(1).max()) - int(plan.rank_load.max())) <= ranks * (1 + replicas)
+
+
+def test_balanced_mode_drops_less_than_capacity_mode_at_the_same_capacity():
+    ranks, experts, top_k, tokens, replicas = 8, 64, 4, 128, 2
+    ids, weights = skewed_routing(ranks, tokens, experts, top_k, 3.0, seed=1)
+    counts = torch.stack([torch.bincount(ids[r].flatten(), minlength=experts) for r in range(ranks)])
+    capacity = capacity_per_pair(tokens, top_k, ranks, 1.25)
+    plan = plan_replicas(counts, replicas)
+    dropped = {"capacity": 0, "balanced": 0}
+    for source in range(ranks):
+        flat, w = ids[source].flatten(), weights[source].flatten()
+        routes = {"capacity": home_route(flat, experts // ranks)[0],
+                  "balanced": balanced_route(flat, counts, source, plan)[0]}
+        for mode, dest in routes.items():
+            dropped[mode] += int((~pack_slots(dest, w, ranks, capacity)[1]).sum())
+    assert dropped["balanced"] < 0.25 * dropped["capacity"], dropped
+
+
+# ---------------------------------------------------------------------------- the layer in one process
+def moe_pair(mode: str, capacity_factor: float, compute: str = "grouped"):
+    config = dataclasses.replace(ModelConfig(), num_experts=8, num_experts_per_token=3)
+    torch.manual_seed(0)
+    reference = LatentMoE(config).double()
+    for param in reference.parameters():
+        torch.nn.init.normal_(param, 0.0, 0.1)
+    expert_parallel = ExpertParallel(single_group(), 8, mode, capacity_factor, 2, compute)
+    moe = LatentMoE(config).double()
+    moe.load_state_dict(reference.state_dict())
+    moe.use_expert_parallel(expert_parallel)
+    return reference, moe
+
+
+@pytest.mark.parametrize("mode", ["balanced", "capacity"])
+@pytest.mark.parametrize("compute", ["grouped", "gather"])
+def test_dispatch_on_one_rank_equals_local_experts(mode, compute):
+    reference, moe = moe_pair(mode, 1.0, compute)
+    x = torch.randn(2, 7, 128, dtype=torch.float64)
+    expected, got = reference(x), moe(x)
+    (expected.square().sum() + expected.sum()).backward()
+    (got.square().sum() + got.sum()).backward()
+    assert (expected - got).abs().max() < 1e-12
+    for (name, a), b in zip(reference.named_parameters(), moe.parameters()):
+        assert (a.grad - b.grad).abs().max() < 1e-12 * max(1.0, a.grad.abs().max().item()), name
+    stats = moe.pop_step_stats()
+    assert stats.dropped_slots == 0 and stats.routed_slots == 42 and stats.micro_batches == 1
+
+
+def test_dropped_slots_count_as_zero_weight_and_are_counted_per_layer():
+    reference, moe = moe_pair("capacity", 0.5)
+    x = torch.randn(2, 8, 128, dtype=torch.float64)
+    captured = {}
+    original = reference.experts.forward
+
+    def dropping(latent, expert_ids, weights):
+        captured["keep"] = reference_capacity_keep(expert_ids, weights.detach(), 1, 8, 24)
+        return original(latent, expert_ids, weights * captured["keep"])
+
+    reference.experts.forward = dropping
+    for _ in range(2):  # two micro-batches accumulate
+        assert (reference(x) - moe(x)).abs().max() < 1e-12
+    assert torch.equal(moe.last_dispatch.keep, captured["keep"])
+    stats = moe.pop_step_stats()
+    assert stats.routed_slots == 2 * 48 and stats.dropped_slots == 2 * 24 and stats.micro_batches == 2
+    assert stats.as_dict()["dropped_fraction"] == 0.5
+    assert moe.pop_step_stats().routed_slots == 0  # reset
+    assert moe.pop_step_load().shape == (8,)  # the training loop's older call still works
+
+
+def test_expert_params_are_marked_and_sliced():
+    config = dataclasses.replace(ModelConfig(), num_experts=8)
+    full = LatentMoE(config)
+    with torch.no_grad():
+        for param in full.parameters():
+            param.normal_()
+    group = Group("ep", (0, 1, 2, 3), 2, None, TrafficCounter())  # rank 2 of 4 (no collective is run)
+    expert_parallel = ExpertParallel(group, 8, "capacity", 1.0)
+    moe = LatentMoE(config)
+    moe.load_state_dict(full.state_dict())
+    moe.use_expert_parallel(expert_parallel)
+    assert moe.experts.w1.shape == (2, 64, 64) and torch.equal(moe.experts.w2, full.experts.w2[4:6])
+    for param in (moe.experts.w1, moe.experts.w3, moe.experts.w2):
+        assert param.expert_parallel and param.expert_offset == 4 and param.full_shape[0] == 8
+    built = LatentMoE(config, expert_parallel=expert_parallel)
+    assert built.experts.w3.shape == (2, 64, 64) and built.experts.w3.expert_offset == 4
+
+
+def test_from_state_requires_sequence_parallel_with_tensor_parallel():
+    ep = Group("ep", (0, 1), 0, None, TrafficCounter())
+    config = SimpleNamespace(expert_dispatch="balanced", capacity_factor=1.25, max_replicas_per_rank=2)
+    state = SimpleNamespace(ep=ep, layout=SimpleNamespace(tp=2), sequence_parallel=False)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        ExpertParallel.from_state(state, config, 16)
+    state.sequence_parallel = True
+    assert ExpertParallel.from_state(state, config, 16).num_local_experts == 8
+    state.ep = Group("ep", (0,), 0, None, TrafficCounter())
+    assert ExpertParallel.from_state(state, config, 16) is None
+
+
+def test_static_shape_guard_catches_host_reads():
+    """The guard the distributed static-shape check relies on: the CPU loop path of the grouped
+    matmul reads group ends on the host and is caught; the gather path passes."""
+    _, moe = moe_pair("balanced", 1.25, "grouped")
+    moe.balancer = Balancer()  # the histogram balancer's bincount is not part of the dispatch path
+    x = torch.randn(1, 6, 128, dtype=torch.float64)
+    with pytest.raises(AssertionError, match="host"):
+        with no_host_reads(), StaticShapeGuard():
+            moe(x)
+    with pytest.raises(AssertionError, match="bincount"):
+        with StaticShapeGuard():
+            torch.bincount(torch.tensor([1, 2]))
+    _, moe = moe_pair("balanced", 1.25, "gather")
+    moe.balancer = Balancer()  # the histogram balancer's bincount is not part of the dispatch path
+    with no_host_reads(), StaticShapeGuard():
+        moe(x).sum().backward()
