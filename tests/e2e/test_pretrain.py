@@ -58,7 +58,8 @@ def test_misspelt_recipe_key_is_one_line_error(tmp_path):
     assert len(lines) == 1 and "optimizer.lrr" in lines[0] and "optimizer.lr" in lines[0], result.stderr
 
 
-def test_parallel_layout_is_refused_clearly(tmp_path):
+def test_impossible_parallel_layout_is_refused_clearly(tmp_path):
+    """tp=2 on one process: one line naming the sizes and what would fit, no traceback."""
     result = run_pretrain("--run-dir", str(tmp_path), "parallel.tp=2", timeout=120)
     assert result.returncode == 2
-    assert "single process" in result.stderr and "Traceback" not in result.stderr
+    assert "world size 1" in result.stderr and "tp=1" in result.stderr and "Traceback" not in result.stderr
