@@ -36,7 +36,10 @@ from k3train.training.throughput import peak_flops  # noqa: E402
 
 
 def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    """One line on stderr and exit code 2. The errors raised here (recipe, layout, batch sizes,
+    non-finite steps) are the same on every rank, so under torchrun only rank 0 prints them."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -87,6 +87,14 @@ class Trainer:
                 f"{train.micro_batch_size} times the data-parallel size {dp}"
             )
         self.micro_batches = train.global_batch_size // (train.micro_batch_size * dp)  # per rank
+        pp, virtual_stages = parallel.layout.pp, config.parallel.virtual_stages
+        if virtual_stages > 1 and self.micro_batches % pp:
+            fits = [n * train.micro_batch_size * dp for n in range(pp, 4 * pp + 1, pp)]
+            raise TrainingError(
+                f"the interleaved pipeline (parallel.virtual_stages={virtual_stages}) needs the micro-batches per "
+                f"rank ({self.micro_batches} = train.global_batch_size / (train.micro_batch_size * dp)) to be a "
+                f"multiple of parallel.pp={pp}; e.g. train.global_batch_size in {fits}"
+            )
         self.tokens_per_step = train.global_batch_size * config.data.seq_length  # whole job
         # The ranks that routed distinct tokens: they pool their balancer statistics.
         self.routing_group = parallel.data_tensor if parallel.sequence_parallel else parallel.dp
