@@ -30,7 +30,7 @@ from k3train.parallel.data import DistributedOptimizer, GradientReducer  # noqa:
 from k3train.parallel.expert import ExpertParallel  # noqa: E402
 from k3train.parallel.pipeline import PipelineConfigError, PipelinePlan, PipelineSchedule, residual_shape  # noqa: E402
 from k3train.parallel.state import LayoutError, ParallelState  # noqa: E402
-from k3train.training.loop import Trainer, TrainingError  # noqa: E402
+from k3train.training.loop import Trainer, TrainingError, precision_context  # noqa: E402
 from k3train.training.metrics import MetricsLogger  # noqa: E402
 from k3train.training.throughput import peak_flops  # noqa: E402
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             plan, parallel.pp,
             residual_shape(config.train.micro_batch_size, config.data.seq_length, config.model.hidden_size,
                            parallel.tp.size, parallel.sequence_parallel),
-            dtype=torch.float32, device=device,
+            dtype=torch.float32, device=device, forward_context=precision_context(config.train.precision, device),
             before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
         )
     except PipelineConfigError as error:

@@ -10,16 +10,17 @@ from typing import Sequence
 
 import torch
 
-from k3train.kernels.precision import upcast
+from k3train.kernels.precision import upcast, without_autocast
 
 
 def attn_res_mix(
     sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """Mix `sources` (all of one shape `[..., d]`) with depth attention; returns `[..., d]`."""
-    values = torch.stack([upcast(source) for source in sources], dim=-2)  # [..., sources, d]
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
-    score_weight = upcast(norm_weight) * upcast(query)
-    probabilities = (keys * score_weight).sum(-1).softmax(-1)  # [..., sources]
-    mixed = (probabilities.unsqueeze(-2) @ values).squeeze(-2)
+    with without_autocast(sources[0].device):  # bf16 autocast must not downcast the mix
+        values = torch.stack([upcast(source) for source in sources], dim=-2)  # [..., sources, d]
+        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+        score_weight = upcast(norm_weight) * upcast(query)
+        probabilities = (keys * score_weight).sum(-1).softmax(-1)  # [..., sources]
+        mixed = (probabilities.unsqueeze(-2) @ values).squeeze(-2)
     return mixed.to(sources[0].dtype)

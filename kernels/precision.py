@@ -10,3 +10,9 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(accumulation_dtype(x.dtype))
+
+
+def without_autocast(device: torch.device):
+    """Run a block in the precision its inputs have, even inside a bf16 autocast region: for the
+    computations the spec keeps in fp32 (AttnRes scores and mix, router, balancer)."""
+    return torch.autocast(device.type, enabled=False)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3train.kernels.grouped_gemm import grouped_mm
-from k3train.kernels.precision import upcast
+from k3train.kernels.precision import upcast, without_autocast
 from k3train.model.balance import build_balancer
 from k3train.model.config import ModelConfig
 from k3train.model.mlp import GLUMLP, glu_activation
@@ -47,7 +47,8 @@ class MoEGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`x [tokens, d]` → (scores [tokens, n] fp32, expert ids [tokens, k], weights [tokens, k] fp32)."""
-        scores = torch.sigmoid(F.linear(upcast(x), upcast(self.weight)))
+        with without_autocast(x.device):  # the router stays fp32 under bf16 autocast
+            scores = torch.sigmoid(F.linear(upcast(x), upcast(self.weight)))
         with torch.no_grad():
             expert_ids = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, expert_ids)

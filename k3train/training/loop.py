@@ -49,6 +49,14 @@ class Progress:
         self.skipped_steps = int(state["skipped_steps"])
 
 
+def precision_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context every forward pass runs in: bf16 autocast (`train.precision=bf16`; AttnRes,
+    router, balancer and loss still compute in fp32 inside it) or nothing (fp32)."""
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 class Trainer:
     """Runs the steps of one rank. Parallel layouts enter through `parallel` (a
     `k3train.parallel.state.ParallelState`; `ParallelState.single()` for one process, where every
@@ -102,11 +110,6 @@ class Trainer:
         self._steps_this_run = 0
 
     # ------------------------------------------------------------------ pieces
-    def autocast(self):
-        if self.config.train.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns the step's metrics."""
         started = time.perf_counter()

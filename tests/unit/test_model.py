@@ -334,3 +334,21 @@ def test_checkpointed_attn_res_layer_saves_no_more_than_plain_residual(layer_ind
     print(f"layer {layer_index}: plain residual {plain} B, Block AttnRes checkpointed {checkpointed} B, "
           f"not checkpointed {uncheckpointed} B")
     assert checkpointed <= plain < uncheckpointed
+
+
+def test_router_and_attn_res_stay_fp32_under_bf16_autocast():
+    """SPEC §2 precision: AttnRes scores and the router in fp32 even inside a bf16 autocast region."""
+    model = K3Model(small_config(hidden_size=64, vocab_size=64, num_hidden_layers=2))
+    randomize_attn_res_queries(model)
+    moe = model.moe_layers()[0]
+    x = torch.randn(1, 5, 64)
+    sources = [torch.randn(1, 5, 64) for _ in range(3)]
+    attn_res = model.layers["1"].mlp_res
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores, _, weights = moe.gate(x.reshape(-1, 64))
+        mixed = attn_res.mix(sources)
+    assert scores.dtype == torch.float32 and weights.dtype == torch.float32
+    expected_scores = torch.sigmoid(x.reshape(-1, 64) @ moe.gate.weight.T)
+    assert (scores - expected_scores).abs().max() < 1e-6  # a bf16 matmul would be off by ~1e-3
+    assert mixed.dtype == torch.float32
+    assert (mixed - attn_res.mix(sources)).abs().max() < 1e-6
