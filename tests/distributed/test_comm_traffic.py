@@ -1,0 +1,62 @@
+"""Measured communication of one training step equals the formula (`parallel/traffic.py`), per
+group, in bytes and in messages, on every rank.
+
+One 4-rank gloo launch runs several layouts through the real training step
+(`workers_comm.py`); the prediction is computed for each rank's own coordinates, because under
+ZeRO-1 the `tp` traffic of Muon's whole-matrix gathers depends on the DP rank that owns them.
+The counts are exact integers: any extra, missing or resized collective fails the test.
+"""
+
+import pytest
+
+from k3train.config import load_config
+from k3train.parallel.traffic import predicted_step_traffic, step_traffic_terms
+from tests.distributed.harness import CHECKOUT, run_workers
+
+RECIPE = str(CHECKOUT / "recipes" / "debug.yaml")
+LAYOUTS = [
+    dict(name="TP2+SP", tp=2, sequence_parallel=True),
+    dict(name="DP2×TP2 ZeRO-1", tp=2, dp=2, zero1=True),
+    # The other balancers' statistics, SP without ZeRO-1, and recompute's extra gathers.
+    dict(name="DP2×TP2+SP exact quantile", tp=2, dp=2, sequence_parallel=True, zero1=False,
+         overrides=["model.balancer=quantile"]),
+    dict(name="TP2+SP recompute=sublayer sign", tp=2, sequence_parallel=True,
+         overrides=["model.recompute=sublayer", "model.balancer=sign"]),
+    dict(name="DP2 ZeRO-1", dp=2, zero1=True),
+]
+
+
+def test_measured_traffic_equals_formula_per_group_and_rank():
+    payload = dict(recipe=RECIPE, micro_batch_size=1, micro_batches=2, seq_length=32, layouts=LAYOUTS)
+    results = run_workers(4, "tests.distributed.workers_comm:run_layouts", payload, timeout_s=240)
+    for index, layout in enumerate(LAYOUTS):
+        world = layout.get("tp", 1) * layout.get("dp", 1)
+        for rank in range(world):
+            result = results[rank][index]
+            assert result["member"]
+            assert result["measured"] == result["predicted"], (layout["name"], rank, result["measured"],
+                                                               result["predicted"])
+        assert "tp" in results[0][index]["measured"] or layout.get("tp", 1) == 1
+    # Under ZeRO-1 with TP the owners of the whole-matrix Muon gathers differ between DP ranks.
+    zero1_tp = [results[rank][1]["measured"]["tp"] for rank in range(4)]
+    assert zero1_tp[0] == zero1_tp[1] and zero1_tp[2] == zero1_tp[3] and zero1_tp[0] != zero1_tp[2]
+
+
+def test_formula_terms_by_hand_and_refused_layouts():
+    """The region terms for the debug model by hand: 8 mixers + 1 dense MLP + 7 shared-expert
+    MLPs = 16 regions; N = b·s·h·4 bytes."""
+    config = load_config(RECIPE, [])
+    common = dict(micro_batch_size=1, seq_length=32, micro_batches=2)
+    full = 1 * 32 * config.model.hidden_size * 4
+    terms = {t.what.split(":")[0]: t for t in step_traffic_terms(config.model, config.optimizer, tp=2, **common)}
+    assert terms["16 TP regions fwd"].bytes == 2 * 16 * full and terms["16 TP regions fwd"].messages == 32
+    assert terms["vocab-parallel CE"].bytes == 2 * 3 * 32 * 4
+    sp = {t.what.split(":")[0]: t for t in step_traffic_terms(config.model, config.optimizer, tp=2,
+                                                               sequence_parallel=True, **common)}
+    assert sp["16 TP regions bwd"].bytes == 2 * 16 * (full + full // 2) and sp["16 TP regions bwd"].messages == 64
+    assert predicted_step_traffic(config.model, config.optimizer, **common) == {}  # one process: nothing
+    with pytest.raises(ValueError, match="pp=1 and ep=1"):
+        predicted_step_traffic(config.model, config.optimizer, dp=2, pp=2, **common)
+    with pytest.raises(ValueError, match="does not split"):
+        predicted_step_traffic(config.model, config.optimizer, tp=2, sequence_parallel=True,
+                               micro_batch_size=1, seq_length=33, micro_batches=1)

@@ -1,0 +1,119 @@
+"""Worker side of the traffic checks (`test_comm_traffic.py`, `benchmarks/comm.py`): every layout
+runs one real training step and reports what comm.py counted beside the formula's prediction.
+
+One launch runs several layouts in turn. Each is built the way `pretrain_k3.main` builds a job
+(steps 3-6: model chunks from the seed, data, `GradientReducer`, `DistributedOptimizer`,
+`PipelineSchedule`, `Trainer`), its counter is reset after set-up, and `Trainer.train_step()`
+runs once: the counter then holds exactly one step (schedule, reduction, loss average, clipping,
+optimizer step, routing statistics). A layout with fewer ranks than the launch (DP2, TP2 in a
+4-rank launch) runs on ranks 0..world-1; the other ranks only take part in creating its groups
+(`torch.distributed.new_group` must be entered by every process) and wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from k3train.config import load_config
+from k3train.data import build_data
+from k3train.model.flops import training_flops_per_token
+from k3train.model.k3 import K3Model, K3Stage
+from k3train.parallel.data import DistributedOptimizer, GradientReducer
+from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
+from k3train.parallel.state import ParallelState, resolve_layout
+from k3train.parallel.traffic import predicted_step_traffic, step_traffic_terms
+from k3train.training import loop
+from k3train.training.loop import Trainer
+from k3train.training.throughput import peak_flops
+
+
+def layout_overrides(layout: dict[str, Any], micro_batch_size: int, micro_batches: int, seq_length: int) -> list[str]:
+    """Recipe overrides for one layout: sizes, and a global batch of `micro_batches` per DP rank."""
+    dp = layout.get("dp", 1)
+    return [f"parallel.tp={layout.get('tp', 1)}", f"parallel.dp={dp}",
+            f"parallel.sequence_parallel={str(layout.get('sequence_parallel', False)).lower()}",
+            f"parallel.zero1={str(layout.get('zero1', True)).lower()}",
+            f"data.seq_length={seq_length}", f"train.micro_batch_size={micro_batch_size}",
+            f"train.global_batch_size={micro_batch_size * micro_batches * dp}",
+            "train.device=cpu", "train.steps=1", "train.eval_interval=0", "schedule.warmup_steps=1",
+            *layout.get("overrides", [])]
+
+
+def build_trainer(config, state: ParallelState) -> Trainer:
+    """The job of `pretrain_k3.main` (steps 3-6) on this rank, without run directory or logger."""
+    device = torch.device("cpu")
+    torch.manual_seed(config.train.seed)
+    plan = PipelinePlan.from_config(config.model, config.parallel)
+    expert_parallel = ExpertParallel.from_state(state, config.parallel, config.model.num_experts)
+    chunks = []
+    for layer_range in plan.layer_ranges(state.pp_rank):
+        chunk = K3Model(config.model, layer_range=layer_range, parallel=state, expert_parallel=expert_parallel)
+        chunk.init_weights(config.train.seed)
+        chunks.append(chunk.to(device))
+    model = K3Stage(chunks)
+    data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
+    reducer = GradientReducer(model, state)
+    optimizer = DistributedOptimizer(model, config.optimizer, state, zero1=config.parallel.zero1)
+    schedule = PipelineSchedule(
+        plan, state.pp,
+        residual_shape(config.train.micro_batch_size, config.data.seq_length, config.model.hidden_size,
+                       state.tp.size, state.sequence_parallel),
+        dtype=torch.float32, device=device,
+        before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
+    )
+    return Trainer(config, model, optimizer, data, device,
+                   training_flops_per_token(config.model, config.data.seq_length).total,
+                   peak_flops(device, config.logging.peak_tflops), None, state, reducer, schedule)
+
+
+def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    micro_batch_size, micro_batches, seq_length = (payload["micro_batch_size"], payload["micro_batches"],
+                                                   payload["seq_length"])
+    config = load_config(payload["recipe"], layout_overrides(layout, micro_batch_size, micro_batches, seq_length))
+    tp, dp = config.parallel.tp, config.parallel.dp
+    world = tp * dp
+    model_config = config.model
+    grid = resolve_layout(world, tp, 1, dp, 1, 1, model_config.num_attention_heads,
+                          model_config.linear_attn_config.num_heads, model_config.vocab_size,
+                          model_config.num_experts, model_config.num_hidden_layers)
+    member = env.rank < world
+    # Every process creates the layout's groups in the same order; non-members pose as rank 0.
+    state = ParallelState(grid, env.rank if member else 0, sequence_parallel=config.parallel.sequence_parallel)
+    result: dict[str, Any] = {"name": layout["name"], "member": member}
+    if member:
+        started = time.perf_counter()
+        trainer = build_trainer(config, state)
+        real_memory = loop.rank_memory_gib
+        if world < env.world_size:
+            # Its uncounted all-gather runs on the default group, which has every launched process.
+            loop.rank_memory_gib = lambda device, world_size: [0.0] * world_size
+        try:
+            state.counter.reset()
+            metrics = trainer.train_step()
+        finally:
+            loop.rank_memory_gib = real_memory
+        measured = state.counter.snapshot()
+        arguments = dict(tp=tp, dp=dp, micro_batch_size=micro_batch_size, seq_length=seq_length,
+                         micro_batches=micro_batches, dtype_bytes=4, zero1=config.parallel.zero1,
+                         sequence_parallel=config.parallel.sequence_parallel,
+                         tp_rank=state.tp_rank, dp_rank=state.dp_rank)
+        result.update(
+            measured=measured,
+            predicted=predicted_step_traffic(model_config, config.optimizer, **arguments),
+            terms=[vars(term) for term in step_traffic_terms(model_config, config.optimizer, **arguments)]
+            if env.rank == 0 else None,
+            loss=metrics["loss"], seconds=time.perf_counter() - started,
+        )
+    dist.barrier()
+    return result
+
+
+def run_layouts(env, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """`payload`: recipe, micro_batch_size, micro_batches, seq_length, layouts (each a dict of
+    name, tp, dp, sequence_parallel, zero1 and extra overrides). Returns one result per layout."""
+    return [measure_layout(env, layout, payload) for layout in payload["layouts"]]
