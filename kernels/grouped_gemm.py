@@ -22,7 +22,8 @@ def grouped_mm_reference(x: torch.Tensor, weights: torch.Tensor, group_ends: tor
 
 
 def grouped_mm(x: torch.Tensor, weights: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm` on CUDA for bf16/fp32 inputs, the reference loop otherwise."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and hasattr(torch, "_grouped_mm"):
+    """`torch._grouped_mm` on CUDA for bf16 inputs (the dtype its CUDA kernels are built for),
+    the reference loop otherwise."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         return torch._grouped_mm(x, weights, offs=group_ends.to(torch.int32))
     return grouped_mm_reference(x, weights, group_ends)

@@ -1,0 +1,66 @@
+"""tools/gpu_check.py as the device run uses it, here on the CPU at small sizes: it exits 0 and its
+table has a row for every registered check (SKIP only where a check needs CUDA, fla or several
+GPUs); and the fla-only rows' logic, with the PyTorch path standing in for fla's kernel."""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = CHECKOUT / "tools" / "gpu_check.py"
+# Checks that cannot run on a CPU: their rows may SKIP; every other row must PASS.
+CUDA_ONLY = {"kda_fla", "kda_speed", "model_large", "expert_dispatch", "transformer_engine"}
+
+
+def load_gpu_check():
+    """The script as a module (tools/ is no package)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up while the file executes
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["gpu_check"]
+    return module
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    """The cells of the final table's rows (after its header and rule)."""
+    lines = stdout.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.startswith("| check "))
+    return [[cell.strip() for cell in line.strip("|").split(" | ")]
+            for line in lines[header + 2:] if line.startswith("| ")]
+
+
+def test_gpu_check_runs_on_cpu():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick"],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=CHECKOUT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+    rows = table_rows(result.stdout)
+    statuses: dict[str, set[str]] = {}
+    for cells in rows:
+        statuses.setdefault(cells[0].split()[0], set()).add(cells[4])
+    checks = [check.name for check in load_gpu_check().CHECKS]
+    assert set(checks) == set(statuses), (checks, sorted(statuses))
+    assert CUDA_ONLY <= set(checks)
+    for name in checks:
+        allowed = {"PASS", "SKIP"} if name in CUDA_ONLY else {"PASS"}
+        assert statuses[name] <= allowed, (name, statuses[name], result.stdout[-4000:])
+
+
+def test_fla_rows_with_a_stand_in_kernel(monkeypatch, capsys):
+    # No CUDA here: backend="fla" is served by the PyTorch path, so kda_fla and kda_speed run
+    # their comparison and timing code instead of printing SKIP.
+    gpu_check = load_gpu_check()
+    chunk_kda = gpu_check.chunk_kda
+    monkeypatch.setattr(gpu_check, "chunk_kda",
+                        lambda *args, backend, **kwargs: chunk_kda(*args, backend="torch", **kwargs))
+    monkeypatch.setattr(gpu_check, "fla_unavailable_reason", lambda ctx: None)
+    assert gpu_check.main(["--device", "cpu", "--quick", "--only", "kda_fla", "--only", "kda_speed"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert [(cells[0], cells[4]) for cells in rows] == [
+        ("kda_fla fp32", "PASS"), ("kda_fla bf16", "PASS"), ("kda_speed T=128", "PASS")]
