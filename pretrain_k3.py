@@ -20,9 +20,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from k3train.checkpoint import Checkpointer, GracefulExit, RNGState, read_manifest  # noqa: E402
+from k3train.checkpoint import CheckpointError, Checkpointer, GracefulExit, RNGState, read_manifest  # noqa: E402
 from k3train.config import JobConfig, parse_job_args_or_exit, save_config  # noqa: E402
-from k3train.data import build_data  # noqa: E402
+from k3train.data import DataError, build_data  # noqa: E402
 from k3train.model.flops import parameter_counts, training_flops_per_token  # noqa: E402
 from k3train.model.k3 import K3Model, K3Stage  # noqa: E402
 from k3train.optim.builder import describe_param_groups  # noqa: E402
@@ -75,9 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     if not is_logging_rank:
         sys.stdout = open(os.devnull, "w")  # one rank prints; errors still reach stderr
     run_dir = shared_run_dir(run_dir_arg)
-    if is_logging_rank:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, str(run_dir / "config.yaml"))  # the resolved config, next to everything the run writes
     print(f"run directory: {run_dir}")
     layout = parallel.layout
     print(f"parallel: world {layout.world_size} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp} "
@@ -106,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
           f"this rank holds layers {plan.layer_ranges(parallel.pp_rank)}")
 
     # 4. Data: samples of seq_length + 1 tokens, deterministic and resumable.
-    data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
+    try:
+        data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
+    except DataError as error:
+        fail(str(error))
+    print(data.describe())
 
     # 5. Gradient reduction over data parallel, and the optimizer: Per-Head Muon + AdamW, its state
     #    sharded over DP (ZeRO-1) when asked; the LR schedule is a pure function of the step.
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(error))
 
     # 7. Resume from the newest complete checkpoint, if asked to.
+    if is_logging_rank:
+        run_dir.mkdir(parents=True, exist_ok=True)
     peak = peak_flops(device, config.logging.peak_tflops)
     logger = MetricsLogger(config, run_dir, peak.label) if is_logging_rank else None
     try:
@@ -143,16 +146,24 @@ def main(argv: list[str] | None = None) -> int:
         return {"model": model, "optimizer": optimizer, "data": data, "progress": trainer.progress,
                 "rng": RNGState()}
 
-    resume_from = checkpointer.resolve_resume(config.checkpoint.resume)
-    if resume_from is not None:
-        if (read_manifest(resume_from) or {}).get("keys") == ["model"]:
-            # A model-only checkpoint (tools/convert_checkpoint.py from-hf): fine-tune from its
-            # weights with a fresh optimizer, data position, step counter and RNG streams.
-            checkpointer.load(resume_from, {"model": model})
-            print(f"initialised the model from {resume_from} (model-only checkpoint: fresh optimizer, step 0)")
-        else:
-            checkpointer.load(resume_from, app_state())
-            print(f"resumed from {resume_from} at step {trainer.progress.step}")
+    try:
+        resume_from = checkpointer.resolve_resume(config.checkpoint.resume)
+        if resume_from is not None:
+            if (read_manifest(resume_from) or {}).get("keys") == ["model"]:
+                # A model-only checkpoint (tools/convert_checkpoint.py from-hf): fine-tune from its
+                # weights with a fresh optimizer, data position, step counter and RNG streams.
+                checkpointer.load(resume_from, {"model": model})
+                print(f"initialised the model from {resume_from} (model-only checkpoint: fresh optimizer, step 0)")
+            else:
+                checkpointer.load(resume_from, app_state())
+                print(f"resumed from {resume_from} at step {trainer.progress.step}")
+    except (CheckpointError, DataError) as error:
+        fail(str(error))
+
+    # Everything checked: the resolved config goes next to what the run writes (a failed start
+    # leaves an earlier run's config.yaml untouched).
+    if is_logging_rank:
+        save_config(config, str(run_dir / "config.yaml"))
 
     def save_checkpoint(step: int) -> None:
         path = checkpointer.save(step, app_state())

@@ -7,6 +7,7 @@ way nothing named `kernels` or `parallel` reaches the top level of `sys.modules`
 Face `kernels` package (used by `transformers`) is never shadowed.
 """
 
+import importlib.machinery
 import importlib.util
 import pathlib
 import sys
@@ -18,17 +19,19 @@ _CHECKOUT_DIR = _PACKAGE_DIR.parent
 
 
 def _mount_sibling_package(name: str) -> None:
-    """Import `<checkout>/<name>/` as `k3train.<name>` when running from a checkout."""
+    """Import `<checkout>/<name>/` as `k3train.<name>` when running from a checkout.
+
+    The sibling directories deliberately have no `__init__.py`: Python prefers a regular package
+    found anywhere on `sys.path` over such a directory, so a checkout on `sys.path` (which running
+    `python pretrain_k3.py` always puts there) cannot shadow Hugging Face's top-level `kernels`.
+    """
     qualified = f"{__name__}.{name}"
     if qualified in sys.modules or (_PACKAGE_DIR / name).is_dir():
         return  # already imported, or an installed wheel that carries it inside k3train/
-    source_dir = _CHECKOUT_DIR / name
-    spec = importlib.util.spec_from_file_location(
-        qualified, source_dir / "__init__.py", submodule_search_locations=[str(source_dir)]
-    )
+    spec = importlib.machinery.ModuleSpec(qualified, None, is_package=True)
+    spec.submodule_search_locations = [str(_CHECKOUT_DIR / name)]
     module = importlib.util.module_from_spec(spec)
     sys.modules[qualified] = module
-    spec.loader.exec_module(module)
     setattr(sys.modules[__name__], name, module)
 
 

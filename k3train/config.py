@@ -810,7 +810,8 @@ def parse_job_args(argv: Optional[Sequence[str]] = None) -> tuple[JobConfig, Opt
     a bad recipe or override raises ConfigError (see `parse_job_args_or_exit`).
     """
     parser = _argument_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    # Intermixed: overrides may come before or after --run-dir / --recipe.
+    args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     if args.help_config:
         print(config_reference_markdown())
         parser.exit(0)
@@ -822,5 +823,6 @@ def parse_job_args_or_exit(argv: Optional[Sequence[str]] = None) -> tuple[JobCon
     try:
         return parse_job_args(argv)
     except ConfigError as error:
-        print(f"pretrain_k3.py: config error: {error}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank fails alike: print once
+            print(f"pretrain_k3.py: config error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

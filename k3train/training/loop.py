@@ -96,6 +96,12 @@ class Trainer:
             )
         self.micro_batches = train.global_batch_size // (train.micro_batch_size * dp)  # per rank
         pp, virtual_stages = parallel.layout.pp, config.parallel.virtual_stages
+        if virtual_stages > 1 and train.eval_interval and train.eval_batches % pp:
+            raise TrainingError(
+                f"the interleaved pipeline (parallel.virtual_stages={virtual_stages}) evaluates micro-batches in "
+                f"multiples of parallel.pp={pp}, but train.eval_batches={train.eval_batches}; use "
+                f"train.eval_batches={pp * max(1, round(train.eval_batches / pp))}"
+            )
         if virtual_stages > 1 and self.micro_batches % pp:
             fits = [n * train.micro_batch_size * dp for n in range(pp, 4 * pp + 1, pp)]
             raise TrainingError(
@@ -186,12 +192,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over `train.eval_batches` validation micro-batches of this DP rank, averaged
-        over DP (NaN if the split is empty)."""
-        parallel = self.parallel
+        """Mean loss over up to `train.eval_batches` validation micro-batches per DP rank,
+        averaged over DP (NaN if the split cannot fill one)."""
+        parallel, train = self.parallel, self.config.train
+        dp = parallel.layout.dp
+        # The validation split is cut like the training batch: `micro_batch_size * dp` rows per
+        # micro-batch, this rank's `micro_batch_size` of them.
         batches = [batch.to(self.device) for batch in self.data.validation_batches(
-            self.config.train.micro_batch_size, self.config.train.eval_batches,
-            dp_rank=parallel.dp_rank, dp_size=parallel.layout.dp)]
+            train.micro_batch_size * dp, train.eval_batches, dp_rank=parallel.dp_rank, dp_size=dp)]
+        if self.config.parallel.virtual_stages > 1:  # the interleaved schedule runs multiples of pp
+            batches = batches[: len(batches) // parallel.layout.pp * parallel.layout.pp]
         if not batches:
             return math.nan
         self.model.eval()
@@ -205,22 +215,26 @@ class Trainer:
         config = self.config
         history = []
         self._run_start = time.perf_counter()
+        if self.progress.step >= config.train.steps:
+            print(f"already at step {self.progress.step} of train.steps={config.train.steps}: nothing to train "
+                  f"(raise train.steps to continue)", flush=True)
+            return history
         while self.progress.step < config.train.steps:
             metrics = self.train_step()
             history.append(metrics)
             step = metrics["step"]
             if self.logger is not None and (step % config.train.log_interval == 0 or step == config.train.steps):
                 self.logger.log_step(metrics)
-            if config.train.eval_interval and step % config.train.eval_interval == 0:
-                loss = self.evaluate()
-                if self.logger is not None:
-                    self.logger.log_validation(step, loss)
             if should_stop():
                 print(f"stop requested: saving a checkpoint at step {step} and exiting", flush=True)
                 save_checkpoint(step)
                 return history
             if config.checkpoint.interval and step % config.checkpoint.interval == 0:
-                save_checkpoint(step)
+                save_checkpoint(step)  # before evaluation: nothing trained is lost if evaluation fails
+            if config.train.eval_interval and step % config.train.eval_interval == 0:
+                loss = self.evaluate()
+                if self.logger is not None:
+                    self.logger.log_validation(step, loss)
         if config.checkpoint.save_at_end and not (
             config.checkpoint.interval and self.progress.step % config.checkpoint.interval == 0
         ):

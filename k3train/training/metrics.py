@@ -69,8 +69,9 @@ class MetricsLogger:
         self._write({"step": step, "validation_loss": loss})
 
     def _write(self, metrics: dict[str, Any]) -> None:
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps(metrics) + "\n")
+        if self.jsonl is not None:  # strict JSON: a NaN (e.g. an empty validation split) is null
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+            self.jsonl.write(json.dumps(clean) + "\n")
             self.jsonl.flush()
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tensorboard is not None:
