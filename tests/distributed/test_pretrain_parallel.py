@@ -21,7 +21,7 @@ SMALL = ["data.seq_length=32", "train.global_batch_size=4", "train.micro_batch_s
 
 def losses(run_dir: pathlib.Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "validation_loss" not in r}
 
 
 def pretrain(world_size: int, run_dir: pathlib.Path, *overrides: str) -> dict[int, float]:
@@ -57,7 +57,8 @@ def test_dp_tp_sp_matches_single_process_and_reshards_to_tp4_and_one_process(sin
 def test_interleaved_pipeline_matches_single_process_and_reshards_both_ways(single, tmp_path):
     single_dir, reference = single
     pipelined = tmp_path / "pp4v2"
-    measured = pretrain(4, pipelined, "parallel.pp=4", "parallel.virtual_stages=2")
+    measured = pretrain(4, pipelined, "parallel.pp=4", "parallel.virtual_stages=2",
+                        "train.eval_interval=3", "train.eval_batches=4")  # evaluation through the interleaved schedule
     assert_close(measured, reference, [1, 2, 3])
     # Saved under PP4×V2, resumed on one process; saved on one process, resumed under PP2.
     resumed = pretrain(1, tmp_path / "pp-to-1", f"checkpoint.resume={pipelined / 'checkpoints' / 'step_00000002'}")
@@ -68,5 +69,9 @@ def test_interleaved_pipeline_matches_single_process_and_reshards_both_ways(sing
 
 
 def test_expert_parallel_with_data_parallel_matches_single_process(single, tmp_path):
-    measured = pretrain(4, tmp_path / "ep2dp4", "parallel.ep=2")
+    run_dir = tmp_path / "ep2dp4"
+    measured = pretrain(4, run_dir, "parallel.ep=2", "train.eval_interval=3")  # dp=4 > micro_batch_size
     assert_close(measured, single[1], [1, 2, 3])
+    validation = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                  if "validation_loss" in line]
+    assert len(validation) == 1 and 5.0 < validation[0]["validation_loss"] < 7.0
