@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineConfigError as error:
         fail(str(error))
 
-    # 7. Resume from the newest complete checkpoint, if asked to.
+    # 7. Metrics, the step loop and checkpoints; resume from the newest complete checkpoint if asked.
     if is_logging_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
     peak = peak_flops(device, config.logging.peak_tflops)
