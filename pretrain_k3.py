@@ -31,7 +31,7 @@ from k3train.parallel.expert import ExpertParallel  # noqa: E402
 from k3train.parallel.pipeline import PipelineConfigError, PipelinePlan, PipelineSchedule, residual_shape  # noqa: E402
 from k3train.parallel.state import LayoutError, ParallelState  # noqa: E402
 from k3train.training.loop import Trainer, TrainingError, precision_context  # noqa: E402
-from k3train.training.metrics import MetricsLogger  # noqa: E402
+from k3train.training.metrics import MetricsLogger, SinkError, require_sinks  # noqa: E402
 from k3train.training.throughput import peak_flops  # noqa: E402
 
 
@@ -132,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     if is_logging_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
     peak = peak_flops(device, config.logging.peak_tflops)
+    try:
+        require_sinks(config)
+    except SinkError as error:
+        fail(str(error))
     logger = MetricsLogger(config, run_dir, peak.label) if is_logging_rank else None
     try:
         trainer = Trainer(config, model, optimizer, data, device,

@@ -39,6 +39,26 @@ def format_step_line(metrics: dict[str, Any], total_steps: int, mfu_label: str) 
     return " | ".join(parts)
 
 
+class SinkError(RuntimeError):
+    """An enabled metric sink cannot start (its package is missing); the message says the fix."""
+
+
+def require_sinks(config: JobConfig) -> None:
+    """Check that the enabled optional sinks can be imported. Every rank calls it (only rank 0
+    logs), so a missing package stops all ranks at start-up instead of leaving them waiting."""
+    wanted = []
+    if config.logging.tensorboard:
+        wanted.append(("tensorboard", "torch.utils.tensorboard", "tensorboard"))
+    if config.logging.wandb and config.logging.wandb_mode != "disabled":
+        wanted.append(("wandb", "wandb", "wandb"))
+    for field, module, package in wanted:
+        try:
+            __import__(module)
+        except ImportError as error:
+            raise SinkError(f"logging.{field}=true needs the {package} package: pip install {package} "
+                            f"(or set logging.{field}=false)") from error
+
+
 class MetricsLogger:
     """Writes every logged step to the enabled sinks; only global rank 0 of a job owns one."""
 
@@ -46,9 +66,10 @@ class MetricsLogger:
         self.total_steps = config.train.steps
         self.mfu_label = mfu_label
         self.jsonl = open(run_dir / "metrics.jsonl", "a") if config.logging.jsonl else None
+        require_sinks(config)
         self.tensorboard = None
         if config.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+            from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         self.wandb_run = None

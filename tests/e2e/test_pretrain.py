@@ -63,3 +63,15 @@ def test_impossible_parallel_layout_is_refused_clearly(tmp_path):
     result = run_pretrain("--run-dir", str(tmp_path), "parallel.tp=2", timeout=120)
     assert result.returncode == 2
     assert "world size 1" in result.stderr and "tp=1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_optional_sink_is_one_line_error(tmp_path):
+    pytest.importorskip("torch")
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+        pytest.skip("tensorboard is installed here")
+    except ImportError:
+        pass
+    result = run_pretrain("--run-dir", str(tmp_path), "logging.tensorboard=true", "train.steps=1", timeout=120)
+    assert result.returncode == 2
+    assert "pip install tensorboard" in result.stderr and "Traceback" not in result.stderr
