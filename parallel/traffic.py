@@ -66,11 +66,11 @@ its bytes. Every term, by group:
     `dp × tp` at once. Exists whenever `tp > 1` (with `dp = 1` it is the TP ranks).
     Routing statistics, on the routing group (`data_tensor` under sequence parallelism, where
     each TP rank routes its own tokens; otherwise `dp`, whose ranks route distinct tokens while
-    TP ranks route the same ones), per MoE layer and step:
-      expert-load pooling (`pop_step_stats`): all-reduce of `E + 4` int64, 8·(E + 4) bytes;
-      balancer (`update_routing_bias`): `quantile_histogram` all-reduces the `E × B` int64
-      counts (8·E·B bytes); `sign` the `E` int64 loads (8·E); `quantile` (exact) all-gathers the
-      step's margins `[M·b·s / (tp under SP), E]` fp32; `none` sends nothing.
+    TP ranks route the same ones), per step: ONE all-reduce (`moe.pool_routing_statistics`) of
+      every MoE layer's `E + 4` int64 loads and counters, plus its balancer sums:
+      `quantile_histogram` the `E × B` int64 counts, `sign` the `E` int64 loads; the exact
+      `quantile` balancer then all-gathers each layer's margins `[M·b·s / (tp under SP), E]` fp32
+      (one message per layer); `none` adds nothing.
 
 Not counted (they bypass comm.py's groups; the counter cannot see them): the per-rank memory
 all-gather in the step line (`training/throughput.py: rank_memory_gib`, `torch.distributed.
@@ -243,13 +243,17 @@ def step_traffic_terms(
     if routing_group.size > 1 and moe_layers:
         name = routing_group.name
         experts = cfg.num_experts
-        add(name, f"expert-load pooling: {moe_layers} × (E+4) int64", moe_layers * (experts + 4) * 8, moe_layers)
+        # One all-reduce pools every layer's summable statistics (`moe.pool_routing_statistics`).
+        pooled_elements = moe_layers * (experts + 4)
+        described = f"{moe_layers} × (E+4) loads"
         if cfg.balancer == "quantile_histogram":
-            add(name, f"balancer: {moe_layers} × E×bins int64 histogram",
-                moe_layers * experts * cfg.balancer_bins * 8, moe_layers)
+            pooled_elements += moe_layers * experts * cfg.balancer_bins
+            described += f" + {moe_layers} × E×bins histograms"
         elif cfg.balancer == "sign":
-            add(name, f"balancer: {moe_layers} × E int64 loads", moe_layers * experts * 8, moe_layers)
-        elif cfg.balancer == "quantile":
+            pooled_elements += moe_layers * experts
+            described += f" + {moe_layers} × E balancer loads"
+        add(name, f"routing statistics, one all-reduce: {described}, int64", pooled_elements * 8, 1)
+        if cfg.balancer == "quantile":
             local_tokens = M * tokens // (tp if sp else 1)
             add(name, f"balancer: {moe_layers} × all-gather of [{local_tokens}, E] margins",
                 moe_layers * local_tokens * experts * float_bytes, moe_layers)

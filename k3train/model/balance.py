@@ -23,7 +23,18 @@ from k3train.model.config import ModelConfig
 
 
 class Balancer:
-    """Interface: `observe(scores, bias)` in forward, `next_bias(bias)` once per step."""
+    """Interface: `observe(scores, bias)` in forward, `next_bias(bias)` once per step.
+
+    Statistics that combine over ranks by summation (`summable_statistics`) can be pooled for
+    every layer at once by `k3train.model.moe.pool_routing_statistics` (one all-reduce per step);
+    `pooled` then tells `next_bias` not to reduce them again.
+    """
+
+    pooled = False
+
+    def summable_statistics(self) -> list[torch.Tensor]:
+        """The step's statistics that ranks combine by an elementwise sum (reduced in place)."""
+        return []
 
     def observe(self, scores: torch.Tensor, bias: torch.Tensor) -> None:
         """`scores [tokens, experts]` raw sigmoid scores (fp32); `bias` the bias used for this step."""
@@ -80,12 +91,16 @@ class HistogramQuantileBalancer(Balancer):
         counts = torch.bincount(flat, minlength=self.num_experts * self.bins).view(self.num_experts, self.bins)
         self.counts = counts if self.counts is None else self.counts + counts
 
+    def summable_statistics(self):
+        return [] if self.counts is None else [self.counts]
+
     def next_bias(self, bias, group=None):
         if self.counts is None:
             return bias
         counts, self.counts = self.counts, None
-        if group is not None:
+        if group is not None and not self.pooled:
             group.all_reduce(counts)  # one all-reduce of experts × bins integers
+        self.pooled = False
         new_bias = histogram_quantile(counts, self.top_k / self.num_experts, *self.margin_range(bias))
         new_bias = new_bias.to(bias.dtype)
         return new_bias - new_bias.mean()
@@ -121,12 +136,16 @@ class SignBalancer(Balancer):
         loads = torch.bincount(chosen, minlength=self.num_experts)
         self.loads = loads if self.loads is None else self.loads + loads
 
+    def summable_statistics(self):
+        return [] if self.loads is None else [self.loads]
+
     def next_bias(self, bias, group=None):
         if self.loads is None:
             return bias
         loads, self.loads = self.loads, None
-        if group is not None:
+        if group is not None and not self.pooled:
             group.all_reduce(loads)
+        self.pooled = False
         loads = loads.to(bias.dtype)
         delta = self.rate * torch.sign(loads.mean() - loads)
         return bias + delta - delta.mean()

@@ -19,6 +19,7 @@ import torch
 
 from k3train.config import JobConfig
 from k3train.model.k3 import K3Stage
+from k3train.model.moe import pool_routing_statistics
 from k3train.optim.schedules import lr_at, set_lr
 from k3train.parallel.data import GradientReducer, average_over_dp, clip_grad_norm
 from k3train.parallel.pipeline import PipelineSchedule
@@ -156,9 +157,13 @@ class Trainer:
 
     def _pooled_expert_stats(self) -> list:
         """Each local MoE layer's routing this step (tokens per expert, dropped slots, replicas),
-        pooled over every rank that routed tokens through it. Pipeline stages report their own
-        layers; the step line shows this rank's worst layer."""
-        return [moe.pop_step_stats(self.routing_group) for moe in self.model.moe_layers()]
+        pooled over every rank that routed tokens through it (the balancers' sums ride along, so
+        the bias update after the optimizer step needs no further communication except the exact
+        quantile's gather). Pipeline stages report their own layers; the step line shows this
+        rank's worst layer."""
+        moe_layers = self.model.moe_layers()
+        ranks = pool_routing_statistics(moe_layers, self.routing_group)  # one all-reduce per step
+        return [moe.pop_step_stats(ranks=ranks) for moe in moe_layers]
 
     def _step_metrics(self, step, loss, grad_norm, lr, expert_stats, seconds) -> dict[str, Any]:
         self._steps_this_run += 1
