@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Plan a run without hardware: check a recipe's parallel layout and print, per pipeline rank,
+the layers, parameters and a memory estimate, plus the pipeline's block traffic and (for
+pp = ep = 1) the communication of one step.
+
+    python tools/plan.py --recipe recipes/k3.yaml --world-size 8192
+    python tools/plan.py --recipe recipes/debug.yaml --world-size 4 parallel.tp=2 parallel.dp=2
+
+Every rank's model is built on the meta device through the same code the job uses (TP shards,
+EP experts, pipeline chunks), so the parameter counts are exact; memory counts fp32 parameters,
+fp32 gradients and optimizer state (Muon: one momentum; AdamW: two moments), the state divided
+over the data-parallel owners when ZeRO-1 is on. Activations are not estimated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Run from the checkout, as pretrain_k3.py is (see k3train/__init__.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from k3train.config import ConfigError, load_config  # noqa: E402
+from k3train.model.flops import parameter_counts, training_flops_per_token  # noqa: E402
+from k3train.model.k3 import K3Model, K3Stage  # noqa: E402
+from k3train.optim.builder import route_parameters  # noqa: E402
+from k3train.parallel.expert import ExpertParallel  # noqa: E402
+from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan  # noqa: E402
+from k3train.parallel.state import LayoutError, resolve_layout  # noqa: E402
+from k3train.parallel.traffic import _PlanningState, predicted_step_traffic  # noqa: E402
+
+GIB = 2**30
+
+
+def rank_stage(config, layout, pp_rank: int, plan: PipelinePlan) -> K3Stage:
+    """Pipeline rank `pp_rank`'s model (its tp/dp/ep rank 0), on the meta device."""
+    state = _PlanningState(layout, layout.rank_of(0, 0, pp_rank), sequence_parallel=config.parallel.sequence_parallel)
+    expert_parallel = ExpertParallel.from_state(state, config.parallel, config.model.num_experts)
+    with torch.device("meta"):
+        chunks = [K3Model(config.model, layer_range=layer_range, parallel=state, expert_parallel=expert_parallel)
+                  for layer_range in plan.layer_ranges(pp_rank)]
+    return K3Stage(chunks)
+
+
+def memory_estimate(stage: K3Stage, config, dp: int) -> tuple[int, float]:
+    """(parameters on this rank, GiB of fp32 parameters + gradients + optimizer state)."""
+    parameters = sum(p.numel() for p in stage.parameters())
+    state_elements = 0
+    for route in route_parameters(stage, config.optimizer):
+        state_elements += route.param.numel() * (1 if route.route == "muon" else 2)
+    if config.parallel.zero1:
+        state_elements /= dp  # owners spread over the data-parallel group (balanced by cost)
+    return parameters, (parameters * 8 + state_elements * 4) / GIB
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes in the job (default: tp*pp*dp with dp from the recipe, at least 1)")
+    parser.add_argument("overrides", nargs="*", help="section.field=value, as for pretrain_k3.py")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        config = load_config(args.recipe, args.overrides)
+        parallel = config.parallel
+        world = args.world_size or parallel.tp * parallel.pp * max(parallel.dp, 1)
+        layout = resolve_layout(world, parallel.tp, parallel.pp, parallel.dp, parallel.ep, parallel.virtual_stages,
+                                config.model.num_attention_heads, config.model.linear_attn_config.num_heads,
+                                config.model.vocab_size, config.model.num_experts, config.model.num_hidden_layers)
+        plan = PipelinePlan.from_config(config.model, parallel)
+    except (ConfigError, LayoutError, PipelineConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    counts = parameter_counts(config.model)
+    flops = training_flops_per_token(config.model, config.data.seq_length)
+    tokens = config.train.global_batch_size * config.data.seq_length
+    print(f"model: {counts.total / 1e9:.3f}B parameters, {counts.active / 1e9:.3f}B active per token; "
+          f"{flops.total / 1e9:.2f} GFLOP per token for training, {flops.total * tokens / 1e15:.3f} PFLOP per step")
+    print(f"layout: world {world} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp} (virtual stages "
+          f"{layout.virtual_stages}); ep {layout.ep} within dp×tp; sequence parallel {parallel.sequence_parallel}; "
+          f"ZeRO-1 {parallel.zero1}")
+    micro_batches = config.train.global_batch_size // (config.train.micro_batch_size * layout.dp)
+    print(f"batch: {config.train.global_batch_size} samples × {config.data.seq_length} tokens; "
+          f"{micro_batches} micro-batches of {config.train.micro_batch_size} per data-parallel rank")
+    print()
+    print("| pp rank | layers | parameters | fp32 params+grads+optimizer (GiB) |")
+    print("| --- | --- | ---: | ---: |")
+    for pp_rank in range(layout.pp):
+        stage = rank_stage(config, layout, pp_rank, plan)
+        parameters, gib = memory_estimate(stage, config, layout.dp)
+        ranges = ", ".join(f"{start}-{end - 1}" for start, end in plan.layer_ranges(pp_rank))
+        print(f"| {pp_rank} | {ranges} | {parameters:,} | {gib:,.2f} |")
+    if layout.pp > 1:
+        print()
+        print("AttnRes blocks per micro-batch across pipeline hops (forward; backward returns as many): "
+              + ", ".join(f"{protocol} {plan.blocks_per_micro_batch(protocol)}" for protocol in ("naive", "paper", "exact")))
+    if layout.pp == 1 and layout.ep == 1:
+        traffic = predicted_step_traffic(
+            config.model, config.optimizer, tp=layout.tp, dp=layout.dp, micro_batch_size=config.train.micro_batch_size,
+            seq_length=config.data.seq_length, micro_batches=micro_batches,
+            dtype_bytes=2 if config.train.precision == "bf16" else 4, zero1=parallel.zero1,
+            sequence_parallel=parallel.sequence_parallel)
+        print()
+        print("communication of one step on rank 0 (bytes, messages): "
+              + "; ".join(f"{group} {nbytes:,} B in {messages}" for group, (nbytes, messages) in traffic.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
