@@ -40,23 +40,25 @@ if str(CHECKOUT) not in sys.path:
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from k3train.checkpoint.checkpointer import CheckpointError, Checkpointer  # noqa: E402
+from k3train.checkpoint import CheckpointError, Checkpointer  # noqa: E402
 from k3train.checkpoint.hf import (  # noqa: E402
-    CheckpointTensorReader,
     HFConversionError,
-    HFDirectory,
     TensorSpec,
-    build_empty_model,
     check_hf_tensors,
     export_tensor,
-    find_checkpoint,
     from_hf_config,
     hf_tensor_specs,
     k3_state_shapes,
-    load_hf_weights,
-    run_config_path,
     special_token_ids,
     to_hf_config,
+)
+from k3train.checkpoint.hf_io import (  # noqa: E402
+    CheckpointTensorReader,
+    HFDirectory,
+    build_empty_model,
+    find_checkpoint,
+    load_hf_weights,
+    run_config_path,
 )
 from k3train.config import ConfigError, JobConfig, load_config, save_config  # noqa: E402
 

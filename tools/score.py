@@ -31,15 +31,17 @@ if str(CHECKOUT) not in sys.path:
 
 import torch  # noqa: E402
 
-from k3train.checkpoint.checkpointer import CheckpointError, Checkpointer  # noqa: E402
+from k3train.checkpoint import CheckpointError, Checkpointer  # noqa: E402
 from k3train.checkpoint.hf import (  # noqa: E402
     HFConversionError,
-    HFDirectory,
-    build_empty_model,
     check_hf_tensors,
-    find_checkpoint,
     from_hf_config,
     hf_tensor_specs,
+)
+from k3train.checkpoint.hf_io import (  # noqa: E402
+    HFDirectory,
+    build_empty_model,
+    find_checkpoint,
     load_hf_weights,
     run_config_path,
 )

@@ -54,21 +54,18 @@ DCP facts this relies on (checked with torch 2.13):
 * The default load planner matches keys exactly and reshards tensors (including DTensors) to the
   target's layout; a read of a missing or short `.distcp` file fails deep inside DCP, so
   `verify_checkpoint` checks the files and sizes listed in `.metadata` first.
+
+Where the pieces live: `manifest.py` (layout, manifest, `verify_checkpoint`), `state.py`
+(state-dict conversion, the load planner), `rng.py` (`RNGState`, `PerRank`), `signals.py`
+(`GracefulExit`), `errors.py` (`CheckpointError`); this module holds the `Checkpointer`.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import os
-import random
-import re
 import secrets
 import shutil
-import signal
-import threading
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -80,171 +77,41 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from k3train.checkpoint.errors import CheckpointError, _describe, _short
+from k3train.checkpoint.manifest import (
+    METADATA,
+    OLD_PREFIX,
+    TMP_PREFIX,
+    _OLD_RE,
+    _STEP_RE,
+    _fix_hint,
+    _fsync_dir,
+    is_complete,
+    step_dir_name,
+    verify_checkpoint,
+    write_manifest,
+)
+from k3train.checkpoint.process_group import _dist_on
+from k3train.checkpoint.rng import PerRank
+from k3train.checkpoint.state import (
+    _alloc,
+    _clean_name,
+    _FlatLoadPlanner,
+    _is_stateful,
+    _merge,
+    _module_state,
+    _optimizer_names,
+    _param_names,
+    _saveable,
+    _unflatten,
+)
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "k3train.json"
-METADATA = ".metadata"
-FORMAT = "k3train-dcp"
-FORMAT_VERSION = 1
-STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp_"
-OLD_PREFIX = ".old_"
-_STEP_RE = re.compile(r"^step_(\d+)$")
-_OLD_RE = re.compile(r"^\.old_(step_\d+)_[0-9a-f]+$")
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
 _MAX_LISTED = 5
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, incomplete, truncated or not matching the model."""
-
-
-# --------------------------------------------------------------------------------------------
-# Paths, manifest, verification
-
-
-def step_dir_name(step: int) -> str:
-    """`step_00000010` for step 10 (eight digits, more when the step needs them)."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0 (got {step})")
-    return f"{STEP_PREFIX}{step:08d}"
-
-
-def read_manifest(path: str | Path) -> Optional[dict]:
-    """The manifest of a checkpoint directory, or None when it is missing or unreadable."""
-    try:
-        with open(Path(path) / MANIFEST, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) else None
-
-
-def is_complete(path: str | Path) -> bool:
-    """True when `path` holds DCP's `.metadata` and a manifest marked complete (cheap: no data read)."""
-    path = Path(path)
-    if not (path / METADATA).is_file():
-        return False
-    manifest = read_manifest(path)
-    return bool(manifest and manifest.get("complete") is True)
-
-
-def write_manifest(path: str | Path, step: int, world_size: int = 1, **extra: Any) -> None:
-    """Write `k3train.json` into a finished DCP directory (atomically, fsynced).
-
-    `Checkpointer.save` calls this; a converter that writes a DCP checkpoint by other means calls
-    it last to make the directory a complete checkpoint.
-    """
-    path = Path(path)
-    now = time.time()
-    manifest = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "step": int(step),
-        "time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
-        "unix_time": now,
-        "torch_version": torch.__version__,
-        "world_size": int(world_size),
-        **extra,
-        "complete": True,
-    }
-    tmp = path / (MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / MANIFEST)
-    _fsync_dir(path)
-
-
-def _fix_hint(path: Path) -> str:
-    return f"delete {path} or pass checkpoint.resume=<another checkpoint> (or checkpoint.resume=none)"
-
-
-def verify_checkpoint(path: str | Path) -> Metadata:
-    """Check that `path` is a complete, untruncated checkpoint; return its DCP metadata.
-
-    Reads `.metadata` and compares every data file it names with the bytes it needs (missing and
-    short files are found here, before DCP reads anything). Raises `CheckpointError`.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(
-            f"checkpoint {path} does not exist; pass checkpoint.resume=<a complete checkpoint "
-            "directory>, auto (newest in checkpoint.dir) or none"
-        )
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is not a directory; {_fix_hint(path)}")
-    if not (path / METADATA).is_file():
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete: no {METADATA} (its save did not finish); {_fix_hint(path)}"
-        )
-    manifest = read_manifest(path)
-    if not manifest or manifest.get("complete") is not True:
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete: no {MANIFEST} marked complete (its save did not "
-            f"finish); {_fix_hint(path)}"
-        )
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # unpickling a damaged file can raise almost anything
-        raise CheckpointError(
-            f"checkpoint {path} has an unreadable {METADATA} ({type(e).__name__}: {_short(e)}); "
-            f"{_fix_hint(path)}"
-        ) from None
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is None:
-            continue
-        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
-        needed[rel] = max(needed.get(rel, 0), end)
-    for rel, size in sorted(needed.items()):
-        file = path / rel
-        if not file.is_file():
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete: data file {rel} is missing; {_fix_hint(path)}"
-            )
-        actual = file.stat().st_size
-        if actual < size:
-            raise CheckpointError(
-                f"checkpoint {path} is truncated: data file {rel} has {actual} bytes, "
-                f"{METADATA} needs {size}; {_fix_hint(path)}"
-            )
-    return metadata
-
-
-def _short(e: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _describe(e: BaseException) -> str:
-    """One line per failure; DCP's CheckpointException (a BaseException) carries one per rank."""
-    if isinstance(e, CheckpointException):
-        parts = []
-        for rank, wrapped in sorted(e.failures.items()):
-            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            parts.append(f"rank {rank}: {type(inner).__name__}: {_short(inner, 200)}")
-        return "; ".join(parts) or "CheckpointException"
-    return f"{type(e).__name__}: {_short(e)}"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _listing(keys: Iterable[str], total: Optional[int] = None) -> str:
@@ -252,331 +119,6 @@ def _listing(keys: Iterable[str], total: Optional[int] = None) -> str:
     total = len(keys) if total is None else total
     shown = ", ".join(keys[:_MAX_LISTED])
     return f"{shown}{', ...' if total > _MAX_LISTED else ''} ({total} in all)"
-
-
-# --------------------------------------------------------------------------------------------
-# Process group helpers
-
-
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _global_rank() -> int:
-    return dist.get_rank() if _dist_on() else 0
-
-
-# --------------------------------------------------------------------------------------------
-# RNG state
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """This process's RNG streams: torch CPU, CUDA (every device, if CUDA is initialised), Python
-    `random` and numpy's global generator (if numpy is installed).
-
-    The torch states are uint8 tensors (saved as tensors); the Python and numpy states are
-    tuples (saved as pickled bytes).
-    """
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = list(torch.cuda.get_rng_state_all())
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
-    else:
-        state["numpy"] = np.random.get_state()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Set the RNG streams captured by `capture_rng_state` (streams absent from `state` are left)."""
-    if "torch" in state:
-        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu())
-    if "python" in state:
-        py = state["python"]
-        # A pickled tuple comes back as a tuple; be lenient with a list-ified state.
-        if isinstance(py, list):
-            py = (py[0], tuple(py[1]), py[2])
-        random.setstate(py)
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        saved = [torch.as_tensor(s, dtype=torch.uint8).cpu() for s in state["cuda"]]
-        count = torch.cuda.device_count()
-        if len(saved) != count:
-            warnings.warn(
-                f"checkpoint holds CUDA RNG states for {len(saved)} devices, this process sees "
-                f"{count}; restoring the first {min(len(saved), count)}",
-                stacklevel=2,
-            )
-        for device, s in enumerate(saved[:count]):
-            torch.cuda.set_rng_state(s, device)
-
-
-class PerRank:
-    """Save `obj` (a dict or an object with `state_dict`/`load_state_dict`) under this process's
-    global rank: `<app_state key>.rank_<r>.*`, so ranks whose values differ do not collide (DCP
-    keeps one copy of a key that several ranks save). Loading reads only this rank's entry; a rank
-    the checkpoint has no entry for keeps its current state and warns."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    @staticmethod
-    def rank_key(rank: Optional[int] = None) -> str:
-        return f"rank_{_global_rank() if rank is None else rank}"
-
-    def state_dict(self) -> dict[str, Any]:
-        inner = self.obj.state_dict() if _is_stateful(self.obj) else self.obj
-        return {self.rank_key(): inner}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        key = self.rank_key()
-        if key not in state_dict:
-            warnings.warn(
-                f"checkpoint has no {type(self.obj).__name__} state for {key} (it holds "
-                f"{sorted(state_dict) or 'none'}); keeping this rank's current state",
-                stacklevel=2,
-            )
-            return
-        value = state_dict[key]
-        if _is_stateful(self.obj):
-            self.obj.load_state_dict(value)
-        elif isinstance(self.obj, dict):
-            self.obj.clear()
-            self.obj.update(value)
-        else:
-            self.obj = value
-
-
-class _ProcessRNG:
-    def state_dict(self) -> dict[str, Any]:
-        return capture_rng_state()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        restore_rng_state(state_dict)
-
-
-class RNGState(PerRank):
-    """Put `RNGState()` into `app_state` to save and restore every rank's RNG streams."""
-
-    def __init__(self) -> None:
-        super().__init__(_ProcessRNG())
-
-
-# --------------------------------------------------------------------------------------------
-# Graceful exit on SIGTERM / SIGINT
-
-
-class GracefulExit:
-    """While active, SIGTERM and SIGINT set `should_stop` instead of ending the process, so the
-    training loop can save a checkpoint and return. A second SIGINT raises KeyboardInterrupt (two
-    Ctrl-C still stop a stuck job). Previous handlers are restored on exit.
-
-        with GracefulExit() as stop:
-            for step in ...:
-                ...
-                if stop.requested(process_group):   # any rank signalled -> every rank stops
-                    checkpointer.save(step, app_state); break
-
-    Signal handlers can only be installed from the main thread; elsewhere this warns and the flag
-    stays False.
-    """
-
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
-        self.signals = tuple(signals)
-        self.should_stop = False
-        self.received: Optional[int] = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.should_stop and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.should_stop = True
-        self.received = signum
-        logger.warning(
-            "received %s: finishing the step, saving a checkpoint and exiting",
-            signal.Signals(signum).name,
-        )
-
-    def __enter__(self) -> "GracefulExit":
-        if threading.current_thread() is not threading.main_thread():
-            warnings.warn("GracefulExit: not the main thread, signal handlers not installed", stacklevel=2)
-            return self
-        for sig in self.signals:
-            self._previous[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
-        return False
-
-    def requested(self, process_group: Any = None) -> bool:
-        """`should_stop` agreed over the process group (True if any rank got a signal)."""
-        if not _dist_on():
-            return self.should_stop
-        flag = torch.tensor([1 if self.should_stop else 0], dtype=torch.int32)
-        if dist.get_backend(process_group) == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
-        return bool(flag.item())
-
-
-# --------------------------------------------------------------------------------------------
-# State conversion
-
-
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _clean_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def _module_state(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(raw state dict, the same values under cleaned keys)."""
-    raw = module.state_dict()
-    clean: dict[str, Any] = {}
-    for key, value in raw.items():
-        name = _clean_name(key)
-        if name in clean:
-            raise CheckpointError(f"two state-dict keys of the module map to {name!r}")
-        clean[name] = value
-    return raw, clean
-
-
-def _param_names(app_state: dict[str, Any]) -> dict[int, str]:
-    """id(parameter) -> checkpoint name `<app key>.<parameter name>` for every module in app_state."""
-    names: dict[int, str] = {}
-    for key, obj in app_state.items():
-        if isinstance(obj, nn.Module):
-            for name, param in obj.named_parameters():
-                names.setdefault(id(param), f"{key}.{_clean_name(name)}")
-    return names
-
-
-def _optimizer_names(
-    optimizer: torch.optim.Optimizer, by_id: dict[int, str]
-) -> list[tuple[str, torch.Tensor]]:
-    """(checkpoint name, parameter) in the optimizer's positional order."""
-    out = []
-    for gi, group in enumerate(optimizer.param_groups):
-        group_names = group.get("param_names")
-        for pi, param in enumerate(group["params"]):
-            name = by_id.get(id(param))
-            if name is None:
-                name = group_names[pi] if group_names else f"group{gi}.param{pi}"
-            out.append((name, param))
-    seen: set[str] = set()
-    for name, _ in out:
-        if name in seen:
-            raise CheckpointError(f"optimizer parameter name {name!r} occurs twice")
-        seen.add(name)
-    return out
-
-
-def _optimizer_state(optimizer: torch.optim.Optimizer, by_id: dict[int, str]) -> dict[str, Any]:
-    names = [name for name, _ in _optimizer_names(optimizer, by_id)]
-    osd = optimizer.state_dict()
-    state = {names[pid]: value for pid, value in osd["state"].items()}
-    groups: dict[str, dict[str, Any]] = {}
-    for group in osd["param_groups"]:
-        # One pickled entry per parameter (a tuple is never split by DCP), not one per option.
-        options = tuple((k, v) for k, v in group.items() if k not in ("params", "param_names"))
-        for pid in group["params"]:
-            groups[names[pid]] = options
-    return {"state": state, "param_groups": groups}
-
-
-def _saveable(key: str, obj: Any, by_id: dict[int, str]) -> Any:
-    if isinstance(obj, nn.Module):
-        return _module_state(obj)[1]
-    if isinstance(obj, torch.optim.Optimizer):
-        return _optimizer_state(obj, by_id)
-    if _is_stateful(obj):
-        return obj.state_dict()
-    return obj
-
-
-def _set_path(root: dict, path: tuple, value: Any) -> None:
-    """Set `value` at `path` below `root`, creating dicts (str keys) and lists (int keys)."""
-    node: Any = root
-    for i, key in enumerate(path):
-        last = i == len(path) - 1
-        nxt = None if last else ({} if isinstance(path[i + 1], str) else [])
-        if isinstance(node, list):
-            while len(node) <= key:
-                node.append(None)
-            if last:
-                node[key] = value
-            else:
-                if node[key] is None:
-                    node[key] = nxt
-                node = node[key]
-        else:
-            if last:
-                node[key] = value
-            else:
-                node = node.setdefault(key, nxt)
-
-
-def _unflatten(items: list[tuple[tuple, Any]]) -> Any:
-    """Nested value from (path below the app_state key, value); a path () is the value itself."""
-    for path, value in items:
-        if path == ():
-            return value
-    if not items:
-        return {}
-    root: Any = [] if isinstance(items[0][0][0], int) else {}
-    for path, value in items:
-        _set_path(root, path, value)
-    return root
-
-
-def _merge(base: Any, loaded: Any) -> Any:
-    """`loaded` over `base`: dicts merge key by key (keeping base-only keys, e.g. empty dicts DCP
-    does not store), everything else is taken from `loaded`."""
-    if isinstance(base, dict) and isinstance(loaded, dict):
-        out = dict(base)
-        base_keys = {str(k): k for k in base}  # DCP returns dict keys as strings: keep base's
-        for k, v in loaded.items():
-            bk = base_keys.get(str(k), k)
-            out[bk] = _merge(base[bk], v) if bk in base else v
-        return out
-    return loaded
-
-
-def _alloc(md: TensorStorageMetadata, like: Optional[torch.Tensor] = None) -> torch.Tensor:
-    dtype = md.properties.dtype
-    if like is not None and tuple(like.shape) == tuple(md.size):
-        return torch.zeros_like(like, dtype=dtype)  # same device (and DTensor layout) as `like`
-    return torch.empty(tuple(md.size), dtype=dtype)
-
-
-class _FlatLoadPlanner(DefaultLoadPlanner):
-    """Loads an already flat dict (keys = DCP's flat keys, flattening off). Tensors are read in
-    place; non-tensor values go into `target` (`dcp.load` would overwrite them in the dict it was
-    given with the placeholders of its own copy)."""
-
-    def __init__(self, target: dict[str, Any]) -> None:
-        super().__init__(flatten_state_dict=False)
-        self._target = target
-
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        self._target[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
-
-
-# --------------------------------------------------------------------------------------------
-# The checkpointer
 
 
 class Checkpointer:

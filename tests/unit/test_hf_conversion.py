@@ -359,7 +359,7 @@ def save_sharded_worker(env, payload):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from k3train.checkpoint.checkpointer import write_manifest
+    from k3train.checkpoint import write_manifest
 
     mesh = init_device_mesh("cpu", (env.world_size,))
     sharded = {}

@@ -1,0 +1,300 @@
+"""Read-only I/O for the Hugging Face conversion: finding a k3train checkpoint and its run config,
+reading its model tensors a few at a time (`CheckpointTensorReader`), reading a hub-format
+directory (`HFDirectory`) and loading its weights into a `K3Model`. Nothing here modifies what
+it reads; the name/shape mapping and config.json conversion it relies on are in `hf.py`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from k3train.checkpoint.errors import CheckpointError
+from k3train.checkpoint.hf import HFConversionError, TensorSpec, _listing, import_tensor
+from k3train.checkpoint.manifest import _STEP_RE, is_complete, verify_checkpoint
+from k3train.model.config import ModelConfig
+
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The complete k3train checkpoint `path` names: a `step_XXXXXXXX` directory, a checkpoint
+    directory (its newest complete step) or a run directory (`RUN/checkpoints`, newest step).
+
+    Never modifies anything (unlike `Checkpointer(...)`, which cleans stale saves on start-up).
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise HFConversionError(f"checkpoint {path} does not exist")
+    if is_complete(path):
+        return path
+    for root in (path, path / "checkpoints"):
+        if root.is_dir():
+            steps = [(int(m.group(1)), e) for e in root.iterdir()
+                     if (m := _STEP_RE.match(e.name)) and e.is_dir() and is_complete(e)]
+            if steps:
+                return max(steps)[1]
+    raise HFConversionError(
+        f"{path} is neither a complete k3train checkpoint (step_XXXXXXXX with .metadata and a complete "
+        "k3train.json) nor a directory holding one (checkpoints/ of a run)"
+    )
+
+
+def run_config_path(checkpoint: Path, explicit: Optional[str | Path] = None) -> Path:
+    """The run's `config.yaml`: `explicit` when given, else `CHECKPOINT/../../config.yaml`."""
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise HFConversionError(f"--config {path} is not a file")
+        return path
+    path = checkpoint.resolve().parent.parent / "config.yaml"
+    if not path.is_file():
+        raise HFConversionError(
+            f"no config.yaml next to the checkpoint's run directory ({path} does not exist); pass "
+            "--config RUN_DIR/config.yaml (the resolved config the run wrote)"
+        )
+    return path
+
+
+class CheckpointTensorReader:
+    """Reads a k3train DCP checkpoint's model tensors a few at a time (one `dcp.load` per batch,
+    with a partial state dict), whatever layout saved it: DCP reshards every saved chunk into the
+    requested plain tensor or slice of one. Peak memory ≈ the requested batch plus the largest
+    saved chunk it touches (DCP's file reader loads a saved chunk whole)."""
+
+    def __init__(self, path: str | Path, app_key: str = "model") -> None:
+        self.path = Path(path)
+        try:
+            self.metadata = verify_checkpoint(self.path)
+        except CheckpointError as error:
+            raise HFConversionError(str(error)) from None
+        metadata = self.metadata
+
+        class _CachedReader(FileSystemReader):  # one metadata read, not one per dcp.load call
+            def read_metadata(self, *args: Any, **kwargs: Any):
+                return metadata
+
+        self._reader = _CachedReader(str(self.path))
+        self.fqns: dict[str, str] = {}
+        planner_data = dict(metadata.planner_data or {})
+        for fqn, md in metadata.state_dict_metadata.items():
+            path_ = planner_data.get(fqn)
+            if path_ is not None and len(path_) == 2 and path_[0] == app_key:
+                name = str(path_[1])
+            elif path_ is None and fqn.startswith(app_key + "."):
+                name = fqn[len(app_key) + 1:]
+            else:
+                continue
+            if hasattr(md, "chunks"):  # tensors only
+                self.fqns[name] = fqn
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        sdm = self.metadata.state_dict_metadata
+        return {name: tuple(sdm[fqn].size) for name, fqn in self.fqns.items()}
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.metadata.state_dict_metadata[self.fqns[name]].properties.dtype
+
+    def dim0_boundaries(self, name: str) -> list[int]:
+        """Where saved chunks start or end along dim 0 (e.g. expert-parallel shards)."""
+        md = self.metadata.state_dict_metadata[self.fqns[name]]
+        cuts = {0, int(md.size[0])}
+        for chunk in md.chunks:
+            cuts.add(int(chunk.offsets[0]))
+            cuts.add(int(chunk.offsets[0] + chunk.sizes[0]))
+        return sorted(cuts)
+
+    def check_names(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        """Raise `HFConversionError` unless the checkpoint's model tensors are exactly `expected`."""
+        have = self.shapes()
+        missing = [n for n in expected if n not in have]
+        extra = [n for n in have if n not in expected]
+        wrong = [f"{n} {list(have[n])} vs {list(s)}" for n, s in expected.items() if n in have and have[n] != tuple(s)]
+        problems = []
+        if missing:
+            problems.append(f"missing model tensors the config implies: {_listing(missing)}")
+        if extra:
+            problems.append(f"model tensors the config does not imply (or the HF mapping does not cover): {_listing(extra)}")
+        if wrong:
+            problems.append(f"shapes (checkpoint vs config): {_listing(wrong)}")
+        if problems:
+            raise HFConversionError(
+                f"checkpoint {self.path} does not match its config ({'; '.join(problems)}); is --config the "
+                "run's config.yaml?"
+            )
+
+    def read(self, requests: Sequence[tuple[str, Optional[tuple[int, int]]]]) -> list[torch.Tensor]:
+        """One `dcp.load`: each request is (name, None) for a whole tensor or (name, (start, end))
+        for rows [start, end) along dim 0; tensors come back in the checkpoint's dtype."""
+        sdm = self.metadata.state_dict_metadata
+        targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+        out = []
+        for name, rows in requests:
+            fqn = self.fqns[name]
+            md = sdm[fqn]
+            size = list(md.size)
+            offsets = [0] * len(size)
+            if rows is not None:
+                offsets[0], size[0] = rows[0], rows[1] - rows[0]
+            if fqn in targets:
+                raise ValueError(f"{name} requested twice in one read")
+            tensor = torch.empty(size, dtype=md.properties.dtype)
+            targets[fqn] = (tensor, tuple(offsets))
+            out.append(tensor)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
+            dcp.load({}, storage_reader=self._reader, planner=_SliceLoadPlanner(targets), no_dist=True)
+        return out
+
+
+class _SliceLoadPlanner(LoadPlanner):
+    """Reads `{fqn: (destination, offsets)}`: the region of each saved tensor that starts at
+    `offsets` and has the destination's size, through DCP's resharding read items (one item per
+    saved chunk the region overlaps)."""
+
+    def __init__(self, targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> None:
+        self.targets = targets
+        self.metadata = None
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, (tensor, offsets) in self.targets.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.size())
+            items += create_read_items_for_chunk_list(fqn, md, [chunk])
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        raise RuntimeError(f"unexpected non-tensor read of {read_item.dest_index.fqn}")
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        tensor = self.targets[read_item.dest_index.fqn][0]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            tensor = tensor.narrow(dim, start, length)
+        return tensor
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass  # resolve_tensor handed out a view of the destination: nothing to copy back
+
+
+class HFDirectory:
+    """A hub-format directory: `config.json` plus `model.safetensors` or sharded
+    `model-*.safetensors` with `model.safetensors.index.json`. Tensors are read one at a time."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise HFConversionError(f"{self.path} has no config.json: not a Hugging Face model directory")
+        self.config = json.loads(config_path.read_text(encoding="utf-8"))
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            self.files = {name: self.path / file for name, file in weight_map.items()}
+        elif single.is_file():
+            self.files = None
+            self._single = single
+        else:
+            raise HFConversionError(f"{self.path} has neither model.safetensors.index.json nor model.safetensors")
+        self._open: dict[Path, Any] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        files = sorted(set(self.files.values())) if self.files is not None else [single]
+        for file in files:
+            if not file.is_file():
+                raise HFConversionError(f"{file} is listed in the index but missing")
+            handle = self._handle(file)
+            for name in handle.keys():
+                self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+        if self.files is None:
+            self.files = {name: single for name in self._shapes}
+        else:
+            absent = [n for n in self.files if n not in self._shapes]
+            if absent:
+                raise HFConversionError(f"index names tensors its shards do not hold: {_listing(absent)}")
+
+    @staticmethod
+    def is_hf_dir(path: str | Path) -> bool:
+        path = Path(path)
+        return (path / "config.json").is_file() and (
+            (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file())
+
+    def _handle(self, file: Path):
+        from safetensors import safe_open
+
+        if file not in self._open:
+            self._open[file] = safe_open(str(file), framework="pt")
+        return self._open[file]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(self.files[name]).get_tensor(name)
+
+
+def build_empty_model(config: ModelConfig):
+    """`K3Model(config)` with uninitialised (CPU) parameters, for loading every tensor: built on
+    the meta device, so nothing is initialised twice; non-persistent buffers are zeroed."""
+    from k3train.model.k3 import K3Model
+
+    with torch.device("meta"):
+        model = K3Model(config)
+    # to_empty() gives every module its own new Parameter, which unties shared ones (a tied
+    # head): remember who shared what and tie again afterwards.
+    shared: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    model.to_empty(device="cpu")
+    for names in shared.values():
+        owner = model.get_parameter(names[0])
+        for name in names[1:]:
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, owner)
+    persistent = set(model.state_dict())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name not in persistent:
+                buffer.zero_()
+    return model
+
+
+def load_hf_weights(
+    model: torch.nn.Module, hf: HFDirectory, specs: Sequence[TensorSpec],
+    progress: Optional[Callable[[int], None]] = None,
+) -> None:
+    """Copy every spec's HF tensor into `model` (one tensor in memory at a time besides the
+    model); every model tensor must be covered (a tied head through the embedding). `progress(1)`
+    is called after each tensor."""
+    state = model.state_dict()
+    covered: set[str] = set()
+    with torch.no_grad():
+        for spec in specs:
+            value = import_tensor(spec, hf.get(spec.hf_name))
+            target = state[spec.k3_name]
+            if spec.expert is not None:
+                target = target[spec.expert]
+            target.copy_(value)
+            covered.add(spec.k3_name)
+            if progress is not None:
+                progress(1)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    uncovered = [n for n in state if n not in covered and n not in tied]
+    if uncovered:
+        raise HFConversionError(f"the HF tensors left model tensors unset: {_listing(uncovered)}")

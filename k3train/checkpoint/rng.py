@@ -1,0 +1,110 @@
+"""RNG state of a process (`capture_rng_state`/`restore_rng_state`) and the per-rank wrappers that
+save it (`RNGState`) or any other rank-specific state (`PerRank`) under rank-specific keys."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from k3train.checkpoint.process_group import _global_rank
+from k3train.checkpoint.state import _is_stateful
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG streams: torch CPU, CUDA (every device, if CUDA is initialised), Python
+    `random` and numpy's global generator (if numpy is installed).
+
+    The torch states are uint8 tensors (saved as tensors); the Python and numpy states are
+    tuples (saved as pickled bytes).
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    else:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set the RNG streams captured by `capture_rng_state` (streams absent from `state` are left)."""
+    if "torch" in state:
+        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu())
+    if "python" in state:
+        py = state["python"]
+        # A pickled tuple comes back as a tuple; be lenient with a list-ified state.
+        if isinstance(py, list):
+            py = (py[0], tuple(py[1]), py[2])
+        random.setstate(py)
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        saved = [torch.as_tensor(s, dtype=torch.uint8).cpu() for s in state["cuda"]]
+        count = torch.cuda.device_count()
+        if len(saved) != count:
+            warnings.warn(
+                f"checkpoint holds CUDA RNG states for {len(saved)} devices, this process sees "
+                f"{count}; restoring the first {min(len(saved), count)}",
+                stacklevel=2,
+            )
+        for device, s in enumerate(saved[:count]):
+            torch.cuda.set_rng_state(s, device)
+
+
+class PerRank:
+    """Save `obj` (a dict or an object with `state_dict`/`load_state_dict`) under this process's
+    global rank: `<app_state key>.rank_<r>.*`, so ranks whose values differ do not collide (DCP
+    keeps one copy of a key that several ranks save). Loading reads only this rank's entry; a rank
+    the checkpoint has no entry for keeps its current state and warns."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    @staticmethod
+    def rank_key(rank: Optional[int] = None) -> str:
+        return f"rank_{_global_rank() if rank is None else rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        inner = self.obj.state_dict() if _is_stateful(self.obj) else self.obj
+        return {self.rank_key(): inner}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = self.rank_key()
+        if key not in state_dict:
+            warnings.warn(
+                f"checkpoint has no {type(self.obj).__name__} state for {key} (it holds "
+                f"{sorted(state_dict) or 'none'}); keeping this rank's current state",
+                stacklevel=2,
+            )
+            return
+        value = state_dict[key]
+        if _is_stateful(self.obj):
+            self.obj.load_state_dict(value)
+        elif isinstance(self.obj, dict):
+            self.obj.clear()
+            self.obj.update(value)
+        else:
+            self.obj = value
+
+
+class _ProcessRNG:
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        restore_rng_state(state_dict)
+
+
+class RNGState(PerRank):
+    """Put `RNGState()` into `app_state` to save and restore every rank's RNG streams."""
+
+    def __init__(self) -> None:
+        super().__init__(_ProcessRNG())
