@@ -200,7 +200,7 @@ def table_b(args) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         tail = values[min(10, len(values) - 1):]
         rows.append([name] + [values[m - 1] for m in marks] + [sum(tail) / len(tail), max(tail)])
     q = args.router_tokens * k / experts
-    table(["balancer"] + [f"step {m}" for m in marks] + [f"mean steps>10", "max steps>10"], rows,
+    table(["balancer"] + [f"step {m}" for m in marks] + ["mean steps>10", "max steps>10"], rows,
           f"(b) max/mean expert load per step: 896 experts, top-16, {args.router_tokens} tokens/step "
           f"(q = {q:.0f} slots/expert), scores drifting with period {router.period:.0f} steps; bias from step t "
           f"applied at t+1 ({time.perf_counter() - started:.0f} s)")

@@ -68,7 +68,7 @@ def test_impossible_parallel_layout_is_refused_clearly(tmp_path):
 def test_missing_optional_sink_is_one_line_error(tmp_path):
     pytest.importorskip("torch")
     try:
-        import torch.utils.tensorboard  # noqa: F401
+        import torch.utils.tensorboard  # noqa: F401  (only probing whether it is installed)
         pytest.skip("tensorboard is installed here")
     except ImportError:
         pass
