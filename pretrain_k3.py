@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                            parallel.tp.size, parallel.sequence_parallel),
             dtype=torch.float32, device=device, forward_context=precision_context(config.train.precision, device),
             before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
+            grad_group=parallel.pp_grad,  # backward messages on their own communicator (NCCL order)
         )
     except PipelineConfigError as error:
         fail(str(error))

@@ -125,8 +125,8 @@ def resolve_layout(
 
 
 class ParallelState:
-    """This rank's place in the layout and its groups (`tp`, `dp`, `pp`, `ep`, `expert_dp`,
-    `data_tensor`, `model`), each a counted `Group`."""
+    """This rank's place in the layout and its groups (`tp`, `dp`, `pp` and `pp_grad`, `ep`,
+    `expert_dp`, `data_tensor`, `model`), each a counted `Group`."""
 
     def __init__(self, layout: Layout, rank: int, sequence_parallel: bool = False, counter: Optional[TrafficCounter] = None):
         self.layout = layout
@@ -138,6 +138,9 @@ class ParallelState:
         self.tp = self._own_group("tp", layout.tp_groups(), distributed)
         self.dp = self._own_group("dp", layout.dp_groups(), distributed)
         self.pp = self._own_group("pp", layout.pp_groups(), distributed)
+        # The same ranks again for the pipeline's backward messages: NCCL matches point-to-point
+        # messages by order per communicator, and with pp = 2 both directions share a rank pair.
+        self.pp_grad = self._own_group("pp_grad", layout.pp_groups(), distributed)
         self.data_tensor = self._own_group("data_tensor", layout.data_tensor_groups(), distributed)
         self.model = self._own_group("model", layout.model_groups(), distributed)
         self.ep = self._own_group("ep", layout.ep_groups(), distributed)

@@ -58,5 +58,5 @@ def test_impossible_layouts_name_the_sizes_and_what_fits(kwargs, expected):
 def test_single_process_state_has_identity_groups():
     state = ParallelState.single()
     assert state.layout == Layout(1, 1, 1, 1, 1)
-    for group in (state.tp, state.dp, state.pp, state.ep, state.expert_dp, state.data_tensor, state.model):
+    for group in (state.tp, state.dp, state.pp, state.pp_grad, state.ep, state.expert_dp, state.data_tensor, state.model):
         assert group.size == 1 and group.process_group is None
