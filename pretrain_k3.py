@@ -44,11 +44,14 @@ def fail(message: str) -> None:
 
 
 def select_device(choice: str) -> torch.device:
+    """CPU, or this process's GPU: `LOCAL_RANK` from torchrun picks it (one GPU per rank)."""
     if choice == "cuda" and not torch.cuda.is_available():
         fail("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)  # before NCCL starts, so each rank's communicator uses its own GPU
+    return device
 
 
 def shared_run_dir(requested: str | None) -> pathlib.Path:
