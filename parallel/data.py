@@ -685,11 +685,12 @@ def counts_in_norm(param: torch.Tensor, state: ParallelState) -> bool:
     return is_tensor_parallel(param) or is_expert_parallel(param) or state.tp_rank == 0
 
 
-def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squared L2 norms, computed as `clip_grad_norm_` does (fp32 vector norms, stacked),
-    so a single process gets the same bits; float64 gradients are normed in float64 first."""
+    so a single process gets the same bits; float64 gradients are normed in float64 first.
+    An empty list gives a zero on `device` (NCCL reduces device tensors only)."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=device)
     norms = [torch.linalg.vector_norm(g, 2, dtype=torch.promote_types(g.dtype, torch.float32)).float()
              for g in grads]
     return torch.stack(norms).square().sum()
@@ -698,12 +699,14 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 def global_grad_norm_squared(parameters: Iterable[torch.Tensor], state: ParallelState) -> torch.Tensor:
     """Squared global gradient norm of the model (same value on every rank):
     pp.SUM( tp.SUM(dense counted once) + ep.SUM(expert) )."""
+    parameters = list(parameters)
     params = [p for p in parameters if p.grad is not None]
+    device = parameters[0].device if parameters else torch.device("cpu")
     dense = [p.grad for p in params if not is_expert_parallel(p) and counts_in_norm(p, state)]
     experts = [p.grad for p in params if is_expert_parallel(p)]
     # Every rank of a stage runs both reductions (the EP one is free when ep == 1), so the
     # collectives match whatever parameters a rank holds.
-    stage = state.tp.all_reduce(_squared_norm(dense)) + state.ep.all_reduce(_squared_norm(experts))
+    stage = state.tp.all_reduce(_squared_norm(dense, device)) + state.ep.all_reduce(_squared_norm(experts, device))
     return state.pp.all_reduce(stage)
 
 
