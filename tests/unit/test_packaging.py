@@ -24,3 +24,15 @@ def test_huggingface_kernels_package_is_not_shadowed(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_sibling_folders_resolve_statically_under_k3train():
+    """`k3train.kernels`/`k3train.parallel` are plain folders under k3train/ (links to the
+    checkout's top-level folders), so static tools find them without running k3train/__init__."""
+    for name in ("kernels", "parallel"):
+        inside = CHECKOUT / "k3train" / name
+        assert inside.is_dir(), f"k3train/{name} is missing"
+        assert inside.resolve() == (CHECKOUT / name).resolve()
+        assert not (CHECKOUT / name / "__init__.py").exists(), f"{name}/__init__.py would shadow a top-level package"
+    init = (CHECKOUT / "k3train" / "__init__.py").read_text()
+    assert "sys.modules[" not in init, "k3train/__init__.py must not mount packages at run time"
