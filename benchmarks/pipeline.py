@@ -78,7 +78,7 @@ def bench_worker(env, payload) -> list[dict]:
     """Runs every setting of `payload` on `env.world_size` = P ranks; returns per-setting stats."""
     import torch.distributed as dist
 
-    from k3train.model.attn_res import ResidualState
+    from k3train.contracts.stage_io import ResidualState
     from k3train.model.config import ModelConfig
     from k3train.parallel.pipeline import PipelineSchedule, build_model_chunks, residual_shape
     from k3train.parallel.state import ParallelState, resolve_layout

@@ -30,7 +30,7 @@ from k3train.optim.builder import route_parameters  # noqa: E402
 from k3train.parallel.expert import ExpertParallel  # noqa: E402
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan  # noqa: E402
 from k3train.parallel.state import LayoutError, resolve_layout  # noqa: E402
-from k3train.parallel.traffic import _PlanningState, predicted_step_traffic  # noqa: E402
+from k3train.planning.traffic import _PlanningState, predicted_step_traffic  # noqa: E402
 
 GIB = 2**30
 

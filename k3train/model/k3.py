@@ -18,13 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3train.kernels.precision import upcast
-from k3train.model.attn_res import AttentionResidual, ResidualState
+from k3train.contracts.stage_io import ResidualState
+from k3train.model.attn_res import AttentionResidual
 from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
 from k3train.model.kda import initialize_gate_parameters
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
-from k3train.model.param_roles import mark_adamw_only
+from k3train.contracts.param_roles import mark_adamw_only
 from k3train.parallel.tensor import (
     TensorParallel,
     VocabParallelEmbedding,

@@ -26,7 +26,7 @@ from k3train.parallel.data import DistributedOptimizer, GradientReducer
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
 from k3train.parallel.state import ParallelState, resolve_layout
-from k3train.parallel.traffic import predicted_step_traffic, step_traffic_terms
+from k3train.planning.traffic import predicted_step_traffic, step_traffic_terms
 from k3train.training import loop
 from k3train.training.loop import Trainer
 from k3train.training.throughput import peak_flops
