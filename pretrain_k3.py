@@ -15,7 +15,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 # k3train runs from its checkout, as Megatron-LM does (see k3train/__init__.py).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """One line on stderr and exit code 2. The errors raised here (recipe, layout, batch sizes,
     non-finite steps) are the same on every rank, so under torchrun only rank 0 prints them."""
     if int(os.environ.get("RANK", "0")) == 0:

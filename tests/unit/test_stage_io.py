@@ -11,6 +11,7 @@ import torch
 from k3train.contracts.stage_io import ResidualState, blocks_before_layer, closes_block
 from k3train.model import flops
 from k3train.model.config import ModelConfig
+from k3train.model.decoder import DecoderLayer
 from k3train.model.k3 import K3Model
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan
 from k3train.parallel.pipeline_schedule import blocks_before_layer as plan_blocks_before_layer
@@ -49,6 +50,7 @@ def test_decoder_plan_and_flops_follow_closes_block(attn_res, block_size):
     with torch.device("meta"):
         model = K3Model(config)
     for index, layer in model.layers.items():
+        assert isinstance(layer, DecoderLayer)
         assert layer.pushes_block_before_mixer() == closes_block(attn_res, block_size, int(index), "mixer")
         assert layer.pushes_block_before_ffn() == closes_block(attn_res, block_size, int(index), "ffn")
 
