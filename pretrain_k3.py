@@ -4,8 +4,9 @@
     python pretrain_k3.py --recipe recipes/debug.yaml [--run-dir DIR] [section.field=value ...]
     python pretrain_k3.py --help-config        # every recipe field, its default and meaning
 
-The job, top to bottom: recipe → config → parallel state → model (this rank's stages and
-experts) → data → optimizer → pipeline schedule → checkpoint resume → training loop → checkpoints.
+The job, top to bottom: recipe → config → parallel state → this rank's model (stages and
+experts), gradient reducer, optimizer and pipeline schedule → data → checkpoint resume →
+training loop → checkpoints.
 """
 
 from __future__ import annotations
@@ -14,28 +15,19 @@ import os
 import pathlib
 import sys
 import time
+from typing import TYPE_CHECKING, NoReturn
 
 # k3train runs from its checkout, as Megatron-LM does (see k3train/__init__.py).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
-from k3train.checkpoint import CheckpointError, Checkpointer, GracefulExit, RNGState, read_manifest  # noqa: E402
+# Only the config here: `--help` and recipe errors answer before torch and the model are imported.
 from k3train.config import parse_job_args_or_exit, save_config  # noqa: E402
-from k3train.data import DataError, build_data  # noqa: E402
-from k3train.model.flops import parameter_counts, training_flops_per_token  # noqa: E402
-from k3train.model.k3 import K3Model, K3Stage  # noqa: E402
-from k3train.optim.builder import describe_param_groups  # noqa: E402
-from k3train.parallel.data import DistributedOptimizer, GradientReducer  # noqa: E402
-from k3train.parallel.expert import ExpertParallel  # noqa: E402
-from k3train.parallel.pipeline import PipelineConfigError, PipelinePlan, PipelineSchedule, residual_shape  # noqa: E402
-from k3train.parallel.state import LayoutError, ParallelState  # noqa: E402
-from k3train.training.loop import Trainer, TrainingError, precision_context  # noqa: E402
-from k3train.training.metrics import MetricsLogger, SinkError, require_sinks  # noqa: E402
-from k3train.training.throughput import peak_flops  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """One line on stderr and exit code 2. The errors raised here (recipe, layout, batch sizes,
     non-finite steps) are the same on every rank, so under torchrun only rank 0 prints them."""
     if int(os.environ.get("RANK", "0")) == 0:
@@ -45,6 +37,8 @@ def fail(message: str) -> None:
 
 def select_device(choice: str) -> torch.device:
     """CPU, or this process's GPU: `LOCAL_RANK` from torchrun picks it (one GPU per rank)."""
+    import torch
+
     if choice == "cuda" and not torch.cuda.is_available():
         fail("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
     if choice == "cpu" or not torch.cuda.is_available():
@@ -56,6 +50,8 @@ def select_device(choice: str) -> torch.device:
 
 def shared_run_dir(requested: str | None) -> pathlib.Path:
     """`--run-dir`, or `runs/run-<timestamp>` chosen by rank 0 and sent to every rank."""
+    import torch
+
     name = [requested or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}"]
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(name, src=0)
@@ -63,8 +59,20 @@ def shared_run_dir(requested: str | None) -> pathlib.Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # 1. Recipe → config.
+    # 1. Recipe → config; then torch and the model code.
     config, run_dir_arg = parse_job_args_or_exit(argv)
+    import torch
+
+    from k3train.checkpoint import CheckpointError, Checkpointer, GracefulExit, RNGState, read_manifest
+    from k3train.data import DataError, build_data
+    from k3train.model.flops import parameter_counts, training_flops_per_token
+    from k3train.optim.builder import describe_param_groups
+    from k3train.parallel.pipeline import PipelineConfigError
+    from k3train.parallel.state import LayoutError, ParallelState
+    from k3train.training.build import build_rank
+    from k3train.training.loop import Trainer, TrainingError
+    from k3train.training.metrics import MetricsLogger, SinkError, require_sinks
+    from k3train.training.throughput import peak_flops
 
     # 2. Parallel state from torchrun's environment (one process without it).
     device = select_device(config.train.device)
@@ -87,52 +95,31 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(config.train.num_threads)
     torch.manual_seed(config.train.seed)
 
-    # 3. Model: this rank's pipeline chunks, with its TP shards and EP experts, initialised from
-    #    the seed alone (the same weights under any layout).
+    # 3. What this rank runs (k3train/training/build.py): its pipeline chunks with their TP shards
+    #    and EP experts, initialised from the seed alone (the same weights under any layout); the
+    #    gradient reducer over data parallelism; the optimizer (Per-Head Muon + AdamW, its state
+    #    sharded over DP with ZeRO-1); the pipeline schedule (1F1B, interleaved with virtual stages;
+    #    one stage is plain gradient accumulation), which reduces gradients on the last backward.
     try:
-        plan = PipelinePlan.from_config(config.model, config.parallel)
-        expert_parallel = ExpertParallel.from_state(parallel, config.parallel, config.model.num_experts)
+        job = build_rank(config, parallel, device)
     except (PipelineConfigError, ValueError) as error:
         fail(str(error))
-    chunks = []
-    for layer_range in plan.layer_ranges(parallel.pp_rank):
-        chunk = K3Model(config.model, layer_range=layer_range, parallel=parallel, expert_parallel=expert_parallel)
-        chunk.init_weights(config.train.seed)
-        chunks.append(chunk.to(device))
-    model = K3Stage(chunks)
+    model, optimizer = job.model, job.optimizer
     counts = parameter_counts(config.model)
     print(f"model: {counts.total / 1e6:.2f}M parameters ({counts.active / 1e6:.2f}M active per token), "
           f"{config.model.num_hidden_layers} layers, attn_res={config.model.attn_res}, balancer={config.model.balancer}; "
-          f"this rank holds layers {plan.layer_ranges(parallel.pp_rank)}")
+          f"this rank holds layers {job.plan.layer_ranges(parallel.pp_rank)}")
+    print(describe_param_groups(model, config.optimizer))
 
-    # 4. Data: samples of seq_length + 1 tokens, deterministic and resumable.
+    # 4. Data: samples of seq_length + 1 tokens, deterministic and resumable; the LR schedule is a
+    #    pure function of the step.
     try:
         data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
     except DataError as error:
         fail(str(error))
     print(data.describe())
 
-    # 5. Gradient reduction over data parallel, and the optimizer: Per-Head Muon + AdamW, its state
-    #    sharded over DP (ZeRO-1) when asked; the LR schedule is a pure function of the step.
-    reducer = GradientReducer(model, parallel)
-    optimizer = DistributedOptimizer(model, config.optimizer, parallel, zero1=config.parallel.zero1)
-    print(describe_param_groups(model, config.optimizer))
-
-    # 6. The schedule: micro-batches through the pipeline stages (1F1B, interleaved with virtual
-    #    stages; one stage is plain gradient accumulation), reducing gradients on the last backward.
-    try:
-        schedule = PipelineSchedule(
-            plan, parallel.pp,
-            residual_shape(config.train.micro_batch_size, config.data.seq_length, config.model.hidden_size,
-                           parallel.tp.size, parallel.sequence_parallel),
-            dtype=torch.float32, device=device, forward_context=precision_context(config.train.precision, device),
-            before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
-            grad_group=parallel.pp_grad,  # backward messages on their own communicator (NCCL order)
-        )
-    except PipelineConfigError as error:
-        fail(str(error))
-
-    # 7. Metrics, the step loop and checkpoints; resume from the newest complete checkpoint if asked.
+    # 5. Metrics, the step loop and checkpoints; resume from the newest complete checkpoint if asked.
     if is_logging_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
     peak = peak_flops(device, config.logging.peak_tflops)
@@ -144,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(config, model, optimizer, data, device,
                           training_flops_per_token(config.model, config.data.seq_length).total, peak,
-                          logger, parallel, reducer, schedule)
+                          logger, parallel, job.reducer, job.schedule)
     except TrainingError as error:
         fail(str(error))
     checkpointer = Checkpointer(config.checkpoint.dir or run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
@@ -177,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         path = checkpointer.save(step, app_state())
         print(f"checkpoint saved: {path}", flush=True)
 
-    # 8. Train.
+    # 6. Train.
     try:
         with GracefulExit() as stop:
             history = trainer.run(stop.requested, save_checkpoint)  # any rank signalled: all stop

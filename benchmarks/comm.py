@@ -3,7 +3,7 @@
 Each layout runs one `Trainer.train_step()` of the debug model on gloo through the real code
 (built as `pretrain_k3.main` builds a job: `tests/distributed/workers_comm.py`); comm.py's
 `TrafficCounter`, reset after set-up, then holds exactly that step. Beside it stands
-`k3train.parallel.traffic.predicted_step_traffic` for the same rank (its module docstring lists
+`k3train.planning.traffic.predicted_step_traffic` for the same rank (`docs/traffic.md` lists
 every term). All layouts run in one 4-process launch; a 2-rank layout runs on ranks 0 and 1.
 
 Counting convention (comm.py): bytes this rank contributes: an all-reduce of N bytes counts N,
@@ -78,7 +78,7 @@ def main() -> int:
     unknown = set(args.layouts or []) - {l["name"] for l in layouts}
     if unknown:
         parser.error(f"unknown layouts {sorted(unknown)}; choose from {[l['name'] for l in LAYOUTS]}")
-    from k3train.parallel.traffic import describe_terms, TrafficTerm
+    from k3train.planning.traffic import describe_terms, TrafficTerm
     from tests.distributed.harness import run_workers
 
     payload = dict(recipe=args.recipe, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,

@@ -78,10 +78,11 @@ def bench_worker(env, payload) -> list[dict]:
     """Runs every setting of `payload` on `env.world_size` = P ranks; returns per-setting stats."""
     import torch.distributed as dist
 
-    from k3train.model.attn_res import ResidualState
+    from k3train.contracts.stage_io import ResidualState
     from k3train.model.config import ModelConfig
-    from k3train.parallel.pipeline import PipelineSchedule, build_model_chunks, residual_shape
+    from k3train.parallel.pipeline import PipelineSchedule, residual_shape
     from k3train.parallel.state import ParallelState, resolve_layout
+    from k3train.training.build import build_model
 
     out = []
     layer_s = payload["layer_ms"] / 1000.0
@@ -93,7 +94,7 @@ def bench_worker(env, payload) -> list[dict]:
                                 config.linear_attn_config.num_heads, config.vocab_size, config.num_experts, layers)
         state = ParallelState(layout, env.rank)
         plan = PipelinePlan.build(layers, pp, v, "block", size)
-        chunks = build_model_chunks(config, plan, state, seed=1)
+        chunks = build_model(config, plan, state, seed=1).chunks
 
         def sleepy(module, args):
             state_in = args[0]

@@ -6,15 +6,15 @@ receiver keeps, per micro-batch in flight, every block it has received or produc
 (the exact delta; both sides know it from the plan, `pipeline_schedule.PipelinePlan`). Backward
 returns the gradient of the partial sum and of exactly those blocks; gradients of cached blocks
 accumulate locally and flow into the backward of the chunk that introduced the block on this
-rank. SPEC §2.1 works an example through.
+rank.
 
 How the training loop calls it (one optimizer step)::
 
     plan = PipelinePlan.from_config(config.model, config.parallel)
-    chunks = build_model_chunks(config.model, plan, state)           # this rank's K3Model slices
+    chunks = build_model(config.model, plan, state).chunks   # this rank's slices (k3train.training.build)
     schedule = PipelineSchedule(plan, state.pp, residual_shape(micro_batch_size, seq_length,
                                 config.model.hidden_size, state.tp.size, state.sequence_parallel),
-                                dtype=torch.float32, forward_context=trainer.autocast)
+                                dtype=torch.float32, forward_context=precision_context(...))
     loss = schedule.run(chunks, micro_batches)   # list of M token tensors [mb, seq+1]; None allowed
                                                  # on ranks that hold neither the first nor last chunk
     # every chunk's parameters now hold the gradient of the mean loss over the M micro-batches;
@@ -53,7 +53,7 @@ from typing import Callable, ContextManager, Optional, Sequence
 import torch
 from torch import nn
 
-from k3train.model.attn_res import ResidualState
+from k3train.contracts.stage_io import ResidualState
 from k3train.parallel.comm import Group
 from k3train.parallel.pipeline_cache import BlockCache, BlockCacheError
 from k3train.parallel.pipeline_schedule import (  # noqa: F401  (re-exported)
@@ -73,23 +73,6 @@ def residual_shape(micro_batch_size: int, seq_length: int, hidden_size: int, tp_
                                       f"(sequence parallelism)")
         seq_length //= tp_size
     return (micro_batch_size, seq_length, hidden_size)
-
-
-def build_model_chunks(model_config, plan: PipelinePlan, state, dtype: Optional[torch.dtype] = None,
-                       seed: Optional[int] = None) -> list[nn.Module]:
-    """This rank's `K3Model` slices in virtual-stage order (embedding only on chunk 0, head only on
-    the last chunk; parameter names keep global layer indices)."""
-    from k3train.model.k3 import K3Model
-
-    chunks = []
-    for layer_range in plan.layer_ranges(state.pp.rank):
-        chunk = K3Model(model_config, layer_range=layer_range, parallel=state)
-        if dtype is not None:
-            chunk = chunk.to(dtype)
-        if seed is not None:
-            chunk.init_weights(seed)
-        chunks.append(chunk)
-    return chunks
 
 
 def theoretical_peak_blocks(plan: PipelinePlan, rank: int, micro_batches: int) -> int:

@@ -40,9 +40,10 @@ bubble fraction (`(P-1)/(M+P-1)` for 1F1B, `(P-1)/(V·M+P-1)` interleaved).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
+
+from k3train.contracts import stage_io
 
 Protocol = Literal["naive", "paper", "exact"]
 PROTOCOLS: tuple[Protocol, ...] = ("naive", "paper", "exact")
@@ -86,14 +87,11 @@ def partition_layers(num_layers: int, pp: int, virtual_stages: int = 1,
 
 def blocks_before_layer(attn_res: str, block_size: int, layer: int) -> int:
     """Block representations in the residual state at the input of decoder layer `layer`
-    (`layer = L`: after the last one); see `k3train/model/attn_res.py` for the push rule."""
-    if attn_res == "block":
-        return math.ceil(layer / block_size)  # pushes at layers 0, S, 2S, … below `layer`
-    if attn_res == "full":
-        return 2 * layer  # one push before each of the two sublayers of every layer
-    if attn_res == "none":
-        return 0
-    raise PipelineConfigError(f"unknown model.attn_res {attn_res!r}; expected block, full or none")
+    (`layer = L`: after the last one), by the model's own rule (`contracts.stage_io`)."""
+    try:
+        return stage_io.blocks_before_layer(attn_res, block_size, layer)
+    except ValueError as error:
+        raise PipelineConfigError(str(error)) from None
 
 
 # ---------------------------------------------------------------------------- the plan

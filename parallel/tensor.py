@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3train.kernels.precision import upcast
+from k3train.contracts.param_roles import HeadBlocks
 from k3train.parallel.comm import Group
 
 SEQUENCE_DIM = 1
@@ -172,8 +173,6 @@ class TensorParallel:
         param.shard_group = self.group  # checkpoints store the full tensor, sharded over this group
         head_blocks = getattr(param, "head_blocks", None)
         if head_blocks is not None:  # whole heads per rank: the shard has fewer heads
-            from k3train.model.param_roles import HeadBlocks
-
             param.head_blocks = HeadBlocks(head_blocks.dim, head_blocks.num_heads // self.size)
 
     def mark_partial_grad(self, params: Iterable[nn.Parameter]) -> None:

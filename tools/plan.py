@@ -25,24 +25,22 @@ import torch  # noqa: E402
 
 from k3train.config import ConfigError, load_config  # noqa: E402
 from k3train.model.flops import parameter_counts, training_flops_per_token  # noqa: E402
-from k3train.model.k3 import K3Model, K3Stage  # noqa: E402
+from k3train.model.k3 import K3Stage  # noqa: E402
 from k3train.optim.builder import route_parameters  # noqa: E402
 from k3train.parallel.expert import ExpertParallel  # noqa: E402
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan  # noqa: E402
 from k3train.parallel.state import LayoutError, resolve_layout  # noqa: E402
-from k3train.parallel.traffic import _PlanningState, predicted_step_traffic  # noqa: E402
+from k3train.planning.traffic import predicted_step_traffic  # noqa: E402
+from k3train.training.build import build_model, planning_parallel_state  # noqa: E402
 
 GIB = 2**30
 
 
 def rank_stage(config, layout, pp_rank: int, plan: PipelinePlan) -> K3Stage:
     """Pipeline rank `pp_rank`'s model (its tp/dp/ep rank 0), on the meta device."""
-    state = _PlanningState(layout, layout.rank_of(0, 0, pp_rank), sequence_parallel=config.parallel.sequence_parallel)
+    state = planning_parallel_state(layout, layout.rank_of(0, 0, pp_rank), config.parallel.sequence_parallel)
     expert_parallel = ExpertParallel.from_state(state, config.parallel, config.model.num_experts)
-    with torch.device("meta"):
-        chunks = [K3Model(config.model, layer_range=layer_range, parallel=state, expert_parallel=expert_parallel)
-                  for layer_range in plan.layer_ranges(pp_rank)]
-    return K3Stage(chunks)
+    return build_model(config.model, plan, state, expert_parallel, device=torch.device("meta"))
 
 
 def memory_estimate(stage: K3Stage, config, dp: int) -> tuple[int, float]:

@@ -1,42 +1,27 @@
-"""Attention Residuals: the operator, and the residual state a stage hands to the next.
+"""Attention Residuals: the operator, and how one sublayer updates the residual state.
 
-The state of the residual stream between sublayers is `ResidualState(partial, blocks)`:
-`blocks` are the completed block representations (the embedding first), `partial` the running
-sum of the current block's sublayer outputs (or, with plain residuals, the hidden state). It is
-also the stage I/O contract of the pipeline: a micro-batch crosses a stage boundary as
-`(partial, blocks)`.
+The state itself (`ResidualState(partial, blocks)`, also the pipeline's stage I/O) and the rule
+for when a block closes live in `k3train/contracts/stage_io.py`, shared with `parallel/`.
 
 Wiring per sublayer (SPEC §1.3, the released modelling code): the sublayer's input is the
 depth-attention mix over `[*blocks, partial]`; if a block closes here, `partial` joins `blocks`
 and the sum restarts; the sublayer's output is added to `partial`. Mixing first and pushing
 afterwards attends over the same sources in the same order as the reference, so one rule covers
-`block` (push before the token mixer of every `attn_res_block_size`-th layer), `full` (push
-before every sublayer) and `none` (never mix, never push: `partial` is the plain residual).
+`block`, `full` and `none` (never mix, never push: `partial` is the plain residual).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from k3train.contracts.param_roles import mark_adamw_only
+from k3train.contracts.stage_io import ResidualState
 from k3train.kernels.attn_res import attn_res_mix
 from k3train.model.norm import RMSNorm
-from k3train.model.param_roles import mark_adamw_only
-
-
-@dataclass
-class ResidualState:
-    """What flows between sublayers and across pipeline stages."""
-
-    partial: Optional[torch.Tensor]
-    blocks: list[torch.Tensor] = field(default_factory=list)
-
-    def sources(self) -> list[torch.Tensor]:
-        return self.blocks + ([self.partial] if self.partial is not None else [])
 
 
 class AttentionResidual(nn.Module):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from k3train.model.attn_res import AttentionResidual, ResidualState, apply_sublayer
+from k3train.contracts.stage_io import ResidualState, closes_block
+from k3train.model.attn_res import AttentionResidual, apply_sublayer
 from k3train.model.config import ModelConfig
 from k3train.model.kda import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
@@ -53,12 +54,10 @@ class DecoderLayer(nn.Module):
 
     def pushes_block_before_mixer(self) -> bool:
         """Whether the running partial sum becomes a block representation before the token mixer."""
-        if self.attn_res_mode == "full":
-            return True
-        return self.attn_res_mode == "block" and self.layer_index % self.block_size == 0
+        return closes_block(self.attn_res_mode, self.block_size, self.layer_index, "mixer")
 
     def pushes_block_before_ffn(self) -> bool:
-        return self.attn_res_mode == "full"
+        return closes_block(self.attn_res_mode, self.block_size, self.layer_index, "ffn")
 
     def forward(self, state: ResidualState) -> ResidualState:
         state = apply_sublayer(state, self.self_attention_res, self.pushes_block_before_mixer(),

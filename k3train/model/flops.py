@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from k3train.contracts.stage_io import SUBLAYERS, closes_block
 from k3train.model.config import ModelConfig
 
 TRAINING_MULTIPLIER = 3
@@ -66,20 +67,18 @@ def num_dense_layers(config: ModelConfig) -> int:
 def attn_res_source_counts(config: ModelConfig) -> list[int]:
     """Sources `m` of every AttnRes call, in order: two per decoder layer, then the output one.
 
-    Follows the wiring of `model/attn_res.py`: a sublayer mixes `[*blocks, partial]`; `block`
-    pushes the partial sum before the token mixer of every `attn_res_block_size`-th layer (layer 0
-    pushes the embedding), `full` before every sublayer. Empty for `attn_res: none`.
+    Follows the wiring of `model/attn_res.py`: a sublayer mixes `[*blocks, partial]`, after the
+    blocks that `contracts.stage_io.closes_block` closes before it (mixing first and pushing
+    afterwards: the closed block and the fresh partial are the same sources). Empty for
+    `attn_res: none`.
     """
     if config.attn_res == "none":
         return []
     blocks, counts = 0, []
     for layer in range(config.num_hidden_layers):
-        counts.append(blocks + 1)  # token mixer
-        if config.attn_res == "full" or layer % config.attn_res_block_size == 0:
-            blocks += 1
-        counts.append(blocks + 1)  # FFN
-        if config.attn_res == "full":
-            blocks += 1
+        for sublayer in SUBLAYERS:
+            counts.append(blocks + 1)
+            blocks += closes_block(config.attn_res, config.attn_res_block_size, layer, sublayer)
     counts.append(blocks + 1)  # output aggregation
     return counts
 

@@ -1,7 +1,7 @@
 """The K3 model: embedding → decoder layers → output AttnRes → final norm → head.
 
-Read top to bottom with `attn_res.py` (the residual state) and `decoder.py` (one layer). The
-model can be built as a slice `[start, end)` of the layers, with the embedding only on the first
+Read top to bottom with `decoder.py` (one layer), `attn_res.py` (one sublayer's update) and
+`k3train/contracts/stage_io.py` (the residual state and when a block closes). The model can be built as a slice `[start, end)` of the layers, with the embedding only on the first
 slice and the head only on the last: a pipeline stage runs `forward_layers` on the
 `ResidualState(partial, blocks)` it receives. Layers keep their global index in parameter names
 (`layers.5.…`), so checkpoints do not depend on how the layers were split.
@@ -18,13 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3train.kernels.precision import upcast
-from k3train.model.attn_res import AttentionResidual, ResidualState
+from k3train.contracts.stage_io import ResidualState
+from k3train.model.attn_res import AttentionResidual
 from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
 from k3train.model.kda import initialize_gate_parameters
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
-from k3train.model.param_roles import mark_adamw_only
+from k3train.contracts.param_roles import mark_adamw_only
 from k3train.parallel.tensor import (
     TensorParallel,
     VocabParallelEmbedding,

@@ -19,7 +19,7 @@ from torch import nn
 from k3train.kernels.kda import chunk_kda, kda_gate, kda_gate_unbounded
 from k3train.kernels.precision import upcast
 from k3train.model.config import ModelConfig
-from k3train.model.param_roles import mark_adamw_only, mark_head_blocks
+from k3train.contracts.param_roles import mark_adamw_only, mark_head_blocks
 from k3train.parallel.tensor import TensorParallel
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from k3train.model.config import ModelConfig
 from k3train.model.norm import RMSNorm
-from k3train.model.param_roles import mark_head_blocks
+from k3train.contracts.param_roles import mark_head_blocks
 from k3train.parallel.tensor import TensorParallel
 
 LATENT_NORM_EPS = 1e-6  # q_a/kv_a layernorms use 1e-6, not rms_norm_eps

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from k3train.model.param_roles import is_adamw_only
+from k3train.contracts.param_roles import is_adamw_only
 from k3train.optim.config import OptimizerConfig
 from k3train.optim.muon import PerHeadMuon, block_layout
 

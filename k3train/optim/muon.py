@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Literal, Optional
 import torch
 from torch.optim.adamw import adamw as adamw_functional
 
-from k3train.model.param_roles import head_blocks_of
+from k3train.contracts.param_roles import head_blocks_of
 from k3train.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz, ns_cost
 
 BlockKind = Literal["matrix", "heads", "experts"]

@@ -1,4 +1,4 @@
-"""Measured communication of one training step equals the formula (`parallel/traffic.py`), per
+"""Measured communication of one training step equals the formula (`k3train/planning/traffic.py`), per
 group, in bytes and in messages, on every rank.
 
 One 4-rank gloo launch runs several layouts through the real training step
@@ -10,7 +10,7 @@ The counts are exact integers: any extra, missing or resized collective fails th
 import pytest
 
 from k3train.config import load_config
-from k3train.parallel.traffic import predicted_step_traffic, step_traffic_terms
+from k3train.planning.traffic import predicted_step_traffic, step_traffic_terms
 from tests.distributed.harness import CHECKOUT, run_workers
 
 RECIPE = str(CHECKOUT / "recipes" / "debug.yaml")

@@ -2,8 +2,8 @@
 runs one real training step and reports what comm.py counted beside the formula's prediction.
 
 One launch runs several layouts in turn. Each is built the way `pretrain_k3.main` builds a job
-(steps 3-6: model chunks from the seed, data, `GradientReducer`, `DistributedOptimizer`,
-`PipelineSchedule`, `Trainer`), its counter is reset after set-up, and `Trainer.train_step()`
+(`k3train.training.build.build_rank`: model chunks from the seed, `GradientReducer`,
+`DistributedOptimizer`, `PipelineSchedule`; then data and `Trainer`), its counter is reset after set-up, and `Trainer.train_step()`
 runs once: the counter then holds exactly one step (schedule, reduction, loss average, clipping,
 optimizer step, routing statistics). A layout with fewer ranks than the launch (DP2, TP2 in a
 4-rank launch) runs on ranks 0..world-1; the other ranks only take part in creating its groups
@@ -21,13 +21,10 @@ import torch.distributed as dist
 from k3train.config import load_config
 from k3train.data import build_data
 from k3train.model.flops import training_flops_per_token
-from k3train.model.k3 import K3Model, K3Stage
-from k3train.parallel.data import DistributedOptimizer, GradientReducer
-from k3train.parallel.expert import ExpertParallel
-from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
 from k3train.parallel.state import ParallelState, resolve_layout
-from k3train.parallel.traffic import predicted_step_traffic, step_traffic_terms
+from k3train.planning.traffic import predicted_step_traffic, step_traffic_terms
 from k3train.training import loop
+from k3train.training.build import build_rank
 from k3train.training.loop import Trainer
 from k3train.training.throughput import peak_flops
 
@@ -45,30 +42,15 @@ def layout_overrides(layout: dict[str, Any], micro_batch_size: int, micro_batche
 
 
 def build_trainer(config, state: ParallelState) -> Trainer:
-    """The job of `pretrain_k3.main` (steps 3-6) on this rank, without run directory or logger."""
+    """The job of `pretrain_k3.main` on this rank (`build_rank`, data, `Trainer`), without run
+    directory or logger."""
     device = torch.device("cpu")
     torch.manual_seed(config.train.seed)
-    plan = PipelinePlan.from_config(config.model, config.parallel)
-    expert_parallel = ExpertParallel.from_state(state, config.parallel, config.model.num_experts)
-    chunks = []
-    for layer_range in plan.layer_ranges(state.pp_rank):
-        chunk = K3Model(config.model, layer_range=layer_range, parallel=state, expert_parallel=expert_parallel)
-        chunk.init_weights(config.train.seed)
-        chunks.append(chunk.to(device))
-    model = K3Stage(chunks)
+    job = build_rank(config, state, device)
     data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
-    reducer = GradientReducer(model, state)
-    optimizer = DistributedOptimizer(model, config.optimizer, state, zero1=config.parallel.zero1)
-    schedule = PipelineSchedule(
-        plan, state.pp,
-        residual_shape(config.train.micro_batch_size, config.data.seq_length, config.model.hidden_size,
-                       state.tp.size, state.sequence_parallel),
-        dtype=torch.float32, device=device,
-        before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
-    )
-    return Trainer(config, model, optimizer, data, device,
+    return Trainer(config, job.model, job.optimizer, data, device,
                    training_flops_per_token(config.model, config.data.seq_length).total,
-                   peak_flops(device, config.logging.peak_tflops), None, state, reducer, schedule)
+                   peak_flops(device, config.logging.peak_tflops), None, state, job.reducer, job.schedule)
 
 
 def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:

@@ -239,13 +239,14 @@ def equivalence(env, spec: dict) -> dict:
 
 def pipeline_equivalence(env, spec: dict) -> dict:
     """EP inside pipeline stages: `PipelineSchedule` over several micro-batches per DP rank."""
-    from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, build_model_chunks, residual_shape
+    from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
+    from k3train.training.build import build_model
 
     started = time.perf_counter()
     config, state, expert_parallel, reference = setup(env, spec)
     plan = PipelinePlan.build(config.num_hidden_layers, state.layout.pp, 1, config.attn_res,
                               config.attn_res_block_size)
-    chunks = build_model_chunks(config, plan, state, dtype=torch.float64, seed=7)
+    chunks = build_model(config, plan, state, seed=7, dtype=torch.float64).chunks
     for chunk in chunks:
         for moe in chunk.moe_layers():
             moe.use_expert_parallel(expert_parallel)

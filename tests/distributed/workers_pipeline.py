@@ -24,10 +24,11 @@ from torch import nn
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model
 from k3train.parallel.pipeline import (
-    PROTOCOLS, PipelinePlan, PipelineSchedule, build_model_chunks, residual_shape, theoretical_peak_blocks,
+    PROTOCOLS, PipelinePlan, PipelineSchedule, residual_shape, theoretical_peak_blocks,
 )
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.parallel.tensor import reduce_tensor_parallel_grads
+from k3train.training.build import build_model
 
 SEED = 7
 SEQ = 16
@@ -146,7 +147,7 @@ def run_one(env, check: dict) -> dict:
 
     micro_batches = list(tokens.split(MICRO_BATCH_SIZE))
     micro_batches = micro_batches[state.dp.rank * local_count:(state.dp.rank + 1) * local_count]
-    chunks = build_model_chunks(config, plan, state, dtype=torch.float64, seed=SEED)
+    chunks = build_model(config, plan, state, seed=SEED, dtype=torch.float64).chunks
     shape = residual_shape(MICRO_BATCH_SIZE, SEQ, config.hidden_size, state.tp.size, state.sequence_parallel)
     probe = CacheProbe(plan, state.pp.rank, shape) if check.get("probe") else None
     last_backward_calls: dict[int, int] = defaultdict(int)

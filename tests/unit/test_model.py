@@ -7,7 +7,7 @@ import torch
 
 from k3train.kernels.attn_res import attn_res_mix
 from k3train.kernels.situ_glu import situ_glu, swiglu
-from k3train.model.attn_res import ResidualState
+from k3train.contracts.stage_io import ResidualState
 from k3train.model.balance import ExactQuantileBalancer, HistogramQuantileBalancer, SignBalancer, histogram_quantile
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model, lm_loss

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from k3train.model.param_roles import mark_adamw_only, mark_head_blocks
+from k3train.contracts.param_roles import mark_adamw_only, mark_head_blocks
 from k3train.optim import (
     OptimizerConfig,
     PerHeadMuon,

@@ -36,3 +36,43 @@ def test_sibling_folders_resolve_statically_under_k3train():
         assert not (CHECKOUT / name / "__init__.py").exists(), f"{name}/__init__.py would shadow a top-level package"
     init = (CHECKOUT / "k3train" / "__init__.py").read_text()
     assert "sys.modules[" not in init, "k3train/__init__.py must not mount packages at run time"
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    """Every module a source file imports, at any depth (lazy imports in functions included)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_parallel_does_not_import_the_model():
+    """`parallel/` shares only the contracts (`k3train.contracts`) with the model, never imports it."""
+    sources = sorted((CHECKOUT / "parallel").rglob("*.py"))
+    assert sources
+    offenders = {str(path.relative_to(CHECKOUT)): sorted(name for name in _imported_modules(path)
+                                                         if name == "k3train.model" or name.startswith("k3train.model."))
+                 for path in sources}
+    assert not {path: names for path, names in offenders.items() if names}
+
+
+def test_pretrain_script_imports_torch_only_after_parsing():
+    """`pretrain_k3.py --help` and recipe errors must not wait for torch: the script's module-level
+    imports are the standard library and the config parser."""
+    import ast
+
+    tree = ast.parse((CHECKOUT / "pretrain_k3.py").read_text())
+    top_level: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            top_level.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            top_level.add(node.module)
+    assert "torch" not in top_level
+    assert not any(name.startswith("k3train.") and name != "k3train.config" for name in top_level), top_level

@@ -24,11 +24,11 @@ class HeadBlocks:
 def mark_head_blocks(param: torch.nn.Parameter, dim: int, num_heads: int) -> None:
     if param.shape[dim] % num_heads:
         raise ValueError(f"dimension {dim} of shape {tuple(param.shape)} does not split into {num_heads} heads")
-    param.head_blocks = HeadBlocks(dim, num_heads)
+    setattr(param, "head_blocks", HeadBlocks(dim, num_heads))  # an attribute torch does not declare
 
 
 def mark_adamw_only(param: torch.nn.Parameter) -> None:
-    param.adamw_only = True
+    setattr(param, "adamw_only", True)
 
 
 def head_blocks_of(param: torch.Tensor) -> Optional[HeadBlocks]:

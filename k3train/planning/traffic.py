@@ -1,0 +1,193 @@
+"""Predicted communication of one training step: bytes and messages per group, for one rank.
+
+`predicted_step_traffic` is the formula that `benchmarks/comm.py` and `tools/plan.py` print and
+that `tests/distributed/test_comm_traffic.py` holds equal to what `parallel/comm.py`'s
+`TrafficCounter` measures (`pp = 1`, `ep = 1`). Every term, its notation and its assumptions are
+described in `docs/traffic.md`. The model, reducer and optimizer whose layout it reads are built
+on the meta device by `k3train/training/build.py`, as the job builds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from k3train.config import JobConfig
+from k3train.optim.builder import route_parameters
+from k3train.optim.muon import block_layout
+from k3train.parallel.data import DEFAULT_BUCKET_BYTES, is_tensor_parallel
+from k3train.parallel.state import resolve_layout
+from k3train.training.build import RankJob, build_planning_rank
+
+
+@dataclass(frozen=True)
+class TrafficTerm:
+    """One line of the formula: what one rank sends on `group` in one step."""
+
+    group: str
+    what: str
+    bytes: int
+    messages: int
+
+
+def _planning_job(model_config, optimizer_config, tp: int, dp: int, zero1: bool, sequence_parallel: bool,
+                  micro_batch_size: int, seq_length: int, tp_rank: int, dp_rank: int,
+                  bucket_bytes: int, param_dtype: torch.dtype) -> RankJob:
+    """Rank `(tp_rank, dp_rank)` of a `tp × dp` job built on the meta device as the job builds it;
+    the layout is checked as at start-up (`resolve_layout`)."""
+    layout = resolve_layout(tp * dp, tp, 1, dp, 1, 1, model_config.num_attention_heads,
+                            model_config.linear_attn_config.num_heads, model_config.vocab_size,
+                            model_config.num_experts, model_config.num_hidden_layers)
+    if not (0 <= tp_rank < tp and 0 <= dp_rank < dp):
+        raise ValueError(f"rank (tp {tp_rank}, dp {dp_rank}) outside tp={tp} × dp={dp}")
+    base = JobConfig()
+    config = dataclasses.replace(
+        base, model=model_config, optimizer=optimizer_config,
+        parallel=dataclasses.replace(base.parallel, tp=tp, dp=dp, zero1=zero1, sequence_parallel=sequence_parallel),
+        train=dataclasses.replace(base.train, micro_batch_size=micro_batch_size),
+        data=dataclasses.replace(base.data, seq_length=seq_length))
+    return build_planning_rank(config, layout, layout.rank_of(tp_rank, dp_rank, 0), bucket_bytes=bucket_bytes,
+                               dtype=param_dtype)
+
+
+def step_traffic_terms(
+    model_config,
+    optimizer_config,
+    *,
+    tp: int = 1,
+    dp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    micro_batch_size: int,
+    seq_length: int,
+    micro_batches: int,
+    dtype_bytes: int = 4,
+    zero1: bool = True,
+    sequence_parallel: bool = False,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    tp_rank: int = 0,
+    dp_rank: int = 0,
+    param_dtype: torch.dtype = torch.float32,
+) -> list[TrafficTerm]:
+    """Every term of one training step on rank `(tp_rank, dp_rank)`, in `docs/traffic.md`'s
+    order (terms that send nothing are left out). `micro_batches` is per rank and step
+    (`global_batch_size / (micro_batch_size · dp)`); `dtype_bytes` the activation element size."""
+    if pp != 1 or ep != 1:
+        raise ValueError(f"the traffic formula covers pp=1 and ep=1 (got pp={pp}, ep={ep}); pipeline hops: "
+                         "PipelinePlan.blocks_per_micro_batch, expert dispatch: benchmarks/moe.py")
+    sp = sequence_parallel and tp > 1
+    if sp and seq_length % tp:
+        raise ValueError(f"seq_length={seq_length} does not split over tp={tp} (sequence parallelism)")
+    job = _planning_job(model_config, optimizer_config, tp, dp, zero1, sp, micro_batch_size, seq_length,
+                        tp_rank, dp_rank, bucket_bytes, param_dtype)
+    state, model, optimizer, reducer = job.parallel, job.model, job.optimizer, job.reducer
+    cfg = model_config
+    terms: list[TrafficTerm] = []
+
+    def add(group: str, what: str, nbytes: int, messages: int) -> None:
+        if messages:
+            terms.append(TrafficTerm(group, what, int(nbytes), int(messages)))
+
+    layers = cfg.num_hidden_layers
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))
+    dense_layers = layers - moe_layers
+    float_bytes = 8 if dtype_bytes == 8 else 4  # CE and router scores: fp32, or fp64 in a float64 model
+    M = micro_batches
+    tokens = micro_batch_size * seq_length
+    full = tokens * cfg.hidden_size * dtype_bytes  # N: one micro-batch's full-sequence activation
+    shard = full // tp  # N / tp: its sequence shard
+
+    # ---- tp: TP regions, embedding, head, cross-entropy, norm, Muon gathers
+    if tp > 1:
+        regions = layers + dense_layers + (moe_layers if cfg.num_shared_experts > 0 else 0)
+        if sp:
+            add("tp", f"{regions} TP regions fwd: enter all-gather N/tp + leave reduce-scatter N",
+                M * regions * (shard + full), M * regions * 2)
+            add("tp", f"{regions} TP regions bwd: leave all-gather N/tp + enter reduce-scatter N",
+                M * regions * (shard + full), M * regions * 2)
+        else:
+            add("tp", f"{regions} TP regions fwd: leave all-reduce N", M * regions * full, M * regions)
+            add("tp", f"{regions} TP regions bwd: enter all-reduce N", M * regions * full, M * regions)
+        if cfg.recompute == "sublayer" and sp:  # every region sits in a recomputed sublayer
+            add("tp", f"recompute=sublayer: {regions} regions' enter all-gather N/tp again in backward",
+                M * regions * shard, M * regions)
+        if sp:
+            add("tp", "embedding leave: reduce-scatter N fwd + all-gather N/tp bwd", M * (full + shard), 2 * M)
+            add("tp", "head enter: all-gather N/tp fwd + reduce-scatter N bwd", M * (shard + full), 2 * M)
+        else:
+            add("tp", "embedding leave: all-reduce N fwd", M * full, M)
+            add("tp", "head enter: all-reduce N bwd", M * full, M)
+        add("tp", "vocab-parallel CE: 3 all-reduces of [b·s]", M * 3 * tokens * float_bytes, 3 * M)
+        add("tp", "global grad norm: fp32 scalar all-reduce", 4, 1)
+
+    if tp > 1:
+        stepped = set(optimizer.owned_parameter_names())
+        gathered = [route.param for route in route_parameters(model, optimizer_config)
+                    if route.route == "muon" and route.name in stepped and is_tensor_parallel(route.param)
+                    and block_layout(route.param, optimizer_config.muon_per_head).kind == "matrix"]
+        add("tp", f"Muon: all-gather of {len(gathered)} sharded whole matrices' momentum"
+            + (" (owned ones)" if zero1 and dp > 1 else ""),
+            sum(p.numel() * p.element_size() for p in gathered), len(gathered))
+
+    # ---- dp / data_tensor: gradient buckets, loss, ZeRO-1 exchange
+    buckets: dict[str, list] = defaultdict(list)
+    for bucket in reducer.buckets:
+        buckets[bucket.reduction.group.name].append(bucket)
+    for group_name in ("dp", "data_tensor"):
+        found = buckets.get(group_name, [])
+        if found:
+            tensors = sum(len(b.params) for b in found)
+            add(group_name, f"gradient buckets: {tensors} tensors, {sum(b.numel for b in found)} elements (+flags)",
+                sum(b.nbytes for b in found), len(found))
+    if dp > 1:
+        add("dp", "loss average: fp64 scalar all-reduce", 8, 1)
+    for exchange in optimizer._exchanges:
+        element = torch.empty((), dtype=exchange.dtype).element_size()
+        chunk = max(1, bucket_bytes // element)
+        add(exchange.group.name, f"ZeRO-1 exchange ({exchange.dtype}): padded buffer of {exchange.length} elements",
+            exchange.length * element, math.ceil(exchange.length / chunk))
+
+    # ---- routing statistics on the routing group
+    routing_group = state.data_tensor if sp else state.dp
+    if routing_group.size > 1 and moe_layers:
+        name = routing_group.name
+        experts = cfg.num_experts
+        # One all-reduce pools every layer's summable statistics (`moe.pool_routing_statistics`).
+        pooled_elements = moe_layers * (experts + 4)
+        described = f"{moe_layers} × (E+4) loads"
+        if cfg.balancer == "quantile_histogram":
+            pooled_elements += moe_layers * experts * cfg.balancer_bins
+            described += f" + {moe_layers} × E×bins histograms"
+        elif cfg.balancer == "sign":
+            pooled_elements += moe_layers * experts
+            described += f" + {moe_layers} × E balancer loads"
+        add(name, f"routing statistics, one all-reduce: {described}, int64", pooled_elements * 8, 1)
+        if cfg.balancer == "quantile":
+            local_tokens = M * tokens // (tp if sp else 1)
+            add(name, f"balancer: {moe_layers} × all-gather of [{local_tokens}, E] margins",
+                moe_layers * local_tokens * experts * float_bytes, moe_layers)
+    return terms
+
+
+def predicted_step_traffic(model_config, optimizer_config, **kwargs) -> dict[str, tuple[int, int]]:
+    """`{group name: (bytes, messages)}` one rank sends in one training step, in the form of
+    `TrafficCounter.snapshot()`; the arguments are `step_traffic_terms`'."""
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for term in step_traffic_terms(model_config, optimizer_config, **kwargs):
+        totals[term.group][0] += term.bytes
+        totals[term.group][1] += term.messages
+    return {name: (totals[name][0], totals[name][1]) for name in sorted(totals)}
+
+
+def describe_terms(terms: list[TrafficTerm]) -> str:
+    """The terms as markdown table rows (group, what, bytes, messages)."""
+    lines = ["| group | term | bytes | messages |", "| --- | --- | ---: | ---: |"]
+    lines += [f"| {t.group} | {t.what} | {t.bytes:,} | {t.messages} |" for t in terms]
+    return "\n".join(lines)
+
+
+__all__ = ["TrafficTerm", "step_traffic_terms", "predicted_step_traffic", "describe_terms"]

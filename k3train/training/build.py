@@ -1,0 +1,129 @@
+"""What one rank runs, built in one place: the job, the planner and the tests call these.
+
+    job = build_rank(config, parallel, device)          # pretrain_k3.py: model, reducer, optimizer, schedule
+    job = build_planning_rank(config, layout, rank)     # the same objects on the meta device, no process groups
+    model = build_model(config.model, plan, parallel)   # only this rank's model (planner, tests)
+
+The model is this rank's pipeline chunks (one `K3Model` slice per virtual stage, with its TP
+shards and EP experts) owned by one `K3Stage`, initialised from the seed alone, so the weights
+are the same under any layout. A planning build has the groups' ranks and sizes but no process
+groups (`planning_parallel_state`): shapes, names, bucket packing and ZeRO-1 ownership are exact,
+and no collective may run on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from k3train.config import JobConfig
+from k3train.model.config import ModelConfig
+from k3train.model.k3 import K3Model, K3Stage
+from k3train.parallel.comm import Group
+from k3train.parallel.data import DEFAULT_BUCKET_BYTES, DistributedOptimizer, GradientReducer
+from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
+from k3train.parallel.state import Layout, ParallelState
+from k3train.training.loop import precision_context
+
+META = torch.device("meta")
+
+
+@dataclass
+class RankJob:
+    """Everything one rank trains with, built by `build_rank` (or `build_planning_rank`)."""
+
+    config: JobConfig
+    parallel: ParallelState
+    device: torch.device
+    plan: PipelinePlan  # the pipeline partition (the same on every rank)
+    expert_parallel: Optional[ExpertParallel]  # None when ep = 1 (experts replicated)
+    model: K3Stage  # this rank's chunks under the whole model's parameter names
+    reducer: GradientReducer
+    optimizer: DistributedOptimizer
+    schedule: PipelineSchedule
+
+
+class _PlanningState(ParallelState):
+    """A `ParallelState` with the groups' ranks and sizes but no process groups (no collective
+    may run on it): what the model, the reducer and the optimizer need to lay themselves out."""
+
+    def _own_group(self, name: str, all_groups: list[list[int]], distributed: bool) -> Group:
+        return super()._own_group(name, all_groups, False)
+
+
+def planning_parallel_state(layout: Layout, rank: int, sequence_parallel: bool = False) -> ParallelState:
+    """The parallel state global rank `rank` of `layout` would have, without torch.distributed."""
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank} outside a world of {layout.world_size}")
+    return _PlanningState(layout, rank, sequence_parallel=sequence_parallel)
+
+
+def build_model(model_config: ModelConfig, plan: PipelinePlan, parallel: ParallelState,
+                expert_parallel: Optional[ExpertParallel] = None, *, seed: Optional[int] = None,
+                device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> K3Stage:
+    """This rank's model: one `K3Model` slice per virtual stage (`model.chunks`, in virtual-stage
+    order), initialised from `seed` when given, in `dtype`, on `device`. On the meta device
+    nothing is allocated or initialised."""
+    on_meta = device is not None and torch.device(device).type == "meta"
+    chunks = []
+    for layer_range in plan.layer_ranges(parallel.pp_rank):
+        if on_meta:
+            with torch.device(META):
+                chunk = K3Model(model_config, layer_range=layer_range, parallel=parallel,
+                                expert_parallel=expert_parallel)
+        else:
+            chunk = K3Model(model_config, layer_range=layer_range, parallel=parallel, expert_parallel=expert_parallel)
+            if seed is not None:
+                chunk.init_weights(seed)
+            if device is not None:
+                chunk = chunk.to(device)
+        if dtype is not None:
+            chunk = chunk.to(dtype)
+        chunks.append(chunk)
+    return K3Stage(chunks)
+
+
+def _build_optimizer(model: K3Stage, config: JobConfig, parallel: ParallelState,
+                     bucket_bytes: int) -> DistributedOptimizer:
+    """Per-Head Muon + AdamW over `model`, its state sharded over DP (ZeRO-1) when asked; the
+    one place the job's optimizer is made."""
+    return DistributedOptimizer(model, config.optimizer, parallel, zero1=config.parallel.zero1,
+                                bucket_bytes=bucket_bytes)
+
+
+def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device, *,
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True,
+               dtype: Optional[torch.dtype] = None) -> RankJob:
+    """The job of this rank: plan, experts, model (from `config.train.seed`), gradient reducer,
+    optimizer and pipeline schedule. Raises `PipelineConfigError` or `ValueError` (a layout the
+    plan, the experts or the schedule cannot run) before anything communicates."""
+    plan = PipelinePlan.from_config(config.model, config.parallel)
+    expert_parallel = ExpertParallel.from_state(parallel, config.parallel, config.model.num_experts)
+    model = build_model(config.model, plan, parallel, expert_parallel, seed=config.train.seed, device=device,
+                        dtype=dtype)
+    reducer = GradientReducer(model, parallel, bucket_bytes=bucket_bytes, overlap=overlap)
+    optimizer = _build_optimizer(model, config, parallel, bucket_bytes)
+    schedule = PipelineSchedule(
+        plan, parallel.pp,
+        residual_shape(config.train.micro_batch_size, config.data.seq_length, config.model.hidden_size,
+                       parallel.tp.size, parallel.sequence_parallel),
+        dtype=torch.float32, device=device, forward_context=precision_context(config.train.precision, device),
+        # The pipeline's last backward of each chunk turns on gradient reduction (DP overlap).
+        before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
+        grad_group=parallel.pp_grad,  # backward messages on their own communicator (NCCL order)
+    )
+    return RankJob(config, parallel, device, plan, expert_parallel, model, reducer, optimizer, schedule)
+
+
+def build_planning_rank(config: JobConfig, layout: Layout, rank: int, *,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None) -> RankJob:
+    """`build_rank` for global rank `rank` of `layout` on the meta device, without process groups
+    (for the planner and the traffic formula: exact shapes, buckets and ownership, no memory)."""
+    parallel = planning_parallel_state(layout, rank, config.parallel.sequence_parallel)
+    return build_rank(config, parallel, META, bucket_bytes=bucket_bytes, overlap=False, dtype=dtype)
+
+
+__all__ = ["RankJob", "build_rank", "build_planning_rank", "build_model", "planning_parallel_state"]
