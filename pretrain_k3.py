@@ -25,11 +25,12 @@ from k3train.config import parse_job_args_or_exit, save_config  # noqa: E402
 from k3train.data import DataError, build_data  # noqa: E402
 from k3train.model.flops import parameter_counts, training_flops_per_token  # noqa: E402
 from k3train.model.k3 import K3Model, K3Stage  # noqa: E402
-from k3train.optim.builder import describe_param_groups  # noqa: E402
-from k3train.parallel.data import DistributedOptimizer, GradientReducer  # noqa: E402
+from k3train.optim.builder import build_optimizer, describe_param_groups, parameter_costs  # noqa: E402
 from k3train.parallel.expert import ExpertParallel  # noqa: E402
+from k3train.parallel.grad_reduce import GradientReducer  # noqa: E402
 from k3train.parallel.pipeline import PipelineConfigError, PipelinePlan, PipelineSchedule, residual_shape  # noqa: E402
 from k3train.parallel.state import LayoutError, ParallelState  # noqa: E402
+from k3train.parallel.zero1 import DistributedOptimizer  # noqa: E402
 from k3train.training.loop import Trainer, TrainingError, precision_context  # noqa: E402
 from k3train.training.metrics import MetricsLogger, SinkError, require_sinks  # noqa: E402
 from k3train.training.throughput import peak_flops  # noqa: E402
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     # 5. Gradient reduction over data parallel, and the optimizer: Per-Head Muon + AdamW, its state
     #    sharded over DP (ZeRO-1) when asked; the LR schedule is a pure function of the step.
     reducer = GradientReducer(model, parallel)
-    optimizer = DistributedOptimizer(model, config.optimizer, parallel, zero1=config.parallel.zero1)
+    optimizer = DistributedOptimizer(build_optimizer(model, config.optimizer), model, parallel,
+                                     parameter_costs(model, config.optimizer), zero1=config.parallel.zero1)
     print(describe_param_groups(model, config.optimizer))
 
     # 6. The schedule: micro-batches through the pipeline stages (1F1B, interleaved with virtual

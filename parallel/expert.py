@@ -60,7 +60,7 @@ the static-shape test on CPU.
 Gradients and statistics:
 * expert parameters are marked `param.expert_parallel = True` (with `expert_offset`,
   `num_global_experts` and `full_shape`): their gradients already sum the EP group's tokens and
-  are reduced over `state.expert_dp` (see `parallel/data.py`); Per-Head Muon orthogonalises each
+  are reduced over `state.expert_dp` (see `parallel/grad_reduce.py`); Per-Head Muon orthogonalises each
   rank's own experts locally (3-D stacks, one batch, no gather).
 * the routing bias (Quantile Balancing, SPEC §1.5) combines its statistics over every rank that
   routes distinct tokens through the layer: `routing_statistics_group(state)` —

@@ -93,7 +93,8 @@ from dataclasses import dataclass
 
 import torch
 
-from k3train.parallel.data import DEFAULT_BUCKET_BYTES, DistributedOptimizer, GradientReducer, is_tensor_parallel
+from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, GradientReducer, is_tensor_parallel
+from k3train.parallel.zero1 import DistributedOptimizer
 from k3train.parallel.state import ParallelState, resolve_layout
 
 
@@ -205,11 +206,13 @@ def step_traffic_terms(
         add("tp", "vocab-parallel CE: 3 all-reduces of [b·s]", M * 3 * tokens * float_bytes, 3 * M)
         add("tp", "global grad norm: fp32 scalar all-reduce", 4, 1)
 
+    from k3train.optim.builder import build_optimizer, parameter_costs, route_parameters
+    from k3train.optim.muon import block_layout
+
     model = meta_model(cfg, state, param_dtype)
-    optimizer = DistributedOptimizer(model, optimizer_config, state, zero1=zero1, bucket_bytes=bucket_bytes)
+    optimizer = DistributedOptimizer(build_optimizer(model, optimizer_config), model, state,
+                                     parameter_costs(model, optimizer_config), zero1=zero1, bucket_bytes=bucket_bytes)
     if tp > 1:
-        from k3train.optim.builder import route_parameters
-        from k3train.optim.muon import block_layout
 
         stepped = set(optimizer.owned_parameter_names())
         gathered = [route.param for route in route_parameters(model, optimizer_config)

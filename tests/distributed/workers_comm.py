@@ -22,11 +22,13 @@ from k3train.config import load_config
 from k3train.data import build_data
 from k3train.model.flops import training_flops_per_token
 from k3train.model.k3 import K3Model, K3Stage
-from k3train.parallel.data import DistributedOptimizer, GradientReducer
+from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.grad_reduce import GradientReducer
 from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.parallel.traffic import predicted_step_traffic, step_traffic_terms
+from k3train.parallel.zero1 import DistributedOptimizer
 from k3train.training import loop
 from k3train.training.loop import Trainer
 from k3train.training.throughput import peak_flops
@@ -58,7 +60,8 @@ def build_trainer(config, state: ParallelState) -> Trainer:
     model = K3Stage(chunks)
     data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
     reducer = GradientReducer(model, state)
-    optimizer = DistributedOptimizer(model, config.optimizer, state, zero1=config.parallel.zero1)
+    optimizer = DistributedOptimizer(build_optimizer(model, config.optimizer), model, state,
+                                     parameter_costs(model, config.optimizer), zero1=config.parallel.zero1)
     schedule = PipelineSchedule(
         plan, state.pp,
         residual_shape(config.train.micro_batch_size, config.data.seq_length, config.model.hidden_size,
