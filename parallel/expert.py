@@ -74,16 +74,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Literal, Optional, Protocol
 
 import torch
 from torch import nn
 
-from k3train.kernels.grouped_gemm import grouped_mm
 from k3train.parallel.comm import Group
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
+
+
+class GroupedExperts(Protocol):
+    """What the dispatcher needs of a layer's experts module (the model's `LocalExperts`): the
+    weight stacks it marks and fetches replicas of, and the module's own computation."""
+
+    w1: nn.Parameter  # [G, I, l]
+    w3: nn.Parameter  # [G, I, l]
+    w2: nn.Parameter  # [G, l, I]
+
+    def grouped_forward(self, rows: torch.Tensor, ids: torch.Tensor,
+                        weights: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                        compute: str = "grouped") -> torch.Tensor:
+        """Each row through expert `ids[row]` (other ids: zero rows), with `weights` (stacks
+        `(w1, w3, w2)`) instead of the module's own when given."""
+        ...
 
 
 def capacity_per_pair(tokens: int, top_k: int, ep: int, capacity_factor: float) -> int:
@@ -257,38 +272,6 @@ def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
 
 
 # ---------------------------------------------------------------------------------------------
-# Local expert computation
-
-
-def expert_glu(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-               activation: Callable, compute: Compute = "grouped") -> torch.Tensor:
-    """Rows `x [N, l]` through experts `ids [N]` (`0 ≤ id < G`; anything else: an empty row, output
-    zero). `w1, w3 [G, I, l]`, `w2 [G, l, I]`. Returns `[N, l]` in `x`'s dtype."""
-    groups = w1.shape[0]
-    rows = x.shape[0]
-    valid = (ids >= 0) & (ids < groups)
-    key = torch.where(valid, ids, groups)
-    w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
-    if compute == "gather":  # static per-slot path (tests, tiny shapes)
-        index = key.clamp(max=groups - 1)
-        gate = torch.einsum("nil,nl->ni", w1[index], x)
-        up = torch.einsum("nil,nl->ni", w3[index], x)
-        out = torch.einsum("nli,ni->nl", w2[index], activation(gate, up))
-        return torch.where(valid[:, None], out, torch.zeros_like(out))
-    order = torch.sort(key, stable=True).indices
-    group_ends = torch.zeros(groups + 1, dtype=torch.int64, device=x.device).scatter_add_(
-        0, key, torch.ones_like(key))[:groups].cumsum(0)
-    x_sorted = x[order]
-    gate = grouped_mm(x_sorted, w1.transpose(1, 2), group_ends)
-    up = grouped_mm(x_sorted, w3.transpose(1, 2), group_ends)
-    out_sorted = grouped_mm(activation(gate, up), w2.transpose(1, 2), group_ends)
-    if out_sorted.shape[0] < rows:  # CPU loop path: rows after the last group were not computed
-        out_sorted = torch.cat([out_sorted, out_sorted.new_zeros(rows - out_sorted.shape[0], out_sorted.shape[1])])
-    out = out_sorted.new_zeros(rows, out_sorted.shape[1]).index_copy(0, order, out_sorted)
-    return torch.where(valid[:, None], out, torch.zeros_like(out))  # rows past the last offset on CUDA
-
-
-# ---------------------------------------------------------------------------------------------
 # The dispatcher
 
 
@@ -365,7 +348,7 @@ class ExpertParallel:
             shapes["replica_weights"] = (r, self.max_replicas, 3 * inner * latent)
         return shapes
 
-    def mark_expert_params(self, experts: nn.Module) -> None:
+    def mark_expert_params(self, experts: GroupedExperts) -> None:
         """Tag this rank's expert stacks: distinct across `ep`, replicated over `expert_dp`."""
         for param in (experts.w1, experts.w3, experts.w2):
             param.expert_parallel = True
@@ -378,7 +361,7 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ forward
     def __call__(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                 experts: nn.Module) -> tuple[torch.Tensor, DispatchInfo]:
+                 experts: GroupedExperts) -> tuple[torch.Tensor, DispatchInfo]:
         """`latent [s, l]`, `expert_ids [s, k]` (global ids), `weights [s, k]` → `Σ_k p·E(latent)`
         `[s, l]` in `latent`'s dtype, and what the dispatch did."""
         tokens, top_k = expert_ids.shape
@@ -411,11 +394,10 @@ class ExpertParallel:
         # local experts (home, then replica slots), outputs in the received slots
         rows = received.view(-1, width)
         ids = received_ids.view(-1)
-        activation = experts.activation
-        output = expert_glu(rows, ids, experts.w1, experts.w3, experts.w2, activation, self.compute)
+        output = experts.grouped_forward(rows, ids, compute=self.compute)
         if plan is not None:
-            w1, w3, w2 = self.fetch_replicas(experts, plan)
-            output = output + expert_glu(rows, ids - local, w1, w3, w2, activation, self.compute)
+            replicas = self.fetch_replicas(experts, plan)
+            output = output + experts.grouped_forward(rows, ids - local, replicas, compute=self.compute)
 
         # combine: back to the source, gather per slot (dropped slots read the zero trash row)
         returned = all_to_all(output.view(num_ranks, capacity, width), self.group).reshape(-1, width)
@@ -433,7 +415,7 @@ class ExpertParallel:
         )
         return routed.to(latent.dtype), info
 
-    def fetch_replicas(self, experts: nn.Module, plan: ReplicaPlan) -> tuple[torch.Tensor, ...]:
+    def fetch_replicas(self, experts: GroupedExperts, plan: ReplicaPlan) -> tuple[torch.Tensor, ...]:
         """This step's replica weights `[M, …]` (zeros in unused slots), from their home ranks; in
         backward their gradients flow back into the home experts' gradients."""
         num_ranks, local, slots = self.size, self.num_local_experts, self.max_replicas
