@@ -1,73 +1,11 @@
-"""Expert parallelism: fixed-size all-to-all dispatch in the latent width (SPEC §2.2).
+"""Expert parallelism: fixed-size all-to-all dispatch in the latent width.
 
-The routed experts of a MoE layer are split over the `ep` ranks of `state.ep`; rank `r` owns the
-whole experts `[r·E/R, (r+1)·E/R)` (its *home* experts) as 3-D stacks `w1, w3 [E/R, I, l]`,
-`w2 [E/R, l, I]`. The MoE layer hands this module its tokens already projected to the latent
-width `l` (`routed_expert_down_proj` runs on the token's home rank), with the chosen expert ids
-and routing weights, and gets back `Σ_k p_k · E_k(latent)` per token; RMSNorm and `W_up` run back
-on the home rank. Only latent-width activations travel.
-
-Slots and buffers. A rank routing `s` tokens with top-`k` emits `S = s·k` (token, expert) slots
-(slot `i` = token `i // k`, choice `i % k`). Each (source, destination) pair of ranks gets exactly
-`C = C_pair` slots, so dispatch and combine are `all_to_all_single` with equal splits:
-
-    dispatch   [R, C, l]    latent rows (zero in empty slots)                   source → destination
-               [R, C]       local expert id on the destination (int32), −1 empty  source → destination
-    combine    [R, C, l]    expert outputs, back into the same slots             destination → source
-
-`C = min(s·k, ceil(capacity_factor · s·k / R))` depends only on the micro-batch size and the
-config, never on the routing: nothing on the dispatch path reads a tensor on the host (no
-`.item()`, `.tolist()`, data-dependent shapes or size exchange), so a step is CUDA-graph safe.
-`tests/distributed/workers_expert.py` proves it: the whole layer runs under a dispatch mode that
-fails on any device-to-host read and records every op's output shapes, and two very different
-routings must produce the same trace.
-
-Which slots travel where (`route_slots`), then `pack_slots`:
-
-* `capacity` mode: a slot goes to its expert's home rank. A source sorts its slots by
-  (destination, routing weight descending, slot index); the first `C` of each destination are
-  kept, the rest dropped (lowest routing weight first) and counted. A dropped slot contributes
-  nothing to its token's sum (as if its weight were zero; the others are not renormalised).
-* `balanced` mode (after MoonEP): before dispatch the ranks all-gather the `[R, E]` slot counts
-  (a fixed-size tensor) and every rank runs the same deterministic planner on the device
-  (`plan_replicas`): while some rank would receive more than the even share `T = s·k` slots, the
-  hottest remaining home share on the most loaded rank is partly moved to a *replica* on the
-  least loaded rank that still has one of its `max_replicas_per_rank` replica slots free. An
-  expert's slots are then an interval `[0, load_e)`: the home rank holds `[0, home_e)`, each
-  replica the next `amount_j`. A source spreads its own slots of expert `e` evenly over that
-  interval (slot `i` of `c` at position `⌊(2i+1)·load_e / 2c⌋`, rotated by the slots of `e` at
-  lower-ranked sources), so every holder gets about its planned share from every source and the
-  (source, destination) pairs stay near `s·k / R`. Anything still over `C` in a pair is dropped
-  by the same rule as in `capacity` mode and counted. With `C = s·k` nothing can be dropped.
-
-Replicas. A destination hosts its replicas in slots `E/R … E/R + M − 1` of its local expert ids
-(`M = max_replicas_per_rank`). Their weights come from the home rank for this step: one
-`all_to_all` of a fixed `[R, M, 3·I·l]` buffer (row `d, m` = the weights of the expert that
-rank `d` hosts in replica slot `m`, if this rank is its home; zeros otherwise). Because the
-exchange is part of autograd, its backward sends the replicas' weight gradients back the same
-way and adds them into the home experts' gradients: the optimizer only ever sees home
-gradients. (Traffic: `R·M` expert matrices per rank and layer, padding included, where a
-one-sided fetch would move `M`; on GPUs a MoonEP/DeepEP kernel can replace both exchanges, and
-the planner and slot layout stay.)
-
-Local experts: the received slots are sorted by local expert id on the device and run as a
-grouped matmul (`torch._grouped_mm` on CUDA with the offsets on the device; on CPU a loop over
-experts, which reads the group ends on the host — the CPU path only), once over the home experts
-and once over the replica slots (no copy of the home weight stacks), SiTU-GLU in fp32.
-`compute="gather"` is a static per-slot path (each slot gathers its expert's matrices) used by
-the static-shape test on CPU.
-
-Gradients and statistics:
-* expert parameters are marked `param.expert_parallel = True` (with `expert_offset`,
-  `num_global_experts` and `full_shape`): their gradients already sum the EP group's tokens and
-  are reduced over `state.expert_dp` (see `parallel/grad_reduce.py`); Per-Head Muon orthogonalises each
-  rank's own experts locally (3-D stacks, one batch, no gather).
-* the routing bias (Quantile Balancing, SPEC §1.5) combines its statistics over every rank that
-  routes distinct tokens through the layer: `routing_statistics_group(state)` —
-  `state.data_tensor` with sequence parallelism, else `state.dp`. The EP group lives inside it.
-  Call `model.update_routing_biases(routing_statistics_group(state))` after the optimizer step.
-* with `tp > 1` and `ep > 1` sequence parallelism is required (each TP rank must route distinct
-  tokens; otherwise every token would be dispatched `tp` times).
+The routed experts of a MoE layer are split over `state.ep` (each rank holds its *home* experts
+as stacks); the MoE layer hands the dispatcher latent token slots with expert ids and routing
+weights and gets `Σ_k p_k · E_k(latent)` back per token. Buffer shapes depend only on the config
+and the micro-batch size (CUDA-graph safe); `balanced` mode places replicas of hot experts on
+cold ranks. The experts compute through their own module (`GroupedExperts.grouped_forward`).
+Slots, routing, replicas, gradients and statistics: docs/expert_parallel.md.
 """
 
 from __future__ import annotations
