@@ -181,3 +181,30 @@ def test_single_process_is_plain_pytorch():
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(a, b), name
     assert len(optimizers[0].optimizer.state) == len(optimizers[1].state)
+
+
+def test_distributed_optimizer_takes_the_jobs_optimizer_and_checks_it():
+    """The job builds the optimizer; the wrapper plans owners from the handed-in costs alone and
+    refuses an optimizer that has stepped, lacks parameter names, or holds other parameters."""
+    model = K3Model(ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2))
+    state = ParallelState.single()
+    config = OptimizerConfig(lr=1e-2)
+    costs = parameter_costs(model, config)
+    optimizer = build_optimizer(model, config)
+    wrapped = DistributedOptimizer(optimizer, model, state, costs, zero1=True)
+    assert wrapped.optimizer is optimizer and set(wrapped.plan.owners) == set(costs)
+    assert wrapped.plan.costs["dp"] == [sum(cost for _, cost in costs.values())]
+    with pytest.raises(ValueError, match="costs"):
+        DistributedOptimizer(build_optimizer(model, config), model, state,
+                             dict(list(costs.items())[1:]), zero1=True)
+    with pytest.raises(ValueError, match="named param groups"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, state, costs)
+    other = K3Model(ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2))
+    with pytest.raises(ValueError, match="not the model's parameter"):
+        DistributedOptimizer(build_optimizer(other, config), model, state, costs)
+    stepped = build_optimizer(model, config)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    stepped.step()
+    with pytest.raises(ValueError, match="not stepped"):
+        DistributedOptimizer(stepped, model, state, costs)
