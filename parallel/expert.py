@@ -21,6 +21,8 @@ from k3train.parallel.comm import Group
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
+ExpertStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""An experts module's weights `(w1, w3, w2)`: `[G, I, l]`, `[G, I, l]`, `[G, l, I]`."""
 
 
 class GroupedExperts(Protocol):
@@ -32,7 +34,7 @@ class GroupedExperts(Protocol):
     w2: nn.Parameter  # [G, l, I]
 
     def grouped_forward(self, rows: torch.Tensor, ids: torch.Tensor,
-                        weights: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                        weights: Optional[ExpertStacks] = None,
                         compute: str = "grouped") -> torch.Tensor:
         """Each row through expert `ids[row]` (other ids: zero rows), with `weights` (stacks
         `(w1, w3, w2)`) instead of the module's own when given."""
@@ -353,7 +355,7 @@ class ExpertParallel:
         )
         return routed.to(latent.dtype), info
 
-    def fetch_replicas(self, experts: GroupedExperts, plan: ReplicaPlan) -> tuple[torch.Tensor, ...]:
+    def fetch_replicas(self, experts: GroupedExperts, plan: ReplicaPlan) -> ExpertStacks:
         """This step's replica weights `[M, …]` (zeros in unused slots), from their home ranks; in
         backward their gradients flow back into the home experts' gradients."""
         num_ranks, local, slots = self.size, self.num_local_experts, self.max_replicas
@@ -370,4 +372,5 @@ class ExpertParallel:
         send = torch.where(ours[:, :, None], send, torch.zeros_like(send))
         received = all_to_all(send, self.group).sum(0)  # [M, F]: one home (or none) per slot
         sizes = [math.prod(shape) for shape in shapes]
-        return tuple(part.reshape(slots, *shape) for part, shape in zip(received.split(sizes, dim=1), shapes))
+        w1, w3, w2 = (part.reshape(slots, *shape) for part, shape in zip(received.split(sizes, dim=1), shapes))
+        return w1, w3, w2

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3train.optim.clip import NormShare, clip_grad_norm_
+from k3train.optim.clip import NormShare, ReduceFn, clip_grad_norm_
 from k3train.parallel.comm import Group
 from k3train.parallel.state import ParallelState
 
@@ -319,8 +319,13 @@ def norm_shares(state: ParallelState) -> list[NormShare]:
     gradients (whole experts, distinct across EP), summed over EP. Every rank of a stage runs
     both reductions (the EP one is free when ep == 1), so the collectives match whatever
     parameters a rank holds."""
-    return [NormShare(lambda p: not is_expert_parallel(p) and counts_in_norm(p, state), state.tp.all_reduce),
-            NormShare(is_expert_parallel, state.ep.all_reduce)]
+    return [NormShare(lambda p: not is_expert_parallel(p) and counts_in_norm(p, state), _sum_over(state.tp)),
+            NormShare(is_expert_parallel, _sum_over(state.ep))]
+
+
+def _sum_over(group: Group) -> ReduceFn:
+    """SUM all-reduce over `group` (in place, returns the tensor; nothing when size 1)."""
+    return lambda tensor: group.all_reduce(tensor)
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, state: ParallelState) -> torch.Tensor:
@@ -328,4 +333,4 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, state: P
     `pp.SUM(tp.SUM(dense counted once) + ep.SUM(expert))`; returns that norm (before clipping,
     the same on every rank). `max_norm <= 0` (or inf) only measures. The norm itself is
     `k3train.optim.clip.clip_grad_norm_`'s: this only supplies the shares and the PP sum."""
-    return clip_grad_norm_(parameters, max_norm, reduce_squared_norm=state.pp.all_reduce, shares=norm_shares(state))
+    return clip_grad_norm_(parameters, max_norm, reduce_squared_norm=_sum_over(state.pp), shares=norm_shares(state))

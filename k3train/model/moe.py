@@ -26,10 +26,8 @@ from k3train.model.balance import build_balancer
 from k3train.model.config import ModelConfig
 from k3train.model.mlp import GLUMLP, glu_activation
 from k3train.model.norm import RMSNorm
+from k3train.parallel.expert import ExpertStacks
 from k3train.parallel.tensor import TensorParallel
-
-ExpertStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""An experts module's weights `(w1, w3, w2)`: `[G, I, l]`, `[G, I, l]`, `[G, l, I]`."""
 
 
 def inside_backward() -> bool:

@@ -29,6 +29,10 @@ class NormShare:
     reduce: Optional[ReduceFn] = None
 
 
+def _counts_every_gradient(_param: torch.Tensor) -> bool:
+    return True
+
+
 def grad_squared_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of the squared L2 norms of `grads`: a 0-d fp32 tensor on `device`.
 
@@ -62,26 +66,28 @@ def clip_grad_norm_(
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    params = [p for p in parameters if p.grad is not None]
+    with_grads = [(p, p.grad) for p in parameters if p.grad is not None]
+    grads = [grad for _, grad in with_grads]
     # The parameters' device, even on a rank where none has a gradient (an empty pipeline stage).
-    device = params[0].grad.device if params else (parameters[0].device if parameters else torch.device("cpu"))
-    squared_norm: Optional[torch.Tensor] = None
-    for share in shares or (NormShare(lambda _param: True),):
-        part = grad_squared_norm([p.grad for p in params if share.counts(p)], device)
-        if share.reduce is not None:
-            part = share.reduce(part)
-        squared_norm = part if squared_norm is None else squared_norm + part
+    device = grads[0].device if grads else (parameters[0].device if parameters else torch.device("cpu"))
+    parts = []
+    for share in shares or (NormShare(_counts_every_gradient),):
+        part = grad_squared_norm([grad for p, grad in with_grads if share.counts(p)], device)
+        parts.append(share.reduce(part) if share.reduce is not None else part)
+    squared_norm = parts[0]
+    for part in parts[1:]:
+        squared_norm = squared_norm + part
     if reduce_squared_norm is not None:
         squared_norm = reduce_squared_norm(squared_norm)
     total_norm = squared_norm.sqrt()
-    if max_norm > 0 and params:
+    if max_norm > 0 and grads:
         # Same coefficient as torch.nn.utils.clip_grad_norm_; torch.where keeps it on the
         # device (no sync) and turns a non-finite norm into "leave the gradients alone".
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
         by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        for p in params:
-            by_kind[(p.grad.device, p.grad.dtype)].append(p.grad)
+        for grad in grads:
+            by_kind[(grad.device, grad.dtype)].append(grad)
         for (grad_device, dtype), same_kind in by_kind.items():
             torch._foreach_mul_(same_kind, coef.to(grad_device, dtype))
     return total_norm
