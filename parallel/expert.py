@@ -1,89 +1,44 @@
-"""Expert parallelism: fixed-size all-to-all dispatch in the latent width (SPEC §2.2).
+"""Expert parallelism: fixed-size all-to-all dispatch in the latent width.
 
-The routed experts of a MoE layer are split over the `ep` ranks of `state.ep`; rank `r` owns the
-whole experts `[r·E/R, (r+1)·E/R)` (its *home* experts) as 3-D stacks `w1, w3 [E/R, I, l]`,
-`w2 [E/R, l, I]`. The MoE layer hands this module its tokens already projected to the latent
-width `l` (`routed_expert_down_proj` runs on the token's home rank), with the chosen expert ids
-and routing weights, and gets back `Σ_k p_k · E_k(latent)` per token; RMSNorm and `W_up` run back
-on the home rank. Only latent-width activations travel.
-
-Slots and buffers. A rank routing `s` tokens with top-`k` emits `S = s·k` (token, expert) slots
-(slot `i` = token `i // k`, choice `i % k`). Each (source, destination) pair of ranks gets exactly
-`C = C_pair` slots, so dispatch and combine are `all_to_all_single` with equal splits:
-
-    dispatch   [R, C, l]    latent rows (zero in empty slots)                   source → destination
-               [R, C]       local expert id on the destination (int32), −1 empty  source → destination
-    combine    [R, C, l]    expert outputs, back into the same slots             destination → source
-
-`C = min(s·k, ceil(capacity_factor · s·k / R))` depends only on the micro-batch size and the
-config, never on the routing: nothing on the dispatch path reads a tensor on the host (no
-`.item()`, `.tolist()`, data-dependent shapes or size exchange), so a step is CUDA-graph safe.
-`tests/distributed/workers_expert.py` proves it: the whole layer runs under a dispatch mode that
-fails on any device-to-host read and records every op's output shapes, and two very different
-routings must produce the same trace.
-
-Which slots travel where (`route_slots`), then `pack_slots`:
-
-* `capacity` mode: a slot goes to its expert's home rank. A source sorts its slots by
-  (destination, routing weight descending, slot index); the first `C` of each destination are
-  kept, the rest dropped (lowest routing weight first) and counted. A dropped slot contributes
-  nothing to its token's sum (as if its weight were zero; the others are not renormalised).
-* `balanced` mode (after MoonEP): before dispatch the ranks all-gather the `[R, E]` slot counts
-  (a fixed-size tensor) and every rank runs the same deterministic planner on the device
-  (`plan_replicas`): while some rank would receive more than the even share `T = s·k` slots, the
-  hottest remaining home share on the most loaded rank is partly moved to a *replica* on the
-  least loaded rank that still has one of its `max_replicas_per_rank` replica slots free. An
-  expert's slots are then an interval `[0, load_e)`: the home rank holds `[0, home_e)`, each
-  replica the next `amount_j`. A source spreads its own slots of expert `e` evenly over that
-  interval (slot `i` of `c` at position `⌊(2i+1)·load_e / 2c⌋`, rotated by the slots of `e` at
-  lower-ranked sources), so every holder gets about its planned share from every source and the
-  (source, destination) pairs stay near `s·k / R`. Anything still over `C` in a pair is dropped
-  by the same rule as in `capacity` mode and counted. With `C = s·k` nothing can be dropped.
-
-Replicas. A destination hosts its replicas in slots `E/R … E/R + M − 1` of its local expert ids
-(`M = max_replicas_per_rank`). Their weights come from the home rank for this step: one
-`all_to_all` of a fixed `[R, M, 3·I·l]` buffer (row `d, m` = the weights of the expert that
-rank `d` hosts in replica slot `m`, if this rank is its home; zeros otherwise). Because the
-exchange is part of autograd, its backward sends the replicas' weight gradients back the same
-way and adds them into the home experts' gradients: the optimizer only ever sees home
-gradients. (Traffic: `R·M` expert matrices per rank and layer, padding included, where a
-one-sided fetch would move `M`; on GPUs a MoonEP/DeepEP kernel can replace both exchanges, and
-the planner and slot layout stay.)
-
-Local experts: the received slots are sorted by local expert id on the device and run as a
-grouped matmul (`torch._grouped_mm` on CUDA with the offsets on the device; on CPU a loop over
-experts, which reads the group ends on the host — the CPU path only), once over the home experts
-and once over the replica slots (no copy of the home weight stacks), SiTU-GLU in fp32.
-`compute="gather"` is a static per-slot path (each slot gathers its expert's matrices) used by
-the static-shape test on CPU.
-
-Gradients and statistics:
-* expert parameters are marked `param.expert_parallel = True` (with `expert_offset`,
-  `num_global_experts` and `full_shape`): their gradients already sum the EP group's tokens and
-  are reduced over `state.expert_dp` (see `parallel/data.py`); Per-Head Muon orthogonalises each
-  rank's own experts locally (3-D stacks, one batch, no gather).
-* the routing bias (Quantile Balancing, SPEC §1.5) combines its statistics over every rank that
-  routes distinct tokens through the layer: `routing_statistics_group(state)` —
-  `state.data_tensor` with sequence parallelism, else `state.dp`. The EP group lives inside it.
-  Call `model.update_routing_biases(routing_statistics_group(state))` after the optimizer step.
-* with `tp > 1` and `ep > 1` sequence parallelism is required (each TP rank must route distinct
-  tokens; otherwise every token would be dispatched `tp` times).
+The routed experts of a MoE layer are split over `state.ep` (each rank holds its *home* experts
+as stacks); the MoE layer hands the dispatcher latent token slots with expert ids and routing
+weights and gets `Σ_k p_k · E_k(latent)` back per token. Buffer shapes depend only on the config
+and the micro-batch size (CUDA-graph safe); `balanced` mode places replicas of hot experts on
+cold ranks. The experts compute through their own module (`GroupedExperts.grouped_forward`).
+Slots, routing, replicas, gradients and statistics: docs/expert_parallel.md.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Literal, Optional, Protocol
 
 import torch
 from torch import nn
 
-from k3train.kernels.grouped_gemm import grouped_mm
 from k3train.parallel.comm import Group
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
+ExpertStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""An experts module's weights `(w1, w3, w2)`: `[G, I, l]`, `[G, I, l]`, `[G, l, I]`."""
+
+
+class GroupedExperts(Protocol):
+    """What the dispatcher needs of a layer's experts module (the model's `LocalExperts`): the
+    weight stacks it marks and fetches replicas of, and the module's own computation."""
+
+    w1: nn.Parameter  # [G, I, l]
+    w3: nn.Parameter  # [G, I, l]
+    w2: nn.Parameter  # [G, l, I]
+
+    def grouped_forward(self, rows: torch.Tensor, ids: torch.Tensor,
+                        weights: Optional[ExpertStacks] = None,
+                        compute: str = "grouped") -> torch.Tensor:
+        """Each row through expert `ids[row]` (other ids: zero rows), with `weights` (stacks
+        `(w1, w3, w2)`) instead of the module's own when given."""
+        ...
 
 
 def capacity_per_pair(tokens: int, top_k: int, ep: int, capacity_factor: float) -> int:
@@ -257,38 +212,6 @@ def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
 
 
 # ---------------------------------------------------------------------------------------------
-# Local expert computation
-
-
-def expert_glu(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-               activation: Callable, compute: Compute = "grouped") -> torch.Tensor:
-    """Rows `x [N, l]` through experts `ids [N]` (`0 ≤ id < G`; anything else: an empty row, output
-    zero). `w1, w3 [G, I, l]`, `w2 [G, l, I]`. Returns `[N, l]` in `x`'s dtype."""
-    groups = w1.shape[0]
-    rows = x.shape[0]
-    valid = (ids >= 0) & (ids < groups)
-    key = torch.where(valid, ids, groups)
-    w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
-    if compute == "gather":  # static per-slot path (tests, tiny shapes)
-        index = key.clamp(max=groups - 1)
-        gate = torch.einsum("nil,nl->ni", w1[index], x)
-        up = torch.einsum("nil,nl->ni", w3[index], x)
-        out = torch.einsum("nli,ni->nl", w2[index], activation(gate, up))
-        return torch.where(valid[:, None], out, torch.zeros_like(out))
-    order = torch.sort(key, stable=True).indices
-    group_ends = torch.zeros(groups + 1, dtype=torch.int64, device=x.device).scatter_add_(
-        0, key, torch.ones_like(key))[:groups].cumsum(0)
-    x_sorted = x[order]
-    gate = grouped_mm(x_sorted, w1.transpose(1, 2), group_ends)
-    up = grouped_mm(x_sorted, w3.transpose(1, 2), group_ends)
-    out_sorted = grouped_mm(activation(gate, up), w2.transpose(1, 2), group_ends)
-    if out_sorted.shape[0] < rows:  # CPU loop path: rows after the last group were not computed
-        out_sorted = torch.cat([out_sorted, out_sorted.new_zeros(rows - out_sorted.shape[0], out_sorted.shape[1])])
-    out = out_sorted.new_zeros(rows, out_sorted.shape[1]).index_copy(0, order, out_sorted)
-    return torch.where(valid[:, None], out, torch.zeros_like(out))  # rows past the last offset on CUDA
-
-
-# ---------------------------------------------------------------------------------------------
 # The dispatcher
 
 
@@ -365,7 +288,7 @@ class ExpertParallel:
             shapes["replica_weights"] = (r, self.max_replicas, 3 * inner * latent)
         return shapes
 
-    def mark_expert_params(self, experts: nn.Module) -> None:
+    def mark_expert_params(self, experts: GroupedExperts) -> None:
         """Tag this rank's expert stacks: distinct across `ep`, replicated over `expert_dp`."""
         for param in (experts.w1, experts.w3, experts.w2):
             param.expert_parallel = True
@@ -378,7 +301,7 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ forward
     def __call__(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                 experts: nn.Module) -> tuple[torch.Tensor, DispatchInfo]:
+                 experts: GroupedExperts) -> tuple[torch.Tensor, DispatchInfo]:
         """`latent [s, l]`, `expert_ids [s, k]` (global ids), `weights [s, k]` → `Σ_k p·E(latent)`
         `[s, l]` in `latent`'s dtype, and what the dispatch did."""
         tokens, top_k = expert_ids.shape
@@ -411,11 +334,10 @@ class ExpertParallel:
         # local experts (home, then replica slots), outputs in the received slots
         rows = received.view(-1, width)
         ids = received_ids.view(-1)
-        activation = experts.activation
-        output = expert_glu(rows, ids, experts.w1, experts.w3, experts.w2, activation, self.compute)
+        output = experts.grouped_forward(rows, ids, compute=self.compute)
         if plan is not None:
-            w1, w3, w2 = self.fetch_replicas(experts, plan)
-            output = output + expert_glu(rows, ids - local, w1, w3, w2, activation, self.compute)
+            replicas = self.fetch_replicas(experts, plan)
+            output = output + experts.grouped_forward(rows, ids - local, replicas, compute=self.compute)
 
         # combine: back to the source, gather per slot (dropped slots read the zero trash row)
         returned = all_to_all(output.view(num_ranks, capacity, width), self.group).reshape(-1, width)
@@ -433,7 +355,7 @@ class ExpertParallel:
         )
         return routed.to(latent.dtype), info
 
-    def fetch_replicas(self, experts: nn.Module, plan: ReplicaPlan) -> tuple[torch.Tensor, ...]:
+    def fetch_replicas(self, experts: GroupedExperts, plan: ReplicaPlan) -> ExpertStacks:
         """This step's replica weights `[M, …]` (zeros in unused slots), from their home ranks; in
         backward their gradients flow back into the home experts' gradients."""
         num_ranks, local, slots = self.size, self.num_local_experts, self.max_replicas
@@ -450,4 +372,5 @@ class ExpertParallel:
         send = torch.where(ours[:, :, None], send, torch.zeros_like(send))
         received = all_to_all(send, self.group).sum(0)  # [M, F]: one home (or none) per slot
         sizes = [math.prod(shape) for shape in shapes]
-        return tuple(part.reshape(slots, *shape) for part, shape in zip(received.split(sizes, dim=1), shapes))
+        w1, w3, w2 = (part.reshape(slots, *shape) for part, shape in zip(received.split(sizes, dim=1), shapes))
+        return w1, w3, w2

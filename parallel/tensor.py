@@ -189,7 +189,7 @@ def reduce_tensor_parallel_grads(model: nn.Module, group: Group) -> None:
     """Sum over `tp` the gradients of replicated parameters that each rank saw only in part.
 
     For code without data parallelism (tests, tools). The training job does not call it: its
-    `parallel.data.GradientReducer` folds this sum into the data-parallel reduction (one SUM over
+    `parallel.grad_reduce.GradientReducer` folds this sum into the data-parallel reduction (one SUM over
     the stage's dp×tp ranks), and calling both would sum twice."""
     if group.size == 1:
         return

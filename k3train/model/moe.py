@@ -26,6 +26,7 @@ from k3train.model.balance import build_balancer
 from k3train.model.config import ModelConfig
 from k3train.model.mlp import GLUMLP, glu_activation
 from k3train.model.norm import RMSNorm
+from k3train.parallel.expert import ExpertStacks
 from k3train.parallel.tensor import TensorParallel
 
 
@@ -69,11 +70,51 @@ class LocalExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, inner))
         self.activation = glu_activation(config)
 
-    def forward_grouped(self, tokens: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-        """Rows of `tokens` sorted by expert (`group_ends` cumulative counts) through their experts."""
-        gate = grouped_mm(tokens, self.w1.transpose(1, 2).to(tokens.dtype), group_ends)
-        up = grouped_mm(tokens, self.w3.transpose(1, 2).to(tokens.dtype), group_ends)
-        return grouped_mm(self.activation(gate, up), self.w2.transpose(1, 2).to(tokens.dtype), group_ends)
+    def stacks(self) -> ExpertStacks:
+        """This module's own weight stacks `(w1, w3, w2)`."""
+        return self.w1, self.w3, self.w2
+
+    def forward_sorted(self, rows: torch.Tensor, group_ends: torch.Tensor,
+                       weights: ExpertStacks | None = None) -> torch.Tensor:
+        """Rows sorted by expert (`group_ends` cumulative counts) through their experts: the GLU
+        `w2 · act(w1 x, w3 x)` as grouped GEMMs. `weights`: stacks `(w1, w3, w2)` to use
+        instead of the module's own (replicas of other ranks' experts, fetched for a step)."""
+        w1, w3, w2 = weights if weights is not None else self.stacks()
+        gate = grouped_mm(rows, w1.transpose(1, 2).to(rows.dtype), group_ends)
+        up = grouped_mm(rows, w3.transpose(1, 2).to(rows.dtype), group_ends)
+        return grouped_mm(self.activation(gate, up), w2.transpose(1, 2).to(rows.dtype), group_ends)
+
+    def grouped_forward(self, rows: torch.Tensor, ids: torch.Tensor, weights: ExpertStacks | None = None,
+                        compute: str = "grouped") -> torch.Tensor:
+        """Each row of `rows [N, l]`, in any order, through expert `ids [N]` (`0 ≤ id < G`, the
+        stacks' experts; any other id marks an empty row, whose output is zero); `[N, l]` in
+        `rows`' dtype, in the rows' order. This is what the expert-parallel dispatcher calls on
+        the slots it received (`weights`: fetched replica stacks, as in `forward_sorted`).
+
+        `compute="grouped"` sorts the rows by expert and runs `forward_sorted`; `"gather"`
+        gathers each row's matrices instead (static shapes, no host read: tests, tiny shapes).
+        """
+        w1, w3, w2 = weights if weights is not None else self.stacks()
+        groups, count = w1.shape[0], rows.shape[0]
+        valid = (ids >= 0) & (ids < groups)
+        key = torch.where(valid, ids, groups)
+        if compute == "gather":
+            index = key.clamp(max=groups - 1)
+            w1, w3, w2 = (w.to(rows.dtype)[index] for w in (w1, w3, w2))
+            gate = torch.einsum("nil,nl->ni", w1, rows)
+            up = torch.einsum("nil,nl->ni", w3, rows)
+            out = torch.einsum("nli,ni->nl", w2, self.activation(gate, up))
+            return torch.where(valid[:, None], out, torch.zeros_like(out))
+        if compute != "grouped":
+            raise ValueError(f"compute must be 'grouped' or 'gather', got {compute!r}")
+        order = torch.sort(key, stable=True).indices
+        group_ends = torch.zeros(groups + 1, dtype=torch.int64, device=rows.device).scatter_add_(
+            0, key, torch.ones_like(key))[:groups].cumsum(0)
+        out_sorted = self.forward_sorted(rows[order], group_ends, (w1, w3, w2))
+        if out_sorted.shape[0] < count:  # CPU loop path: rows after the last group were not computed
+            out_sorted = torch.cat([out_sorted, out_sorted.new_zeros(count - out_sorted.shape[0], out_sorted.shape[1])])
+        out = out_sorted.new_zeros(count, out_sorted.shape[1]).index_copy(0, order, out_sorted)
+        return torch.where(valid[:, None], out, torch.zeros_like(out))  # rows past the last offset on CUDA
 
     def forward(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`Σ_k weights[t, k] · E_{expert_ids[t, k]}(latent[t])` for every token `t`; `[tokens, latent]`."""
@@ -82,7 +123,7 @@ class LocalExperts(nn.Module):
         slot_order = torch.argsort(flat_ids, stable=True)
         token_of_slot = slot_order // top_k
         group_ends = torch.bincount(flat_ids, minlength=self.num_experts).cumsum(0)
-        outputs = self.forward_grouped(latent[token_of_slot], group_ends)
+        outputs = self.forward_sorted(latent[token_of_slot], group_ends)
         weighted = upcast(outputs) * weights.reshape(-1)[slot_order, None]
         combined = torch.zeros(latent.shape, dtype=weighted.dtype, device=latent.device)
         return combined.index_add_(0, token_of_slot, weighted).to(latent.dtype)

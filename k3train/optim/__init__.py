@@ -2,12 +2,14 @@
 
 from k3train.optim.builder import (
     ParamRoute,
+    ParameterCost,
     build_optimizer,
     describe_param_groups,
     param_groups,
+    parameter_costs,
     route_parameters,
 )
-from k3train.optim.clip import clip_grad_norm_
+from k3train.optim.clip import NormShare, clip_grad_norm_, grad_squared_norm
 from k3train.optim.config import OptimizerConfig, ScheduleConfig
 from k3train.optim.muon import (
     BlockLayout,
@@ -24,19 +26,23 @@ __all__ = [
     "MuonWorkItem",
     "NS_COEFFICIENTS",
     "OptimizerConfig",
+    "NormShare",
     "ParamRoute",
+    "ParameterCost",
     "PerHeadMuon",
     "ScheduleConfig",
     "block_layout",
     "build_optimizer",
     "clip_grad_norm_",
     "describe_param_groups",
+    "grad_squared_norm",
     "lr_at",
     "newton_schulz",
     "ns_compute_dtype",
     "ns_cost",
     "orthogonalized_update",
     "param_groups",
+    "parameter_costs",
     "route_parameters",
     "set_lr",
 ]

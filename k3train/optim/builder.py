@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -53,6 +53,27 @@ def route_parameters(model: nn.Module, config: OptimizerConfig) -> list[ParamRou
         else:
             routes.append(ParamRoute(name, param, "muon", "matrix"))
     return routes
+
+
+class ParameterCost(NamedTuple):
+    """What stepping one parameter costs the optimizer (ZeRO-1 balances owners by it)."""
+
+    muon: bool
+    """Routed to Muon (else AdamW)."""
+    cost: int
+    """Muon: the Newton–Schulz cost of its blocks (`BlockLayout.cost`); AdamW: its element count."""
+
+
+def parameter_costs(model: nn.Module, config: OptimizerConfig) -> dict[str, ParameterCost]:
+    """The optimizer cost of each trainable parameter, by name (in module order): what the
+    ZeRO-1 wrapper needs to plan owners without knowing how parameters are routed."""
+    costs = {}
+    for route in route_parameters(model, config):
+        if route.route == "muon":
+            costs[route.name] = ParameterCost(True, block_layout(route.param, config.muon_per_head).cost)
+        else:
+            costs[route.name] = ParameterCost(False, route.param.numel())
+    return costs
 
 
 def param_groups(model: nn.Module, config: OptimizerConfig) -> list[dict]:

@@ -19,7 +19,7 @@ import torch
 from k3train.config import JobConfig
 from k3train.optim.builder import route_parameters
 from k3train.optim.muon import block_layout
-from k3train.parallel.data import DEFAULT_BUCKET_BYTES, is_tensor_parallel
+from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, is_tensor_parallel
 from k3train.parallel.state import resolve_layout
 from k3train.training.build import RankJob, build_planning_rank
 

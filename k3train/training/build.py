@@ -22,10 +22,12 @@ from k3train.config import JobConfig
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model, K3Stage
 from k3train.parallel.comm import Group
-from k3train.parallel.data import DEFAULT_BUCKET_BYTES, DistributedOptimizer, GradientReducer
+from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, GradientReducer
 from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
 from k3train.parallel.state import Layout, ParallelState
+from k3train.parallel.zero1 import DistributedOptimizer
 from k3train.training.loop import precision_context
 
 META = torch.device("meta")
@@ -89,8 +91,10 @@ def build_model(model_config: ModelConfig, plan: PipelinePlan, parallel: Paralle
 def _build_optimizer(model: K3Stage, config: JobConfig, parallel: ParallelState,
                      bucket_bytes: int) -> DistributedOptimizer:
     """Per-Head Muon + AdamW over `model`, its state sharded over DP (ZeRO-1) when asked; the
-    one place the job's optimizer is made."""
-    return DistributedOptimizer(model, config.optimizer, parallel, zero1=config.parallel.zero1,
+    one place the job's optimizer is made: built here and handed, with each parameter's cost (which
+    balances the ZeRO-1 owners), to the data-parallel wrapper."""
+    return DistributedOptimizer(build_optimizer(model, config.optimizer), model, parallel,
+                                parameter_costs(model, config.optimizer), zero1=config.parallel.zero1,
                                 bucket_bytes=bucket_bytes)
 
 

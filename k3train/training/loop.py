@@ -21,7 +21,7 @@ from k3train.config import JobConfig
 from k3train.model.k3 import K3Stage
 from k3train.model.moe import pool_routing_statistics
 from k3train.optim.schedules import lr_at, set_lr
-from k3train.parallel.data import GradientReducer, average_over_dp, clip_grad_norm
+from k3train.parallel.grad_reduce import GradientReducer, average_over_dp, clip_grad_norm
 from k3train.parallel.pipeline import PipelineSchedule
 from k3train.parallel.state import ParallelState
 from k3train.training.metrics import MetricsLogger

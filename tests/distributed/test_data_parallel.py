@@ -1,4 +1,4 @@
-"""Data parallelism (parallel/data.py) against one process: bucketed gradient all-reduce, ZeRO-1 /
+"""Data parallelism (parallel/grad_reduce.py, parallel/zero1.py) against one process: bucketed gradient all-reduce, ZeRO-1 /
 distributed Per-Head Muon, gradient accumulation, global-norm clipping, traffic, resharding.
 
 One launch of 4 gloo ranks runs every check (tests/distributed/workers_data.py); the tests below
@@ -24,11 +24,12 @@ import torch
 
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model, lm_loss
-from k3train.optim.builder import build_optimizer
+from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.optim.clip import clip_grad_norm_
 from k3train.optim.config import OptimizerConfig
-from k3train.parallel.data import DistributedOptimizer, GradientReducer, clip_grad_norm
+from k3train.parallel.grad_reduce import GradientReducer, clip_grad_norm
 from k3train.parallel.state import ParallelState
+from k3train.parallel.zero1 import DistributedOptimizer
 from tests.distributed.harness import run_workers
 
 LOSS_TOL, GRAD_TOL, PARAM_TOL = 1e-12, 1e-10, 1e-10
@@ -164,8 +165,10 @@ def test_single_process_is_plain_pytorch():
     models = [K3Model(config), K3Model(config)]
     state = ParallelState.single()
     reducer = GradientReducer(models[0], state)
-    optimizers = [DistributedOptimizer(models[0], OptimizerConfig(lr=1e-2), state, zero1=True),
-                  build_optimizer(models[1], OptimizerConfig(lr=1e-2))]
+    optimizer_config = OptimizerConfig(lr=1e-2)
+    optimizers = [DistributedOptimizer(build_optimizer(models[0], optimizer_config), models[0], state,
+                                       parameter_costs(models[0], optimizer_config), zero1=True),
+                  build_optimizer(models[1], optimizer_config)]
     norms = []
     for model, optimizer, clip in zip(models, optimizers, (lambda p: clip_grad_norm(p, 0.1, state),
                                                            lambda p: clip_grad_norm_(list(p), 0.1))):
@@ -178,3 +181,30 @@ def test_single_process_is_plain_pytorch():
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(a, b), name
     assert len(optimizers[0].optimizer.state) == len(optimizers[1].state)
+
+
+def test_distributed_optimizer_takes_the_jobs_optimizer_and_checks_it():
+    """The job builds the optimizer; the wrapper plans owners from the handed-in costs alone and
+    refuses an optimizer that has stepped, lacks parameter names, or holds other parameters."""
+    model = K3Model(ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2))
+    state = ParallelState.single()
+    config = OptimizerConfig(lr=1e-2)
+    costs = parameter_costs(model, config)
+    optimizer = build_optimizer(model, config)
+    wrapped = DistributedOptimizer(optimizer, model, state, costs, zero1=True)
+    assert wrapped.optimizer is optimizer and set(wrapped.plan.owners) == set(costs)
+    assert wrapped.plan.costs["dp"] == [sum(cost for _, cost in costs.values())]
+    with pytest.raises(ValueError, match="costs"):
+        DistributedOptimizer(build_optimizer(model, config), model, state,
+                             dict(list(costs.items())[1:]), zero1=True)
+    with pytest.raises(ValueError, match="named param groups"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, state, costs)
+    other = K3Model(ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2))
+    with pytest.raises(ValueError, match="not the model's parameter"):
+        DistributedOptimizer(build_optimizer(other, config), model, state, costs)
+    stepped = build_optimizer(model, config)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    stepped.step()
+    with pytest.raises(ValueError, match="not stepped"):
+        DistributedOptimizer(stepped, model, state, costs)

@@ -6,7 +6,7 @@ micro-batches per DP rank; `balanced` mode, `capacity` mode with a capacity that
 (`C_pair = s·k`), and `capacity` mode with a small capacity, where the reference model drops, per
 source rank, the slots a plain-Python reference of the drop policy picks, and the EP model must
 drop exactly those. The gate bias favours the first EP rank's experts so that `balanced` mode
-has to replicate (asserted). Gradients are reduced by parallel/data.py's GradientReducer
+has to replicate (asserted). Gradients are reduced by parallel/grad_reduce.py's GradientReducer
 (expert parameters over `state.expert_dp`).
 
 Tolerance: float64; the EP model sums the same products in another order (the combine adds a

@@ -26,16 +26,12 @@ import torch.distributed as dist
 from k3train.checkpoint import Checkpointer
 from k3train.model.config import LinearAttnConfig, ModelConfig
 from k3train.model.k3 import K3Model, lm_loss
-from k3train.optim.builder import build_optimizer
+from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.optim.clip import clip_grad_norm_
 from k3train.optim.config import OptimizerConfig
-from k3train.parallel.data import (
-    DistributedOptimizer,
-    GradientReducer,
-    average_over_dp,
-    clip_grad_norm,
-)
+from k3train.parallel.grad_reduce import GradientReducer, average_over_dp, clip_grad_norm
 from k3train.parallel.state import Layout, ParallelState
+from k3train.parallel.zero1 import DistributedOptimizer
 
 SEED = 3
 STEPS = 3
@@ -53,6 +49,14 @@ CONFIG = ModelConfig(
     linear_attn_config=LinearAttnConfig(num_heads=4, head_dim=16), intermediate_size=128,
     num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, routed_expert_hidden_size=32,
 )
+
+
+def _distributed_optimizer(model: K3Model, state: ParallelState, zero1: bool,
+                           exchange: str = "all_gather") -> DistributedOptimizer:
+    """The job's optimizer (built here, as the job builds it) under the ZeRO-1 wrapper."""
+    config = OptimizerConfig(lr=LR)
+    return DistributedOptimizer(build_optimizer(model, config), model, state, parameter_costs(model, config),
+                                zero1=zero1, exchange=exchange, bucket_bytes=BUCKET_BYTES)
 
 
 def _model(dtype: torch.dtype) -> K3Model:
@@ -128,8 +132,7 @@ def train(
     `after_step(steps done, model, optimizer)` runs after each."""
     model = model or _model(torch.float64)
     reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES, overlap=overlap)
-    optimizer = optimizer or DistributedOptimizer(model, OptimizerConfig(lr=LR), state, zero1=zero1,
-                                                  exchange=exchange, bucket_bytes=BUCKET_BYTES)
+    optimizer = optimizer or _distributed_optimizer(model, state, zero1=zero1, exchange=exchange)
     local = GLOBAL_BATCH // state.layout.dp
     out: dict[str, Any] = {"losses": [], "grad_traffic": [], "exchange_traffic": [], "launched_in_backward": []}
     for step in range(first_step, first_step + steps):
@@ -330,12 +333,12 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = _model(torch.float64)
     model.load_state_dict(saved["model"])
-    optimizer = DistributedOptimizer(model, OptimizerConfig(lr=LR), dp4, zero1=True, bucket_bytes=BUCKET_BYTES)
+    optimizer = _distributed_optimizer(model, dp4, zero1=True)
     optimizer.load_state_dict(saved["union"])
     by_name = train(dp4, batches, zero1=True, steps=1, first_step=2, model=model, optimizer=optimizer)
 
     model = _model(torch.float64)
-    optimizer = DistributedOptimizer(model, OptimizerConfig(lr=LR), dp4, zero1=True, bucket_bytes=BUCKET_BYTES)
+    optimizer = _distributed_optimizer(model, dp4, zero1=True)
     checkpointer.load(saved["path"], {"model": model, "optimizer": optimizer.optimizer})
     loaded_entries = len(optimizer.optimizer.state)
     from_checkpoint = train(dp4, batches, zero1=True, steps=1, first_step=2, model=model, optimizer=optimizer)

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model
 from k3train.model.moe import LatentMoE
-from k3train.parallel.data import GradientReducer
+from k3train.parallel.grad_reduce import GradientReducer
 from k3train.parallel.expert import ExpertParallel, routing_statistics_group
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.parallel.tensor import TensorParallel
@@ -106,7 +106,7 @@ def skew_gate_bias(model: K3Model, num_skewed: int, skew: float) -> None:
 
 
 def reduce_gradients(models: list, state: ParallelState) -> str:
-    """parallel/data.py's GradientReducer: expert grads SUM over expert_dp, TP-partial ones over
+    """parallel/grad_reduce.py's GradientReducer: expert grads SUM over expert_dp, TP-partial ones over
     data_tensor, the rest over dp, all divided by dp."""
     GradientReducer(nn.ModuleList(models), state, overlap=False).finish()
     return "GradientReducer"

@@ -49,7 +49,7 @@ def local_view(full: torch.Tensor, param: torch.Tensor, tp_size: int, tp_rank: i
 
 
 class DataParallelAverage:
-    """Average gradients over data parallel: the bucketed reducer of parallel/data.py (overlapped
+    """Average gradients over data parallel: the bucketed reducer of parallel/grad_reduce.py (overlapped
     with the pipeline's backward: reduction is switched on for each chunk's last backward), or a
     plain all-reduce if that module is not there."""
 
@@ -58,7 +58,7 @@ class DataParallelAverage:
         self.kind = "none" if state.dp.size == 1 else "all_reduce"
         if state.dp.size > 1:
             try:
-                from k3train.parallel.data import GradientReducer
+                from k3train.parallel.grad_reduce import GradientReducer
             except ImportError:
                 return
             self.reducer = GradientReducer(nn.ModuleList(chunks), state)

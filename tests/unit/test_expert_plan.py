@@ -255,3 +255,26 @@ def test_static_shape_guard_catches_host_reads():
     moe.balancer = Balancer()  # the histogram balancer's bincount is not part of the dispatch path
     with no_host_reads(), StaticShapeGuard():
         moe(x).sum().backward()
+
+
+@pytest.mark.parametrize("compute", ["grouped", "gather"])
+def test_experts_grouped_forward_is_the_modules_own_glu(compute):
+    """The dispatcher's entry into the experts module: rows in any order through their expert
+    ids (others: zero rows), the same numbers as the module's sorted single-process GLU, and
+    with replica stacks handed in it uses those instead of its own."""
+    config = dataclasses.replace(ModelConfig(), num_experts=4)
+    experts = LatentMoE(config).double().experts
+    torch.manual_seed(1)
+    for param in experts.parameters():
+        torch.nn.init.normal_(param, 0.0, 0.1)
+    rows = torch.randn(10, config.routed_expert_hidden_size, dtype=torch.float64)
+    ids = torch.tensor([3, 0, -1, 2, 4, 0, 3, 1, 9, 2])
+    out = experts.grouped_forward(rows, ids, compute=compute)
+    valid = (ids >= 0) & (ids < 4)
+    assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))
+    for row in valid.nonzero().flatten().tolist():
+        one = experts.forward_sorted(rows[row:row + 1], torch.bincount(ids[row:row + 1], minlength=4).cumsum(0))
+        assert (out[row] - one[0]).abs().max() < 1e-14, row
+    replicas = tuple(torch.flip(w.detach(), dims=[0]) for w in experts.stacks())  # expert g -> 3 - g
+    flipped = experts.grouped_forward(rows, torch.where(valid, 3 - ids, ids), replicas, compute=compute)
+    assert (flipped - out).abs().max() < 1e-14

@@ -9,6 +9,7 @@ from torch import nn
 
 from k3train.contracts.param_roles import mark_adamw_only, mark_head_blocks
 from k3train.optim import (
+    NormShare,
     OptimizerConfig,
     PerHeadMuon,
     ScheduleConfig,
@@ -16,9 +17,12 @@ from k3train.optim import (
     build_optimizer,
     clip_grad_norm_,
     describe_param_groups,
+    grad_squared_norm,
     lr_at,
     newton_schulz,
     ns_compute_dtype,
+    parameter_costs,
+    route_parameters,
     set_lr,
 )
 
@@ -430,3 +434,62 @@ def test_clip_fp32_norm_reduce_hook_and_nonfinite():
     assert all(torch.equal(a, p.grad) for a, p in zip(before, params))
     params[1].grad[0] = float("nan")
     assert clip_grad_norm_(params, 1.0).isnan()
+
+
+def test_clip_shares_are_counted_reduced_and_added_in_order():
+    """Each share sums the squared norms of the gradients it counts, its own reduction combines
+    it, the shares are added and the final reduction sees the total; every gradient is scaled,
+    counted or not."""
+    params = _grad_params(11)
+    first, second = params[:2], params[2:4]
+    seen: list[tuple[str, torch.Tensor]] = []
+
+    def reduce(label: str, factor: float):
+        def apply(tensor: torch.Tensor) -> torch.Tensor:
+            seen.append((label, tensor.clone()))
+            return factor * tensor
+        return apply
+
+    shares = [NormShare(lambda p: any(p is q for q in first), reduce("first", 2.0)),
+              NormShare(lambda p: any(p is q for q in second), reduce("second", 3.0))]
+    squared = [grad_squared_norm([p.grad for p in part], torch.device("cpu")) for part in (first, second)]
+    before = [p.grad.clone() for p in params[:4]]
+    norm = clip_grad_norm_(params, 1e-3, reduce_squared_norm=reduce("total", 5.0), shares=shares)
+    assert [label for label, _ in seen] == ["first", "second", "total"]
+    assert torch.equal(seen[0][1], squared[0]) and torch.equal(seen[1][1], squared[1])
+    assert torch.equal(seen[2][1], 2.0 * squared[0] + 3.0 * squared[1])
+    assert torch.equal(norm, (5.0 * (2.0 * squared[0] + 3.0 * squared[1])).sqrt())
+    coef = 1e-3 / (norm + 1e-6)
+    for old, p in zip(before, params[:4]):  # all four scaled, though each share counts two
+        torch.testing.assert_close(p.grad, old * coef, rtol=1e-6, atol=0)
+    # No shares: one share of everything, the same bits as the plain call.
+    plain = clip_grad_norm_(_grad_params(11), 0.0)
+    assert torch.equal(plain, clip_grad_norm_(_grad_params(11), 0.0, shares=[NormShare(lambda p: True)]))
+
+
+def test_empty_norm_lives_on_the_parameters_device():
+    """A rank without gradients (an empty stage, or nothing counted) still joins its reductions
+    with a zero on the parameters' device (NCCL reduces device tensors only)."""
+    assert grad_squared_norm([], torch.device("meta")).device.type == "meta"
+    params = [nn.Parameter(torch.zeros(3, device="meta"))]
+    devices = []
+    norm = clip_grad_norm_(params, 1.0, reduce_squared_norm=lambda t: devices.append(t.device) or t)
+    assert devices[0].type == "meta" and norm.device.type == "meta"
+
+
+def test_parameter_costs_follow_routing_and_block_layout():
+    """ZeRO-1 balances owners by these: Muon parameters by their Newton–Schulz block cost,
+    AdamW ones by their element count; every trainable parameter once, in module order."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8, bias=False))
+    mark_head_blocks(model[2].weight, num_heads=2, dim=1)
+    config = OptimizerConfig()
+    costs = parameter_costs(model, config)
+    routes = route_parameters(model, config)
+    assert list(costs) == [route.name for route in routes]
+    for route in routes:
+        muon, cost = costs[route.name]
+        assert muon == (route.route == "muon")
+        expected = block_layout(route.param, config.muon_per_head).cost if muon else route.param.numel()
+        assert cost == expected, route.name
+    assert costs["2.weight"].cost == 2 * block_layout(torch.empty(8, 16)).cost  # two [8, 16] head blocks
+    assert not parameter_costs(model, OptimizerConfig(name="adamw"))["0.weight"].muon

@@ -1,0 +1,333 @@
+"""ZeRO-1 for the job's optimizer (distributed Per-Head Muon): each parameter has one owner in
+its replica group, which alone holds its optimizer state and steps it; the updated parameters
+are then exchanged. The job builds the optimizer and hands it in with each parameter's cost.
+
+Ownership plan, exchange layout and traffic: docs/data_parallel.md ("ZeRO-1").
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal, Mapping
+
+import torch
+from torch import nn
+
+from k3train.parallel.comm import Group
+from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, replica_group
+from k3train.parallel.state import ParallelState
+from k3train.parallel.tensor import _MeshCache, as_global_dtensor, is_sharded, local_from_saved
+
+ParameterCosts = Mapping[str, tuple[bool, int]]
+"""Parameter name -> (routed to Muon, optimizer cost): `k3train.optim.builder.parameter_costs`."""
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-1 ownership plan
+
+
+@dataclass(frozen=True)
+class OwnershipPlan:
+    """Which rank (index in the parameter's replica group) owns each parameter, and the cost
+    totals per rank of each replica group."""
+
+    owners: dict[str, int]
+    group_of: dict[str, str]
+    """Parameter name -> replica group name ("dp" or "expert_dp")."""
+    costs: dict[str, list[int]]
+    """Replica group name -> cost total per rank."""
+    numels: dict[str, list[int]]
+    """Replica group name -> owned elements per rank (the parameter-exchange buffer lengths)."""
+
+    def owned(self, group_name: str, rank: int) -> set[str]:
+        return {n for n, r in self.owners.items() if r == rank and self.group_of[n] == group_name}
+
+    def imbalance(self, group_name: str) -> float:
+        """max / min cost over the group's ranks (inf if a rank owns nothing)."""
+        costs = self.costs[group_name]
+        return max(costs) / min(costs) if min(costs) > 0 else math.inf
+
+    def describe(self) -> str:
+        lines = []
+        for name in sorted(self.costs):
+            costs, numels = self.costs[name], self.numels[name]
+            padding = len(numels) * max(numels) / max(sum(numels), 1) - 1
+            lines.append(
+                f"ZeRO-1 over {name} ({len(costs)} ranks): cost per rank {costs} "
+                f"(max/min {self.imbalance(name):.3f}), elements per rank {numels} "
+                f"(all-gather padding {100 * padding:.1f}%)"
+            )
+        return "\n".join(lines)
+
+
+def plan_ownership(model: nn.Module, costs: ParameterCosts, state: ParallelState) -> OwnershipPlan:
+    """Deterministic greedy (longest processing time first) owner assignment per replica group.
+
+    First the Muon parameters, largest Newton–Schulz cost first, each to the rank with the least
+    cost so far: that balances the step's compute. Then the AdamW parameters, largest first,
+    each to the rank with the fewest elements so far: their cost (numel) is negligible next to
+    Newton–Schulz (a matrix costs about min(rows, cols) times its numel), so they are better
+    spent evening out the exchange buffers (less all-gather padding) and the state memory.
+    Depends only on names, shapes, markers, costs and group sizes, so every rank of a group
+    computes the same plan without communication. `costs` names the parameters to place (the
+    optimizer's); the Muon/AdamW split and the costs come from the optimizer's side
+    (`k3train.optim.builder.parameter_costs`).
+    """
+    params = dict(model.named_parameters())
+    by_group: dict[str, list[str]] = defaultdict(list)
+    group_size: dict[str, int] = {}
+    for name in costs:
+        group = replica_group(params[name], state)
+        by_group[group.name].append(name)
+        group_size[group.name] = group.size
+    owners: dict[str, int] = {}
+    group_of: dict[str, str] = {}
+    totals: dict[str, list[int]] = {}
+    numels: dict[str, list[int]] = {}
+    for group_name, names in by_group.items():
+        load = [0] * group_size[group_name]
+        count = [0] * group_size[group_name]
+        muon = sorted((n for n in names if costs[n][0]), key=lambda n: (-costs[n][1], n))
+        adamw = sorted((n for n in names if not costs[n][0]), key=lambda n: (-costs[n][1], n))
+        for name in muon + adamw:
+            if costs[name][0]:
+                rank = min(range(len(load)), key=lambda r: (load[r], count[r], r))
+            else:
+                rank = min(range(len(load)), key=lambda r: (count[r], load[r], r))
+            owners[name], group_of[name] = rank, group_name
+            load[rank] += costs[name][1]
+            count[rank] += params[name].numel()
+        totals[group_name], numels[group_name] = load, count
+    return OwnershipPlan(owners, group_of, totals, numels)
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-1 parameter exchange
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """One replica group's parameters of one dtype: rank r's owned ones back to back."""
+
+    group: Group
+    dtype: torch.dtype
+    device: torch.device
+    per_rank: list[list[tuple[nn.Parameter, int]]]
+    """For each rank of the group: (parameter, offset in its flat buffer), in model order."""
+    in_order: list[tuple[nn.Parameter, int]]
+    """(parameter, owner) in model order: the broadcast order, the same on every rank."""
+
+    @property
+    def length(self) -> int:
+        """Longest per-rank buffer (every rank's buffer is padded to it)."""
+        return max((offset + p.numel() for owned in self.per_rank for p, offset in owned[-1:]), default=0)
+
+    def pieces(self, rank: int, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
+        """(flat parameter, its first element, element count, position in the chunk) for the
+        parts of rank `rank`'s buffer inside [start, stop)."""
+        for param, offset in self.per_rank[rank]:
+            lo, hi = max(start, offset), min(stop, offset + param.numel())
+            if lo < hi:
+                yield param.data.view(-1), lo - offset, hi - lo, lo - start
+
+
+class DistributedOptimizer:
+    """The training loop's optimizer under data parallelism, with or without ZeRO-1.
+
+    `zero1=False`: every rank steps every parameter (a replicated optimizer). `zero1=True`: each
+    rank steps only the parameters it owns (`plan`), holding their state only, then the updated
+    parameters are exchanged (`exchange`: "all_gather" of flat per-rank buffers, or "broadcast"
+    per parameter). Both give the same parameters bit for bit: the owner runs exactly the
+    computation every rank would run.
+
+    `optimizer`: the job's optimizer over every trainable parameter of `model`, built with named
+    param groups (`k3train.optim.builder.build_optimizer`) and not stepped yet; under ZeRO-1 its
+    groups are cut down to the owned parameters (the builder stays the one place that knows the
+    hyper-parameters). `costs`: each of those parameters' (is Muon, cost), which the ownership
+    plan balances (`k3train.optim.builder.parameter_costs`).
+
+    `param_groups` are the optimizer's groups (the same groups on every rank, possibly empty
+    under ZeRO-1), so `set_lr` works. For checkpoints, register this object itself with the
+    Checkpointer: `state_dict()` holds `state.<parameter name>.*` for the owned parameters only
+    (DP ranks' keys are disjoint, DCP unions them), with the state of TP-sharded parameters as
+    DTensors of the full tensor; on load each rank takes the entries of the parameters it owns
+    now, sliced to its TP shard, so a checkpoint reloads under another DP or TP size (or without
+    ZeRO, or in one process).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        state: ParallelState,
+        costs: ParameterCosts,
+        zero1: bool = True,
+        exchange: Literal["all_gather", "broadcast"] = "all_gather",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if exchange not in ("all_gather", "broadcast"):
+            raise ValueError(f"exchange must be 'all_gather' or 'broadcast', got {exchange!r}")
+        self.state = state
+        self.zero1 = zero1
+        self.exchange = exchange
+        self.bucket_bytes = bucket_bytes
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = dict(model.named_parameters())
+        _check_optimizer(optimizer, named, costs)
+        self.plan = plan_ownership(model, costs, state)
+        self.optimizer = optimizer
+        self._params_by_name = named
+        self._meshes = _MeshCache()
+        self._owned_names = [name for name in self.plan.owners
+                             if not zero1 or self.plan.owners[name] == replica_group(named[name], state).rank]
+        if zero1:
+            owned = set(self._owned_names)
+            for group in self.optimizer.param_groups:
+                keep = [i for i, name in enumerate(group["param_names"]) if name in owned]
+                group["params"] = [group["params"][i] for i in keep]
+                group["param_names"] = [group["param_names"][i] for i in keep]
+        self._exchanges = self._build_exchanges(model) if zero1 else []
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def owned_parameter_names(self) -> list[str]:
+        return list(self._owned_names)
+
+    def _build_exchanges(self, model: nn.Module) -> list[_Exchange]:
+        exchanges: dict[tuple[str, torch.dtype], _Exchange] = {}
+        for name, param in model.named_parameters():
+            if name not in self.plan.owners:
+                continue
+            group = replica_group(param, self.state)
+            if group.size == 1:
+                continue
+            if not param.is_contiguous():
+                raise ValueError(f"ZeRO-1 exchange needs contiguous parameters; {name} is not")
+            key = (group.name, param.dtype)
+            if key not in exchanges:
+                exchanges[key] = _Exchange(group, param.dtype, param.device, [[] for _ in range(group.size)], [])
+            exchange, owner = exchanges[key], self.plan.owners[name]
+            owned = exchange.per_rank[owner]
+            owned.append((param, owned[-1][1] + owned[-1][0].numel() if owned else 0))
+            exchange.in_order.append((param, owner))
+        return list(exchanges.values())
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the owned parameters (all of them without ZeRO-1), then share the results."""
+        self.optimizer.step()
+        for exchange in self._exchanges:
+            if self.exchange == "all_gather":
+                self._all_gather(exchange)
+            else:
+                self._broadcast(exchange)
+
+    def _all_gather(self, exchange: _Exchange) -> None:
+        """Padded flat buffers, all-gathered in chunks of about `bucket_bytes`."""
+        group, me = exchange.group, exchange.group.rank
+        chunk = max(1, self.bucket_bytes // torch.empty((), dtype=exchange.dtype).element_size())
+        length = exchange.length
+        for start in range(0, length, chunk):
+            count = min(chunk, length - start)
+            local = torch.zeros(count, dtype=exchange.dtype, device=exchange.device)
+            for flat, first, n, at in exchange.pieces(me, start, start + count):
+                local[at:at + n].copy_(flat[first:first + n])
+            gathered = group.all_gather(local)
+            for rank in range(group.size):
+                if rank == me:
+                    continue
+                base = rank * count
+                for flat, first, n, at in exchange.pieces(rank, start, start + count):
+                    flat[first:first + n].copy_(gathered[base + at:base + at + n])
+
+    def _broadcast(self, exchange: _Exchange) -> None:
+        """One broadcast per parameter from its owner, in model order (the same on every rank)."""
+        for param, owner in exchange.in_order:
+            exchange.group.broadcast(param.data, owner)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every parameter's gradient (owned or not: all of them were reduced)."""
+        for param in self.params:
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.zero_()
+
+    # ------------------------------------------------------------------ state by name
+    def _local_view(self, name: str, param_state: dict[str, Any]) -> dict[str, Any]:
+        """Inverse of `_global_view`: this rank's TP shard of each saved state tensor."""
+        param = self._params_by_name[name]
+        if not is_sharded(param):
+            return param_state
+        return {key: local_from_saved(value, param).clone()
+                if isinstance(value, torch.Tensor) and value.ndim == param.ndim else value
+                for key, value in param_state.items()}
+
+    def _positional_names(self) -> list[str]:
+        return [name for group in self.optimizer.param_groups for name in group["param_names"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """`{"state": {name: {...}}, "param_groups": [options...]}`: the owned parameters' state
+        by name; the group options (lr, betas, ...) without their parameter lists, identical on
+        every rank."""
+        inner = self.optimizer.state_dict()
+        names = self._positional_names()
+        groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in inner["param_groups"]]
+        state = {names[i]: self._global_view(names[i], value) for i, value in inner["state"].items()}
+        return {"state": state, "param_groups": groups}
+
+    def _global_view(self, name: str, param_state: dict[str, Any]) -> dict[str, Any]:
+        """Sharded parameters' state tensors (TP shards, expert stacks) as DTensors of the full
+        tensor, so a checkpoint holds each momentum once, reloadable under another layout."""
+        param = self._params_by_name[name]
+        if not is_sharded(param):
+            return param_state
+        return {key: as_global_dtensor(value, param, self._meshes)
+                if isinstance(value, torch.Tensor) and value.shape == param.shape else value
+                for key, value in param_state.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take the entries of the parameters this rank owns now from a by-name state dict (one
+        rank's, or the union of every rank's); owned parameters absent from it start fresh."""
+        names = self._positional_names()
+        saved = state_dict["state"]
+        state = {i: self._local_view(name, saved[name]) for i, name in enumerate(names) if name in saved}
+        if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError(f"state dict has {len(state_dict['param_groups'])} param groups, "
+                             f"the optimizer {len(self.optimizer.param_groups)}")
+        groups, position = [], 0
+        for options, group in zip(state_dict["param_groups"], self.optimizer.param_groups):
+            count = len(group["params"])
+            groups.append({**options, "params": list(range(position, position + count)),
+                           "param_names": list(group["param_names"])})
+            position += count
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
+                     costs: ParameterCosts) -> None:
+    """The handed-in optimizer must be fresh, name its parameters, and hold exactly the model's
+    parameters that `costs` places (else ownership and stepping would disagree)."""
+    if optimizer.state:
+        raise ValueError("DistributedOptimizer needs an optimizer that has not stepped yet (no state)")
+    names: list[str] = []
+    for group in optimizer.param_groups:
+        if "param_names" not in group:
+            raise ValueError("DistributedOptimizer needs named param groups (build_optimizer's)")
+        for name, param in zip(group["param_names"], group["params"]):
+            if params.get(name) is not param:
+                raise ValueError(f"optimizer parameter {name!r} is not the model's parameter of that name")
+        names.extend(group["param_names"])
+    missing = set(costs) - set(params)
+    if missing:
+        raise ValueError(f"costs name parameters the model does not have: {sorted(missing)[:5]}")
+    if sorted(names) != sorted(costs):
+        raise ValueError("the optimizer's parameters and the costs' parameters differ: "
+                         f"{sorted(set(names) ^ set(costs))[:5]}")
