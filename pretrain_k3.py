@@ -21,7 +21,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from k3train.checkpoint import CheckpointError, Checkpointer, GracefulExit, RNGState, read_manifest  # noqa: E402
-from k3train.config import parse_job_args_or_exit, save_config  # noqa: E402
+from k3train.command_line import parse_job_args_or_exit  # noqa: E402
+from k3train.config import save_config  # noqa: E402
 from k3train.data import DataError, build_data  # noqa: E402
 from k3train.model.flops import parameter_counts, training_flops_per_token  # noqa: E402
 from k3train.model.k3 import K3Model, K3Stage  # noqa: E402

@@ -44,11 +44,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
+from k3train.parallel.config import LayoutError, check_pipeline_sizes
+
 Protocol = Literal["naive", "paper", "exact"]
 PROTOCOLS: tuple[Protocol, ...] = ("naive", "paper", "exact")
 
 
-class PipelineConfigError(ValueError):
+class PipelineConfigError(LayoutError):
     """A pipeline layout that cannot run; the message says why and what would."""
 
 
@@ -73,7 +75,7 @@ def partition_layers(num_layers: int, pp: int, virtual_stages: int = 1,
         if sum(counts) != num_layers:
             raise PipelineConfigError(
                 f"parallel.pipeline_layers {counts} sums to {sum(counts)}, but the model has "
-                f"model.num_hidden_layers={num_layers}")
+                f"model.num_hidden_layers={num_layers}; give counts that sum to {num_layers}")
         if min(counts) < 1:
             raise PipelineConfigError(
                 f"parallel.pipeline_layers {counts} has an empty chunk; every chunk needs at least one layer")
@@ -109,10 +111,7 @@ class PipelinePlan:
     @classmethod
     def build(cls, num_layers: int, pp: int, virtual_stages: int = 1, attn_res: str = "block",
               block_size: int = 1, pipeline_layers: Optional[Sequence[int]] = None) -> "PipelinePlan":
-        if pp < 1 or virtual_stages < 1:
-            raise PipelineConfigError(f"pp={pp} and virtual_stages={virtual_stages} must be at least 1")
-        if virtual_stages > 1 and pp == 1:
-            raise PipelineConfigError(f"virtual_stages={virtual_stages} needs pp > 1 (interleaving splits stages)")
+        check_pipeline_sizes(pp, virtual_stages)
         chunks = partition_layers(num_layers, pp, virtual_stages, pipeline_layers)
         boundaries = [start for start, _ in chunks] + [num_layers]
         return cls(pp, virtual_stages, tuple(chunks),

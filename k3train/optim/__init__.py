@@ -1,42 +1,62 @@
 """Per-Head Muon with AdamW grouping, learning-rate schedules and gradient clipping."""
 
-from k3train.optim.builder import (
-    ParamRoute,
-    build_optimizer,
-    describe_param_groups,
-    param_groups,
-    route_parameters,
-)
-from k3train.optim.clip import clip_grad_norm_
-from k3train.optim.config import OptimizerConfig, ScheduleConfig
-from k3train.optim.muon import (
-    BlockLayout,
-    MuonWorkItem,
-    PerHeadMuon,
-    block_layout,
-    orthogonalized_update,
-)
-from k3train.optim.newton_schulz import NS_COEFFICIENTS, newton_schulz, ns_compute_dtype, ns_cost
-from k3train.optim.schedules import lr_at, set_lr
+from __future__ import annotations
 
-__all__ = [
-    "BlockLayout",
-    "MuonWorkItem",
-    "NS_COEFFICIENTS",
-    "OptimizerConfig",
-    "ParamRoute",
-    "PerHeadMuon",
-    "ScheduleConfig",
-    "block_layout",
-    "build_optimizer",
-    "clip_grad_norm_",
-    "describe_param_groups",
-    "lr_at",
-    "newton_schulz",
-    "ns_compute_dtype",
-    "ns_cost",
-    "orthogonalized_update",
-    "param_groups",
-    "route_parameters",
-    "set_lr",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # static tools and IDEs see the real imports
+    from k3train.optim.builder import (
+        ParamRoute,
+        build_optimizer,
+        describe_param_groups,
+        param_groups,
+        route_parameters,
+    )
+    from k3train.optim.clip import clip_grad_norm_
+    from k3train.optim.config import OptimizerConfig, ScheduleConfig
+    from k3train.optim.muon import (
+        BlockLayout,
+        MuonWorkItem,
+        PerHeadMuon,
+        block_layout,
+        orthogonalized_update,
+    )
+    from k3train.optim.newton_schulz import NS_COEFFICIENTS, newton_schulz, ns_compute_dtype, ns_cost
+    from k3train.optim.schedules import lr_at, set_lr
+
+# Each name loads its submodule on first use, so that `k3train.optim.config` (read by the torch-free
+# config loader) does not import torch through this package.
+_SUBMODULE_OF = {
+    "NS_COEFFICIENTS": "k3train.optim.newton_schulz",
+    "BlockLayout": "k3train.optim.muon",
+    "MuonWorkItem": "k3train.optim.muon",
+    "OptimizerConfig": "k3train.optim.config",
+    "ParamRoute": "k3train.optim.builder",
+    "PerHeadMuon": "k3train.optim.muon",
+    "ScheduleConfig": "k3train.optim.config",
+    "block_layout": "k3train.optim.muon",
+    "build_optimizer": "k3train.optim.builder",
+    "clip_grad_norm_": "k3train.optim.clip",
+    "describe_param_groups": "k3train.optim.builder",
+    "lr_at": "k3train.optim.schedules",
+    "newton_schulz": "k3train.optim.newton_schulz",
+    "ns_compute_dtype": "k3train.optim.newton_schulz",
+    "ns_cost": "k3train.optim.newton_schulz",
+    "orthogonalized_update": "k3train.optim.muon",
+    "param_groups": "k3train.optim.builder",
+    "route_parameters": "k3train.optim.builder",
+    "set_lr": "k3train.optim.schedules",
+}
+
+__all__ = list(_SUBMODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SUBMODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_SUBMODULE_OF[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_SUBMODULE_OF])

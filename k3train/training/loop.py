@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from k3train.config import JobConfig
+from k3train.config import ConfigError, JobConfig
 from k3train.model.k3 import K3Stage
 from k3train.model.moe import pool_routing_statistics
 from k3train.optim.schedules import lr_at, set_lr
@@ -90,12 +90,10 @@ class Trainer:
         self.progress = Progress()
         train = config.train
         dp = parallel.layout.dp
-        if train.global_batch_size % (train.micro_batch_size * dp):
-            raise TrainingError(
-                f"train.global_batch_size={train.global_batch_size} must be a multiple of train.micro_batch_size="
-                f"{train.micro_batch_size} times the data-parallel size {dp}"
-            )
-        self.micro_batches = train.global_batch_size // (train.micro_batch_size * dp)  # per rank
+        try:
+            self.micro_batches = train.micro_batches_per_rank(dp)  # with the dp resolved from the world size
+        except ConfigError as error:
+            raise TrainingError(str(error)) from None
         pp, virtual_stages = parallel.layout.pp, config.parallel.virtual_stages
         if virtual_stages > 1 and train.eval_interval and train.eval_batches % pp:
             raise TrainingError(

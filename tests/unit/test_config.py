@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
+from k3train.command_line import parse_job_args, parse_job_args_or_exit
 from k3train.config import (
     ConfigError,
     JobConfig,
     apply_overrides,
     config_from_dict,
-    config_reference_markdown,
     config_to_dict,
     load_config,
-    parse_job_args,
-    parse_job_args_or_exit,
     save_config,
 )
+from k3train.config_docs import config_reference_markdown
 from k3train.model.config import ModelConfig
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
@@ -232,3 +233,20 @@ def test_command_line_errors_exit_two(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "train.steps" in err and "abc" in err
+
+
+def test_config_and_command_line_do_not_import_torch():
+    """`pretrain_k3.py --help` and config errors must answer before torch loads (seconds)."""
+    code = (
+        "import sys\n"
+        "import k3train.command_line, k3train.config, k3train.config_docs, k3train.training.threads\n"
+        "from k3train.data.config import DataConfig\n"
+        "from k3train.optim.config import OptimizerConfig\n"
+        "from k3train.checkpoint.config import CheckpointConfig\n"
+        f"k3train.config.load_config({DEBUG!r}, ['train.steps=2'])\n"
+        "k3train.config_docs.config_reference_markdown()\n"
+        "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=CHECKOUT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
