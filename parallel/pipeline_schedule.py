@@ -249,6 +249,17 @@ def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Step]:
     return steps
 
 
+def check_interleaved_micro_batches(pp: int, micro_batches: int) -> None:
+    """Raise PipelineConfigError unless the interleaved schedule's micro-batches per rank come in
+    whole groups of `pp` (its forwards walk the virtual stages one group at a time)."""
+    if micro_batches % pp:
+        raise PipelineConfigError(
+            f"the interleaved schedule needs the number of micro-batches ({micro_batches}) to be a multiple of "
+            f"parallel.pp={pp}; use {max(pp, micro_batches // pp * pp)} or {(micro_batches // pp + 1) * pp} "
+            f"micro-batches (train.global_batch_size / train.micro_batch_size per data-parallel rank), "
+            f"or parallel.virtual_stages=1")
+
+
 def interleaved_one_f_one_b(pp: int, virtual_stages: int, rank: int, micro_batches: int) -> list[Step]:
     """Megatron's interleaved 1F1B (`forward_backward_pipelining_with_interleaving`).
 
@@ -257,12 +268,7 @@ def interleaved_one_f_one_b(pp: int, virtual_stages: int, rank: int, micro_batch
     the virtual stage reversed. Warmup: `2(P - rank - 1) + (V - 1)P` forwards (all of them when
     that covers the step), then 1F1B, then the remaining backwards.
     """
-    if micro_batches % pp:
-        raise PipelineConfigError(
-            f"the interleaved schedule needs the number of micro-batches ({micro_batches}) to be a multiple of "
-            f"parallel.pp={pp}; use {max(pp, micro_batches // pp * pp)} or {(micro_batches // pp + 1) * pp} "
-            f"micro-batches (train.global_batch_size / train.micro_batch_size per data-parallel rank), "
-            f"or parallel.virtual_stages=1")
+    check_interleaved_micro_batches(pp, micro_batches)
     group = pp * virtual_stages
     total = micro_batches * virtual_stages
 

@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # static tools and IDEs see the real imports
     from k3train.checkpoint.rng import PerRank, RNGState, capture_rng_state, restore_rng_state
     from k3train.checkpoint.signals import GracefulExit
 
-# Each name loads its submodule on first use, so that `k3train.checkpoint.config` (read by the torch-free
-# config loader) does not import torch through this package.
+# Each name loads its submodule on first use, so that importing `k3train.checkpoint.config` (as the
+# torch-free config loader does) does not import torch through this package.
 _SUBMODULE_OF = {
     "MANIFEST": "k3train.checkpoint.manifest",
     "CheckpointError": "k3train.checkpoint.errors",
@@ -37,7 +37,21 @@ _SUBMODULE_OF = {
     "write_manifest": "k3train.checkpoint.manifest",
 }
 
-__all__ = list(_SUBMODULE_OF)
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "Checkpointer",
+    "GracefulExit",
+    "PerRank",
+    "RNGState",
+    "capture_rng_state",
+    "is_complete",
+    "read_manifest",
+    "restore_rng_state",
+    "step_dir_name",
+    "verify_checkpoint",
+    "write_manifest",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -18,8 +18,8 @@ if TYPE_CHECKING:  # static tools and IDEs see the real imports
     from k3train.data.samples import PackedDataset, TrainingData, build_data, greedy_blend, split_documents
     from k3train.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer, Tokenizer, build_tokenizer
 
-# Each name loads its submodule on first use, so that `k3train.data.config` (read by the torch-free
-# config loader) does not import torch through this package.
+# Each name loads its submodule on first use, so that importing `k3train.data.config` (as the
+# torch-free config loader does) does not import torch through this package.
 _SUBMODULE_OF = {
     "ByteTokenizer": "k3train.data.tokenizers",
     "DataConfig": "k3train.data.config",
@@ -40,7 +40,25 @@ _SUBMODULE_OF = {
     "write_indexed_dataset": "k3train.data.indexed_dataset",
 }
 
-__all__ = list(_SUBMODULE_OF)
+__all__ = [
+    "ByteTokenizer",
+    "DataConfig",
+    "DataError",
+    "HuggingFaceTokenizer",
+    "IndexedDataset",
+    "IndexedDatasetWriter",
+    "PackedDataset",
+    "Tokenizer",
+    "TrainingData",
+    "build_data",
+    "build_tokenizer",
+    "default_corpus_prefix",
+    "greedy_blend",
+    "optimal_dtype",
+    "resolve_cache_dir",
+    "split_documents",
+    "write_indexed_dataset",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -22,11 +22,12 @@ if TYPE_CHECKING:  # static tools and IDEs see the real imports
         block_layout,
         orthogonalized_update,
     )
-    from k3train.optim.newton_schulz import NS_COEFFICIENTS, newton_schulz, ns_compute_dtype, ns_cost
+    from k3train.optim.newton_schulz import NS_COEFFICIENTS, ns_compute_dtype, ns_cost
     from k3train.optim.schedules import lr_at, set_lr
 
-# Each name loads its submodule on first use, so that `k3train.optim.config` (read by the torch-free
-# config loader) does not import torch through this package.
+# Each name loads its submodule on first use, so that importing `k3train.optim.config` (as the
+# torch-free config loader does) does not import torch through this package. (`newton_schulz` is
+# the submodule here; the function is `k3train.optim.newton_schulz.newton_schulz`.)
 _SUBMODULE_OF = {
     "NS_COEFFICIENTS": "k3train.optim.newton_schulz",
     "BlockLayout": "k3train.optim.muon",
@@ -40,7 +41,6 @@ _SUBMODULE_OF = {
     "clip_grad_norm_": "k3train.optim.clip",
     "describe_param_groups": "k3train.optim.builder",
     "lr_at": "k3train.optim.schedules",
-    "newton_schulz": "k3train.optim.newton_schulz",
     "ns_compute_dtype": "k3train.optim.newton_schulz",
     "ns_cost": "k3train.optim.newton_schulz",
     "orthogonalized_update": "k3train.optim.muon",
@@ -49,7 +49,26 @@ _SUBMODULE_OF = {
     "set_lr": "k3train.optim.schedules",
 }
 
-__all__ = list(_SUBMODULE_OF)
+__all__ = [
+    "NS_COEFFICIENTS",
+    "BlockLayout",
+    "MuonWorkItem",
+    "OptimizerConfig",
+    "ParamRoute",
+    "PerHeadMuon",
+    "ScheduleConfig",
+    "block_layout",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "describe_param_groups",
+    "lr_at",
+    "ns_compute_dtype",
+    "ns_cost",
+    "orthogonalized_update",
+    "param_groups",
+    "route_parameters",
+    "set_lr",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,10 +17,10 @@ from k3train.optim import (
     clip_grad_norm_,
     describe_param_groups,
     lr_at,
-    newton_schulz,
     ns_compute_dtype,
     set_lr,
 )
+from k3train.optim.newton_schulz import newton_schulz
 
 # ---------------------------------------------------------------------------------------------
 # Newton–Schulz

@@ -2,7 +2,6 @@
 and pick the CPU build of torch on a machine without a GPU. python, pip and nvidia-smi are stubs
 here, so nothing is installed."""
 
-import os
 import pathlib
 import subprocess
 
