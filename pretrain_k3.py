@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, NoReturn
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 # Only the config here: `--help` and recipe errors answer before torch and the model are imported.
-from k3train.config import parse_job_args_or_exit, save_config  # noqa: E402
+from k3train.command_line import parse_job_args_or_exit  # noqa: E402
+from k3train.config import save_config  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from k3train.training.build import build_rank
     from k3train.training.loop import Trainer, TrainingError
     from k3train.training.metrics import MetricsLogger, SinkError, require_sinks
+    from k3train.training.threads import available_cores, choose_num_threads
     from k3train.training.throughput import peak_flops
 
     # 2. Parallel state from torchrun's environment (one process without it).
@@ -91,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"parallel: world {layout.world_size} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp} "
           f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
           f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}")
-    if config.train.num_threads:
-        torch.set_num_threads(config.train.num_threads)
+    threads, threads_line = choose_num_threads(config.train.num_threads, os.environ, available_cores())
+    torch.set_num_threads(threads)  # torch's default, every core in every rank, oversubscribes
+    print(threads_line)
     torch.manual_seed(config.train.seed)
 
     # 3. What this rank runs (k3train/training/build.py): its pipeline chunks with their TP shards

@@ -44,12 +44,13 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
 from k3train.contracts import stage_io
+from k3train.parallel.config import LayoutError, check_pipeline_sizes
 
 Protocol = Literal["naive", "paper", "exact"]
 PROTOCOLS: tuple[Protocol, ...] = ("naive", "paper", "exact")
 
 
-class PipelineConfigError(ValueError):
+class PipelineConfigError(LayoutError):
     """A pipeline layout that cannot run; the message says why and what would."""
 
 
@@ -74,7 +75,7 @@ def partition_layers(num_layers: int, pp: int, virtual_stages: int = 1,
         if sum(counts) != num_layers:
             raise PipelineConfigError(
                 f"parallel.pipeline_layers {counts} sums to {sum(counts)}, but the model has "
-                f"model.num_hidden_layers={num_layers}")
+                f"model.num_hidden_layers={num_layers}; give counts that sum to {num_layers}")
         if min(counts) < 1:
             raise PipelineConfigError(
                 f"parallel.pipeline_layers {counts} has an empty chunk; every chunk needs at least one layer")
@@ -107,10 +108,7 @@ class PipelinePlan:
     @classmethod
     def build(cls, num_layers: int, pp: int, virtual_stages: int = 1, attn_res: str = "block",
               block_size: int = 1, pipeline_layers: Optional[Sequence[int]] = None) -> "PipelinePlan":
-        if pp < 1 or virtual_stages < 1:
-            raise PipelineConfigError(f"pp={pp} and virtual_stages={virtual_stages} must be at least 1")
-        if virtual_stages > 1 and pp == 1:
-            raise PipelineConfigError(f"virtual_stages={virtual_stages} needs pp > 1 (interleaving splits stages)")
+        check_pipeline_sizes(pp, virtual_stages)
         chunks = partition_layers(num_layers, pp, virtual_stages, pipeline_layers)
         boundaries = [start for start, _ in chunks] + [num_layers]
         return cls(pp, virtual_stages, tuple(chunks),
@@ -248,6 +246,17 @@ def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Step]:
     return steps
 
 
+def check_interleaved_micro_batches(pp: int, micro_batches: int) -> None:
+    """Raise PipelineConfigError unless the interleaved schedule's micro-batches per rank come in
+    whole groups of `pp` (its forwards walk the virtual stages one group at a time)."""
+    if micro_batches % pp:
+        raise PipelineConfigError(
+            f"the interleaved schedule needs the number of micro-batches ({micro_batches}) to be a multiple of "
+            f"parallel.pp={pp}; use {max(pp, micro_batches // pp * pp)} or {(micro_batches // pp + 1) * pp} "
+            f"micro-batches (train.global_batch_size / train.micro_batch_size per data-parallel rank), "
+            f"or parallel.virtual_stages=1")
+
+
 def interleaved_one_f_one_b(pp: int, virtual_stages: int, rank: int, micro_batches: int) -> list[Step]:
     """Megatron's interleaved 1F1B (`forward_backward_pipelining_with_interleaving`).
 
@@ -256,12 +265,7 @@ def interleaved_one_f_one_b(pp: int, virtual_stages: int, rank: int, micro_batch
     the virtual stage reversed. Warmup: `2(P - rank - 1) + (V - 1)P` forwards (all of them when
     that covers the step), then 1F1B, then the remaining backwards.
     """
-    if micro_batches % pp:
-        raise PipelineConfigError(
-            f"the interleaved schedule needs the number of micro-batches ({micro_batches}) to be a multiple of "
-            f"parallel.pp={pp}; use {max(pp, micro_batches // pp * pp)} or {(micro_batches // pp + 1) * pp} "
-            f"micro-batches (train.global_batch_size / train.micro_batch_size per data-parallel rank), "
-            f"or parallel.virtual_stages=1")
+    check_interleaved_micro_batches(pp, micro_batches)
     group = pp * virtual_stages
     total = micro_batches * virtual_stages
 

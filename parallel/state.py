@@ -25,14 +25,8 @@ import torch
 import torch.distributed as dist
 
 from k3train.parallel.comm import Group, TrafficCounter
-
-
-class LayoutError(ValueError):
-    """A parallel layout that cannot run; the message names the sizes and what would fit."""
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+from k3train.parallel.config import LayoutError, check_model_split, divisors
+from k3train.parallel.pipeline_schedule import partition_layers
 
 
 @dataclass(frozen=True)
@@ -100,27 +94,13 @@ def resolve_layout(
             f"parallel.dp={dp} but world size {world_size} / (tp*pp = {tp * pp}) leaves dp={resolved_dp}; "
             f"set parallel.dp=0 (automatic) or {resolved_dp}, or launch {dp * tp * pp} processes"
         )
-    for what, count, size_name, size in (
-        ("model.num_attention_heads (MLA heads)", mla_heads, "parallel.tp", tp),
-        ("model.linear_attn_config.num_heads (KDA heads)", kda_heads, "parallel.tp", tp),
-        ("model.vocab_size", vocab_size, "parallel.tp", tp),
-        ("model.num_experts", num_experts, "parallel.ep", ep),
-    ):
-        if count and count % size:
-            raise LayoutError(
-                f"{what}={count} is not divisible by {size_name}={size}; "
-                f"{size_name} must divide {count}: one of {[d for d in divisors(count) if d <= 64]}"
-            )
+    check_model_split(tp, ep, mla_heads, kda_heads, vocab_size, num_experts)
     if (tp * resolved_dp) % ep:
         raise LayoutError(
             f"parallel.ep={ep} must divide dp*tp = {resolved_dp}*{tp} = {resolved_dp * tp} (expert parallelism is "
             f"carved out of the data- and tensor-parallel ranks); choose ep from {divisors(resolved_dp * tp)}"
         )
-    if num_layers < pp * virtual_stages:
-        raise LayoutError(
-            f"model.num_hidden_layers={num_layers} cannot fill pp*virtual_stages = {pp}*{virtual_stages} = "
-            f"{pp * virtual_stages} pipeline chunks; use fewer stages"
-        )
+    partition_layers(num_layers, pp, virtual_stages)  # every chunk gets a layer (raises a LayoutError)
     return Layout(world_size, tp, pp, resolved_dp, ep, virtual_stages)
 
 

@@ -1,17 +1,41 @@
 """Sharded, atomic, resumable checkpoints (torch.distributed.checkpoint) and Hugging Face name mapping."""
 
-from k3train.checkpoint.checkpointer import Checkpointer
-from k3train.checkpoint.errors import CheckpointError
-from k3train.checkpoint.manifest import (
-    MANIFEST,
-    is_complete,
-    read_manifest,
-    step_dir_name,
-    verify_checkpoint,
-    write_manifest,
-)
-from k3train.checkpoint.rng import PerRank, RNGState, capture_rng_state, restore_rng_state
-from k3train.checkpoint.signals import GracefulExit
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # static tools and IDEs see the real imports
+    from k3train.checkpoint.checkpointer import Checkpointer
+    from k3train.checkpoint.errors import CheckpointError
+    from k3train.checkpoint.manifest import (
+        MANIFEST,
+        is_complete,
+        read_manifest,
+        step_dir_name,
+        verify_checkpoint,
+        write_manifest,
+    )
+    from k3train.checkpoint.rng import PerRank, RNGState, capture_rng_state, restore_rng_state
+    from k3train.checkpoint.signals import GracefulExit
+
+# Each name loads its submodule on first use, so that importing `k3train.checkpoint.config` (as the
+# torch-free config loader does) does not import torch through this package.
+_SUBMODULE_OF = {
+    "MANIFEST": "k3train.checkpoint.manifest",
+    "CheckpointError": "k3train.checkpoint.errors",
+    "Checkpointer": "k3train.checkpoint.checkpointer",
+    "GracefulExit": "k3train.checkpoint.signals",
+    "PerRank": "k3train.checkpoint.rng",
+    "RNGState": "k3train.checkpoint.rng",
+    "capture_rng_state": "k3train.checkpoint.rng",
+    "is_complete": "k3train.checkpoint.manifest",
+    "read_manifest": "k3train.checkpoint.manifest",
+    "restore_rng_state": "k3train.checkpoint.rng",
+    "step_dir_name": "k3train.checkpoint.manifest",
+    "verify_checkpoint": "k3train.checkpoint.manifest",
+    "write_manifest": "k3train.checkpoint.manifest",
+}
 
 __all__ = [
     "MANIFEST",
@@ -28,3 +52,13 @@ __all__ = [
     "verify_checkpoint",
     "write_manifest",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SUBMODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_SUBMODULE_OF[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_SUBMODULE_OF])

@@ -1,7 +1,10 @@
 """Data settings (the `data:` section of a recipe)."""
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
+
+from k3train.recipe import check
 
 
 @dataclass
@@ -28,3 +31,20 @@ class DataConfig:
     """Where the embedded default corpus is built and kept; null means $K3TRAIN_CACHE, else ~/.cache/k3train."""
     corpus_max_bytes: int = 8_000_000
     """Size cap in bytes of the embedded default corpus (Python standard-library sources; used when paths is empty)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first setting that cannot mean anything."""
+        check([
+            (self.seq_length >= 1, f"data.seq_length must be at least 1, got {self.seq_length}"),
+            (self.max_epochs >= 1, f"data.max_epochs must be at least 1, got {self.max_epochs}"),
+            (0.0 <= self.validation_fraction < 1.0,
+             f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}"),
+        ])
+        if self.weights is not None:
+            check([
+                (len(self.weights) == len(self.paths),
+                 f"data.weights has {len(self.weights)} entries but data.paths has {len(self.paths)}; "
+                 f"give one weight per path, or null"),
+                (all(w >= 0 and math.isfinite(w) for w in self.weights) and sum(self.weights) > 0,
+                 f"data.weights {self.weights} must be non-negative with a positive sum"),
+            ])

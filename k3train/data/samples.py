@@ -360,12 +360,8 @@ class TrainingData:
 
 
 def _local_rows(global_batch_size: int, dp_rank: int, dp_size: int) -> slice:
-    """Rows `[r * G/dp, (r+1) * G/dp)` of a global batch that data-parallel rank `r` receives."""
-    if global_batch_size < 1 or dp_size < 1 or global_batch_size % dp_size:
-        raise ValueError(
-            f"the global batch ({global_batch_size}) must be a positive multiple of the "
-            f"data-parallel size ({dp_size})"
-        )
+    """Rows `[r * G/dp, (r+1) * G/dp)` of a global batch that data-parallel rank `r` receives (the
+    job's batch sizes split evenly: `TrainConfig.micro_batches_per_rank` holds that rule)."""
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
     local = global_batch_size // dp_size
@@ -379,7 +375,7 @@ def build_data(config: DataConfig, global_batch_size: int, total_steps: int, voc
     per epoch, a run of `total_steps` that would need more than `data.max_epochs` passes, and
     token ids that do not fit `vocab_size` (the model's embedding rows).
     """
-    _check_config(config)
+    config.validate()  # the data section's own rules (a ConfigError), for configs built in code too
     if global_batch_size < 1 or total_steps < 0:
         raise ValueError(
             f"global_batch_size {global_batch_size} must be positive and total_steps {total_steps} "
@@ -441,24 +437,6 @@ def build_data(config: DataConfig, global_batch_size: int, total_steps: int, voc
     }
     return TrainingData(tokenizer, train, valid, weights, config.seq_length, config.max_epochs,
                         vocab_size, fingerprint)
-
-
-def _check_config(config: DataConfig) -> None:
-    """Reject settings that cannot mean anything, naming the key."""
-    if config.seq_length < 1:
-        raise DataError(f"data.seq_length = {config.seq_length} must be at least 1")
-    if config.max_epochs < 1:
-        raise DataError(f"data.max_epochs = {config.max_epochs} must be at least 1")
-    if not 0.0 <= config.validation_fraction < 1.0:
-        raise DataError(f"data.validation_fraction = {config.validation_fraction} must be in [0, 1)")
-    if config.weights is not None:
-        if len(config.weights) != len(config.paths):
-            raise DataError(
-                f"data.weights has {len(config.weights)} entries but data.paths has "
-                f"{len(config.paths)}; give one weight per path (or null)"
-            )
-        if any(w < 0 or not math.isfinite(w) for w in config.weights) or sum(config.weights) <= 0:
-            raise DataError(f"data.weights {config.weights} must be non-negative with a positive sum")
 
 
 def _check_size(train: list[PackedDataset], weights: np.ndarray, global_batch_size: int,

@@ -1,30 +1,64 @@
 """Per-Head Muon with AdamW grouping, learning-rate schedules and gradient clipping."""
 
-from k3train.optim.builder import (
-    ParamRoute,
-    ParameterCost,
-    build_optimizer,
-    describe_param_groups,
-    param_groups,
-    parameter_costs,
-    route_parameters,
-)
-from k3train.optim.clip import NormShare, clip_grad_norm_, grad_squared_norm
-from k3train.optim.config import OptimizerConfig, ScheduleConfig
-from k3train.optim.muon import (
-    BlockLayout,
-    MuonWorkItem,
-    PerHeadMuon,
-    block_layout,
-    orthogonalized_update,
-)
-from k3train.optim.newton_schulz import NS_COEFFICIENTS, newton_schulz, ns_compute_dtype, ns_cost
-from k3train.optim.schedules import lr_at, set_lr
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # static tools and IDEs see the real imports
+    from k3train.optim.builder import (
+        ParamRoute,
+        ParameterCost,
+        build_optimizer,
+        describe_param_groups,
+        param_groups,
+        parameter_costs,
+        route_parameters,
+    )
+    from k3train.optim.clip import NormShare, clip_grad_norm_, grad_squared_norm
+    from k3train.optim.config import OptimizerConfig, ScheduleConfig
+    from k3train.optim.muon import (
+        BlockLayout,
+        MuonWorkItem,
+        PerHeadMuon,
+        block_layout,
+        orthogonalized_update,
+    )
+    from k3train.optim.newton_schulz import NS_COEFFICIENTS, ns_compute_dtype, ns_cost
+    from k3train.optim.schedules import lr_at, set_lr
+
+# Each name loads its submodule on first use, so that importing `k3train.optim.config` (as the
+# torch-free config loader does) does not import torch through this package. (`newton_schulz` is
+# the submodule here; the function is `k3train.optim.newton_schulz.newton_schulz`.)
+_SUBMODULE_OF = {
+    "NS_COEFFICIENTS": "k3train.optim.newton_schulz",
+    "BlockLayout": "k3train.optim.muon",
+    "MuonWorkItem": "k3train.optim.muon",
+    "NormShare": "k3train.optim.clip",
+    "OptimizerConfig": "k3train.optim.config",
+    "ParamRoute": "k3train.optim.builder",
+    "ParameterCost": "k3train.optim.builder",
+    "PerHeadMuon": "k3train.optim.muon",
+    "ScheduleConfig": "k3train.optim.config",
+    "block_layout": "k3train.optim.muon",
+    "build_optimizer": "k3train.optim.builder",
+    "clip_grad_norm_": "k3train.optim.clip",
+    "describe_param_groups": "k3train.optim.builder",
+    "grad_squared_norm": "k3train.optim.clip",
+    "lr_at": "k3train.optim.schedules",
+    "ns_compute_dtype": "k3train.optim.newton_schulz",
+    "ns_cost": "k3train.optim.newton_schulz",
+    "orthogonalized_update": "k3train.optim.muon",
+    "param_groups": "k3train.optim.builder",
+    "parameter_costs": "k3train.optim.builder",
+    "route_parameters": "k3train.optim.builder",
+    "set_lr": "k3train.optim.schedules",
+}
 
 __all__ = [
+    "NS_COEFFICIENTS",
     "BlockLayout",
     "MuonWorkItem",
-    "NS_COEFFICIENTS",
     "OptimizerConfig",
     "NormShare",
     "ParamRoute",
@@ -37,7 +71,6 @@ __all__ = [
     "describe_param_groups",
     "grad_squared_norm",
     "lr_at",
-    "newton_schulz",
     "ns_compute_dtype",
     "ns_cost",
     "orthogonalized_update",
@@ -46,3 +79,13 @@ __all__ = [
     "route_parameters",
     "set_lr",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SUBMODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_SUBMODULE_OF[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_SUBMODULE_OF])

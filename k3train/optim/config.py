@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from typing import Literal
 
+from k3train.recipe import check
+
 
 @dataclass
 class OptimizerConfig:
@@ -35,6 +37,12 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clipping threshold; 0 disables clipping."""
 
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range field."""
+        check([
+            (self.lr >= 0, f"optimizer.lr must not be negative, got {self.lr}"),
+        ])
+
 
 @dataclass
 class ScheduleConfig:
@@ -48,3 +56,10 @@ class ScheduleConfig:
     """Final learning rate as a fraction of the peak."""
     decay_fraction: float = 0.2
     """WSD only: fraction of the steps spent in the final (linear) decay."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range field."""
+        check([
+            (self.warmup_steps >= 0, f"schedule.warmup_steps must not be negative, got {self.warmup_steps}"),
+            (0 <= self.min_lr_ratio <= 1, f"schedule.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}"),
+        ])

@@ -17,12 +17,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from k3train.config import JobConfig
+from k3train.config import ConfigError, JobConfig
 from k3train.model.k3 import K3Stage
 from k3train.model.moe import pool_routing_statistics
 from k3train.optim.schedules import lr_at, set_lr
 from k3train.parallel.grad_reduce import GradientReducer, average_over_dp, clip_grad_norm
 from k3train.parallel.pipeline import PipelineSchedule
+from k3train.parallel.pipeline_schedule import PipelineConfigError, check_interleaved_micro_batches
 from k3train.parallel.state import ParallelState
 from k3train.training.metrics import MetricsLogger
 from k3train.training.throughput import PeakFlops, format_eta, rank_memory_gib
@@ -90,12 +91,10 @@ class Trainer:
         self.progress = Progress()
         train = config.train
         dp = parallel.layout.dp
-        if train.global_batch_size % (train.micro_batch_size * dp):
-            raise TrainingError(
-                f"train.global_batch_size={train.global_batch_size} must be a multiple of train.micro_batch_size="
-                f"{train.micro_batch_size} times the data-parallel size {dp}"
-            )
-        self.micro_batches = train.global_batch_size // (train.micro_batch_size * dp)  # per rank
+        try:
+            self.micro_batches = train.micro_batches_per_rank(dp)  # with the dp resolved from the world size
+        except ConfigError as error:
+            raise TrainingError(str(error)) from None
         pp, virtual_stages = parallel.layout.pp, config.parallel.virtual_stages
         if virtual_stages > 1 and train.eval_interval and train.eval_batches % pp:
             raise TrainingError(
@@ -103,13 +102,11 @@ class Trainer:
                 f"multiples of parallel.pp={pp}, but train.eval_batches={train.eval_batches}; use "
                 f"train.eval_batches={pp * max(1, round(train.eval_batches / pp))}"
             )
-        if virtual_stages > 1 and self.micro_batches % pp:
-            fits = [n * train.micro_batch_size * dp for n in range(pp, 4 * pp + 1, pp)]
-            raise TrainingError(
-                f"the interleaved pipeline (parallel.virtual_stages={virtual_stages}) needs the micro-batches per "
-                f"rank ({self.micro_batches} = train.global_batch_size / (train.micro_batch_size * dp)) to be a "
-                f"multiple of parallel.pp={pp}; e.g. train.global_batch_size in {fits}"
-            )
+        if virtual_stages > 1:  # refused here, before the first step, rather than inside it
+            try:
+                check_interleaved_micro_batches(pp, self.micro_batches)
+            except PipelineConfigError as error:
+                raise TrainingError(str(error)) from None
         self.tokens_per_step = train.global_batch_size * config.data.seq_length  # whole job
         # The ranks that routed distinct tokens: they pool their balancer statistics.
         self.routing_group = parallel.data_tensor if parallel.sequence_parallel else parallel.dp

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
+from k3train.command_line import parse_job_args, parse_job_args_or_exit
 from k3train.config import (
     ConfigError,
     JobConfig,
     apply_overrides,
     config_from_dict,
-    config_reference_markdown,
     config_to_dict,
     load_config,
-    parse_job_args,
-    parse_job_args_or_exit,
     save_config,
 )
+from k3train.config_docs import config_reference_markdown
 from k3train.model.config import ModelConfig
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
@@ -232,3 +233,59 @@ def test_command_line_errors_exit_two(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "train.steps" in err and "abc" in err
+
+
+def test_config_and_command_line_do_not_import_torch():
+    """`pretrain_k3.py --help` and config errors must answer before torch loads (seconds)."""
+    code = (
+        "import sys\n"
+        "import k3train.command_line, k3train.config, k3train.config_docs, k3train.training.threads\n"
+        "from k3train.data.config import DataConfig\n"
+        "from k3train.optim.config import OptimizerConfig\n"
+        "from k3train.checkpoint.config import CheckpointConfig\n"
+        f"k3train.config.load_config({DEBUG!r}, ['train.steps=2'])\n"
+        "k3train.config_docs.config_reference_markdown()\n"
+        "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=CHECKOUT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- each rule stated once
+
+
+def test_batch_split_rule_is_one_function():
+    """The config (with parallel.dp) and the trainer (with the resolved dp) ask the same method."""
+    train = load_config(None, []).train  # global 8, micro 4
+    assert train.micro_batches_per_rank(1) == 2 and train.micro_batches_per_rank(2) == 1
+    with pytest.raises(ConfigError) as info:
+        train.micro_batches_per_rank(4)
+    message = str(info.value)
+    assert "train.global_batch_size (8)" in message and "train.micro_batch_size" in message
+    assert "use train.global_batch_size=16" in message and "\n" not in message
+    assert message in config_error(None, ["parallel.dp=4"])
+
+
+def test_layout_rules_at_load_and_at_start_up_are_the_same_check():
+    from k3train.parallel.pipeline_schedule import partition_layers
+    from k3train.parallel.state import LayoutError, resolve_layout
+
+    with pytest.raises(LayoutError) as at_start:
+        resolve_layout(3, tp=3, pp=1, dp=0, ep=1, virtual_stages=1, mla_heads=4, kda_heads=4, vocab_size=384,
+                       num_experts=16, num_layers=8)
+    assert config_error(None, ["parallel.tp=3"]).endswith(str(at_start.value))
+    with pytest.raises(LayoutError) as at_start:
+        partition_layers(8, 4, 3)
+    assert config_error(None, ["parallel.pp=4", "parallel.virtual_stages=3"]).endswith(str(at_start.value))
+
+
+def test_data_section_checks_itself_once():
+    from k3train.data import DataConfig, build_data
+
+    bad = DataConfig(paths=["a", "b"], weights=[1.0])
+    with pytest.raises(ConfigError) as when_built:
+        build_data(bad, 8, 1, 384)
+    message = str(when_built.value)
+    assert "data.weights has 1 entries but data.paths has 2" in message and "one weight per path" in message
+    assert config_error(None, ["data.paths=[a, b]", "data.weights=[1.0]"]).endswith(message)

@@ -19,12 +19,12 @@ from k3train.optim import (
     describe_param_groups,
     grad_squared_norm,
     lr_at,
-    newton_schulz,
     ns_compute_dtype,
     parameter_costs,
     route_parameters,
     set_lr,
 )
+from k3train.optim.newton_schulz import newton_schulz
 
 # ---------------------------------------------------------------------------------------------
 # Newton–Schulz

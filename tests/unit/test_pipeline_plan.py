@@ -143,7 +143,7 @@ def test_theoretical_peak_one_f_one_b():
 
 
 def test_tied_embeddings_refused_under_pp():
-    from k3train.config import ParallelConfig
+    from k3train.parallel.config import ParallelConfig
 
     with pytest.raises(PipelineConfigError, match="tie_word_embeddings"):
         PipelinePlan.from_config(ModelConfig(tie_word_embeddings=True), ParallelConfig(pp=2))

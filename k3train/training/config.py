@@ -1,0 +1,96 @@
+"""The step loop's and the metric sinks' settings (the `train:` and `logging:` sections)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from k3train.recipe import ConfigError, check
+
+__all__ = ["LoggingConfig", "TrainConfig"]
+
+
+@dataclass
+class TrainConfig:
+    """The step loop: how long, how big, on what, and when to log and evaluate."""
+
+    steps: int = 100
+    """Optimizer steps to train for (the total, counting steps done before a resume)."""
+    global_batch_size: int = 8
+    """Samples per optimizer step, over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 4
+    """Samples per micro-batch on one data-parallel rank."""
+    seed: int = 1234
+    """Seed of parameter initialisation and every other random choice of the run."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype of parameters and activations (AttnRes scores, router and QB stay fp32)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """'auto' uses CUDA when available, else the CPU."""
+    log_interval: int = 1
+    """Steps between metric lines."""
+    eval_interval: int = 0
+    """Steps between validation passes; 0 means never."""
+    eval_batches: int = 2
+    """Global batches per validation pass."""
+    max_nonfinite_steps: int = 3
+    """Stop after this many consecutive steps with a NaN/Inf loss or gradient norm (each is skipped)."""
+    num_threads: int = 0
+    """Intra-op CPU threads per process; 0 means OMP_NUM_THREADS when set, else the cores this
+    process may use divided among the ranks on its machine."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range field."""
+        check([
+            (self.steps >= 1, f"train.steps must be at least 1, got {self.steps}"),
+            (self.global_batch_size >= 1, f"train.global_batch_size must be at least 1, got {self.global_batch_size}"),
+            (self.micro_batch_size >= 1, f"train.micro_batch_size must be at least 1, got {self.micro_batch_size}"),
+            (self.log_interval >= 1, f"train.log_interval must be at least 1, got {self.log_interval}"),
+            (self.eval_interval >= 0, f"train.eval_interval must be 0 (never) or positive, got {self.eval_interval}"),
+            (self.eval_batches >= 1, f"train.eval_batches must be at least 1, got {self.eval_batches}"),
+            (self.max_nonfinite_steps >= 1,
+             f"train.max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}"),
+            (self.num_threads >= 0,
+             f"train.num_threads must be 0 (automatic) or positive, got {self.num_threads}"),
+        ])
+
+    def micro_batches_per_rank(self, dp: int) -> int:
+        """Micro-batches each data-parallel rank runs per step, for `dp` data-parallel ranks.
+
+        Raises ConfigError unless the global batch splits into whole micro-batches on every
+        rank. The job's config is checked with its `parallel.dp` (1 when automatic) at load, the
+        trainer checks it again with the data-parallel size resolved from the world size.
+        """
+        per_step = self.micro_batch_size * dp
+        if self.global_batch_size % per_step:
+            lower = max(self.global_batch_size // per_step, 1) * per_step
+            fits = sorted({lower, lower + per_step} - {self.global_batch_size})
+            raise ConfigError(
+                f"train.global_batch_size ({self.global_batch_size}) must be a multiple of train.micro_batch_size * "
+                f"data-parallel size ({self.micro_batch_size} * {dp} = {per_step}); use train.global_batch_size="
+                f"{' or '.join(map(str, fits))}, or change train.micro_batch_size")
+        return self.global_batch_size // per_step
+
+
+@dataclass
+class LoggingConfig:
+    """Metric sinks (the console always gets a line every train.log_interval steps)."""
+
+    jsonl: bool = True
+    """Write metrics.jsonl in the run directory."""
+    tensorboard: bool = False
+    """Write TensorBoard event files (needs the tensorboard package)."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs the wandb package)."""
+    wandb_project: str = "k3train"
+    """W&B project name."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """W&B mode; 'offline' writes locally for a later `wandb sync`."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s per device used for MFU; null looks it up from the device name."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range field."""
+        check([
+            (self.peak_tflops is None or self.peak_tflops > 0,
+             f"logging.peak_tflops must be positive or null, got {self.peak_tflops}"),
+        ])

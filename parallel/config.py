@@ -1,0 +1,98 @@
+"""Parallel settings (the `parallel:` section of a recipe) and the layout rules that need no
+process group: which sizes are valid, and which parallel sizes must divide which model sizes.
+
+Torch-free, so a recipe is checked before torch loads. The rules that need the world size live
+in `state.py` (`resolve_layout`); how layers are split into pipeline chunks lives in
+`pipeline_schedule.py` (`partition_layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from k3train.recipe import ConfigError, check
+
+__all__ = ["LayoutError", "ParallelConfig", "check_model_split", "check_pipeline_sizes", "divisors"]
+
+
+class LayoutError(ConfigError):
+    """A parallel layout that cannot run; the message names the sizes and what would fit."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_pipeline_sizes(pp: int, virtual_stages: int) -> None:
+    """Raise LayoutError unless `pp` and `virtual_stages` are at least 1, and interleaving
+    (virtual_stages > 1) has stages to interleave (pp > 1)."""
+    for name, size in (("pp", pp), ("virtual_stages", virtual_stages)):
+        if size < 1:
+            raise LayoutError(f"parallel.{name} must be at least 1, got {size}")
+    if virtual_stages > 1 and pp == 1:
+        raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.pp > 1 (interleaving splits "
+                          f"pipeline stages); set parallel.pp or parallel.virtual_stages=1")
+
+
+def check_model_split(tp: int, ep: int, mla_heads: int, kda_heads: int, vocab_size: int, num_experts: int) -> None:
+    """Raise LayoutError unless tp divides the heads and the vocabulary and ep divides the experts
+    (a count of 0, such as no experts, needs no split)."""
+    for what, count, size_name, size in (
+        ("model.num_attention_heads (MLA heads)", mla_heads, "parallel.tp", tp),
+        ("model.linear_attn_config.num_heads (KDA heads)", kda_heads, "parallel.tp", tp),
+        ("model.vocab_size", vocab_size, "parallel.tp", tp),
+        ("model.num_experts", num_experts, "parallel.ep", ep),
+    ):
+        if count and count % size:
+            raise LayoutError(
+                f"{what}={count} is not divisible by {size_name}={size}; "
+                f"{size_name} must divide {count}: one of {[d for d in divisors(count) if d <= 64]}"
+            )
+
+
+@dataclass
+class ParallelConfig:
+    """How the job is split across processes. The values are checked here; whether they fit the
+    model is checked with the whole job (`JobConfig.validate`), and whether they fit the world
+    size by `resolve_layout` at start-up."""
+
+    tp: int = 1
+    """Tensor-parallel size (attention heads and expert/MLP widths split across ranks)."""
+    pp: int = 1
+    """Pipeline-parallel size (stages of consecutive decoder layers)."""
+    dp: int = 0
+    """Data-parallel size; 0 means whatever is left of the world size (world / (tp * pp))."""
+    ep: int = 1
+    """Expert-parallel size for the MoE layers, carved out of dp * tp; must divide model.num_experts."""
+    cp: int = 1
+    """Context-parallel size (reserved; 1 for now)."""
+    virtual_stages: int = 1
+    """Virtual pipeline stages per rank (interleaved 1F1B when > 1; needs pp > 1)."""
+    sequence_parallel: bool = False
+    """Split the sequence dimension of norms and residual activations across the TP ranks."""
+    zero1: bool = True
+    """Shard the optimizer state across the data-parallel ranks (ZeRO-1)."""
+    pipeline_layers: Optional[list[int]] = None
+    """Decoder layers per pipeline chunk, overriding the even split: pp * virtual_stages entries in
+    chunk order (chunk c runs on rank c mod pp), each at least 1, summing to
+    model.num_hidden_layers; null splits evenly."""
+    expert_dispatch: Literal["balanced", "capacity"] = "balanced"
+    """Fixed-size expert dispatch: 'balanced' replicates overloaded experts onto underloaded
+    ranks; 'capacity' drops slots beyond capacity_factor."""
+    capacity_factor: float = 1.25
+    """Slots per (source, destination) rank pair, as a multiple of the even share tokens * top_k / ep."""
+    max_replicas_per_rank: int = 2
+    """'balanced' dispatch: the most replicated experts one rank hosts in a step."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range field."""
+        check([(value >= 1, f"parallel.{name} must be at least 1, got {value}")
+               for name, value in (("tp", self.tp), ("ep", self.ep), ("cp", self.cp))])
+        check_pipeline_sizes(self.pp, self.virtual_stages)
+        check([
+            (self.dp >= 0, f"parallel.dp must be 0 (the rest of the world size) or positive, got {self.dp}"),
+            (self.capacity_factor > 0, f"parallel.capacity_factor must be positive, got {self.capacity_factor}"),
+            (self.max_replicas_per_rank >= 1,
+             f"parallel.max_replicas_per_rank must be at least 1, got {self.max_replicas_per_rank}"),
+        ])
