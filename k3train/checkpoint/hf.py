@@ -1,31 +1,10 @@
 """Kimi K3 Hugging Face hub format ⇄ k3train: tensor names and shapes, and `config.json`.
 
-The target is the hub layout of `moonshotai/Kimi-K3` (references §2.1): a top-level
-`config.json` with `model_type: "kimi_k3"` and a nested `text_config` (`model_type:
-"kimi_linear"`), text weights under `language_model.model.` plus `language_model.lm_head.weight`,
-routed experts unquantised as `experts.{e}.w{1,2,3}.weight` (no `quantization_config`).
-
-Name mapping (k3train state-dict name → HF name, `P = language_model.model.`):
-
-    embed_tokens.weight, norm.weight          → P + same name
-    lm_head.weight                            → language_model.lm_head.weight (absent when tied)
-    layers.L.<anything not below>             → P + layers.L.<same>   (norms, self_attn.*, mlp.*,
-                                                 block_sparse_moe.{gate,routed_expert_*,shared_experts}.*)
-    layers.L.self_attention_res.{norm,proj}.weight → P + layers.L.self_attention_res_{norm,proj}.weight
-    layers.L.mlp_res.{norm,proj}.weight       → P + layers.L.mlp_res_{norm,proj}.weight
-    output_attn_res.{norm,proj}.weight        → P + output_attn_res_{norm,proj}.weight
-    layers.L.block_sparse_moe.experts.wK  [E, out, in] (stacked)
-                                              → P + layers.L.block_sparse_moe.experts.{e}.wK.weight [out, in]
-
-`A_log` is written `[num_heads]`. The published checkpoint allocates it `[head_dim]` (heads
-first, zero padding after); `hf_tensor_specs(..., a_log_width=head_dim)` writes that layout, and
-import accepts `[H]`, `[>= H]` (narrowed; the padding must be zero) and Kimi Linear's 4-D
-`[1, 1, H, 1]`. `gate.e_score_correction_bias`, `A_log`, `dt_bias` and the short-convolution
-weights stay float32 whatever the export dtype (the hub checkpoint ships them as F32).
-
-Everything here is pure (config in, names/shapes/dicts out). The read-only I/O both
-`tools/convert_checkpoint.py` and `tools/score.py` need (`find_checkpoint`,
-`CheckpointTensorReader`, `HFDirectory`, `load_hf_weights`) is in `hf_io.py`.
+The list of tensors is read from the model itself (`K3Model` built on the meta device); what this
+module states is only the renaming rules (`hf_name`, `k3train_name`), the hub's name vocabulary
+(`HF_TEXT_TENSOR_NAME`), the file order and the config fields. The layout, the name mapping and
+the `A_log` variants are described in docs/hf_conversion.md. Everything here is pure (config in,
+names/shapes/dicts out); the read-only I/O is in `hf_io.py`.
 """
 
 from __future__ import annotations
@@ -56,6 +35,24 @@ FP32_TENSOR_SUFFIXES = ("gate.e_score_correction_bias", "self_attn.A_log", "self
 
 _ATTN_RES_PAIRS = ("self_attention_res", "mlp_res", "output_attn_res")
 _EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up, down (HF order of the reference listing)
+_K3_EXPERT_STACK = re.compile(r"(layers\.\d+\.block_sparse_moe\.experts)\.(w[123])")
+"""A k3train stack of routed experts `[E, out, in]`; the hub stores each expert's slice."""
+
+# The hub lists a KDA layer's decay-gate parameters after f_b_proj (they act on its output); the
+# model registers them before its submodules. Every other tensor is written in the model's order.
+_HF_PLACED_AFTER = {"self_attn.f_b_proj.weight": ("self_attn.dt_bias", "self_attn.A_log")}
+
+HF_TEXT_TENSOR_NAME = re.compile(
+    r"language_model\.lm_head\.weight|language_model\.model\.(embed_tokens\.weight|norm\.weight|"
+    r"output_attn_res_(norm|proj)\.weight|layers\.\d+\.("
+    r"(input_layernorm|post_attention_layernorm|(self_attention|mlp)_res_(norm|proj))\.weight|"
+    r"self_attn\.((q|k|v|g|o|b|f_a|f_b)_proj\.weight|(q|k|v)_conv1d\.weight|dt_bias|A_log|o_norm\.weight|"
+    r"(q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj)\.weight)|"
+    r"mlp\.(gate|up|down)_proj\.weight|"
+    r"block_sparse_moe\.(gate\.weight|gate\.e_score_correction_bias|routed_expert_(down_proj|norm|up_proj)\.weight|"
+    r"experts\.\d+\.w[123]\.weight|shared_experts\.(gate|up|down)_proj\.weight)))"
+)
+"""Every tensor name of the Kimi K3 hub text model (docs/hf_conversion.md lists them)."""
 
 # ModelConfig fields written under the same name into text_config.
 _HF_MODEL_FIELDS = (
@@ -128,113 +125,77 @@ def default_full_attn_layers(num_hidden_layers: int) -> list[int]:
     return layers
 
 
-def _layer_tensors(config: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(k3train name below `layers.L.`, shape) of one decoder layer, routed experts stacked."""
-    d, lac = config.hidden_size, config.linear_attn_config
-    out: list[tuple[str, tuple[int, ...]]] = [("input_layernorm.weight", (d,))]
-    if config.is_mla_layer(index):
-        heads = config.num_attention_heads
-        a = "self_attn."
-        if config.q_lora_rank is None:
-            out.append((a + "q_proj.weight", (heads * config.qk_head_dim, d)))
-        else:
-            out += [
-                (a + "q_a_proj.weight", (config.q_lora_rank, d)),
-                (a + "q_a_layernorm.weight", (config.q_lora_rank,)),
-                (a + "q_b_proj.weight", (heads * config.qk_head_dim, config.q_lora_rank)),
-            ]
-        out += [
-            (a + "kv_a_proj_with_mqa.weight", (config.kv_lora_rank + config.qk_rope_head_dim, d)),
-            (a + "kv_a_layernorm.weight", (config.kv_lora_rank,)),
-            (a + "kv_b_proj.weight", (heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank)),
-        ]
-        if config.mla_use_output_gate:
-            out.append((a + "g_proj.weight", (heads * config.v_head_dim, d)))
-        out.append((a + "o_proj.weight", (d, heads * config.v_head_dim)))
-    else:
-        heads, width, rank = lac.num_heads, lac.num_heads * lac.head_dim, config.kda_gate_rank
-        a = "self_attn."
-        out += [
-            (a + "q_proj.weight", (width, d)),
-            (a + "k_proj.weight", (width, d)),
-            (a + "v_proj.weight", (width, d)),
-            (a + "q_conv1d.weight", (width, 1, lac.short_conv_kernel_size)),
-            (a + "k_conv1d.weight", (width, 1, lac.short_conv_kernel_size)),
-            (a + "v_conv1d.weight", (width, 1, lac.short_conv_kernel_size)),
-            (a + "f_a_proj.weight", (rank, d)),
-            (a + "f_b_proj.weight", (width, rank)),
-            (a + "dt_bias", (width,)),
-            (a + "A_log", (heads,)),
-            (a + "b_proj.weight", (heads, d)),
-            (a + "g_proj.weight", (width, d)),
-            (a + "o_norm.weight", (lac.head_dim,)),
-            (a + "o_proj.weight", (d, width)),
-        ]
-    out.append(("post_attention_layernorm.weight", (d,)))
-    if config.is_moe_layer(index):
-        m, n = "block_sparse_moe.", config.num_experts
-        latent, inner = config.routed_expert_hidden_size, config.moe_intermediate_size
-        out += [
-            (m + "gate.weight", (n, d)),
-            (m + "gate.e_score_correction_bias", (n,)),
-            (m + "routed_expert_down_proj.weight", (latent, d)),
-            (m + "experts.w1", (n, inner, latent)),
-            (m + "experts.w3", (n, inner, latent)),
-            (m + "experts.w2", (n, latent, inner)),
-        ]
-        if config.latent_moe_use_norm:
-            out.append((m + "routed_expert_norm.weight", (latent,)))
-        out.append((m + "routed_expert_up_proj.weight", (d, latent)))
-        if config.num_shared_experts > 0:
-            shared = config.num_shared_experts * config.moe_intermediate_size
-            out += [
-                (m + "shared_experts.gate_proj.weight", (shared, d)),
-                (m + "shared_experts.up_proj.weight", (shared, d)),
-                (m + "shared_experts.down_proj.weight", (d, shared)),
-            ]
-    else:
-        out += [
-            ("mlp.gate_proj.weight", (config.intermediate_size, d)),
-            ("mlp.up_proj.weight", (config.intermediate_size, d)),
-            ("mlp.down_proj.weight", (d, config.intermediate_size)),
-        ]
-    if config.attn_res != "none":
-        for pair in _ATTN_RES_PAIRS[:2]:
-            out += [(f"{pair}.norm.weight", (d,)), (f"{pair}.proj.weight", (1, d))]
-    return out
-
-
 def k3_state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of `K3Model(config).state_dict()` (persistent buffers included) and its shape,
-    from the config alone (no weights are built). A tied head keeps its own key, as in the model."""
-    d = config.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, d)}
-    for index in range(config.num_hidden_layers):
-        for name, shape in _layer_tensors(config, index):
-            shapes[f"layers.{index}.{name}"] = shape
-    if config.attn_res != "none":
-        shapes["output_attn_res.norm.weight"] = (d,)
-        shapes["output_attn_res.proj.weight"] = (1, d)
-    shapes["norm.weight"] = (d,)
-    shapes["lm_head.weight"] = (config.vocab_size, d)
-    return shapes
+    in the model's order: the model is built on the meta device, so no weight is allocated. A tied
+    head keeps its own key, as in the model."""
+    from k3train.model.k3 import K3Model  # the model's code is imported only when a list is needed
+
+    with torch.device("meta"):
+        model = K3Model(config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def _split_layer(k3_name: str) -> tuple[str, str]:
+    """(`layers.L.` or "", the rest of the name)."""
+    match = re.match(r"layers\.\d+\.", k3_name)
+    return (match.group(0), k3_name[match.end():]) if match else ("", k3_name)
+
+
+def hf_file_order(k3_names: Sequence[str]) -> list[str]:
+    """`k3_names` (in the model's order) in the order the hub files list them: the model's order,
+    except the names `_HF_PLACED_AFTER` moves behind another tensor of the same layer."""
+    present = set(k3_names)
+    anchor_of = {moved: anchor for anchor, group in _HF_PLACED_AFTER.items() for moved in group}
+    ordered: list[str] = []
+    for name in k3_names:
+        layer, rest = _split_layer(name)
+        if rest in anchor_of and layer + anchor_of[rest] in present:
+            continue  # written behind its anchor
+        ordered.append(name)
+        ordered += [layer + moved for moved in _HF_PLACED_AFTER.get(rest, ()) if layer + moved in present]
+    return ordered
 
 
 def hf_name(k3_name: str, expert: Optional[int] = None) -> str:
-    """The hub name of a k3train tensor (of expert `expert` for a stacked expert tensor)."""
+    """The hub name of a k3train tensor (of expert `expert` for a stacked expert tensor).
+
+    Raises `HFConversionError` for a tensor with no place in the hub layout (`HF_TEXT_TENSOR_NAME`):
+    a parameter added to the model needs a rule here before it can be exported.
+    """
     if k3_name == "lm_head.weight":
         return HF_LM_HEAD
     name = k3_name
     for pair in _ATTN_RES_PAIRS:
         name = re.sub(rf"(^|\.){pair}\.(norm|proj)\.weight$", rf"\1{pair}_\2.weight", name)
-    match = re.fullmatch(r"(layers\.\d+\.block_sparse_moe\.experts)\.(w[123])", name)
+    match = _K3_EXPERT_STACK.fullmatch(name)
     if match:
         if expert is None:
             raise ValueError(f"{k3_name} is a stack of experts: pass the expert index")
         name = f"{match.group(1)}.{expert}.{match.group(2)}.weight"
     elif expert is not None:
         raise ValueError(f"{k3_name} is not an expert stack")
+    if not HF_TEXT_TENSOR_NAME.fullmatch(HF_TEXT_PREFIX + name):
+        raise HFConversionError(
+            f"k3train tensor {k3_name} has no name in the Kimi K3 hub layout: add its renaming rule and "
+            "hub name to k3train/checkpoint/hf.py (hf_name, k3train_name, HF_TEXT_TENSOR_NAME)"
+        )
     return HF_TEXT_PREFIX + name
+
+
+def k3train_name(hub_name: str) -> tuple[str, Optional[int]]:
+    """(k3train state-dict name, expert index or None) of a hub tensor name: the inverse of `hf_name`."""
+    if hub_name == HF_LM_HEAD:
+        return "lm_head.weight", None
+    if not HF_TEXT_TENSOR_NAME.fullmatch(hub_name):
+        raise HFConversionError(f"{hub_name} is not a tensor name of the Kimi K3 text model")
+    name = hub_name[len(HF_TEXT_PREFIX):]
+    match = re.fullmatch(r"(layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight", name)
+    if match:
+        return f"{match.group(1)}.{match.group(3)}", int(match.group(2))
+    for pair in _ATTN_RES_PAIRS:
+        name = re.sub(rf"(^|\.){pair}_(norm|proj)\.weight$", rf"\1{pair}.\2.weight", name)
+    return name, None
 
 
 def hf_tensor_specs(config: ModelConfig, a_log_width: Optional[int] = None) -> list[TensorSpec]:
@@ -250,11 +211,12 @@ def hf_tensor_specs(config: ModelConfig, a_log_width: Optional[int] = None) -> l
         raise ValueError(f"a_log_width ({a_log_width}) must be at least num_heads ({heads})")
     specs: list[TensorSpec] = []
     shapes = k3_state_shapes(config)
-    for k3_name, shape in shapes.items():
+    for k3_name in hf_file_order(list(shapes)):
+        shape = shapes[k3_name]
         if k3_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if re.fullmatch(r"layers\.\d+\.block_sparse_moe\.experts\.w[123]", k3_name):
-            continue  # emitted expert by expert below, at the place of w1
+        if _K3_EXPERT_STACK.fullmatch(k3_name):
+            continue  # emitted expert by expert below, at the place of the routed experts' input projection
         hf_shape = shape
         if k3_name.endswith("self_attn.A_log") and a_log_width is not None:
             hf_shape = (a_log_width,)
@@ -262,9 +224,16 @@ def hf_tensor_specs(config: ModelConfig, a_log_width: Optional[int] = None) -> l
         if k3_name.endswith("block_sparse_moe.routed_expert_down_proj.weight"):
             stack = k3_name[: -len("routed_expert_down_proj.weight")] + "experts."
             stacks = [(stack + w, HF_TEXT_PREFIX + stack, w, shapes[stack + w]) for w in _EXPERT_WEIGHTS]
+            for k3, _, _, _ in stacks:
+                hf_name(k3, 0)  # refuses a stack the hub has no name for
             for expert in range(config.num_experts):
                 for k3, hf_stack, w, stacked in stacks:  # == hf_name(k3, expert), without the regexes
                     specs.append(TensorSpec(k3, f"{hf_stack}{expert}.{w}.weight", stacked[1:], stacked, expert))
+    # Stacks are emitted at their layer's down-projection: a stack elsewhere would be left out.
+    covered = {spec.k3_name for spec in specs} | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    uncovered = [name for name in shapes if name not in covered]
+    if uncovered:
+        raise HFConversionError(f"the HF mapping does not cover these model tensors: {short_listing(uncovered)}")
     return specs
 
 
@@ -332,24 +301,24 @@ def check_hf_tensors(
     packed = [n for n in names if n.endswith((".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point"))]
     if packed:
         raise HFConversionError(
-            f"{source} holds quantised experts ({_listing(packed)}): k3train loads unquantised weights "
+            f"{source} holds quantised experts ({short_listing(packed)}): k3train loads unquantised weights "
             "only; dequantise the experts to BF16 (.weight tensors) first"
         )
     low_rank_gate = [n for n in names if ".g_a_proj." in n or ".g_b_proj." in n]
     if low_rank_gate:
         raise HFConversionError(
-            f"{source} has a low-rank KDA output gate ({_listing(low_rank_gate)}): k3train implements "
+            f"{source} has a low-rank KDA output gate ({short_listing(low_rank_gate)}): k3train implements "
             "K3's full-rank g_proj only (use_full_rank_gate true)"
         )
     by_name = {spec.hf_name: spec for spec in specs}
     missing = [spec.hf_name for spec in specs if spec.hf_name not in available]
     if missing:
-        raise HFConversionError(f"{source} lacks tensors the config implies: {_listing(missing)}")
+        raise HFConversionError(f"{source} lacks tensors the config implies: {short_listing(missing)}")
     text = [n for n in names if n.startswith("language_model.")]
     unexpected = [n for n in text if n not in by_name]
     if unexpected:
         raise HFConversionError(
-            f"{source} has text-model tensors k3train has no place for: {_listing(unexpected)}"
+            f"{source} has text-model tensors k3train has no place for: {short_listing(unexpected)}"
         )
     wrong = []
     for name in text:
@@ -358,11 +327,12 @@ def check_hf_tensors(
             want = spec.k3_shape[1:] if spec.expert is not None else spec.k3_shape
             wrong.append(f"{name} {list(shape)} vs {list(want)}")
     if wrong:
-        raise HFConversionError(f"{source} has tensors whose shape the config does not imply: {_listing(wrong)}")
+        raise HFConversionError(f"{source} has tensors whose shape the config does not imply: {short_listing(wrong)}")
     return [n for n in names if not n.startswith("language_model.")]
 
 
-def _listing(items: Sequence[str], limit: int = 3) -> str:
+def short_listing(items: Sequence[str], limit: int = 3) -> str:
+    """The first `limit` items and how many there are in all (for one-line error messages)."""
     shown = ", ".join(items[:limit])
     return f"{shown}{', ...' if len(items) > limit else ''} ({len(items)} in all)" if len(items) > 1 else shown
 
@@ -384,7 +354,7 @@ def to_hf_config(
     max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
     allow_k3train_only: bool = False,
 ) -> dict[str, Any]:
-    """The hub `config.json` of `config` (references §2.1; no `quantization_config`).
+    """The hub `config.json` of `config` (no `quantization_config`; docs/hf_conversion.md).
 
     Fields with no HF name (attn_res mode, balancer, recompute, init_std, KDA chunk size, …) go
     into `text_config["k3train"]`, so `from_hf_config` restores the exact ModelConfig.
