@@ -19,9 +19,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from k3train.checkpoint.errors import CheckpointError
 from k3train.checkpoint.hf import HFConversionError, TensorSpec, import_tensor, short_listing
-from k3train.checkpoint.manifest import _STEP_RE, is_complete, verify_checkpoint
+from k3train.checkpoint.manifest import complete_checkpoints, is_complete, verify_checkpoint
 from k3train.model.config import ModelConfig
-
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -36,11 +35,9 @@ def find_checkpoint(path: str | Path) -> Path:
     if is_complete(path):
         return path
     for root in (path, path / "checkpoints"):
-        if root.is_dir():
-            steps = [(int(m.group(1)), e) for e in root.iterdir()
-                     if (m := _STEP_RE.match(e.name)) and e.is_dir() and is_complete(e)]
-            if steps:
-                return max(steps)[1]
+        steps = complete_checkpoints(root)
+        if steps:
+            return steps[-1][1]
     raise HFConversionError(
         f"{path} is neither a complete k3train checkpoint (step_XXXXXXXX with .metadata and a complete "
         "k3train.json) nor a directory holding one (checkpoints/ of a run)"
