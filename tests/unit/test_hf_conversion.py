@@ -22,18 +22,17 @@ from safetensors.torch import load_file
 from k3train.checkpoint import Checkpointer
 from k3train.checkpoint.hf import (
     HF_LM_HEAD,
+    HF_TEXT_TENSOR_NAME,
     HFConversionError,
     check_hf_tensors,
     export_tensor,
-    from_hf_config,
-    HF_TEXT_TENSOR_NAME,
     hf_name,
     hf_tensor_specs,
     import_tensor,
     k3_state_shapes,
     k3train_name,
-    to_hf_config,
 )
+from k3train.checkpoint.hf_config import from_hf_config, to_hf_config
 from k3train.config import JobConfig, load_config, save_config
 from k3train.model.config import LinearAttnConfig, ModelConfig
 from k3train.model.k3 import K3Model
@@ -289,7 +288,7 @@ def test_k3_preset_config_json_carries_the_published_values():
 
 def test_k3_preset_tensor_list_matches_the_hub_without_building_weights():
     specs = hf_tensor_specs(ModelConfig.preset("k3"))
-    assert len(specs) == 249_756  # the named-tensor count the references report for the text model
+    assert len(specs) == 249_756  # the published checkpoint's named-tensor count for the text model
     shapes = {s.hf_name: s.shape for s in specs}
     assert shapes[P + "embed_tokens.weight"] == (163840, 7168)
     assert shapes[P + "layers.0.self_attn.q_conv1d.weight"] == (12288, 1, 4)
