@@ -9,7 +9,7 @@ to-hf writes `config.json` (from the run's model config), `model-0000x-of-0000y.
 shards and `model.safetensors.index.json`. It streams: model tensors are read from the DCP
 checkpoint a few at a time (routed experts in slabs of experts), whatever parallel layout saved
 them, and written straight into the shard files, so a model larger than memory converts. The
-names, shapes and config fields are those of `k3train/checkpoint/hf.py`.
+names, shapes, file order and config fields are described in docs/hf_conversion.md.
 
 from-hf writes a run directory that `pretrain_k3.py --run-dir RUN_DIR` starts from:
 `RUN_DIR/config.yaml` (the model section from config.json, everything else from --recipe or the
@@ -46,12 +46,10 @@ from k3train.checkpoint.hf import (  # noqa: E402
     TensorSpec,
     check_hf_tensors,
     export_tensor,
-    from_hf_config,
     hf_tensor_specs,
     k3_state_shapes,
-    special_token_ids,
-    to_hf_config,
 )
+from k3train.checkpoint.hf_config import from_hf_config, special_token_ids, to_hf_config  # noqa: E402
 from k3train.checkpoint.hf_io import (  # noqa: E402
     CheckpointTensorReader,
     HFDirectory,

@@ -35,9 +35,9 @@ from k3train.checkpoint import CheckpointError, Checkpointer  # noqa: E402
 from k3train.checkpoint.hf import (  # noqa: E402
     HFConversionError,
     check_hf_tensors,
-    from_hf_config,
     hf_tensor_specs,
 )
+from k3train.checkpoint.hf_config import from_hf_config  # noqa: E402
 from k3train.checkpoint.hf_io import (  # noqa: E402
     HFDirectory,
     build_empty_model,

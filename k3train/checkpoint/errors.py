@@ -9,17 +9,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: missing, incomplete, truncated or not matching the model."""
 
 
-def _short(e: BaseException, limit: int = 300) -> str:
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """`e`'s message on one line, cut to `limit` characters."""
     text = " ".join(str(e).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _describe(e: BaseException) -> str:
+def describe_failure(e: BaseException) -> str:
     """One line per failure; DCP's CheckpointException (a BaseException) carries one per rank."""
     if isinstance(e, CheckpointException):
         parts = []
         for rank, wrapped in sorted(e.failures.items()):
             inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            parts.append(f"rank {rank}: {type(inner).__name__}: {_short(inner, 200)}")
+            parts.append(f"rank {rank}: {type(inner).__name__}: {one_line(inner, 200)}")
         return "; ".join(parts) or "CheckpointException"
-    return f"{type(e).__name__}: {_short(e)}"
+    return f"{type(e).__name__}: {one_line(e)}"

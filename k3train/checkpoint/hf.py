@@ -1,84 +1,48 @@
-"""Kimi K3 Hugging Face hub format ⇄ k3train: tensor names and shapes, and `config.json`.
+"""Kimi K3 Hugging Face hub format ⇄ k3train: tensor names, shapes and values.
 
-The target is the hub layout of `moonshotai/Kimi-K3` (references §2.1): a top-level
-`config.json` with `model_type: "kimi_k3"` and a nested `text_config` (`model_type:
-"kimi_linear"`), text weights under `language_model.model.` plus `language_model.lm_head.weight`,
-routed experts unquantised as `experts.{e}.w{1,2,3}.weight` (no `quantization_config`).
-
-Name mapping (k3train state-dict name → HF name, `P = language_model.model.`):
-
-    embed_tokens.weight, norm.weight          → P + same name
-    lm_head.weight                            → language_model.lm_head.weight (absent when tied)
-    layers.L.<anything not below>             → P + layers.L.<same>   (norms, self_attn.*, mlp.*,
-                                                 block_sparse_moe.{gate,routed_expert_*,shared_experts}.*)
-    layers.L.self_attention_res.{norm,proj}.weight → P + layers.L.self_attention_res_{norm,proj}.weight
-    layers.L.mlp_res.{norm,proj}.weight       → P + layers.L.mlp_res_{norm,proj}.weight
-    output_attn_res.{norm,proj}.weight        → P + output_attn_res_{norm,proj}.weight
-    layers.L.block_sparse_moe.experts.wK  [E, out, in] (stacked)
-                                              → P + layers.L.block_sparse_moe.experts.{e}.wK.weight [out, in]
-
-`A_log` is written `[num_heads]`. The published checkpoint allocates it `[head_dim]` (heads
-first, zero padding after); `hf_tensor_specs(..., a_log_width=head_dim)` writes that layout, and
-import accepts `[H]`, `[>= H]` (narrowed; the padding must be zero) and Kimi Linear's 4-D
-`[1, 1, H, 1]`. `gate.e_score_correction_bias`, `A_log`, `dt_bias` and the short-convolution
-weights stay float32 whatever the export dtype (the hub checkpoint ships them as F32).
-
-Everything here is pure (config in, names/shapes/dicts out). The read-only I/O both
-`tools/convert_checkpoint.py` and `tools/score.py` need (`find_checkpoint`,
-`CheckpointTensorReader`, `HFDirectory`, `load_hf_weights`) is in `hf_io.py`.
+The list of tensors is read from the model itself (`K3Model` built on the meta device); what this
+module states is only the renaming rules (`hf_name`, `k3train_name`), the hub's name vocabulary
+(`HF_TEXT_TENSOR_NAME`) and the file order. The layout, the name mapping and the `A_log`
+variants are described in docs/hf_conversion.md. Everything here is pure (config in,
+names/shapes/tensors out); `config.json` is in `hf_config.py`, the read-only I/O in `hf_io.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
-from k3train.model.config import LinearAttnConfig, ModelConfig
+from k3train.model.config import ModelConfig
 
 HF_TEXT_PREFIX = "language_model.model."
 HF_LM_HEAD = "language_model.lm_head.weight"
-HF_MODEL_TYPE = "kimi_k3"
-HF_TEXT_MODEL_TYPE = "kimi_linear"
-HF_ARCHITECTURES = ["KimiK3ForConditionalGeneration"]
-HF_TEXT_ARCHITECTURES = ["KimiLinearForCausalLM"]
-DEFAULT_MAX_POSITION_EMBEDDINGS = 1048576
-"""The published value. K3 has no position embeddings (KDA carries position, MLA is NoPE), so
-this is no architectural limit; HF tooling reads it as the usable context length."""
-
 FP32_TENSOR_SUFFIXES = ("gate.e_score_correction_bias", "self_attn.A_log", "self_attn.dt_bias", "conv1d.weight")
 """Tensors exported as float32 whatever `--dtype` says (F32 in the published checkpoint)."""
 
 _ATTN_RES_PAIRS = ("self_attention_res", "mlp_res", "output_attn_res")
 _EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up, down (HF order of the reference listing)
+_K3_EXPERT_STACK = re.compile(r"(layers\.\d+\.block_sparse_moe\.experts)\.(w[123])")
+"""A k3train stack of routed experts `[E, out, in]`; the hub stores each expert's slice."""
 
-# ModelConfig fields written under the same name into text_config.
-_HF_MODEL_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "first_k_dense_replace",
-    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-    "v_head_dim", "mla_use_output_gate", "num_experts", "num_experts_per_token", "num_shared_experts",
-    "moe_intermediate_size", "routed_expert_hidden_size", "latent_moe_use_norm", "moe_renormalize",
-    "routed_scaling_factor", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta",
-    "attn_res_block_size", "rms_norm_eps", "tie_word_embeddings",
+# The hub lists a KDA layer's decay-gate parameters after f_b_proj (they act on its output); the
+# model registers them before its submodules. Every other tensor is written in the model's order.
+_HF_PLACED_AFTER = {"self_attn.f_b_proj.weight": ("self_attn.dt_bias", "self_attn.A_log")}
+
+HF_TEXT_TENSOR_NAME = re.compile(
+    r"language_model\.lm_head\.weight|language_model\.model\.(embed_tokens\.weight|norm\.weight|"
+    r"output_attn_res_(norm|proj)\.weight|layers\.\d+\.("
+    r"(input_layernorm|post_attention_layernorm|(self_attention|mlp)_res_(norm|proj))\.weight|"
+    r"self_attn\.((q|k|v|g|o|b|f_a|f_b)_proj\.weight|(q|k|v)_conv1d\.weight|dt_bias|A_log|o_norm\.weight|"
+    r"(q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj)\.weight)|"
+    r"mlp\.(gate|up|down)_proj\.weight|"
+    r"block_sparse_moe\.(gate\.weight|gate\.e_score_correction_bias|routed_expert_(down_proj|norm|up_proj)\.weight|"
+    r"experts\.\d+\.w[123]\.weight|shared_experts\.(gate|up|down)_proj\.weight)))"
 )
-_HF_LINEAR_ATTN_FIELDS = ("num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound")
-# Fields k3train derives itself (never stored in the k3train sub-dict).
-_DERIVED_LINEAR_ATTN_FIELDS = ("full_attn_layers",)
-# Alternative spellings some configs use (transformers' KimiLinearConfig attribute_map).
-_HF_ALIASES = {
-    "num_experts_per_tok": "num_experts_per_token",
-    "n_shared_experts": "num_shared_experts",
-    "norm_topk_prob": "moe_renormalize",
-    "num_local_experts": "num_experts",
-    "n_routed_experts": "num_experts",
-    "n_group": "num_expert_group",
-}
-
+"""Every tensor name of the Kimi K3 hub text model (docs/hf_conversion.md lists them)."""
 
 class HFConversionError(ValueError):
     """A configuration, tensor or checkpoint that cannot be converted; the message (one line) says
@@ -120,121 +84,77 @@ def _keeps_fp32(k3_name: str) -> bool:
     return k3_name.endswith(FP32_TENSOR_SUFFIXES)
 
 
-def default_full_attn_layers(num_hidden_layers: int) -> list[int]:
-    """K3's pattern, 1-based: every 4th layer and the last one (ModelConfig's null)."""
-    layers = [i for i in range(1, num_hidden_layers + 1) if i % 4 == 0]
-    if num_hidden_layers not in layers:
-        layers.append(num_hidden_layers)
-    return layers
-
-
-def _layer_tensors(config: ModelConfig, index: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(k3train name below `layers.L.`, shape) of one decoder layer, routed experts stacked."""
-    d, lac = config.hidden_size, config.linear_attn_config
-    out: list[tuple[str, tuple[int, ...]]] = [("input_layernorm.weight", (d,))]
-    if config.is_mla_layer(index):
-        heads = config.num_attention_heads
-        a = "self_attn."
-        if config.q_lora_rank is None:
-            out.append((a + "q_proj.weight", (heads * config.qk_head_dim, d)))
-        else:
-            out += [
-                (a + "q_a_proj.weight", (config.q_lora_rank, d)),
-                (a + "q_a_layernorm.weight", (config.q_lora_rank,)),
-                (a + "q_b_proj.weight", (heads * config.qk_head_dim, config.q_lora_rank)),
-            ]
-        out += [
-            (a + "kv_a_proj_with_mqa.weight", (config.kv_lora_rank + config.qk_rope_head_dim, d)),
-            (a + "kv_a_layernorm.weight", (config.kv_lora_rank,)),
-            (a + "kv_b_proj.weight", (heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank)),
-        ]
-        if config.mla_use_output_gate:
-            out.append((a + "g_proj.weight", (heads * config.v_head_dim, d)))
-        out.append((a + "o_proj.weight", (d, heads * config.v_head_dim)))
-    else:
-        heads, width, rank = lac.num_heads, lac.num_heads * lac.head_dim, config.kda_gate_rank
-        a = "self_attn."
-        out += [
-            (a + "q_proj.weight", (width, d)),
-            (a + "k_proj.weight", (width, d)),
-            (a + "v_proj.weight", (width, d)),
-            (a + "q_conv1d.weight", (width, 1, lac.short_conv_kernel_size)),
-            (a + "k_conv1d.weight", (width, 1, lac.short_conv_kernel_size)),
-            (a + "v_conv1d.weight", (width, 1, lac.short_conv_kernel_size)),
-            (a + "f_a_proj.weight", (rank, d)),
-            (a + "f_b_proj.weight", (width, rank)),
-            (a + "dt_bias", (width,)),
-            (a + "A_log", (heads,)),
-            (a + "b_proj.weight", (heads, d)),
-            (a + "g_proj.weight", (width, d)),
-            (a + "o_norm.weight", (lac.head_dim,)),
-            (a + "o_proj.weight", (d, width)),
-        ]
-    out.append(("post_attention_layernorm.weight", (d,)))
-    if config.is_moe_layer(index):
-        m, n = "block_sparse_moe.", config.num_experts
-        latent, inner = config.routed_expert_hidden_size, config.moe_intermediate_size
-        out += [
-            (m + "gate.weight", (n, d)),
-            (m + "gate.e_score_correction_bias", (n,)),
-            (m + "routed_expert_down_proj.weight", (latent, d)),
-            (m + "experts.w1", (n, inner, latent)),
-            (m + "experts.w3", (n, inner, latent)),
-            (m + "experts.w2", (n, latent, inner)),
-        ]
-        if config.latent_moe_use_norm:
-            out.append((m + "routed_expert_norm.weight", (latent,)))
-        out.append((m + "routed_expert_up_proj.weight", (d, latent)))
-        if config.num_shared_experts > 0:
-            shared = config.num_shared_experts * config.moe_intermediate_size
-            out += [
-                (m + "shared_experts.gate_proj.weight", (shared, d)),
-                (m + "shared_experts.up_proj.weight", (shared, d)),
-                (m + "shared_experts.down_proj.weight", (d, shared)),
-            ]
-    else:
-        out += [
-            ("mlp.gate_proj.weight", (config.intermediate_size, d)),
-            ("mlp.up_proj.weight", (config.intermediate_size, d)),
-            ("mlp.down_proj.weight", (d, config.intermediate_size)),
-        ]
-    if config.attn_res != "none":
-        for pair in _ATTN_RES_PAIRS[:2]:
-            out += [(f"{pair}.norm.weight", (d,)), (f"{pair}.proj.weight", (1, d))]
-    return out
-
-
 def k3_state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of `K3Model(config).state_dict()` (persistent buffers included) and its shape,
-    from the config alone (no weights are built). A tied head keeps its own key, as in the model."""
-    d = config.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, d)}
-    for index in range(config.num_hidden_layers):
-        for name, shape in _layer_tensors(config, index):
-            shapes[f"layers.{index}.{name}"] = shape
-    if config.attn_res != "none":
-        shapes["output_attn_res.norm.weight"] = (d,)
-        shapes["output_attn_res.proj.weight"] = (1, d)
-    shapes["norm.weight"] = (d,)
-    shapes["lm_head.weight"] = (config.vocab_size, d)
-    return shapes
+    in the model's order: the model is built on the meta device, so no weight is allocated. A tied
+    head keeps its own key, as in the model."""
+    from k3train.model.k3 import K3Model  # the model's code is imported only when a list is needed
+
+    with torch.device("meta"):
+        model = K3Model(config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def _split_layer(k3_name: str) -> tuple[str, str]:
+    """(`layers.L.` or "", the rest of the name)."""
+    match = re.match(r"layers\.\d+\.", k3_name)
+    return (match.group(0), k3_name[match.end():]) if match else ("", k3_name)
+
+
+def hf_file_order(k3_names: Sequence[str]) -> list[str]:
+    """`k3_names` (in the model's order) in the order the hub files list them: the model's order,
+    except the names `_HF_PLACED_AFTER` moves behind another tensor of the same layer."""
+    present = set(k3_names)
+    anchor_of = {moved: anchor for anchor, group in _HF_PLACED_AFTER.items() for moved in group}
+    ordered: list[str] = []
+    for name in k3_names:
+        layer, rest = _split_layer(name)
+        if rest in anchor_of and layer + anchor_of[rest] in present:
+            continue  # written behind its anchor
+        ordered.append(name)
+        ordered += [layer + moved for moved in _HF_PLACED_AFTER.get(rest, ()) if layer + moved in present]
+    return ordered
 
 
 def hf_name(k3_name: str, expert: Optional[int] = None) -> str:
-    """The hub name of a k3train tensor (of expert `expert` for a stacked expert tensor)."""
+    """The hub name of a k3train tensor (of expert `expert` for a stacked expert tensor).
+
+    Raises `HFConversionError` for a tensor with no place in the hub layout (`HF_TEXT_TENSOR_NAME`):
+    a parameter added to the model needs a rule here before it can be exported.
+    """
     if k3_name == "lm_head.weight":
         return HF_LM_HEAD
     name = k3_name
     for pair in _ATTN_RES_PAIRS:
         name = re.sub(rf"(^|\.){pair}\.(norm|proj)\.weight$", rf"\1{pair}_\2.weight", name)
-    match = re.fullmatch(r"(layers\.\d+\.block_sparse_moe\.experts)\.(w[123])", name)
+    match = _K3_EXPERT_STACK.fullmatch(name)
     if match:
         if expert is None:
             raise ValueError(f"{k3_name} is a stack of experts: pass the expert index")
         name = f"{match.group(1)}.{expert}.{match.group(2)}.weight"
     elif expert is not None:
         raise ValueError(f"{k3_name} is not an expert stack")
+    if not HF_TEXT_TENSOR_NAME.fullmatch(HF_TEXT_PREFIX + name):
+        raise HFConversionError(
+            f"k3train tensor {k3_name} has no name in the Kimi K3 hub layout: add its renaming rule and "
+            "hub name to k3train/checkpoint/hf.py (hf_name, k3train_name, HF_TEXT_TENSOR_NAME)"
+        )
     return HF_TEXT_PREFIX + name
+
+
+def k3train_name(hub_name: str) -> tuple[str, Optional[int]]:
+    """(k3train state-dict name, expert index or None) of a hub tensor name: the inverse of `hf_name`."""
+    if hub_name == HF_LM_HEAD:
+        return "lm_head.weight", None
+    if not HF_TEXT_TENSOR_NAME.fullmatch(hub_name):
+        raise HFConversionError(f"{hub_name} is not a tensor name of the Kimi K3 text model")
+    name = hub_name[len(HF_TEXT_PREFIX):]
+    match = re.fullmatch(r"(layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight", name)
+    if match:
+        return f"{match.group(1)}.{match.group(3)}", int(match.group(2))
+    for pair in _ATTN_RES_PAIRS:
+        name = re.sub(rf"(^|\.){pair}_(norm|proj)\.weight$", rf"\1{pair}.\2.weight", name)
+    return name, None
 
 
 def hf_tensor_specs(config: ModelConfig, a_log_width: Optional[int] = None) -> list[TensorSpec]:
@@ -250,11 +170,12 @@ def hf_tensor_specs(config: ModelConfig, a_log_width: Optional[int] = None) -> l
         raise ValueError(f"a_log_width ({a_log_width}) must be at least num_heads ({heads})")
     specs: list[TensorSpec] = []
     shapes = k3_state_shapes(config)
-    for k3_name, shape in shapes.items():
+    for k3_name in hf_file_order(list(shapes)):
+        shape = shapes[k3_name]
         if k3_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if re.fullmatch(r"layers\.\d+\.block_sparse_moe\.experts\.w[123]", k3_name):
-            continue  # emitted expert by expert below, at the place of w1
+        if _K3_EXPERT_STACK.fullmatch(k3_name):
+            continue  # emitted expert by expert below, at the place of the routed experts' input projection
         hf_shape = shape
         if k3_name.endswith("self_attn.A_log") and a_log_width is not None:
             hf_shape = (a_log_width,)
@@ -262,9 +183,16 @@ def hf_tensor_specs(config: ModelConfig, a_log_width: Optional[int] = None) -> l
         if k3_name.endswith("block_sparse_moe.routed_expert_down_proj.weight"):
             stack = k3_name[: -len("routed_expert_down_proj.weight")] + "experts."
             stacks = [(stack + w, HF_TEXT_PREFIX + stack, w, shapes[stack + w]) for w in _EXPERT_WEIGHTS]
+            for k3, _, _, _ in stacks:
+                hf_name(k3, 0)  # refuses a stack the hub has no name for
             for expert in range(config.num_experts):
                 for k3, hf_stack, w, stacked in stacks:  # == hf_name(k3, expert), without the regexes
                     specs.append(TensorSpec(k3, f"{hf_stack}{expert}.{w}.weight", stacked[1:], stacked, expert))
+    # Stacks are emitted at their layer's down-projection: a stack elsewhere would be left out.
+    covered = {spec.k3_name for spec in specs} | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    uncovered = [name for name in shapes if name not in covered]
+    if uncovered:
+        raise HFConversionError(f"the HF mapping does not cover these model tensors: {short_listing(uncovered)}")
     return specs
 
 
@@ -332,24 +260,24 @@ def check_hf_tensors(
     packed = [n for n in names if n.endswith((".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point"))]
     if packed:
         raise HFConversionError(
-            f"{source} holds quantised experts ({_listing(packed)}): k3train loads unquantised weights "
+            f"{source} holds quantised experts ({short_listing(packed)}): k3train loads unquantised weights "
             "only; dequantise the experts to BF16 (.weight tensors) first"
         )
     low_rank_gate = [n for n in names if ".g_a_proj." in n or ".g_b_proj." in n]
     if low_rank_gate:
         raise HFConversionError(
-            f"{source} has a low-rank KDA output gate ({_listing(low_rank_gate)}): k3train implements "
+            f"{source} has a low-rank KDA output gate ({short_listing(low_rank_gate)}): k3train implements "
             "K3's full-rank g_proj only (use_full_rank_gate true)"
         )
     by_name = {spec.hf_name: spec for spec in specs}
     missing = [spec.hf_name for spec in specs if spec.hf_name not in available]
     if missing:
-        raise HFConversionError(f"{source} lacks tensors the config implies: {_listing(missing)}")
+        raise HFConversionError(f"{source} lacks tensors the config implies: {short_listing(missing)}")
     text = [n for n in names if n.startswith("language_model.")]
     unexpected = [n for n in text if n not in by_name]
     if unexpected:
         raise HFConversionError(
-            f"{source} has text-model tensors k3train has no place for: {_listing(unexpected)}"
+            f"{source} has text-model tensors k3train has no place for: {short_listing(unexpected)}"
         )
     wrong = []
     for name in text:
@@ -358,233 +286,11 @@ def check_hf_tensors(
             want = spec.k3_shape[1:] if spec.expert is not None else spec.k3_shape
             wrong.append(f"{name} {list(shape)} vs {list(want)}")
     if wrong:
-        raise HFConversionError(f"{source} has tensors whose shape the config does not imply: {_listing(wrong)}")
+        raise HFConversionError(f"{source} has tensors whose shape the config does not imply: {short_listing(wrong)}")
     return [n for n in names if not n.startswith("language_model.")]
 
 
-def _listing(items: Sequence[str], limit: int = 3) -> str:
+def short_listing(items: Sequence[str], limit: int = 3) -> str:
+    """The first `limit` items and how many there are in all (for one-line error messages)."""
     shown = ", ".join(items[:limit])
     return f"{shown}{', ...' if len(items) > limit else ''} ({len(items)} in all)" if len(items) > 1 else shown
-
-
-# ============================================================================ config.json
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def to_hf_config(
-    config: ModelConfig,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    bos_token_id: Optional[int] = None,
-    eos_token_id: Optional[int] = None,
-    pad_token_id: Optional[int] = None,
-    max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
-    allow_k3train_only: bool = False,
-) -> dict[str, Any]:
-    """The hub `config.json` of `config` (references §2.1; no `quantization_config`).
-
-    Fields with no HF name (attn_res mode, balancer, recompute, init_std, KDA chunk size, …) go
-    into `text_config["k3train"]`, so `from_hf_config` restores the exact ModelConfig.
-
-    The HF modelling code implements Block AttnRes only: `attn_res: full` or `none` raises
-    `HFConversionError` unless `allow_k3train_only` (the directory then loads in k3train, through
-    `from_hf_config`/`tools/score.py`/`from-hf`, but not in Hugging Face's K3 code).
-    """
-    config.validate()
-    if config.attn_res != "block" and not allow_k3train_only:
-        raise HFConversionError(
-            f"model.attn_res={config.attn_res!r} cannot be exported: the Hugging Face Kimi K3 modelling "
-            "code implements only Block AttnRes (attn_res_block_size); pass --allow-k3train-only to "
-            "write a directory that k3train (tools/score.py, from-hf) reads but HF's K3 code cannot run"
-        )
-    lac = config.linear_attn_config
-    num_layers = config.num_hidden_layers
-    full = sorted(i + 1 for i in config.full_attn_layer_set)
-    kda = [i for i in range(1, num_layers + 1) if i not in set(full)]
-
-    text: dict[str, Any] = {
-        "model_type": HF_TEXT_MODEL_TYPE,
-        "architectures": list(HF_TEXT_ARCHITECTURES),
-    }
-    for name in _HF_MODEL_FIELDS:
-        text[name] = getattr(config, name)
-    text.update({
-        "moe_layer_freq": 1,
-        "num_key_value_heads": config.num_attention_heads,
-        "mla_use_nope": True,
-        "moe_router_activation_func": "sigmoid",
-        "use_grouped_topk": True,
-        "num_expert_group": 1,
-        "topk_group": 1,
-        "topk_method": "noaux_tc",
-        "max_position_embeddings": int(max_position_embeddings),
-        "num_nextn_predict_layers": 0,
-        "torch_dtype": _dtype_name(dtype),
-        "linear_attn_config": {
-            "num_heads": lac.num_heads,
-            "head_dim": lac.head_dim,
-            "short_conv_kernel_size": lac.short_conv_kernel_size,
-            "use_full_rank_gate": True,
-            "gate_lower_bound": lac.gate_lower_bound,
-            "kda_layers": kda,
-            "full_attn_layers": full,
-        },
-    })
-    if config.attn_res == "none":
-        text.pop("attn_res_block_size")
-    for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-        if value is not None:
-            text[key] = int(value)
-    text["k3train"] = _k3train_extras(config)
-
-    top: dict[str, Any] = {
-        "architectures": list(HF_ARCHITECTURES),
-        "model_type": HF_MODEL_TYPE,
-        "text_config": text,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "torch_dtype": _dtype_name(dtype),
-    }
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if key in text:
-            top[key] = text[key]
-    return top
-
-
-def _k3train_extras(config: ModelConfig) -> dict[str, Any]:
-    """ModelConfig fields with no HF name (every field not written under its own name)."""
-    extras: dict[str, Any] = {}
-    for f in dataclasses.fields(config):
-        if f.name in _HF_MODEL_FIELDS or f.name == "linear_attn_config":
-            continue
-        extras[f.name] = getattr(config, f.name)
-    lac_extras = {
-        f.name: getattr(config.linear_attn_config, f.name)
-        for f in dataclasses.fields(config.linear_attn_config)
-        if f.name not in _HF_LINEAR_ATTN_FIELDS and f.name not in _DERIVED_LINEAR_ATTN_FIELDS
-    }
-    if lac_extras:
-        extras["linear_attn_config"] = lac_extras
-    return extras
-
-
-def _refuse(source: str, what: str) -> HFConversionError:
-    return HFConversionError(f"cannot convert {source}: {what}")
-
-
-def from_hf_config(hf_config: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
-    """The ModelConfig of a hub `config.json` (a `kimi_k3` config with `text_config`, or a bare
-    `kimi_linear` text config).
-
-    Raises `HFConversionError` (one line) for what k3train cannot represent: rotary MLA
-    (`mla_use_nope` false), grouped top-k with more than one group, a `quantization_config`, a
-    low-rank KDA output gate, another router activation, MoE on a layer pattern other than
-    `moe_layer_freq: 1`, a non-latent MoE, multi-token-prediction layers.
-    """
-    top = dict(hf_config)
-    if top.get("model_type") == HF_MODEL_TYPE or "text_config" in top:
-        text = dict(top.get("text_config") or {})
-    else:
-        text = top
-    model_type = text.get("model_type")
-    if model_type not in (HF_TEXT_MODEL_TYPE, None):
-        raise _refuse(source, f"text model_type {model_type!r} is not {HF_TEXT_MODEL_TYPE!r} (Kimi Linear / K3)")
-    for key, canonical in _HF_ALIASES.items():
-        if key in text and canonical not in text:
-            text[canonical] = text[key]
-    quant = top.get("quantization_config") or text.get("quantization_config")
-    if quant:
-        what = "/".join(str(quant.get(k)) for k in ("quant_method", "format") if quant.get(k)) if isinstance(quant, Mapping) else quant
-        raise _refuse(source, f"quantised checkpoint (quantization_config {what}): k3train loads unquantised "
-                              "weights only; dequantise the experts to BF16 first")
-    if not text.get("mla_use_nope", False):
-        raise _refuse(source, "rotary MLA (text_config.mla_use_nope is not true): k3train implements NoPE "
-                              "Gated MLA only")
-    groups, topk_groups = int(text.get("num_expert_group", 1) or 1), int(text.get("topk_group", 1) or 1)
-    if groups > 1 or topk_groups > 1:
-        raise _refuse(source, f"grouped top-k routing (num_expert_group={groups}, topk_group={topk_groups}): "
-                              "k3train routes with a single group")
-    activation = text.get("moe_router_activation_func", "sigmoid")
-    if activation != "sigmoid":
-        raise _refuse(source, f"router activation {activation!r}: k3train implements the sigmoid router only")
-    if int(text.get("moe_layer_freq", 1)) != 1:
-        raise _refuse(source, f"moe_layer_freq={text['moe_layer_freq']}: k3train puts MoE on every layer "
-                              "after first_k_dense_replace")
-    if int(text.get("num_nextn_predict_layers", 0) or 0) > 0:
-        raise _refuse(source, f"{text['num_nextn_predict_layers']} multi-token-prediction layers: k3train has "
-                              "no MTP layers")
-    hidden_act = text.get("hidden_act", "situ")
-    if hidden_act not in ("situ", "silu"):
-        raise _refuse(source, f"hidden_act {hidden_act!r}: k3train implements 'situ' and 'silu' GLUs")
-    linear = dict(text.get("linear_attn_config") or {})
-    if linear and not linear.get("use_full_rank_gate", True):
-        raise _refuse(source, "low-rank KDA output gate (linear_attn_config.use_full_rank_gate false, "
-                              "g_a_proj/g_b_proj): k3train implements K3's full-rank g_proj only")
-    num_experts = int(text.get("num_experts", 0) or 0)
-    if num_experts > 0 and text.get("routed_expert_hidden_size") is None:
-        raise _refuse(source, "MoE without routed_expert_hidden_size (not a LatentMoE): k3train implements "
-                              "Stable LatentMoE only")
-
-    defaults = ModelConfig()
-    values: dict[str, Any] = {}
-    for name in _HF_MODEL_FIELDS:
-        if name in text:
-            values[name] = text[name]
-    values.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", defaults.tie_word_embeddings))
-    num_layers = int(values.get("num_hidden_layers", defaults.num_hidden_layers))
-    extras = dict(text.get("k3train") or {})
-
-    lac_values: dict[str, Any] = {}
-    for name in _HF_LINEAR_ATTN_FIELDS:
-        if name in linear:
-            lac_values[name] = linear[name]
-    full = linear.get("full_attn_layers")
-    kda = linear.get("kda_layers")
-    if full is None and kda is not None:
-        full = [i for i in range(1, num_layers + 1) if i not in set(kda)]
-    if full is not None:
-        full = sorted(int(i) for i in full)
-        kda_set = set(int(i) for i in kda) if kda is not None else set(range(1, num_layers + 1)) - set(full)
-        if set(full) & kda_set or set(full) | kda_set != set(range(1, num_layers + 1)):
-            raise _refuse(source, "linear_attn_config.kda_layers and full_attn_layers do not split layers "
-                                  f"1..{num_layers} between them")
-        lac_values["full_attn_layers"] = None if full == default_full_attn_layers(num_layers) else full
-    lac_values.update(extras.pop("linear_attn_config", None) or {})
-    values["linear_attn_config"] = LinearAttnConfig(**_known(LinearAttnConfig, lac_values, source))
-
-    if "attn_res_block_size" not in text and "attn_res" not in extras:
-        values["attn_res"] = "none"  # no AttnRes in the checkpoint (e.g. a plain Kimi Linear)
-    for name, value in extras.items():
-        if name not in _HF_MODEL_FIELDS:
-            values[name] = value
-    config = ModelConfig(**_known(ModelConfig, values, source))
-    try:
-        config.validate()
-    except ValueError as error:
-        raise _refuse(source, str(error)) from None
-    return config
-
-
-def _known(cls: type, values: dict[str, Any], source: str) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        warnings.warn(f"{source}: ignoring k3train fields this version does not know: {', '.join(unknown)}", stacklevel=3)
-    return {k: v for k, v in values.items() if k in names}
-
-
-def special_token_ids(tokenizer: str) -> dict[str, int]:
-    """bos/eos/pad ids of a k3train `data.tokenizer` value, as far as they are known."""
-    if tokenizer == "byte":
-        from k3train.data.tokenizers import ByteTokenizer
-
-        return {"bos_token_id": ByteTokenizer.bos_id, "eos_token_id": ByteTokenizer.eos_id,
-                "pad_token_id": ByteTokenizer.pad_id}
-    try:
-        from k3train.data.tokenizers import build_tokenizer
-
-        return {"eos_token_id": int(build_tokenizer(tokenizer).eos_id)}
-    except Exception:  # a tokenizer that cannot be read here: leave the ids out
-        return {}

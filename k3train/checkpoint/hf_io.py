@@ -18,10 +18,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from k3train.checkpoint.errors import CheckpointError
-from k3train.checkpoint.hf import HFConversionError, TensorSpec, _listing, import_tensor
-from k3train.checkpoint.manifest import _STEP_RE, is_complete, verify_checkpoint
+from k3train.checkpoint.hf import HFConversionError, TensorSpec, import_tensor, short_listing
+from k3train.checkpoint.manifest import complete_checkpoints, is_complete, verify_checkpoint
 from k3train.model.config import ModelConfig
-
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -36,11 +35,9 @@ def find_checkpoint(path: str | Path) -> Path:
     if is_complete(path):
         return path
     for root in (path, path / "checkpoints"):
-        if root.is_dir():
-            steps = [(int(m.group(1)), e) for e in root.iterdir()
-                     if (m := _STEP_RE.match(e.name)) and e.is_dir() and is_complete(e)]
-            if steps:
-                return max(steps)[1]
+        steps = complete_checkpoints(root)
+        if steps:
+            return steps[-1][1]
     raise HFConversionError(
         f"{path} is neither a complete k3train checkpoint (step_XXXXXXXX with .metadata and a complete "
         "k3train.json) nor a directory holding one (checkpoints/ of a run)"
@@ -119,11 +116,11 @@ class CheckpointTensorReader:
         wrong = [f"{n} {list(have[n])} vs {list(s)}" for n, s in expected.items() if n in have and have[n] != tuple(s)]
         problems = []
         if missing:
-            problems.append(f"missing model tensors the config implies: {_listing(missing)}")
+            problems.append(f"missing model tensors the config implies: {short_listing(missing)}")
         if extra:
-            problems.append(f"model tensors the config does not imply (or the HF mapping does not cover): {_listing(extra)}")
+            problems.append(f"model tensors the config does not imply (or the HF mapping does not cover): {short_listing(extra)}")
         if wrong:
-            problems.append(f"shapes (checkpoint vs config): {_listing(wrong)}")
+            problems.append(f"shapes (checkpoint vs config): {short_listing(wrong)}")
         if problems:
             raise HFConversionError(
                 f"checkpoint {self.path} does not match its config ({'; '.join(problems)}); is --config the "
@@ -227,7 +224,7 @@ class HFDirectory:
         else:
             absent = [n for n in self.files if n not in self._shapes]
             if absent:
-                raise HFConversionError(f"index names tensors its shards do not hold: {_listing(absent)}")
+                raise HFConversionError(f"index names tensors its shards do not hold: {short_listing(absent)}")
 
     @staticmethod
     def is_hf_dir(path: str | Path) -> bool:
@@ -297,4 +294,4 @@ def load_hf_weights(
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     uncovered = [n for n in state if n not in covered and n not in tied]
     if uncovered:
-        raise HFConversionError(f"the HF tensors left model tensors unset: {_listing(uncovered)}")
+        raise HFConversionError(f"the HF tensors left model tensors unset: {short_listing(uncovered)}")

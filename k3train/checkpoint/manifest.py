@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from k3train.checkpoint.errors import CheckpointError, _short
+from k3train.checkpoint.errors import CheckpointError, one_line
 
 MANIFEST = "k3train.json"
 METADATA = ".metadata"
@@ -33,6 +33,31 @@ def step_dir_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0 (got {step})")
     return f"{STEP_PREFIX}{step:08d}"
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step of a checkpoint directory name (`step_00000010` → 10), None for any other name."""
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def replaced_step_name(name: str) -> Optional[str]:
+    """The final name (`step_XXXXXXXX`) an `.old_` directory was moved aside from, else None."""
+    match = _OLD_RE.match(name)
+    return match.group(1) if match else None
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints directly below `root` as (step, path), oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        step = step_of(entry.name)
+        if step is not None and entry.is_dir() and is_complete(entry):
+            found.append((step, entry))
+    return sorted(found)
 
 
 def read_manifest(path: str | Path) -> Optional[dict]:
@@ -80,10 +105,11 @@ def write_manifest(path: str | Path, step: int, world_size: int = 1, **extra: An
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / MANIFEST)
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
-def _fix_hint(path: Path) -> str:
+def resume_hint(path: Path) -> str:
+    """What to do about the unusable checkpoint `path` (the tail of an error message)."""
     return f"delete {path} or pass checkpoint.resume=<another checkpoint> (or checkpoint.resume=none)"
 
 
@@ -100,23 +126,23 @@ def verify_checkpoint(path: str | Path) -> Metadata:
             "directory>, auto (newest in checkpoint.dir) or none"
         )
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is not a directory; {_fix_hint(path)}")
+        raise CheckpointError(f"checkpoint {path} is not a directory; {resume_hint(path)}")
     if not (path / METADATA).is_file():
         raise CheckpointError(
-            f"checkpoint {path} is incomplete: no {METADATA} (its save did not finish); {_fix_hint(path)}"
+            f"checkpoint {path} is incomplete: no {METADATA} (its save did not finish); {resume_hint(path)}"
         )
     manifest = read_manifest(path)
     if not manifest or manifest.get("complete") is not True:
         raise CheckpointError(
             f"checkpoint {path} is incomplete: no {MANIFEST} marked complete (its save did not "
-            f"finish); {_fix_hint(path)}"
+            f"finish); {resume_hint(path)}"
         )
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # unpickling a damaged file can raise almost anything
         raise CheckpointError(
-            f"checkpoint {path} has an unreadable {METADATA} ({type(e).__name__}: {_short(e)}); "
-            f"{_fix_hint(path)}"
+            f"checkpoint {path} has an unreadable {METADATA} ({type(e).__name__}: {one_line(e)}); "
+            f"{resume_hint(path)}"
         ) from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -129,18 +155,19 @@ def verify_checkpoint(path: str | Path) -> Metadata:
         file = path / rel
         if not file.is_file():
             raise CheckpointError(
-                f"checkpoint {path} is incomplete: data file {rel} is missing; {_fix_hint(path)}"
+                f"checkpoint {path} is incomplete: data file {rel} is missing; {resume_hint(path)}"
             )
         actual = file.stat().st_size
         if actual < size:
             raise CheckpointError(
                 f"checkpoint {path} is truncated: data file {rel} has {actual} bytes, "
-                f"{METADATA} needs {size}; {_fix_hint(path)}"
+                f"{METADATA} needs {size}; {resume_hint(path)}"
             )
     return metadata
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make renames and new entries in directory `path` durable (best effort)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

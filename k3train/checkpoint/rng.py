@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 import torch
 
-from k3train.checkpoint.process_group import _global_rank
-from k3train.checkpoint.state import _is_stateful
+from k3train.checkpoint.process_group import global_rank
+from k3train.checkpoint.state import is_stateful
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -70,10 +70,10 @@ class PerRank:
 
     @staticmethod
     def rank_key(rank: Optional[int] = None) -> str:
-        return f"rank_{_global_rank() if rank is None else rank}"
+        return f"rank_{global_rank() if rank is None else rank}"
 
     def state_dict(self) -> dict[str, Any]:
-        inner = self.obj.state_dict() if _is_stateful(self.obj) else self.obj
+        inner = self.obj.state_dict() if is_stateful(self.obj) else self.obj
         return {self.rank_key(): inner}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -86,7 +86,7 @@ class PerRank:
             )
             return
         value = state_dict[key]
-        if _is_stateful(self.obj):
+        if is_stateful(self.obj):
             self.obj.load_state_dict(value)
         elif isinstance(self.obj, dict):
             self.obj.clear()

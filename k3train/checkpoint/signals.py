@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from k3train.checkpoint.process_group import _dist_on
+from k3train.checkpoint.process_group import distributed_active
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class GracefulExit:
 
     def requested(self, process_group: Any = None) -> bool:
         """`should_stop` agreed over the process group (True if any rank got a signal)."""
-        if not _dist_on():
+        if not distributed_active():
             return self.should_stop
         flag = torch.tensor([1 if self.should_stop else 0], dtype=torch.int32)
         if dist.get_backend(process_group) == "nccl":

@@ -15,39 +15,41 @@ from k3train.checkpoint.errors import CheckpointError
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
 
-def _is_stateful(obj: Any) -> bool:
+def is_stateful(obj: Any) -> bool:
+    """Whether `obj` has `state_dict()` and `load_state_dict()` (saved through them)."""
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def _clean_name(name: str) -> str:
+def clean_name(name: str) -> str:
+    """A module state-dict key without `torch.compile`/activation-checkpoint wrapper prefixes."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
 
 
-def _module_state(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+def module_state(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """(raw state dict, the same values under cleaned keys)."""
     raw = module.state_dict()
     clean: dict[str, Any] = {}
     for key, value in raw.items():
-        name = _clean_name(key)
+        name = clean_name(key)
         if name in clean:
             raise CheckpointError(f"two state-dict keys of the module map to {name!r}")
         clean[name] = value
     return raw, clean
 
 
-def _param_names(app_state: dict[str, Any]) -> dict[int, str]:
+def parameter_names(app_state: dict[str, Any]) -> dict[int, str]:
     """id(parameter) -> checkpoint name `<app key>.<parameter name>` for every module in app_state."""
     names: dict[int, str] = {}
     for key, obj in app_state.items():
         if isinstance(obj, nn.Module):
             for name, param in obj.named_parameters():
-                names.setdefault(id(param), f"{key}.{_clean_name(name)}")
+                names.setdefault(id(param), f"{key}.{clean_name(name)}")
     return names
 
 
-def _optimizer_names(
+def optimizer_param_names(
     optimizer: torch.optim.Optimizer, by_id: dict[int, str]
 ) -> list[tuple[str, torch.Tensor]]:
     """(checkpoint name, parameter) in the optimizer's positional order."""
@@ -68,7 +70,7 @@ def _optimizer_names(
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, by_id: dict[int, str]) -> dict[str, Any]:
-    names = [name for name, _ in _optimizer_names(optimizer, by_id)]
+    names = [name for name, _ in optimizer_param_names(optimizer, by_id)]
     osd = optimizer.state_dict()
     state = {names[pid]: value for pid, value in osd["state"].items()}
     groups: dict[str, dict[str, Any]] = {}
@@ -80,12 +82,13 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, by_id: dict[int, str]) ->
     return {"state": state, "param_groups": groups}
 
 
-def _saveable(key: str, obj: Any, by_id: dict[int, str]) -> Any:
+def saveable_state(obj: Any, by_id: dict[int, str]) -> Any:
+    """What is saved for one app_state value (docs/checkpoints.md, "What is saved")."""
     if isinstance(obj, nn.Module):
-        return _module_state(obj)[1]
+        return module_state(obj)[1]
     if isinstance(obj, torch.optim.Optimizer):
         return _optimizer_state(obj, by_id)
-    if _is_stateful(obj):
+    if is_stateful(obj):
         return obj.state_dict()
     return obj
 
@@ -112,7 +115,7 @@ def _set_path(root: dict, path: tuple, value: Any) -> None:
                 node = node.setdefault(key, nxt)
 
 
-def _unflatten(items: list[tuple[tuple, Any]]) -> Any:
+def unflatten(items: list[tuple[tuple, Any]]) -> Any:
     """Nested value from (path below the app_state key, value); a path () is the value itself."""
     for path, value in items:
         if path == ():
@@ -125,7 +128,7 @@ def _unflatten(items: list[tuple[tuple, Any]]) -> Any:
     return root
 
 
-def _merge(base: Any, loaded: Any) -> Any:
+def merge_loaded(base: Any, loaded: Any) -> Any:
     """`loaded` over `base`: dicts merge key by key (keeping base-only keys, e.g. empty dicts DCP
     does not store), everything else is taken from `loaded`."""
     if isinstance(base, dict) and isinstance(loaded, dict):
@@ -133,19 +136,20 @@ def _merge(base: Any, loaded: Any) -> Any:
         base_keys = {str(k): k for k in base}  # DCP returns dict keys as strings: keep base's
         for k, v in loaded.items():
             bk = base_keys.get(str(k), k)
-            out[bk] = _merge(base[bk], v) if bk in base else v
+            out[bk] = merge_loaded(base[bk], v) if bk in base else v
         return out
     return loaded
 
 
-def _alloc(md: TensorStorageMetadata, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+def empty_tensor_for(md: TensorStorageMetadata, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A tensor to read a saved tensor into: on `like`'s device and layout when the shapes agree."""
     dtype = md.properties.dtype
     if like is not None and tuple(like.shape) == tuple(md.size):
         return torch.zeros_like(like, dtype=dtype)  # same device (and DTensor layout) as `like`
     return torch.empty(tuple(md.size), dtype=dtype)
 
 
-class _FlatLoadPlanner(DefaultLoadPlanner):
+class FlatLoadPlanner(DefaultLoadPlanner):
     """Loads an already flat dict (keys = DCP's flat keys, flattening off). Tensors are read in
     place; non-tensor values go into `target` (`dcp.load` would overwrite them in the dict it was
     given with the placeholders of its own copy)."""

@@ -440,3 +440,43 @@ def test_two_process_gloo_save_load(tmp_path):
     assert_same_tree(model.state_dict(), model2.state_dict(), "model")
     assert_same_tree(opt.state_dict(), opt2.state_dict(), "optimizer")
     assert shard["rank"] == 0 and torch.equal(shard["x"], torch.ones(3))
+
+
+# ---------------------------------------------------------------------------- module boundaries
+
+
+def test_checkpoint_modules_use_only_public_names_of_their_siblings():
+    """No `from k3train.checkpoint.x import _name` and no `x._name` on a sibling module."""
+    import ast
+
+    package = Path(ckpt_mod.__file__).parent
+    siblings = {p.stem for p in package.glob("*.py")}
+    offences = []
+    for file in sorted(package.glob("*.py")):
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("k3train.checkpoint"):
+                offences += [f"{file.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in siblings):
+                offences.append(f"{file.name}: {node.value.id}.{node.attr}")
+    assert not offences
+
+
+def test_listing_names_and_process_group_helpers_without_a_group(tmp_path):
+    from k3train.checkpoint.manifest import complete_checkpoints, replaced_step_name, step_of
+    from k3train.checkpoint.process_group import broadcast_from_first, first_error, group_rank, group_size
+
+    assert step_of("step_00000010") == 10 and step_of("step_123456789") == 123456789
+    assert step_of(".tmp_step_00000010_ab") is None and step_of("step_x") is None
+    assert replaced_step_name(".old_step_00000010_0a1b") == "step_00000010"
+    assert replaced_step_name(".tmp_step_00000010_0a1b") is None
+    model, opt = small_state()
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    for step in (20, 3):
+        checkpointer.save(step, {"model": model})
+    (tmp_path / "step_00000007").mkdir()  # incomplete: not listed
+    assert complete_checkpoints(tmp_path) == [(3, tmp_path / "step_00000003"), (20, tmp_path / "step_00000020")]
+    assert complete_checkpoints(tmp_path / "absent") == []
+    assert (group_rank(), group_size()) == (0, 1)
+    assert broadcast_from_first("x") == "x" and first_error(None) is None and first_error("bad") == "bad"

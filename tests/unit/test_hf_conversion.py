@@ -1,6 +1,6 @@
 """Hugging Face conversion (k3train/checkpoint/hf.py, tools/convert_checkpoint.py, tools/score.py):
 bit-identical k3train → HF → k3train round trips, equal logits through tools/score.py, the hub
-names/shapes/config of references §2.1, refusals, sharding and the A_log variants."""
+names/shapes/config of the hub layout (docs/hf_conversion.md), refusals, sharding and the A_log variants."""
 
 from __future__ import annotations
 
@@ -22,15 +22,17 @@ from safetensors.torch import load_file
 from k3train.checkpoint import Checkpointer
 from k3train.checkpoint.hf import (
     HF_LM_HEAD,
+    HF_TEXT_TENSOR_NAME,
     HFConversionError,
     check_hf_tensors,
     export_tensor,
-    from_hf_config,
+    hf_name,
     hf_tensor_specs,
     import_tensor,
     k3_state_shapes,
-    to_hf_config,
+    k3train_name,
 )
+from k3train.checkpoint.hf_config import from_hf_config, to_hf_config
 from k3train.config import JobConfig, load_config, save_config
 from k3train.model.config import LinearAttnConfig, ModelConfig
 from k3train.model.k3 import K3Model
@@ -198,7 +200,7 @@ def test_hf_names_and_shapes_follow_the_hub_layout(debug_export):
     }
     for name, want in expected.items():
         assert shape.get(name) == want, name
-    # Every name follows the §2.1 pattern; nothing of k3train's own naming leaks out.
+    # Every name follows the hub layout; nothing of k3train's own naming leaks out.
     pattern = re.compile(
         r"language_model\.lm_head\.weight|language_model\.model\.(embed_tokens\.weight|norm\.weight|"
         r"output_attn_res_(norm|proj)\.weight|layers\.\d+\.("
@@ -286,7 +288,7 @@ def test_k3_preset_config_json_carries_the_published_values():
 
 def test_k3_preset_tensor_list_matches_the_hub_without_building_weights():
     specs = hf_tensor_specs(ModelConfig.preset("k3"))
-    assert len(specs) == 249_756  # the named-tensor count the references report for the text model
+    assert len(specs) == 249_756  # the published checkpoint's named-tensor count for the text model
     shapes = {s.hf_name: s.shape for s in specs}
     assert shapes[P + "embed_tokens.weight"] == (163840, 7168)
     assert shapes[P + "layers.0.self_attn.q_conv1d.weight"] == (12288, 1, 4)
@@ -322,6 +324,83 @@ def test_mapping_covers_the_model_and_config_round_trips(config):
     assert len({s.hf_name for s in specs}) == len(specs)
     assert (HF_LM_HEAD in {s.hf_name for s in specs}) == (not config.tie_word_embeddings)
     assert from_hf_config(to_hf_config(config, allow_k3train_only=True)) == config
+
+
+MAPPED_CONFIGS = [
+    ModelConfig(),
+    ModelConfig.preset("debug"),
+    ModelConfig(q_lora_rank=None, num_shared_experts=0, latent_moe_use_norm=False, mla_use_output_gate=False,
+                tie_word_embeddings=True, hidden_act="silu"),
+    ModelConfig(attn_res="full", first_k_dense_replace=2),
+    ModelConfig(attn_res="none", num_experts=0, num_experts_per_token=0,
+                linear_attn_config=LinearAttnConfig(full_attn_layers=[1, 5])),
+]
+
+
+@pytest.mark.parametrize("config", MAPPED_CONFIGS)
+def test_every_model_tensor_has_one_hub_name_and_back(config):
+    """The renaming rules are a bijection between the meta model's tensors (experts split) and hub
+    names: a parameter added to the model without a rule fails here (hf_name refuses it)."""
+    with torch.device("meta"):
+        model = K3Model(config)
+    by_hub: dict[str, tuple[str, object]] = {}
+    count = 0
+    for name, tensor in model.state_dict().items():
+        experts = range(tensor.shape[0]) if re.fullmatch(r"layers\.\d+\.block_sparse_moe\.experts\.w[123]", name) else [None]
+        for expert in experts:
+            hub = hf_name(name, expert)
+            assert HF_TEXT_TENSOR_NAME.fullmatch(hub), hub
+            assert k3train_name(hub) == (name, expert)
+            by_hub[hub] = (name, expert)
+            count += 1
+    assert len(by_hub) == count  # no two model tensors share a hub name
+    specs = hf_tensor_specs(config)
+    tied = {HF_LM_HEAD} if config.tie_word_embeddings else set()
+    assert [s.hf_name for s in specs if s.hf_name in by_hub] == [s.hf_name for s in specs]
+    assert {s.hf_name for s in specs} == set(by_hub) - tied
+    assert all((s.k3_name, s.expert) == by_hub[s.hf_name] for s in specs)
+
+
+def test_a_model_tensor_the_mapping_does_not_cover_is_refused(monkeypatch):
+    import k3train.model.k3 as k3_module
+
+    class GrownModel(K3Model):
+        def __init__(self, config):
+            super().__init__(config)
+            self.get_submodule("layers.0.self_attn").new_gain = torch.nn.Parameter(torch.ones(4))
+
+    monkeypatch.setattr(k3_module, "K3Model", GrownModel)
+    assert "layers.0.self_attn.new_gain" in k3_state_shapes(ModelConfig())
+    with pytest.raises(HFConversionError, match=r"layers\.0\.self_attn\.new_gain has no name in the Kimi K3 hub layout"):
+        hf_tensor_specs(ModelConfig())
+    with pytest.raises(HFConversionError, match="not a tensor name"):
+        k3train_name(P + "layers.0.self_attn.new_gain")
+
+
+def test_hub_file_order_of_a_layer_is_the_published_listing():
+    """The shards' byte layout follows this order: the decay-gate tensors sit after f_b_proj."""
+    specs = hf_tensor_specs(ModelConfig())
+    kda = [s.hf_name[len(P + "layers.0."):] for s in specs if s.hf_name.startswith(P + "layers.0.self_attn.")]
+    assert kda == [f"self_attn.{n}" for n in (
+        "q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
+        "f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log", "b_proj.weight", "g_proj.weight",
+        "o_norm.weight", "o_proj.weight")]
+    layer1 = [s.hf_name[len(P + "layers.1."):] for s in specs if s.hf_name.startswith(P + "layers.1.")]
+    assert layer1[:3] == ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight"]
+    moe = [n for n in layer1 if n.startswith("block_sparse_moe.") and ".experts." not in n]
+    assert moe == ["block_sparse_moe." + n for n in (
+        "gate.weight", "gate.e_score_correction_bias", "routed_expert_down_proj.weight", "routed_expert_norm.weight",
+        "routed_expert_up_proj.weight", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+        "shared_experts.down_proj.weight")]
+    first_expert = layer1.index("block_sparse_moe.experts.0.w1.weight")
+    assert layer1[first_expert - 1] == "block_sparse_moe.routed_expert_down_proj.weight"
+    assert layer1[first_expert: first_expert + 4] == [
+        "block_sparse_moe.experts.0.w1.weight", "block_sparse_moe.experts.0.w3.weight",
+        "block_sparse_moe.experts.0.w2.weight", "block_sparse_moe.experts.1.w1.weight"]
+    assert layer1[-4:] == ["self_attention_res_norm.weight", "self_attention_res_proj.weight",
+                           "mlp_res_norm.weight", "mlp_res_proj.weight"]
+    assert [s.hf_name for s in specs[-4:]] == [P + "output_attn_res_norm.weight", P + "output_attn_res_proj.weight",
+                                               P + "norm.weight", HF_LM_HEAD]
 
 
 def test_attn_res_full_or_none_is_refused_on_export_unless_allowed():
