@@ -68,8 +68,12 @@ class K3Model(nn.Module):
             if tp.sequence_parallel:
                 tp.mark_partial_grad(list(self.norm.parameters()) + (
                     list(self.output_attn_res.parameters()) if self.output_attn_res is not None else []))
-            # Vocabulary split over TP: each rank computes the logits of its own rows.
-            self.lm_head = tp.shard_linear(nn.Linear(config.hidden_size, config.vocab_size, bias=False), 0)
+            # Vocabulary split over TP: each rank holds and computes only its own rows (built as
+            # the shard directly: the whole [vocab, hidden] matrix never exists on a rank).
+            if config.vocab_size % tp.size:
+                raise ValueError(f"vocab_size={config.vocab_size} does not split over tp={tp.size}")
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // tp.size, bias=False)
+            tp.mark_sharded(self.lm_head.weight, 0, (config.vocab_size, config.hidden_size))
             if config.tie_word_embeddings and self.with_embedding:
                 self.lm_head.weight = self.embed_tokens.weight
             mark_adamw_only(self.lm_head.weight)

@@ -44,8 +44,8 @@ def reassembled(shards: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return shards[0]
 
 
-@pytest.mark.parametrize("config", [ModelConfig(), unbounded_gate_config()], ids=["bounded", "unbounded"])
-@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("config, tp, ep", [(ModelConfig(), 2, 1), (unbounded_gate_config(), 4, 2)],
+                         ids=["tp2-bounded-gate", "tp4-ep2-unbounded-gate"])
 def test_shards_drawn_in_tiny_tiles_reassemble_to_the_one_process_tensor(config, tp, ep):
     whole = K3Model(config)
     whole.init_weights(seed=7, tile_elements=TINY_TILE)
@@ -102,31 +102,35 @@ class LargestAllocation(TorchDispatchMode):
         super().__init__()
         self.existing = {tensor.untyped_storage().data_ptr() for tensor in existing}
         self.largest, self.operator = 0, None
+        self.shapes: set[tuple[int, ...]] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         for output in outputs:
             if isinstance(output, torch.Tensor) and not output._is_view() \
-                    and output.untyped_storage().data_ptr() not in self.existing and output.numel() > self.largest:
-                self.largest, self.operator = output.numel(), func
+                    and output.untyped_storage().data_ptr() not in self.existing:
+                self.shapes.add(tuple(output.shape))
+                if output.numel() > self.largest:
+                    self.largest, self.operator = output.numel(), func
         return result
 
 
 @pytest.mark.parametrize("config", [ModelConfig(), unbounded_gate_config()], ids=["bounded", "unbounded"])
 def test_a_tp_rank_allocates_at_most_one_tile(config):
     model = tp_rank_model(config, tp=2, rank=1)
+    SMALL_TILE = 1024  # elements: larger than any row, far smaller than the head (fewer ops to watch)
     params = list(model.parameters())
     lm_head = model.lm_head.weight
     assert lm_head.full_shape == (config.vocab_size, config.hidden_size)
     longest_row = max(param[0].numel() if param.dim() > 1 else 1 for param in params)
-    bound = max(TINY_TILE, longest_row)
+    bound = max(SMALL_TILE, longest_row)
     with LargestAllocation(params) as recorder:
-        model.init_weights(seed=7, tile_elements=TINY_TILE)
+        model.init_weights(seed=7, tile_elements=SMALL_TILE)
     assert 0 < recorder.largest <= bound < lm_head.numel(), (recorder.largest, recorder.operator)
     # and the values are the one-process model's slice
     whole = K3Model(config)
-    whole.init_weights(seed=7, tile_elements=TINY_TILE)
+    whole.init_weights(seed=7, tile_elements=SMALL_TILE)
     assert torch.equal(lm_head, whole.lm_head.weight.chunk(2, 0)[1])
     assert torch.equal(model.layers["1"].self_attn.o_proj.weight, whole.layers["1"].self_attn.o_proj.weight.chunk(2, 1)[1])
 
@@ -141,3 +145,15 @@ def test_kda_gate_is_initialised_once_from_its_stream():
     assert torch.equal(whole.A_log[:3], again.A_log[:3])  # tile 0: same seed as one draw
     dt = torch.nn.functional.softplus(whole.dt_bias)
     assert torch.all(dt > 0.999e-3) and torch.all(dt < 1.001e-1)
+
+
+def test_a_tp_rank_never_builds_the_whole_output_head():
+    """With a vocabulary of two default tiles (as at K3 size, where the head spans many), neither
+    building nor initialising a TP rank allocates the whole `[vocab, hidden]` matrix."""
+    config = dataclasses.replace(ModelConfig(), vocab_size=2 ** 18, num_hidden_layers=2, attn_res_block_size=1)
+    with LargestAllocation([]) as recorder:
+        model = tp_rank_model(config, tp=2, rank=1)
+    assert model.lm_head.weight.shape == (config.vocab_size // 2, config.hidden_size)
+    assert (config.vocab_size, config.hidden_size) not in recorder.shapes
+    with pytest.raises(ValueError, match="vocab_size"):
+        tp_rank_model(dataclasses.replace(config, vocab_size=config.vocab_size + 1), tp=2, rank=0)
