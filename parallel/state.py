@@ -21,7 +21,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from k3train.parallel.comm import Group, TrafficCounter
@@ -166,8 +165,3 @@ class ParallelState:
                 f"pp {self.pp_rank}/{layout.pp}, ep {self.ep.rank}/{layout.ep}"
                 f"{', sequence parallel' if self.sequence_parallel else ''}")
 
-
-def default_device(local_rank: Optional[int] = None) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")

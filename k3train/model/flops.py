@@ -401,14 +401,6 @@ def training_flops_per_token(
     )
 
 
-def model_flops_utilization(
-    config: ModelConfig, seq_length: int, tokens_per_second: float, peak_flops_per_second: float
-) -> float:
-    """MFU: training FLOPs per token (causal attention) × throughput / the hardware's peak
-    (`peak_flops_per_second` summed over the devices that produced `tokens_per_second`)."""
-    return training_flops_per_token(config, seq_length).total * tokens_per_second / peak_flops_per_second
-
-
 # ============================================================================ printing
 def _human(number: float) -> str:
     for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):

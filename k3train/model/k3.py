@@ -10,7 +10,6 @@ slice and the head only on the last: a pipeline stage runs `forward_layers` on t
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Optional
 
 import torch
@@ -22,7 +21,8 @@ from k3train.contracts.stage_io import ResidualState
 from k3train.model.attn_res import AttentionResidual
 from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
-from k3train.model.kda import initialize_gate_parameters
+from k3train.model.initialization import TILE_ELEMENTS, TiledStream, draw_local, normal_fill, uniform_fill
+from k3train.model.kda import KimiDeltaAttention
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
 from k3train.contracts.param_roles import mark_adamw_only
@@ -39,8 +39,6 @@ class K3Model(nn.Module):
         self,
         config: ModelConfig,
         layer_range: Optional[tuple[int, int]] = None,
-        with_embedding: Optional[bool] = None,
-        with_head: Optional[bool] = None,
         parallel=None,
         expert_parallel=None,
     ):
@@ -55,8 +53,8 @@ class K3Model(nn.Module):
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"layer_range {layer_range} must satisfy 0 <= start < end <= {config.num_hidden_layers}")
         self.layer_range = (start, end)
-        self.with_embedding = start == 0 if with_embedding is None else with_embedding
-        self.with_head = end == config.num_hidden_layers if with_head is None else with_head
+        self.with_embedding = start == 0
+        self.with_head = end == config.num_hidden_layers
 
         if self.with_embedding:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -71,8 +69,12 @@ class K3Model(nn.Module):
             if tp.sequence_parallel:
                 tp.mark_partial_grad(list(self.norm.parameters()) + (
                     list(self.output_attn_res.parameters()) if self.output_attn_res is not None else []))
-            # Vocabulary split over TP: each rank computes the logits of its own rows.
-            self.lm_head = tp.shard_linear(nn.Linear(config.hidden_size, config.vocab_size, bias=False), 0)
+            # Vocabulary split over TP: each rank holds and computes only its own rows (built as
+            # the shard directly: the whole [vocab, hidden] matrix never exists on a rank).
+            if config.vocab_size % tp.size:
+                raise ValueError(f"vocab_size={config.vocab_size} does not split over tp={tp.size}")
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // tp.size, bias=False)
+            tp.mark_sharded(self.lm_head.weight, 0, (config.vocab_size, config.hidden_size))
             if config.tie_word_embeddings and self.with_embedding:
                 self.lm_head.weight = self.embed_tokens.weight
             mark_adamw_only(self.lm_head.weight)
@@ -128,57 +130,38 @@ class K3Model(nn.Module):
 
     # ------------------------------------------------------------------ initialisation
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, tile_elements: int = TILE_ELEMENTS) -> None:
         """Initialise every parameter from `(seed, its name)` alone.
 
-        The same parameter gets the same values however the model is sliced into stages, so a
-        pipelined or sharded model starts from exactly the single-process weights.
+        The same parameter gets the same values however the model is sliced into stages, sharded
+        or spread over expert ranks, so any layout starts from exactly the single-process weights.
+        Each rank draws only the tiles of at most `tile_elements` values that overlap its shard
+        (`initialization.TiledStream`), never a whole unsharded tensor.
         """
-        config = self.config
+        gates = {f"{name}.{suffix}" for name, module in self.named_modules()
+                 if isinstance(module, KimiDeltaAttention) for suffix in ("A_log", "dt_bias")}
         for name, param in self.named_parameters():
-            if param.is_meta:
+            if param.is_meta or name in gates:
                 continue
-            if name.split(".")[-1] in ("w1", "w2", "w3"):  # expert stacks: one stream per expert
-                self._init_experts(name, param, seed)
-                continue
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full_shape = getattr(param, "full_shape", tuple(param.shape))  # TP shards: draw the whole tensor
-            value = torch.empty(full_shape, dtype=torch.float32)
             if name.endswith("_res.proj.weight"):
-                value.zero_()  # AttnRes queries start at zero: a uniform average over the sources
+                param.zero_()  # AttnRes queries start at zero: a uniform average over the sources
             elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                value.fill_(1.0)
-            elif name.endswith("conv1d.weight"):
-                bound = 1.0 / math.sqrt(param.shape[-1])
-                value.uniform_(-bound, bound, generator=generator)
-            elif name.endswith("A_log") or name.endswith("dt_bias"):
-                continue  # initialised together below
+                param.fill_(1.0)
+            elif name.split(".")[-1] in ("w1", "w2", "w3"):  # expert stacks: one stream per expert
+                first = getattr(param, "expert_offset", 0)
+                fill = normal_fill(self.config.init_std)
+                for local_index in range(param.shape[0]):
+                    stream = TiledStream(seed, f"{name}.{first + local_index}", tuple(param.shape[1:]), fill, tile_elements)
+                    stream.draw_into(param[local_index])
             else:
-                value.normal_(0.0, config.init_std, generator=generator)
-            param.copy_(self._local_part(param, value))
+                fill = (uniform_fill(1.0 / math.sqrt(param.shape[-1])) if name.endswith("conv1d.weight")
+                        else normal_fill(self.config.init_std))
+                sharded = getattr(param, "tensor_parallel", False)
+                stream = TiledStream(seed, name, tuple(getattr(param, "full_shape", param.shape)), fill, tile_elements)
+                draw_local(stream, param, self.tp.rank, self.tp.size, param.partition_dim if sharded else None)
         for name, module in self.named_modules():
-            if hasattr(module, "A_log") and not module.A_log.is_meta:
-                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                full_A_log = torch.empty(getattr(module.A_log, "full_shape", module.A_log.shape))
-                full_dt_bias = torch.empty(getattr(module.dt_bias, "full_shape", module.dt_bias.shape))
-                initialize_gate_parameters(full_A_log, full_dt_bias, module.gate_lower_bound is not None, generator)
-                module.A_log.copy_(self._local_part(module.A_log, full_A_log))
-                module.dt_bias.copy_(self._local_part(module.dt_bias, full_dt_bias))
-
-    def _init_experts(self, name: str, param: torch.Tensor, seed: int) -> None:
-        """Expert `e` of a stack is drawn from `(seed, name, e)`: the same values whichever rank
-        holds it, without ever materialising all experts of a layer on one rank."""
-        first = getattr(param, "expert_offset", 0)
-        for local_index in range(param.shape[0]):
-            key = f"{name}.{first + local_index}"
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-            value = torch.empty(param.shape[1:], dtype=torch.float32).normal_(0.0, self.config.init_std, generator=generator)
-            param[local_index].copy_(value)
-
-    def _local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        if getattr(param, "tensor_parallel", False):
-            return self.tp.local_slice(full, param.partition_dim)
-        return full
+            if isinstance(module, KimiDeltaAttention) and not module.A_log.is_meta:
+                module.reset_gate_parameters(seed, name, tile_elements)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from k3train.kernels.kda import chunk_kda, kda_gate, kda_gate_unbounded
 from k3train.kernels.precision import upcast
 from k3train.model.config import ModelConfig
 from k3train.contracts.param_roles import mark_adamw_only, mark_head_blocks
+from k3train.model.initialization import TILE_ELEMENTS, TiledStream, TileFill, draw_local
 from k3train.parallel.tensor import TensorParallel
 
 
@@ -31,18 +32,19 @@ class KDACache:
     conv_tails: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v: [batch, channels, kernel - 1]
 
 
-def initialize_gate_parameters(
-    A_log: torch.Tensor, dt_bias: torch.Tensor, bounded: bool, generator: Optional[torch.Generator] = None
-) -> None:
-    """Fill the decay gate's parameters in place (call under `torch.no_grad()`)."""
-    # K3 starts A at 0 with the bounded gate; Kimi Linear draws A from log U(1, 16).
-    if bounded:
-        A_log.zero_()
-    else:
-        A_log.copy_(torch.empty(A_log.shape).uniform_(1, 16, generator=generator).log())
-    # Mamba's dt initialisation: dt log-uniform in [1e-3, 1e-1], stored as softplus⁻¹(dt).
-    dt = torch.exp(torch.empty(dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))
-    dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+def gate_fill(a_log_draws: int) -> TileFill:
+    """The decay gate's initial stream: `a_log_draws` values of `A_log` (the full tensor's, 0 for
+    the bounded gate), then every `dt_bias` value. K3 starts A at 0 with the bounded gate (no draw);
+    Kimi Linear draws A from log U(1, 16). `dt_bias` is Mamba's: dt log-uniform in [1e-3, 1e-1],
+    stored as softplus⁻¹(dt)."""
+
+    def fill(values: torch.Tensor, generator: torch.Generator, first_row: int) -> None:
+        split = min(max(a_log_draws - first_row, 0), values.shape[0])
+        values[:split].uniform_(1, 16, generator=generator).log_()
+        dt = values[split:].uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp_()
+        dt.add_(torch.log(-torch.expm1(-dt)))
+
+    return fill
 
 
 class ShortConvolution(nn.Module):
@@ -120,11 +122,21 @@ class KimiDeltaAttention(nn.Module):
         tp.mark_sharded(self.A_log, 0, (heads,))
         tp.mark_sharded(self.dt_bias, 0, (width,))
         tp.mark_partial_grad([self.f_a_proj.weight, self.o_norm.weight])
-        with torch.no_grad():
-            full_A_log, full_dt_bias = torch.empty(heads), torch.empty(width)
-            initialize_gate_parameters(full_A_log, full_dt_bias, bounded=self.gate_lower_bound is not None)
-            self.A_log.copy_(tp.local_slice(full_A_log, 0))
-            self.dt_bias.copy_(tp.local_slice(full_dt_bias, 0))
+        self.reset_gate_parameters(seed=0, key="")  # K3Model.init_weights redraws it from its name
+
+    @torch.no_grad()
+    def reset_gate_parameters(self, seed: int, key: str, tile_elements: int = TILE_ELEMENTS) -> None:
+        """Draw this rank's `A_log` and `dt_bias` from the gate's stream `(seed, key)` (see
+        `gate_fill`): the one place the gate is initialised, the same values under any TP size."""
+        heads = self.A_log.shape[0] * self.tp.size
+        a_log_draws = 0 if self.gate_lower_bound is not None else heads
+        stream = TiledStream(seed, key, (a_log_draws + self.dt_bias.shape[0] * self.tp.size,),
+                             gate_fill(a_log_draws), tile_elements)
+        if a_log_draws:
+            draw_local(stream, self.A_log, self.tp.rank, self.tp.size, 0)
+        else:
+            self.A_log.zero_()
+        draw_local(stream, self.dt_bias, self.tp.rank, self.tp.size, 0, first_row=a_log_draws)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_with_cache(x, None, return_cache=False)[0]

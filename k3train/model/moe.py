@@ -234,20 +234,6 @@ class LatentMoE(nn.Module):
         bias = self.gate.e_score_correction_bias
         bias.copy_(self.balancer.next_bias(bias, group))
 
-    @torch.no_grad()
-    def use_expert_parallel(self, expert_parallel) -> None:
-        """Switch a layer built with all experts to expert parallelism: keep only this rank's home
-        experts (slices of the current stacks, so a model initialised or loaded whole keeps its
-        values) and route through `expert_parallel`."""
-        full = self.experts
-        offset, count = expert_parallel.expert_offset, expert_parallel.num_local_experts
-        local = LocalExperts(self.config, count).to(device=full.w1.device, dtype=full.w1.dtype)
-        for name in ("w1", "w3", "w2"):
-            getattr(local, name).copy_(getattr(full, name)[offset:offset + count])
-        expert_parallel.mark_expert_params(local)
-        self.experts = local
-        self.expert_parallel = expert_parallel
-
     def pop_step_stats(self, group=None, ranks: int = 1) -> MoEStepStats:
         """This step's routing statistics, then reset them (call once per step, after backward).
 
@@ -272,10 +258,6 @@ class LatentMoE(nn.Module):
     def summable_statistics(self) -> list[torch.Tensor]:
         """Every statistic of this step that ranks combine by summation (int64, reduced in place)."""
         return [self.step_expert_load, self.step_dispatch_counts, *self.balancer.summable_statistics()]
-
-    def pop_step_load(self) -> torch.Tensor:
-        """Slots per expert this step (resets every step statistic; see `pop_step_stats`)."""
-        return self.pop_step_stats().expert_load
 
 
 def pool_routing_statistics(moe_layers: list[LatentMoE], group) -> int:

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model
-from k3train.model.moe import LatentMoE
+from k3train.model.moe import LatentMoE, LocalExperts
 from k3train.parallel.grad_reduce import GradientReducer
 from k3train.parallel.expert import ExpertParallel, routing_statistics_group
 from k3train.parallel.state import ParallelState, resolve_layout
@@ -38,6 +38,22 @@ from k3train.parallel.tensor import TensorParallel
 def small_config(**changes) -> ModelConfig:
     base = ModelConfig(num_hidden_layers=3, attn_res_block_size=2, recompute="none", balancer="quantile_histogram")
     return dataclasses.replace(base, **changes)
+
+
+# ---------------------------------------------------------------------------- a whole layer, then EP
+@torch.no_grad()
+def use_expert_parallel(moe: LatentMoE, expert_parallel: ExpertParallel) -> None:
+    """Switch a layer built with all experts to expert parallelism: keep only this rank's home
+    experts (slices of the current stacks, so a model initialised or loaded whole keeps its
+    values) and route through `expert_parallel`."""
+    full = moe.experts
+    offset, count = expert_parallel.expert_offset, expert_parallel.num_local_experts
+    local = LocalExperts(moe.config, count).to(device=full.w1.device, dtype=full.w1.dtype)
+    for name in ("w1", "w3", "w2"):
+        getattr(local, name).copy_(getattr(full, name)[offset:offset + count])
+    expert_parallel.mark_expert_params(local)
+    moe.experts = local
+    moe.expert_parallel = expert_parallel
 
 
 # ---------------------------------------------------------------------------- drop policy reference
@@ -206,7 +222,7 @@ def equivalence(env, spec: dict) -> dict:
     model = K3Model(config, parallel=state).double()
     model.init_weights(seed=7)
     for moe in model.moe_layers():
-        moe.use_expert_parallel(expert_parallel)
+        use_expert_parallel(moe, expert_parallel)
     skew_gate_bias(model, config.num_experts // ep, spec.get("skew", 0.0))
 
     batch, seq = spec.get("batch", 2 * dp), 32
@@ -249,7 +265,7 @@ def pipeline_equivalence(env, spec: dict) -> dict:
     chunks = build_model(config, plan, state, seed=7, dtype=torch.float64).chunks
     for chunk in chunks:
         for moe in chunk.moe_layers():
-            moe.use_expert_parallel(expert_parallel)
+            use_expert_parallel(moe, expert_parallel)
         skew_gate_bias(chunk, config.num_experts // state.ep.size, spec.get("skew", 0.0))
 
     micro_batch_size, seq, count, dp = 2, 16, spec.get("micro_batches", 2), state.layout.dp

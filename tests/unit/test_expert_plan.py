@@ -17,7 +17,7 @@ from k3train.parallel.comm import Group, TrafficCounter
 from k3train.parallel.expert import (
     ExpertParallel, balanced_route, capacity_per_pair, home_route, pack_slots, plan_replicas,
 )
-from tests.distributed.workers_expert import StaticShapeGuard, no_host_reads, reference_capacity_keep
+from tests.distributed.workers_expert import StaticShapeGuard, no_host_reads, reference_capacity_keep, use_expert_parallel
 
 
 def single_group() -> Group:
@@ -169,7 +169,7 @@ def moe_pair(mode: str, capacity_factor: float, compute: str = "grouped"):
     expert_parallel = ExpertParallel(single_group(), 8, mode, capacity_factor, 2, compute)
     moe = LatentMoE(config).double()
     moe.load_state_dict(reference.state_dict())
-    moe.use_expert_parallel(expert_parallel)
+    use_expert_parallel(moe, expert_parallel)
     return reference, moe
 
 
@@ -206,7 +206,7 @@ def test_dropped_slots_count_as_zero_weight_and_are_counted_per_layer():
     assert stats.routed_slots == 2 * 48 and stats.dropped_slots == 2 * 24 and stats.micro_batches == 2
     assert stats.as_dict()["dropped_fraction"] == 0.5
     assert moe.pop_step_stats().routed_slots == 0  # reset
-    assert moe.pop_step_load().shape == (8,)  # the training loop's older call still works
+    assert moe.pop_step_stats().expert_load.shape == (8,)
 
 
 def test_expert_params_are_marked_and_sliced():
@@ -219,7 +219,7 @@ def test_expert_params_are_marked_and_sliced():
     expert_parallel = ExpertParallel(group, 8, "capacity", 1.0)
     moe = LatentMoE(config)
     moe.load_state_dict(full.state_dict())
-    moe.use_expert_parallel(expert_parallel)
+    use_expert_parallel(moe, expert_parallel)
     assert moe.experts.w1.shape == (2, 64, 64) and torch.equal(moe.experts.w2, full.experts.w2[4:6])
     for param in (moe.experts.w1, moe.experts.w3, moe.experts.w2):
         assert param.expert_parallel and param.expert_offset == 4 and param.full_shape[0] == 8
