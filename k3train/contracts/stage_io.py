@@ -15,9 +15,10 @@ pipeline plan and the FLOP census all ask this one function.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
-import torch
+if TYPE_CHECKING:  # annotations only: the block rule is used by the torch-free config checks
+    import torch
 
 ATTN_RES_MODES = ("block", "full", "none")
 Sublayer = Literal["mixer", "ffn"]
