@@ -8,7 +8,10 @@ returns the gradient of the partial sum and of exactly those blocks; gradients o
 accumulate locally and flow into the backward of the chunk that introduced the block on this
 rank.
 
-How the training loop calls it (one optimizer step)::
+The executor takes the model chunks as given: modules whose forward takes tokens (chunk 0) or
+`state=ResidualState(partial, blocks)` (`k3train/contracts/stage_io.py`) and returns the next
+state, or logits on the last chunk. The job builds chunks and schedule in
+`k3train/training/build.py`; by hand, one optimizer step is::
 
     plan = PipelinePlan.from_config(config.model, config.parallel)
     chunks = build_model(config.model, plan, state).chunks   # this rank's slices (k3train.training.build)

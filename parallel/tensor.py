@@ -181,9 +181,6 @@ class TensorParallel:
         for param in params:
             param.tp_partial_grad = True
 
-    def local_slice(self, full: torch.Tensor, partition_dim: int) -> torch.Tensor:
-        return full.chunk(self.size, dim=partition_dim)[self.rank]
-
 
 def reduce_tensor_parallel_grads(model: nn.Module, group: Group) -> None:
     """Sum over `tp` the gradients of replicated parameters that each rank saw only in part.

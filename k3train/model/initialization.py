@@ -61,7 +61,7 @@ class TiledStream:
         rows = min(self.tile_rows, self.full_shape[0] - first_row)
         key = self.key if index == 0 else f"{self.key}#tile{index}"
         generator = torch.Generator().manual_seed(stream_seed(self.seed, key))
-        values = torch.empty((rows, *self.full_shape[1:]), dtype=torch.float32)
+        values = torch.empty((rows, *self.full_shape[1:]), dtype=torch.float32, device="cpu")  # CPU generator
         self.fill(values, generator, first_row)
         return values
 
@@ -70,6 +70,8 @@ class TiledStream:
         """Write rows `[first_row, first_row + len(out))` into `out`; with `parts > 1`, only chunk
         `part` of `parts` along `dim` (≥ 1) of those rows, as `Tensor.chunk` cuts it."""
         end = first_row + out.shape[0]
+        if end == first_row:
+            return
         if not 0 <= first_row < end <= self.full_shape[0]:
             raise ValueError(f"{self.key}: rows [{first_row}, {end}) outside {self.full_shape}")
         for index in range(first_row // self.tile_rows, (end - 1) // self.tile_rows + 1):
@@ -79,6 +81,7 @@ class TiledStream:
             if parts > 1:
                 piece = piece.chunk(parts, dim)[part]
             out[low - first_row: high - first_row].copy_(piece)
+            del piece  # the tile is freed before the next one is drawn: one tile alive at a time
 
 
 def draw_local(stream: TiledStream, out: torch.Tensor, tp_rank: int, tp_size: int,

@@ -147,7 +147,7 @@ class K3Model(nn.Module):
                 param.zero_()  # AttnRes queries start at zero: a uniform average over the sources
             elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 param.fill_(1.0)
-            elif name.split(".")[-1] in ("w1", "w2", "w3"):  # expert stacks: one stream per expert
+            elif name.split(".")[-1] in ("w1", "w2", "w3"):  # expert e: stream (seed, name.e), on any EP rank
                 first = getattr(param, "expert_offset", 0)
                 fill = normal_fill(self.config.init_std)
                 for local_index in range(param.shape[0]):
@@ -156,11 +156,11 @@ class K3Model(nn.Module):
             else:
                 fill = (uniform_fill(1.0 / math.sqrt(param.shape[-1])) if name.endswith("conv1d.weight")
                         else normal_fill(self.config.init_std))
-                sharded = getattr(param, "tensor_parallel", False)
+                sharded = getattr(param, "tensor_parallel", False)  # a TP shard of `full_shape`
                 stream = TiledStream(seed, name, tuple(getattr(param, "full_shape", param.shape)), fill, tile_elements)
-                draw_local(stream, param, self.tp.rank, self.tp.size, param.partition_dim if sharded else None)
+                draw_local(stream, param, self.tp.rank, self.tp.size, getattr(param, "partition_dim") if sharded else None)
         for name, module in self.named_modules():
-            if isinstance(module, KimiDeltaAttention) and not module.A_log.is_meta:
+            if isinstance(module, KimiDeltaAttention):
                 module.reset_gate_parameters(seed, name, tile_elements)
 
 

@@ -128,6 +128,8 @@ class KimiDeltaAttention(nn.Module):
     def reset_gate_parameters(self, seed: int, key: str, tile_elements: int = TILE_ELEMENTS) -> None:
         """Draw this rank's `A_log` and `dt_bias` from the gate's stream `(seed, key)` (see
         `gate_fill`): the one place the gate is initialised, the same values under any TP size."""
+        if self.A_log.is_meta:
+            return
         heads = self.A_log.shape[0] * self.tp.size
         a_log_draws = 0 if self.gate_lower_bound is not None else heads
         stream = TiledStream(seed, key, (a_log_draws + self.dt_bias.shape[0] * self.tp.size,),
