@@ -35,7 +35,7 @@ from k3train.parallel.pipeline_schedule import PROTOCOLS, PipelinePlan, bubble_f
 
 PLAN_SETTINGS = [  # (P, V, layers, block size)
     (2, 1, 8, 2),
-    (2, 2, 8, 2),  # SPEC §2.1
+    (2, 2, 8, 2),  # docs/design.md §2.1
     (2, 2, 8, 3),
     (4, 2, 8, 2),
     (4, 2, 16, 2),

@@ -1,4 +1,4 @@
-"""The per-rank AttnRes block cache of the pipeline (SPEC §2.1).
+"""The per-rank AttnRes block cache of the pipeline (docs/design.md §2.1).
 
 For every micro-batch in flight on a rank, the cache keeps each block representation the rank
 has received or produced, once (`block id → tensor`), and an accumulator of that block's

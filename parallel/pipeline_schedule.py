@@ -16,7 +16,7 @@ boundaries only, and block boundaries need not align with chunk boundaries. Bloc
 `0, 1, …` in push order; at the input of chunk `c` the state holds exactly blocks
 `0 … blocks_at[c]-1`, and chunk `c` produces blocks `blocks_at[c] … blocks_at[c+1]-1`.
 
-**What a hop carries** (hop `c → c+1`, per micro-batch, besides the partial sum; SPEC §2.1):
+**What a hop carries** (hop `c → c+1`, per micro-batch, besides the partial sum; docs/design.md §2.1):
 
 | protocol | blocks carried |
 | --- | --- |

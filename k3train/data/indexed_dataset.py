@@ -1,6 +1,6 @@
 """Megatron-core's indexed dataset (`MMIDIDX`, version 1): a streaming writer and a memmap reader.
 
-A dataset is a pair of files sharing a prefix (SPEC §2.3):
+A dataset is a pair of files sharing a prefix (docs/design.md §2.3):
 
 `PREFIX.bin` holds the tokens of every sequence back to back, in one dtype (uint16 when the
 vocabulary has fewer than 65,500 entries, else int32), with no header.

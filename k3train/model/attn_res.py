@@ -3,7 +3,7 @@
 The state itself (`ResidualState(partial, blocks)`, also the pipeline's stage I/O) and the rule
 for when a block closes live in `k3train/contracts/stage_io.py`, shared with `parallel/`.
 
-Wiring per sublayer (SPEC §1.3, the released modelling code): the sublayer's input is the
+Wiring per sublayer (docs/design.md §1.3, after the released modelling code): the sublayer's input is the
 depth-attention mix over `[*blocks, partial]`; if a block closes here, `partial` joins `blocks`
 and the sum restarts; the sublayer's output is added to `partial`. Mixing first and pushing
 afterwards attends over the same sources in the same order as the reference, so one rule covers

@@ -1,4 +1,4 @@
-"""Routing-bias balancers (SPEC §1.5): Quantile Balancing, exact and by histogram, and the sign update.
+"""Routing-bias balancers (docs/design.md §1.5): Quantile Balancing, exact and by histogram, and the sign update.
 
 A balancer watches the router during a step's forward passes (`observe`) and, after the
 optimizer step, returns the bias for the *next* step (`next_bias`); the batch that produced the
@@ -6,7 +6,7 @@ statistics is never routed with the bias computed from it.
 
 Quantile Balancing, per expert j: with `α_i` the (k+1)-th largest biased score of token i and
 `r_ij = α_i − s_ij`, expert j is chosen for token i exactly when `b_j > r_ij`. The bias that lets
-`q = m·k/n` of the m tokens through is the `k/n` quantile of `r_{:,j}` (SPEC writes the same as
+`q = m·k/n` of the m tokens through is the `k/n` quantile of `r_{:,j}` (docs/design.md §1.5 writes the same as
 `−quantile_{1−k/n}(s − α)`), recentred to mean zero. The histogram form counts `r` into fixed bins
 over `[min b − 1, max b + 1]` (every `r` lands there because `s ∈ [0, 1]`), so a step's counts add
 up across micro-batches and ranks with one all-reduce, and its quantile is off by at most a bin.

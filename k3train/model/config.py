@@ -35,7 +35,7 @@ class LinearAttnConfig:
 
 @dataclass
 class ModelConfig:
-    """Architecture of a K3-style decoder (SPEC §1)."""
+    """Architecture of a K3-style decoder (docs/design.md §1)."""
 
     vocab_size: int = 384
     """Embedding and head rows (padded vocabulary)."""
@@ -98,7 +98,7 @@ class ModelConfig:
     latent_moe_use_norm: bool = True
     """RMSNorm between the weighted expert sum and `W_up` (the 'Stable' in Stable LatentMoE)."""
     balancer: Literal["quantile", "quantile_histogram", "sign", "none"] = "quantile_histogram"
-    """How the routing bias is updated after each step (SPEC §1.5)."""
+    """How the routing bias is updated after each step (docs/design.md §1.5)."""
     balancer_bins: int = 1000
     """Histogram bins per expert for `quantile_histogram`."""
     balancer_sign_rate: float = 1e-3

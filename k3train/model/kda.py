@@ -1,4 +1,4 @@
-"""Kimi Delta Attention mixer (SPEC §1.1): projections, short convolutions, gates → kernels.kda.
+"""Kimi Delta Attention mixer (docs/design.md §1.1): projections, short convolutions, gates → kernels.kda.
 
 Per head, the delta rule with a channel-wise decay: `S_t = (I − β k kᵀ) Diag(α_t) S_{t−1} + β k vᵀ`,
 `o_t = S_tᵀ q_t`. The model side builds the inputs of that recurrence; the kernels compute it.

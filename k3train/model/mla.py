@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention with NoPE (SPEC §1.2).
+"""Gated Multi-head Latent Attention with NoPE (docs/design.md §1.2).
 
 Low-rank query and key/value compressions as in DeepSeek's MLA, with the 'rope' slice of the
 head kept for checkpoint compatibility but never rotated: K3's KDA layers carry position, so

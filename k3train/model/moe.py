@@ -1,4 +1,4 @@
-"""Stable LatentMoE (SPEC §1.4).
+"""Stable LatentMoE (docs/design.md §1.4).
 
     y = shared_experts(x) + W_up · RMSNorm( Σ_{i ∈ TopK} p_i · E_i(W_down x) )
 

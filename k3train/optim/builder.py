@@ -1,7 +1,7 @@
 """Which parameter gets which optimizer, the optimizer built from `OptimizerConfig`, and the
 start-up table that shows the routing.
 
-Routing (SPEC §1.6, anchors §1.3): a parameter with two or more dimensions that is not marked
+Routing (docs/design.md §1.6): a parameter with two or more dimensions that is not marked
 `adamw_only` gets Muon (2-D matrices, per-head projections, `[experts, out, in]` stacks);
 everything else gets AdamW: embedding, output head and AttnRes queries (marked `adamw_only`),
 norms, biases, KDA `A_log`/`dt_bias` and every other vector. AdamW weight decay applies to its

@@ -146,7 +146,7 @@ class MuonWorkItem:
 class PerHeadMuon(torch.optim.Optimizer):
     """Moonlight Muon with per-head / per-expert blocks; groups with `algorithm="adamw"` get AdamW.
 
-    Muon, for each block of a parameter (SPEC §1.6, Moonlight arXiv 2502.16982 Eq. 1-4):
+    Muon, for each block of a parameter (docs/design.md §1.6; Moonlight, arXiv 2502.16982, Eq. 1-4):
         M = momentum * M + G                  (sum-style buffer, state "momentum_buffer")
         U = G + momentum * M  if nesterov else M
         O = NS(U) * update_rms * sqrt(max(rows, cols))   (block shape, per block)

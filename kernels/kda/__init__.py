@@ -1,4 +1,4 @@
-"""Kimi Delta Attention kernels (SPEC §1.1): a token-by-token reference, the chunkwise-parallel
+"""Kimi Delta Attention kernels (docs/design.md §1.1): a token-by-token reference, the chunkwise-parallel
 PyTorch form used for training (dispatching to flash-linear-attention on CUDA when available),
 and the decay gates."""
 

@@ -1,4 +1,4 @@
-"""Chunkwise-parallel Kimi Delta Attention (the training path of SPEC §1.1).
+"""Chunkwise-parallel Kimi Delta Attention (the training path of docs/design.md §1.1).
 
 The math, per head. Split the sequence into chunks of `C` tokens. Inside one chunk let
 `G_i = Σ_{s ≤ i} g_s` be the cumulative log-decay from the chunk start (per key channel) and `S_0`

@@ -35,7 +35,7 @@ def kda_gate(
 ) -> torch.Tensor:
     """K3's bounded gate: `g = lower_bound · sigmoid(exp(A_log) · (z + dt_bias))`.
 
-    The decay per token stays above `lower_bound` (SPEC §1.1: −5 in K3), which is what keeps the
+    The decay per token stays above `lower_bound` (docs/design.md §1.1: −5 in K3), which is what keeps the
     chunkwise kernel's tiles in range. In exact arithmetic `g ∈ (lower_bound, 0)`; in fp32 the
     sigmoid saturates for |argument| ≳ 17 (upper end) and ≳ 88 (lower end), so extreme inputs
     reach the closed ends.

@@ -1,4 +1,4 @@
-"""Token-by-token reference for Kimi Delta Attention (the recurrent form of SPEC §1.1).
+"""Token-by-token reference for Kimi Delta Attention (the recurrent form of docs/design.md §1.1).
 
 This is the ground truth the chunkwise kernel is tested against: one Python step per token,
 written as close to the recurrence as possible. It is slow (O(T) small ops) and is not meant for

@@ -4,7 +4,7 @@ Imports cost seconds per process on two cores, so a test launches one group of w
 runs a list of checks in it. Every launch has a deadline: a hung collective fails the test
 instead of stalling CI. Workers run with one intra-op thread (`OMP_NUM_THREADS=1`).
 
-    results = run_workers(4, "tests.distributed.checks_tp:run", payload, timeout_s=240)
+    results = run_workers(2, "tests.distributed.workers_tp:compare_one_step", payload, timeout_s=240)
 
 The target is `module:function`; it is called as `function(parallel_env, payload)` in every
 rank and its (picklable) return value is collected per rank.

@@ -27,7 +27,7 @@ CHECKS_2 = [
     # Interleaved, V = 2: the cache pays off; uneven chunks, blocks not aligned with them.
     {"name": "pp2_v2_block", "pp": 2, "virtual_stages": 2, "micro_batches": 4, "pipeline_layers": [2, 3, 1, 2],
      "probe": True, "forward_only": True},
-    # SPEC §2.1's worked example: 8 layers, S = 2, chunks of 2 layers: exact 3 blocks vs paper 5, naive 6.
+    # docs/design.md §2.1's worked example: 8 layers, S = 2, chunks of 2 layers: exact 3 blocks vs paper 5, naive 6.
     {"name": "pp2_v2_block_spec_table", "pp": 2, "virtual_stages": 2, "micro_batches": 2,
      "config": {"attn_res_block_size": 2}},
     {"name": "pp2_v2_full", "pp": 2, "virtual_stages": 2, "micro_batches": 2, "pipeline_layers": [1, 3, 2, 2],
@@ -132,6 +132,6 @@ def test_pp4_tp_dp_match_single_process(four_ranks, check):
 
 
 def test_spec_table_traffic(two_ranks):
-    """SPEC §2.1: per micro-batch the hops carry 6 (naive), 5 (paper), 3 (exact) blocks."""
+    """docs/design.md §2.1: per micro-batch the hops carry 6 (naive), 5 (paper), 3 (exact) blocks."""
     result = two_ranks["pp2_v2_block_spec_table"][0]
     assert result["hop_blocks"] == {"naive": [1, 2, 3], "paper": [1, 2, 2], "exact": [1, 1, 1]}

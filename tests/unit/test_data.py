@@ -80,7 +80,7 @@ def test_large_vocabulary_uses_int32(tmp_path):
 
 
 def test_idx_bytes_match_megatron_layout(tmp_path):
-    """Pins SPEC §2.3 byte for byte: documents [[1, 2, 3], [4, 5]], uint16."""
+    """Pins docs/design.md §2.3 byte for byte: documents [[1, 2, 3], [4, 5]], uint16."""
     write_indexed_dataset(tmp_path / "tiny", [[1, 2, 3], [4, 5]], vocab_size=259)
     expected_idx = (
         b"MMIDIDX\x00\x00"                      # magic

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention kernels (SPEC §1.1): the recurrent reference checked by hand, the
+"""Kimi Delta Attention kernels (docs/design.md §1.1): the recurrent reference checked by hand, the
 chunkwise form held to the reference in float64, fp32 range at the worst-case decay, bf16, the
 gates, and the guarded fla dispatch."""
 
@@ -225,7 +225,7 @@ FP32_TOLERANCE = 1e-5
 
 @pytest.mark.parametrize("gate", ["worst", "bounded", "unbounded", "none"])
 def test_fp32_chunk_matches_float64_reference(gate):
-    # g = −5 everywhere: e^{G} reaches e^{−320} across a 64-token chunk (SPEC §1.1).
+    # g = −5 everywhere: e^{G} reaches e^{−320} across a 64-token chunk (docs/design.md §1.1).
     inputs, initial_state = make_inputs(192, batch=1, heads=2, key_dim=64, value_dim=64, gate=gate)
     inputs32 = {name: x.float() for name, x in inputs.items()}
     o_ref, state_ref = naive_recurrent_kda(

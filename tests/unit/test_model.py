@@ -1,4 +1,4 @@
-"""The K3 model's parts against direct references (SPEC §1)."""
+"""The K3 model's parts against direct references (docs/design.md §1)."""
 
 import dataclasses
 
@@ -337,7 +337,7 @@ def test_checkpointed_attn_res_layer_saves_no_more_than_plain_residual(layer_ind
 
 
 def test_router_and_attn_res_stay_fp32_under_bf16_autocast():
-    """SPEC §2 precision: AttnRes scores and the router in fp32 even inside a bf16 autocast region."""
+    """Precision (docs/design.md §1.3, §1.4): AttnRes scores and the router in fp32 even inside a bf16 autocast region."""
     model = K3Model(small_config(hidden_size=64, vocab_size=64, num_hidden_layers=2))
     randomize_attn_res_queries(model)
     moe = model.moe_layers()[0]

@@ -1,7 +1,7 @@
 """The pipeline plan, the block protocol's accounting and the schedule orders, in one process.
 
 The distributed checks (tests/distributed/test_pipeline.py) measure traffic and memory on gloo;
-here the plan itself is held to SPEC §2.1's table, to closed forms, to a brute-force simulation
+here the plan itself is held to docs/design.md §2.1's table, to closed forms, to a brute-force simulation
 of what every rank holds, and the schedules to Megatron's warmup counts and a deadlock-free,
 ideal-bubble simulation. The executor runs once with pp = 1 (plain gradient accumulation).
 """
