@@ -1,49 +1,10 @@
 """Pipeline parallelism: 1F1B and interleaved 1F1B over model chunks, with the AttnRes block cache.
 
-A micro-batch crosses a stage boundary as `(partial_sum, new_block_representations)`: the
-receiver keeps, per micro-batch in flight, every block it has received or produced
-(`pipeline_cache.BlockCache`), so a hop carries only the blocks the receiver does not hold yet
-(the exact delta; both sides know it from the plan, `pipeline_schedule.PipelinePlan`). Backward
-returns the gradient of the partial sum and of exactly those blocks; gradients of cached blocks
-accumulate locally and flow into the backward of the chunk that introduced the block on this
-rank.
-
-The executor takes the model chunks as given: modules whose forward takes tokens (chunk 0) or
-`state=ResidualState(partial, blocks)` (`k3train/contracts/stage_io.py`) and returns the next
-state, or logits on the last chunk. The job builds chunks and schedule in
-`k3train/training/build.py`; by hand, one optimizer step is::
-
-    plan = PipelinePlan.from_config(config.model, config.parallel)
-    chunks = build_model(config.model, plan, state).chunks   # this rank's slices (k3train.training.build)
-    schedule = PipelineSchedule(plan, state.pp, residual_shape(micro_batch_size, seq_length,
-                                config.model.hidden_size, state.tp.size, state.sequence_parallel),
-                                dtype=torch.float32, forward_context=precision_context(...))
-    loss = schedule.run(chunks, micro_batches)   # list of M token tensors [mb, seq+1]; None allowed
-                                                 # on ranks that hold neither the first nor last chunk
-    # every chunk's parameters now hold the gradient of the mean loss over the M micro-batches;
-    # `loss` (float64 scalar) is that mean, broadcast from the last stage to every pp rank.
-    ...reduce gradients over dp/tp, clip, optimizer.step(), chunk.update_routing_biases() per chunk
-
-Data parallelism overlapped with the pipeline's backward: one `GradientReducer` over
-`nn.ModuleList(chunks)` and `PipelineSchedule(..., before_backward=lambda v, last:
-reducer.set_last_micro_batch(last))`, then `reducer.finish()` after `run` (each chunk's
-gradients are reduced during its last backward of the step).
-
-`schedule.run(chunks, micro_batches, forward_only=True)` evaluates (no graph, no backward).
-`chunks` is in virtual-stage order (chunk `v` of rank `r` is global chunk `v·P + r`); chunk 0
-embeds `tokens[:, :-1]`, the last chunk returns logits and `chunk.loss(logits, tokens[:, 1:])`
-is the micro-batch's mean loss. With `pp = 1` the same call runs plain gradient accumulation.
-
-Communication: non-blocking `isend`/`irecv` (`comm.Group`, counted under `pp.forward` and
-`pp.backward`). Every send is posted right after its compute and never waited on until the end
-of the step; the receives of a step are posted one step ahead and waited on just before it, so
-a rank only ever blocks on data its peer produces earlier in its own order; Megatron's orders
-are deadlock-free under that rule (`pipeline_schedule.simulate` checks it, tests/unit). On gloo every message carries a unique tag (direction, hop,
-micro-batch, index), so forward activations and backward gradients between the same two ranks
-(P = 2) cannot be confused. Per direction and rank pair, sends and receives are also posted in
-the same order on both sides (both follow the schedule's lexicographic micro-batch order), which
-is what a tag-less backend needs, except that with P = 2 forward and backward messages share a
-direction: give `grad_group` (a second process group over the same ranks) there on NCCL.
+A micro-batch crosses a stage boundary as `(partial_sum, new_block_representations)`; the
+receiver keeps every block of a micro-batch in flight (`pipeline_cache.BlockCache`), so a hop
+carries only the blocks it does not hold yet. The executor takes the chunks as given (built by
+`k3train/training/build.py`); its contract with them, the way a step is run, overlap with data
+parallelism and the message ordering rules are in docs/pipeline.md ("The executor").
 """
 
 from __future__ import annotations

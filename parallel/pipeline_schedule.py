@@ -1,41 +1,8 @@
 """The pipeline plan: layer partition, the AttnRes block protocol's accounting, 1F1B orders.
 
-Everything here is pure Python (no process groups), so every rank computes the same plan from
-the configuration alone, and tests and `tools/plan.py`-style tables can use it directly.
-
-**Partition.** `P` ranks, `V` virtual stages each, `C = P·V` chunks of consecutive decoder
-layers; chunk `c` runs on rank `c mod P` as its virtual stage `c // P` (Megatron's interleaved
-assignment). The split is even (the first `L mod C` chunks take one extra layer) unless
-`parallel.pipeline_layers` gives one count per chunk.
-
-**Blocks.** `blocks_at[c]` is the number of block representations in the residual state at the
-input of chunk `c` (`blocks_at[C]`: after the last layer). With Block AttnRes a block is pushed
-before the token mixer of every layer `i` with `i % S == 0` (layer 0 pushes the embedding), with
-Full AttnRes before every sublayer, with `none` never, so `blocks_at` is a function of the layer
-boundaries only, and block boundaries need not align with chunk boundaries. Blocks are numbered
-`0, 1, …` in push order; at the input of chunk `c` the state holds exactly blocks
-`0 … blocks_at[c]-1`, and chunk `c` produces blocks `blocks_at[c] … blocks_at[c+1]-1`.
-
-**What a hop carries** (hop `c → c+1`, per micro-batch, besides the partial sum; docs/design.md §2.1):
-
-| protocol | blocks carried |
-| --- | --- |
-| naive (full history) | `0 … blocks_at[c+1]-1` |
-| paper (arXiv 2603.15031 §4.1) | everything since the receiver's previous chunk `c+1-P` *received* its input: `blocks_at[c+1-P] …` |
-| exact delta | everything the receiver does not hold yet: it holds all blocks up to the output of its previous chunk `c+1-P`, so `blocks_at[c+2-P] …` |
-
-(For `c+1 < P` the receiver has seen nothing of the micro-batch and every protocol sends the
-whole history.) The paper's increment also re-sends blocks the receiver produced itself in its
-previous chunk; the exact delta does not. With `V = 1` every hop is a first visit, so all three
-coincide: the cache pays off with interleaving. The backward pass returns the gradient of the
-partial sum and of exactly the blocks the hop carried.
-
-**Schedules.** `schedule_steps(P, V, rank, M)` returns this rank's ordered list of forward and
-backward steps: Megatron's non-interleaved 1F1B (`warmup = P - rank - 1`) or interleaved 1F1B
-(`warmup = 2(P - rank - 1) + (V - 1)P`, chunk of the k-th step `(k mod PV) // P`, reversed for
-backward; needs `M mod P == 0`). `simulate` runs all ranks' lists against their data
-dependencies with given step times: it proves an order cannot deadlock and gives the ideal
-bubble fraction (`(P-1)/(M+P-1)` for 1F1B, `(P-1)/(V·M+P-1)` interleaved).
+Pure Python (no process groups): every rank computes the same plan from the configuration alone.
+Partition, block accounting per hop (naive, paper, exact delta), the schedules and the simulator
+are described in docs/pipeline.md ("The plan").
 """
 
 from __future__ import annotations
