@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from k3train.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # static tools and IDEs see the real imports
     from k3train.checkpoint.checkpointer import Checkpointer
@@ -54,11 +55,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _SUBMODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_SUBMODULE_OF[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_SUBMODULE_OF])
+__getattr__, __dir__ = lazy_exports(__name__, _SUBMODULE_OF)
