@@ -41,9 +41,11 @@ class K3Model(nn.Module):
         layer_range: Optional[tuple[int, int]] = None,
         parallel=None,
         expert_parallel=None,
+        seed: int = 0,
     ):
         """`parallel`: a `k3train.parallel.state.ParallelState`, or None for one process;
-        `expert_parallel`: a `k3train.parallel.expert.ExpertParallel` (this rank's experts only), or None."""
+        `expert_parallel`: a `k3train.parallel.expert.ExpertParallel` (this rank's experts only), or None;
+        `seed`: the weights are drawn from it and each parameter's name (`init_weights`)."""
         super().__init__()
         config.validate()
         self.config = config
@@ -78,7 +80,7 @@ class K3Model(nn.Module):
             if config.tie_word_embeddings and self.with_embedding:
                 self.lm_head.weight = self.embed_tokens.weight
             mark_adamw_only(self.lm_head.weight)
-        self.init_weights(seed=0)
+        self.init_weights(seed)
         install_sharded_state_dict(self)  # checkpoints hold full tensors, loadable under any layout
 
     # ------------------------------------------------------------------ forward pieces

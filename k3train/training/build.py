@@ -67,7 +67,7 @@ def build_model(model_config: ModelConfig, plan: PipelinePlan, parallel: Paralle
                 expert_parallel: Optional[ExpertParallel] = None, *, seed: Optional[int] = None,
                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> K3Stage:
     """This rank's model: one `K3Model` slice per virtual stage (`model.chunks`, in virtual-stage
-    order), initialised from `seed` when given, in `dtype`, on `device`. On the meta device
+    order), initialised from `seed` (0 when not given), in `dtype`, on `device`. On the meta device
     nothing is allocated or initialised."""
     on_meta = device is not None and torch.device(device).type == "meta"
     chunks = []
@@ -77,9 +77,9 @@ def build_model(model_config: ModelConfig, plan: PipelinePlan, parallel: Paralle
                 chunk = K3Model(model_config, layer_range=layer_range, parallel=parallel,
                                 expert_parallel=expert_parallel)
         else:
-            chunk = K3Model(model_config, layer_range=layer_range, parallel=parallel, expert_parallel=expert_parallel)
-            if seed is not None:
-                chunk.init_weights(seed)
+            # Initialised once, in the constructor (a second draw would double the start-up time).
+            chunk = K3Model(model_config, layer_range=layer_range, parallel=parallel, expert_parallel=expert_parallel,
+                            seed=seed if seed is not None else 0)
             if device is not None:
                 chunk = chunk.to(device)
         if dtype is not None:
