@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from k3train.training.build import build_rank
     from k3train.training.loop import Trainer, TrainingError
     from k3train.training.metrics import MetricsLogger, SinkError, require_sinks
-    from k3train.training.threads import available_cores, choose_num_threads
+    from k3train.training.threads import available_cores, choose_num_threads, machine_busy_fraction
     from k3train.training.throughput import peak_flops
 
     # 2. Parallel state from torchrun's environment (one process without it).
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"parallel: world {layout.world_size} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp} "
           f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
           f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}")
-    threads, threads_line = choose_num_threads(config.train.num_threads, os.environ, available_cores())
+    threads, threads_line = choose_num_threads(config.train.num_threads, os.environ, available_cores(),
+                                                 machine_busy_fraction())
     torch.set_num_threads(threads)  # torch's default, every core in every rank, oversubscribes
     print(threads_line)
     torch.manual_seed(config.train.seed)

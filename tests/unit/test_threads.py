@@ -33,3 +33,16 @@ def test_cores_divided_among_local_ranks(environ, cores, expected):
 
 def test_available_cores_is_positive():
     assert available_cores() >= 1
+
+
+@pytest.mark.parametrize("busy, local_ranks, expected", [(0.0, 1, 8), (0.5, 1, 4), (0.5, 2, 2), (0.99, 1, 1), (1.0, 4, 1)])
+def test_busy_machine_counts_only_free_cores(busy, local_ranks, expected):
+    threads, line = choose_num_threads(None, {"LOCAL_WORLD_SIZE": str(local_ranks)}, 8, busy)
+    assert threads == expected
+    assert "busy" in line if busy else "busy" not in line
+
+
+def test_machine_busy_fraction_is_a_fraction():
+    from k3train.training.threads import machine_busy_fraction
+
+    assert 0.0 <= machine_busy_fraction() <= 1.0
