@@ -80,14 +80,19 @@ def test_buckets_launch_during_backward(results):
 
 @pytest.mark.parametrize("layout", ["dp4", "dp2"])
 def test_traffic(results, layout):
-    """DP all-reduce: (numel + one has-gradient flag per tensor) x 8 bytes (float64 buffers), one
-    message per bucket; ZeRO-1: the padded all-gather; without ZeRO-1 no exchange at all."""
+    """Without ZeRO-1, DP all-reduce: (numel + one has-gradient flag per tensor) x 8 bytes
+    (float64 buffers), one message per bucket, and no exchange; with ZeRO-1 the buckets that pay
+    for it are reduce-scattered (their padded per-owner segments counted), then the padded
+    all-gather."""
     for result in results:
+        plain = result[layout]["traffic_zero_off"]
+        assert plain["grad"] == plain["grad_expected"]
+        assert plain["grad"][0] == 8 * (plain["model_numel"] + plain["model_tensors"])
+        assert plain["exchange"] == (0, 0)
         traffic = result[layout]["traffic_zero_on"]
         assert traffic["grad"] == traffic["grad_expected"]
-        assert traffic["grad"][0] == 8 * (traffic["model_numel"] + traffic["model_tensors"])
+        assert traffic["grad"][1] == plain["grad"][1]  # the same buckets, one message each
         assert traffic["exchange"] == traffic["exchange_expected"]
-        assert result[layout]["traffic_zero_off"]["exchange"] == (0, 0)
     # Every rank sends the same padded length: together at least the model once.
     sent = sum(result[layout]["traffic_zero_on"]["exchange"][0] for result in results)
     tp = 2 if layout == "dp2" else 1
@@ -128,12 +133,30 @@ def test_ownership_plan_identical_and_balanced(results, layout):
     assert all(0 < n < results[0]["trained_tensors"] for n in owned)
 
 
-@pytest.mark.parametrize("layout", ["clip_dp4", "clip_dp2_tp2"])
+@pytest.mark.parametrize("layout", ["clip_dp4", "clip_dp2_tp2", "clip_dp4_zero1", "clip_dp2_tp2_zero1"])
 def test_clipping_uses_single_process_norm(results, layout):
+    """With ZeRO-1 each owner holds and clips only its own reduce-scattered gradients; the norm
+    sums their shares over `data_tensor` and is still the single process's."""
     for result in results:
         clip = result[layout]
         assert clip["norm"] == pytest.approx(clip["reference_norm"], rel=1e-5)
         assert clip["clipped_grads"] < 1e-6 * clip["grad_scale"]
+    if layout.endswith("zero1"):
+        assert all(result[layout]["sharded_buckets"] > 0 for result in results)
+        dp = 4 if layout.startswith("clip_dp4") else 2
+        for column in ([0, 1, 2, 3] if dp == 4 else [0, 2]):  # every gradient on exactly one DP rank
+            held = [name for rank in column for name in results[rank][layout]["held_grads"]]
+            assert len(held) == len(set(held)) < len(results[0]["clip_dp4"]["held_grads"]) + 1
+
+
+@pytest.mark.parametrize("layout", ["dp4", "dp2"])
+def test_zero1_reduce_scatters_to_the_owners(results, layout):
+    """Under ZeRO-1 a rank holds exactly the gradients it needs: its own parameters' in the
+    reduce-scattered buckets, all of them in the all-reduced ones (and the debug model's buckets
+    do reduce-scatter)."""
+    for result in results:
+        assert result[layout]["sharded_buckets"] > 0
+        assert result[layout]["grad_names_zero_on"] == result[layout]["expected_grad_names"]
 
 
 def test_tp_partial_grads_reduce_over_data_tensor(results):
