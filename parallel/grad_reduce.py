@@ -101,7 +101,7 @@ def _reduce_scatter_async(group: Group, tensor: torch.Tensor, output: torch.Tens
     launched asynchronously and counted like comm.py's `reduce_scatter` (its full input, one
     message)."""
     group.counter.add(group.name, tensor)
-    return dist.reduce_scatter_tensor(output, tensor, op=dist.ReduceOp.SUM, group=group.process_group,
+    return dist.reduce_scatter_single(output, tensor, op=dist.ReduceOp.SUM, group=group.process_group,
                                       async_op=True)
 
 
