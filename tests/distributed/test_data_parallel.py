@@ -12,7 +12,10 @@ all-reduce) — about 1e-16 relative. Tolerances:
   <= 1e-12). Newton–Schulz amplifies input differences by at most ~a^5 ≈ 500 (its slope at 0
   is a = 3.4445 per step) and AdamW's g/sqrt(v) by up to 1/eps for gradients near eps, so the
   parameters drift further from the reference than the gradients do;
-- ZeRO-1 on vs off: bit-identical (the owner runs exactly what every rank runs otherwise);
+- ZeRO-1 on vs off: the owner runs exactly what every rank runs otherwise, but under ZeRO-1 its
+  gradients come from a reduce-scatter (to the owners) instead of an all-reduce, and gloo may sum
+  the replicas in another order in the two collectives: bit-identical at DP2 (a + b either way),
+  within 1e-12 at DP4 (relaxed from bit-identical with that change; measured 1.5e-15);
 - clipping (float32, as `clip_grad_norm_` norms in fp32 and cannot norm float64 gradients):
   norm within 1e-5 relative, clipped gradients within 1e-6 of the largest gradient.
 """
@@ -62,6 +65,7 @@ def test_zero1_matches_replicated_optimizer(results, layout):
     differently over more than two ranks (a + b is the same either way): bit-identical at DP2,
     within ON_VS_OFF_TOL at DP4 (measured: see the module docstring)."""
     diffs = [result[layout]["on_vs_off"] for result in results]
+    print(layout, "ZeRO-1 on vs off, max |difference| per rank:", diffs)
     if layout == "dp2":
         assert all(diff == 0.0 for diff in diffs), diffs
     assert all(diff < ON_VS_OFF_TOL for diff in diffs), diffs
