@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 LAYOUTS = [
     dict(name="DP2", dp=2, zero1=False),
     dict(name="DP2 ZeRO-1", dp=2, zero1=True),
+    dict(name="DP4", dp=4, zero1=False),
+    dict(name="DP4 ZeRO-1", dp=4, zero1=True),
     dict(name="TP2", tp=2),
     dict(name="TP2+SP", tp=2, sequence_parallel=True),
     dict(name="DP2×TP2", tp=2, dp=2, zero1=False),

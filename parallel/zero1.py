@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Iterator, Literal, Mapping, Optional
 
 import torch
 from torch import nn
@@ -196,6 +196,12 @@ class DistributedOptimizer:
 
     def owned_parameter_names(self) -> list[str]:
         return list(self._owned_names)
+
+    def gradient_owners(self) -> Optional[dict[str, int]]:
+        """Under ZeRO-1, each parameter's owner (index in its replica group), for the
+        `GradientReducer` to reduce-scatter gradients to their owners; None without ZeRO-1
+        (every rank steps every parameter, so every rank needs every gradient)."""
+        return dict(self.plan.owners) if self.zero1 else None
 
     def _build_exchanges(self, model: nn.Module) -> list[_Exchange]:
         exchanges: dict[tuple[str, torch.dtype], _Exchange] = {}

@@ -139,10 +139,20 @@ def step_traffic_terms(
         buckets[bucket.reduction.group.name].append(bucket)
     for group_name in ("dp", "data_tensor"):
         found = buckets.get(group_name, [])
-        if found:
-            tensors = sum(len(b.params) for b in found)
-            add(group_name, f"gradient buckets: {tensors} tensors, {sum(b.numel for b in found)} elements (+flags)",
-                sum(b.nbytes for b in found), len(found))
+        reduced = [b for b in found if not b.sharded]
+        if reduced:
+            tensors = sum(len(b.params) for b in reduced)
+            add(group_name, f"gradient buckets, all-reduce: {tensors} tensors, {sum(b.numel for b in reduced)} "
+                "elements (+flags)", sum(b.nbytes for b in reduced), len(reduced))
+        scattered = [b for b in found if b.sharded]
+        if scattered:
+            tensors = sum(len(b.params) for b in scattered)
+            add(group_name, f"gradient buckets, ZeRO-1 reduce-scatter to owners: {tensors} tensors, "
+                f"{sum(b.numel for b in scattered)} elements in {group_name}-size × padded per-owner segments "
+                f"of {sum(b.segment for b in scattered)} elements (+flags)",
+                sum(b.nbytes for b in scattered), len(scattered))
+    if any(b.sharded for b in reducer.buckets) and state.data_tensor.size > 1:
+        add("data_tensor", "global grad norm, owner-only gradients' share: fp32 scalar all-reduce", 4, 1)
     if dp > 1:
         add("dp", "loss average: fp64 scalar all-reduce", 8, 1)
     for exchange in optimizer._exchanges:

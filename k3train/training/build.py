@@ -108,8 +108,10 @@ def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device,
     expert_parallel = ExpertParallel.from_state(parallel, config.parallel, config.model.num_experts)
     model = build_model(config.model, plan, parallel, expert_parallel, seed=config.train.seed, device=device,
                         dtype=dtype)
-    reducer = GradientReducer(model, parallel, bucket_bytes=bucket_bytes, overlap=overlap)
     optimizer = _build_optimizer(model, config, parallel, bucket_bytes)
+    # Under ZeRO-1 the gradients are reduce-scattered to their owners (the optimizer's plan).
+    reducer = GradientReducer(model, parallel, bucket_bytes=bucket_bytes, overlap=overlap,
+                              owners=optimizer.gradient_owners())
     schedule = PipelineSchedule(
         plan, parallel.pp,
         residual_shape(config.train.micro_batch_size, config.data.seq_length, config.model.hidden_size,

@@ -12,7 +12,10 @@ all-reduce) — about 1e-16 relative. Tolerances:
   <= 1e-12). Newton–Schulz amplifies input differences by at most ~a^5 ≈ 500 (its slope at 0
   is a = 3.4445 per step) and AdamW's g/sqrt(v) by up to 1/eps for gradients near eps, so the
   parameters drift further from the reference than the gradients do;
-- ZeRO-1 on vs off: bit-identical (the owner runs exactly what every rank runs otherwise);
+- ZeRO-1 on vs off: the owner runs exactly what every rank runs otherwise, but under ZeRO-1 its
+  gradients come from a reduce-scatter (to the owners) instead of an all-reduce, and gloo may sum
+  the replicas in another order in the two collectives: bit-identical at DP2 (a + b either way),
+  within 1e-12 at DP4 (relaxed from bit-identical with that change; measured 1.5e-15);
 - clipping (float32, as `clip_grad_norm_` norms in fp32 and cannot norm float64 gradients):
   norm within 1e-5 relative, clipped gradients within 1e-6 of the largest gradient.
 """
@@ -33,6 +36,7 @@ from k3train.parallel.zero1 import DistributedOptimizer
 from tests.distributed.harness import run_workers
 
 LOSS_TOL, GRAD_TOL, PARAM_TOL = 1e-12, 1e-10, 1e-10
+ON_VS_OFF_TOL = 1e-12
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +59,16 @@ def test_matches_single_process(results, layout, zero):
 
 
 @pytest.mark.parametrize("layout", ["dp4", "dp2"])
-def test_zero1_is_bit_identical_to_replicated_optimizer(results, layout):
-    assert all(result[layout]["on_vs_off"] == 0.0 for result in results)
+def test_zero1_matches_replicated_optimizer(results, layout):
+    """ZeRO-1 on vs off: the owner runs exactly what every rank runs otherwise, but its gradients
+    come from a reduce-scatter instead of an all-reduce, whose summation order gloo may choose
+    differently over more than two ranks (a + b is the same either way): bit-identical at DP2,
+    within ON_VS_OFF_TOL at DP4 (measured: see the module docstring)."""
+    diffs = [result[layout]["on_vs_off"] for result in results]
+    print(layout, "ZeRO-1 on vs off, max |difference| per rank:", diffs)
+    if layout == "dp2":
+        assert all(diff == 0.0 for diff in diffs), diffs
+    assert all(diff < ON_VS_OFF_TOL for diff in diffs), diffs
 
 
 def test_gradient_accumulation(results):
@@ -80,14 +92,19 @@ def test_buckets_launch_during_backward(results):
 
 @pytest.mark.parametrize("layout", ["dp4", "dp2"])
 def test_traffic(results, layout):
-    """DP all-reduce: (numel + one has-gradient flag per tensor) x 8 bytes (float64 buffers), one
-    message per bucket; ZeRO-1: the padded all-gather; without ZeRO-1 no exchange at all."""
+    """Without ZeRO-1, DP all-reduce: (numel + one has-gradient flag per tensor) x 8 bytes
+    (float64 buffers), one message per bucket, and no exchange; with ZeRO-1 the buckets that pay
+    for it are reduce-scattered (their padded per-owner segments counted), then the padded
+    all-gather."""
     for result in results:
+        plain = result[layout]["traffic_zero_off"]
+        assert plain["grad"] == plain["grad_expected"]
+        assert plain["grad"][0] == 8 * (plain["model_numel"] + plain["model_tensors"])
+        assert plain["exchange"] == (0, 0)
         traffic = result[layout]["traffic_zero_on"]
         assert traffic["grad"] == traffic["grad_expected"]
-        assert traffic["grad"][0] == 8 * (traffic["model_numel"] + traffic["model_tensors"])
+        assert traffic["grad"][1] == plain["grad"][1]  # the same buckets, one message each
         assert traffic["exchange"] == traffic["exchange_expected"]
-        assert result[layout]["traffic_zero_off"]["exchange"] == (0, 0)
     # Every rank sends the same padded length: together at least the model once.
     sent = sum(result[layout]["traffic_zero_on"]["exchange"][0] for result in results)
     tp = 2 if layout == "dp2" else 1
@@ -128,12 +145,33 @@ def test_ownership_plan_identical_and_balanced(results, layout):
     assert all(0 < n < results[0]["trained_tensors"] for n in owned)
 
 
-@pytest.mark.parametrize("layout", ["clip_dp4", "clip_dp2_tp2"])
+@pytest.mark.parametrize("layout", ["clip_dp4", "clip_dp2_tp2", "clip_dp4_zero1", "clip_dp2_tp2_zero1"])
 def test_clipping_uses_single_process_norm(results, layout):
+    """With ZeRO-1 each owner holds and clips only its own reduce-scattered gradients; the norm
+    sums their shares over `data_tensor` and is still the single process's."""
     for result in results:
         clip = result[layout]
         assert clip["norm"] == pytest.approx(clip["reference_norm"], rel=1e-5)
         assert clip["clipped_grads"] < 1e-6 * clip["grad_scale"]
+    if layout.endswith("zero1"):
+        assert all(result[layout]["sharded_buckets"] > 0 for result in results)
+        # Over a replica group every gradient is held somewhere, not every one everywhere.
+        groups = [[0, 1, 2, 3]] if layout.startswith("clip_dp4") else [[0, 2], [1, 3]]
+        every = set(results[0]["clip_dp4"]["held_grads"])
+        for group in groups:
+            held = [set(results[rank][layout]["held_grads"]) for rank in group]
+            assert set().union(*held) == every
+            assert all(h < every for h in held)
+
+
+@pytest.mark.parametrize("layout", ["dp4", "dp2"])
+def test_zero1_reduce_scatters_to_the_owners(results, layout):
+    """Under ZeRO-1 a rank holds exactly the gradients it needs: its own parameters' in the
+    reduce-scattered buckets, all of them in the all-reduced ones (and the debug model's buckets
+    do reduce-scatter)."""
+    for result in results:
+        assert result[layout]["sharded_buckets"] > 0
+        assert result[layout]["grad_names_zero_on"] == result[layout]["expected_grad_names"]
 
 
 def test_tp_partial_grads_reduce_over_data_tensor(results):

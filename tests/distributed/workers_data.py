@@ -131,8 +131,10 @@ def train(
     """`steps` optimizer steps from `first_step` on this rank's rows of the global batches;
     `after_step(steps done, model, optimizer)` runs after each."""
     model = model or _model(torch.float64)
-    reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES, overlap=overlap)
     optimizer = optimizer or _distributed_optimizer(model, state, zero1=zero1, exchange=exchange)
+    # Under ZeRO-1 the buckets that pay for it are reduce-scattered to the owners, as in the job.
+    reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES, overlap=overlap,
+                              owners=optimizer.gradient_owners())
     local = GLOBAL_BATCH // state.layout.dp
     out: dict[str, Any] = {"losses": [], "grad_traffic": [], "exchange_traffic": [], "launched_in_backward": []}
     for step in range(first_step, first_step + steps):
@@ -162,6 +164,16 @@ def train(
     return out
 
 
+def _expected_grad_names(run: dict[str, Any], ref: dict[str, Any]) -> set[str]:
+    """The gradients this rank must hold after `finish`: every one the reference has, except
+    those of reduce-scattered buckets that another rank owns."""
+    reducer = run["reducer"]
+    names = {id(p): n for n, p in run["model"].named_parameters()}
+    elsewhere = {names[id(p)] for b in reducer.buckets if b.sharded
+                 for p, owner in zip(b.params, b.owners) if owner != b.reduction.group.rank}
+    return set(ref["grads"]) - elsewhere
+
+
 def _compare(run: dict[str, Any], ref: dict[str, Any], first_step: int = 0) -> dict[str, float]:
     steps = len(run["losses"])
     result = {
@@ -169,7 +181,9 @@ def _compare(run: dict[str, Any], ref: dict[str, Any], first_step: int = 0) -> d
         "params": _max_diff(run["params"], ref["params"][first_step + steps]),
     }
     if "grads" in run:
-        result["grads"] = _max_diff(run["grads"], ref["grads"])
+        # Non-owners hold no gradient of a reduce-scattered parameter (checked by the key sets).
+        expected = _expected_grad_names(run, ref)
+        result["grads"] = _max_diff(run["grads"], {k: v for k, v in ref["grads"].items() if k in expected})
     return result
 
 
@@ -205,7 +219,9 @@ def _traffic(run: dict[str, Any], reducer: GradientReducer, optimizer: Distribut
 # Clipping (float32: clip_grad_norm_ norms in fp32, which it cannot do for float64 gradients)
 
 
-def clip_check(state: ParallelState, batches: torch.Tensor) -> dict[str, Any]:
+def clip_check(state: ParallelState, batches: torch.Tensor, zero1: bool = False) -> dict[str, Any]:
+    """Clipping by the global norm; with `zero1`, gradients reduce-scattered to their owners
+    (each rank clips its own, the norm still the single process's)."""
     reference_model = _model(torch.float32)
     _loss(reference_model, batches[0]).backward()
     ref_norm = clip_grad_norm_(list(reference_model.parameters()), math.inf).item()
@@ -214,7 +230,8 @@ def clip_check(state: ParallelState, batches: torch.Tensor) -> dict[str, Any]:
     ref_clipped = _grads(reference_model)
 
     model = _model(torch.float32)
-    reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES)
+    owners = _distributed_optimizer(model, state, zero1=True).gradient_owners() if zero1 else None
+    reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES, owners=owners)
     local = GLOBAL_BATCH // state.layout.dp
     state.counter.reset()
     _loss(model, batches[0][state.dp_rank * local:(state.dp_rank + 1) * local]).backward()
@@ -222,9 +239,11 @@ def clip_check(state: ParallelState, batches: torch.Tensor) -> dict[str, Any]:
     traffic = state.counter.snapshot().get("dp", (0, 0))
     norm = clip_grad_norm(model.parameters(), max_norm, state).item()
     reducer.remove_hooks()
+    held = _grads(model)
     return {
         "norm": norm, "reference_norm": ref_norm,
-        "clipped_grads": _max_diff(_grads(model), ref_clipped),
+        "clipped_grads": _max_diff(held, {k: v for k, v in ref_clipped.items() if k in held}),
+        "held_grads": sorted(held), "sharded_buckets": sum(b.sharded for b in reducer.buckets),
         "grad_scale": max(g.abs().max().item() for g in ref_clipped.values()),
         "fp32_grad_traffic": traffic,
         "fp32_expected": (4 * sum(p.numel() + 1 for p in model.parameters()), len(reducer.buckets)),
@@ -308,6 +327,8 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
             "plan": {"owners": plan.owners, "costs": plan.costs, "numels": plan.numels,
                      "describe": plan.describe()},
             "owned_state_entries": len(on["optimizer"].optimizer.state),
+            "grad_names_zero_on": sorted(on["grads"]), "expected_grad_names": sorted(_expected_grad_names(on, ref)),
+            "sharded_buckets": sum(b.sharded for b in on["reducer"].buckets),
         }
         results["seconds"][label] = time.perf_counter() - t0
 
@@ -318,7 +339,7 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
     # Broadcast exchange (and no overlap: everything reduced in finish()): same parameters.
     broadcast = train(dp4, batches, zero1=True, exchange="broadcast", overlap=False, steps=1)
     results["broadcast"] = {"params": _max_diff(broadcast["params"], ref["params"][1]),
-                            "grads": _max_diff(broadcast["grads"], ref["grads"]),
+                            "grads": _compare(broadcast, ref)["grads"],
                             "launched_in_backward": broadcast["launched_in_backward"],
                             "traffic": _traffic(broadcast, broadcast["reducer"], broadcast["optimizer"])}
     results["seconds"]["accumulation_broadcast"] = time.perf_counter() - t0
@@ -326,6 +347,8 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     results["clip_dp4"] = clip_check(dp4, batches)
     results["clip_dp2_tp2"] = clip_check(dp2, batches)
+    results["clip_dp4_zero1"] = clip_check(dp4, batches, zero1=True)
+    results["clip_dp2_tp2_zero1"] = clip_check(dp2, batches, zero1=True)
     results["tp_partial"] = tp_partial_check(dp2, batches, ref)
     results["seconds"]["clip"] = time.perf_counter() - t0
 
