@@ -30,8 +30,12 @@ from k3train.optim.builder import route_parameters  # noqa: E402
 from k3train.parallel.expert import ExpertParallel  # noqa: E402
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan  # noqa: E402
 from k3train.parallel.state import LayoutError, resolve_layout  # noqa: E402
+from k3train.planning.hardware import load_profile  # noqa: E402
+from k3train.planning.layout_traffic import layout_step_bytes  # noqa: E402
+from k3train.planning.memory import GIB as _GIB, MEMORY_HEADER, rank_memory  # noqa: E402
+from k3train.planning.time import estimate_step_time  # noqa: E402
 from k3train.planning.traffic import predicted_step_traffic  # noqa: E402
-from k3train.training.build import build_model, planning_parallel_state  # noqa: E402
+from k3train.training.build import build_model, build_planning_rank, planning_parallel_state  # noqa: E402
 
 GIB = 2**30
 
@@ -59,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes in the job (default: tp*pp*dp with dp from the recipe, at least 1)")
+    parser.add_argument("--hardware", default=None, help="profile in tools/hardware/ (h100, h200, b200, gb200)")
+    parser.add_argument("--efficiency", type=float, default=0.45, help="achieved share of the dense peak")
     parser.add_argument("overrides", nargs="*", help="section.field=value, as for pretrain_k3.py")
     args = parser.parse_intermixed_args(argv)
     try:
@@ -92,6 +98,34 @@ def main(argv: list[str] | None = None) -> int:
         parameters, gib = memory_estimate(stage, config, layout.dp)
         ranges = ", ".join(f"{start}-{end - 1}" for start, end in plan.layer_ranges(pp_rank))
         print(f"| {pp_rank} | {ranges} | {parameters:,} | {gib:,.2f} |")
+    print()
+    print("| " + " | ".join(MEMORY_HEADER) + " |")
+    print("| " + " | ".join(["---"] * len(MEMORY_HEADER)) + " |")
+    step_bytes: dict[str, float] = {}
+    for pp_rank in range(layout.pp):
+        job = build_planning_rank(config, layout, layout.rank_of(0, 0, pp_rank))
+        print("| " + " | ".join(rank_memory(job, layout, micro_batches).row()) + " |")
+        for group, nbytes in layout_step_bytes(job, micro_batches).items():
+            step_bytes[group] = max(step_bytes.get(group, 0.0), nbytes)
+    print()
+    print("bytes per rank and step (largest stage): "
+          + "; ".join(f"{group} {nbytes / _GIB:,.2f} GiB" for group, nbytes in sorted(step_bytes.items())))
+    if args.hardware:
+        hardware = load_profile(args.hardware)
+        estimate = estimate_step_time(config.model, layout, plan, hardware,
+                                      micro_batch_size=config.train.micro_batch_size,
+                                      seq_length=config.data.seq_length, micro_batches=micro_batches,
+                                      precision=config.train.precision, comm_bytes=step_bytes,
+                                      efficiency=args.efficiency)
+        print(f"\n{hardware.name}, {args.efficiency:.0%} of the dense peak: step {estimate.step_s:.2f} s, "
+              f"{estimate.tokens_per_s:,.0f} tokens/s, MFU {estimate.mfu:.1%}")
+        print("| term | seconds | share | link |")
+        print("| --- | ---: | ---: | --- |")
+        print(f"| compute | {estimate.compute_s:.2f} | {estimate.shares()['compute']:.0%} | |")
+        print(f"| pipeline bubble | {estimate.bubble_s:.2f} | {estimate.shares()['bubble']:.0%} | |")
+        for group, seconds in estimate.exposed_comm_s.items():
+            print(f"| {group} comm (exposed) | {seconds:.2f} | {estimate.shares()[group + ' comm']:.0%} "
+                  f"| {estimate.links[group]} |")
     if layout.pp > 1:
         print()
         print("AttnRes blocks per micro-batch across pipeline hops (forward; backward returns as many): "

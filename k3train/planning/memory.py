@@ -175,7 +175,7 @@ class RankMemory:
     def row(self) -> list[str]:
         gib = [v / GIB for v in (self.weights, self.gradients, self.optimizer, self.activations,
                                  self.pipeline_blocks, self.expert_buffers, self.total)]
-        return [str(self.pp_rank), f"{self.parameters / 1e9:.2f}B", *(f"{g:,.1f}" for g in gib),
+        return [f"pp{self.pp_rank}", f"{self.parameters / 1e9:.2f}B", *(f"{g:,.1f}" for g in gib),
                 "+".join(map(str, self.in_flight))]
 
 
