@@ -16,6 +16,7 @@ and loss parts compute in fp32 and are counted at 4).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -142,15 +143,23 @@ def chunk_activation_bytes(cfg: ModelConfig, layer_range: tuple[int, int], shape
 def peak_in_flight(plan: PipelinePlan, rank: int, micro_batches: int) -> list[int]:
     """For each virtual stage of `rank`: micro-batches whose forward has run and backward not yet,
     at the step where the rank holds the most layers' activations (from the schedule's own list)."""
-    live = [0] * plan.virtual_stages
-    weights = [end - start for start, end in plan.layer_ranges(rank)]
+    weights = tuple(end - start for start, end in plan.layer_ranges(rank))
+    return list(_peak_in_flight(plan.pp, plan.virtual_stages, rank, micro_batches, weights))
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_in_flight(pp: int, virtual_stages: int, rank: int, micro_batches: int,
+                    weights: tuple[int, ...]) -> tuple[int, ...]:
+    if virtual_stages == 1:  # 1F1B: the warmup forwards plus one
+        return (min(pp - rank, micro_batches),)
+    live = [0] * virtual_stages
     best, best_load = list(live), -1
-    for step in schedule_steps(plan.pp, plan.virtual_stages, rank, micro_batches):
+    for step in schedule_steps(pp, virtual_stages, rank, micro_batches):
         live[step.virtual_stage] += 1 if step.kind == "forward" else -1
         load = sum(n * w for n, w in zip(live, weights))
         if load > best_load:
             best, best_load = list(live), load
-    return best
+    return tuple(best)
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,25 @@ def layer_training_flops(cfg: ModelConfig, layer: int, seq_length: int) -> float
     return F.TRAINING_MULTIPLIER * (mixer + ffn + 2 * attn_res)
 
 
-def chunk_training_flops(cfg: ModelConfig, layer_range: tuple[int, int], seq_length: int) -> float:
+def layer_flops_table(cfg: ModelConfig, seq_length: int) -> list[float]:
+    """Training FLOPs per token of every decoder layer, then (last entry) the output mix and head."""
+    kinds: dict[tuple[bool, bool], float] = {}
+    table = []
+    for layer in range(cfg.num_hidden_layers):
+        kind = (cfg.is_mla_layer(layer), cfg.is_moe_layer(layer))
+        if kind not in kinds:
+            kinds[kind] = layer_training_flops(cfg, layer, seq_length)
+        table.append(kinds[kind])
+    table.append(F.TRAINING_MULTIPLIER * (F.head_flops(cfg) + F.attn_res_flops(cfg) / (2 * cfg.num_hidden_layers + 1)))
+    return table
+
+
+def chunk_training_flops(cfg: ModelConfig, layer_range: tuple[int, int], seq_length: int,
+                         table: list[float] | None = None) -> float:
+    """Training FLOPs per token of the chunk `[start, end)` (the head on the last one)."""
+    table = table or layer_flops_table(cfg, seq_length)
     start, end = layer_range
-    total = sum(layer_training_flops(cfg, layer, seq_length) for layer in range(start, end))
-    if end == cfg.num_hidden_layers:
-        total += F.TRAINING_MULTIPLIER * (F.head_flops(cfg) + F.attn_res_flops(cfg) / (2 * cfg.num_hidden_layers + 1))
-    return total
+    return sum(table[start:end]) + (table[-1] if end == cfg.num_hidden_layers else 0.0)
 
 
 def group_link(layout: Layout, group: str, gpus_per_node: int) -> str:
@@ -105,7 +118,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, plan: PipelinePlan, har
     rate = peak * efficiency
     tokens = micro_batch_size * seq_length
     recompute = 4 / 3 if cfg.recompute == "sublayer" else 1.0
-    stage_s = [sum(chunk_training_flops(cfg, r, seq_length) for r in plan.layer_ranges(rank)) * tokens
+    table = layer_flops_table(cfg, seq_length)
+    stage_s = [sum(chunk_training_flops(cfg, r, seq_length, table) for r in plan.layer_ranges(rank)) * tokens
                * recompute / layout.tp / rate for rank in range(layout.pp)]
     per_micro_batch = max(stage_s)
     compute = micro_batches * per_micro_batch
@@ -122,7 +136,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, plan: PipelinePlan, har
             seconds = max(0.0, gradient_share / bandwidth - per_micro_batch * 2 / 3)
         exposed[group] = seconds
     total_tokens = tokens * micro_batches * layout.dp
-    model_flops = F.training_flops_per_token(cfg, seq_length).total * total_tokens
+    model_flops = (sum(table)) * total_tokens
     return StepTime(compute, bubble, exposed, comm_bytes, links, total_tokens, layout.world_size, model_flops, peak)
 
 
