@@ -33,6 +33,7 @@ from k3train.parallel.state import LayoutError, resolve_layout  # noqa: E402
 from k3train.planning.hardware import load_profile  # noqa: E402
 from k3train.planning.layout_traffic import layout_step_bytes  # noqa: E402
 from k3train.planning.memory import GIB as _GIB, MEMORY_HEADER, rank_memory  # noqa: E402
+from k3train.planning.search import describe_candidates, nearest_fitting_world_sizes, search_layouts  # noqa: E402
 from k3train.planning.time import estimate_step_time  # noqa: E402
 from k3train.planning.traffic import predicted_step_traffic  # noqa: E402
 from k3train.training.build import build_model, build_planning_rank, planning_parallel_state  # noqa: E402
@@ -58,6 +59,31 @@ def memory_estimate(stage: K3Stage, config, dp: int) -> tuple[int, float]:
     return parameters, (parameters * 8 + state_elements * 4) / GIB
 
 
+def search(args) -> int:
+    """`--search`: the best layouts of `--world-size`, or the nearest world sizes that have one."""
+    if not args.world_size:
+        print("error: --search needs --world-size", file=sys.stderr)
+        return 2
+    hardware = load_profile(args.hardware or "h200")
+    options = dict(memory_limit_gib=args.memory_limit, gpus_per_node=args.gpus_per_node,
+                   efficiency=args.efficiency, overrides=args.overrides)
+    found = search_layouts(args.recipe, args.world_size, hardware, top=args.top, **options)
+    if found:
+        print(f"fastest layouts of {args.world_size} {hardware.name} GPUs that fit (predicted, "
+              f"{args.efficiency:.0%} of the dense peak):")
+        print(describe_candidates(found))
+        print("\nrun the first with: " + " ".join(found[0].overrides()))
+        return 0
+    sizes = nearest_fitting_world_sizes(args.recipe, args.world_size, hardware,
+                                        step=args.gpus_per_node or hardware.gpus_per_node, **options)
+    print(f"no layout of {args.world_size} GPUs fits; nearest world sizes with one: "
+          + ", ".join(map(str, sizes)))
+    for size in sizes:
+        print(f"\nworld size {size}:")
+        print(describe_candidates(search_layouts(args.recipe, size, hardware, top=args.top, **options)))
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", required=True)
@@ -65,8 +91,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="processes in the job (default: tp*pp*dp with dp from the recipe, at least 1)")
     parser.add_argument("--hardware", default=None, help="profile in tools/hardware/ (h100, h200, b200, gb200)")
     parser.add_argument("--efficiency", type=float, default=0.45, help="achieved share of the dense peak")
+    parser.add_argument("--search", action="store_true",
+                        help="list the fastest layouts of --world-size that the recipe accepts and that fit "
+                             "(also done when the recipe's own layout is refused and --hardware is given)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware profile's")
+    parser.add_argument("--memory-limit", type=float, default=None, help="GiB per GPU (default: 90%% of the HBM)")
+    parser.add_argument("--top", type=int, default=5)
     parser.add_argument("overrides", nargs="*", help="section.field=value, as for pretrain_k3.py")
     args = parser.parse_intermixed_args(argv)
+    if args.search:
+        return search(args)
     try:
         config = load_config(args.recipe, args.overrides)
         parallel = config.parallel
@@ -77,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = PipelinePlan.from_config(config.model, parallel)
     except (ConfigError, LayoutError, PipelineConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
+        if args.hardware and args.world_size:
+            search(args)
         return 2
 
     counts = parameter_counts(config.model)

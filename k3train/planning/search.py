@@ -197,4 +197,17 @@ def nearest_fitting_world_sizes(recipe: str, world_size: int, hardware: Hardware
     return sorted(sizes)[:count]
 
 
-__all__ = ["Candidate", "search_layouts", "nearest_fitting_world_sizes", "stage_parameters", "accepted"]
+__all__ = ["Candidate", "search_layouts", "nearest_fitting_world_sizes", "stage_parameters", "accepted",
+           "describe_candidates"]
+
+
+def describe_candidates(candidates: list[Candidate]) -> str:
+    """The table `tools/plan.py --search` prints (markdown)."""
+    lines = ["| tp | pp | v | ep | dp | recompute | mbs | GiB (fullest rank) | step s | tokens/s | MFU | bubble | exposed comm |",
+             "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in candidates:
+        t = c.time
+        lines.append(f"| {c.tp} | {c.pp} | {c.virtual_stages} | {c.ep} | {c.dp} | {c.recompute} | {c.micro_batch_size} "
+                     f"| {c.memory_gib:,.1f} | {t.step_s:,.2f} | {t.tokens_per_s:,.0f} | {t.mfu:.1%} "
+                     f"| {t.shares()['bubble']:.0%} | {sum(t.exposed_comm_s.values()) / t.step_s:.0%} |")
+    return "\n".join(lines)
