@@ -18,6 +18,48 @@ import torch
 from k3train.training.build import RankJob
 
 
+def pipeline_expert_traffic(job: RankJob, micro_batches: int) -> dict[str, tuple[int, int]]:
+    """Exact (bytes, messages) of one step on this rank for the pipeline hops (`pp.forward`,
+    `pp.backward`: one isend per tensor, the exact-delta protocol) and the expert all-to-alls
+    (`ep`), in comm.py's convention. Per MoE layer and micro-batch, forward: (balanced) the
+    all-gather of the `[1, E]` int64 loads, the replica weights `[R, slots, 3·I·l]` in the
+    parameters' dtype; the dispatch `[R, C, l]`, its ids `[R, C]` int32 and the combine
+    `[R, C, l]`; backward: the adjoints of dispatch, combine and replicas. `recompute: sublayer`
+    repeats the forward all-to-alls that autograd tracks in backward (not modelled: refused)."""
+    config = job.config
+    cfg, layout = config.model, job.parallel.layout
+    b, s, h, tp = config.train.micro_batch_size, config.data.seq_length, cfg.hidden_size, layout.tp
+    sp = config.parallel.sequence_parallel and tp > 1
+    out: dict[str, tuple[int, int]] = {}
+    if layout.pp > 1:
+        element = job.schedule.dtype.itemsize
+        tensor_bytes = b * (s // tp if sp else s) * h * element
+        rank = job.parallel.pp_rank
+        for direction, chunks in (("forward", [c for c in job.plan.chunks_of_rank(rank) if c < job.plan.num_chunks - 1]),
+                                  ("backward", [c - 1 for c in job.plan.chunks_of_rank(rank) if c > 0])):
+            tensors = sum(1 + len(job.plan.hop_blocks(hop)) for hop in chunks) * micro_batches
+            if tensors:
+                out[f"pp.{direction}"] = (tensors * tensor_bytes, tensors)
+    ep = job.expert_parallel
+    layers = [i for start, end in job.plan.layer_ranges(job.parallel.pp_rank) for i in range(start, end)]
+    moe = sum(cfg.is_moe_layer(i) for i in layers)
+    if ep is not None and moe:
+        if cfg.recompute == "sublayer":
+            raise ValueError("expert traffic under recompute=sublayer is not modelled")
+        activation = 4 if config.train.precision == "fp32" else 2
+        weight = next(job.model.parameters()).element_size()
+        shapes = ep.buffer_shapes(b * s // (tp if sp else 1), cfg.num_experts_per_token,
+                                  cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
+        rows = math.prod(shapes["dispatch"]) * activation
+        nbytes = 4 * rows + math.prod(shapes["dispatch_ids"]) * 4
+        messages = 5
+        if "replica_weights" in shapes:
+            nbytes += cfg.num_experts * 8 + 2 * math.prod(shapes["replica_weights"]) * weight
+            messages += 3
+        out["ep"] = (micro_batches * moe * nbytes, micro_batches * moe * messages)
+    return out
+
+
 def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     """Per group: bytes this rank sends (comm.py's convention) in one training step."""
     config = job.config
@@ -37,19 +79,9 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
         out[bucket.reduction.group.name] += bucket.nbytes
     for exchange in job.optimizer._exchanges:
         out[exchange.group.name] += exchange.length * torch.empty((), dtype=exchange.dtype).element_size()
-    if layout.pp > 1:
-        hops = job.plan.rank_step_bytes(job.parallel.pp_rank, shard, micro_batches)
-        out["pp"] += hops["forward"] + hops["backward"]
-    if job.expert_parallel is not None and moe:
-        shapes = job.expert_parallel.buffer_shapes(b * s // (tp if sp else 1), cfg.num_experts_per_token,
-                                                   cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
-        per_layer = 2 * (math.prod(shapes["dispatch"]) * element + math.prod(shapes["dispatch_ids"]) * 4)
-        per_layer += 2 * math.prod(shapes["combine"]) * element  # forward, and their gradients back
-        if "slot_counts" in shapes:
-            per_layer += math.prod(shapes["slot_counts"]) // job.expert_parallel.size * 8
-            per_layer += 2 * math.prod(shapes["replica_weights"]) * 4
-        out["ep"] += micro_batches * moe * per_layer
+    for group, (nbytes, _) in pipeline_expert_traffic(job, micro_batches).items():
+        out[group.split(".")[0]] += nbytes
     return dict(out)
 
 
-__all__ = ["layout_step_bytes"]
+__all__ = ["layout_step_bytes", "pipeline_expert_traffic"]

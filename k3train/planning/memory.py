@@ -49,40 +49,45 @@ class ActivationShape:
 
 
 def kda_elements_per_token(cfg: ModelConfig, tp: int) -> float:
-    """KDA on the PyTorch chunk path: the projections' inputs and outputs, the short
-    convolutions, the decay gate, ~20 head-width intermediates of the chunk form (chunked q/k/v,
-    decays, rows/columns, u, w, q_state, outputs), four `C×C` matrices per head (key and query
-    grams, the UT transform) twice, one `d×d` state per head and chunk, the gated output norm."""
+    """KDA on the PyTorch chunk path, per token: its input (h); ~29 head-width tensors (the q/k/v
+    projections and short convolutions, the normalised q/k, the decay gate, the chunked copies,
+    decays, rows and columns, u, w, q_state, outputs, the gated output norm); five `C×C` matrices
+    per head (key and query grams, A, the UT transform, P); 14 per-head scalars (beta, norms);
+    about 1.5 `d×d` states per head and chunk. Chunks of one diagonal tile (small decays, the
+    common case); larger decays split a chunk into tiles and add about 3·(C/tile)·W."""
     lac = cfg.linear_attn_config
     heads = lac.num_heads // tp
     width = heads * lac.head_dim
-    return (4 * cfg.hidden_size + cfg.kda_gate_rank + 2 * heads + 28 * width + 8 * heads * lac.chunk_size
-            + heads * lac.head_dim ** 2 / lac.chunk_size)
+    return (cfg.hidden_size + 29 * width + 5 * heads * lac.chunk_size + 14 * heads
+            + 1.5 * heads * lac.head_dim ** 2 / lac.chunk_size)
 
 
 def mla_elements_per_token(cfg: ModelConfig, tp: int, seq_length: int, kernel: AttentionKernel) -> float:
-    """Gated MLA: the latent projections and norms, per head q, k (3·qk), kv (2·(nope+v)),
-    attention output, gate and gated output (5·v); the math SDPA path (CPU) also saves the
-    causal half of the score matrix, a flash kernel only its log-sum-exp."""
+    """Gated MLA, per token: its input (h), the latent projections and their norms (twice each),
+    per head q and k (2·qk), kv before and after the split (2·(nope + v)) and the attention
+    output (v); the math SDPA path (CPU) saves the `T×T` attention weights (T per head and
+    token), a flash kernel the output and log-sum-exp (counted as 2 per head)."""
     heads = cfg.num_attention_heads // tp
     latent = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    per_head = 3 * cfg.qk_head_dim + 2 * (cfg.qk_nope_head_dim + cfg.v_head_dim) + 5 * cfg.v_head_dim
-    scores = 0.5 * heads * seq_length if kernel == "math" else heads
-    return 4 * cfg.hidden_size + latent + heads * per_head + scores
+    per_head = 2 * cfg.qk_head_dim + 2 * (cfg.qk_nope_head_dim + cfg.v_head_dim) + cfg.v_head_dim
+    scores = heads * seq_length if kernel == "math" else 2 * heads
+    return cfg.hidden_size + 2 * latent + heads * per_head + scores
 
 
-def glu_elements_per_token(hidden: int, intermediate: int) -> float:
-    """A GLU MLP: its input and ~8 intermediate-width tensors (gate, up, SiTU's pieces, down input)."""
-    return 2 * hidden + 8 * intermediate
+def glu_elements_per_token(hidden: int, intermediate: float) -> float:
+    """A GLU MLP: its input and 7 intermediate-width tensors (gate, up, SiTU's pieces, down input)."""
+    return hidden + 7 * intermediate
 
 
 def moe_elements_per_token(cfg: ModelConfig, tp: int) -> tuple[float, float]:
     """(routed part on this rank's tokens, shared experts inside the TP region) of a LatentMoE:
-    router scores (2E), per slot the gathered latent, expert hidden and weighted output
-    (k·(4l + 8·I)), the latent norm and up-projection input (3l), the input (4h)."""
+    router scores and weights (2E), per slot the gathered latent, expert hidden and weighted
+    output (k·(4l + 7·I)); the shared experts a GLU of width `n_shared·I` (its input, h, is
+    the region's)."""
     k, latent, inner = cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-    routed = 4 * cfg.hidden_size + 2 * cfg.num_experts + k * (4 * latent + 8 * inner) + 3 * latent
-    shared = 8 * cfg.num_shared_experts * cfg.moe_intermediate_size / tp if cfg.num_shared_experts else 0
+    routed = 2 * cfg.num_experts + k * (4 * latent + 7 * inner)
+    shared = (glu_elements_per_token(cfg.hidden_size, cfg.num_shared_experts * inner / tp)
+              if cfg.num_shared_experts else 0)
     return routed, shared
 
 
@@ -92,7 +97,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, shape: ActivationShape,
     h, tp = cfg.hidden_size, shape.tp
     inside, outside, a = shape.tokens, shape.outside_tokens, shape.element_bytes
     # Residual path: the partial sum handed to each sublayer (2 per layer); without recompute the
-    # AttnRes mixes' stacked sources, keys, weights and norms (about 5h more per mix, fp32).
+    # AttnRes mixes' stacked sources, keys, weights and norms (5h more per mix, fp32).
     residual = 2 * h * outside * a
     if cfg.recompute == "none" and cfg.attn_res != "none":
         residual += 10 * h * outside * 4

@@ -47,10 +47,7 @@ def test_activation_formula_within_15_percent_of_saved_tensors(overrides):
     measured = saved_activation_bytes(config, batch, seq)
     predicted = chunk_activation_bytes(config.model, (0, config.model.num_hidden_layers),
                                        ActivationShape(batch * seq, 1, False, 4), seq, "math")
-    # The KDA chunk path's saved tensors depend on the data (its diagonal tile follows max |g|):
-    # the formula is an upper bound. Target (issue 14): within 15%; reached today only for
-    # some inputs (see docs in memory.py), so the bound asserted here is 0..+30%.
-    assert 0.97 < predicted / measured < 1.30, (predicted, measured)
+    assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
 
 
 def test_peak_in_flight_follows_the_schedule():
