@@ -11,6 +11,7 @@ so thousands of candidates cost seconds; `tools/plan.py` then builds the chosen 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -19,6 +20,7 @@ from k3train.config import ConfigError, JobConfig, apply_overrides, load_config
 from k3train.model import flops as F
 from k3train.model.config import ModelConfig
 from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.pipeline import theoretical_peak_blocks
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan, check_interleaved_micro_batches
 from k3train.parallel.state import Layout, LayoutError, resolve_layout
 from k3train.planning.hardware import HardwareProfile
@@ -53,6 +55,11 @@ class Candidate:
         if not keep_pipeline_layers:
             out.append("parallel.pipeline_layers=null")
         return out
+
+
+@functools.lru_cache(maxsize=8192)
+def _peak_blocks(plan: PipelinePlan, rank: int, micro_batches: int) -> int:
+    return theoretical_peak_blocks(plan, rank, micro_batches)
 
 
 def _divisors(n: int) -> list[int]:
@@ -116,6 +123,18 @@ def estimate(config: JobConfig, layout: Layout, plan: PipelinePlan, hardware: Ha
         in_flight = peak_in_flight(plan, rank, micro_batches)
         activations = sum(n * chunk_activation_bytes(cfg, r, shape, config.data.seq_length)
                           for n, r in zip(in_flight, ranges))
+        if layout.pp > 1:  # the AttnRes blocks the pipeline cache holds
+            activations += (_peak_blocks(plan, rank, micro_batches) * shape.outside_tokens
+                            * cfg.hidden_size * element)
+        if layout.ep > 1:  # dispatch and combine buffers (and received replicas) of every MoE layer in flight
+            moe_live = sum(n * sum(cfg.is_moe_layer(i) for i in range(*r)) for n, r in zip(in_flight, ranges))
+            slots = -(-int(config.parallel.capacity_factor * shape.outside_tokens * cfg.num_experts_per_token)
+                      // layout.ep) * layout.ep
+            per_layer = 2 * slots * cfg.routed_expert_hidden_size * element
+            if config.parallel.expert_dispatch == "balanced":
+                per_layer += (config.parallel.max_replicas_per_rank * 3 * cfg.moe_intermediate_size
+                              * cfg.routed_expert_hidden_size * 4)
+            activations += moe_live * per_layer
         worst = max(worst, params * 8 + state * 4 + activations)
     full = shape.tokens * cfg.hidden_size * element
     # The busiest rank's layers (traffic.py's regions: mixer, dense MLP or shared experts).
