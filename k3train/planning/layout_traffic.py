@@ -24,7 +24,8 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int) -> dict[str, tuple
     (`ep`), in comm.py's convention. Per MoE layer and micro-batch, forward: (balanced) the
     all-gather of the `[1, E]` int64 loads, the replica weights `[R, slots, 3·I·l]` in the
     parameters' dtype; the dispatch `[R, C, l]`, its ids `[R, C]` int32 and the combine
-    `[R, C, l]`; backward: the adjoints of dispatch, combine and replicas. `recompute: sublayer`
+    `[R, C, l]`; backward: the adjoints of dispatch, combine and replicas; per step, the expert
+    share of the gradient norm (one fp32 scalar). `recompute: sublayer`
     repeats the forward all-to-alls that autograd tracks in backward (not modelled: refused)."""
     config = job.config
     cfg, layout = config.model, job.parallel.layout
@@ -57,6 +58,9 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int) -> dict[str, tuple
             nbytes += cfg.num_experts * 8 + 2 * math.prod(shapes["replica_weights"]) * weight
             messages += 3
         out["ep"] = (micro_batches * moe * nbytes, micro_batches * moe * messages)
+    if ep is not None:  # the expert share of the global gradient norm: one fp32 scalar (`norm_shares`)
+        nbytes, messages = out.get("ep", (0, 0))
+        out["ep"] = (nbytes + 4, messages + 1)
     return out
 
 

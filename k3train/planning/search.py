@@ -42,6 +42,7 @@ class Candidate:
     dp: int
     recompute: str
     micro_batch_size: int
+    expert_dispatch: str
     memory_gib: float  # the fullest pipeline rank
     time: StepTime
 
@@ -49,7 +50,8 @@ class Candidate:
         """Recipe overrides that select this layout (`pretrain_k3.py ... <overrides>`)."""
         out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
                f"parallel.ep={self.ep}", f"parallel.virtual_stages={self.virtual_stages}",
-               f"model.recompute={self.recompute}", f"train.micro_batch_size={self.micro_batch_size}"]
+               f"model.recompute={self.recompute}", f"train.micro_batch_size={self.micro_batch_size}",
+               f"parallel.expert_dispatch={self.expert_dispatch}"]
         if self.tp > 1 and self.ep > 1:
             out.append("parallel.sequence_parallel=true")
         if not keep_pipeline_layers:
@@ -180,10 +182,14 @@ def search_layouts(recipe: str, world_size: int, hardware: HardwareProfile, *, m
             dp = world_size // (tp * pp)
             eps = [e for e in _divisors(dp * tp) if cfg.num_experts == 0 or cfg.num_experts % e == 0]
             eps = sorted(set([1, *eps[-3:]])) if cfg.num_experts else [1]
-            for ep, v, mbs in itertools.product(eps, (1, 2) if pp > 1 else (1,), micro_batch_sizes):
+            for ep, v, mbs, dispatch in itertools.product(eps, (1, 2) if pp > 1 else (1,), micro_batch_sizes,
+                                                          ("balanced", "capacity")):
+                if ep == 1 and dispatch != base.parallel.expert_dispatch:
+                    continue  # no dispatcher without expert parallelism
                 candidate_overrides = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
                                        f"parallel.ep={ep}", f"parallel.virtual_stages={v}",
-                                       f"train.micro_batch_size={mbs}", "parallel.pipeline_layers=null"]
+                                       f"train.micro_batch_size={mbs}", "parallel.pipeline_layers=null",
+                                       f"parallel.expert_dispatch={dispatch}"]
                 if tp > 1 and ep > 1:
                     candidate_overrides.append("parallel.sequence_parallel=true")
                 checked = accepted(base, candidate_overrides, world_size)
@@ -194,7 +200,7 @@ def search_layouts(recipe: str, world_size: int, hardware: HardwareProfile, *, m
                     config = dataclasses.replace(config, model=dataclasses.replace(config.model, recompute=recompute))
                     memory, time = estimate(config, layout, plan, hardware, efficiency)
                     if memory <= limit:
-                        found.append(Candidate(tp, pp, v, ep, dp, recompute, mbs, memory, time))
+                        found.append(Candidate(tp, pp, v, ep, dp, recompute, mbs, dispatch, memory, time))
                         if first_fit:
                             return found
     found.sort(key=lambda c: (round(c.time.step_s, 6), c.memory_gib))
@@ -222,11 +228,13 @@ __all__ = ["Candidate", "search_layouts", "nearest_fitting_world_sizes", "stage_
 
 def describe_candidates(candidates: list[Candidate]) -> str:
     """The table `tools/plan.py --search` prints (markdown)."""
-    lines = ["| tp | pp | v | ep | dp | recompute | mbs | GiB (fullest rank) | step s | tokens/s | MFU | bubble | exposed comm |",
-             "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| tp | pp | v | ep | dispatch | dp | recompute | mbs | GiB (fullest rank) | step s | tokens/s | MFU "
+             "| bubble | exposed comm |",
+             "| ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in candidates:
         t = c.time
-        lines.append(f"| {c.tp} | {c.pp} | {c.virtual_stages} | {c.ep} | {c.dp} | {c.recompute} | {c.micro_batch_size} "
+        dispatch = c.expert_dispatch if c.ep > 1 else "-"
+        lines.append(f"| {c.tp} | {c.pp} | {c.virtual_stages} | {c.ep} | {dispatch} | {c.dp} | {c.recompute} | {c.micro_batch_size} "
                      f"| {c.memory_gib:,.1f} | {t.step_s:,.2f} | {t.tokens_per_s:,.0f} | {t.mfu:.1%} "
                      f"| {t.shares()['bubble']:.0%} | {sum(t.exposed_comm_s.values()) / t.step_s:.0%} |")
     return "\n".join(lines)
