@@ -1,15 +1,16 @@
 #!/usr/bin/env python
 """Plan a run without hardware: check a recipe's parallel layout and print, per pipeline rank,
-the layers, parameters and a memory estimate, plus the pipeline's block traffic and (for
-pp = ep = 1) the communication of one step.
+the layers, parameters and memory (weights, gradients, optimizer state, activations, AttnRes
+cache, EP buffers), the bytes per process group of one step, and with --hardware the step time,
+tokens/s and MFU; --search lists the fastest layouts of a world size that fit.
 
-    python tools/plan.py --recipe recipes/k3.yaml --world-size 8192
+    python tools/plan.py --recipe recipes/k3.yaml --world-size 1024 --hardware h200
+    python tools/plan.py --recipe recipes/k3.yaml --world-size 4096 --hardware b200 --search
     python tools/plan.py --recipe recipes/debug.yaml --world-size 4 parallel.tp=2 parallel.dp=2
 
 Every rank's model is built on the meta device through the same code the job uses (TP shards,
-EP experts, pipeline chunks), so the parameter counts are exact; memory counts fp32 parameters,
-fp32 gradients and optimizer state (Muon: one momentum; AdamW: two moments), the state divided
-over the data-parallel owners when ZeRO-1 is on. Activations are not estimated.
+EP experts, pipeline chunks, ZeRO-1 owners), so parameter counts and optimizer state are exact;
+the activation, time and search models are described in docs/planning.md.
 """
 
 from __future__ import annotations
