@@ -73,3 +73,24 @@ def test_rank_memory_and_traffic_of_a_pp_layout():
 def test_hardware_profiles_load():
     assert {"h100", "h200", "b200", "gb200"} <= set(available_profiles())
     assert load_profile("h200").peak_flops("bf16") == 989e12
+
+
+def test_step_time_terms_follow_the_formulas():
+    from k3train.model.flops import training_flops_per_token
+    from k3train.parallel.pipeline_schedule import bubble_formula
+    from k3train.planning.time import estimate_step_time, group_link
+
+    config = load_config(RECIPE, [])
+    m = config.model
+    layout = resolve_layout(32, 2, 4, 0, 1, 1, m.num_attention_heads, m.linear_attn_config.num_heads,
+                            m.vocab_size, m.num_experts, m.num_hidden_layers)
+    assert group_link(layout, "tp", 8) == "nvlink" and group_link(layout, "dp", 8) == "nvlink"
+    assert group_link(layout, "pp", 8) == "network"
+    plan = PipelinePlan.build(m.num_hidden_layers, 4, 1, m.attn_res, m.attn_res_block_size)
+    estimate = estimate_step_time(m, layout, plan, load_profile("h100"), micro_batch_size=2, seq_length=128,
+                                  micro_batches=8, precision="bf16", comm_bytes={})
+    bubble_share = estimate.bubble_s / (estimate.compute_s + estimate.bubble_s)
+    assert bubble_share == pytest.approx(bubble_formula(4, 1, 8))
+    tokens = 2 * 128 * 8 * layout.dp
+    assert estimate.model_flops_per_step == pytest.approx(training_flops_per_token(m, 128).total * tokens)
+    assert 0 < estimate.mfu <= 0.45 + 1e-9
