@@ -1,15 +1,16 @@
 #!/usr/bin/env python
 """Plan a run without hardware: check a recipe's parallel layout and print, per pipeline rank,
-the layers, parameters and a memory estimate, plus the pipeline's block traffic and (for
-pp = ep = 1) the communication of one step.
+the layers, parameters and memory (weights, gradients, optimizer state, activations, AttnRes
+cache, EP buffers), the bytes per process group of one step, and with --hardware the step time,
+tokens/s and MFU; --search lists the fastest layouts of a world size that fit.
 
-    python tools/plan.py --recipe recipes/k3.yaml --world-size 8192
+    python tools/plan.py --recipe recipes/k3.yaml --world-size 1024 --hardware h200
+    python tools/plan.py --recipe recipes/k3.yaml --world-size 4096 --hardware b200 --search
     python tools/plan.py --recipe recipes/debug.yaml --world-size 4 parallel.tp=2 parallel.dp=2
 
 Every rank's model is built on the meta device through the same code the job uses (TP shards,
-EP experts, pipeline chunks), so the parameter counts are exact; memory counts fp32 parameters,
-fp32 gradients and optimizer state (Muon: one momentum; AdamW: two moments), the state divided
-over the data-parallel owners when ZeRO-1 is on. Activations are not estimated.
+EP experts, pipeline chunks, ZeRO-1 owners), so parameter counts and optimizer state are exact;
+the activation, time and search models are described in docs/planning.md.
 """
 
 from __future__ import annotations
@@ -30,8 +31,13 @@ from k3train.optim.builder import route_parameters  # noqa: E402
 from k3train.parallel.expert import ExpertParallel  # noqa: E402
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan  # noqa: E402
 from k3train.parallel.state import LayoutError, resolve_layout  # noqa: E402
+from k3train.planning.hardware import load_profile  # noqa: E402
+from k3train.planning.layout_traffic import layout_step_bytes  # noqa: E402
+from k3train.planning.memory import GIB as _GIB, MEMORY_HEADER, rank_memory  # noqa: E402
+from k3train.planning.search import describe_candidates, nearest_fitting_world_sizes, search_layouts  # noqa: E402
+from k3train.planning.time import estimate_step_time  # noqa: E402
 from k3train.planning.traffic import predicted_step_traffic  # noqa: E402
-from k3train.training.build import build_model, planning_parallel_state  # noqa: E402
+from k3train.training.build import build_model, build_planning_rank, planning_parallel_state  # noqa: E402
 
 GIB = 2**30
 
@@ -54,13 +60,48 @@ def memory_estimate(stage: K3Stage, config, dp: int) -> tuple[int, float]:
     return parameters, (parameters * 8 + state_elements * 4) / GIB
 
 
+def search(args) -> int:
+    """`--search`: the best layouts of `--world-size`, or the nearest world sizes that have one."""
+    if not args.world_size:
+        print("error: --search needs --world-size", file=sys.stderr)
+        return 2
+    hardware = load_profile(args.hardware or "h200")
+    options = dict(memory_limit_gib=args.memory_limit, gpus_per_node=args.gpus_per_node,
+                   efficiency=args.efficiency, overrides=args.overrides)
+    found = search_layouts(args.recipe, args.world_size, hardware, top=args.top, **options)
+    if found:
+        print(f"fastest layouts of {args.world_size} {hardware.name} GPUs that fit (predicted, "
+              f"{args.efficiency:.0%} of the dense peak):")
+        print(describe_candidates(found))
+        print("\nrun the first with: " + " ".join(found[0].overrides()))
+        return 0
+    sizes = nearest_fitting_world_sizes(args.recipe, args.world_size, hardware,
+                                        step=args.gpus_per_node or hardware.gpus_per_node, **options)
+    print(f"no layout of {args.world_size} GPUs fits; nearest world sizes with one: "
+          + ", ".join(map(str, sizes)))
+    for size in sizes:
+        print(f"\nworld size {size}:")
+        print(describe_candidates(search_layouts(args.recipe, size, hardware, top=args.top, **options)))
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes in the job (default: tp*pp*dp with dp from the recipe, at least 1)")
+    parser.add_argument("--hardware", default=None, help="profile in tools/hardware/ (h100, h200, b200, gb200)")
+    parser.add_argument("--efficiency", type=float, default=0.45, help="achieved share of the dense peak")
+    parser.add_argument("--search", action="store_true",
+                        help="list the fastest layouts of --world-size that the recipe accepts and that fit "
+                             "(also done when the recipe's own layout is refused and --hardware is given)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware profile's")
+    parser.add_argument("--memory-limit", type=float, default=None, help="GiB per GPU (default: 90%% of the HBM)")
+    parser.add_argument("--top", type=int, default=5)
     parser.add_argument("overrides", nargs="*", help="section.field=value, as for pretrain_k3.py")
     args = parser.parse_intermixed_args(argv)
+    if args.search:
+        return search(args)
     try:
         config = load_config(args.recipe, args.overrides)
         parallel = config.parallel
@@ -71,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = PipelinePlan.from_config(config.model, parallel)
     except (ConfigError, LayoutError, PipelineConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
+        if args.hardware and args.world_size:
+            search(args)
         return 2
 
     counts = parameter_counts(config.model)
@@ -92,6 +135,34 @@ def main(argv: list[str] | None = None) -> int:
         parameters, gib = memory_estimate(stage, config, layout.dp)
         ranges = ", ".join(f"{start}-{end - 1}" for start, end in plan.layer_ranges(pp_rank))
         print(f"| {pp_rank} | {ranges} | {parameters:,} | {gib:,.2f} |")
+    print()
+    print("| " + " | ".join(MEMORY_HEADER) + " |")
+    print("| " + " | ".join(["---"] * len(MEMORY_HEADER)) + " |")
+    step_bytes: dict[str, float] = {}
+    for pp_rank in range(layout.pp):
+        job = build_planning_rank(config, layout, layout.rank_of(0, 0, pp_rank))
+        print("| " + " | ".join(rank_memory(job, layout, micro_batches).row()) + " |")
+        for group, nbytes in layout_step_bytes(job, micro_batches).items():
+            step_bytes[group] = max(step_bytes.get(group, 0.0), nbytes)
+    print()
+    print("bytes per rank and step (largest stage): "
+          + "; ".join(f"{group} {nbytes / _GIB:,.2f} GiB" for group, nbytes in sorted(step_bytes.items())))
+    if args.hardware:
+        hardware = load_profile(args.hardware)
+        estimate = estimate_step_time(config.model, layout, plan, hardware,
+                                      micro_batch_size=config.train.micro_batch_size,
+                                      seq_length=config.data.seq_length, micro_batches=micro_batches,
+                                      precision=config.train.precision, comm_bytes=step_bytes,
+                                      efficiency=args.efficiency)
+        print(f"\n{hardware.name}, {args.efficiency:.0%} of the dense peak: step {estimate.step_s:.2f} s, "
+              f"{estimate.tokens_per_s:,.0f} tokens/s, MFU {estimate.mfu:.1%}")
+        print("| term | seconds | share | link |")
+        print("| --- | ---: | ---: | --- |")
+        print(f"| compute | {estimate.compute_s:.2f} | {estimate.shares()['compute']:.0%} | |")
+        print(f"| pipeline bubble | {estimate.bubble_s:.2f} | {estimate.shares()['bubble']:.0%} | |")
+        for group, seconds in estimate.exposed_comm_s.items():
+            print(f"| {group} comm (exposed) | {seconds:.2f} | {estimate.shares()[group + ' comm']:.0%} "
+                  f"| {estimate.links[group]} |")
     if layout.pp > 1:
         print()
         print("AttnRes blocks per micro-batch across pipeline hops (forward; backward returns as many): "

@@ -25,20 +25,32 @@ LAYOUTS = [
     dict(name="DP2 ZeRO-1", dp=2, zero1=True),
     # Gradients reduce-scattered to four owners (uneven segments, padded).
     dict(name="DP4 ZeRO-1", dp=4, zero1=True),
+    # Pipeline hops (exact-delta blocks) and expert all-to-alls: pp.forward/pp.backward and ep only.
+    dict(name="PP2×DP2", pp=2, dp=2, overrides=["model.attn_res_block_size=1"]),
+    dict(name="PP2 interleaved", pp=2, overrides=["parallel.virtual_stages=2"]),
+    dict(name="EP2 balanced", dp=2, ep=2),
+    dict(name="EP2 capacity ×TP2+SP", tp=2, ep=2, sequence_parallel=True,
+         overrides=["parallel.expert_dispatch=capacity"]),
 ]
 
 
 def test_measured_traffic_equals_formula_per_group_and_rank():
     payload = dict(recipe=RECIPE, micro_batch_size=1, micro_batches=2, seq_length=32, layouts=LAYOUTS)
-    results = run_workers(4, "tests.distributed.workers_comm:run_layouts", payload, timeout_s=240)
+    results = run_workers(4, "tests.distributed.workers_comm:run_layouts", payload, timeout_s=600)
     for index, layout in enumerate(LAYOUTS):
-        world = layout.get("tp", 1) * layout.get("dp", 1)
+        world = layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
         for rank in range(world):
             result = results[rank][index]
             assert result["member"]
             assert result["measured"] == result["predicted"], (layout["name"], rank, result["measured"],
                                                                result["predicted"])
-        assert "tp" in results[0][index]["measured"] or layout.get("tp", 1) == 1
+        assert ("tp" in results[0][index]["measured"] or layout.get("tp", 1) == 1
+                or layout.get("pp", 1) > 1 or layout.get("ep", 1) > 1)
+        if layout.get("pp", 1) > 1:
+            assert {"pp.forward", "pp.backward"} <= {group for rank in range(world)
+                                                     for group in results[rank][index]["predicted"]}
+        if layout.get("ep", 1) > 1:
+            assert results[0][index]["predicted"]["ep"][0] > 0
     # Under ZeRO-1 with TP the owners of the whole-matrix Muon gathers differ between DP ranks.
     zero1_tp = [results[rank][1]["measured"]["tp"] for rank in range(4)]
     assert zero1_tp[0] == zero1_tp[1] and zero1_tp[2] == zero1_tp[3] and zero1_tp[0] != zero1_tp[2]

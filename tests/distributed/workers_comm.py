@@ -24,7 +24,8 @@ from k3train.model.flops import training_flops_per_token
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.planning.traffic import predicted_step_traffic, step_traffic_terms
 from k3train.training import loop
-from k3train.training.build import build_rank
+from k3train.planning.layout_traffic import pipeline_expert_traffic
+from k3train.training.build import build_planning_rank, build_rank
 from k3train.training.loop import Trainer
 from k3train.training.throughput import peak_flops
 
@@ -32,7 +33,8 @@ from k3train.training.throughput import peak_flops
 def layout_overrides(layout: dict[str, Any], micro_batch_size: int, micro_batches: int, seq_length: int) -> list[str]:
     """Recipe overrides for one layout: sizes, and a global batch of `micro_batches` per DP rank."""
     dp = layout.get("dp", 1)
-    return [f"parallel.tp={layout.get('tp', 1)}", f"parallel.dp={dp}",
+    return [f"parallel.tp={layout.get('tp', 1)}", f"parallel.dp={dp}", f"parallel.pp={layout.get('pp', 1)}",
+            f"parallel.ep={layout.get('ep', 1)}",
             f"parallel.sequence_parallel={str(layout.get('sequence_parallel', False)).lower()}",
             f"parallel.zero1={str(layout.get('zero1', True)).lower()}",
             f"data.seq_length={seq_length}", f"train.micro_batch_size={micro_batch_size}",
@@ -57,10 +59,10 @@ def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict
     micro_batch_size, micro_batches, seq_length = (payload["micro_batch_size"], payload["micro_batches"],
                                                    payload["seq_length"])
     config = load_config(payload["recipe"], layout_overrides(layout, micro_batch_size, micro_batches, seq_length))
-    tp, dp = config.parallel.tp, config.parallel.dp
-    world = tp * dp
+    tp, dp, pp, ep = config.parallel.tp, config.parallel.dp, config.parallel.pp, config.parallel.ep
+    world = tp * dp * pp
     model_config = config.model
-    grid = resolve_layout(world, tp, 1, dp, 1, 1, model_config.num_attention_heads,
+    grid = resolve_layout(world, tp, pp, dp, ep, config.parallel.virtual_stages, model_config.num_attention_heads,
                           model_config.linear_attn_config.num_heads, model_config.vocab_size,
                           model_config.num_experts, model_config.num_hidden_layers)
     member = env.rank < world
@@ -80,6 +82,16 @@ def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict
         finally:
             loop.rank_memory_gib = real_memory
         measured = state.counter.snapshot()
+        if pp > 1 or ep > 1:
+            # The pipeline hops and the expert all-to-alls, from the plan and the dispatcher's
+            # buffers (the rest of these layouts' traffic is not predicted exactly yet).
+            job = build_planning_rank(config, grid, env.rank)
+            predicted = {group: list(value) for group, value in
+                         pipeline_expert_traffic(job, micro_batches).items()}
+            result.update(measured={group: list(measured.get(group, (0, 0))) for group in predicted},
+                          predicted=predicted, loss=metrics["loss"], seconds=time.perf_counter() - started)
+            dist.barrier()
+            return result
         arguments = dict(tp=tp, dp=dp, micro_batch_size=micro_batch_size, seq_length=seq_length,
                          micro_batches=micro_batches, dtype_bytes=4, zero1=config.parallel.zero1,
                          sequence_parallel=config.parallel.sequence_parallel,

@@ -1,0 +1,91 @@
+"""Bytes one rank sends per step and group, for any layout (PP and EP included).
+
+The data-parallel terms are read from the rank's gradient reducer and ZeRO-1 exchanges built on
+the meta device (`build_planning_rank`), the pipeline hops from `PipelinePlan.rank_step_bytes`
+(the exact-delta block protocol the executor runs) and the expert all-to-alls from
+`ExpertParallel.buffer_shapes` (the fixed-size buffers the dispatcher sends). The TP terms follow
+`traffic.step_traffic_terms` (regions × N per micro-batch); for `pp = ep = 1` that function is
+the exact, measured formula.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from k3train.training.build import RankJob
+
+
+def pipeline_expert_traffic(job: RankJob, micro_batches: int) -> dict[str, tuple[int, int]]:
+    """Exact (bytes, messages) of one step on this rank for the pipeline hops (`pp.forward`,
+    `pp.backward`: one isend per tensor, the exact-delta protocol) and the expert all-to-alls
+    (`ep`), in comm.py's convention. Per MoE layer and micro-batch, forward: (balanced) the
+    all-gather of the `[1, E]` int64 loads, the replica weights `[R, slots, 3·I·l]` in the
+    parameters' dtype; the dispatch `[R, C, l]`, its ids `[R, C]` int32 and the combine
+    `[R, C, l]`; backward: the adjoints of dispatch, combine and replicas; per step, the expert
+    share of the gradient norm (one fp32 scalar). `recompute: sublayer`
+    repeats the forward all-to-alls that autograd tracks in backward (not modelled: refused)."""
+    config = job.config
+    cfg, layout = config.model, job.parallel.layout
+    b, s, h, tp = config.train.micro_batch_size, config.data.seq_length, cfg.hidden_size, layout.tp
+    sp = config.parallel.sequence_parallel and tp > 1
+    out: dict[str, tuple[int, int]] = {}
+    if layout.pp > 1:
+        element = job.schedule.dtype.itemsize
+        tensor_bytes = b * (s // tp if sp else s) * h * element
+        rank = job.parallel.pp_rank
+        for direction, chunks in (("forward", [c for c in job.plan.chunks_of_rank(rank) if c < job.plan.num_chunks - 1]),
+                                  ("backward", [c - 1 for c in job.plan.chunks_of_rank(rank) if c > 0])):
+            tensors = sum(1 + len(job.plan.hop_blocks(hop)) for hop in chunks) * micro_batches
+            if tensors:
+                out[f"pp.{direction}"] = (tensors * tensor_bytes, tensors)
+    ep = job.expert_parallel
+    layers = [i for start, end in job.plan.layer_ranges(job.parallel.pp_rank) for i in range(start, end)]
+    moe = sum(cfg.is_moe_layer(i) for i in layers)
+    if ep is not None and moe:
+        if cfg.recompute == "sublayer":
+            raise ValueError("expert traffic under recompute=sublayer is not modelled")
+        activation = 4 if config.train.precision == "fp32" else 2
+        weight = next(job.model.parameters()).element_size()
+        shapes = ep.buffer_shapes(b * s // (tp if sp else 1), cfg.num_experts_per_token,
+                                  cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
+        rows = math.prod(shapes["dispatch"]) * activation
+        nbytes = 4 * rows + math.prod(shapes["dispatch_ids"]) * 4
+        messages = 5
+        if "replica_weights" in shapes:
+            nbytes += cfg.num_experts * 8 + 2 * math.prod(shapes["replica_weights"]) * weight
+            messages += 3
+        out["ep"] = (micro_batches * moe * nbytes, micro_batches * moe * messages)
+    if ep is not None:  # the expert share of the global gradient norm: one fp32 scalar (`norm_shares`)
+        nbytes, messages = out.get("ep", (0, 0))
+        out["ep"] = (nbytes + 4, messages + 1)
+    return out
+
+
+def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
+    """Per group: bytes this rank sends (comm.py's convention) in one training step."""
+    config = job.config
+    cfg, layout = config.model, job.parallel.layout
+    element = 2 if config.train.precision == "bf16" else 4
+    b, s, h, tp = config.train.micro_batch_size, config.data.seq_length, cfg.hidden_size, layout.tp
+    sp = config.parallel.sequence_parallel and tp > 1
+    full = b * s * h * element
+    shard = full // tp if sp else full
+    out: dict[str, float] = defaultdict(float)
+    layers = [i for start, end in job.plan.layer_ranges(job.parallel.pp_rank) for i in range(start, end)]
+    moe = sum(cfg.is_moe_layer(i) for i in layers)
+    if tp > 1:
+        regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
+        out["tp"] += micro_batches * regions * 2 * (full + (shard if sp else 0))
+    for bucket in job.reducer.buckets:
+        out[bucket.reduction.group.name] += bucket.nbytes
+    for exchange in job.optimizer._exchanges:
+        out[exchange.group.name] += exchange.length * torch.empty((), dtype=exchange.dtype).element_size()
+    for group, (nbytes, _) in pipeline_expert_traffic(job, micro_batches).items():
+        out[group.split(".")[0]] += nbytes
+    return dict(out)
+
+
+__all__ = ["layout_step_bytes", "pipeline_expert_traffic"]

@@ -1,0 +1,253 @@
+"""Memory of one pipeline rank: weights, gradients, optimizer state and activations.
+
+The static part is read from the rank's model built on the meta device by the job's own code
+(`build_planning_rank`: TP shards, EP home experts, pipeline chunks), so parameter counts and the
+Muon/AdamW split are exact. The activation part is a per-token formula of the config, one term per
+component, counted from the tensors autograd saves on the PyTorch path (what
+`tests/unit/test_plan_memory.py` measures with `saved_tensors_hooks`): the coefficients are listed
+in `docs/planning.md` with what they stand for. It is multiplied by the micro-batches (chunks)
+the schedule keeps in flight at its peak, read from the schedule's own step list.
+
+Precision: `fp32` stores everything in 4 bytes; `bf16` (autocast) keeps fp32 master weights,
+fp32 gradients and fp32 optimizer state, and saves activations in 2 bytes (the router, AttnRes
+and loss parts compute in fp32 and are counted at 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from k3train.config import JobConfig
+from k3train.model.config import ModelConfig
+from k3train.optim.builder import route_parameters
+from k3train.parallel.pipeline import theoretical_peak_blocks
+from k3train.parallel.pipeline_schedule import PipelinePlan, schedule_steps
+from k3train.parallel.state import Layout
+from k3train.training.build import RankJob
+
+GIB = 2**30
+AttentionKernel = Literal["flash", "math"]
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What one micro-batch looks like on one rank: tokens inside a TP region (full sequence)
+    and outside it (the sequence shard under SP), and the element size."""
+
+    tokens: int  # b·s
+    tp: int
+    sequence_parallel: bool
+    element_bytes: int  # 4 fp32, 2 bf16
+
+    @property
+    def outside_tokens(self) -> float:
+        return self.tokens / self.tp if self.sequence_parallel and self.tp > 1 else self.tokens
+
+
+def kda_elements_per_token(cfg: ModelConfig, tp: int) -> float:
+    """KDA on the PyTorch chunk path, per token: its input (h); ~29 head-width tensors (the q/k/v
+    projections and short convolutions, the normalised q/k, the decay gate, the chunked copies,
+    decays, rows and columns, u, w, q_state, outputs, the gated output norm); five `C×C` matrices
+    per head (key and query grams, A, the UT transform, P); 14 per-head scalars (beta, norms);
+    about 1.5 `d×d` states per head and chunk. Chunks of one diagonal tile (small decays, the
+    common case); larger decays split a chunk into tiles and add about 3·(C/tile)·W."""
+    lac = cfg.linear_attn_config
+    heads = lac.num_heads // tp
+    width = heads * lac.head_dim
+    return (cfg.hidden_size + 29 * width + 5 * heads * lac.chunk_size + 14 * heads
+            + 1.5 * heads * lac.head_dim ** 2 / lac.chunk_size)
+
+
+def mla_elements_per_token(cfg: ModelConfig, tp: int, seq_length: int, kernel: AttentionKernel) -> float:
+    """Gated MLA, per token: its input (h), the latent projections and their norms (twice each),
+    per head q and k (2·qk), kv before and after the split (2·(nope + v)) and the attention
+    output (v); the math SDPA path (CPU) saves the `T×T` attention weights (T per head and
+    token), a flash kernel the output and log-sum-exp (counted as 2 per head)."""
+    heads = cfg.num_attention_heads // tp
+    latent = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    per_head = 2 * cfg.qk_head_dim + 2 * (cfg.qk_nope_head_dim + cfg.v_head_dim) + cfg.v_head_dim
+    scores = heads * seq_length if kernel == "math" else 2 * heads
+    return cfg.hidden_size + 2 * latent + heads * per_head + scores
+
+
+def glu_elements_per_token(hidden: int, intermediate: float) -> float:
+    """A GLU MLP: its input and 7 intermediate-width tensors (gate, up, SiTU's pieces, down input)."""
+    return hidden + 7 * intermediate
+
+
+def moe_elements_per_token(cfg: ModelConfig, tp: int) -> tuple[float, float]:
+    """(routed part on this rank's tokens, shared experts inside the TP region) of a LatentMoE:
+    router scores and weights (2E), per slot the gathered latent, expert hidden and weighted
+    output (k·(4l + 7·I)); the shared experts a GLU of width `n_shared·I` (its input, h, is
+    the region's)."""
+    k, latent, inner = cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    routed = 2 * cfg.num_experts + k * (4 * latent + 7 * inner)
+    shared = (glu_elements_per_token(cfg.hidden_size, cfg.num_shared_experts * inner / tp)
+              if cfg.num_shared_experts else 0)
+    return routed, shared
+
+
+def layer_activation_bytes(cfg: ModelConfig, layer: int, shape: ActivationShape, seq_length: int,
+                           kernel: AttentionKernel = "flash") -> float:
+    """Saved bytes of decoder layer `layer` for one micro-batch under `cfg.recompute`."""
+    h, tp = cfg.hidden_size, shape.tp
+    inside, outside, a = shape.tokens, shape.outside_tokens, shape.element_bytes
+    # Residual path: the partial sum handed to each sublayer (2 per layer); without recompute the
+    # AttnRes mixes' stacked sources, keys, weights and norms (5h more per mix, fp32).
+    residual = 2 * h * outside * a
+    if cfg.recompute == "none" and cfg.attn_res != "none":
+        residual += 10 * h * outside * 4
+    if cfg.recompute == "sublayer":
+        return residual
+    mixer = (mla_elements_per_token(cfg, tp, seq_length, kernel) if cfg.is_mla_layer(layer)
+             else kda_elements_per_token(cfg, tp))
+    if cfg.is_moe_layer(layer):
+        routed, shared = moe_elements_per_token(cfg, tp)
+        ffn = routed * outside + shared * inside
+    else:
+        ffn = glu_elements_per_token(h, cfg.intermediate_size / tp) * inside
+    return residual + (mixer * inside + ffn) * a
+
+
+def sublayer_recompute_peak_bytes(cfg: ModelConfig, layers: range, shape: ActivationShape, seq_length: int,
+                                  kernel: AttentionKernel = "flash") -> float:
+    """`recompute: sublayer` rebuilds one sublayer at a time in backward: the largest one's
+    activations are live once on top of the saved inputs."""
+    if cfg.recompute != "sublayer" or not len(layers):
+        return 0.0
+    full = dataclasses.replace(cfg, recompute="attn_res")
+    return max(layer_activation_bytes(full, layer, shape, seq_length, kernel) for layer in layers)
+
+
+def ends_bytes(cfg: ModelConfig, shape: ActivationShape, embedding: bool, head: bool) -> float:
+    """The embedding output and ids; the final mix and norm, and the fp32 softmax of the local
+    vocabulary shard for the loss."""
+    total = 0.0
+    if embedding:
+        # Its output is saved by the first mix, and once more by the first norm unless recomputed.
+        copies = 1 if cfg.recompute == "sublayer" else 2
+        total += shape.outside_tokens * copies * cfg.hidden_size * shape.element_bytes + shape.tokens * 8
+    if head:
+        total += shape.outside_tokens * 4 * cfg.hidden_size * shape.element_bytes
+        total += shape.tokens * (cfg.vocab_size / shape.tp) * 4
+    return total
+
+
+def chunk_activation_bytes(cfg: ModelConfig, layer_range: tuple[int, int], shape: ActivationShape,
+                           seq_length: int, kernel: AttentionKernel = "flash") -> float:
+    """One micro-batch's saved activations in one pipeline chunk `[start, end)`."""
+    start, end = layer_range
+    total = sum(layer_activation_bytes(cfg, layer, shape, seq_length, kernel) for layer in range(start, end))
+    return total + ends_bytes(cfg, shape, start == 0, end == cfg.num_hidden_layers)
+
+
+def peak_in_flight(plan: PipelinePlan, rank: int, micro_batches: int) -> list[int]:
+    """For each virtual stage of `rank`: micro-batches whose forward has run and backward not yet,
+    at the step where the rank holds the most layers' activations (from the schedule's own list)."""
+    weights = tuple(end - start for start, end in plan.layer_ranges(rank))
+    return list(_peak_in_flight(plan.pp, plan.virtual_stages, rank, micro_batches, weights))
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_in_flight(pp: int, virtual_stages: int, rank: int, micro_batches: int,
+                    weights: tuple[int, ...]) -> tuple[int, ...]:
+    if virtual_stages == 1:  # 1F1B: the warmup forwards plus one
+        return (min(pp - rank, micro_batches),)
+    live = [0] * virtual_stages
+    best, best_load = list(live), -1
+    for step in schedule_steps(pp, virtual_stages, rank, micro_batches):
+        live[step.virtual_stage] += 1 if step.kind == "forward" else -1
+        load = sum(n * w for n, w in zip(live, weights))
+        if load > best_load:
+            best, best_load = list(live), load
+    return tuple(best)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes of one pipeline rank, by term."""
+
+    pp_rank: int
+    parameters: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    pipeline_blocks: float
+    expert_buffers: float
+    in_flight: tuple[int, ...]
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.pipeline_blocks
+                + self.expert_buffers)
+
+    def row(self) -> list[str]:
+        gib = [v / GIB for v in (self.weights, self.gradients, self.optimizer, self.activations,
+                                 self.pipeline_blocks, self.expert_buffers, self.total)]
+        return [f"pp{self.pp_rank}", f"{self.parameters / 1e9:.2f}B", *(f"{g:,.1f}" for g in gib),
+                "+".join(map(str, self.in_flight))]
+
+
+MEMORY_HEADER = ["pp rank", "params", "weights", "grads", "optimizer", "activations", "AttnRes cache",
+                 "EP buffers", "total GiB", "in flight"]
+
+
+def optimizer_state_elements(job: RankJob) -> float:
+    """Optimizer state elements this rank keeps: Muon one momentum, AdamW two moments; ZeRO-1
+    keeps only the parameters this rank owns (the built optimizer's ownership)."""
+    owned = set(job.optimizer.owned_parameter_names()) if job.config.parallel.zero1 else None
+    total = 0
+    for route in route_parameters(job.model, job.config.optimizer):
+        if owned is not None and route.name not in owned:
+            continue
+        total += route.param.numel() * (1 if route.route == "muon" else 2)
+    return total
+
+
+def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -> float:
+    """Per MoE layer and micro-batch in flight, the dispatch and combine buffers autograd keeps,
+    plus the replica weights received in `balanced` mode (`ExpertParallel.buffer_shapes`)."""
+    ep = job.expert_parallel
+    if ep is None or not moe_layers:
+        return 0.0
+    cfg = job.config.model
+    shapes = ep.buffer_shapes(int(shape.outside_tokens), cfg.num_experts_per_token,
+                              cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
+    total = (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * shape.element_bytes
+    if "replica_weights" in shapes:
+        _, slots, width = shapes["replica_weights"]
+        total += slots * width * 4
+    return total * moe_layers
+
+
+def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: AttentionKernel = "flash") -> RankMemory:
+    """Every term for the pipeline rank `job` was built for (a `build_planning_rank` job)."""
+    config: JobConfig = job.config
+    cfg = config.model
+    pp_rank = job.parallel.pp_rank
+    element = 2 if config.train.precision == "bf16" else 4
+    shape = ActivationShape(config.train.micro_batch_size * config.data.seq_length, layout.tp,
+                            bool(config.parallel.sequence_parallel and layout.tp > 1), element)
+    parameters = sum(p.numel() for p in job.model.parameters())
+    in_flight = peak_in_flight(job.plan, pp_rank, micro_batches)
+    activations, moe_in_flight, layer_ranges = 0.0, 0, job.plan.layer_ranges(pp_rank)
+    for live, layer_range in zip(in_flight, layer_ranges):
+        activations += live * chunk_activation_bytes(cfg, layer_range, shape, config.data.seq_length, kernel)
+        moe_in_flight += live * sum(cfg.is_moe_layer(i) for i in range(*layer_range))
+    activations += sublayer_recompute_peak_bytes(
+        cfg, range(*layer_ranges[0]), shape, config.data.seq_length, kernel)
+    blocks = 0.0
+    if layout.pp > 1:
+        block_bytes = shape.outside_tokens * cfg.hidden_size * element
+        blocks = theoretical_peak_blocks(job.plan, pp_rank, micro_batches) * block_bytes
+    return RankMemory(pp_rank, parameters, parameters * 4.0, parameters * 4.0, optimizer_state_elements(job) * 4.0,
+                      activations, blocks, expert_buffer_bytes(job, shape, 1) * moe_in_flight, tuple(in_flight))
+
+
+__all__ = ["ActivationShape", "RankMemory", "MEMORY_HEADER", "rank_memory", "chunk_activation_bytes",
+           "layer_activation_bytes", "peak_in_flight", "optimizer_state_elements", "GIB"]

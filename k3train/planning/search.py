@@ -1,0 +1,240 @@
+"""Search the layouts of a world size: every (tp, pp, virtual stages, ep, dp, recompute,
+micro-batch size) the recipe accepts, ranked by predicted step time among those that fit memory.
+
+A candidate is accepted only if the job's own checks pass (`load_config` with the overrides,
+`resolve_layout`, `PipelinePlan.from_config`, the interleaved schedule's micro-batch rule and the
+expert dispatcher's SP rule). Its memory and time are estimated analytically (parameters per
+stage from `model/flops.py`'s closed forms, the same activation and time models as the planner),
+so thousands of candidates cost seconds; `tools/plan.py` then builds the chosen one exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from k3train.config import ConfigError, JobConfig, apply_overrides, load_config
+from k3train.model import flops as F
+from k3train.model.config import ModelConfig
+from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.pipeline import theoretical_peak_blocks
+from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan, check_interleaved_micro_batches
+from k3train.parallel.state import Layout, LayoutError, resolve_layout
+from k3train.planning.hardware import HardwareProfile
+from k3train.planning.memory import GIB, ActivationShape, chunk_activation_bytes, peak_in_flight
+from k3train.planning.time import StepTime, estimate_step_time
+from k3train.training.build import planning_parallel_state
+
+RECOMPUTE = ("none", "attn_res", "sublayer")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout that the recipe accepts, with its estimates."""
+
+    tp: int
+    pp: int
+    virtual_stages: int
+    ep: int
+    dp: int
+    recompute: str
+    micro_batch_size: int
+    expert_dispatch: str
+    memory_gib: float  # the fullest pipeline rank
+    time: StepTime
+
+    def overrides(self, keep_pipeline_layers: bool = False) -> list[str]:
+        """Recipe overrides that select this layout (`pretrain_k3.py ... <overrides>`)."""
+        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
+               f"parallel.ep={self.ep}", f"parallel.virtual_stages={self.virtual_stages}",
+               f"model.recompute={self.recompute}", f"train.micro_batch_size={self.micro_batch_size}",
+               f"parallel.expert_dispatch={self.expert_dispatch}"]
+        if self.tp > 1 and self.ep > 1:
+            out.append("parallel.sequence_parallel=true")
+        if not keep_pipeline_layers:
+            out.append("parallel.pipeline_layers=null")
+        return out
+
+
+@functools.lru_cache(maxsize=8192)
+def _peak_blocks(plan: PipelinePlan, rank: int, micro_batches: int) -> int:
+    return theoretical_peak_blocks(plan, rank, micro_batches)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def stage_parameters(cfg: ModelConfig, layer_ranges: Sequence[tuple[int, int]], tp: int, ep: int) -> tuple[float, float]:
+    """(parameters, optimizer state elements) of one pipeline rank, from the closed forms:
+    mixers, MLPs and shared experts split over TP, routed experts over EP, embedding and head over
+    TP (AdamW: two moments), everything else replicated (Muon: one momentum)."""
+    params = state = 0.0
+    for start, end in layer_ranges:
+        for layer in range(start, end):
+            mixer = F.mla_mixer_parameters(cfg) if cfg.is_mla_layer(layer) else F.kda_mixer_parameters(cfg)
+            if cfg.is_moe_layer(layer):
+                ffn = (F.shared_experts_parameters(cfg) / tp + F.routed_experts_parameters(cfg, cfg.num_experts) / ep
+                       + F.latent_projection_parameters(cfg) + F.router_parameters(cfg))
+            else:
+                ffn = F.glu_mlp_parameters(cfg.hidden_size, cfg.intermediate_size) / tp
+            layer_params = mixer / tp + ffn + 6 * cfg.hidden_size
+            params += layer_params
+            state += layer_params
+        ends = (start == 0) + (end == cfg.num_hidden_layers)
+        params += ends * cfg.vocab_size * cfg.hidden_size / tp
+        state += ends * 2 * cfg.vocab_size * cfg.hidden_size / tp
+    return params, state
+
+
+def accepted(base: JobConfig, overrides: list[str], world_size: int) -> Optional[tuple[JobConfig, Layout, PipelinePlan]]:
+    """The job's own checks; None when any refuses the layout."""
+    try:
+        config = apply_overrides(base, overrides)  # the recipe's own validation, parsed once
+        p, m = config.parallel, config.model
+        layout = resolve_layout(world_size, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, m.num_attention_heads,
+                                m.linear_attn_config.num_heads, m.vocab_size, m.num_experts, m.num_hidden_layers)
+        plan = PipelinePlan.from_config(m, p)
+        micro_batches = config.train.micro_batches_per_rank(layout.dp)
+        if layout.virtual_stages > 1:
+            check_interleaved_micro_batches(layout.pp, micro_batches)
+        ExpertParallel.from_state(planning_parallel_state(layout, 0, p.sequence_parallel), p, m.num_experts)
+    except (ConfigError, LayoutError, PipelineConfigError, ValueError):
+        return None
+    return config, layout, plan
+
+
+def estimate(config: JobConfig, layout: Layout, plan: PipelinePlan, hardware: HardwareProfile,
+             efficiency: float) -> tuple[float, StepTime]:
+    """(GiB of the fullest pipeline rank, step time) of an accepted layout, analytically."""
+    cfg, train = config.model, config.train
+    micro_batches = train.micro_batches_per_rank(layout.dp)
+    element = 2 if train.precision == "bf16" else 4
+    sp = config.parallel.sequence_parallel and layout.tp > 1
+    shape = ActivationShape(train.micro_batch_size * config.data.seq_length, layout.tp, sp, element)
+    expert_dp = layout.dp * layout.tp // layout.ep
+    worst = 0.0
+    for rank in range(layout.pp):
+        ranges = plan.layer_ranges(rank)
+        params, state = stage_parameters(cfg, ranges, layout.tp, layout.ep)
+        if config.parallel.zero1:
+            state /= min(layout.dp, expert_dp) if layout.ep > 1 else layout.dp
+        in_flight = peak_in_flight(plan, rank, micro_batches)
+        activations = sum(n * chunk_activation_bytes(cfg, r, shape, config.data.seq_length)
+                          for n, r in zip(in_flight, ranges))
+        if layout.pp > 1:  # the AttnRes blocks the pipeline cache holds
+            activations += (_peak_blocks(plan, rank, micro_batches) * shape.outside_tokens
+                            * cfg.hidden_size * element)
+        if layout.ep > 1:  # dispatch and combine buffers (and received replicas) of every MoE layer in flight
+            moe_live = sum(n * sum(cfg.is_moe_layer(i) for i in range(*r)) for n, r in zip(in_flight, ranges))
+            slots = -(-int(config.parallel.capacity_factor * shape.outside_tokens * cfg.num_experts_per_token)
+                      // layout.ep) * layout.ep
+            per_layer = 2 * slots * cfg.routed_expert_hidden_size * element
+            if config.parallel.expert_dispatch == "balanced":
+                per_layer += (config.parallel.max_replicas_per_rank * 3 * cfg.moe_intermediate_size
+                              * cfg.routed_expert_hidden_size * 4)
+            activations += moe_live * per_layer
+        worst = max(worst, params * 8 + state * 4 + activations)
+    full = shape.tokens * cfg.hidden_size * element
+    # The busiest rank's layers (traffic.py's regions: mixer, dense MLP or shared experts).
+    layers = max(([i for start, end in plan.layer_ranges(rank) for i in range(start, end)]
+                  for rank in range(layout.pp)), key=len)
+    moe = sum(cfg.is_moe_layer(i) for i in layers)
+    regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
+    comm: dict[str, float] = {}
+    if layout.tp > 1:
+        comm["tp"] = micro_batches * regions * 2 * (full + (full / layout.tp if sp else 0))
+    if layout.dp > 1:
+        params, _ = stage_parameters(cfg, plan.layer_ranges(0), layout.tp, layout.ep)
+        comm["dp"] = params * 4 * (1.5 if config.parallel.zero1 else 1)
+    if layout.pp > 1:
+        block = full / layout.tp if sp else full
+        comm["pp"] = sum(plan.rank_step_bytes(1 % layout.pp, int(block), micro_batches).values())
+    if layout.ep > 1:
+        tokens = shape.tokens // (layout.tp if sp else 1)
+        capacity = -(-int(config.parallel.capacity_factor * tokens * cfg.num_experts_per_token) // layout.ep)
+        per_layer = 4 * layout.ep * capacity * cfg.routed_expert_hidden_size * element
+        if config.parallel.expert_dispatch == "balanced":
+            per_layer += 2 * layout.ep * config.parallel.max_replicas_per_rank * 3 * cfg.moe_intermediate_size \
+                * cfg.routed_expert_hidden_size * 4
+        comm["ep"] = micro_batches * moe * per_layer
+    time = estimate_step_time(cfg, layout, plan, hardware, micro_batch_size=train.micro_batch_size,
+                              seq_length=config.data.seq_length, micro_batches=micro_batches,
+                              precision=train.precision, comm_bytes=comm, efficiency=efficiency)
+    return worst / GIB, time
+
+
+def search_layouts(recipe: str, world_size: int, hardware: HardwareProfile, *, memory_limit_gib: Optional[float] = None,
+                   gpus_per_node: Optional[int] = None, efficiency: float = 0.45, overrides: Sequence[str] = (),
+                   top: int = 5, micro_batch_sizes: Sequence[int] = (1, 2), first_fit: bool = False) -> list[Candidate]:
+    """The `top` fastest accepted layouts of `world_size` whose fullest rank fits `memory_limit_gib`
+    (default: the hardware's memory less 10% for the allocator and the framework)."""
+    base = load_config(recipe, list(overrides))
+    cfg = base.model
+    limit = memory_limit_gib if memory_limit_gib is not None else hardware.memory_gib * 0.9 * 1e9 / GIB
+    gpn = gpus_per_node or hardware.gpus_per_node
+    found: list[Candidate] = []
+    for tp in [t for t in _divisors(gpn) if world_size % t == 0]:
+        for pp in [p for p in _divisors(world_size // tp) if p <= cfg.num_hidden_layers]:
+            dp = world_size // (tp * pp)
+            eps = [e for e in _divisors(dp * tp) if cfg.num_experts == 0 or cfg.num_experts % e == 0]
+            eps = sorted(set([1, *eps[-3:]])) if cfg.num_experts else [1]
+            for ep, v, mbs, dispatch in itertools.product(eps, (1, 2) if pp > 1 else (1,), micro_batch_sizes,
+                                                          ("balanced", "capacity")):
+                if ep == 1 and dispatch != base.parallel.expert_dispatch:
+                    continue  # no dispatcher without expert parallelism
+                candidate_overrides = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
+                                       f"parallel.ep={ep}", f"parallel.virtual_stages={v}",
+                                       f"train.micro_batch_size={mbs}", "parallel.pipeline_layers=null",
+                                       f"parallel.expert_dispatch={dispatch}"]
+                if tp > 1 and ep > 1:
+                    candidate_overrides.append("parallel.sequence_parallel=true")
+                checked = accepted(base, candidate_overrides, world_size)
+                if checked is None:
+                    continue
+                config, layout, plan = checked
+                for recompute in RECOMPUTE:  # any recompute setting runs with any layout
+                    config = dataclasses.replace(config, model=dataclasses.replace(config.model, recompute=recompute))
+                    memory, time = estimate(config, layout, plan, hardware, efficiency)
+                    if memory <= limit:
+                        found.append(Candidate(tp, pp, v, ep, dp, recompute, mbs, dispatch, memory, time))
+                        if first_fit:
+                            return found
+    found.sort(key=lambda c: (round(c.time.step_s, 6), c.memory_gib))
+    return found[:top]
+
+
+def nearest_fitting_world_sizes(recipe: str, world_size: int, hardware: HardwareProfile, *, count: int = 2,
+                                step: int = 8, **kwargs) -> list[int]:
+    """World sizes (multiples of `step`, nearest first) where `search_layouts` finds a layout."""
+    sizes: list[int] = []
+    below = world_size // step * step
+    above = below + step
+    while len(sizes) < count and (below > 0 or above < 4 * world_size):
+        for size in (below, above):
+            if 0 < size != world_size and size not in sizes and search_layouts(recipe, size, hardware, first_fit=True,
+                                                                       **kwargs):
+                sizes.append(size)
+        below, above = below - step, above + step
+    return sorted(sizes)[:count]
+
+
+__all__ = ["Candidate", "search_layouts", "nearest_fitting_world_sizes", "stage_parameters", "accepted",
+           "describe_candidates"]
+
+
+def describe_candidates(candidates: list[Candidate]) -> str:
+    """The table `tools/plan.py --search` prints (markdown)."""
+    lines = ["| tp | pp | v | ep | dispatch | dp | recompute | mbs | GiB (fullest rank) | step s | tokens/s | MFU "
+             "| bubble | exposed comm |",
+             "| ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in candidates:
+        t = c.time
+        dispatch = c.expert_dispatch if c.ep > 1 else "-"
+        lines.append(f"| {c.tp} | {c.pp} | {c.virtual_stages} | {c.ep} | {dispatch} | {c.dp} | {c.recompute} | {c.micro_batch_size} "
+                     f"| {c.memory_gib:,.1f} | {t.step_s:,.2f} | {t.tokens_per_s:,.0f} | {t.mfu:.1%} "
+                     f"| {t.shares()['bubble']:.0%} | {sum(t.exposed_comm_s.values()) / t.step_s:.0%} |")
+    return "\n".join(lines)

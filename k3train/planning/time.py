@@ -1,0 +1,144 @@
+"""Step time and MFU of a layout from a hardware profile.
+
+Assumptions (stated, and printed by tools/plan.py):
+* Compute: each pipeline stage's model FLOPs (`k3train/model/flops.py`, per layer) on its share
+  of the tokens (`1/tp` of a micro-batch's work), at `efficiency` × the dense peak (default 0.45).
+  `recompute: sublayer` runs every forward twice (4/3 of the FLOPs in hardware); `attn_res`
+  recomputes only the small mix. The slowest stage sets the pipeline's pace.
+* Pipeline: step = (M + (P−1)/V) × the slowest stage's micro-batch time (1F1B fill and drain,
+  `bubble_formula`); the bubble is the second term.
+* Communication: bytes per group and step from `k3train/planning/traffic_terms.py`, over the
+  link the group crosses (rank order TP fastest, then DP, then PP: a group whose ranks are
+  `stride` apart spans `stride × size` consecutive ranks, inside a node when that is at most
+  `gpus_per_node`), at the ring factor `2(n−1)/n` for all-reduces. TP and EP collectives sit on
+  the critical path (not overlapped); pipeline hops overlap the other stages' compute except in
+  fill and drain (2(P−1) exposed hops); DP gradient buckets overlap the backward of the last
+  micro-batch (only the excess is exposed); the ZeRO-1 all-gather and the optimizer are exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from k3train.model import flops as F
+from k3train.model.config import ModelConfig
+from k3train.parallel.pipeline_schedule import PipelinePlan
+from k3train.parallel.state import Layout
+from k3train.planning.hardware import HardwareProfile
+
+DEFAULT_EFFICIENCY = 0.45
+
+
+def layer_training_flops(cfg: ModelConfig, layer: int, seq_length: int) -> float:
+    """Training FLOPs per token of decoder layer `layer` (3 × forward), AttnRes included."""
+    mixer = (F.mla_projection_flops(cfg) + F.mla_attention_flops(cfg, seq_length) if cfg.is_mla_layer(layer)
+             else F.kda_projection_flops(cfg) + F.kda_short_conv_flops(cfg)
+             + F.kda_chunk_flops_per_token(cfg, seq_length))
+    if cfg.is_moe_layer(layer):
+        ffn = (F.routed_expert_flops(cfg) + F.shared_expert_flops(cfg) + F.latent_projection_flops(cfg)
+               + F.router_flops(cfg))
+    else:
+        ffn = F.dense_mlp_flops(cfg)
+    attn_res = F.attn_res_flops(cfg) / (2 * cfg.num_hidden_layers + 1)
+    return F.TRAINING_MULTIPLIER * (mixer + ffn + 2 * attn_res)
+
+
+def layer_flops_table(cfg: ModelConfig, seq_length: int) -> list[float]:
+    """Training FLOPs per token of every decoder layer, then (last entry) the output mix and head."""
+    kinds: dict[tuple[bool, bool], float] = {}
+    table = []
+    for layer in range(cfg.num_hidden_layers):
+        kind = (cfg.is_mla_layer(layer), cfg.is_moe_layer(layer))
+        if kind not in kinds:
+            kinds[kind] = layer_training_flops(cfg, layer, seq_length)
+        table.append(kinds[kind])
+    table.append(F.TRAINING_MULTIPLIER * (F.head_flops(cfg) + F.attn_res_flops(cfg) / (2 * cfg.num_hidden_layers + 1)))
+    return table
+
+
+def chunk_training_flops(cfg: ModelConfig, layer_range: tuple[int, int], seq_length: int,
+                         table: list[float] | None = None) -> float:
+    """Training FLOPs per token of the chunk `[start, end)` (the head on the last one)."""
+    table = table or layer_flops_table(cfg, seq_length)
+    start, end = layer_range
+    return sum(table[start:end]) + (table[-1] if end == cfg.num_hidden_layers else 0.0)
+
+
+def group_link(layout: Layout, group: str, gpus_per_node: int) -> str:
+    """`nvlink` or `network`: whether one group of `group` fits in one node (rank order TP, DP, PP)."""
+    span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "data_tensor": layout.tp * layout.dp,
+            "ep": layout.ep, "expert_dp": layout.tp * layout.dp,
+            "pp": layout.world_size}.get(group, layout.world_size)
+    if group == "pp" and layout.pp == 1:
+        return "nvlink"
+    return "nvlink" if span <= gpus_per_node else "network"
+
+
+@dataclass
+class StepTime:
+    """Seconds per step by term, and the derived rates."""
+
+    compute_s: float
+    bubble_s: float
+    exposed_comm_s: dict[str, float]
+    comm_bytes: dict[str, float]
+    links: dict[str, str]
+    tokens_per_step: int
+    world_size: int
+    model_flops_per_step: float
+    peak_flops: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.bubble_s + sum(self.exposed_comm_s.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_step / (self.step_s * self.world_size * self.peak_flops)
+
+    def shares(self) -> dict[str, float]:
+        terms = {"compute": self.compute_s, "bubble": self.bubble_s,
+                 **{f"{group} comm": t for group, t in self.exposed_comm_s.items()}}
+        return {name: value / self.step_s for name, value in terms.items()}
+
+
+def estimate_step_time(cfg: ModelConfig, layout: Layout, plan: PipelinePlan, hardware: HardwareProfile, *,
+                       micro_batch_size: int, seq_length: int, micro_batches: int, precision: str,
+                       comm_bytes: dict[str, float], efficiency: float = DEFAULT_EFFICIENCY,
+                       gpus_per_node: int | None = None) -> StepTime:
+    """The step time of `layout`; `comm_bytes` per group is what one rank sends in one step
+    (`traffic_terms.layout_step_bytes`)."""
+    gpn = gpus_per_node or hardware.gpus_per_node
+    peak = hardware.peak_flops(precision)
+    rate = peak * efficiency
+    tokens = micro_batch_size * seq_length
+    recompute = 4 / 3 if cfg.recompute == "sublayer" else 1.0
+    table = layer_flops_table(cfg, seq_length)
+    stage_s = [sum(chunk_training_flops(cfg, r, seq_length, table) for r in plan.layer_ranges(rank)) * tokens
+               * recompute / layout.tp / rate for rank in range(layout.pp)]
+    per_micro_batch = max(stage_s)
+    compute = micro_batches * per_micro_batch
+    bubble = (layout.pp - 1) / layout.virtual_stages * per_micro_batch
+    links = {group: group_link(layout, group, gpn) for group in comm_bytes}
+    exposed: dict[str, float] = {}
+    for group, nbytes in comm_bytes.items():
+        bandwidth = (hardware.nvlink_gbps if links[group] == "nvlink" else hardware.internode_gbps) * 1e9
+        seconds = nbytes / bandwidth
+        if group == "pp":  # hops of the steady state hide behind the other stages' compute
+            seconds *= 2 * (layout.pp - 1) / max(2 * micro_batches * layout.virtual_stages, 1)
+        elif group in ("dp", "expert_dp", "data_tensor"):
+            gradient_share = nbytes  # overlap with the last micro-batch's backward (2/3 of its time)
+            seconds = max(0.0, gradient_share / bandwidth - per_micro_batch * 2 / 3)
+        exposed[group] = seconds
+    total_tokens = tokens * micro_batches * layout.dp
+    model_flops = (sum(table)) * total_tokens
+    return StepTime(compute, bubble, exposed, comm_bytes, links, total_tokens, layout.world_size, model_flops, peak)
+
+
+__all__ = ["StepTime", "estimate_step_time", "layer_training_flops", "chunk_training_flops", "group_link",
+           "DEFAULT_EFFICIENCY"]

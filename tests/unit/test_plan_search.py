@@ -1,0 +1,49 @@
+"""Every layout the planner suggests runs: it passes the job's own checks (the strict recipe
+loader with the overrides, `resolve_layout`, `PipelinePlan.from_config`) and rank 0 builds on the
+meta device as `pretrain_k3.py` builds it."""
+
+import pytest
+
+from k3train.config import load_config
+from k3train.parallel.pipeline_schedule import PipelinePlan, check_interleaved_micro_batches
+from k3train.parallel.state import resolve_layout
+from k3train.planning.hardware import load_profile
+from k3train.planning.search import describe_candidates, nearest_fitting_world_sizes, search_layouts
+from k3train.training.build import build_planning_rank
+from tests.distributed.harness import CHECKOUT
+
+DEBUG = str(CHECKOUT / "recipes" / "debug.yaml")
+K3 = str(CHECKOUT / "recipes" / "k3.yaml")
+
+
+def assert_runs(recipe: str, world_size: int, overrides: list[str]) -> None:
+    config = load_config(recipe, overrides)
+    p, m = config.parallel, config.model
+    layout = resolve_layout(world_size, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, m.num_attention_heads,
+                            m.linear_attn_config.num_heads, m.vocab_size, m.num_experts, m.num_hidden_layers)
+    PipelinePlan.from_config(m, p)
+    if p.virtual_stages > 1:
+        check_interleaved_micro_batches(p.pp, config.train.micro_batches_per_rank(layout.dp))
+    job = build_planning_rank(config, layout, 0)
+    assert sum(param.numel() for param in job.model.parameters()) > 0
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_debug_suggestions_run(world_size):
+    found = search_layouts(DEBUG, world_size, load_profile("h100"), top=4)
+    assert found and "| tp |" in describe_candidates(found)
+    assert found == sorted(found, key=lambda c: (round(c.time.step_s, 6), c.memory_gib))
+    for candidate in found:
+        assert candidate.tp * candidate.pp * candidate.dp == world_size
+        assert_runs(DEBUG, world_size, candidate.overrides())
+
+
+def test_memory_limit_excludes_and_nearest_sizes_fit():
+    hardware = load_profile("h200")
+    assert search_layouts(DEBUG, 8, hardware, memory_limit_gib=1e-6) == []
+    sizes = nearest_fitting_world_sizes(K3, 1000, hardware, count=2)
+    assert sizes and all(size != 1000 and size % 8 == 0 for size in sizes)
+    for size in sizes:
+        best = search_layouts(K3, size, hardware, first_fit=True)[0]
+        assert best.memory_gib <= hardware.memory_gib * 0.9 * 1e9 / 2**30
+        assert_runs(K3, size, best.overrides())
