@@ -153,7 +153,7 @@ class ExpertParallel:
 
     def __init__(self, group: Group, num_experts: int, mode: Mode = "balanced", capacity_factor: float = 1.25,
                  max_replicas_per_rank: int = 2, compute: Compute = "grouped", transport: Transport = "padded",
-                 replica_tolerance: float = 0.05):
+                 replica_tolerance: float = 0.05, spare_replicas: bool = True):
         if num_experts % group.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
         if mode not in ("balanced", "capacity"):
@@ -168,6 +168,7 @@ class ExpertParallel:
         self.compute = compute
         self.transport = transport
         self.replica_tolerance = replica_tolerance
+        self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
         self._layers: dict[int, tuple[GroupedExperts, _LayerReplicas]] = {}
 
     @classmethod
@@ -416,6 +417,8 @@ class ExpertParallel:
             if self.mode == "balanced" and self.size > 1 and int(layer.load.sum()) > 0:
                 plan = plan_from_load(layer.load, self.size, self.max_replicas, self.replica_tolerance)
                 layer.placement = ReplicaPlacement.from_plan(plan)
+                if self.spare_replicas:
+                    layer.placement = layer.placement.with_spares(layer.load, plan.rank_load, self.max_replicas)
             layer.load.zero_()
             layer.stacks = layer.flat = None
             layer.fetch_bytes = 0

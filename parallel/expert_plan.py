@@ -124,46 +124,93 @@ def plan_from_load(load: torch.Tensor, num_ranks: int, max_replicas_per_rank: in
 
 @dataclass
 class ReplicaPlacement:
-    """Which expert each rank hosts in each replica slot for a whole step, and which share of
-    the expert's slots each replica takes, decided before the step (from the previous step's
-    loads). Device tensors for the dispatch; `host` the same entries as Python lists, read once
+    """Which expert each rank hosts in each replica slot for a whole step, decided before the
+    step (from the previous step's loads). Device tensors for the dispatch; `host` the same entries as Python lists, read once
     at the step boundary, for the replica-weight exchange."""
 
     expert: torch.Tensor  # [N] int64
     dest: torch.Tensor  # [N] int64
     slot: torch.Tensor  # [N] int64
     valid: torch.Tensor  # [N] bool
-    share: torch.Tensor  # [N] float64: fraction of the expert's slots this replica takes
     host: list[tuple[int, int, int]]  # (expert, dest, slot) of every valid entry
 
     @classmethod
     def from_plan(cls, plan: ReplicaPlan) -> "ReplicaPlacement":
-        load = plan.load[plan.expert].double().clamp(min=1.0)
-        share = torch.where(plan.valid, plan.amount.double() / load, 0.0)
         entries = torch.stack([plan.expert, plan.dest, plan.slot, plan.valid.long()], dim=1).tolist()
         host = [(e, d, s) for e, d, s, v in entries if v]
-        return cls(plan.expert, plan.dest, plan.slot, plan.valid, share, host)
+        return cls(plan.expert, plan.dest, plan.slot, plan.valid, host)
 
     @classmethod
     def empty(cls, num_ranks: int, max_replicas_per_rank: int, device=None) -> "ReplicaPlacement":
         entries = num_ranks * max_replicas_per_rank
         zeros = torch.zeros(entries, dtype=torch.int64, device=device)
-        return cls(zeros, zeros.clone(), zeros.clone(), zeros.bool(), zeros.double(), [])
+        return cls(zeros, zeros.clone(), zeros.clone(), zeros.bool(), [])
 
     @property
     def num_replicas(self) -> int:
         return len(self.host)
 
+    def with_spares(self, load: torch.Tensor, rank_load: torch.Tensor, max_replicas_per_rank: int) -> "ReplicaPlacement":
+        """Fill the replica slots the plan left free with the hottest experts not yet replicated,
+        each on the least loaded rank with a free slot (not its home): headroom for the micro-
+        batches of the step whose loads differ from the previous step's. Host work, at the step
+        boundary."""
+        num_ranks = rank_load.shape[0]
+        local = load.shape[0] // num_ranks
+        entries = list(self.host)
+        used = [0] * num_ranks
+        for _, dest, _ in entries:
+            used[dest] += 1
+        replicated = {expert for expert, _, _ in entries}
+        planned = rank_load.tolist()
+        for expert in torch.argsort(load, descending=True, stable=True).tolist():
+            if all(count >= max_replicas_per_rank for count in used):
+                break
+            if expert in replicated or int(load[expert]) == 0:
+                continue
+            free = [r for r in range(num_ranks) if used[r] < max_replicas_per_rank and r != expert // local]
+            if not free:
+                continue
+            dest = min(free, key=lambda r: (planned[r], r))
+            entries.append((expert, dest, used[dest]))
+            used[dest] += 1
+            replicated.add(expert)
+        size = num_ranks * max_replicas_per_rank
+        padded = entries + [(0, 0, 0)] * (size - len(entries))
+        device = self.expert.device
+        expert, dest, slot = (torch.tensor([entry[i] for entry in padded], dtype=torch.int64, device=device)
+                              for i in range(3))
+        valid = torch.arange(size, device=device) < len(entries)
+        return ReplicaPlacement(expert, dest, slot, valid, entries)
+
 
 def apply_placement(counts: torch.Tensor, placement: ReplicaPlacement) -> ReplicaPlan:
-    """This micro-batch's plan under the step's placement: each replica takes its share of the
-    expert's current load (rounded down), the home rank the rest. `counts [R, E]` all-gathered."""
+    """This micro-batch's plan under the step's placement, from its all-gathered `counts [R, E]`:
+    the planner's greedy pass restricted to the placed (expert, rank) entries, in their order
+    (hottest first): each replica takes from its expert's home share what brings the home rank
+    down, or its own rank up, to the even share. The weights are fixed for the step; how many
+    slots each replica takes follows the current micro-batch."""
     num_ranks, num_experts = counts.shape
+    local = num_experts // num_ranks
     load = counts.sum(0)
-    amount = torch.where(placement.valid, (placement.share * load[placement.expert].double()).floor().long(), 0)
-    home = load.index_add(0, placement.expert, -amount)
-    rank_load = home.view(num_ranks, num_experts // num_ranks).sum(1).index_add(0, placement.dest, amount)
-    return _finish_plan(placement.expert, placement.dest, amount, load, home, rank_load)
+    home = load.clone()
+    rank_load = load.view(num_ranks, local).sum(1)
+    target = load.sum() // num_ranks
+    amounts = []
+    for j in range(placement.expert.shape[0]):
+        expert, dest = placement.expert[j], placement.dest[j]
+        owner = torch.div(expert, local, rounding_mode="floor")
+        amount = torch.minimum(torch.minimum(_at(rank_load, owner) - target, target - _at(rank_load, dest)),
+                               _at(home, expert)).clamp(min=0)
+        amount = torch.where(placement.valid[j], amount, 0)
+        home = home.index_add(0, expert.view(1), -amount.view(1))
+        rank_load = rank_load.index_add(0, torch.stack([owner, dest]), torch.stack([-amount, amount]))
+        amounts.append(amount)
+    amount = torch.stack(amounts) if amounts else torch.zeros(0, dtype=torch.int64, device=counts.device)
+    plan = _finish_plan(placement.expert, placement.dest, amount, load, home, rank_load)
+    plan.slot = placement.slot  # the slots the weights were fetched into, whatever the amounts
+    plan.valid = placement.valid & (amount > 0)
+    return plan
 
 
 # ---------------------------------------------------------------------------------------------
