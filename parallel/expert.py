@@ -291,7 +291,7 @@ class ExpertParallel:
             counts = self.group.all_gather(mine.view(1, -1), dim=0)  # [R, E], a few KB
             if training:
                 state.load += counts.sum(0)
-            plan = apply_placement(counts, state.placement)
+            plan = apply_placement(counts, state.placement, capacity)
             dest, local_id = replica_route(expert_flat, counts, me, plan)
             room = destination_room(pair_slots(counts, plan), capacity)  # [R, R]: rows each pair carries
             buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, room[me])  # [R, s·k] layout

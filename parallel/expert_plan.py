@@ -184,29 +184,32 @@ class ReplicaPlacement:
         return ReplicaPlacement(expert, dest, slot, valid, entries)
 
 
-def apply_placement(counts: torch.Tensor, placement: ReplicaPlacement) -> ReplicaPlan:
+def apply_placement(counts: torch.Tensor, placement: ReplicaPlacement, capacity: int | None = None) -> ReplicaPlan:
     """This micro-batch's plan under the step's placement, from its all-gathered `counts [R, E]`:
     the planner's greedy pass restricted to the placed (expert, rank) entries, in their order
     (hottest first): each replica takes from its expert's home share what brings the home rank
-    down, or its own rank up, to the even share. The weights are fixed for the step; how many
-    slots each replica takes follows the current micro-batch."""
+    down, or its own rank up, to the even share. With `capacity` (the receive buffer per
+    destination) a second pass lets a replica's rank go above the even share, up to the
+    capacity, for a home rank still over it. The weights are fixed for the step; how many slots
+    each replica takes follows the current micro-batch."""
     num_ranks, num_experts = counts.shape
     local = num_experts // num_ranks
     load = counts.sum(0)
     home = load.clone()
     rank_load = load.view(num_ranks, local).sum(1)
     target = load.sum() // num_ranks
-    amounts = []
-    for j in range(placement.expert.shape[0]):
-        expert, dest = placement.expert[j], placement.dest[j]
-        owner = torch.div(expert, local, rounding_mode="floor")
-        amount = torch.minimum(torch.minimum(_at(rank_load, owner) - target, target - _at(rank_load, dest)),
-                               _at(home, expert)).clamp(min=0)
-        amount = torch.where(placement.valid[j], amount, 0)
-        home = home.index_add(0, expert.view(1), -amount.view(1))
-        rank_load = rank_load.index_add(0, torch.stack([owner, dest]), torch.stack([-amount, amount]))
-        amounts.append(amount)
-    amount = torch.stack(amounts) if amounts else torch.zeros(0, dtype=torch.int64, device=counts.device)
+    entries = placement.expert.shape[0]
+    amount = torch.zeros(entries, dtype=torch.int64, device=counts.device)
+    owners = torch.div(placement.expert, local, rounding_mode="floor")
+    for level, ceiling in ((target, target), (capacity, capacity)) if capacity is not None else ((target, target),):
+        for j in range(entries):
+            expert, dest, owner = placement.expert[j], placement.dest[j], owners[j]
+            move = torch.minimum(torch.minimum(_at(rank_load, owner) - level, ceiling - _at(rank_load, dest)),
+                                 _at(home, expert)).clamp(min=0)
+            move = torch.where(placement.valid[j], move, 0)
+            home = home.index_add(0, expert.view(1), -move.view(1))
+            rank_load = rank_load.index_add(0, torch.stack([owner, dest]), torch.stack([-move, move]))
+            amount = amount.index_add(0, torch.tensor([j], device=counts.device), move.view(1))
     plan = _finish_plan(placement.expert, placement.dest, amount, load, home, rank_load)
     plan.slot = placement.slot  # the slots the weights were fetched into, whatever the amounts
     plan.valid = placement.valid & (amount > 0)
