@@ -35,8 +35,10 @@ from k3train.model.balance import (  # noqa: E402
 from k3train.model.config import ModelConfig  # noqa: E402
 from k3train.model.mlp import glu_activation  # noqa: E402
 from k3train.parallel.comm import Group, TrafficCounter  # noqa: E402
-from k3train.parallel.expert import (  # noqa: E402
-    ExpertParallel, balanced_route, capacity_per_pair, home_route, pack_slots, plan_replicas,
+from k3train.parallel.expert import ExpertParallel  # noqa: E402
+from k3train.parallel.expert_plan import (  # noqa: E402
+    capacity_per_destination, capacity_per_pair, destination_room, home_route, pack_slots, pair_slots, plan_replicas,
+    replica_route,
 )
 
 
@@ -274,13 +276,14 @@ def table_d(args) -> None:
         rank_load = counts.sum(0).view(ep, -1).sum(1).double()
         for factor in args.capacity_factors:
             capacity = capacity_per_pair(tokens, k, ep, factor)
+            room = destination_room(pair_slots(counts, plan), capacity_per_destination(tokens, k, ep, factor))
             dropped = {"capacity": 0, "balanced": 0}
             for source in range(ep):
                 flat, w = ids[source].flatten(), weights[source].flatten()
-                routes = {"capacity": home_route(flat, experts // ep)[0],
-                          "balanced": balanced_route(flat, counts, source, plan)[0]}
-                for mode, dest in routes.items():
-                    dropped[mode] += int((~pack_slots(dest, w, ep, capacity)[1]).sum())
+                dest = home_route(flat, experts // ep)[0]
+                dropped["capacity"] += int((~pack_slots(dest, w, ep, capacity)[1]).sum())
+                dest = replica_route(flat, counts, source, plan)[0]  # per-destination receive capacity
+                dropped["balanced"] += int((~pack_slots(dest, w, ep, room[source])[1]).sum())
             total = ep * tokens * k
             rows.append([label, factor, capacity, (rank_load.max() / rank_load.mean()).item(),
                          (plan.rank_load.max().double() / plan.rank_load.double().mean()).item(),

@@ -81,7 +81,8 @@ class ParallelConfig:
     """Fixed-size expert dispatch: 'balanced' replicates overloaded experts onto underloaded
     ranks; 'capacity' drops slots beyond capacity_factor."""
     capacity_factor: float = 1.25
-    """Slots per (source, destination) rank pair, as a multiple of the even share tokens * top_k / ep."""
+    """Receive capacity as a multiple of the even share: 'balanced', rows per destination rank
+    (tokens * top_k each); 'capacity', slots per (source, destination) pair (tokens * top_k / ep)."""
     max_replicas_per_rank: int = 2
     """'balanced' dispatch: the most replicated experts one rank hosts in a step."""
 

@@ -3,24 +3,33 @@
 The routed experts of a MoE layer are split over `state.ep` (each rank holds its *home* experts
 as stacks); the MoE layer hands the dispatcher latent token slots with expert ids and routing
 weights and gets `Σ_k p_k · E_k(latent)` back per token. Buffer shapes depend only on the config
-and the micro-batch size (CUDA-graph safe); `balanced` mode places replicas of hot experts on
-cold ranks. The experts compute through their own module (`GroupedExperts.grouped_forward`).
-Slots, routing, replicas, gradients and statistics: docs/expert_parallel.md.
+and the micro-batch size (CUDA-graph safe). `balanced` mode (the default) receives into one
+buffer per destination, whose capacity the replica planner keeps every rank under, and hosts
+replicas of hot experts placed once per step; `capacity` mode sends each slot home through
+per-pair buffers and drops overflow. The experts compute through their own module
+(`GroupedExperts.grouped_forward`). Planning: `parallel/expert_plan.py`; layout, replicas,
+gradients and statistics: docs/expert_parallel.md.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from k3train.parallel.comm import Group
+from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the planner's public names)
+    ReplicaPlacement, ReplicaPlan, apply_placement, capacity_per_destination, capacity_per_pair,
+    destination_room, home_route, pack_slots, pair_slots, plan_from_load, plan_replicas, replica_route,
+)
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
+Transport = Literal["padded", "splits"]
 ExpertStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """An experts module's weights `(w1, w3, w2)`: `[G, I, l]`, `[G, I, l]`, `[G, l, I]`."""
 
@@ -33,6 +42,9 @@ class GroupedExperts(Protocol):
     w3: nn.Parameter  # [G, I, l]
     w2: nn.Parameter  # [G, l, I]
 
+    def stacks(self) -> ExpertStacks:
+        ...
+
     def grouped_forward(self, rows: torch.Tensor, ids: torch.Tensor,
                         weights: Optional[ExpertStacks] = None,
                         compute: str = "grouped") -> torch.Tensor:
@@ -41,18 +53,16 @@ class GroupedExperts(Protocol):
         ...
 
 
-def capacity_per_pair(tokens: int, top_k: int, ep: int, capacity_factor: float) -> int:
-    """`C_pair = min(s·k, ceil(capacity_factor · s·k / R))`, at least 1: a function of the config
-    and the micro-batch size only."""
-    slots = tokens * top_k
-    return max(1, min(slots, math.ceil(capacity_factor * slots / ep)))
-
-
 def routing_statistics_group(state) -> Group:
     """The ranks whose routing statistics one balancer update combines: all that route distinct
     tokens through a layer (data-parallel ranks, and tensor-parallel ranks under sequence
     parallelism). The expert-parallel group is inside it."""
     return state.data_tensor if state.sequence_parallel else state.dp
+
+
+def _building_graph() -> bool:
+    """A training forward (not a recompute inside backward, not evaluation)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,137 +88,28 @@ def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _AllToAll.apply(x, group)
 
 
-# ---------------------------------------------------------------------------------------------
-# Planner (balanced mode)
+def all_to_all_splits(group: Group, x: torch.Tensor, send: list[int], receive: list[int],
+                      label: Optional[str] = None) -> torch.Tensor:
+    """All-to-all along dim 0 with host split sizes: `send[j]` rows to rank j, `receive[j]` from it."""
+    if group.size == 1:
+        return x
+    group.counter.add(label or group.name, x)
+    output = x.new_empty(sum(receive), *x.shape[1:])
+    dist.all_to_all_single(output, x.contiguous(), receive, send, group=group.process_group)
+    return output
 
 
-@dataclass
-class ReplicaPlan:
-    """Replica placements for one layer and micro-batch, identical on every rank of the EP group.
+class _AllToAllSplits(torch.autograd.Function):
+    """`all_to_all_splits` whose backward sends the gradients back the way the rows came."""
 
-    `N = R·M` entries; entry `j` (if `valid[j]`) hosts expert `expert[j]` on rank `dest[j]` in
-    replica slot `slot[j]`, holding positions `[start[j], start[j] + amount[j])` of the expert's
-    slot interval `[0, load[e])` (the home rank holds `[0, home[e])`). All tensors, fixed shapes.
-    """
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, send: list[int], receive: list[int]) -> torch.Tensor:
+        ctx.group, ctx.send, ctx.receive = group, send, receive
+        return all_to_all_splits(group, x, send, receive)
 
-    expert: torch.Tensor  # [N] int64
-    dest: torch.Tensor  # [N] int64
-    slot: torch.Tensor  # [N] int64
-    start: torch.Tensor  # [N] int64
-    amount: torch.Tensor  # [N] int64
-    valid: torch.Tensor  # [N] bool
-    load: torch.Tensor  # [E] int64, slots routed to each expert over the EP group
-    home: torch.Tensor  # [E] int64, slots left on the home rank
-    rank_load: torch.Tensor  # [R] int64, planned slots per rank
-
-    @property
-    def num_replicas(self) -> torch.Tensor:
-        return self.valid.sum()
-
-
-def _at(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`tensor[index]` for a 0-dim index tensor without reading it on the host."""
-    return tensor.index_select(0, index.view(1)).squeeze(0)
-
-
-def plan_replicas(counts: torch.Tensor, max_replicas_per_rank: int) -> ReplicaPlan:
-    """Greedy, deterministic replica planner on the device. `counts [R, E]`: slots each source
-    routes to each expert (all-gathered). Runs `R·M` fixed iterations of small tensor ops; an
-    iteration that finds nothing to move records an invalid entry."""
-    num_ranks, num_experts = counts.shape
-    local = num_experts // num_ranks
-    entries = num_ranks * max_replicas_per_rank
-    device = counts.device
-    load = counts.sum(0)
-    home = load.clone()
-    rank_load = load.view(num_ranks, local).sum(1)
-    target = load.sum() // num_ranks  # the even share s·k (every source routes s·k slots)
-    used = torch.zeros(num_ranks, dtype=torch.int64, device=device)
-    ranks = torch.arange(num_ranks, device=device)
-    lowest = torch.iinfo(torch.int64).min
-    experts, dests, amounts = [], [], []
-    for _ in range(entries):
-        surplus = rank_load - target
-        source = surplus.argmax()  # first of the most loaded ranks
-        home_shares = _at(home.view(num_ranks, local), source)
-        expert = source * local + home_shares.argmax()  # its hottest remaining home share
-        deficit = target - rank_load
-        eligible = (used < max_replicas_per_rank) & (ranks != source)
-        dest = torch.where(eligible, deficit, lowest).argmax()
-        amount = torch.minimum(torch.minimum(_at(surplus, source), _at(deficit, dest)), _at(home, expert)).clamp(min=0)
-        amount = torch.where(_at(eligible, dest), amount, 0)
-        home = home.index_add(0, expert.view(1), -amount.view(1))
-        rank_load = rank_load.index_add(0, torch.stack([source, dest]), torch.stack([-amount, amount]))
-        used = used.index_add(0, dest.view(1), (amount > 0).long().view(1))
-        experts.append(expert)
-        dests.append(dest)
-        amounts.append(amount)
-    expert = torch.stack(experts) if experts else torch.zeros(0, dtype=torch.int64, device=device)
-    dest = torch.stack(dests) if dests else expert.clone()
-    amount = torch.stack(amounts) if amounts else expert.clone()
-    valid = amount > 0
-    earlier = torch.ones(entries, entries, dtype=torch.bool, device=device).tril(-1)  # [j, j'] j' < j
-    slot = (earlier & (dest[:, None] == dest[None, :]) & valid[None, :]).sum(1)
-    same_expert_before = earlier & (expert[:, None] == expert[None, :]) & valid[None, :]
-    start = home[expert] + (same_expert_before.long() * amount[None, :]).sum(1)
-    return ReplicaPlan(expert, dest, slot, start, amount, valid, load, home, rank_load)
-
-
-# ---------------------------------------------------------------------------------------------
-# Slot routing and packing
-
-
-def home_route(expert_flat: torch.Tensor, local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`capacity` mode: every slot to its expert's home rank."""
-    return torch.div(expert_flat, local_experts, rounding_mode="floor"), expert_flat % local_experts
-
-
-def balanced_route(expert_flat: torch.Tensor, counts: torch.Tensor, source: int,
-                   plan: ReplicaPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """`balanced` mode: (destination, local id) of each slot of `source` under `plan`."""
-    num_ranks, num_experts = counts.shape
-    local = num_experts // num_ranks
-    slots = expert_flat.shape[0]
-    device = expert_flat.device
-    mine = counts[source]
-    # index of each slot among this source's slots of the same expert (slot order)
-    order = torch.sort(expert_flat, stable=True).indices
-    first = mine.cumsum(0) - mine
-    index_in_expert = torch.empty_like(order).scatter_(
-        0, order, torch.arange(slots, device=device) - first[expert_flat[order]])
-    per_source = mine[expert_flat]
-    load = plan.load[expert_flat]
-    offset = counts[:source].sum(0)[expert_flat]  # this expert's slots at lower-ranked sources
-    position = ((2 * index_in_expert + 1) * load) // (2 * per_source)
-    position = (position + offset) % load
-    # the replica interval holding `position`, if any: search (expert, start) keys
-    span = num_ranks * slots + 1  # > any load
-    keys = torch.where(plan.valid, plan.expert * span + plan.start, num_experts * span)
-    sorted_keys, key_order = torch.sort(keys, stable=True)
-    found = torch.searchsorted(sorted_keys, expert_flat * span + position, right=True) - 1
-    entry = key_order[found.clamp(min=0)]
-    is_replica = ((found >= 0) & plan.valid[entry] & (plan.expert[entry] == expert_flat)
-                  & (position < plan.start[entry] + plan.amount[entry]))
-    home_dest, home_id = home_route(expert_flat, local)
-    dest = torch.where(is_replica, plan.dest[entry], home_dest)
-    local_id = torch.where(is_replica, local + plan.slot[entry], home_id)
-    return dest, local_id
-
-
-def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
-               capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop policy: per destination keep the `capacity` slots of highest routing weight (ties:
-    lower slot index first). Returns (buffer_index [S], keep [S])."""
-    slots = dest.shape[0]
-    device = dest.device
-    by_weight = torch.sort(weights_flat.detach(), descending=True, stable=True).indices
-    order = by_weight[torch.sort(dest[by_weight], stable=True).indices]
-    per_dest = torch.zeros(num_ranks, dtype=torch.int64, device=device).scatter_add_(0, dest, torch.ones_like(dest))
-    first = per_dest.cumsum(0) - per_dest
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(slots, device=device) - first[dest[order]])
-    keep = position < capacity
-    buffer_index = torch.where(keep, dest * capacity + position, num_ranks * capacity)
-    return buffer_index, keep
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_to_all_splits(ctx.group, grad, ctx.receive, ctx.send), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,23 +127,49 @@ class DispatchInfo:
     replicas: torch.Tensor  # () int64 replica placements in the EP group (0 in capacity mode)
     plan: Optional[ReplicaPlan]
     capacity: int
+    wire_bytes: torch.Tensor  # () int64 token bytes this rank sends, dispatch + combine, forward + backward
+    replica_bytes: torch.Tensor  # () int64 replica bytes this rank sends this step (counted once)
+
+
+@dataclass
+class _LayerReplicas:
+    """One layer's replicas for the current step: the placement (decided before the step), the
+    fetched weights (leaves whose gradients collect every micro-batch's contribution), and the
+    loads seen this step, from which the next placement is planned."""
+
+    placement: ReplicaPlacement
+    load: torch.Tensor  # [E] int64: this step's slots per expert over the EP group
+    stacks: Optional[ExpertStacks] = None
+    flat: Optional[torch.Tensor] = None  # [M, F] leaf behind `stacks`
+    versions: tuple[int, ...] = ()
+    splits: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    fetch_bytes: int = 0
 
 
 class ExpertParallel:
-    """Experts of every MoE layer split over one EP group; stateless across layers and steps."""
+    """Experts of every MoE layer split over one EP group. Per layer it keeps the step's replica
+    placement and weights; `finish_step` (after gradient reduction) returns the replicas'
+    gradients home and plans the next step."""
 
     def __init__(self, group: Group, num_experts: int, mode: Mode = "balanced", capacity_factor: float = 1.25,
-                 max_replicas_per_rank: int = 2, compute: Compute = "grouped"):
+                 max_replicas_per_rank: int = 2, compute: Compute = "grouped", transport: Transport = "padded",
+                 replica_tolerance: float = 0.05, spare_replicas: bool = True):
         if num_experts % group.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
         if mode not in ("balanced", "capacity"):
             raise ValueError(f"expert_dispatch must be 'balanced' or 'capacity', got {mode!r}")
+        if transport not in ("padded", "splits"):
+            raise ValueError(f"transport must be 'padded' or 'splits', got {transport!r}")
         self.group = group
         self.num_experts = num_experts
         self.mode = mode
         self.capacity_factor = capacity_factor
         self.max_replicas = max_replicas_per_rank if mode == "balanced" else 0
         self.compute = compute
+        self.transport = transport
+        self.replica_tolerance = replica_tolerance
+        self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
+        self._layers: dict[int, tuple[GroupedExperts, _LayerReplicas]] = {}
 
     @classmethod
     def from_state(cls, state, parallel_config, num_experts: int,
@@ -277,16 +204,21 @@ class ExpertParallel:
         return self.rank * self.num_local_experts
 
     def capacity(self, tokens: int, top_k: int) -> int:
+        """`capacity`: slots per (source, destination) pair; `balanced`: rows per destination."""
+        if self.mode == "balanced":
+            return capacity_per_destination(tokens, top_k, self.size, self.capacity_factor)
         return capacity_per_pair(tokens, top_k, self.size, self.capacity_factor)
 
     def buffer_shapes(self, tokens: int, top_k: int, latent: int, inner: int) -> dict[str, tuple[int, ...]]:
-        """Every buffer that crosses ranks, as a function of the config and micro-batch size."""
+        """Every buffer that crosses ranks or holds received rows, as a function of the config and
+        micro-batch size (the `padded` transport; `splits` sends only the rows that exist)."""
         r, c = self.size, self.capacity(tokens, top_k)
-        shapes = {"dispatch": (r, c, latent), "dispatch_ids": (r, c), "combine": (r, c, latent)}
-        if self.mode == "balanced":
-            shapes["slot_counts"] = (r, self.num_experts)
-            shapes["replica_weights"] = (r, self.max_replicas, 3 * inner * latent)
-        return shapes
+        if self.mode == "capacity":
+            return {"dispatch": (r, c, latent), "dispatch_ids": (r, c), "combine": (r, c, latent)}
+        pair = tokens * top_k
+        return {"dispatch": (r, pair, latent), "dispatch_ids": (r, pair), "combine": (r, pair, latent),
+                "received": (c, latent), "slot_counts": (r, self.num_experts),
+                "replica_weights": (self.max_replicas, 3 * inner * latent)}
 
     def mark_expert_params(self, experts: GroupedExperts) -> None:
         """Tag this rank's expert stacks: distinct across `ep`, replicated over `expert_dp`."""
@@ -306,71 +238,208 @@ class ExpertParallel:
         `[s, l]` in `latent`'s dtype, and what the dispatch did."""
         tokens, top_k = expert_ids.shape
         width = latent.shape[-1]
-        num_ranks, local = self.size, self.num_local_experts
-        capacity = self.capacity(tokens, top_k)
         expert_flat = expert_ids.reshape(-1)
         weights_flat = weights.reshape(-1)
-
-        plan = None
-        if self.mode == "balanced":
-            with torch.no_grad():
-                mine = torch.zeros(self.num_experts, dtype=torch.int64, device=latent.device).scatter_add_(
-                    0, expert_flat, torch.ones_like(expert_flat))
-                counts = self.group.all_gather(mine.view(1, -1), dim=0)  # [R, E], a few KB
-                plan = plan_replicas(counts, self.max_replicas)
-                dest, local_id = balanced_route(expert_flat, counts, self.rank, plan)
-        else:
-            dest, local_id = home_route(expert_flat, local)
-        buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, capacity)
-
-        # dispatch: [R·C (+ trash), l] rows and ids, one all-to-all each
         slot_latent = latent.unsqueeze(1).expand(tokens, top_k, width).reshape(-1, width)
-        send = latent.new_zeros(num_ranks * capacity + 1, width).index_copy(0, buffer_index, slot_latent)
-        send_ids = torch.full((num_ranks * capacity + 1,), -1, dtype=torch.int32, device=latent.device)
+        if self.mode == "balanced":
+            slot_output, info = self._balanced(slot_latent, expert_flat, weights_flat, experts)
+        else:
+            slot_output, info = self._capacity(slot_latent, expert_flat, weights_flat, experts)
+        wide = torch.promote_types(slot_output.dtype, torch.float32)
+        routed = (slot_output.to(wide) * weights_flat.to(wide)[:, None]).view(tokens, top_k, width).sum(1)
+        info.keep, info.dest = info.keep.view(tokens, top_k), info.dest.view(tokens, top_k)
+        return routed.to(latent.dtype), info
+
+    def _wire_bytes(self, sent_rows, returned_rows, width: int, element: int) -> torch.Tensor:
+        """Token bytes this rank sends for one micro-batch: rows and ids forward, the rows' gradients
+        backward (each all-to-all's backward sends what the other one sent forward)."""
+        rows = torch.as_tensor(sent_rows + returned_rows, dtype=torch.int64)
+        return 2 * rows * width * element + torch.as_tensor(sent_rows, dtype=torch.int64) * 4
+
+    def _capacity(self, slot_latent, expert_flat, weights_flat, experts):
+        """Per-pair buffers `[R, C_pair]`: every slot to its home rank, overflow dropped."""
+        num_ranks, width = self.size, slot_latent.shape[-1]
+        slots = expert_flat.shape[0]
+        capacity = capacity_per_pair(slots, 1, num_ranks, self.capacity_factor)
+        dest, local_id = home_route(expert_flat, self.num_local_experts)
+        buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, capacity)
+        send = slot_latent.new_zeros(num_ranks * capacity + 1, width).index_copy(0, buffer_index, slot_latent)
+        send_ids = torch.full((num_ranks * capacity + 1,), -1, dtype=torch.int32, device=slot_latent.device)
         send_ids = send_ids.index_copy(0, buffer_index, local_id.to(torch.int32))
         received = all_to_all(send[:-1].view(num_ranks, capacity, width), self.group)
         received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, capacity)).long()
-
-        # local experts (home, then replica slots), outputs in the received slots
-        rows = received.view(-1, width)
-        ids = received_ids.view(-1)
-        output = experts.grouped_forward(rows, ids, compute=self.compute)
-        if plan is not None:
-            replicas = self.fetch_replicas(experts, plan)
-            output = output + experts.grouped_forward(rows, ids - local, replicas, compute=self.compute)
-
-        # combine: back to the source, gather per slot (dropped slots read the zero trash row)
+        output = experts.grouped_forward(received.view(-1, width), received_ids.view(-1), compute=self.compute)
         returned = all_to_all(output.view(num_ranks, capacity, width), self.group).reshape(-1, width)
-        returned = torch.cat([returned, returned.new_zeros(1, width)])
-        slot_output = returned.index_select(0, buffer_index)
-        wide = torch.promote_types(slot_output.dtype, torch.float32)
-        routed = (slot_output.to(wide) * weights_flat.to(wide)[:, None]).view(tokens, top_k, width).sum(1)
+        slot_output = torch.cat([returned, returned.new_zeros(1, width)]).index_select(0, buffer_index)
+        zero = torch.zeros((), dtype=torch.int64, device=slot_latent.device)
+        rows = num_ranks * capacity
+        info = DispatchInfo(keep, dest, (~keep).sum(), (received_ids >= 0).sum(), zero, None, capacity,
+                            self._wire_bytes(rows, rows, width, slot_latent.element_size()), zero)
+        return slot_output, info
 
-        info = DispatchInfo(
-            keep=keep.view(tokens, top_k), dest=dest.view(tokens, top_k), dropped=(~keep).sum(),
-            received=(received_ids >= 0).sum(),
-            replicas=(plan.num_replicas if plan is not None
-                      else torch.zeros((), dtype=torch.int64, device=latent.device)),
-            plan=plan, capacity=capacity,
-        )
-        return routed.to(latent.dtype), info
+    def _balanced(self, slot_latent, expert_flat, weights_flat, experts):
+        """One receive buffer `[C_dest]` per destination, filled in source order; replicas
+        placed for the step take their share of hot experts' slots."""
+        num_ranks, local, width, me = self.size, self.num_local_experts, slot_latent.shape[-1], self.rank
+        slots, device = expert_flat.shape[0], slot_latent.device
+        capacity = capacity_per_destination(slots, 1, num_ranks, self.capacity_factor)
+        state = self._layer(experts, device)
+        training = _building_graph()  # loads of a training forward plan the next step's replicas
+        with torch.no_grad():
+            mine = torch.zeros(self.num_experts, dtype=torch.int64, device=device).scatter_add_(
+                0, expert_flat, torch.ones_like(expert_flat))
+            counts = self.group.all_gather(mine.view(1, -1), dim=0)  # [R, E], a few KB
+            if training:
+                state.load += counts.sum(0)
+            plan = apply_placement(counts, state.placement, capacity)
+            dest, local_id = replica_route(expert_flat, counts, me, plan)
+            room = destination_room(pair_slots(counts, plan), capacity)  # [R, R]: rows each pair carries
+            buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, room[me])  # [R, s·k] layout
+            into_me = room[:, me]  # rows from each source, placed one source after another
+            source_start = into_me.cumsum(0) - into_me
+        ids = torch.full((slots + 1,) if self.transport == "splits" else (num_ranks * slots + 1,), -1,
+                         dtype=torch.int32, device=device)
+        if self.transport == "padded":
+            # send [R, s·k] per pair; the receiver gathers its rows into [C_dest] by source offsets
+            send = slot_latent.new_zeros(num_ranks * slots + 1, width).index_copy(0, buffer_index, slot_latent)
+            send_ids = ids.index_copy(0, buffer_index, local_id.to(torch.int32))
+            received = all_to_all(send[:-1].view(num_ranks, slots, width), self.group).reshape(-1, width)
+            received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, slots)).reshape(-1)
+            with torch.no_grad():
+                row = torch.arange(capacity, device=device)
+                source = torch.searchsorted(source_start + into_me, row, right=True)
+                inside = source < num_ranks
+                source = source.clamp(max=num_ranks - 1)
+                gather = torch.where(inside, source * slots + row - source_start[source], num_ranks * slots)
+                pair_row = torch.arange(slots, device=device)
+                scatter = torch.where(pair_row[None, :] < into_me[:, None], source_start[:, None] + pair_row[None, :],
+                                      capacity).reshape(-1)  # [R·s·k] -> received row (or trash)
+            rows = torch.cat([received, received.new_zeros(1, width)]).index_select(0, gather)
+            row_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, gather).long()
+            output = self._experts(rows, row_ids, experts, state)
+            back = torch.cat([output, output.new_zeros(1, width)]).index_select(0, scatter)
+            returned = all_to_all(back.view(num_ranks, slots, width), self.group).reshape(-1, width)
+            slot_output = torch.cat([returned, returned.new_zeros(1, width)]).index_select(0, buffer_index)
+            sent_rows = returned_rows = num_ranks * slots
+        else:
+            # exactly the rows that exist: split sizes read on the host (a device sync on CUDA)
+            sent, taken = room[me].tolist(), into_me.tolist()
+            with torch.no_grad():
+                first = room[me].cumsum(0) - room[me]
+                packed = torch.where(keep, first[dest] + buffer_index - dest * slots, slots)
+            send = slot_latent.new_zeros(slots + 1, width).index_copy(0, packed, slot_latent)[:sum(sent)]
+            send_ids = ids.index_copy(0, packed, local_id.to(torch.int32))[:sum(sent)]
+            received = _AllToAllSplits.apply(send, self.group, sent, taken)
+            received_ids = all_to_all_splits(self.group, send_ids, sent, taken)
+            pad = capacity - received.shape[0]
+            rows = torch.cat([received, received.new_zeros(pad, width)])
+            row_ids = torch.cat([received_ids, received_ids.new_full((pad,), -1)]).long()
+            output = self._experts(rows, row_ids, experts, state)
+            returned = _AllToAllSplits.apply(output[:received.shape[0]], self.group, taken, sent)
+            returned = torch.cat([returned, returned.new_zeros(slots + 1 - returned.shape[0], width)])
+            slot_output = returned.index_select(0, packed)
+            sent_rows, returned_rows = room[me].sum(), into_me.sum()
+        # the step's replica traffic, counted with the micro-batch that fetched it (the same ops every time)
+        replica_bytes = torch.tensor(state.fetch_bytes, dtype=torch.int64, device=device)
+        state.fetch_bytes = 0
+        info = DispatchInfo(keep, dest, (~keep).sum(), (row_ids >= 0).sum(),
+                            torch.as_tensor(state.placement.num_replicas, device=device), plan, capacity,
+                            self._wire_bytes(sent_rows, returned_rows, width, slot_latent.element_size()),
+                            replica_bytes)
+        return slot_output, info
 
-    def fetch_replicas(self, experts: GroupedExperts, plan: ReplicaPlan) -> ExpertStacks:
-        """This step's replica weights `[M, …]` (zeros in unused slots), from their home ranks; in
-        backward their gradients flow back into the home experts' gradients."""
-        num_ranks, local, slots = self.size, self.num_local_experts, self.max_replicas
-        # send[d, m] = weights of the expert rank d hosts in replica slot m, if this rank is its home
-        grid = torch.full((num_ranks, slots), -1, dtype=torch.int64, device=plan.expert.device)
-        target = torch.where(plan.valid, plan.dest * slots + plan.slot, num_ranks * slots)
-        grid = torch.cat([grid.view(-1), grid.new_full((1,), -1)]).index_copy(0, target, plan.expert)[:-1]
-        grid = grid.view(num_ranks, slots)
-        ours = (grid >= self.expert_offset) & (grid < self.expert_offset + local)
-        index = torch.where(ours, grid - self.expert_offset, 0).view(-1)
-        shapes = [w.shape[1:] for w in (experts.w1, experts.w3, experts.w2)]
-        pieces = [w.index_select(0, index).reshape(num_ranks * slots, -1) for w in (experts.w1, experts.w3, experts.w2)]
-        send = torch.cat(pieces, dim=1).view(num_ranks, slots, -1)
-        send = torch.where(ours[:, :, None], send, torch.zeros_like(send))
-        received = all_to_all(send, self.group).sum(0)  # [M, F]: one home (or none) per slot
+    def _experts(self, rows, ids, experts, state: _LayerReplicas) -> torch.Tensor:
+        """Received rows through the home experts, then the replica slots (ids `G … G + M − 1`)."""
+        output = experts.grouped_forward(rows, ids, compute=self.compute)
+        replicas = self.step_replicas(experts)
+        return output + experts.grouped_forward(rows, ids - self.num_local_experts, replicas, compute=self.compute)
+
+    # ------------------------------------------------------------------ replicas, once per step
+    def _layer(self, experts: GroupedExperts, device=None) -> _LayerReplicas:
+        key = id(experts)
+        if key not in self._layers:
+            placement = ReplicaPlacement.empty(self.size, self.max_replicas, device)  # step 0: no loads yet
+            load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+            self._layers[key] = (experts, _LayerReplicas(placement, load))
+        return self._layers[key][1]
+
+    def _replica_lists(self, placement: ReplicaPlacement) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Host bookkeeping of the step's replica exchange: the experts this rank sends (home
+        experts, in (dest, slot) order) with their split sizes, and the replica slots it fills
+        (in (home, slot) order) with theirs."""
+        local = self.num_local_experts
+        outgoing = sorted((d, s, e) for e, d, s in placement.host if e // local == self.rank)
+        incoming = sorted((e // local, s) for e, d, s in placement.host if d == self.rank)
+        send = [sum(1 for d, _, _ in outgoing if d == r) for r in range(self.size)]
+        receive = [sum(1 for h, _ in incoming if h == r) for r in range(self.size)]
+        return [e - self.expert_offset for _, _, e in outgoing], send, [s for _, s in incoming], receive
+
+    def step_replicas(self, experts: GroupedExperts) -> ExpertStacks:
+        """This step's replica weights `[M, …]` (zeros in unused slots): fetched from their home
+        ranks at the layer's first dispatch of the step and kept for every micro-batch; their
+        gradients collect there until `finish_step`. Exact splits: each placed replica moves
+        once (a host list decided at the step boundary, not on the dispatch path)."""
+        state = self._layer(experts)
+        versions = tuple(w._version for w in experts.stacks())
+        if state.stacks is not None:
+            if versions != state.versions:
+                raise RuntimeError("expert weights changed since this step's replicas were fetched: call "
+                                   "ExpertParallel.finish_step after the gradient reduction of every step")
+            return state.stacks
+        stacks = experts.stacks()
+        shapes = [w.shape[1:] for w in stacks]
+        with torch.no_grad():
+            outgoing, send, slots, receive = self._replica_lists(state.placement)
+            index = torch.tensor(outgoing, dtype=torch.int64, device=stacks[0].device)
+            rows = torch.cat([w.index_select(0, index).reshape(len(outgoing), w[0].numel()) for w in stacks], dim=1)
+            fetched = all_to_all_splits(self.group, rows, send, receive, f"{self.group.name}.replicas")
+            flat = fetched.new_zeros(self.max_replicas, rows.shape[1])
+            flat.index_copy_(0, torch.tensor(slots, dtype=torch.int64, device=flat.device), fetched)
+        cache = _building_graph()
+        flat.requires_grad_(cache)
         sizes = [math.prod(shape) for shape in shapes]
-        w1, w3, w2 = (part.reshape(slots, *shape) for part, shape in zip(received.split(sizes, dim=1), shapes))
-        return w1, w3, w2
+        result = tuple(part.reshape(self.max_replicas, *shape) for part, shape in zip(flat.split(sizes, dim=1), shapes))
+        if cache:
+            state.stacks, state.flat, state.versions = result, flat, versions
+            state.splits = (send, receive)
+            state.fetch_bytes = 2 * rows.numel() * rows.element_size()  # weights now, gradients back at the end
+        return result
+
+    def finish_step(self, state=None) -> None:
+        """At the step boundary, after the gradient reduction: send each layer's replica
+        gradients to the home ranks, reduce them as the home experts' own gradients are reduced
+        (`state`: the job's ParallelState; None in one process) and add them into the home
+        gradients, so the optimizer only sees home experts; then plan the next step's replicas
+        from this step's loads and drop the cached weights."""
+        for experts, layer in self._layers.values():
+            if layer.flat is not None:  # every EP rank ran the same layers: the collectives match
+                self._return_gradients(experts, layer, state)
+            if self.mode == "balanced" and self.size > 1 and int(layer.load.sum()) > 0:
+                plan = plan_from_load(layer.load, self.size, self.max_replicas, self.replica_tolerance)
+                layer.placement = ReplicaPlacement.from_plan(plan)
+                if self.spare_replicas:
+                    layer.placement = layer.placement.with_spares(layer.load, plan.rank_load, self.max_replicas)
+            layer.load.zero_()
+            layer.stacks = layer.flat = None
+            layer.fetch_bytes = 0
+
+    @torch.no_grad()
+    def _return_gradients(self, experts: GroupedExperts, layer: _LayerReplicas, state) -> None:
+        outgoing, send, slots, receive = self._replica_lists(layer.placement)
+        grad = layer.flat.grad if layer.flat.grad is not None else torch.zeros_like(layer.flat)
+        grad = grad.index_select(0, torch.tensor(slots, dtype=torch.int64, device=layer.flat.device))
+        home = all_to_all_splits(self.group, grad, receive, send, f"{self.group.name}.replicas")
+        stacks = experts.stacks()
+        delta = home.new_zeros(self.num_local_experts, home.shape[1]).index_add_(
+            0, torch.tensor(outgoing, dtype=torch.int64, device=home.device), home)
+        if state is not None:  # as grad_reduce.py reduces expert gradients: SUM over expert_dp, / dp
+            delta.mul_(1.0 / state.layout.dp)
+            state.expert_dp.all_reduce(delta)
+        offset = 0
+        for param in stacks:
+            part = delta[:, offset:offset + param[0].numel()].reshape(param.shape).to(param.dtype)
+            offset += param[0].numel()
+            if param.grad is None:
+                param.grad = part.clone()
+            else:
+                param.grad.add_(part)

@@ -9,7 +9,8 @@ chosen experts, renormalised and scaled. Routed experts live in the latent width
 expert parallelism (`LatentMoE(..., expert_parallel=...)`, see `k3train/parallel/expert.py`) this
 rank keeps only its home experts and the dispatcher sends latent token slots to the experts'
 ranks and brings the outputs back into the same slots. `pop_step_stats()` gives a step's
-tokens per expert, dropped slots and replicated experts.
+tokens per expert, dropped slots, replicated experts and EP wire bytes; `finish_expert_step`
+(after the gradient reduction) returns the step's replica gradients to their home experts.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class MoEStepStats:
     dropped_slots: int  # slots that did not reach their expert (capacity overflow)
     replicated_experts: float  # replica placements per micro-batch (balanced expert parallelism)
     micro_batches: int
+    token_wire_bytes: float = 0.0  # EP dispatch + combine bytes one rank sends this step (mean over ranks)
+    replica_wire_bytes: float = 0.0  # EP replica weights + their gradients one rank sends this step
 
     @property
     def load_max_over_mean(self) -> float:
@@ -152,7 +155,8 @@ class MoEStepStats:
         mean = self.expert_load.double().mean().item()
         return {"tokens_per_expert_max": int(self.expert_load.max().item()), "tokens_per_expert_mean": mean,
                 "load_max_over_mean": self.load_max_over_mean, "dropped_slots": self.dropped_slots,
-                "dropped_fraction": self.dropped_fraction, "replicated_experts": self.replicated_experts}
+                "dropped_fraction": self.dropped_fraction, "replicated_experts": self.replicated_experts,
+                "ep_token_bytes": self.token_wire_bytes, "ep_replica_bytes": self.replica_wire_bytes}
 
 
 class LatentMoE(nn.Module):
@@ -189,9 +193,9 @@ class LatentMoE(nn.Module):
             tp.mark_partial_grad(routed)
         self.balancer = build_balancer(config)
         # Routing over the current step, for metrics (not saved): slots per expert, then
-        # [routed slots, dropped slots, replica placements, micro-batches].
+        # [routed slots, dropped slots, replica placements, micro-batches, EP token bytes, EP replica bytes].
         self.register_buffer("step_expert_load", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("step_dispatch_counts", torch.zeros(4, dtype=torch.int64), persistent=False)
+        self.register_buffer("step_dispatch_counts", torch.zeros(6, dtype=torch.int64), persistent=False)
         self.last_dispatch = None  # the latest ExpertParallel DispatchInfo (diagnostics, tests)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,6 +221,8 @@ class LatentMoE(nn.Module):
                 if self.expert_parallel is not None:
                     counts[1] += self.last_dispatch.dropped
                     counts[2] += self.last_dispatch.replicas
+                    counts[4] += self.last_dispatch.wire_bytes
+                    counts[5] += self.last_dispatch.replica_bytes
         if self.routed_expert_norm is not None:
             routed = self.routed_expert_norm(routed)
         output = self.routed_expert_up_proj(routed).view(shape)
@@ -250,10 +256,11 @@ class LatentMoE(nn.Module):
             group.all_reduce(packed)
             size = group.size
         experts = self.config.num_experts
-        routed, dropped, replicas, micro_batches = packed[experts:].tolist()
+        routed, dropped, replicas, micro_batches, token_bytes, replica_bytes = packed[experts:].tolist()
         micro_batches //= size
         return MoEStepStats(packed[:experts].cpu(), routed, dropped,
-                            replicas / size / max(micro_batches, 1), micro_batches)
+                            replicas / size / max(micro_batches, 1), micro_batches, token_bytes / size,
+                            replica_bytes / size)
 
     def summable_statistics(self) -> list[torch.Tensor]:
         """Every statistic of this step that ranks combine by summation (int64, reduced in place)."""
@@ -278,3 +285,13 @@ def pool_routing_statistics(moe_layers: list[LatentMoE], group) -> int:
     for moe in moe_layers:
         moe.balancer.pooled = True
     return group.size
+
+
+def finish_expert_step(moe_layers: list[LatentMoE], state=None) -> None:
+    """The step boundary of expert parallelism, after the gradient reduction and before clipping:
+    each dispatcher returns its replicas' gradients into the home experts (reduced as theirs are)
+    and plans the next step's replicas. A no-op without expert parallelism."""
+    dispatchers = {id(moe.expert_parallel): moe.expert_parallel for moe in moe_layers
+                   if moe.expert_parallel is not None}
+    for dispatcher in dispatchers.values():
+        dispatcher.finish_step(state)

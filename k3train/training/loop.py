@@ -19,7 +19,7 @@ import torch
 
 from k3train.config import ConfigError, JobConfig
 from k3train.model.k3 import K3Stage
-from k3train.model.moe import pool_routing_statistics
+from k3train.model.moe import finish_expert_step, pool_routing_statistics
 from k3train.optim.schedules import lr_at, set_lr
 from k3train.parallel.grad_reduce import GradientReducer, average_over_dp, clip_grad_norm
 from k3train.parallel.pipeline import PipelineSchedule
@@ -130,6 +130,7 @@ class Trainer:
         micro_batches = [mb.to(self.device, non_blocking=True) for mb in batch.split(config.train.micro_batch_size)]
         local_loss = self.schedule.run(self.model.chunks, micro_batches)
         self.reducer.finish()
+        finish_expert_step(self.model.moe_layers(), parallel)  # replica gradients home; next step's replicas
         step_loss = average_over_dp(local_loss, parallel).item()
         grad_norm = clip_grad_norm(model.parameters(), config.optimizer.clip_grad, parallel).item()
 
@@ -185,6 +186,9 @@ class Trainer:
             "dropped_tokens": dropped,  # routed (token, expert) slots beyond expert capacity
             "dropped_tokens_per_layer": [stats.dropped_slots for stats in expert_stats],
             "replicated_experts_per_layer": [stats.replicated_experts for stats in expert_stats],
+            "replicas_placed": sum(stats.replicated_experts for stats in expert_stats),  # this stage's layers
+            "ep_token_bytes": sum(stats.token_wire_bytes for stats in expert_stats),  # per rank, this step
+            "ep_replica_bytes": sum(stats.replica_wire_bytes for stats in expert_stats),
             "skipped_steps": self.progress.skipped_steps,
             "memory_gib": max(memory),
             "memory_gib_per_rank": memory,

@@ -28,6 +28,9 @@ def format_step_line(metrics: dict[str, Any], total_steps: int, mfu_label: str) 
     if metrics.get("expert_load_max_over_mean") is not None:
         parts.append(f"expert load max/mean {metrics['expert_load_max_over_mean']:.2f}")
         parts.append(f"dropped {metrics['dropped_tokens']}")
+        if metrics.get("ep_token_bytes"):  # expert parallelism: replicas and bytes on the wire per rank
+            parts.append(f"replicas {metrics['replicas_placed']:.0f}")
+            parts.append(f"EP wire {metrics['ep_token_bytes'] / 2**20:.2f}+{metrics['ep_replica_bytes'] / 2**20:.2f} MiB")
     if metrics.get("skipped_steps"):
         parts.append(f"skipped {metrics['skipped_steps']}")
     per_rank = metrics.get("memory_gib_per_rank") or []

@@ -29,8 +29,8 @@ TOLERANCE = 1e-12
 TARGET = "tests.distributed.workers_expert:run_checks"
 
 
-def balanced(ep, **extra):
-    return {"check": "equivalence", "ep": ep, "mode": "balanced", "capacity_factor": float(ep), "skew": 0.05, **extra}
+def balanced(ep, **extra):  # the default configuration
+    return {"check": "equivalence", "ep": ep, "mode": "balanced", "capacity_factor": 1.25, "skew": 0.05, **extra}
 
 
 def no_drop(ep, **extra):
@@ -56,6 +56,9 @@ CHECKS = {
         dropping(2, 0.5, **SP),
         {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25},
         {"check": "static_shapes", "mode": "capacity", "capacity_factor": 1.25},
+        balanced(2, transport="splits"),
+        {"check": "skewed_sources"},
+        {"check": "skewed_sources", "transport": "splits"},
     ],
     4: [
         balanced(4),
@@ -68,16 +71,19 @@ CHECKS = {
         balanced(4, **SP),  # EP4 over TP2 × DP2
         {**balanced(2), **PP},
         {**no_drop(2), **PP},
+        balanced(4, transport="splits"),
+        {"check": "skewed_sources"},
+        {"check": "skewed_sources", "transport": "splits"},
     ],
 }
 
 
 def name(spec):
-    parts = [spec["check"], spec.get("mode", "")]
+    parts = [spec["check"], spec.get("mode", ""), spec.get("transport", "")]
     for key in ("ep", "tp", "pp"):
         if spec.get(key, 1) > 1:
             parts.append(f"{key}{spec[key]}")
-    parts.append(f"cf{spec['capacity_factor']}")
+    parts.append(f"cf{spec.get('capacity_factor', 1.25)}")
     if spec.get("config"):
         parts.append(str(spec["config"]))
     return " ".join(parts)
@@ -112,6 +118,17 @@ def check_static(spec, result):
         assert any(facts["replicas"] > 0 for facts in result["facts"].values())
 
 
+def check_skewed_sources(spec, result):
+    """Per-source hot experts on some ranks only: the old per-pair layout would overflow (a home
+    pair above C_pair); the default layout drops nothing once replicas are planned from the
+    previous step's loads (step 0 has none and may drop, counted, at this strong skew); outputs
+    and home gradients (replica gradients returned by finish_step) match one process."""
+    label = (name(spec), result)
+    assert result["max_home_pair"] > result["pair_capacity"], label
+    assert result["dropped"][1:] == [0, 0] and result["replicas"][0] == 0 and result["replicas"][-1] > 0, label
+    assert result["output_error"] < TOLERANCE and result["grad_error"] < TOLERANCE, label
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_expert_parallel_matches_single_process(world_size):
     checks = CHECKS[world_size]
@@ -120,6 +137,8 @@ def test_expert_parallel_matches_single_process(world_size):
         for spec, result in zip(checks, per_rank):
             if spec["check"] == "static_shapes":
                 check_static(spec, result)
+            elif spec["check"] == "skewed_sources":
+                check_skewed_sources(spec, result)
             else:
                 check_equivalence(spec, rank, result)
     summary = {name(spec): (max(r[i].get("max_grad_error", 0.0) for r in results),

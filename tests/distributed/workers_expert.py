@@ -23,14 +23,16 @@ import time
 from contextlib import contextmanager
 
 import torch
+import torch.distributed
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model
-from k3train.model.moe import LatentMoE, LocalExperts
+from k3train.model.moe import LatentMoE, LocalExperts, finish_expert_step
 from k3train.parallel.grad_reduce import GradientReducer
 from k3train.parallel.expert import ExpertParallel, routing_statistics_group
+from k3train.parallel.expert_plan import capacity_per_pair, home_route
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.parallel.tensor import TensorParallel
 
@@ -121,6 +123,18 @@ def skew_gate_bias(model: K3Model, num_skewed: int, skew: float) -> None:
         moe.gate.e_score_correction_bias.copy_(bias)
 
 
+def forget_warm_up_step(models: list, state: ParallelState) -> None:
+    """End a warm-up step without an optimizer step: its loads plan the replicas of the next
+    step (`finish_expert_step`); gradients, routing statistics and balancer observations go."""
+    moes = [moe for model in models for moe in model.moe_layers()]
+    finish_expert_step(moes, state)
+    for model in models:
+        model.zero_grad(set_to_none=True)
+        model.discard_routing_statistics()
+    for moe in moes:
+        moe.pop_step_stats()
+
+
 def reduce_gradients(models: list, state: ParallelState) -> str:
     """parallel/grad_reduce.py's GradientReducer: expert grads SUM over expert_dp, TP-partial ones over
     data_tensor, the rest over dp, all divided by dp."""
@@ -207,7 +221,7 @@ def setup(env, spec: dict):
                             config.num_hidden_layers)
     state = ParallelState(layout, env.rank, sequence_parallel=sp)
     expert_parallel = ExpertParallel(state.ep, config.num_experts, spec["mode"], spec["capacity_factor"],
-                                     spec.get("max_replicas", 2))
+                                     spec.get("max_replicas", 2), transport=spec.get("transport", "padded"))
     reference = K3Model(config).double()
     reference.init_weights(seed=7)
     skew_gate_bias(reference, config.num_experts // ep, spec.get("skew", 0.0))
@@ -241,9 +255,13 @@ def equivalence(env, spec: dict) -> dict:
 
     reference_loss = reference.loss(reference(inputs), labels)
     reference_loss.backward()
+    if spec["mode"] == "balanced":  # step 0 places no replicas: plan them from a first step's loads
+        model.loss(model(inputs[rows]), labels[rows]).backward()
+        forget_warm_up_step([model], state)
     loss = model.loss(model(inputs[rows]), labels[rows])
     loss.backward()
     reducer = reduce_gradients([model], state)
+    finish_expert_step(model.moe_layers(), state)  # replica gradients into the home experts
     global_loss = state.dp.all_reduce(loss.detach().clone()) / dp
     result = {"loss": global_loss.item(), "reference_loss": reference_loss.item(), "reducer": reducer}
     result.update(compare_gradients([model], reference, state))
@@ -275,8 +293,12 @@ def pipeline_equivalence(env, spec: dict) -> dict:
     reference_loss.backward()
     micro_batches = list(tokens.split(micro_batch_size))[state.dp_rank * count:(state.dp_rank + 1) * count]
     shape = residual_shape(micro_batch_size, seq, config.hidden_size, state.tp.size, state.sequence_parallel)
+    if spec["mode"] == "balanced":  # step 0 places no replicas: plan them from a first step's loads
+        PipelineSchedule(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
+        forget_warm_up_step(chunks, state)
     loss = PipelineSchedule(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
     reducer = reduce_gradients(chunks, state)
+    finish_expert_step([moe for chunk in chunks for moe in chunk.moe_layers()], state)
     global_loss = state.dp.all_reduce(loss.clone()) / dp
     result = {"loss": global_loss.item(), "reference_loss": reference_loss.item(), "reducer": reducer,
               "pp_rank": state.pp_rank}
@@ -374,7 +396,12 @@ def static_shapes(env, spec: dict) -> dict:
     traces, exchanges, facts = {}, {}, {}
     for name, bias in routings.items():
         moe.gate.e_score_correction_bias.copy_(bias)
+        # the step boundary (replicas planned from the previous routing's loads) and the step's
+        # replica fetch happen outside the dispatch path, so outside the guard
+        expert_parallel.finish_step()
         moe.zero_grad()
+        if spec["mode"] == "balanced":
+            expert_parallel.step_replicas(moe.experts)
         exchanged.clear()
         guard = StaticShapeGuard()
         with no_host_reads(), guard:
@@ -402,8 +429,61 @@ def _first_difference(a, b):
     return None if len(a) == len(b) else (min(len(a), len(b)), "length", (len(a), len(b)))
 
 
+# ---------------------------------------------------------------------------- per-source skew
+def skewed_sources(env, spec: dict) -> dict:
+    """The dispatcher alone under per-source skew: each rank routes its own hot experts (all on
+    one other rank's home; half the ranks only), over several steps (replicas planned from the previous step). Every
+    rank's output must equal the single-process experts on its tokens, and after `finish_step`
+    the home experts' gradients the sum of the single-process gradients over all ranks."""
+    config = small_config(num_experts=8 * env.world_size, num_experts_per_token=4)
+    experts, top_k, width = config.num_experts, config.num_experts_per_token, config.routed_expert_hidden_size
+    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, config.num_attention_heads,
+                            config.linear_attn_config.num_heads, config.vocab_size, experts, config.num_hidden_layers)
+    state = ParallelState(layout, env.rank)
+    dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport=spec.get("transport", "padded"))
+    full = LocalExperts(config, experts).double()
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in full.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
+    mine = LocalExperts(config, dispatcher.num_local_experts).double()
+    with torch.no_grad():
+        for name in ("w1", "w3", "w2"):
+            getattr(mine, name).copy_(getattr(full, name)[dispatcher.expert_offset:][:dispatcher.num_local_experts])
+    dispatcher.mark_expert_params(mine)
+    local, ranks, tokens = dispatcher.num_local_experts, env.world_size, 64
+    hot_home = (env.rank + 1) % ranks
+    worst = {"output_error": 0.0, "grad_error": 0.0, "dropped": [], "replicas": [], "max_home_pair": 0}
+    for step in range(3):
+        generator = torch.Generator().manual_seed(100 * step + env.rank)
+        logits = torch.randn(tokens, experts, generator=generator, dtype=torch.float64)
+        if env.rank < max(1, ranks // 2):  # only some sources have hot experts: the loads are skewed too
+            logits[:, hot_home * local:hot_home * local + 3] += 3.0  # three hot experts of one home rank
+        weights, ids = logits.sigmoid().topk(top_k, dim=-1)
+        latent = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
+        upstream = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
+        out, info = dispatcher(latent, ids, weights, mine)
+        (out * upstream).sum().backward()
+        expected = full(latent, ids, weights * info.keep)  # a dropped slot counts as weight zero
+        (expected * upstream).sum().backward()
+        dispatcher.finish_step()
+        worst["output_error"] = max(worst["output_error"], (out - expected).abs().max().item())
+        worst["dropped"].append(int(state.ep.all_reduce(info.dropped.clone())))
+        worst["replicas"].append(int(info.replicas))
+        pairs = torch.bincount(home_route(ids.flatten(), local)[0], minlength=ranks)
+        largest = state.ep.all_reduce(pairs.max().clone(), op=torch.distributed.ReduceOp.MAX)  # over all sources
+        worst["max_home_pair"] = max(worst["max_home_pair"], int(largest))
+        for name in ("w1", "w3", "w2"):
+            total = state.ep.all_reduce(getattr(full, name).grad.clone())
+            expected_grad = total[dispatcher.expert_offset:][:local]
+            worst["grad_error"] = max(worst["grad_error"], (getattr(mine, name).grad - expected_grad).abs().max().item())
+    worst["pair_capacity"] = capacity_per_pair(tokens, top_k, ranks, 1.25)
+    return worst
+
+
 # ---------------------------------------------------------------------------- entry point
-CHECKS = {"equivalence": equivalence, "pipeline": pipeline_equivalence, "static_shapes": static_shapes}
+CHECKS = {"equivalence": equivalence, "pipeline": pipeline_equivalence, "static_shapes": static_shapes,
+          "skewed_sources": skewed_sources}
 
 
 def run_checks(env, payload: list[dict]) -> list[dict]:

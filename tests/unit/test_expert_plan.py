@@ -14,8 +14,10 @@ from k3train.model.balance import Balancer
 from k3train.model.config import ModelConfig
 from k3train.model.moe import LatentMoE
 from k3train.parallel.comm import Group, TrafficCounter
-from k3train.parallel.expert import (
-    ExpertParallel, balanced_route, capacity_per_pair, home_route, pack_slots, plan_replicas,
+from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.expert_plan import (
+    ReplicaPlacement, apply_placement, capacity_per_destination, capacity_per_pair, destination_room, home_route,
+    pack_slots, pair_slots, plan_from_load, plan_replicas, replica_route,
 )
 from tests.distributed.workers_expert import StaticShapeGuard, no_host_reads, reference_capacity_keep, use_expert_parallel
 
@@ -40,8 +42,14 @@ def test_capacity_is_a_function_of_config_and_micro_batch():
     assert capacity_per_pair(tokens=3, top_k=1, ep=8, capacity_factor=0.1) == 1
     expert_parallel = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "balanced", 1.25, max_replicas_per_rank=2)
     shapes = expert_parallel.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48)
-    assert shapes == {"dispatch": (4, 80, 32), "dispatch_ids": (4, 80), "combine": (4, 80, 32),
-                      "slot_counts": (4, 16), "replica_weights": (4, 2, 3 * 48 * 32)}
+    # balanced: per-pair send rows of the padded transport, one [C_dest] receive buffer
+    assert capacity_per_destination(64, 4, 4, 1.25) == 320 == expert_parallel.capacity(64, 4)
+    assert shapes == {"dispatch": (4, 256, 32), "dispatch_ids": (4, 256), "combine": (4, 256, 32),
+                      "received": (320, 32), "slot_counts": (4, 16), "replica_weights": (2, 3 * 48 * 32)}
+    capacity_mode = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "capacity", 1.25)
+    assert capacity_mode.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48) == {
+        "dispatch": (4, 80, 32), "dispatch_ids": (4, 80), "combine": (4, 80, 32)}
+    assert capacity_per_destination(64, 4, 4, 100.0) == 4 * 256  # capped at everything the group routes
 
 
 @pytest.mark.parametrize("ranks,capacity", [(1, 5), (2, 7), (4, 3), (4, 64), (8, 1)])
@@ -109,7 +117,7 @@ def test_planner_balances_exactly_when_replica_slots_suffice():
 
 # ---------------------------------------------------------------------------- slot routing
 @pytest.mark.parametrize("ranks,replicas", [(2, 2), (4, 2), (8, 1)])
-def test_balanced_route_follows_the_plan(ranks, replicas):
+def test_replica_route_follows_the_plan_exactly(ranks, replicas):
     experts, top_k, tokens = 32, 4, 64
     local = experts // ranks
     ids, weights = skewed_routing(ranks, tokens, experts, top_k, 2.5, seed=5 + ranks)
@@ -120,7 +128,7 @@ def test_balanced_route_follows_the_plan(ranks, replicas):
     pair = torch.zeros(ranks, ranks, dtype=torch.int64)
     for source in range(ranks):
         flat = ids[source].flatten()
-        dest, local_id = balanced_route(flat, counts, source, plan)
+        dest, local_id = replica_route(flat, counts, source, plan)
         home = flat // local
         at_home = dest == home
         assert torch.all(local_id[at_home] == flat[at_home] % local)
@@ -133,30 +141,94 @@ def test_balanced_route_follows_the_plan(ranks, replicas):
         # with C = s·k nothing is dropped
         _, keep = pack_slots(dest, weights[source].flatten(), ranks, tokens * top_k)
         assert keep.all()
-    # each holder receives its planned share up to rounding (one slot per source)
-    planned_home = plan.home.view(ranks, local)
-    assert (received[:, :local] - planned_home).abs().max() <= ranks
+    # each holder receives exactly its planned share, and every rank knows every pair
+    assert torch.equal(received[:, :local], plan.home.view(ranks, local))
     for j in plan.valid.nonzero().flatten().tolist():
-        got = int(received[plan.dest[j], local + plan.slot[j]])
-        assert abs(got - int(plan.amount[j])) <= ranks
-    assert torch.equal(received.sum(1), pair.sum(0))
-    assert abs(int(received.sum(1).max()) - int(plan.rank_load.max())) <= ranks * (1 + replicas)
+        assert int(received[plan.dest[j], local + plan.slot[j]]) == int(plan.amount[j])
+    assert torch.equal(received.sum(1), pair.sum(0)) and torch.equal(received.sum(1), plan.rank_load)
+    assert torch.equal(pair_slots(counts, plan), pair)
 
 
-def test_balanced_mode_drops_less_than_capacity_mode_at_the_same_capacity():
+def balanced_drops(ids, weights, counts, plan, capacity) -> int:
+    ranks = counts.shape[0]
+    room = destination_room(pair_slots(counts, plan), capacity)
+    dropped = 0
+    for source in range(ranks):
+        dest, _ = replica_route(ids[source].flatten(), counts, source, plan)
+        _, keep = pack_slots(dest, weights[source].flatten(), ranks, room[source])
+        assert int(keep.sum()) == int(room[source].sum())  # what the receivers expect, exactly
+        dropped += int((~keep).sum())
+    return dropped
+
+
+def test_balanced_mode_drops_nothing_where_capacity_mode_drops():
     ranks, experts, top_k, tokens, replicas = 8, 64, 4, 128, 2
     ids, weights = skewed_routing(ranks, tokens, experts, top_k, 3.0, seed=1)
     counts = torch.stack([torch.bincount(ids[r].flatten(), minlength=experts) for r in range(ranks)])
     capacity = capacity_per_pair(tokens, top_k, ranks, 1.25)
     plan = plan_replicas(counts, replicas)
-    dropped = {"capacity": 0, "balanced": 0}
+    dropped_capacity = sum(int((~pack_slots(home_route(ids[s].flatten(), experts // ranks)[0],
+                                            weights[s].flatten(), ranks, capacity)[1]).sum()) for s in range(ranks))
+    assert dropped_capacity > 0
+    assert int(plan.rank_load.max()) <= capacity_per_destination(tokens, top_k, ranks, 1.25)
+    assert balanced_drops(ids, weights, counts, plan, capacity_per_destination(tokens, top_k, ranks, 1.25)) == 0
+
+
+def per_source_skewed_counts(ranks, tokens, experts, top_k, hot, boost, seed):
+    """Each source has its own `hot` experts, all on one home rank (the worst case for pairs)."""
+    generator = torch.Generator().manual_seed(seed)
+    local = experts // ranks
+    ids, weights = [], []
     for source in range(ranks):
-        flat, w = ids[source].flatten(), weights[source].flatten()
-        routes = {"capacity": home_route(flat, experts // ranks)[0],
-                  "balanced": balanced_route(flat, counts, source, plan)[0]}
-        for mode, dest in routes.items():
-            dropped[mode] += int((~pack_slots(dest, w, ranks, capacity)[1]).sum())
-    assert dropped["balanced"] < 0.25 * dropped["capacity"], dropped
+        logits = torch.randn(tokens, experts, generator=generator)
+        home = (source * 3 + 1) % ranks
+        logits[:, home * local:home * local + hot] += boost
+        w, i = logits.sigmoid().topk(top_k, dim=-1)
+        ids.append(i)
+        weights.append(w)
+    ids, weights = torch.stack(ids), torch.stack(weights)
+    counts = torch.stack([torch.bincount(ids[r].flatten(), minlength=experts) for r in range(ranks)])
+    return ids, weights, counts
+
+
+def test_per_source_skew_overflows_pairs_but_not_destinations():
+    """Per-source hot experts overflow the (source, destination) pairs of the old layout even
+    with replicas; the per-destination layout only needs the destinations' totals."""
+    ranks, experts, top_k, tokens = 8, 64, 4, 128
+    ids, weights, counts = per_source_skewed_counts(ranks, tokens, experts, top_k, hot=3, boost=2.0, seed=4)
+    pair_capacity = capacity_per_pair(tokens, top_k, ranks, 1.25)
+    plan = plan_replicas(counts, 2)
+    home_pairs = torch.stack([torch.bincount(home_route(ids[s].flatten(), experts // ranks)[0], minlength=ranks)
+                              for s in range(ranks)])
+    assert int(home_pairs.max()) > 2 * pair_capacity  # a source sends a hot rank far over its pair share
+    assert balanced_drops(ids, weights, counts, plan, capacity_per_destination(tokens, top_k, ranks, 1.25)) == 0
+
+
+def test_step_placement_from_previous_loads():
+    """The placement planned on one step's loads, applied to the next step's counts: each replica
+    takes its share of the expert's current load, intervals tile the load, and it still balances."""
+    ranks, experts, top_k, tokens = 8, 64, 4, 128
+    before, _ = skewed_routing(ranks, tokens, experts, top_k, 3.0, seed=1)
+    now, weights = skewed_routing(ranks, tokens, experts, top_k, 3.0, seed=2)
+    load_before = torch.bincount(before.flatten(), minlength=experts)
+    placement = ReplicaPlacement.from_plan(plan_from_load(load_before, ranks, 2, tolerance=0.05))
+    assert placement.num_replicas > 0 and len(placement.host) == int(placement.valid.sum())
+    counts = torch.stack([torch.bincount(now[r].flatten(), minlength=experts) for r in range(ranks)])
+    plan = apply_placement(counts, placement)
+    held = plan.home.clone().index_add_(0, plan.expert[plan.valid], plan.amount[plan.valid])
+    assert torch.equal(held, plan.load) and torch.all(plan.home >= 0)
+    home_load = counts.sum(0).view(ranks, -1).sum(1)
+    assert int(plan.rank_load.max()) < 0.8 * int(home_load.max())
+    assert balanced_drops(now, weights, counts, plan, capacity_per_destination(tokens, top_k, ranks, 1.25)) == 0
+    empty = apply_placement(counts, ReplicaPlacement.empty(ranks, 2))
+    assert torch.equal(empty.rank_load, home_load) and not empty.valid.any()
+
+
+def test_tolerance_leaves_nearly_even_loads_alone():
+    load = torch.full((32,), 100, dtype=torch.int64)
+    load[0] += 30  # rank 0 at 1.0075 of the mean
+    assert not plan_from_load(load, 4, 2, tolerance=0.05).valid.any()
+    assert plan_from_load(load, 4, 2, tolerance=0.0).valid.any()
 
 
 # ---------------------------------------------------------------------------- the layer in one process

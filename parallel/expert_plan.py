@@ -1,0 +1,309 @@
+"""Expert-parallel planning on the device: replica placement, slot routing and the drop rules.
+
+Pure tensor functions, no communication: every rank of the EP group calls them on the same
+all-gathered slot counts and gets the same answer, so nothing here is sent or read on the host.
+`parallel/expert.py` runs them inside the dispatch; `benchmarks/ep_scale.py` runs them for
+hundreds of simulated ranks in one process. Layout and formulas: docs/expert_parallel.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def capacity_per_pair(tokens: int, top_k: int, ep: int, capacity_factor: float) -> int:
+    """`capacity` mode: `C_pair = min(s·k, ceil(capacity_factor · s·k / R))`, at least 1: a
+    function of the config and the micro-batch size only."""
+    slots = tokens * top_k
+    return max(1, min(slots, math.ceil(capacity_factor * slots / ep)))
+
+
+def capacity_per_destination(tokens: int, top_k: int, ep: int, capacity_factor: float) -> int:
+    """`balanced` mode: rows one destination receives, `C_dest = min(R·s·k, ceil(capacity_factor · s·k))`
+    (the even share `s·k` per destination, times the factor). The only capacity of the layout."""
+    slots = tokens * top_k
+    return max(1, min(ep * slots, math.ceil(capacity_factor * slots)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica plans
+
+
+@dataclass
+class ReplicaPlan:
+    """Replica placements for one layer and micro-batch, identical on every rank of the EP group.
+
+    `N = R·M` entries; entry `j` (if `valid[j]`) hosts expert `expert[j]` on rank `dest[j]` in
+    replica slot `slot[j]`, holding positions `[start[j], start[j] + amount[j])` of the expert's
+    slot interval `[0, load[e])` (the home rank holds `[0, home[e])`). All tensors, fixed shapes.
+    """
+
+    expert: torch.Tensor  # [N] int64
+    dest: torch.Tensor  # [N] int64
+    slot: torch.Tensor  # [N] int64
+    start: torch.Tensor  # [N] int64
+    amount: torch.Tensor  # [N] int64
+    valid: torch.Tensor  # [N] bool
+    load: torch.Tensor  # [E] int64, slots routed to each expert over the EP group
+    home: torch.Tensor  # [E] int64, slots left on the home rank
+    rank_load: torch.Tensor  # [R] int64, planned slots per rank
+
+    @property
+    def num_replicas(self) -> torch.Tensor:
+        return self.valid.sum()
+
+
+def _at(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`tensor[index]` for a 0-dim index tensor without reading it on the host."""
+    return tensor.index_select(0, index.view(1)).squeeze(0)
+
+
+def _finish_plan(expert, dest, amount, load, home, rank_load) -> ReplicaPlan:
+    """Replica slots on each destination and each entry's interval start, from the entries in
+    order (a later entry of the same expert continues where the earlier one ended)."""
+    entries = expert.shape[0]
+    valid = amount > 0
+    earlier = torch.ones(entries, entries, dtype=torch.bool, device=expert.device).tril(-1)  # [j, j'] j' < j
+    slot = (earlier & (dest[:, None] == dest[None, :]) & valid[None, :]).sum(1)
+    same_expert_before = earlier & (expert[:, None] == expert[None, :]) & valid[None, :]
+    start = home[expert] + (same_expert_before.long() * amount[None, :]).sum(1)
+    return ReplicaPlan(expert, dest, slot, start, amount, valid, load, home, rank_load)
+
+
+def plan_replicas(counts: torch.Tensor, max_replicas_per_rank: int, tolerance: float = 0.0) -> ReplicaPlan:
+    """Greedy, deterministic replica planner on the device. `counts [R, E]`: slots each source
+    routes to each expert (or `[1, E]` loads with `num_ranks` given through `plan_from_load`).
+    Runs `R·M` fixed iterations of small tensor ops; an iteration that finds nothing to move
+    records an invalid entry. A rank is relieved only while it is above `(1 + tolerance)` times
+    the even share, and then down to the even share."""
+    return plan_from_load(counts.sum(0), counts.shape[0], max_replicas_per_rank, tolerance)
+
+
+def plan_from_load(load: torch.Tensor, num_ranks: int, max_replicas_per_rank: int,
+                   tolerance: float = 0.0) -> ReplicaPlan:
+    """`plan_replicas` on the per-expert loads `[E]` of an EP group of `num_ranks`."""
+    num_experts = load.shape[0]
+    local = num_experts // num_ranks
+    entries = num_ranks * max_replicas_per_rank
+    device = load.device
+    load = load.long()
+    home = load.clone()
+    rank_load = load.view(num_ranks, local).sum(1)
+    target = load.sum() // num_ranks  # the even share
+    threshold = (target.double() * (1.0 + tolerance)).floor().long()
+    used = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+    ranks = torch.arange(num_ranks, device=device)
+    lowest = torch.iinfo(torch.int64).min
+    experts, dests, amounts = [], [], []
+    for _ in range(entries):
+        surplus = rank_load - target
+        source = surplus.argmax()  # first of the most loaded ranks
+        home_shares = _at(home.view(num_ranks, local), source)
+        expert = source * local + home_shares.argmax()  # its hottest remaining home share
+        deficit = target - rank_load
+        eligible = (used < max_replicas_per_rank) & (ranks != source)
+        dest = torch.where(eligible, deficit, lowest).argmax()
+        amount = torch.minimum(torch.minimum(_at(surplus, source), _at(deficit, dest)), _at(home, expert)).clamp(min=0)
+        relieve = _at(eligible, dest) & (_at(rank_load, source) > threshold)
+        amount = torch.where(relieve, amount, 0)
+        home = home.index_add(0, expert.view(1), -amount.view(1))
+        rank_load = rank_load.index_add(0, torch.stack([source, dest]), torch.stack([-amount, amount]))
+        used = used.index_add(0, dest.view(1), (amount > 0).long().view(1))
+        experts.append(expert)
+        dests.append(dest)
+        amounts.append(amount)
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    expert = torch.stack(experts) if experts else empty
+    dest = torch.stack(dests) if dests else empty
+    amount = torch.stack(amounts) if amounts else empty
+    return _finish_plan(expert, dest, amount, load, home, rank_load)
+
+
+@dataclass
+class ReplicaPlacement:
+    """Which expert each rank hosts in each replica slot for a whole step, decided before the
+    step (from the previous step's loads). Device tensors for the dispatch; `host` the same entries as Python lists, read once
+    at the step boundary, for the replica-weight exchange."""
+
+    expert: torch.Tensor  # [N] int64
+    dest: torch.Tensor  # [N] int64
+    slot: torch.Tensor  # [N] int64
+    valid: torch.Tensor  # [N] bool
+    host: list[tuple[int, int, int]]  # (expert, dest, slot) of every valid entry
+
+    @classmethod
+    def from_plan(cls, plan: ReplicaPlan) -> "ReplicaPlacement":
+        entries = torch.stack([plan.expert, plan.dest, plan.slot, plan.valid.long()], dim=1).tolist()
+        host = [(e, d, s) for e, d, s, v in entries if v]
+        return cls(plan.expert, plan.dest, plan.slot, plan.valid, host)
+
+    @classmethod
+    def empty(cls, num_ranks: int, max_replicas_per_rank: int, device=None) -> "ReplicaPlacement":
+        entries = num_ranks * max_replicas_per_rank
+        zeros = torch.zeros(entries, dtype=torch.int64, device=device)
+        return cls(zeros, zeros.clone(), zeros.clone(), zeros.bool(), [])
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.host)
+
+    def with_spares(self, load: torch.Tensor, rank_load: torch.Tensor, max_replicas_per_rank: int) -> "ReplicaPlacement":
+        """Fill the replica slots the plan left free with the hottest experts not yet replicated,
+        each on the least loaded rank with a free slot (not its home): headroom for the micro-
+        batches of the step whose loads differ from the previous step's. Host work, at the step
+        boundary."""
+        num_ranks = rank_load.shape[0]
+        local = load.shape[0] // num_ranks
+        entries = list(self.host)
+        used = [0] * num_ranks
+        for _, dest, _ in entries:
+            used[dest] += 1
+        replicated = {expert for expert, _, _ in entries}
+        planned = rank_load.tolist()
+        for expert in torch.argsort(load, descending=True, stable=True).tolist():
+            if all(count >= max_replicas_per_rank for count in used):
+                break
+            if expert in replicated or int(load[expert]) == 0:
+                continue
+            free = [r for r in range(num_ranks) if used[r] < max_replicas_per_rank and r != expert // local]
+            if not free:
+                continue
+            dest = min(free, key=lambda r: (planned[r], r))
+            entries.append((expert, dest, used[dest]))
+            used[dest] += 1
+            replicated.add(expert)
+        size = num_ranks * max_replicas_per_rank
+        padded = entries + [(0, 0, 0)] * (size - len(entries))
+        device = self.expert.device
+        expert, dest, slot = (torch.tensor([entry[i] for entry in padded], dtype=torch.int64, device=device)
+                              for i in range(3))
+        valid = torch.arange(size, device=device) < len(entries)
+        return ReplicaPlacement(expert, dest, slot, valid, entries)
+
+
+def apply_placement(counts: torch.Tensor, placement: ReplicaPlacement, capacity: int | None = None) -> ReplicaPlan:
+    """This micro-batch's plan under the step's placement, from its all-gathered `counts [R, E]`:
+    the planner's greedy pass restricted to the placed (expert, rank) entries, in their order
+    (hottest first): each replica takes from its expert's home share what brings the home rank
+    down, or its own rank up, to the even share. With `capacity` (the receive buffer per
+    destination) a second pass lets a replica's rank go above the even share, up to the
+    capacity, for a home rank still over it. The weights are fixed for the step; how many slots
+    each replica takes follows the current micro-batch."""
+    num_ranks, num_experts = counts.shape
+    local = num_experts // num_ranks
+    load = counts.sum(0)
+    home = load.clone()
+    rank_load = load.view(num_ranks, local).sum(1)
+    target = load.sum() // num_ranks
+    entries = placement.expert.shape[0]
+    amount = torch.zeros(entries, dtype=torch.int64, device=counts.device)
+    owners = torch.div(placement.expert, local, rounding_mode="floor")
+    for level, ceiling in ((target, target), (capacity, capacity)) if capacity is not None else ((target, target),):
+        for j in range(entries):
+            expert, dest, owner = placement.expert[j], placement.dest[j], owners[j]
+            move = torch.minimum(torch.minimum(_at(rank_load, owner) - level, ceiling - _at(rank_load, dest)),
+                                 _at(home, expert)).clamp(min=0)
+            move = torch.where(placement.valid[j], move, 0)
+            home = home.index_add(0, expert.view(1), -move.view(1))
+            rank_load = rank_load.index_add(0, torch.stack([owner, dest]), torch.stack([-move, move]))
+            amount = amount.index_add(0, torch.tensor([j], device=counts.device), move.view(1))
+    plan = _finish_plan(placement.expert, placement.dest, amount, load, home, rank_load)
+    plan.slot = placement.slot  # the slots the weights were fetched into, whatever the amounts
+    plan.valid = placement.valid & (amount > 0)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Slot routing
+
+
+def home_route(expert_flat: torch.Tensor, local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot to its expert's home rank: (destination, local id)."""
+    return torch.div(expert_flat, local_experts, rounding_mode="floor"), expert_flat % local_experts
+
+
+def index_within_expert(expert_flat: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """For each slot, its index among this source's slots of the same expert (slot order);
+    `mine [E]` the source's slot counts per expert."""
+    slots = expert_flat.shape[0]
+    order = torch.sort(expert_flat, stable=True).indices
+    first = mine.cumsum(0) - mine
+    return torch.empty_like(order).scatter_(
+        0, order, torch.arange(slots, device=expert_flat.device) - first[expert_flat[order]])
+
+
+def replica_route(expert_flat: torch.Tensor, counts: torch.Tensor, source: int,
+                  plan: ReplicaPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """`balanced` mode: (destination, local id) of each slot of `source` under `plan`.
+
+    Source `s`'s slots of expert `e` take the contiguous positions `[o, o + c)` of the expert's
+    interval `[0, load_e)`, `o` the slots of `e` at lower-ranked sources: every position is taken
+    by exactly one slot, so each holder receives exactly its planned share (the receive layout's
+    capacity is per destination, so how a source's slots spread over holders does not matter)."""
+    num_ranks, num_experts = counts.shape
+    local = num_experts // num_ranks
+    slots = expert_flat.shape[0]
+    offset = counts[:source].sum(0)[expert_flat]
+    position = offset + index_within_expert(expert_flat, counts[source])
+    # the replica interval holding `position`, if any: search (expert, start) keys
+    span = num_ranks * slots + 1  # > any load
+    keys = torch.where(plan.valid, plan.expert * span + plan.start, num_experts * span)
+    sorted_keys, key_order = torch.sort(keys, stable=True)
+    found = torch.searchsorted(sorted_keys, expert_flat * span + position, right=True) - 1
+    entry = key_order[found.clamp(min=0)]
+    is_replica = ((found >= 0) & plan.valid[entry] & (plan.expert[entry] == expert_flat)
+                  & (position < plan.start[entry] + plan.amount[entry]))
+    home_dest, home_id = home_route(expert_flat, local)
+    dest = torch.where(is_replica, plan.dest[entry], home_dest)
+    local_id = torch.where(is_replica, local + plan.slot[entry], home_id)
+    return dest, local_id
+
+
+def pair_slots(counts: torch.Tensor, plan: ReplicaPlan) -> torch.Tensor:
+    """`[R, R]` slots each source sends each destination under `replica_route` (the overlaps of
+    each source's contiguous range with each holder's interval), computed from the counts alone:
+    every rank knows every pair, and so where its rows land in each destination's buffer."""
+    num_ranks, num_experts = counts.shape
+    local = num_experts // num_ranks
+    low = counts.cumsum(0) - counts  # [R, E] each source's range [low, low + count)
+    high = low + counts
+    home_part = (torch.minimum(high, plan.home[None, :]) - low).clamp(min=0)  # home holds [0, home)
+    pairs = home_part.view(num_ranks, num_ranks, local).sum(2)
+    end = plan.start + plan.amount
+    replica_part = (torch.minimum(high[:, plan.expert], end[None, :])
+                    - torch.maximum(low[:, plan.expert], plan.start[None, :])).clamp(min=0)
+    replica_part = torch.where(plan.valid[None, :], replica_part, 0)  # [R, N]
+    return pairs.index_add(1, plan.dest, replica_part)
+
+
+def destination_room(pairs: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`[R, R]` rows source `s` may send destination `d`: its pair up to what is left of `d`'s
+    `capacity` after the lower-ranked sources (the receive buffer is filled in source order)."""
+    before = pairs.cumsum(0) - pairs
+    return torch.minimum(pairs, (capacity - before).clamp(min=0))
+
+
+def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
+               capacity) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop policy: per destination keep the `capacity` slots of highest routing weight (ties:
+    lower slot index first); `capacity` an int or an `[R]` tensor (per destination). Returns
+    (buffer_index [S] = `dest · max_capacity + position`, or the trash row `R · max_capacity`;
+    keep [S])."""
+    slots = dest.shape[0]
+    device = dest.device
+    by_weight = torch.sort(weights_flat.detach(), descending=True, stable=True).indices
+    order = by_weight[torch.sort(dest[by_weight], stable=True).indices]
+    per_dest = torch.zeros(num_ranks, dtype=torch.int64, device=device).scatter_add_(0, dest, torch.ones_like(dest))
+    first = per_dest.cumsum(0) - per_dest
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(slots, device=device) - first[dest[order]])
+    if isinstance(capacity, torch.Tensor):
+        keep = position < capacity[dest]
+        row = slots  # a pair never holds more than the source's slots
+    else:
+        keep = position < capacity
+        row = capacity
+    buffer_index = torch.where(keep, dest * row + position, num_ranks * row)
+    return buffer_index, keep
