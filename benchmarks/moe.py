@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -33,7 +34,7 @@ from k3train.model.balance import (  # noqa: E402
     Balancer, ExactQuantileBalancer, HistogramQuantileBalancer, SignBalancer, histogram_quantile, kth_largest_cutoff,
 )
 from k3train.model.config import ModelConfig  # noqa: E402
-from k3train.model.mlp import glu_activation  # noqa: E402
+from k3train.model.moe import LocalExperts  # noqa: E402
 from k3train.parallel.comm import Group, TrafficCounter  # noqa: E402
 from k3train.parallel.expert import ExpertParallel  # noqa: E402
 from k3train.parallel.expert_plan import (  # noqa: E402
@@ -65,15 +66,15 @@ class LoopbackGroup(Group):
         self.counter.add(self.name, tensor)
         return torch.cat([tensor] * self.size, dim=dim)
 
+    def all_to_all_uneven(self, tensor, send, receive, label=None):
+        self.counter.add(label or self.name, tensor)
+        return tensor.new_zeros(sum(receive), *tensor.shape[1:])
 
-class MetaExperts(torch.nn.Module):
-    def __init__(self, config: ModelConfig, count: int, latent: int, dtype):
-        super().__init__()
-        inner = config.moe_intermediate_size
-        self.w1 = torch.nn.Parameter(torch.empty(count, inner, latent, device="meta", dtype=dtype))
-        self.w3 = torch.nn.Parameter(torch.empty(count, inner, latent, device="meta", dtype=dtype))
-        self.w2 = torch.nn.Parameter(torch.empty(count, latent, inner, device="meta", dtype=dtype))
-        self.activation = glu_activation(config)
+
+def meta_experts(config: ModelConfig, count: int, latent: int, dtype) -> LocalExperts:
+    """The model's own experts module on the meta device, in the latent width `latent`."""
+    with torch.device("meta"):
+        return LocalExperts(dataclasses.replace(config, routed_expert_hidden_size=latent), count).to(dtype)
 
 
 def dispatch_bytes(config: ModelConfig, width: int, ep: int, tokens: int, mode: str, capacity_factor: float,
@@ -82,7 +83,7 @@ def dispatch_bytes(config: ModelConfig, width: int, ep: int, tokens: int, mode: 
     counter = TrafficCounter()
     group = LoopbackGroup("ep", tuple(range(ep)), 0, None, counter)
     expert_parallel = ExpertParallel(group, config.num_experts, mode, capacity_factor, max_replicas, compute="gather")
-    experts = MetaExperts(config, expert_parallel.num_local_experts, width, dtype)
+    experts = meta_experts(config, expert_parallel.num_local_experts, width, dtype)
     k = config.num_experts_per_token
     latent = torch.empty(tokens, width, device="meta", dtype=dtype, requires_grad=True)
     ids = torch.empty(tokens, k, device="meta", dtype=torch.int64)
@@ -98,16 +99,13 @@ def dispatch_bytes(config: ModelConfig, width: int, ep: int, tokens: int, mode: 
     routed, _ = expert_parallel(latent, ids, weights, experts)
     routed.sum().backward()
     capacity = expert_parallel.capacity(tokens, k)
+    shapes = expert_parallel.buffer_shapes(tokens, k, width, config.moe_intermediate_size)
+    kind_of = {shapes["dispatch"]: "tokens", shapes["dispatch_ids"]: "ids"}
+    if "slot_counts" in shapes:
+        kind_of[shapes["slot_counts"]] = "slot counts"
     kinds = {"tokens": 0, "ids": 0, "slot counts": 0, "replica weights": 0}
     for shape, dtype_, nbytes in recorded:
-        if shape == (ep, capacity, width):
-            kinds["tokens"] += nbytes
-        elif shape == (ep, capacity):
-            kinds["ids"] += nbytes
-        elif len(shape) == 2 and shape[0] == 1:
-            kinds["slot counts"] += nbytes
-        else:
-            kinds["replica weights"] += nbytes
+        kinds[kind_of.get(shape, "replica weights")] += nbytes
     kinds["capacity"] = capacity
     return kinds
 
@@ -137,9 +135,10 @@ def table_a(args) -> None:
           f"capacity_factor={args.capacity_factor}, "
           f"bf16; counted through the dispatch code on the meta device. Formula for the token buffers: "
           f"4·k·cf·l·2 B = {ideal:.0f} B/token (latent).")
-    print("  Replica weights (balanced mode): a fixed [ep, max_replicas, 3·I·width] all-to-all forward and the same "
-          "for their gradients backward, per layer and micro-batch; per token they shrink as s grows, and a one-sided "
-          "fetch (MoonEP) would move max_replicas instead of ep·max_replicas expert matrices.")
+    print("  Balanced mode with the default `padded` transport (the gloo reference with static shapes) sends every "
+          "(source, destination) pair at s·k rows, ep× the token bytes; `transport=splits` sends only the rows that "
+          "exist (1.02-1.04× the minimum, benchmarks/ep_scale.py). Replica weights move once per step "
+          "(`ExpertParallel.step_replicas`), not per micro-batch: the column above is the fetch counted in this one call.")
 
 
 # ---------------------------------------------------------------------------------------------- (b)

@@ -106,6 +106,17 @@ class Group:
         dist.all_to_all_single(output, tensor.contiguous(), group=self.process_group)
         return output
 
+    def all_to_all_uneven(self, tensor: torch.Tensor, send: list[int], receive: list[int],
+                          label: Optional[str] = None) -> torch.Tensor:
+        """Along dim 0 with host split sizes: `send[j]` rows go to rank j, `receive[j]` come from it.
+        Counted under `label` (default: the group's name)."""
+        if self.size == 1:
+            return tensor
+        self.counter.add(label or self.name, tensor)
+        output = tensor.new_empty(sum(receive), *tensor.shape[1:])
+        dist.all_to_all_single(output, tensor.contiguous(), receive, send, group=self.process_group)
+        return output
+
     def send(self, tensor: torch.Tensor, destination_index: int) -> None:
         self.counter.add(self.name, tensor)
         dist.send(tensor.contiguous(), dst=self.ranks[destination_index], group=self.process_group)

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from k3train.parallel.comm import Group
@@ -91,12 +90,7 @@ def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
 def all_to_all_splits(group: Group, x: torch.Tensor, send: list[int], receive: list[int],
                       label: Optional[str] = None) -> torch.Tensor:
     """All-to-all along dim 0 with host split sizes: `send[j]` rows to rank j, `receive[j]` from it."""
-    if group.size == 1:
-        return x
-    group.counter.add(label or group.name, x)
-    output = x.new_empty(sum(receive), *x.shape[1:])
-    dist.all_to_all_single(output, x.contiguous(), receive, send, group=group.process_group)
-    return output
+    return group.all_to_all_uneven(x, send, receive, label)
 
 
 class _AllToAllSplits(torch.autograd.Function):
