@@ -177,7 +177,12 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
                           logger, parallel, job.reducer, job.schedule)
     except TrainingError as error:
         fail(str(error))
-    checkpointer = Checkpointer(config.checkpoint.dir or run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
+    checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
+    try:
+        checkpointer = Checkpointer(checkpoint_dir, keep_last=config.checkpoint.keep_last)
+    except OSError as error:
+        fail(f"checkpoint directory {checkpoint_dir} cannot be created or read ({error.strerror or error}); "
+             f"set checkpoint.dir to a writable directory")
 
     def app_state() -> dict:
         # The QB biases are model buffers; the LR schedule is a pure function of the step.
@@ -204,8 +209,19 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         save_config(config, str(run_dir / "config.yaml"))
 
     def save_checkpoint(step: int) -> None:
-        path = checkpointer.save(step, app_state())
+        try:
+            path = checkpointer.save(step, app_state())
+        except OSError as error:  # e.g. the checkpoint directory vanished or became a file
+            raise CheckpointError(f"saving the checkpoint of step {step} in {checkpointer.directory} failed "
+                                  f"({error.strerror or error}{': ' + str(error.filename) if error.filename else ''})") from error
         print(f"checkpoint saved: {path}", flush=True)
+
+    def newest_kept() -> str:
+        try:
+            kept = checkpointer.latest()
+        except OSError:
+            kept = None
+        return f"the newest complete checkpoint is {kept}" if kept else "no complete checkpoint is kept"
 
     # 6. Train. A signal stops after the step in progress (saved); one the loop cannot answer
     #    within train.stop_grace_s (blocked on a collective) ends the process unsaved.
@@ -217,8 +233,7 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     except CheckpointError as error:
         if error.__cause__ is not None:  # a save that waited on a dead or frozen peer
             exit_on_collective_failure(error.__cause__, parallel)
-        kept = checkpointer.latest()
-        fail(f"{error}; {'the newest complete checkpoint is ' + str(kept) if kept else 'no complete checkpoint is kept'}")
+        fail(f"{error}; {newest_kept()}")
     finally:
         if logger is not None:
             logger.close()
