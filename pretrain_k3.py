@@ -163,14 +163,18 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     print(data.describe())
 
     # 5. Metrics, the step loop and checkpoints; resume from the newest complete checkpoint if asked.
-    if is_logging_rank:
-        run_dir.mkdir(parents=True, exist_ok=True)
     peak = peak_flops(device, config.logging.peak_tflops)
     try:
         require_sinks(config)
     except SinkError as error:
         fail(str(error))
-    logger = MetricsLogger(config, run_dir, peak.label) if is_logging_rank else None
+    try:
+        if is_logging_rank:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        logger = MetricsLogger(config, run_dir, peak.label) if is_logging_rank else None
+    except OSError as error:
+        fail(f"run directory {run_dir} cannot be created or written ({error.strerror or error}); "
+             f"pass a writable --run-dir")
     try:
         trainer = Trainer(config, model, optimizer, data, device,
                           training_flops_per_token(config.model, config.data.seq_length).total, peak,
