@@ -86,6 +86,8 @@ def resolve_layout(
     mla_heads: int, kda_heads: int, vocab_size: int, num_experts: int, num_layers: int,
 ) -> Layout:
     """Check a layout against the world size and the model; raise LayoutError with a fix."""
+    if world_size < 1:
+        raise LayoutError(f"world size must be at least 1 process, got {world_size}")
     if world_size % (tp * pp):
         fits = [f"tp={t} pp={p}" for t in divisors(world_size) for p in divisors(world_size // t)][:6]
         raise LayoutError(
