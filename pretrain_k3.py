@@ -49,17 +49,19 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(ERROR)
 
 
-def exit_on_collective_failure(error: BaseException, parallel) -> None:
+def exit_on_collective_failure(error: BaseException, parallel=None, timeout_s: float | None = None) -> None:
     """A collective whose peer died or stopped answering: one line from every surviving rank
     (the failed rank may be rank 0) and exit PEER_LOST at once, without the interpreter's
-    shutdown, which could block again on the dead peer. Returns if `error` is something else."""
+    shutdown, which could block again on the dead peer. Returns if `error` is something else.
+    Before the groups exist (`parallel` None) the line names no group."""
     from k3train.parallel.comm import describe_collective_failure
 
-    message = describe_collective_failure(error, parallel.counter, parallel.collective_timeout_s)
+    counter = parallel.counter if parallel is not None else None
+    message = describe_collective_failure(error, counter, parallel.collective_timeout_s if parallel else timeout_s)
     if message is None:
         return
-    layout = parallel.layout
-    print(f"error: rank {parallel.rank} of {layout.world_size}: {message}; exiting, the newest complete checkpoint "
+    rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    print(f"error: rank {rank} of {world_size}: {message}; exiting, the newest complete checkpoint "
           f"is kept (resume with checkpoint.resume=auto)", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(PEER_LOST)
@@ -91,6 +93,7 @@ def shared_run_dir(requested: str | None) -> pathlib.Path:
 def main(argv: list[str] | None = None) -> int:
     # 1. Recipe → config; then torch and the model code.
     config, run_dir_arg = parse_job_args_or_exit(argv)
+    from k3train.parallel.config import collective_timeout_seconds
     from k3train.parallel.state import LayoutError, ParallelState
 
     # 2. Parallel state from torchrun's environment (one process without it).
@@ -99,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         parallel = ParallelState.from_environment(config.parallel, config.model, device.type)
     except LayoutError as error:
         fail(str(error))
+    except Exception as error:  # a peer that never joined or died while the groups were built
+        exit_on_collective_failure(error, timeout_s=collective_timeout_seconds(
+            config.parallel.collective_timeout_s, "nccl" if device.type == "cuda" else "gloo"))
+        raise
     if config.parallel.cp > 1:
         fail("parallel.cp (context parallelism) is reserved and not implemented yet; set parallel.cp=1")
     try:
