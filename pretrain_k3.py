@@ -217,7 +217,10 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     # Everything checked: the resolved config goes next to what the run writes (a failed start
     # leaves an earlier run's config.yaml untouched).
     if is_logging_rank:
-        save_config(config, str(run_dir / "config.yaml"))
+        try:
+            save_config(config, str(run_dir / "config.yaml"))
+        except OSError as error:
+            fail(f"writing {run_dir / 'config.yaml'} failed ({error.strerror or error})")
 
     def save_checkpoint(step: int) -> None:
         try:
@@ -245,6 +248,8 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         if error.__cause__ is not None:  # a save that waited on a dead or frozen peer
             exit_on_collective_failure(error.__cause__, parallel)
         fail(f"{error}; {newest_kept()}")
+    except OSError as error:  # the metrics file (disk full, directory removed): checkpoints are unaffected
+        fail(f"writing {error.filename or 'the run directory'} failed ({error.strerror or error}); {newest_kept()}")
     finally:
         if logger is not None:
             logger.close()
