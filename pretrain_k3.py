@@ -120,7 +120,7 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     import torch
 
     from k3train.checkpoint import CheckpointError, Checkpointer, GracefulExit, RNGState, read_manifest
-    from k3train.checkpoint.signals import STOPPED, signal_name
+    from k3train.checkpoint.signals import STOPPED, exit_unsaved, signal_name
     from k3train.data import DataError, build_data
     from k3train.model.flops import parameter_counts, training_flops_per_token
     from k3train.optim.builder import describe_param_groups
@@ -240,7 +240,8 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     # 6. Train. A signal stops after the step in progress (saved); one the loop cannot answer
     #    within train.stop_grace_s (blocked on a collective) ends the process unsaved.
     try:
-        with GracefulExit(grace_s=config.train.stop_grace_s) as stop:
+        with GracefulExit(grace_s=config.train.stop_grace_s,
+                          on_unanswered=lambda signum, reason: exit_unsaved(signum, reason, trainer.progress.step)) as stop:
             history = trainer.run(stop.requested, save_checkpoint)  # any rank signalled: all stop
     except TrainingError as error:
         fail(str(error))

@@ -46,8 +46,10 @@ def signal_name(signum: Optional[int]) -> str:
         return f"signal {signum}"
 
 
-def _exit_unsaved(signum: int, reason: str) -> None:
-    print(f"error: stopped by {signal_name(signum)} without saving a checkpoint: {reason}; "
+def exit_unsaved(signum: int, reason: str, step: Optional[int] = None) -> None:
+    """One line on stderr and `os._exit(STOPPED_UNSAVED)` (the main thread may be blocked for good)."""
+    where = f"stopped at step {step} ({signal_name(signum)})" if step is not None else f"stopped by {signal_name(signum)}"
+    print(f"error: {where} without saving a checkpoint: {reason}; "
           f"the newest complete checkpoint is kept (resume with checkpoint.resume=auto)", file=sys.stderr, flush=True)
     os._exit(STOPPED_UNSAVED)
 
@@ -72,7 +74,7 @@ class GracefulExit:
     """
 
     def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), grace_s: float = 60.0,
-                 on_unanswered: Callable[[int, str], None] = _exit_unsaved) -> None:
+                 on_unanswered: Callable[[int, str], None] = exit_unsaved) -> None:
         self.signals = tuple(signals)
         self.grace_s = grace_s
         self.on_unanswered = on_unanswered
