@@ -7,6 +7,15 @@
 The job, top to bottom: recipe → config → parallel state → this rank's model (stages and
 experts), gradient reducer, optimizer and pipeline schedule → data → checkpoint resume →
 training loop → checkpoints.
+
+Exit status (every failure is one line on stderr, `error: ...`, no traceback):
+    0  done: train.steps reached ("done: step N, ...")
+    2  a recipe, layout, data, checkpoint or training error (rank 0 prints it)
+    3  stopped by SIGTERM/SIGINT after saving a checkpoint ("stopped at step N (SIGTERM)")
+    4  stopped by a signal it could not honour within train.stop_grace_s (a rank blocked on a
+       collective) or signalled twice: no checkpoint written, the newest complete one is kept
+    5  a collective failed: a peer rank died or stopped answering within
+       parallel.collective_timeout_s (every surviving rank prints which group and operation)
 """
 
 from __future__ import annotations
@@ -28,12 +37,34 @@ if TYPE_CHECKING:
     import torch
 
 
+ERROR = 2
+PEER_LOST = 5
+
+
 def fail(message: str) -> NoReturn:
     """One line on stderr and exit code 2. The errors raised here (recipe, layout, batch sizes,
     non-finite steps) are the same on every rank, so under torchrun only rank 0 prints them."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(ERROR)
+
+
+def exit_on_collective_failure(error: BaseException, parallel=None, timeout_s: float | None = None) -> None:
+    """A collective whose peer died or stopped answering: one line from every surviving rank
+    (the failed rank may be rank 0) and exit PEER_LOST at once, without the interpreter's
+    shutdown, which could block again on the dead peer. Returns if `error` is something else.
+    Before the groups exist (`parallel` None) the line names no group."""
+    from k3train.parallel.comm import describe_collective_failure
+
+    counter = parallel.counter if parallel is not None else None
+    message = describe_collective_failure(error, counter, parallel.collective_timeout_s if parallel else timeout_s)
+    if message is None:
+        return
+    rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    print(f"error: rank {rank} of {world_size}: {message}; exiting, the newest complete checkpoint "
+          f"is kept (resume with checkpoint.resume=auto)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(PEER_LOST)
 
 
 def select_device(choice: str) -> torch.device:
@@ -62,19 +93,8 @@ def shared_run_dir(requested: str | None) -> pathlib.Path:
 def main(argv: list[str] | None = None) -> int:
     # 1. Recipe → config; then torch and the model code.
     config, run_dir_arg = parse_job_args_or_exit(argv)
-    import torch
-
-    from k3train.checkpoint import CheckpointError, Checkpointer, GracefulExit, RNGState, read_manifest
-    from k3train.data import DataError, build_data
-    from k3train.model.flops import parameter_counts, training_flops_per_token
-    from k3train.optim.builder import describe_param_groups
-    from k3train.parallel.pipeline import PipelineConfigError
+    from k3train.parallel.config import collective_timeout_seconds
     from k3train.parallel.state import LayoutError, ParallelState
-    from k3train.training.build import build_rank
-    from k3train.training.loop import Trainer, TrainingError
-    from k3train.training.metrics import MetricsLogger, SinkError, require_sinks
-    from k3train.training.threads import available_cores, choose_num_threads, machine_busy_fraction
-    from k3train.training.throughput import peak_flops
 
     # 2. Parallel state from torchrun's environment (one process without it).
     device = select_device(config.train.device)
@@ -82,8 +102,35 @@ def main(argv: list[str] | None = None) -> int:
         parallel = ParallelState.from_environment(config.parallel, config.model, device.type)
     except LayoutError as error:
         fail(str(error))
+    except Exception as error:  # a peer that never joined or died while the groups were built
+        exit_on_collective_failure(error, timeout_s=collective_timeout_seconds(
+            config.parallel.collective_timeout_s, "nccl" if device.type == "cuda" else "gloo"))
+        raise
     if config.parallel.cp > 1:
         fail("parallel.cp (context parallelism) is reserved and not implemented yet; set parallel.cp=1")
+    try:
+        return run_job(config, run_dir_arg, parallel, device)
+    except Exception as error:  # a dead or frozen peer surfaces as whatever collective waited on it
+        exit_on_collective_failure(error, parallel)
+        raise
+
+
+def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
+    """Steps 2-6 of the job on this rank (after the parallel state is up)."""
+    import torch
+
+    from k3train.checkpoint import CheckpointError, Checkpointer, GracefulExit, RNGState, read_manifest
+    from k3train.checkpoint.signals import STOPPED, exit_unsaved, signal_name
+    from k3train.data import DataError, build_data
+    from k3train.model.flops import parameter_counts, training_flops_per_token
+    from k3train.optim.builder import describe_param_groups
+    from k3train.parallel.pipeline import PipelineConfigError
+    from k3train.training.build import build_rank
+    from k3train.training.loop import Trainer, TrainingError
+    from k3train.training.metrics import MetricsLogger, SinkError, require_sinks
+    from k3train.training.threads import available_cores, choose_num_threads, machine_busy_fraction
+    from k3train.training.throughput import peak_flops
+
     is_logging_rank = parallel.rank == 0
     if not is_logging_rank:
         sys.stdout = open(os.devnull, "w")  # one rank prints; errors still reach stderr
@@ -124,21 +171,30 @@ def main(argv: list[str] | None = None) -> int:
     print(data.describe())
 
     # 5. Metrics, the step loop and checkpoints; resume from the newest complete checkpoint if asked.
-    if is_logging_rank:
-        run_dir.mkdir(parents=True, exist_ok=True)
     peak = peak_flops(device, config.logging.peak_tflops)
     try:
         require_sinks(config)
     except SinkError as error:
         fail(str(error))
-    logger = MetricsLogger(config, run_dir, peak.label) if is_logging_rank else None
+    try:
+        if is_logging_rank:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        logger = MetricsLogger(config, run_dir, peak.label) if is_logging_rank else None
+    except OSError as error:
+        fail(f"run directory {run_dir} cannot be created or written ({error.strerror or error}); "
+             f"pass a writable --run-dir")
     try:
         trainer = Trainer(config, model, optimizer, data, device,
                           training_flops_per_token(config.model, config.data.seq_length).total, peak,
                           logger, parallel, job.reducer, job.schedule)
     except TrainingError as error:
         fail(str(error))
-    checkpointer = Checkpointer(config.checkpoint.dir or run_dir / "checkpoints", keep_last=config.checkpoint.keep_last)
+    checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
+    try:
+        checkpointer = Checkpointer(checkpoint_dir, keep_last=config.checkpoint.keep_last)
+    except OSError as error:
+        fail(f"checkpoint directory {checkpoint_dir} cannot be created or read ({error.strerror or error}); "
+             f"set checkpoint.dir to a writable directory")
 
     def app_state() -> dict:
         # The QB biases are model buffers; the LR schedule is a pure function of the step.
@@ -162,25 +218,52 @@ def main(argv: list[str] | None = None) -> int:
     # Everything checked: the resolved config goes next to what the run writes (a failed start
     # leaves an earlier run's config.yaml untouched).
     if is_logging_rank:
-        save_config(config, str(run_dir / "config.yaml"))
+        try:
+            save_config(config, str(run_dir / "config.yaml"))
+        except OSError as error:
+            fail(f"writing {run_dir / 'config.yaml'} failed ({error.strerror or error})")
 
     def save_checkpoint(step: int) -> None:
-        path = checkpointer.save(step, app_state())
+        try:
+            path = checkpointer.save(step, app_state())
+        except OSError as error:  # e.g. the checkpoint directory vanished or became a file
+            raise CheckpointError(f"saving the checkpoint of step {step} in {checkpointer.directory} failed "
+                                  f"({error.strerror or error}{': ' + str(error.filename) if error.filename else ''})") from error
         print(f"checkpoint saved: {path}", flush=True)
 
-    # 6. Train.
+    def newest_kept() -> str:
+        try:
+            kept = checkpointer.latest()
+        except OSError:
+            kept = None
+        return f"the newest complete checkpoint is {kept}" if kept else "no complete checkpoint is kept"
+
+    # 6. Train. A signal stops after the step in progress (saved); one the loop cannot answer
+    #    within train.stop_grace_s (blocked on a collective) ends the process unsaved.
     try:
-        with GracefulExit() as stop:
+        with GracefulExit(grace_s=config.train.stop_grace_s,
+                          on_unanswered=lambda signum, reason: exit_unsaved(signum, reason, trainer.progress.step)) as stop:
             history = trainer.run(stop.requested, save_checkpoint)  # any rank signalled: all stop
     except TrainingError as error:
         fail(str(error))
+    except CheckpointError as error:
+        if error.__cause__ is not None:  # a save that waited on a dead or frozen peer
+            exit_on_collective_failure(error.__cause__, parallel)
+        fail(f"{error}; {newest_kept()}")
+    except OSError as error:  # the metrics file (disk full, directory removed): checkpoints are unaffected
+        fail(f"writing {error.filename or 'the run directory'} failed ({error.strerror or error}); {newest_kept()}")
     finally:
         if logger is not None:
             logger.close()
-    if history:
-        print(f"done: step {trainer.progress.step}, loss {history[0]['loss']:.4f} → {history[-1]['loss']:.4f}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if trainer.stopped_at_step is not None:
+        how = signal_name(stop.received) if stop.received is not None else "a signal to another rank"
+        print(f"stopped at step {trainer.stopped_at_step} ({how}): checkpoint saved; "
+              f"rerun with checkpoint.resume=auto to continue", flush=True)
+        return STOPPED
+    if history:
+        print(f"done: step {trainer.progress.step}, loss {history[0]['loss']:.4f} → {history[-1]['loss']:.4f}")
     return 0
 
 

@@ -13,6 +13,7 @@ imports torch, so `--help`, `--help-config` and config errors answer at once.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -66,6 +67,7 @@ class JobConfig:
         The rules across sections are the owners' functions, also called at start-up with the
         world size; here they run with what the config alone knows (`parallel.dp=0` counts as 1).
         """
+        check_finite_numbers(self)  # before the sections' range checks, which NaN would fail misleadingly
         for section_field in dataclasses.fields(self):
             try:
                 getattr(self, section_field.name).validate()
@@ -78,6 +80,19 @@ class JobConfig:
         check_model_split(parallel.tp, parallel.ep, model.num_attention_heads, model.linear_attn_config.num_heads,
                           model.vocab_size, model.num_experts)
         partition_layers(model.num_hidden_layers, parallel.pp, parallel.virtual_stages, parallel.pipeline_layers)
+
+
+def check_finite_numbers(obj: Any, prefix: str = "") -> None:
+    """Raise ConfigError for the first float field, at any depth, that is NaN or infinite: no
+    recipe number means "not a number" or "unbounded" (null is how a field says "none")."""
+    for item in dataclasses.fields(obj):
+        value, dotted = getattr(obj, item.name), f"{prefix}{item.name}"
+        if dataclasses.is_dataclass(value):
+            check_finite_numbers(value, dotted + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{dotted} must be a finite number, got {value}")
+        elif isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
+            raise ConfigError(f"{dotted} must hold finite numbers, got {value}")
 
 
 def load_config(recipe_path: Optional[str], overrides: Sequence[str] = ()) -> JobConfig:

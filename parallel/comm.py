@@ -5,6 +5,10 @@ and adds the bytes this rank sends and one message to its `TrafficCounter`. Test
 read the counters to check communication volume against the formulas. Byte counts are what this
 rank contributes: an all-reduce of N bytes counts N, an all-gather of a local shard of N bytes
 counts N, a reduce-scatter of a full N-byte input counts N, an all-to-all counts its input.
+
+The counter also remembers the last collective this rank launched (group and operation): when a
+peer dies or stops answering, torch's error names neither, and `describe_collective_failure`
+turns it into one line that does.
 """
 
 from __future__ import annotations
@@ -23,10 +27,17 @@ class TrafficCounter:
 
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     messages: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    last_launched: Optional[tuple[str, str]] = None
+    """(group name, operation) of the last collective this rank launched (a failure report names it)."""
 
-    def add(self, group_name: str, tensor: torch.Tensor) -> None:
+    def add(self, group_name: str, tensor: torch.Tensor, operation: str = "all_reduce") -> None:
         self.bytes[group_name] += tensor.numel() * tensor.element_size()
         self.messages[group_name] += 1
+        self.last_launched = (group_name, operation)
+
+    def note(self, group_name: str, operation: str) -> None:
+        """Record a launch that sends nothing counted (a receive)."""
+        self.last_launched = (group_name, operation)
 
     def reset(self) -> None:
         self.bytes.clear()
@@ -67,7 +78,7 @@ class Group:
         """Concatenate every rank's `tensor` along `dim` (rank order)."""
         if self.size == 1:
             return tensor
-        self.counter.add(self.name, tensor)
+        self.counter.add(self.name, tensor, "all_gather")
         tensor = tensor.contiguous()
         if dim == 0:
             output = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
@@ -83,7 +94,7 @@ class Group:
             return tensor
         if tensor.shape[dim] % self.size:
             raise ValueError(f"{self.name}: dimension {dim} of {tuple(tensor.shape)} does not split into {self.size}")
-        self.counter.add(self.name, tensor)
+        self.counter.add(self.name, tensor, "reduce_scatter")
         if dim != 0:
             tensor = tensor.movedim(dim, 0)
         output = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
@@ -93,7 +104,9 @@ class Group:
     def broadcast(self, tensor: torch.Tensor, source_index: int) -> torch.Tensor:
         if self.size > 1:
             if self.rank == source_index:
-                self.counter.add(self.name, tensor)
+                self.counter.add(self.name, tensor, "broadcast")
+            else:
+                self.counter.note(self.name, "broadcast")
             dist.broadcast(tensor, src=self.ranks[source_index], group=self.process_group)
         return tensor
 
@@ -101,7 +114,7 @@ class Group:
         """Equal splits along dim 0: slice i goes to rank i, slice j of the output came from rank j."""
         if self.size == 1:
             return tensor
-        self.counter.add(self.name, tensor)
+        self.counter.add(self.name, tensor, "all_to_all")
         output = torch.empty_like(tensor)
         dist.all_to_all_single(output, tensor.contiguous(), group=self.process_group)
         return output
@@ -118,10 +131,11 @@ class Group:
         return output
 
     def send(self, tensor: torch.Tensor, destination_index: int) -> None:
-        self.counter.add(self.name, tensor)
+        self.counter.add(self.name, tensor, "send")
         dist.send(tensor.contiguous(), dst=self.ranks[destination_index], group=self.process_group)
 
     def recv(self, tensor: torch.Tensor, source_index: int) -> torch.Tensor:
+        self.counter.note(self.name, "recv")
         dist.recv(tensor, src=self.ranks[source_index], group=self.process_group)
         return tensor
 
@@ -129,13 +143,41 @@ class Group:
               label: Optional[str] = None) -> dist.Work:
         """Non-blocking send of a contiguous `tensor` (unchanged until the work completes),
         counted under `label` (default: the group's name, e.g. `pp.forward` for pipeline hops)."""
-        self.counter.add(label or self.name, tensor)
+        self.counter.add(label or self.name, tensor, "isend")
         return dist.isend(tensor, dst=self.ranks[destination_index], group=self.process_group, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, source_index: int, tag: int = 0) -> dist.Work:
         """Non-blocking receive into `tensor` (matched by source and tag on gloo)."""
+        self.counter.note(self.name, "irecv")
         return dist.irecv(tensor, src=self.ranks[source_index], group=self.process_group, tag=tag)
 
     def barrier(self) -> None:
         if self.size > 1:
+            self.counter.note(self.name, "barrier")
             dist.barrier(group=self.process_group)
+
+
+# What gloo and NCCL say when a peer stops answering or goes away (they name no group).
+_TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog caught collective")
+_PEER_LOST_MARKERS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused",
+                      "socket closed", "remote process exited")
+
+
+def describe_collective_failure(error: BaseException, counter: Optional[TrafficCounter],
+                                timeout_s: Optional[float]) -> Optional[str]:
+    """One line for a collective that failed because a peer died or stopped answering, naming
+    the group and operation this rank launched last; None when `error` is not such a failure."""
+    text = " ".join(str(error).split()).lower()
+    distributed_error = isinstance(error, getattr(dist, "DistError", ())) or any(
+        marker in text for marker in ("gloo", "nccl", "c10d", "process group"))
+    if not distributed_error:
+        return None
+    group, operation = counter.last_launched if counter and counter.last_launched else ("?", "collective")
+    where = f"collective {operation} on group '{group}'" if group != "?" else "a collective"
+    if any(marker in text for marker in _TIMEOUT_MARKERS):
+        bound = f" after {timeout_s:g}s" if timeout_s else ""
+        return (f"{where} timed out{bound} (a rank stopped answering?); raise parallel.collective_timeout_s "
+                f"if a rank legitimately needs longer")
+    if any(marker in text for marker in _PEER_LOST_MARKERS):
+        return f"{where} failed: a peer rank closed its connection (it died?)"
+    return f"{where} failed: {str(error).strip().splitlines()[0][:300]}"

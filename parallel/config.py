@@ -8,12 +8,30 @@ in `state.py` (`resolve_layout`); how layers are split into pipeline chunks live
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal, Optional
 
 from k3train.recipe import ConfigError, check
 
-__all__ = ["LayoutError", "ParallelConfig", "check_model_split", "check_pipeline_sizes", "divisors"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "LayoutError", "ParallelConfig", "check_model_split",
+           "check_pipeline_sizes", "collective_timeout_seconds", "divisors"]
+
+# The bound on one collective when `parallel.collective_timeout_s` is 0, per backend.
+# gloo (CPU): collectives of CPU runs take milliseconds to seconds; the longest legitimate wait is
+# a peer writing a checkpoint or evaluating while the others wait at the next collective, which on
+# a CPU-sized model is well under 5 minutes. NCCL (GPU): a peer may be autotuning Triton kernels on
+# its first step or writing its shards of a large checkpoint (hundreds of GB at a few GB/s), which
+# can take over 10 minutes (torch's own NCCL default); 20 minutes covers that while bounding what a
+# hung rank costs the whole job.
+DEFAULT_COLLECTIVE_TIMEOUT_S = MappingProxyType({"gloo": 300.0, "nccl": 1200.0})
+
+
+def collective_timeout_seconds(configured: float, backend: str) -> float:
+    """The timeout every process group gets: `parallel.collective_timeout_s`, or the backend's
+    default when it is 0."""
+    return configured if configured > 0 else DEFAULT_COLLECTIVE_TIMEOUT_S.get(backend, DEFAULT_COLLECTIVE_TIMEOUT_S["gloo"])
 
 
 class LayoutError(ConfigError):
@@ -85,6 +103,12 @@ class ParallelConfig:
     (tokens * top_k each); 'capacity', slots per (source, destination) pair (tokens * top_k / ep)."""
     max_replicas_per_rank: int = 2
     """'balanced' dispatch: the most replicated experts one rank hosts in a step."""
+    collective_timeout_s: float = 0.0
+    """Seconds any collective may wait for its peers before this rank exits with one line naming
+    the group (a rank that died or stopped answering); 0 means the backend's default: 300 on
+    gloo (CPU), 1200 on NCCL (a first-step kernel autotune or a large checkpoint write fits in it).
+    Applies to the default group and every sub-group. On NCCL the watchdog enforces it
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING must not be 0)."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""
@@ -96,4 +120,7 @@ class ParallelConfig:
             (self.capacity_factor > 0, f"parallel.capacity_factor must be positive, got {self.capacity_factor}"),
             (self.max_replicas_per_rank >= 1,
              f"parallel.max_replicas_per_rank must be at least 1, got {self.max_replicas_per_rank}"),
+            (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s >= 0,
+             f"parallel.collective_timeout_s must be 0 (the backend's default) or a positive number of seconds, "
+             f"got {self.collective_timeout_s}"),
         ])

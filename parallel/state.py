@@ -12,6 +12,11 @@ position in their expert-parallel groups. Context parallelism (`cp`) is reserved
 
 Groups of size 1 carry no process group and make every collective the identity, so the
 single-process model runs the same code with `ParallelState.single()`.
+
+Every process group, the default one and each sub-group, is created with the same timeout
+(`parallel.collective_timeout_s`): a rank that dies or stops answering makes its peers' next
+collective fail within that bound instead of blocking forever; the job turns the failure into
+one line naming the group (`comm.describe_collective_failure`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from k3train.parallel.comm import Group, TrafficCounter
-from k3train.parallel.config import LayoutError, check_model_split, divisors
+from k3train.parallel.config import LayoutError, check_model_split, collective_timeout_seconds, divisors
 from k3train.parallel.pipeline_schedule import partition_layers
 
 
@@ -81,6 +86,8 @@ def resolve_layout(
     mla_heads: int, kda_heads: int, vocab_size: int, num_experts: int, num_layers: int,
 ) -> Layout:
     """Check a layout against the world size and the model; raise LayoutError with a fix."""
+    if world_size < 1:
+        raise LayoutError(f"world size must be at least 1 process, got {world_size}")
     if world_size % (tp * pp):
         fits = [f"tp={t} pp={p}" for t in divisors(world_size) for p in divisors(world_size // t)][:6]
         raise LayoutError(
@@ -105,11 +112,14 @@ def resolve_layout(
 
 class ParallelState:
     """This rank's place in the layout and its groups (`tp`, `dp`, `pp` and `pp_grad`, `ep`,
-    `expert_dp`, `data_tensor`, `model`), each a counted `Group`."""
+    `expert_dp`, `data_tensor`, `model`), each a counted `Group`. `collective_timeout_s` bounds
+    every collective of every sub-group (None: torch's default)."""
 
-    def __init__(self, layout: Layout, rank: int, sequence_parallel: bool = False, counter: Optional[TrafficCounter] = None):
+    def __init__(self, layout: Layout, rank: int, sequence_parallel: bool = False, counter: Optional[TrafficCounter] = None,
+                 collective_timeout_s: Optional[float] = None):
         self.layout = layout
         self.rank = rank
+        self.collective_timeout_s = collective_timeout_s
         self.sequence_parallel = sequence_parallel and layout.tp > 1
         self.counter = counter or TrafficCounter()
         self.tp_rank, self.dp_rank, self.pp_rank = layout.coordinates(rank)
@@ -129,7 +139,11 @@ class ParallelState:
         """Create every group of a kind (all ranks must, in the same order) and keep this rank's."""
         mine = None
         for ranks in all_groups:
-            process_group = dist.new_group(ranks) if distributed and len(ranks) > 1 else None
+            process_group = None
+            if distributed and len(ranks) > 1:
+                timeout = (datetime.timedelta(seconds=self.collective_timeout_s)
+                           if self.collective_timeout_s is not None else None)
+                process_group = dist.new_group(ranks, timeout=timeout, group_desc=name)
             if self.rank in ranks:
                 mine = Group(name, tuple(ranks), ranks.index(self.rank), process_group, self.counter)
         assert mine is not None, f"rank {self.rank} is in no {name} group"
@@ -140,10 +154,10 @@ class ParallelState:
         return cls(Layout(1, 1, 1, 1, 1), rank=0)
 
     @classmethod
-    def from_environment(cls, parallel_config, model_config, device_type: str = "cpu",
-                         timeout_s: float = 600.0) -> "ParallelState":
+    def from_environment(cls, parallel_config, model_config, device_type: str = "cpu") -> "ParallelState":
         """Read torchrun's RANK/WORLD_SIZE, check the layout, initialise torch.distributed
-        (gloo on CPU, NCCL on CUDA) and build the groups."""
+        (gloo on CPU, NCCL on CUDA) and build the groups, all with `parallel.collective_timeout_s`
+        (or the backend's default)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         layout = resolve_layout(
@@ -152,12 +166,11 @@ class ParallelState:
             model_config.linear_attn_config.num_heads, model_config.vocab_size,
             model_config.num_experts, model_config.num_hidden_layers,
         )
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        timeout_s = collective_timeout_seconds(parallel_config.collective_timeout_s, backend)
         if world_size > 1 and not dist.is_initialized():
-            dist.init_process_group(
-                backend="nccl" if device_type == "cuda" else "gloo",
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
-        return cls(layout, rank, parallel_config.sequence_parallel)
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(layout, rank, parallel_config.sequence_parallel, collective_timeout_s=timeout_s)
 
     def describe(self) -> str:
         layout = self.layout

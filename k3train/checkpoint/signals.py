@@ -1,13 +1,26 @@
 """`GracefulExit`: turn SIGTERM/SIGINT into a stop flag the training loop checks (and agrees on
-across ranks), so a job saves a checkpoint before it exits."""
+across ranks), so a job saves a checkpoint before it exits; and a watchdog that ends the process
+when the loop cannot answer (a rank blocked in a collective whose peer stopped answering).
+
+Python runs a signal handler only when the main thread returns to the interpreter: a rank blocked
+inside a gloo/NCCL collective would ignore SIGTERM until the collective's timeout. So the C-level
+handler's wakeup byte (`signal.set_wakeup_fd`) also reaches a watchdog thread, which gives the
+loop `grace_s` to notice the request (`requested()` returning True acknowledges it) and otherwise
+calls `on_unanswered` (by default: one line on stderr and `os._exit(STOPPED_UNSAVED)`). A second
+signal more than a second after the first means "now": the watchdog calls `on_unanswered` too.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import sys
 import threading
+import time
 import warnings
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,27 +29,63 @@ from k3train.checkpoint.process_group import distributed_active
 
 logger = logging.getLogger(__name__)
 
+STOPPED = 3
+"""Exit status of a run stopped by SIGTERM/SIGINT after saving a checkpoint at the step it printed."""
+STOPPED_UNSAVED = 4
+"""Exit status of a run stopped by a signal it could not honour in time (blocked, or signalled twice): no save."""
+
+# A repeated signal closer than this to the first is the same request (a launcher forwarding the
+# signal its process group already got), not an impatient second one.
+_REPEAT_WINDOW_S = 1.0
+
+
+def signal_name(signum: Optional[int]) -> str:
+    try:
+        return signal.Signals(signum).name if signum is not None else "signal"
+    except ValueError:
+        return f"signal {signum}"
+
+
+def exit_unsaved(signum: int, reason: str, step: Optional[int] = None) -> None:
+    """One line on stderr and `os._exit(STOPPED_UNSAVED)` (the main thread may be blocked for good)."""
+    where = f"stopped at step {step} ({signal_name(signum)})" if step is not None else f"stopped by {signal_name(signum)}"
+    print(f"error: {where} without saving a checkpoint: {reason}; "
+          f"the newest complete checkpoint is kept (resume with checkpoint.resume=auto)", file=sys.stderr, flush=True)
+    os._exit(STOPPED_UNSAVED)
+
 
 class GracefulExit:
     """While active, SIGTERM and SIGINT set `should_stop` instead of ending the process, so the
     training loop can save a checkpoint and return. A second SIGINT raises KeyboardInterrupt (two
     Ctrl-C still stop a stuck job). Previous handlers are restored on exit.
 
-        with GracefulExit() as stop:
+        with GracefulExit(grace_s=60) as stop:
             for step in ...:
                 ...
                 if stop.requested(process_group):   # any rank signalled -> every rank stops
                     checkpointer.save(step, app_state); break
 
+    If the loop does not see the request within `grace_s` (the main thread is blocked, so even the
+    Python handler has not run), or a second signal arrives, the watchdog thread calls
+    `on_unanswered(signum, reason)`, which must end the process.
+
     Signal handlers can only be installed from the main thread; elsewhere this warns and the flag
     stays False.
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), grace_s: float = 60.0,
+                 on_unanswered: Callable[[int, str], None] = exit_unsaved) -> None:
         self.signals = tuple(signals)
+        self.grace_s = grace_s
+        self.on_unanswered = on_unanswered
         self.should_stop = False
         self.received: Optional[int] = None
+        self.acknowledged = False
         self._previous: dict[int, Any] = {}
+        self._previous_wakeup_fd: Optional[int] = None
+        self._wakeup: Optional[tuple[socket.socket, socket.socket]] = None
+        self._watchdog: Optional[threading.Thread] = None
+        self._closing = threading.Event()
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.should_stop and signum == signal.SIGINT:
@@ -48,6 +97,68 @@ class GracefulExit:
             signal.Signals(signum).name,
         )
 
+    # ------------------------------------------------------------------ the watchdog
+    def _watch(self, reader: socket.socket) -> None:
+        """Wait for wakeup bytes; after the first of our signals, give the loop `grace_s` to
+        acknowledge, and end the process if it does not (or if a second signal comes)."""
+        first: Optional[tuple[int, float]] = None
+        while not self._closing.is_set():
+            if first is None or self.acknowledged:
+                timeout = None
+            else:
+                timeout = max(0.0, first[1] + self.grace_s - time.monotonic())
+            reader.settimeout(timeout)
+            try:
+                data = reader.recv(64)
+            except socket.timeout:
+                data = None
+            except OSError:
+                return
+            if self._closing.is_set() or data == b"":
+                return
+            now = time.monotonic()
+            for signum in data or b"":
+                if signum not in self.signals:
+                    continue
+                if first is None:
+                    first = (signum, now)
+                elif now - first[1] > _REPEAT_WINDOW_S:
+                    time.sleep(_REPEAT_WINDOW_S)  # a second SIGINT first raises KeyboardInterrupt
+                    if not self._closing.is_set():
+                        self.on_unanswered(signum, f"{signal_name(signum)} received twice")
+                    return
+            if first is not None and not self.acknowledged and time.monotonic() >= first[1] + self.grace_s:
+                if not self._closing.is_set():
+                    self.on_unanswered(first[0], f"the step in progress did not finish within {self.grace_s:g}s "
+                                                 f"(a rank blocked on a collective?)")
+                return
+
+    def _start_watchdog(self) -> None:
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        try:
+            self._previous_wakeup_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            reader.close()
+            writer.close()
+            return
+        self._wakeup = (reader, writer)
+        self._watchdog = threading.Thread(target=self._watch, args=(reader,), name="k3train-stop-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _stop_watchdog(self) -> None:
+        if self._wakeup is None:
+            return
+        self._closing.set()
+        signal.set_wakeup_fd(self._previous_wakeup_fd if self._previous_wakeup_fd is not None else -1)
+        reader, writer = self._wakeup
+        writer.close()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
+        reader.close()
+        self._wakeup, self._watchdog = None, None
+
+    # ------------------------------------------------------------------ context
     def __enter__(self) -> "GracefulExit":
         if threading.current_thread() is not threading.main_thread():
             warnings.warn("GracefulExit: not the main thread, signal handlers not installed", stacklevel=2)
@@ -55,20 +166,27 @@ class GracefulExit:
         for sig in self.signals:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
+        self._start_watchdog()
         return self
 
     def __exit__(self, *exc: Any) -> bool:
+        self._stop_watchdog()
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
         return False
 
     def requested(self, process_group: Any = None) -> bool:
-        """`should_stop` agreed over the process group (True if any rank got a signal)."""
+        """`should_stop` agreed over the process group (True if any rank got a signal). True
+        acknowledges the request: the watchdog then leaves the save to the loop."""
         if not distributed_active():
-            return self.should_stop
-        flag = torch.tensor([1 if self.should_stop else 0], dtype=torch.int32)
-        if dist.get_backend(process_group) == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
-        return bool(flag.item())
+            stop = self.should_stop
+        else:
+            flag = torch.tensor([1 if self.should_stop else 0], dtype=torch.int32)
+            if dist.get_backend(process_group) == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+            stop = bool(flag.item())
+        if stop:
+            self.acknowledged = True
+        return stop

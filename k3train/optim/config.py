@@ -1,5 +1,6 @@
 """Optimizer and learning-rate schedule settings (the `optimizer:` and `schedule:` sections)."""
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +41,7 @@ class OptimizerConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""
         check([
+            (math.isfinite(self.lr), f"optimizer.lr must be a finite number, got {self.lr}"),
             (self.lr >= 0, f"optimizer.lr must not be negative, got {self.lr}"),
         ])
 

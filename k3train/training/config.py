@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -37,6 +38,10 @@ class TrainConfig:
     num_threads: int = 0
     """Intra-op CPU threads per process; 0 means OMP_NUM_THREADS when set, else the cores this
     process may use divided among the ranks on its machine."""
+    stop_grace_s: float = 60.0
+    """After SIGTERM/SIGINT, seconds the step in progress may take before the process exits without
+    saving (status 4): a rank blocked on a collective whose peer stopped answering cannot finish
+    it. Within the grace the run saves at the end of the step and exits with status 3."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""
@@ -51,6 +56,8 @@ class TrainConfig:
              f"train.max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}"),
             (self.num_threads >= 0,
              f"train.num_threads must be 0 (automatic) or positive, got {self.num_threads}"),
+            (math.isfinite(self.stop_grace_s) and self.stop_grace_s > 0,
+             f"train.stop_grace_s must be a positive number of seconds, got {self.stop_grace_s}"),
         ])
 
     def micro_batches_per_rank(self, dp: int) -> int:
@@ -61,6 +68,9 @@ class TrainConfig:
         trainer checks it again with the data-parallel size resolved from the world size.
         """
         per_step = self.micro_batch_size * dp
+        if per_step < 1:  # checked by validate(); refused here too rather than divided by
+            raise ConfigError(f"train.micro_batch_size ({self.micro_batch_size}) and the data-parallel size ({dp}) "
+                              f"must be at least 1")
         if self.global_batch_size % per_step:
             lower = max(self.global_batch_size // per_step, 1) * per_step
             fits = sorted({lower, lower + per_step} - {self.global_batch_size})

@@ -5,12 +5,18 @@ micro-batches whose gradients accumulate (each micro-batch's mean loss is divide
 number, so the step's gradient is that of the mean loss over the global batch). A step whose
 loss or gradient norm is not finite is skipped (no update, no balancer change, data consumed)
 and counted; `train.max_nonfinite_steps` skips in a row stop the run with a clear message.
+
+Test-only fault hook: `K3TRAIN_TEST_NAN_GRAD=RANK:STEP[,STEP...]` makes rank RANK's gradients NaN
+in the backward of those steps (before the data-parallel reduction, as a bad batch on one rank
+would), so the fault-injection suite can check that every rank skips the step together. Unset in
+real runs; nothing else reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -31,6 +37,20 @@ from k3train.training.throughput import PeakFlops, format_eta, rank_memory_gib
 
 class TrainingError(RuntimeError):
     """The run cannot continue (e.g. too many non-finite steps in a row); the message says why."""
+
+
+NAN_GRAD_HOOK_ENV = "K3TRAIN_TEST_NAN_GRAD"
+
+
+def nan_gradient_steps(value: Optional[str], rank: int) -> frozenset[int]:
+    """The steps whose gradients the test-only hook poisons on `rank` (`RANK:STEP[,STEP...]`)."""
+    if not value:
+        return frozenset()
+    try:
+        hook_rank, steps = value.split(":")
+        return frozenset(int(s) for s in steps.split(",")) if int(hook_rank) == rank else frozenset()
+    except ValueError:
+        raise TrainingError(f"{NAN_GRAD_HOOK_ENV}={value!r}: expected RANK:STEP[,STEP...] (a test-only hook)") from None
 
 
 @dataclass
@@ -112,6 +132,9 @@ class Trainer:
         self.routing_group = parallel.data_tensor if parallel.sequence_parallel else parallel.dp
         self._run_start: Optional[float] = None
         self._steps_this_run = 0
+        self.stopped_at_step: Optional[int] = None
+        """The step at which a SIGTERM/SIGINT stopped `run` (its checkpoint saved); None otherwise."""
+        self._nan_gradient_steps = nan_gradient_steps(os.environ.get(NAN_GRAD_HOOK_ENV), parallel.rank)
 
     # ------------------------------------------------------------------ pieces
     def train_step(self) -> dict[str, Any]:
@@ -128,7 +151,8 @@ class Trainer:
         # the mean loss accumulated, the data-parallel reduction launched during the last backward.
         batch = self.data.next_global_batch(config.train.global_batch_size, parallel.dp_rank, parallel.layout.dp)
         micro_batches = [mb.to(self.device, non_blocking=True) for mb in batch.split(config.train.micro_batch_size)]
-        local_loss = self.schedule.run(self.model.chunks, micro_batches)
+        with self._poisoned_gradients(step in self._nan_gradient_steps):
+            local_loss = self.schedule.run(self.model.chunks, micro_batches)
         self.reducer.finish()
         finish_expert_step(self.model.moe_layers(), parallel)  # replica gradients home; next step's replicas
         step_loss = average_over_dp(local_loss, parallel).item()
@@ -152,6 +176,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step = step
         return self._step_metrics(step, step_loss, grad_norm, lr, expert_stats, time.perf_counter() - started)
+
+    @contextlib.contextmanager
+    def _poisoned_gradients(self, poison: bool):
+        """The test-only NaN hook: this rank's gradients of every parameter become NaN."""
+        handles = [p.register_hook(lambda grad: torch.full_like(grad, math.nan))
+                   for p in self.model.parameters() if p.requires_grad] if poison else []
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _pooled_expert_stats(self) -> list:
         """Each local MoE layer's routing this step (tokens per expert, dropped slots, replicas),
@@ -231,9 +266,11 @@ class Trainer:
             step = metrics["step"]
             if self.logger is not None and (step % config.train.log_interval == 0 or step == config.train.steps):
                 self.logger.log_step(metrics)
+            self.parallel.counter.note("world", "all_reduce of the stop flag")
             if should_stop():
                 print(f"stop requested: saving a checkpoint at step {step} and exiting", flush=True)
                 save_checkpoint(step)
+                self.stopped_at_step = step
                 return history
             if config.checkpoint.interval and step % config.checkpoint.interval == 0:
                 save_checkpoint(step)  # before evaluation: nothing trained is lost if evaluation fails
