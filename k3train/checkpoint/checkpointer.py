@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from k3train.checkpoint.errors import CheckpointError, describe_failure
 from k3train.checkpoint.load_plan import plan_load
@@ -45,7 +44,9 @@ from k3train.checkpoint.process_group import (
     group_rank,
     group_size,
 )
+from k3train.checkpoint.safe_metadata import SafeFileSystemReader
 from k3train.checkpoint.state import FlatLoadPlanner, parameter_names, saveable_state
+from k3train.checkpoint.values import JsonSavePlanner
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class Checkpointer:
                 dcp.save(
                     state,
                     storage_writer=FileSystemWriter(str(tmp), sync_files=True),
-                    planner=DefaultSavePlanner(),
+                    planner=JsonSavePlanner(),
                     process_group=self.process_group,
                     no_dist=not distributed_active(),
                 )
@@ -239,7 +240,8 @@ class Checkpointer:
         path = Path(path)
         failure: Optional[CheckpointError] = None
         try:
-            target = plan_load(path, verify_checkpoint(path), app_state, group_size(self.process_group))
+            metadata = verify_checkpoint(path)
+            target = plan_load(path, metadata, app_state, group_size(self.process_group))
         except CheckpointError as e:
             failure = e
         agreed = first_error(None if failure is None else str(failure), self.process_group)
@@ -254,7 +256,7 @@ class Checkpointer:
                 warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
                 dcp.load(
                     target.flat,
-                    storage_reader=FileSystemReader(str(path)),
+                    storage_reader=SafeFileSystemReader(path, metadata),
                     planner=FlatLoadPlanner(loaded_values),
                     process_group=self.process_group,
                     no_dist=not distributed_active(),

@@ -12,7 +12,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -20,6 +19,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from k3train.checkpoint.errors import CheckpointError
 from k3train.checkpoint.hf import HFConversionError, TensorSpec, import_tensor, short_listing
 from k3train.checkpoint.manifest import complete_checkpoints, is_complete, verify_checkpoint
+from k3train.checkpoint.safe_metadata import SafeFileSystemReader
 from k3train.model.config import ModelConfig
 
 
@@ -73,12 +73,7 @@ class CheckpointTensorReader:
         except CheckpointError as error:
             raise HFConversionError(str(error)) from None
         metadata = self.metadata
-
-        class _CachedReader(FileSystemReader):  # one metadata read, not one per dcp.load call
-            def read_metadata(self, *args: Any, **kwargs: Any):
-                return metadata
-
-        self._reader = _CachedReader(str(self.path))
+        self._reader = SafeFileSystemReader(self.path, metadata)  # one metadata read, not one per dcp.load
         self.fqns: dict[str, str] = {}
         planner_data = dict(metadata.planner_data or {})
         for fqn, md in metadata.state_dict_metadata.items():

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from k3train.checkpoint.errors import CheckpointError, one_line
+from k3train.checkpoint.errors import CheckpointError
+from k3train.checkpoint.safe_metadata import read_metadata_safely
 
 MANIFEST = "k3train.json"
 METADATA = ".metadata"
@@ -138,12 +138,9 @@ def verify_checkpoint(path: str | Path) -> Metadata:
             f"finish); {resume_hint(path)}"
         )
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # unpickling a damaged file can raise almost anything
-        raise CheckpointError(
-            f"checkpoint {path} has an unreadable {METADATA} ({type(e).__name__}: {one_line(e)}); "
-            f"{resume_hint(path)}"
-        ) from None
+        metadata = read_metadata_safely(path)  # allow-listed: a crafted .metadata cannot run code
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {resume_hint(path)}") from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import k3train.checkpoint.checkpointer as ckpt_mod
+from k3train.checkpoint.safe_metadata import read_metadata_safely
 from k3train.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -329,7 +330,7 @@ def test_rng_capture_restore(tmp_path):
     ck.load(path, {"rng": RNGState()})
     got = draw()
     assert torch.equal(expected[0], got[0]) and expected[1] == got[1] and np.array_equal(expected[2], got[2])
-    assert "rng.rank_0.torch" in ckpt_mod.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert "rng.rank_0.torch" in read_metadata_safely(path).state_dict_metadata
 
 
 def test_per_rank_missing_rank_warns(tmp_path):
