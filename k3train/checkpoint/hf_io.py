@@ -18,8 +18,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from k3train.checkpoint.errors import CheckpointError
 from k3train.checkpoint.hf import HFConversionError, TensorSpec, import_tensor, short_listing
-from k3train.checkpoint.manifest import complete_checkpoints, is_complete, verify_checkpoint
+from k3train.checkpoint.manifest import complete_checkpoints, is_complete
 from k3train.checkpoint.safe_metadata import SafeFileSystemReader
+from k3train.checkpoint.verify import verify_checkpoint
 from k3train.model.config import ModelConfig
 
 
