@@ -76,7 +76,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, by_id: dict[int, str]) ->
     state = {names[pid]: value for pid, value in osd["state"].items()}
     groups: dict[str, dict[str, Any]] = {}
     for group in osd["param_groups"]:
-        # One pickled entry per parameter (a tuple is never split by DCP), not one per option.
+        # One value per parameter (a tuple is never split by DCP), not one per option.
         options = tuple((k, v) for k, v in group.items() if k not in ("params", "param_names"))
         for pid in group["params"]:
             groups[names[pid]] = options
