@@ -14,9 +14,9 @@ if TYPE_CHECKING:  # static tools and IDEs see the real imports
         is_complete,
         read_manifest,
         step_dir_name,
-        verify_checkpoint,
         write_manifest,
     )
+    from k3train.checkpoint.verify import checkpoint_problems, verify_checkpoint
     from k3train.checkpoint.rng import PerRank, RNGState, capture_rng_state, restore_rng_state
     from k3train.checkpoint.signals import GracefulExit
 
@@ -34,7 +34,8 @@ _SUBMODULE_OF = {
     "read_manifest": "k3train.checkpoint.manifest",
     "restore_rng_state": "k3train.checkpoint.rng",
     "step_dir_name": "k3train.checkpoint.manifest",
-    "verify_checkpoint": "k3train.checkpoint.manifest",
+    "verify_checkpoint": "k3train.checkpoint.verify",
+    "checkpoint_problems": "k3train.checkpoint.verify",
     "write_manifest": "k3train.checkpoint.manifest",
 }
 
@@ -46,6 +47,7 @@ __all__ = [
     "PerRank",
     "RNGState",
     "capture_rng_state",
+    "checkpoint_problems",
     "is_complete",
     "read_manifest",
     "restore_rng_state",

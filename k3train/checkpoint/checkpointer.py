@@ -1,10 +1,11 @@
-"""`Checkpointer`: sharded, atomic, resumable checkpoints on `torch.distributed.checkpoint` (DCP).
+"""`Checkpointer`: sharded, atomic, verified, resumable checkpoints on `torch.distributed.checkpoint` (DCP).
 
-The layout, the atomic save/rename protocol, what is saved for each kind of `app_state` value
-and the DCP behaviour this relies on are described in docs/checkpoints.md. The pieces:
-`manifest.py` (layout, manifest, verification), `state.py` (what is saved), `load_plan.py` (what
-a load reads and how it is put back), `rng.py` (`RNGState`, `PerRank`), `signals.py`
-(`GracefulExit`), `process_group.py` (collectives that also work in one process).
+The layout, the atomic save/rename protocol, checksums, what is saved for each kind of
+`app_state` value and the DCP behaviour this relies on are described in docs/checkpoints.md. The
+pieces: `manifest.py` (layout, manifest), `verify.py` (is a directory usable?), `writing.py` (one
+save), `integrity.py` (checksums), `safe_metadata.py` and `values.py` (reading without running
+code), `state.py` (what is saved), `load_plan.py` (what a load reads and how it is put back),
+`rng.py` (`RNGState`, `PerRank`), `signals.py` (`GracefulExit`), `process_group.py`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import os
 import secrets
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
 
 from k3train.checkpoint.errors import CheckpointError, describe_failure
 from k3train.checkpoint.load_plan import plan_load
@@ -31,26 +32,28 @@ from k3train.checkpoint.manifest import (
     complete_checkpoints,
     fsync_dir,
     is_complete,
+    move_aside,
     replaced_step_name,
     resume_hint,
     step_dir_name,
-    verify_checkpoint,
-    write_manifest,
+    step_of,
 )
 from k3train.checkpoint.process_group import (
     barrier,
     broadcast_from_first,
     distributed_active,
     first_error,
+    gather_objects,
     group_rank,
     group_size,
+    new_group_like,
 )
+from k3train.checkpoint.safe_metadata import SafeFileSystemReader
 from k3train.checkpoint.state import FlatLoadPlanner, parameter_names, saveable_state
+from k3train.checkpoint.verify import checkpoint_problems, verify_checkpoint
+from k3train.checkpoint.writing import NO_DIST_WARNING, SaveJob, stage_state, write_checkpoint
 
 logger = logging.getLogger(__name__)
-
-# DCP warns when it runs without a process group; a single process is a supported use here.
-_NO_DIST_WARNING = r".*torch\.distributed is disabled.*"
 
 
 class Checkpointer:
@@ -58,16 +61,28 @@ class Checkpointer:
     checkpoints under `directory`, keeping the newest `keep_last` (0: all).
 
     Works in a single process without a process group and with an initialised one (every rank
-    calls `save`/`load`; rank 0 of `process_group`, or of the default group, renames, prunes and
-    writes the manifest). docs/checkpoints.md describes the layout and what is saved.
+    calls `save`/`load`/`resolve_resume`; rank 0 of `process_group`, or of the default group,
+    renames, prunes and writes the manifest). With `async_save` a save copies the state and
+    returns; a background thread writes it (on a gloo group of its own, so it never interleaves
+    with training's collectives) and the next save, `load` and `wait()` wait for it. Call `wait()`
+    before the process exits. docs/checkpoints.md describes the layout and what is saved.
     """
 
-    def __init__(self, directory: str | Path, keep_last: int = 3, process_group: Any = None) -> None:
+    def __init__(self, directory: str | Path, keep_last: int = 3, process_group: Any = None,
+                 async_save: bool = False) -> None:
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.process_group = process_group
+        self.async_save = async_save
+        self._verified: dict[Path, Metadata] = {}  # checked by resolve_resume, not read twice by load
+        self._pending: Optional[Future] = None
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._write_group = process_group
+        if async_save:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3train-checkpoint")
+            self._write_group = new_group_like(process_group)
         if self._rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._clean_stale()
@@ -87,21 +102,29 @@ class Checkpointer:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
+    def _kept(self) -> str:
+        latest = self.latest()
+        if latest is None:
+            return f"no earlier checkpoint in {self.directory} was touched (there is none)"
+        return f"the newest complete checkpoint {latest} is kept"
+
     def resolve_resume(self, resume: Optional[str | Path]) -> Optional[Path]:
-        """`"auto"`: `latest()` (None when there is none); `"none"`/`""`/None: None; otherwise a
-        checkpoint path (relative paths are also tried below `directory`), which must be complete."""
+        """`"auto"`: the newest checkpoint that passes verification (checksums included); a damaged
+        or incomplete newer one is moved aside (`step_X.damaged-<reason>`) with a warning naming it
+        and why; None when there is no checkpoint. `"none"`/`""`/None: None; otherwise a
+        checkpoint path (relative paths are also tried below `directory`), which must be usable."""
         if resume is None:
             return None
         text = str(resume).strip()
         if text.lower() in ("", "none"):
             return None
         if text.lower() == "auto":
-            return self.latest()
+            return self._newest_usable()
         path = Path(text).expanduser()
         if not path.exists() and not path.is_absolute() and (self.directory / path).exists():
             path = self.directory / path
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, checksums=False)
         except CheckpointError as e:
             if path.is_dir() and not (path / METADATA).exists():
                 below = complete_checkpoints(path)
@@ -113,6 +136,34 @@ class Checkpointer:
                     ) from None
             raise
         return path
+
+    def _newest_usable(self) -> Optional[Path]:
+        """Every rank checks its share of the newest checkpoint's files; one that any rank finds
+        damaged is moved aside by rank 0 and the next older one is tried."""
+        rank, size = self._rank(), group_size(self.process_group)
+        moved: list[str] = []
+        candidates = [path for _, path in self.checkpoints()]
+        candidates = broadcast_from_first(candidates, self.process_group)  # the same list everywhere
+        for path in reversed(candidates):
+            verdict = checkpoint_problems(path, checksums=True, share=(rank, size))
+            problem = verdict.problems[0] if verdict.problems else None
+            found = [p for p in gather_objects(problem, self.process_group) if p is not None]
+            if not found:
+                if verdict.metadata is not None:
+                    self._verified[path.resolve()] = verdict.metadata
+                return path
+            if rank == 0:
+                aside = move_aside(path, found[0].reason)
+                logger.warning("checkpoint %s is unusable (%s): moved aside to %s; trying the previous one",
+                               path.name, found[0].message, aside.name)
+            moved.append(f"{path.name} ({found[0].reason})")
+            barrier(self.process_group)
+        if moved:
+            raise CheckpointError(
+                f"no usable checkpoint in {self.directory}: {', '.join(moved)} moved aside as damaged; pass "
+                "checkpoint.resume=none to start fresh or checkpoint.resume=<a checkpoint> to choose one"
+            )
+        return None
 
     # -- start-up cleaning, pruning ----------------------------------------------------------
 
@@ -131,9 +182,21 @@ class Checkpointer:
                     os.replace(entry, final)
                 else:
                     shutil.rmtree(entry, ignore_errors=True)
+            elif step_of(entry.name) is not None and not is_complete(entry):
+                # Only a complete save is ever renamed to a step name: this one was damaged (or
+                # copied in part). Keep it for inspection, out of the way of resume and pruning.
+                aside = move_aside(entry, "incomplete")
+                logger.warning("checkpoint %s is incomplete (no .metadata or no complete manifest): moved aside to %s",
+                               entry.name, aside.name)
         fsync_dir(self.directory)
 
     def _prune(self, keep: Path) -> list[Path]:
+        """Remove the oldest complete checkpoints beyond `keep_last` (damaged ones moved aside are
+        neither counted nor removed)."""
+        newer = [p.name for s, p in self.checkpoints() if s > (step_of(keep.name) or 0)]
+        if newer:
+            logger.warning("saved %s while newer checkpoints exist (%s); resume=auto picks the highest step",
+                           keep.name, ", ".join(newer))
         if self.keep_last == 0:
             return []
         found = [path for _, path in self.checkpoints() if path != keep]
@@ -157,8 +220,12 @@ class Checkpointer:
         """Save `app_state` as `directory/step_<step>`; every rank of the group calls this.
 
         Returns the final path. Atomic: the directory appears under its final name only when
-        complete; an existing directory of the same step is replaced.
+        complete (manifest with checksums written, then renamed); an existing complete directory
+        of the same step is replaced, an incomplete one moved aside. With `async_save` the path
+        appears when the background write finishes (`wait()`); an earlier asynchronous save is
+        waited for first, and its failure is raised here.
         """
+        self.wait()
         final = self.directory / step_dir_name(step)
         rank = self._rank()
         tmp_name = None
@@ -171,75 +238,57 @@ class Checkpointer:
         try:
             by_id = parameter_names(app_state)
             state = {key: saveable_state(obj, by_id) for key, obj in app_state.items()}
+            if self.async_save:
+                state = stage_state(state)  # training may change the live tensors from now on
         except Exception as e:
             error = describe_failure(e)
         error = first_error(error, self.process_group)  # no rank enters DCP's collectives when another has failed
         if error is not None:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"saving checkpoint {final} failed ({error})")
+            raise CheckpointError(f"saving checkpoint {final} failed ({error}); {self._kept()}")
 
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-                dcp.save(
-                    state,
-                    storage_writer=FileSystemWriter(str(tmp), sync_files=True),
-                    planner=DefaultSavePlanner(),
-                    process_group=self.process_group,
-                    no_dist=not distributed_active(),
-                )
-        except (Exception, CheckpointException) as e:
-            if rank == 0:  # best effort; start-up cleaning removes what a hard crash leaves
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"saving checkpoint {final} failed ({describe_failure(e)})") from e
-        except BaseException:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-        error = None
-        if rank == 0:
-            try:
-                self._finish(step, tmp, final, sorted(app_state))
-            except Exception as e:  # report on every rank, not only here
-                error = f"{type(e).__name__}: {e}"
-        error = broadcast_from_first(error, self.process_group)
-        if error is not None:
-            raise CheckpointError(f"saving checkpoint {final} failed on rank 0: {error}")
+        job = SaveJob(step=step, tmp=tmp, final=final, state=state, keys=sorted(app_state),
+                      kept=self._kept, finished=lambda path: self._prune(keep=path))
+        if self._executor is None:
+            return write_checkpoint(job, self.process_group)
+        self._pending = self._executor.submit(self._write_in_background, job)
         return final
 
-    def _finish(self, step: int, tmp: Path, final: Path, keys: list[str]) -> None:
-        write_manifest(tmp, step, world_size=group_size(self.process_group), keys=keys)
-        old = None
-        if final.exists():
-            old = self.directory / f"{OLD_PREFIX}{final.name}_{secrets.token_hex(4)}"
-            logger.warning("replacing existing %s", final)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        fsync_dir(self.directory)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        newer = [p.name for s, p in self.checkpoints() if s > step]
-        if newer:
-            logger.warning(
-                "saved step %d while newer checkpoints exist (%s); resume=auto picks the highest step",
-                step, ", ".join(newer),
-            )
-        self._prune(keep=final)
+    def _write_in_background(self, job: SaveJob) -> Path:
+        try:
+            path = write_checkpoint(job, self._write_group)
+        except CheckpointError as e:
+            logger.error("%s", e)
+            raise
+        logger.info("checkpoint written: %s", path)
+        return path
+
+    def wait(self) -> Optional[Path]:
+        """Wait for an asynchronous save still being written; return its path (None when there
+        was none). Raises its `CheckpointError` if it failed. Every rank calls this before exit."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        return pending.result()
 
     # -- load ---------------------------------------------------------------------------------
 
     def load(self, path: str | Path, app_state: dict[str, Any]) -> None:
         """Load checkpoint `path` into `app_state` in place; every rank of the group calls this.
 
-        Raises `CheckpointError` for a missing, incomplete or truncated checkpoint, and for keys or
-        shapes that do not match the modules and optimizers in `app_state`.
+        Raises `CheckpointError` for a missing, incomplete, truncated or damaged (checksum)
+        checkpoint, and for keys or shapes that do not match the modules and optimizers in `app_state`.
         """
+        self.wait()
         path = Path(path)
         failure: Optional[CheckpointError] = None
+        metadata = None
         try:
-            target = plan_load(path, verify_checkpoint(path), app_state, group_size(self.process_group))
+            metadata = self._verified.pop(path.resolve(), None)
+            if metadata is None:  # the ranks share the reading of the files for their checksums
+                metadata = verify_checkpoint(path, share=(self._rank(), group_size(self.process_group)))
+            target = plan_load(path, metadata, app_state, group_size(self.process_group))
         except CheckpointError as e:
             failure = e
         agreed = first_error(None if failure is None else str(failure), self.process_group)
@@ -251,10 +300,10 @@ class Checkpointer:
         loaded_values: dict[str, Any] = {}
         try:
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+                warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
                 dcp.load(
                     target.flat,
-                    storage_reader=FileSystemReader(str(path)),
+                    storage_reader=SafeFileSystemReader(path, metadata),
                     planner=FlatLoadPlanner(loaded_values),
                     process_group=self.process_group,
                     no_dist=not distributed_active(),

@@ -25,6 +25,9 @@ class CheckpointConfig:
     fresh; anything else is the path of a checkpoint to resume from."""
     save_at_end: bool = True
     """Write a checkpoint after the last step."""
+    async_save: bool = False
+    """Write checkpoints in a background thread: a save copies the state (to CPU memory) and
+    training continues while it is written; the next save and the end of the run wait for it."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""

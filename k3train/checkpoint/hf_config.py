@@ -157,6 +157,19 @@ def _refuse(source: str, what: str) -> HFConversionError:
 
 
 def from_hf_config(hf_config: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+    """`_from_hf_config`, with a value of the wrong kind (a string where a number belongs, a list
+    where an object belongs) refused in one line instead of a traceback."""
+    if not isinstance(hf_config, Mapping):
+        raise _refuse(source, f"config.json must hold a JSON object, not a {type(hf_config).__name__}")
+    try:
+        return _from_hf_config(hf_config, source)
+    except HFConversionError:
+        raise
+    except (ValueError, TypeError, AttributeError, KeyError) as error:
+        raise _refuse(source, f"a field has a value of the wrong kind ({type(error).__name__}: {error})") from None
+
+
+def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
     """The ModelConfig of a hub `config.json` (a `kimi_k3` config with `text_config`, or a bare
     `kimi_linear` text config).
 
@@ -254,7 +267,30 @@ def _known(cls: type, values: dict[str, Any], source: str) -> dict[str, Any]:
     unknown = sorted(set(values) - names)
     if unknown:
         warnings.warn(f"{source}: ignoring k3train fields this version does not know: {', '.join(unknown)}", stacklevel=3)
-    return {k: v for k, v in values.items() if k in names}
+    known = {k: v for k, v in values.items() if k in names}
+    defaults = cls()
+    for name, value in known.items():
+        _check_kind(source, name, getattr(defaults, name), value)
+    return known
+
+
+def _check_kind(source: str, name: str, default: Any, value: Any) -> None:
+    """Refuse a value whose kind differs from the field's default (bool, int, float, str); None is
+    left to the config's own validation (some fields are optional)."""
+    if value is None:
+        return
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    else:
+        return
+    if not ok:
+        raise _refuse(source, f"{name} must be {type(default).__name__}, got {value!r}")
 
 
 def special_token_ids(tokenizer: str) -> dict[str, int]:

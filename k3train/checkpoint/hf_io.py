@@ -12,14 +12,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from k3train.checkpoint.errors import CheckpointError
+from k3train.checkpoint.errors import CheckpointError, one_line
 from k3train.checkpoint.hf import HFConversionError, TensorSpec, import_tensor, short_listing
-from k3train.checkpoint.manifest import complete_checkpoints, is_complete, verify_checkpoint
+from k3train.checkpoint.manifest import complete_checkpoints, is_complete
+from k3train.checkpoint.safe_metadata import SafeFileSystemReader
+from k3train.checkpoint.verify import verify_checkpoint
 from k3train.model.config import ModelConfig
 
 
@@ -73,12 +74,7 @@ class CheckpointTensorReader:
         except CheckpointError as error:
             raise HFConversionError(str(error)) from None
         metadata = self.metadata
-
-        class _CachedReader(FileSystemReader):  # one metadata read, not one per dcp.load call
-            def read_metadata(self, *args: Any, **kwargs: Any):
-                return metadata
-
-        self._reader = _CachedReader(str(self.path))
+        self._reader = SafeFileSystemReader(self.path, metadata)  # one metadata read, not one per dcp.load
         self.fqns: dict[str, str] = {}
         planner_data = dict(metadata.planner_data or {})
         for fqn, md in metadata.state_dict_metadata.items():
@@ -199,12 +195,14 @@ class HFDirectory:
         config_path = self.path / "config.json"
         if not config_path.is_file():
             raise HFConversionError(f"{self.path} has no config.json: not a Hugging Face model directory")
-        self.config = json.loads(config_path.read_text(encoding="utf-8"))
+        self.config = _read_json_object(config_path)
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            self.files = {name: self.path / file for name, file in weight_map.items()}
+            weight_map = _read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise HFConversionError(f"{index}: weight_map must be a non-empty object of tensor name → shard file")
+            self.files = {str(name): self._shard_path(index, name, file) for name, file in weight_map.items()}
         elif single.is_file():
             self.files = None
             self._single = single
@@ -217,8 +215,11 @@ class HFDirectory:
             if not file.is_file():
                 raise HFConversionError(f"{file} is listed in the index but missing")
             handle = self._handle(file)
-            for name in handle.keys():
-                self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+            try:
+                for name in handle.keys():
+                    self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+            except Exception as e:  # safetensors raises its own error types
+                raise HFConversionError(f"{file} is not a valid safetensors file ({type(e).__name__}: {one_line(e, 200)})") from None
         if self.files is None:
             self.files = {name: single for name in self._shapes}
         else:
@@ -232,18 +233,50 @@ class HFDirectory:
         return (path / "config.json").is_file() and (
             (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file())
 
+    def _shard_path(self, index: Path, name: Any, file: Any) -> Path:
+        """The shard `file` of tensor `name`: a plain file name inside this directory (an absolute
+        path, `..` or a link leading outside is refused: an index is not trusted to name files)."""
+        if not isinstance(file, str) or not file or Path(file).is_absolute() or ".." in Path(file).parts:
+            raise HFConversionError(f"{index}: weight_map[{str(name)!r}] = {file!r} is not a file name inside {self.path}")
+        path = self.path / file
+        root = self.path.resolve()
+        if root not in path.resolve().parents:
+            raise HFConversionError(f"{index}: weight_map[{str(name)!r}] = {file!r} leads outside {self.path}")
+        return path
+
     def _handle(self, file: Path):
         from safetensors import safe_open
 
         if file not in self._open:
-            self._open[file] = safe_open(str(file), framework="pt")
+            try:
+                self._open[file] = safe_open(str(file), framework="pt")
+            except Exception as e:  # a bad header: safetensors raises SafetensorError or OSError
+                raise HFConversionError(
+                    f"{file} is not a valid safetensors file ({type(e).__name__}: {one_line(e, 200)})") from None
         return self._open[file]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self._shapes)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(self.files[name]).get_tensor(name)
+        file = self.files[name]
+        try:
+            return self._handle(file).get_tensor(name)
+        except HFConversionError:
+            raise
+        except Exception as e:
+            raise HFConversionError(f"{file}: tensor {name} cannot be read ({type(e).__name__}: {one_line(e, 200)})") from None
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; one line (`HFConversionError`) otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise HFConversionError(f"{path} is not valid JSON ({type(e).__name__}: {one_line(e, 160)})") from None
+    if not isinstance(value, dict):
+        raise HFConversionError(f"{path} must hold a JSON object, not a {type(value).__name__}")
+    return value
 
 
 def build_empty_model(config: ModelConfig):

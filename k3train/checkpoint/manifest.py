@@ -1,5 +1,5 @@
-"""Checkpoint directory layout (`step_XXXXXXXX`, `.tmp_`/`.old_` prefixes), the `k3train.json`
-manifest, and verification that a directory is a complete, untruncated checkpoint."""
+"""Checkpoint directory layout (`step_XXXXXXXX`, `.tmp_`/`.old_` prefixes, `.damaged-` suffixes) and
+the `k3train.json` manifest (with every file's checksum). `verify.py` checks a directory against it."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
 
-from k3train.checkpoint.errors import CheckpointError, one_line
 
 MANIFEST = "k3train.json"
 METADATA = ".metadata"
 FORMAT = "k3train-dcp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: non-tensor values as JSON (`values.py`) and a checksum per file in the manifest."""
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 OLD_PREFIX = ".old_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _OLD_RE = re.compile(r"^\.old_(step_\d+)_[0-9a-f]+$")
+DAMAGED_INFIX = ".damaged-"
+"""`step_00000010.damaged-checksum`: a checkpoint moved aside, never listed, pruned or overwritten."""
 
 
 def step_dir_name(step: int) -> str:
@@ -113,57 +113,25 @@ def resume_hint(path: Path) -> str:
     return f"delete {path} or pass checkpoint.resume=<another checkpoint> (or checkpoint.resume=none)"
 
 
-def verify_checkpoint(path: str | Path) -> Metadata:
-    """Check that `path` is a complete, untruncated checkpoint; return its DCP metadata.
+def move_aside(path: Path, reason: str) -> Path:
+    """Rename the unusable checkpoint `path` to `<name>.damaged-<reason>[-n]` (never over anything)
+    and return the new path; it keeps every byte for inspection and is no longer a checkpoint."""
+    base = path.with_name(f"{path.name}{DAMAGED_INFIX}{reason}")
+    target, n = base, 1
+    while target.exists():
+        n += 1
+        target = base.with_name(f"{base.name}-{n}")
+    os.replace(path, target)
+    fsync_dir(path.parent)
+    return target
 
-    Reads `.metadata` and compares every data file it names with the bytes it needs (missing and
-    short files are found here, before DCP reads anything). Raises `CheckpointError`.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(
-            f"checkpoint {path} does not exist; pass checkpoint.resume=<a complete checkpoint "
-            "directory>, auto (newest in checkpoint.dir) or none"
-        )
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is not a directory; {resume_hint(path)}")
-    if not (path / METADATA).is_file():
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete: no {METADATA} (its save did not finish); {resume_hint(path)}"
-        )
-    manifest = read_manifest(path)
-    if not manifest or manifest.get("complete") is not True:
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete: no {MANIFEST} marked complete (its save did not "
-            f"finish); {resume_hint(path)}"
-        )
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # unpickling a damaged file can raise almost anything
-        raise CheckpointError(
-            f"checkpoint {path} has an unreadable {METADATA} ({type(e).__name__}: {one_line(e)}); "
-            f"{resume_hint(path)}"
-        ) from None
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is None:
-            continue
-        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
-        needed[rel] = max(needed.get(rel, 0), end)
-    for rel, size in sorted(needed.items()):
-        file = path / rel
-        if not file.is_file():
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete: data file {rel} is missing; {resume_hint(path)}"
-            )
-        actual = file.stat().st_size
-        if actual < size:
-            raise CheckpointError(
-                f"checkpoint {path} is truncated: data file {rel} has {actual} bytes, "
-                f"{METADATA} needs {size}; {resume_hint(path)}"
-            )
-    return metadata
+
+def damaged_checkpoints(root: str | Path) -> list[Path]:
+    """Directories below `root` that were moved aside as damaged, by name."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and DAMAGED_INFIX in p.name)
 
 
 def fsync_dir(path: Path) -> None:

@@ -53,3 +53,21 @@ def first_error(error: Optional[str], group: Any = None) -> Optional[str]:
         if e is not None:
             return f"rank {rank}: {e}"
     return None
+
+
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj`, by rank in `group`, on every rank (`[obj]` in one process)."""
+    if not distributed_active():
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def new_group_like(group: Any = None) -> Any:
+    """A new gloo group over the ranks of `group` (None when not distributed). Every rank of the
+    default group must call this (torch's rule for `new_group`)."""
+    if not distributed_active():
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks=ranks, backend="gloo")

@@ -18,7 +18,7 @@ def capture_rng_state() -> dict[str, Any]:
     `random` and numpy's global generator (if numpy is installed).
 
     The torch states are uint8 tensors (saved as tensors); the Python and numpy states are
-    tuples (saved as pickled bytes).
+    tuples (saved as JSON, `values.py`).
     """
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -38,7 +38,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu())
     if "python" in state:
         py = state["python"]
-        # A pickled tuple comes back as a tuple; be lenient with a list-ified state.
+        # A saved tuple comes back as a tuple; be lenient with a list-ified state.
         if isinstance(py, list):
             py = (py[0], tuple(py[1]), py[2])
         random.setstate(py)

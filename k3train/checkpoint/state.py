@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from k3train.checkpoint.errors import CheckpointError
+from k3train.checkpoint.values import decode_value
 
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -75,7 +76,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, by_id: dict[int, str]) ->
     state = {names[pid]: value for pid, value in osd["state"].items()}
     groups: dict[str, dict[str, Any]] = {}
     for group in osd["param_groups"]:
-        # One pickled entry per parameter (a tuple is never split by DCP), not one per option.
+        # One value per parameter (a tuple is never split by DCP), not one per option.
         options = tuple((k, v) for k, v in group.items() if k not in ("params", "param_names"))
         for pid in group["params"]:
             groups[names[pid]] = options
@@ -151,7 +152,7 @@ def empty_tensor_for(md: TensorStorageMetadata, like: Optional[torch.Tensor] = N
 
 class FlatLoadPlanner(DefaultLoadPlanner):
     """Loads an already flat dict (keys = DCP's flat keys, flattening off). Tensors are read in
-    place; non-tensor values go into `target` (`dcp.load` would overwrite them in the dict it was
+    place; non-tensor values (JSON, `values.py`) go into `target` (`dcp.load` would overwrite them in the dict it was
     given with the placeholders of its own copy)."""
 
     def __init__(self, target: dict[str, Any]) -> None:
@@ -159,4 +160,5 @@ class FlatLoadPlanner(DefaultLoadPlanner):
         self._target = target
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        self._target[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+        fqn = read_item.dest_index.fqn
+        self._target[fqn] = decode_value(value.read(), f"checkpoint value {fqn}")  # JSON, never a pickle

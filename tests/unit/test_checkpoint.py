@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 import k3train.checkpoint.checkpointer as ckpt_mod
+import k3train.checkpoint.writing as writing_mod
+from k3train.checkpoint.safe_metadata import read_metadata_safely
 from k3train.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -176,11 +178,11 @@ def test_crash_during_save_keeps_latest(tmp_path, monkeypatch):
     ck = Checkpointer(tmp_path, keep_last=0)
     first = ck.save(1, {"model": model, "optimizer": opt})
 
-    class CrashingWriter(ckpt_mod.FileSystemWriter):
+    class CrashingWriter(writing_mod.ChecksummingWriter):
         def finish(self, metadata, results):  # data files written, .metadata not yet
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(ckpt_mod, "FileSystemWriter", CrashingWriter)
+    monkeypatch.setattr(writing_mod, "ChecksummingWriter", CrashingWriter)
     with pytest.raises(CheckpointError, match="simulated crash"):
         ck.save(2, {"model": model, "optimizer": opt})
     monkeypatch.undo()
@@ -329,7 +331,7 @@ def test_rng_capture_restore(tmp_path):
     ck.load(path, {"rng": RNGState()})
     got = draw()
     assert torch.equal(expected[0], got[0]) and expected[1] == got[1] and np.array_equal(expected[2], got[2])
-    assert "rng.rank_0.torch" in ckpt_mod.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert "rng.rank_0.torch" in read_metadata_safely(path).state_dict_metadata
 
 
 def test_per_rank_missing_rank_warns(tmp_path):
