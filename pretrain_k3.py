@@ -191,7 +191,8 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         fail(str(error))
     checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
     try:
-        checkpointer = Checkpointer(checkpoint_dir, keep_last=config.checkpoint.keep_last)
+        checkpointer = Checkpointer(checkpoint_dir, keep_last=config.checkpoint.keep_last,
+                                    async_save=config.checkpoint.async_save)
     except OSError as error:
         fail(f"checkpoint directory {checkpoint_dir} cannot be created or read ({error.strerror or error}); "
              f"set checkpoint.dir to a writable directory")
@@ -229,7 +230,8 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         except OSError as error:  # e.g. the checkpoint directory vanished or became a file
             raise CheckpointError(f"saving the checkpoint of step {step} in {checkpointer.directory} failed "
                                   f"({error.strerror or error}{': ' + str(error.filename) if error.filename else ''})") from error
-        print(f"checkpoint saved: {path}", flush=True)
+        # An asynchronous save returns once the state is copied; the write finishes in the background.
+        print(f"checkpoint {'started' if config.checkpoint.async_save else 'saved'}: {path}", flush=True)
 
     def newest_kept() -> str:
         try:
@@ -244,6 +246,7 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         with GracefulExit(grace_s=config.train.stop_grace_s,
                           on_unanswered=lambda signum, reason: exit_unsaved(signum, reason, trainer.progress.step)) as stop:
             history = trainer.run(stop.requested, save_checkpoint)  # any rank signalled: all stop
+            checkpointer.wait()  # the last asynchronous write, complete (renamed, checksummed) before exit
     except TrainingError as error:
         fail(str(error))
     except CheckpointError as error:
