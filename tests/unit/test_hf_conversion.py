@@ -490,7 +490,6 @@ def _debug_hf_config() -> dict:
     (lambda c: c["text_config"].update(num_expert_group=8, topk_group=4), "grouped top-k"),
     (lambda c: c.update(quantization_config={"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}),
      "quantised checkpoint"),
-    (lambda c: c["text_config"]["linear_attn_config"].update(use_full_rank_gate=False), "low-rank KDA output gate"),
     (lambda c: c["text_config"].update(num_nextn_predict_layers=1), "multi-token-prediction"),
 ])
 def test_unrepresentable_configs_are_refused(change, message):
@@ -499,6 +498,15 @@ def test_unrepresentable_configs_are_refused(change, message):
     with pytest.raises(HFConversionError, match=message) as info:
         from_hf_config(config)
     assert "\n" not in str(info.value)
+
+
+def test_a_low_rank_output_gate_config_imports_as_low_rank():
+    # Formerly refused; k3train now has Kimi Linear's low-rank g_a_proj/g_b_proj output gate.
+    config = _debug_hf_config()
+    config["text_config"]["linear_attn_config"]["use_full_rank_gate"] = False
+    model_config = from_hf_config(config)
+    assert model_config.linear_attn_config.output_gate == "low_rank"
+    assert model_config.kda_output_gate_rank == model_config.linear_attn_config.head_dim
 
 
 def test_unloadable_tensors_are_refused():
