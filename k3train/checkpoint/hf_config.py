@@ -196,9 +196,12 @@ def to_kimi_linear_config(
     refusal = kimi_linear_refusal(config)
     if refusal is not None:
         raise HFConversionError(f"cannot export as Kimi Linear: transformers' KimiLinearForCausalLM has no {refusal}")
-    k3 = to_hf_config(config, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                      pad_token_id=pad_token_id, max_position_embeddings=max_position_embeddings,
-                      allow_k3train_only=True)["text_config"]
+    # transformers sizes the embedding's padding_idx from pad_token_id: an id outside the
+    # vocabulary (a tokenizer's id the padded vocabulary does not hold) fails to load, leave it out.
+    ids = {key: (value if value is not None and 0 <= value < config.vocab_size else None)
+           for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id))}
+    k3 = to_hf_config(config, dtype=dtype, max_position_embeddings=max_position_embeddings,
+                      allow_k3train_only=True, **ids)["text_config"]
     text = {key: value for key, value in k3.items() if key not in (
         "mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm", "activation_situ_beta",
         "activation_situ_linear_beta", "attn_res_block_size")}

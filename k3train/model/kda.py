@@ -47,6 +47,14 @@ def gate_fill(a_log_draws: int) -> TileFill:
     return fill
 
 
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(Σx² + eps)` over the last dim, in fp32: FLA's `l2norm` (what its KDA kernel and
+    transformers' Kimi Linear compute), not `F.normalize`'s `x / max(‖x‖, eps)`, which differs
+    by ~eps/(2‖x‖²) relative: 1e-4 for the small q/k of a freshly initialised model."""
+    x32 = upcast(x)
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class ShortConvolution(nn.Module):
     """Causal depthwise 1-D convolution (no bias) followed by SiLU; weight `[channels, 1, kernel]`."""
 
@@ -162,8 +170,8 @@ class KimiDeltaAttention(nn.Module):
         q, q_tail = self.q_conv1d(self.q_proj(x), tails[0])
         k, k_tail = self.k_conv1d(self.k_proj(x), tails[1])
         v, v_tail = self.v_conv1d(self.v_proj(x), tails[2])
-        q = F.normalize(upcast(q.view(batch, seq, heads, head_dim)), dim=-1, eps=1e-6).to(x.dtype)
-        k = F.normalize(upcast(k.view(batch, seq, heads, head_dim)), dim=-1, eps=1e-6).to(x.dtype)
+        q = l2_normalize(q.view(batch, seq, heads, head_dim))
+        k = l2_normalize(k.view(batch, seq, heads, head_dim))
         v = v.view(batch, seq, heads, head_dim)
 
         gate_input = self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, head_dim)
