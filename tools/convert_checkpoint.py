@@ -70,6 +70,10 @@ from k3train.checkpoint.hf_io import (  # noqa: E402
 from k3train.config import ConfigError, JobConfig, load_config, save_config  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+REMOTE_CODE_DIR = CHECKOUT / "k3train" / "checkpoint" / "hf_remote"
+REMOTE_CODE_FILES = ("configuration_kimi_k3.py", "modeling_kimi_k3.py")
+REMOTE_CODE_AUTO_MAP = {"AutoConfig": "configuration_kimi_k3.KimiK3Config",
+                        "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM"}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 INDEX_NAME = "model.safetensors.index.json"
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -316,6 +320,10 @@ def to_hf(args: argparse.Namespace) -> int:
             del tensors
     weight_map = writer.finish()
     _write_json(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    if layout.name == "kimi_k3":  # the model's own code, for AutoModelForCausalLM(..., trust_remote_code=True)
+        for name in REMOTE_CODE_FILES:
+            shutil.copyfile(REMOTE_CODE_DIR / name, out / name)
+        hf_config = dict(hf_config, auto_map=dict(REMOTE_CODE_AUTO_MAP))
     _write_json(out / "config.json", hf_config)
     tokenizer = pathlib.Path(job.data.tokenizer).expanduser()
     if job.data.tokenizer != "byte":
