@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-position-embeddings", type=int, default=1048576,
                    help="config.json's max_position_embeddings (K3 has no position embeddings; default the published 1048576)")
     p.add_argument("--allow-k3train-only", action="store_true",
-                   help="export attn_res full/none, which HF's K3 code cannot run (k3train reads it back)")
+                   help="no longer needed (kept for old scripts): the bundled remote code runs every model.attn_res mode")
     p.add_argument("--read-budget", type=parse_size, default=parse_size("2GB"),
                    help="bytes read from the checkpoint per DCP load call (default 2GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in --out")

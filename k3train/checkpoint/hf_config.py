@@ -76,18 +76,11 @@ def to_hf_config(
     Fields with no HF name (attn_res mode, balancer, recompute, init_std, KDA chunk size, …) go
     into `text_config["k3train"]`, so `from_hf_config` restores the exact ModelConfig.
 
-    The HF modelling code implements Block AttnRes only: `attn_res: full` or `none` raises
-    `HFConversionError` unless `allow_k3train_only` (the directory then loads in k3train, through
-    `from_hf_config`/`tools/score.py`/`from-hf`, but not in Hugging Face's K3 code).
+    Every `attn_res` mode exports: the bundled remote code (`hf_remote/modeling_kimi_k3.py`) runs
+    Block, Full and plain residuals. `allow_k3train_only` is accepted and no longer needed (it
+    once let full/none through when the hub code ran Block AttnRes only).
     """
     config.validate()
-    if config.attn_res != "block" and not allow_k3train_only:
-        raise HFConversionError(
-            f"model.attn_res={config.attn_res!r} cannot be exported: the Hugging Face Kimi K3 modelling "
-            "code implements only Block AttnRes (attn_res_block_size); pass --allow-k3train-only to "
-            "write a directory that k3train (tools/score.py, from-hf) reads but HF's K3 code cannot run"
-            + (", or --format kimi_linear for a Kimi Linear model" if kimi_linear_refusal(config) is None else "")
-        )
     lac = config.linear_attn_config
     num_layers = config.num_hidden_layers
     full = sorted(i + 1 for i in config.full_attn_layer_set)

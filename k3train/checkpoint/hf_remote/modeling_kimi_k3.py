@@ -30,6 +30,12 @@ except ImportError:  # loaded as a top-level module (tests)
 LATENT_NORM_EPS = 1e-6  # MLA's q_a/kv_a layernorms
 
 
+def up(x: torch.Tensor) -> torch.Tensor:
+    """fp32 or wider: norms, gates, router, mixes and the KDA recurrence never run in bf16
+    (float64 stays float64, so the model can be checked in float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class TextSettings:
     """`text_config` with K3's meaning of every field (k3train's ModelConfig names)."""
 
@@ -74,15 +80,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (self.weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        x32 = up(x)
+        return (up(self.weight) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
-def glu(settings: TextSettings, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def glu(settings: TextSettings, gate: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if settings.get("hidden_act", "situ") == "silu":
-        return F.silu(gate) * up
+        return F.silu(gate) * value
     beta, linear_beta = settings.get("activation_situ_beta", 4.0), settings.get("activation_situ_linear_beta", 25.0)
-    g32, u32 = gate.float(), up.float()
+    g32, u32 = up(gate), up(value)
     return (beta * torch.tanh(g32 / beta) * torch.sigmoid(g32) * (linear_beta * torch.tanh(u32 / linear_beta))).to(gate.dtype)
 
 
@@ -118,7 +124,7 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(s.num_experts, dtype=torch.float32))
 
     def forward(self, x):
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        scores = torch.sigmoid(F.linear(up(x), up(self.weight)))
         ids = (scores + self.e_score_correction_bias).topk(self.s.num_experts_per_token, dim=-1).indices
         weights = scores.gather(-1, ids)
         if self.s.get("moe_renormalize", True):
@@ -146,11 +152,11 @@ class LatentMoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         ids, weights = self.gate(tokens)
         latent = self.routed_expert_down_proj(tokens) if hasattr(self, "routed_expert_down_proj") else tokens
-        combined = torch.zeros(latent.shape, dtype=torch.float32, device=latent.device)
+        combined = torch.zeros(latent.shape, dtype=up(latent).dtype, device=latent.device)
         for expert_index, expert in enumerate(self.experts):
             token_index, slot = torch.where(ids == expert_index)
             if token_index.numel():
-                out = expert(latent[token_index]).float() * weights[token_index, slot, None]
+                out = up(expert(latent[token_index])) * weights[token_index, slot, None]
                 combined.index_add_(0, token_index, out)
         routed = combined.to(latent.dtype)
         if hasattr(self, "routed_expert_norm"):
@@ -226,7 +232,7 @@ class KimiDeltaAttention(nn.Module):
 
     @staticmethod
     def l2_normalize(x):
-        x32 = x.float()
+        x32 = up(x)
         return x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + 1e-6)
 
     def forward(self, x, cache: Optional[LayerCache]):
@@ -238,17 +244,17 @@ class KimiDeltaAttention(nn.Module):
             out, tail = getattr(self, f"{name}_conv1d")(getattr(self, f"{name}_proj")(x), tails.get(name))
             streams[name], tails[name] = out.view(batch, seq, heads, dim), tail
         q, k = self.l2_normalize(streams["q"]), self.l2_normalize(streams["k"])
-        v = streams["v"].float()
-        z = self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, dim).float()
-        shifted = z + self.dt_bias.float().view(heads, dim)
-        rate = self.A_log.float().exp().unsqueeze(-1)
+        v = up(streams["v"])
+        z = up(self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, dim))
+        shifted = z + up(self.dt_bias).view(heads, dim)
+        rate = up(self.A_log).exp().unsqueeze(-1)
         if self.lower_bound is not None:
             g = self.lower_bound * torch.sigmoid(rate * shifted)
         else:
             g = -rate * F.softplus(shifted)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(up(self.b_proj(x)))
         state = cache.state if cache is not None and cache.state is not None else x.new_zeros(
-            batch, heads, dim, dim, dtype=torch.float32)
+            batch, heads, dim, dim, dtype=up(x).dtype)
         q = q * dim ** -0.5
         outputs = []
         for t in range(seq):
@@ -260,9 +266,9 @@ class KimiDeltaAttention(nn.Module):
             cache.state, cache.tails = state, tails
         o = torch.stack(outputs, dim=1).to(x.dtype)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        o32 = o.float()
-        normed = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight.float()
-        o = (normed * torch.sigmoid(gate.view(batch, seq, heads, dim).float())).to(x.dtype)
+        o32 = up(o)
+        normed = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.o_norm.eps) * up(self.o_norm.weight)
+        o = (normed * torch.sigmoid(up(gate.view(batch, seq, heads, dim)))).to(x.dtype)
         return self.o_proj(o.reshape(batch, seq, heads * dim))
 
 
@@ -317,9 +323,9 @@ class GatedMLA(nn.Module):
 
 def attn_res_mix(sources, norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
     """Depth attention over `sources`: softmax of `(γ ⊙ w)ᵀ RMSNorm(v_i)` weighting the raw `v_i`."""
-    values = torch.stack([source.float() for source in sources], dim=-2)
+    values = torch.stack([up(source) for source in sources], dim=-2)
     keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.eps)
-    probabilities = (keys * (norm.weight.float() * proj.weight[0].float())).sum(-1).softmax(-1)
+    probabilities = (keys * (up(norm.weight) * up(proj.weight[0]))).sum(-1).softmax(-1)
     return (probabilities.unsqueeze(-2) @ values).squeeze(-2).to(sources[0].dtype)
 
 
