@@ -403,10 +403,11 @@ def test_hub_file_order_of_a_layer_is_the_published_listing():
                                                P + "norm.weight", HF_LM_HEAD]
 
 
-def test_attn_res_full_or_none_is_refused_on_export_unless_allowed():
+def test_attn_res_full_or_none_exports_without_the_old_flag():
+    # Formerly refused unless allow_k3train_only: the bundled remote code now runs every mode
+    # (tests/unit/test_hf_remote_code.py); the flag is still accepted.
     for mode in ("full", "none"):
-        with pytest.raises(HFConversionError, match="only Block AttnRes"):
-            to_hf_config(ModelConfig(attn_res=mode))
+        assert to_hf_config(ModelConfig(attn_res=mode))["text_config"]["k3train"]["attn_res"] == mode
         assert to_hf_config(ModelConfig(attn_res=mode), allow_k3train_only=True)["text_config"]["k3train"]["attn_res"] == mode
 
 
@@ -418,8 +419,8 @@ def test_variant_model_round_trips_through_the_tool(tmp_path):
                          intermediate_size=96, linear_attn_config=LinearAttnConfig(num_heads=2, head_dim=32))
     state = _save_run(tmp_path / "run", config, with_optimizer=False)
     args = ["to-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--dtype", "fp32", "--quiet"]
-    assert convert.main(args + ["--pad-a-log"]) == 2  # attn_res none needs the explicit flag
-    assert convert.main(args + ["--pad-a-log", "--allow-k3train-only"]) == 0
+    assert convert.main(args + ["--pad-a-log"]) == 0  # attn_res none exports (formerly needed the flag)
+    assert convert.main(args + ["--pad-a-log", "--allow-k3train-only", "--overwrite"]) == 0  # still accepted
     headers = _headers(tmp_path / "hf")
     assert HF_LM_HEAD not in headers
     assert headers[P + "layers.0.self_attn.A_log"][1] == (32,)
