@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Convert k3train checkpoints to and from the Kimi K3 Hugging Face hub format.
+"""Convert k3train checkpoints to and from the Kimi K3 / Kimi Linear Hugging Face hub formats.
 
     python tools/convert_checkpoint.py to-hf --load RUN_DIR/checkpoints/step_00001000 --out hf/ \\
-        [--config RUN_DIR/config.yaml] [--dtype bf16|fp32] [--max-shard-size 5GB]
+        [--config RUN_DIR/config.yaml] [--format kimi_k3|kimi_linear] [--dtype bf16|fp32] [--max-shard-size 5GB]
     python tools/convert_checkpoint.py from-hf --load hf/ --out RUN_DIR [--recipe recipes/k3.yaml]
 
 to-hf writes `config.json` (from the run's model config), `model-0000x-of-0000y.safetensors`
@@ -14,8 +14,9 @@ names, shapes, file order and config fields are described in docs/hf_conversion.
 from-hf writes a run directory that `pretrain_k3.py --run-dir RUN_DIR` starts from:
 `RUN_DIR/config.yaml` (the model section from config.json, everything else from --recipe or the
 defaults) and `RUN_DIR/checkpoints/step_00000000/` holding the model only (no optimizer state).
-Configurations k3train cannot represent (rotary MLA, grouped top-k, quantised experts, a low-rank
-KDA output gate) are refused with one line naming the problem.
+The layout (K3's or a bare Kimi Linear's, e.g. saved by transformers) is read from config.json.
+Configurations k3train cannot represent (rotary MLA, grouped top-k, quantised experts) are
+refused with one line naming the problem.
 """
 
 from __future__ import annotations
@@ -42,14 +43,22 @@ from tqdm import tqdm  # noqa: E402
 
 from k3train.checkpoint import CheckpointError, Checkpointer  # noqa: E402
 from k3train.checkpoint.hf import (  # noqa: E402
+    HUB_LAYOUTS,
     HFConversionError,
     TensorSpec,
+    bind_stored_names,
     check_hf_tensors,
     export_tensor,
     hf_tensor_specs,
     k3_state_shapes,
 )
-from k3train.checkpoint.hf_config import from_hf_config, special_token_ids, to_hf_config  # noqa: E402
+from k3train.checkpoint.hf_config import (  # noqa: E402
+    from_hf_config,
+    hub_layout,
+    special_token_ids,
+    to_hf_config,
+    to_kimi_linear_config,
+)
 from k3train.checkpoint.hf_io import (  # noqa: E402
     CheckpointTensorReader,
     HFDirectory,
@@ -61,6 +70,10 @@ from k3train.checkpoint.hf_io import (  # noqa: E402
 from k3train.config import ConfigError, JobConfig, load_config, save_config  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+REMOTE_CODE_DIR = CHECKOUT / "k3train" / "checkpoint" / "hf_remote"
+REMOTE_CODE_FILES = ("configuration_kimi_k3.py", "modeling_kimi_k3.py")
+REMOTE_CODE_AUTO_MAP = {"AutoConfig": "configuration_kimi_k3.KimiK3Config",
+                        "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM"}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 INDEX_NAME = "model.safetensors.index.json"
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -264,11 +277,20 @@ def to_hf(args: argparse.Namespace) -> int:
     a_log_width = model_config.linear_attn_config.head_dim if args.pad_a_log else None
     if a_log_width is not None and a_log_width < model_config.linear_attn_config.num_heads:
         a_log_width = model_config.linear_attn_config.num_heads
-    hf_config = to_hf_config(
-        model_config, dtype=dtype, max_position_embeddings=args.max_position_embeddings,
-        allow_k3train_only=args.allow_k3train_only, **special_token_ids(job.data.tokenizer),
-    )
-    specs = hf_tensor_specs(model_config, a_log_width=a_log_width)
+    layout = HUB_LAYOUTS[args.format]
+    if layout.name == "kimi_linear":
+        if args.pad_a_log:
+            raise HFConversionError("--pad-a-log applies to --format kimi_k3 only (Kimi Linear stores A_log [1, 1, H, 1])")
+        hf_config = to_kimi_linear_config(
+            model_config, dtype=dtype, max_position_embeddings=args.max_position_embeddings,
+            **special_token_ids(job.data.tokenizer),
+        )
+    else:
+        hf_config = to_hf_config(
+            model_config, dtype=dtype, max_position_embeddings=args.max_position_embeddings,
+            allow_k3train_only=args.allow_k3train_only, **special_token_ids(job.data.tokenizer),
+        )
+    specs = hf_tensor_specs(model_config, a_log_width=a_log_width, layout=layout)
     reader = CheckpointTensorReader(checkpoint)
     reader.check_names(k3_state_shapes(model_config))
 
@@ -298,6 +320,10 @@ def to_hf(args: argparse.Namespace) -> int:
             del tensors
     weight_map = writer.finish()
     _write_json(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    if layout.name == "kimi_k3":  # the model's own code, for AutoModelForCausalLM(..., trust_remote_code=True)
+        for name in REMOTE_CODE_FILES:
+            shutil.copyfile(REMOTE_CODE_DIR / name, out / name)
+        hf_config = dict(hf_config, auto_map=dict(REMOTE_CODE_AUTO_MAP))
     _write_json(out / "config.json", hf_config)
     tokenizer = pathlib.Path(job.data.tokenizer).expanduser()
     if job.data.tokenizer != "byte":
@@ -322,10 +348,11 @@ def _write_json(path: pathlib.Path, value: dict) -> None:
 def from_hf(args: argparse.Namespace) -> int:
     hf = HFDirectory(args.load)
     model_config = from_hf_config(hf.config, source=str(hf.path / "config.json"))
-    specs = hf_tensor_specs(model_config)
-    ignored = check_hf_tensors(hf.shapes(), specs, source=str(hf.path))
+    layout = hub_layout(hf.config)
+    specs = bind_stored_names(hf.shapes(), hf_tensor_specs(model_config, layout=layout))
+    ignored = check_hf_tensors(hf.shapes(), specs, source=str(hf.path), layout=layout)
     if ignored:
-        print(f"from-hf: ignoring {len(ignored)} tensor(s) outside language_model. (e.g. {ignored[0]}): "
+        print(f"from-hf: ignoring {len(ignored)} tensor(s) outside {layout.namespace} (e.g. {ignored[0]}): "
               "k3train converts the text model only")
 
     out = pathlib.Path(args.out)
@@ -367,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (config.json, shards, index)")
     p.add_argument("--config", default=None,
                    help="the run's config.yaml (default: CHECKPOINT/../../config.yaml, where pretrain_k3.py writes it)")
+    p.add_argument("--format", choices=sorted(HUB_LAYOUTS), default="kimi_k3",
+                   help="kimi_k3 (default: the K3 hub layout) or kimi_linear (transformers' KimiLinearForCausalLM, "
+                        "no remote code; refused with the feature named when the model is not expressible)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                    help="weight dtype (default bf16; A_log, dt_bias, conv weights and the routing bias stay fp32)")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
@@ -376,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-position-embeddings", type=int, default=1048576,
                    help="config.json's max_position_embeddings (K3 has no position embeddings; default the published 1048576)")
     p.add_argument("--allow-k3train-only", action="store_true",
-                   help="export attn_res full/none, which HF's K3 code cannot run (k3train reads it back)")
+                   help="no longer needed (kept for old scripts): the bundled remote code runs every model.attn_res mode")
     p.add_argument("--read-budget", type=parse_size, default=parse_size("2GB"),
                    help="bytes read from the checkpoint per DCP load call (default 2GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in --out")

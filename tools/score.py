@@ -34,10 +34,11 @@ import torch  # noqa: E402
 from k3train.checkpoint import CheckpointError, Checkpointer  # noqa: E402
 from k3train.checkpoint.hf import (  # noqa: E402
     HFConversionError,
+    bind_stored_names,
     check_hf_tensors,
     hf_tensor_specs,
 )
-from k3train.checkpoint.hf_config import from_hf_config  # noqa: E402
+from k3train.checkpoint.hf_config import from_hf_config, hub_layout  # noqa: E402
 from k3train.checkpoint.hf_io import (  # noqa: E402
     HFDirectory,
     build_empty_model,
@@ -55,8 +56,9 @@ def load_model(path: str, config: Optional[str] = None) -> tuple[torch.nn.Module
     if HFDirectory.is_hf_dir(path):
         hf = HFDirectory(path)
         model_config = from_hf_config(hf.config, source=str(hf.path / "config.json"))
-        specs = hf_tensor_specs(model_config)
-        check_hf_tensors(hf.shapes(), specs, source=str(hf.path))
+        layout = hub_layout(hf.config)
+        specs = bind_stored_names(hf.shapes(), hf_tensor_specs(model_config, layout=layout))
+        check_hf_tensors(hf.shapes(), specs, source=str(hf.path), layout=layout)
         model = build_empty_model(model_config)
         load_hf_weights(model, hf, specs)
         return model, f"HF directory {hf.path}"

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from k3train.checkpoint.hf import HFConversionError
+from k3train.checkpoint.hf import K3_HUB, KIMI_LINEAR_HUB, HFConversionError, HubLayout
 from k3train.model.config import LinearAttnConfig, ModelConfig
 
 HF_MODEL_TYPE = "kimi_k3"
@@ -31,8 +31,13 @@ _HF_MODEL_FIELDS = (
     "attn_res_block_size", "rms_norm_eps", "tie_word_embeddings",
 )
 _HF_LINEAR_ATTN_FIELDS = ("num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound")
-# Fields k3train derives itself (never stored in the k3train sub-dict).
-_DERIVED_LINEAR_ATTN_FIELDS = ("full_attn_layers",)
+# Fields k3train derives itself (never stored in the k3train sub-dict): the layer pattern from
+# full_attn_layers/kda_layers, the output gate's kind from use_full_rank_gate.
+_DERIVED_LINEAR_ATTN_FIELDS = ("full_attn_layers", "output_gate")
+# What a Kimi Linear config means by a field it does not write (transformers' Kimi Linear has no
+# such feature); a K3 config always writes them.
+_KIMI_LINEAR_ABSENT_FIELDS = {"mla_use_output_gate": False, "latent_moe_use_norm": False, "hidden_act": "silu",
+                              "routed_expert_hidden_size": None}
 # Alternative spellings some configs use (transformers' KimiLinearConfig attribute_map).
 _HF_ALIASES = {
     "num_experts_per_tok": "num_experts_per_token",
@@ -71,17 +76,11 @@ def to_hf_config(
     Fields with no HF name (attn_res mode, balancer, recompute, init_std, KDA chunk size, …) go
     into `text_config["k3train"]`, so `from_hf_config` restores the exact ModelConfig.
 
-    The HF modelling code implements Block AttnRes only: `attn_res: full` or `none` raises
-    `HFConversionError` unless `allow_k3train_only` (the directory then loads in k3train, through
-    `from_hf_config`/`tools/score.py`/`from-hf`, but not in Hugging Face's K3 code).
+    Every `attn_res` mode exports: the bundled remote code (`hf_remote/modeling_kimi_k3.py`) runs
+    Block, Full and plain residuals. `allow_k3train_only` is accepted and no longer needed (it
+    once let full/none through when the hub code ran Block AttnRes only).
     """
     config.validate()
-    if config.attn_res != "block" and not allow_k3train_only:
-        raise HFConversionError(
-            f"model.attn_res={config.attn_res!r} cannot be exported: the Hugging Face Kimi K3 modelling "
-            "code implements only Block AttnRes (attn_res_block_size); pass --allow-k3train-only to "
-            "write a directory that k3train (tools/score.py, from-hf) reads but HF's K3 code cannot run"
-        )
     lac = config.linear_attn_config
     num_layers = config.num_hidden_layers
     full = sorted(i + 1 for i in config.full_attn_layer_set)
@@ -109,7 +108,7 @@ def to_hf_config(
             "num_heads": lac.num_heads,
             "head_dim": lac.head_dim,
             "short_conv_kernel_size": lac.short_conv_kernel_size,
-            "use_full_rank_gate": True,
+            "use_full_rank_gate": lac.output_gate == "full",
             "gate_lower_bound": lac.gate_lower_bound,
             "kda_layers": kda,
             "full_attn_layers": full,
@@ -133,6 +132,84 @@ def to_hf_config(
         if key in text:
             top[key] = text[key]
     return top
+
+
+def hub_layout(hf_config: Mapping[str, Any]) -> HubLayout:
+    """The tensor layout a `config.json` describes: K3's (`kimi_k3` with a `text_config`) or a
+    bare Kimi Linear causal LM's (`model.…`, `lm_head.weight`)."""
+    if hf_config.get("model_type") == HF_MODEL_TYPE or "text_config" in hf_config:
+        return K3_HUB
+    return KIMI_LINEAR_HUB
+
+
+def kimi_linear_refusal(config: ModelConfig) -> Optional[str]:
+    """Why `config` is not a model transformers' `KimiLinearForCausalLM` computes (the first
+    feature it lacks, naming the k3train field), or None when it is."""
+    lac = config.linear_attn_config
+    checks = [
+        (config.attn_res == "none", f"Attention Residuals (model.attn_res={config.attn_res!r}; Kimi Linear has plain residuals: none)"),
+        (config.hidden_act == "silu", f"the {config.hidden_act!r} GLU (model.hidden_act; Kimi Linear uses SwiGLU: silu)"),
+        (config.num_experts == 0 or config.routed_expert_hidden_size is None,
+         f"LatentMoE projections (model.routed_expert_hidden_size={config.routed_expert_hidden_size}; Kimi Linear's "
+         "experts work at hidden width: null)"),
+        (not config.latent_moe_use_norm, "the latent MoE RMSNorm (model.latent_moe_use_norm; Kimi Linear: false)"),
+        (config.num_experts == 0 or config.num_shared_experts >= 1,
+         "MoE without a shared expert (model.num_shared_experts=0; Kimi Linear has at least 1)"),
+        (not config.mla_use_output_gate, "the Gated MLA output gate (model.mla_use_output_gate; Kimi Linear: false)"),
+        (lac.gate_lower_bound is None,
+         f"the bounded KDA decay gate (model.linear_attn_config.gate_lower_bound={lac.gate_lower_bound}; Kimi Linear: null)"),
+        (lac.output_gate == "low_rank", "the full-rank KDA output gate (model.linear_attn_config.output_gate=full; "
+                                        "transformers' Kimi Linear implements low_rank only)"),
+        (config.kda_output_gate_rank in (None, lac.head_dim),
+         f"a KDA output gate rank other than head_dim (model.linear_attn_config.output_gate_rank={lac.output_gate_rank})"),
+        (config.kda_gate_rank == lac.head_dim,
+         f"a KDA decay gate rank other than head_dim (model.linear_attn_config.gate_low_rank_dim={lac.gate_low_rank_dim})"),
+        (not config.tie_word_embeddings, "tied embeddings (model.tie_word_embeddings; Kimi Linear's head is untied)"),
+    ]
+    for ok, feature in checks:
+        if not ok:
+            return feature
+    return None
+
+
+def to_kimi_linear_config(
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    bos_token_id: Optional[int] = None,
+    eos_token_id: Optional[int] = None,
+    pad_token_id: Optional[int] = None,
+    max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
+) -> dict[str, Any]:
+    """The `config.json` of a `KimiLinearForCausalLM` computing `config` (transformers' own
+    `kimi_linear`, no remote code). Raises `HFConversionError` naming the first feature Kimi Linear
+    lacks (`kimi_linear_refusal`). k3train-only fields (balancer, recompute, init_std, KDA chunk
+    size, …) ride along in `k3train`, which transformers ignores, so from-hf restores them."""
+    config.validate()
+    refusal = kimi_linear_refusal(config)
+    if refusal is not None:
+        raise HFConversionError(f"cannot export as Kimi Linear: transformers' KimiLinearForCausalLM has no {refusal}")
+    # transformers sizes the embedding's padding_idx from pad_token_id: an id outside the
+    # vocabulary (a tokenizer's id the padded vocabulary does not hold) fails to load, leave it out.
+    ids = {key: (value if value is not None and 0 <= value < config.vocab_size else None)
+           for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id))}
+    k3 = to_hf_config(config, dtype=dtype, max_position_embeddings=max_position_embeddings,
+                      allow_k3train_only=True, **ids)["text_config"]
+    text = {key: value for key, value in k3.items() if key not in (
+        "mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm", "activation_situ_beta",
+        "activation_situ_linear_beta", "attn_res_block_size")}
+    text["linear_attn_config"] = {key: value for key, value in k3["linear_attn_config"].items()
+                                  if key not in ("gate_lower_bound",)}
+    if config.num_experts == 0:  # transformers builds MoE after first_k_dense_replace whenever it is below the depth
+        text["first_k_dense_replace"] = config.num_hidden_layers
+    text["tie_word_embeddings"] = False
+    extras = dict(text.pop("k3train"))
+    for name in ("mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm", "activation_situ_beta",
+                 "activation_situ_linear_beta", "attn_res_block_size", "first_k_dense_replace"):
+        extras[name] = getattr(config, name)
+    extras.setdefault("linear_attn_config", {})["gate_lower_bound"] = None
+    text["k3train"] = extras
+    return text
 
 
 def _k3train_extras(config: ModelConfig) -> dict[str, Any]:
@@ -179,10 +256,19 @@ def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
     `moe_layer_freq: 1`, a non-latent MoE, multi-token-prediction layers.
     """
     top = dict(hf_config)
-    if top.get("model_type") == HF_MODEL_TYPE or "text_config" in top:
+    bare_kimi_linear = hub_layout(top) is KIMI_LINEAR_HUB
+    if not bare_kimi_linear:
         text = dict(top.get("text_config") or {})
     else:
         text = top
+        # transformers' Kimi Linear: NoPE MLA (it never rotates), none of K3's own features
+        text.setdefault("mla_use_nope", True)
+        for name, value in _KIMI_LINEAR_ABSENT_FIELDS.items():
+            text.setdefault(name, value)
+        text["linear_attn_config"] = {"gate_lower_bound": None, **(text.get("linear_attn_config") or {})}
+    if "routed_expert_hidden_size" not in text:  # no latent width: a plain MoE
+        text["routed_expert_hidden_size"] = None
+        text.setdefault("latent_moe_use_norm", False)
     model_type = text.get("model_type")
     if model_type not in (HF_TEXT_MODEL_TYPE, None):
         raise _refuse(source, f"text model_type {model_type!r} is not {HF_TEXT_MODEL_TYPE!r} (Kimi Linear / K3)")
@@ -214,13 +300,9 @@ def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
     if hidden_act not in ("situ", "silu"):
         raise _refuse(source, f"hidden_act {hidden_act!r}: k3train implements 'situ' and 'silu' GLUs")
     linear = dict(text.get("linear_attn_config") or {})
-    if linear and not linear.get("use_full_rank_gate", True):
-        raise _refuse(source, "low-rank KDA output gate (linear_attn_config.use_full_rank_gate false, "
-                              "g_a_proj/g_b_proj): k3train implements K3's full-rank g_proj only")
-    num_experts = int(text.get("num_experts", 0) or 0)
-    if num_experts > 0 and text.get("routed_expert_hidden_size") is None:
-        raise _refuse(source, "MoE without routed_expert_hidden_size (not a LatentMoE): k3train implements "
-                              "Stable LatentMoE only")
+    # Kimi Linear's low-rank output gate unless the config says full rank (K3 writes true).
+    full_rank_gate = linear.get("use_full_rank_gate", not bare_kimi_linear)
+    _check_layer_types(text, source)
 
     defaults = ModelConfig()
     values: dict[str, Any] = {}
@@ -237,6 +319,8 @@ def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
             lac_values[name] = linear[name]
     full = linear.get("full_attn_layers")
     kda = linear.get("kda_layers")
+    if full is None and kda is None and text.get("layer_types"):
+        full = [i + 1 for i, kind in enumerate(text["layer_types"]) if kind == "full_attention"]
     if full is None and kda is not None:
         full = [i for i in range(1, num_layers + 1) if i not in set(kda)]
     if full is not None:
@@ -246,20 +330,32 @@ def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
             raise _refuse(source, "linear_attn_config.kda_layers and full_attn_layers do not split layers "
                                   f"1..{num_layers} between them")
         lac_values["full_attn_layers"] = None if full == default_full_attn_layers(num_layers) else full
+    lac_values["output_gate"] = "full" if full_rank_gate else "low_rank"
     lac_values.update(extras.pop("linear_attn_config", None) or {})
     values["linear_attn_config"] = LinearAttnConfig(**_known(LinearAttnConfig, lac_values, source))
 
     if "attn_res_block_size" not in text and "attn_res" not in extras:
         values["attn_res"] = "none"  # no AttnRes in the checkpoint (e.g. a plain Kimi Linear)
-    for name, value in extras.items():
-        if name not in _HF_MODEL_FIELDS:
-            values[name] = value
+    values.update(extras)  # k3train's own record of its config wins (a Kimi Linear export keeps K3 fields here)
     config = ModelConfig(**_known(ModelConfig, values, source))
     try:
         config.validate()
     except ValueError as error:
         raise _refuse(source, str(error)) from None
     return config
+
+
+def _check_layer_types(text: Mapping[str, Any], source: str) -> None:
+    """Refuse transformers' `mlp_layer_types` when they differ from k3train's dense-then-MoE pattern."""
+    kinds = text.get("mlp_layer_types")
+    if not kinds:
+        return
+    first_dense = int(text.get("first_k_dense_replace", 1))
+    has_experts = int(text.get("num_experts", 0) or 0) > 0
+    expected = ["sparse" if has_experts and i >= first_dense else "dense" for i in range(len(kinds))]
+    if list(kinds) != expected:
+        raise _refuse(source, f"mlp_layer_types {list(kinds)}: k3train puts a dense MLP on the first "
+                              "first_k_dense_replace layers and MoE on every later one")
 
 
 def _known(cls: type, values: dict[str, Any], source: str) -> dict[str, Any]:

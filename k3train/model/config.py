@@ -26,6 +26,11 @@ class LinearAttnConfig:
     unbounded `-exp(A_log) * softplus(z)`."""
     gate_low_rank_dim: Optional[int] = None
     """Width of the low-rank gate input `f_b(f_a(x))`; null means `head_dim` (as in K3)."""
+    output_gate: Literal["full", "low_rank"] = "full"
+    """The output gate `sigmoid(g(x))` on the normalised heads: K3's full-rank `g_proj`, or Kimi
+    Linear's low-rank `g_b_proj(g_a_proj(x))` (HF `use_full_rank_gate` true / false)."""
+    output_gate_rank: Optional[int] = None
+    """Inner width of the low-rank output gate; null means `head_dim` (as in Kimi Linear)."""
     full_attn_layers: Optional[list[int]] = None
     """1-based decoder layers that use Gated MLA instead of KDA; null means every 4th layer and
     the last one (K3's pattern)."""
@@ -89,8 +94,9 @@ class ModelConfig:
     """Full-width shared experts (stored as one MLP of num_shared_experts * moe_intermediate_size)."""
     moe_intermediate_size: int = 64
     """Intermediate width of one expert."""
-    routed_expert_hidden_size: int = 64
-    """Latent width the routed experts live in (`d/2` in K3)."""
+    routed_expert_hidden_size: Optional[int] = 64
+    """Latent width the routed experts live in (`d/2` in K3); null: no latent projections, the
+    experts work at `hidden_size` (a plain MoE, as in Kimi Linear; needs `latent_moe_use_norm: false`)."""
     routed_scaling_factor: float = 1.0
     """Multiplier of the renormalised routing weights."""
     moe_renormalize: bool = True
@@ -135,6 +141,19 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def expert_width(self) -> int:
+        """Width the routed experts read and write: the latent width, or `hidden_size` without one."""
+        return self.routed_expert_hidden_size if self.routed_expert_hidden_size is not None else self.hidden_size
+
+    @property
+    def kda_output_gate_rank(self) -> Optional[int]:
+        """Inner width of KDA's low-rank output gate; None for the full-rank `g_proj`."""
+        lac = self.linear_attn_config
+        if lac.output_gate == "full":
+            return None
+        return lac.output_gate_rank if lac.output_gate_rank is not None else lac.head_dim
+
+    @property
     def kda_gate_rank(self) -> int:
         lac = self.linear_attn_config
         return lac.gate_low_rank_dim if lac.gate_low_rank_dim is not None else lac.head_dim
@@ -150,6 +169,10 @@ class ModelConfig:
              "linear_attn_config.full_attn_layers must be 1-based layer numbers within num_hidden_layers"),
             (0 <= self.first_k_dense_replace <= self.num_hidden_layers,
              "first_k_dense_replace must lie in [0, num_hidden_layers]"),
+            (self.routed_expert_hidden_size is not None or not self.latent_moe_use_norm,
+             "latent_moe_use_norm needs a latent width (routed_expert_hidden_size null has no latent)"),
+            (self.linear_attn_config.output_gate in ("full", "low_rank"),
+             "linear_attn_config.output_gate must be 'full' or 'low_rank'"),
             (self.linear_attn_config.gate_lower_bound is None or -5.0 <= self.linear_attn_config.gate_lower_bound < 0,
              "linear_attn_config.gate_lower_bound must be in [-5, 0) or null"),
         ]

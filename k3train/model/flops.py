@@ -84,6 +84,13 @@ def attn_res_source_counts(config: ModelConfig) -> list[int]:
 
 
 # ============================================================================ parameters
+def kda_output_gate_parameters(config: ModelConfig) -> int:
+    """KDA's output gate: `d·W` (full-rank g_proj) or `d·r_g + r_g·W` (low-rank g_a, g_b)."""
+    width = config.linear_attn_config.num_heads * config.linear_attn_config.head_dim
+    rank = config.kda_output_gate_rank
+    return config.hidden_size * width if rank is None else (config.hidden_size + width) * rank
+
+
 def kda_mixer_parameters(config: ModelConfig) -> int:
     """One KDA mixer, `W = H·dh`, `r` the gate rank, `κ` the short-conv kernel:
     `d·W·4 (q, k, v, g_proj) + W·d (o_proj) + 3·W·κ (convs) + d·r + r·W (f_a, f_b)
@@ -91,7 +98,7 @@ def kda_mixer_parameters(config: ModelConfig) -> int:
     lac = config.linear_attn_config
     d, heads, head_dim = config.hidden_size, lac.num_heads, lac.head_dim
     width, rank = heads * head_dim, config.kda_gate_rank
-    return (4 * d * width + width * d + 3 * width * lac.short_conv_kernel_size
+    return (3 * d * width + kda_output_gate_parameters(config) + width * d + 3 * width * lac.short_conv_kernel_size
             + d * rank + rank * width + heads + width + d * heads + head_dim)
 
 
@@ -118,7 +125,7 @@ def glu_mlp_parameters(hidden: int, intermediate: int) -> int:
 def routed_experts_parameters(config: ModelConfig, experts: int) -> int:
     """`experts` routed experts of one layer in the latent width `dl`, inner width `I_e`:
     `experts · 3·dl·I_e`."""
-    return experts * glu_mlp_parameters(config.routed_expert_hidden_size, config.moe_intermediate_size)
+    return experts * glu_mlp_parameters(config.expert_width, config.moe_intermediate_size)
 
 
 def shared_experts_parameters(config: ModelConfig) -> int:
@@ -128,7 +135,7 @@ def shared_experts_parameters(config: ModelConfig) -> int:
 
 def latent_projection_parameters(config: ModelConfig) -> int:
     """`W_down` and `W_up` of one layer plus the latent RMSNorm: `2·d·dl (+ dl)`."""
-    latent = config.routed_expert_hidden_size
+    latent = config.routed_expert_hidden_size or 0  # null: no latent projections
     return 2 * config.hidden_size * latent + (latent if config.latent_moe_use_norm else 0)
 
 
@@ -218,7 +225,7 @@ def kda_projection_flops(config: ModelConfig) -> int:
     lac = config.linear_attn_config
     d, heads, rank = config.hidden_size, lac.num_heads, config.kda_gate_rank
     width = heads * lac.head_dim
-    return 2 * (4 * d * width + width * d + d * rank + rank * width + d * heads)
+    return 2 * (3 * d * width + kda_output_gate_parameters(config) + width * d + d * rank + rank * width + d * heads)
 
 
 def kda_short_conv_flops(config: ModelConfig) -> int:
@@ -300,7 +307,7 @@ def shared_expert_flops(config: ModelConfig) -> int:
 
 def latent_projection_flops(config: ModelConfig) -> int:
     """`W_down` (d → dl) and `W_up` (dl → d) of one MoE layer, forward per token: `2 · 2·d·dl`."""
-    return 2 * 2 * config.hidden_size * config.routed_expert_hidden_size
+    return 2 * 2 * config.hidden_size * (config.routed_expert_hidden_size or 0)
 
 
 def router_flops(config: ModelConfig) -> int:

@@ -47,6 +47,14 @@ def gate_fill(a_log_draws: int) -> TileFill:
     return fill
 
 
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(Σx² + eps)` over the last dim, in fp32: FLA's `l2norm` (what its KDA kernel and
+    transformers' Kimi Linear compute), not `F.normalize`'s `x / max(‖x‖, eps)`, which differs
+    by ~eps/(2‖x‖²) relative: 1e-4 for the small q/k of a freshly initialised model."""
+    x32 = upcast(x)
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class ShortConvolution(nn.Module):
     """Causal depthwise 1-D convolution (no bias) followed by SiLU; weight `[channels, 1, kernel]`."""
 
@@ -83,7 +91,7 @@ class GatedRMSNorm(nn.Module):
 
 class KimiDeltaAttention(nn.Module):
     """Heads split over tensor-parallel ranks: projections, short convolutions and gates are
-    sharded per channel; the low-rank gate input `f_a` and the output norm are replicated."""
+    sharded per channel; the low-rank gate inputs `f_a` (and `g_a`) and the output norm are replicated."""
 
     def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None):
         super().__init__()
@@ -110,8 +118,14 @@ class KimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.dt_bias = nn.Parameter(torch.empty(local_width))
         self.b_proj = column(hidden, heads, per_head=False)
-        # Output: per-head RMSNorm gated by sigmoid(g_proj(x)) (full rank in K3).
-        self.g_proj = column(hidden, width)
+        # Output: per-head RMSNorm gated by sigmoid(g(x)): full-rank g_proj (K3) or low-rank
+        # g_b_proj(g_a_proj(x)) (Kimi Linear).
+        output_rank = config.kda_output_gate_rank
+        if output_rank is None:
+            self.g_proj = column(hidden, width)
+        else:
+            self.g_a_proj = nn.Linear(hidden, output_rank, bias=False)
+            self.g_b_proj = column(output_rank, width, per_head=False)
         self.o_norm = GatedRMSNorm(lac.head_dim, config.rms_norm_eps)
         o_proj = nn.Linear(width, hidden, bias=False)
         mark_head_blocks(o_proj.weight, 1, heads)
@@ -121,7 +135,10 @@ class KimiDeltaAttention(nn.Module):
             tp.mark_sharded(conv.weight, 0, (width, 1, lac.short_conv_kernel_size))
         tp.mark_sharded(self.A_log, 0, (heads,))
         tp.mark_sharded(self.dt_bias, 0, (width,))
-        tp.mark_partial_grad([self.f_a_proj.weight, self.o_norm.weight])
+        replicated = [self.f_a_proj.weight, self.o_norm.weight]
+        if output_rank is not None:
+            replicated.append(self.g_a_proj.weight)
+        tp.mark_partial_grad(replicated)
         self.reset_gate_parameters(seed=0, key="")  # K3Model.init_weights redraws it from its name
 
     @torch.no_grad()
@@ -153,8 +170,8 @@ class KimiDeltaAttention(nn.Module):
         q, q_tail = self.q_conv1d(self.q_proj(x), tails[0])
         k, k_tail = self.k_conv1d(self.k_proj(x), tails[1])
         v, v_tail = self.v_conv1d(self.v_proj(x), tails[2])
-        q = F.normalize(upcast(q.view(batch, seq, heads, head_dim)), dim=-1, eps=1e-6).to(x.dtype)
-        k = F.normalize(upcast(k.view(batch, seq, heads, head_dim)), dim=-1, eps=1e-6).to(x.dtype)
+        q = l2_normalize(q.view(batch, seq, heads, head_dim))
+        k = l2_normalize(k.view(batch, seq, heads, head_dim))
         v = v.view(batch, seq, heads, head_dim)
 
         gate_input = self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, head_dim)
@@ -170,7 +187,8 @@ class KimiDeltaAttention(nn.Module):
             output_final_state=return_cache,
             chunk_size=self.chunk_size,
         )
-        output = self.o_norm(output, self.g_proj(x).view(batch, seq, heads, head_dim))
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        output = self.o_norm(output, gate.view(batch, seq, heads, head_dim))
         output = self.tp.leave(self.o_proj(output.reshape(batch, seq, heads * head_dim)))
         new_cache = KDACache(final_state, (q_tail, k_tail, v_tail)) if return_cache else None
         return output, new_cache

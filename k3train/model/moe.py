@@ -64,7 +64,7 @@ class LocalExperts(nn.Module):
 
     def __init__(self, config: ModelConfig, num_experts: int):
         super().__init__()
-        latent, inner = config.routed_expert_hidden_size, config.moe_intermediate_size
+        latent, inner = config.expert_width, config.moe_intermediate_size
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, inner, latent))
         self.w3 = nn.Parameter(torch.empty(num_experts, inner, latent))
@@ -174,15 +174,16 @@ class LatentMoE(nn.Module):
         tp = tensor_parallel or TensorParallel.single()
         self.expert_parallel = expert_parallel
         self.gate = MoEGate(config)
-        self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
+        latent = config.routed_expert_hidden_size  # None: a plain MoE, no latent projections (Kimi Linear)
+        self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent, bias=False) if latent is not None else None
         num_local = config.num_experts if expert_parallel is None else expert_parallel.num_local_experts
         self.experts = LocalExperts(config, num_local)
         if expert_parallel is not None:
             expert_parallel.mark_expert_params(self.experts)
         self.routed_expert_norm = (
-            RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps) if config.latent_moe_use_norm else None
+            RMSNorm(latent, config.rms_norm_eps) if config.latent_moe_use_norm and latent is not None else None
         )
-        self.routed_expert_up_proj = nn.Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
+        self.routed_expert_up_proj = nn.Linear(latent, config.hidden_size, bias=False) if latent is not None else None
         self.shared_experts = (
             GLUMLP(config, config.hidden_size, config.num_shared_experts * config.moe_intermediate_size, tp)
             if config.num_shared_experts > 0 else None
@@ -208,7 +209,7 @@ class LatentMoE(nn.Module):
                 self.balancer.observe(scores.detach(), self.gate.e_score_correction_bias)
                 flat_ids = expert_ids.flatten()  # scatter_add, not bincount: no host sync on CUDA
                 self.step_expert_load.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-        latent = self.routed_expert_down_proj(tokens)
+        latent = self.routed_expert_down_proj(tokens) if self.routed_expert_down_proj is not None else tokens
         if self.expert_parallel is None:
             routed = self.experts(latent, expert_ids, weights)
         else:
@@ -225,7 +226,7 @@ class LatentMoE(nn.Module):
                     counts[5] += self.last_dispatch.replica_bytes
         if self.routed_expert_norm is not None:
             routed = self.routed_expert_norm(routed)
-        output = self.routed_expert_up_proj(routed).view(shape)
+        output = (self.routed_expert_up_proj(routed) if self.routed_expert_up_proj is not None else routed).view(shape)
         if self.shared_experts is not None:  # [batch, seq, hidden]: a TP region gathers the sequence
             output = output + self.shared_experts(x)
         return output

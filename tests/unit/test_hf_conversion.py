@@ -403,10 +403,11 @@ def test_hub_file_order_of_a_layer_is_the_published_listing():
                                                P + "norm.weight", HF_LM_HEAD]
 
 
-def test_attn_res_full_or_none_is_refused_on_export_unless_allowed():
+def test_attn_res_full_or_none_exports_without_the_old_flag():
+    # Formerly refused unless allow_k3train_only: the bundled remote code now runs every mode
+    # (tests/unit/test_hf_remote_code.py); the flag is still accepted.
     for mode in ("full", "none"):
-        with pytest.raises(HFConversionError, match="only Block AttnRes"):
-            to_hf_config(ModelConfig(attn_res=mode))
+        assert to_hf_config(ModelConfig(attn_res=mode))["text_config"]["k3train"]["attn_res"] == mode
         assert to_hf_config(ModelConfig(attn_res=mode), allow_k3train_only=True)["text_config"]["k3train"]["attn_res"] == mode
 
 
@@ -418,8 +419,8 @@ def test_variant_model_round_trips_through_the_tool(tmp_path):
                          intermediate_size=96, linear_attn_config=LinearAttnConfig(num_heads=2, head_dim=32))
     state = _save_run(tmp_path / "run", config, with_optimizer=False)
     args = ["to-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--dtype", "fp32", "--quiet"]
-    assert convert.main(args + ["--pad-a-log"]) == 2  # attn_res none needs the explicit flag
-    assert convert.main(args + ["--pad-a-log", "--allow-k3train-only"]) == 0
+    assert convert.main(args + ["--pad-a-log"]) == 0  # attn_res none exports (formerly needed the flag)
+    assert convert.main(args + ["--pad-a-log", "--allow-k3train-only", "--overwrite"]) == 0  # still accepted
     headers = _headers(tmp_path / "hf")
     assert HF_LM_HEAD not in headers
     assert headers[P + "layers.0.self_attn.A_log"][1] == (32,)
@@ -490,7 +491,6 @@ def _debug_hf_config() -> dict:
     (lambda c: c["text_config"].update(num_expert_group=8, topk_group=4), "grouped top-k"),
     (lambda c: c.update(quantization_config={"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}),
      "quantised checkpoint"),
-    (lambda c: c["text_config"]["linear_attn_config"].update(use_full_rank_gate=False), "low-rank KDA output gate"),
     (lambda c: c["text_config"].update(num_nextn_predict_layers=1), "multi-token-prediction"),
 ])
 def test_unrepresentable_configs_are_refused(change, message):
@@ -499,6 +499,15 @@ def test_unrepresentable_configs_are_refused(change, message):
     with pytest.raises(HFConversionError, match=message) as info:
         from_hf_config(config)
     assert "\n" not in str(info.value)
+
+
+def test_a_low_rank_output_gate_config_imports_as_low_rank():
+    # Formerly refused; k3train now has Kimi Linear's low-rank g_a_proj/g_b_proj output gate.
+    config = _debug_hf_config()
+    config["text_config"]["linear_attn_config"]["use_full_rank_gate"] = False
+    model_config = from_hf_config(config)
+    assert model_config.linear_attn_config.output_gate == "low_rank"
+    assert model_config.kda_output_gate_rank == model_config.linear_attn_config.head_dim
 
 
 def test_unloadable_tensors_are_refused():

@@ -1,0 +1,434 @@
+"""Kimi K3 text model for `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`.
+
+Written by k3train's `tools/convert_checkpoint.py to-hf` beside the weights; needs torch and
+transformers only (never k3train). It computes what k3train's `K3Model` computes, in eval mode:
+Block/Full Attention Residuals with the output aggregation (or plain residuals), Gated MLA with
+NoPE, Kimi Delta Attention with the bounded (or unbounded) decay gate and a full- or low-rank
+output gate, Stable LatentMoE (latent RMSNorm, SiTU-GLU or SwiGLU experts, shared experts, the
+balancing bias `e_score_correction_bias` in the top-k choice). Parameter names are the hub's
+(`language_model.model.…`). KDA runs its recurrence token by token in fp32 (exact, slow: for
+checks and small models); `generate()` keeps a cache per layer (KDA recurrent state and
+short-convolution tails, MLA keys and values), so each new token costs one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+try:
+    from .configuration_kimi_k3 import KimiK3Config
+except ImportError:  # loaded as a top-level module (tests)
+    from configuration_kimi_k3 import KimiK3Config
+
+LATENT_NORM_EPS = 1e-6  # MLA's q_a/kv_a layernorms
+
+
+def up(x: torch.Tensor) -> torch.Tensor:
+    """fp32 or wider: norms, gates, router, mixes and the KDA recurrence never run in bf16
+    (float64 stays float64, so the model can be checked in float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+class TextSettings:
+    """`text_config` with K3's meaning of every field (k3train's ModelConfig names)."""
+
+    def __init__(self, text: dict):
+        extras = dict(text.get("k3train") or {})
+        linear = dict(text.get("linear_attn_config") or {})
+        linear.update(extras.get("linear_attn_config") or {})
+        self.text, self.extras, self.linear = text, extras, linear
+
+    def __getattr__(self, name):
+        for source in (self.extras, self.text):
+            if name in source:
+                return source[name]
+        raise AttributeError(name)
+
+    def get(self, name, default=None):
+        for source in (self.extras, self.text):
+            if name in source:
+                return source[name]
+        return default
+
+    @property
+    def attn_res(self) -> str:
+        return self.get("attn_res", "block" if "attn_res_block_size" in self.text else "none")
+
+    def is_mla(self, layer: int) -> bool:
+        return (layer + 1) in set(self.linear.get("full_attn_layers") or [])
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.get("first_k_dense_replace", 1) and (self.get("num_experts", 0) or 0) > 0
+
+    def closes_block(self, layer: int, sublayer: str) -> bool:
+        if self.attn_res == "full":
+            return True
+        return self.attn_res == "block" and sublayer == "mixer" and layer % self.attn_res_block_size == 0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = up(x)
+        return (up(self.weight) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def glu(settings: TextSettings, gate: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if settings.get("hidden_act", "situ") == "silu":
+        return F.silu(gate) * value
+    beta, linear_beta = settings.get("activation_situ_beta", 4.0), settings.get("activation_situ_linear_beta", 25.0)
+    g32, u32 = up(gate), up(value)
+    return (beta * torch.tanh(g32 / beta) * torch.sigmoid(g32) * (linear_beta * torch.tanh(u32 / linear_beta))).to(gate.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, settings: TextSettings, hidden: int, inner: int):
+        super().__init__()
+        self.settings = settings
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(glu(self.settings, self.gate_proj(x), self.up_proj(x)))
+
+
+class Expert(nn.Module):
+    def __init__(self, settings: TextSettings, width: int, inner: int):
+        super().__init__()
+        self.settings = settings
+        self.w1 = nn.Linear(width, inner, bias=False)
+        self.w3 = nn.Linear(width, inner, bias=False)
+        self.w2 = nn.Linear(inner, width, bias=False)
+
+    def forward(self, x):
+        return self.w2(glu(self.settings, self.w1(x), self.w3(x)))
+
+
+class Router(nn.Module):
+    def __init__(self, s: TextSettings):
+        super().__init__()
+        self.s = s
+        self.weight = nn.Parameter(torch.empty(s.num_experts, s.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(s.num_experts, dtype=torch.float32))
+
+    def forward(self, x):
+        scores = torch.sigmoid(F.linear(up(x), up(self.weight)))
+        ids = (scores + self.e_score_correction_bias).topk(self.s.num_experts_per_token, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.s.get("moe_renormalize", True):
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * self.s.get("routed_scaling_factor", 1.0)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, s: TextSettings):
+        super().__init__()
+        latent = s.get("routed_expert_hidden_size")
+        width = latent if latent is not None else s.hidden_size
+        self.gate = Router(s)
+        if latent is not None:
+            self.routed_expert_down_proj = nn.Linear(s.hidden_size, latent, bias=False)
+            if s.get("latent_moe_use_norm", True):
+                self.routed_expert_norm = RMSNorm(latent, s.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(latent, s.hidden_size, bias=False)
+        self.experts = nn.ModuleList(Expert(s, width, s.moe_intermediate_size) for _ in range(s.num_experts))
+        if s.get("num_shared_experts", 0):
+            self.shared_experts = MLP(s, s.hidden_size, s.num_shared_experts * s.moe_intermediate_size)
+
+    def forward(self, x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        ids, weights = self.gate(tokens)
+        latent = self.routed_expert_down_proj(tokens) if hasattr(self, "routed_expert_down_proj") else tokens
+        combined = torch.zeros(latent.shape, dtype=up(latent).dtype, device=latent.device)
+        for expert_index, expert in enumerate(self.experts):
+            token_index, slot = torch.where(ids == expert_index)
+            if token_index.numel():
+                out = up(expert(latent[token_index])) * weights[token_index, slot, None]
+                combined.index_add_(0, token_index, out)
+        routed = combined.to(latent.dtype)
+        if hasattr(self, "routed_expert_norm"):
+            routed = self.routed_expert_norm(routed)
+        if hasattr(self, "routed_expert_up_proj"):
+            routed = self.routed_expert_up_proj(routed)
+        output = routed.view(shape)
+        if hasattr(self, "shared_experts"):
+            output = output + self.shared_experts(x)
+        return output
+
+
+@dataclass
+class LayerCache:
+    """One layer's state between calls: KDA's recurrent state and conv tails, or MLA's keys/values."""
+
+    state: Optional[torch.Tensor] = None
+    tails: dict = field(default_factory=dict)
+    keys: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+
+
+class KimiK3Cache:
+    """What `generate()` carries from step to step: one `LayerCache` per layer and the tokens seen."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [LayerCache() for _ in range(num_layers)]
+        self.seen = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+
+class ShortConvolution(nn.Module):
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.kernel = kernel
+
+    def forward(self, x, tail):
+        channels_first = x.transpose(1, 2)
+        if tail is None:
+            tail = channels_first.new_zeros(x.shape[0], x.shape[2], self.kernel - 1)
+        padded = torch.cat([tail, channels_first], dim=-1)
+        out = F.conv1d(padded, self.weight.to(x.dtype), groups=x.shape[2])
+        return F.silu(out).transpose(1, 2), padded[..., padded.shape[-1] - (self.kernel - 1):]
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, s: TextSettings):
+        super().__init__()
+        lin = s.linear
+        heads, head_dim, hidden = lin["num_heads"], lin["head_dim"], s.hidden_size
+        width, kernel = heads * head_dim, lin.get("short_conv_kernel_size", 4)
+        self.heads, self.head_dim, self.lower_bound = heads, head_dim, lin.get("gate_lower_bound", -5.0)
+        for name in ("q", "k", "v"):
+            setattr(self, f"{name}_proj", nn.Linear(hidden, width, bias=False))
+            setattr(self, f"{name}_conv1d", ShortConvolution(width, kernel))
+        rank = lin.get("gate_low_rank_dim") or head_dim
+        self.f_a_proj = nn.Linear(hidden, rank, bias=False)
+        self.f_b_proj = nn.Linear(rank, width, bias=False)
+        self.A_log = nn.Parameter(torch.empty(heads))
+        self.dt_bias = nn.Parameter(torch.empty(width))
+        self.b_proj = nn.Linear(hidden, heads, bias=False)
+        if lin.get("use_full_rank_gate", True):
+            self.g_proj = nn.Linear(hidden, width, bias=False)
+        else:
+            output_rank = lin.get("output_gate_rank") or head_dim
+            self.g_a_proj = nn.Linear(hidden, output_rank, bias=False)
+            self.g_b_proj = nn.Linear(output_rank, width, bias=False)
+        self.o_norm = RMSNorm(head_dim, s.rms_norm_eps)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+
+    @staticmethod
+    def l2_normalize(x):
+        x32 = up(x)
+        return x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+    def forward(self, x, cache: Optional[LayerCache]):
+        batch, seq, _ = x.shape
+        heads, dim = self.heads, self.head_dim
+        tails = cache.tails if cache is not None else {}
+        streams = {}
+        for name in ("q", "k", "v"):
+            out, tail = getattr(self, f"{name}_conv1d")(getattr(self, f"{name}_proj")(x), tails.get(name))
+            streams[name], tails[name] = out.view(batch, seq, heads, dim), tail
+        q, k = self.l2_normalize(streams["q"]), self.l2_normalize(streams["k"])
+        v = up(streams["v"])
+        z = up(self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, dim))
+        shifted = z + up(self.dt_bias).view(heads, dim)
+        rate = up(self.A_log).exp().unsqueeze(-1)
+        if self.lower_bound is not None:
+            g = self.lower_bound * torch.sigmoid(rate * shifted)
+        else:
+            g = -rate * F.softplus(shifted)
+        beta = torch.sigmoid(up(self.b_proj(x)))
+        state = cache.state if cache is not None and cache.state is not None else x.new_zeros(
+            batch, heads, dim, dim, dtype=up(x).dtype)
+        q = q * dim ** -0.5
+        outputs = []
+        for t in range(seq):
+            state = state * g[:, t].exp().unsqueeze(-1)
+            predicted = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
+            state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t].unsqueeze(-1) * (v[:, t] - predicted))
+            outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+        if cache is not None:
+            cache.state, cache.tails = state, tails
+        o = torch.stack(outputs, dim=1).to(x.dtype)
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o32 = up(o)
+        normed = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.o_norm.eps) * up(self.o_norm.weight)
+        o = (normed * torch.sigmoid(up(gate.view(batch, seq, heads, dim)))).to(x.dtype)
+        return self.o_proj(o.reshape(batch, seq, heads * dim))
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, s: TextSettings):
+        super().__init__()
+        hidden, heads = s.hidden_size, s.num_attention_heads
+        self.heads, self.nope, self.rope, self.v_dim = heads, s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim
+        self.kv_rank = s.kv_lora_rank
+        qk = self.nope + self.rope
+        if s.get("q_lora_rank") is None:
+            self.q_proj = nn.Linear(hidden, heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, s.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(s.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(s.q_lora_rank, heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_rank, heads * (self.nope + self.v_dim), bias=False)
+        if s.get("mla_use_output_gate", True):
+            self.g_proj = nn.Linear(hidden, heads * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
+        self.scale = qk ** -0.5
+
+    def forward(self, x, cache: Optional[LayerCache]):
+        batch, seq, _ = x.shape
+        heads = self.heads
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(batch, seq, heads, -1)
+        compressed, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(compressed)).view(batch, seq, heads, -1)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, heads, -1)], dim=-1)  # NoPE: never rotated
+        past = 0
+        if cache is not None:
+            if cache.keys is not None:
+                past = cache.keys.shape[1]
+                k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)
+            cache.keys, cache.values = k, v
+        if past == 0:
+            attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      is_causal=True, scale=self.scale)
+        else:
+            mask = torch.arange(seq, device=x.device)[:, None] + past >= torch.arange(past + seq, device=x.device)[None]
+            attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      attn_mask=mask, scale=self.scale)
+        attended = attended.transpose(1, 2)
+        if hasattr(self, "g_proj"):
+            attended = attended * torch.sigmoid(self.g_proj(x)).view(batch, seq, heads, -1)
+        return self.o_proj(attended.reshape(batch, seq, heads * self.v_dim))
+
+
+def attn_res_mix(sources, norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
+    """Depth attention over `sources`: softmax of `(γ ⊙ w)ᵀ RMSNorm(v_i)` weighting the raw `v_i`."""
+    values = torch.stack([up(source) for source in sources], dim=-2)
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.eps)
+    probabilities = (keys * (up(norm.weight) * up(proj.weight[0]))).sum(-1).softmax(-1)
+    return (probabilities.unsqueeze(-2) @ values).squeeze(-2).to(sources[0].dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: TextSettings, index: int):
+        super().__init__()
+        self.s, self.index = s, index
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = GatedMLA(s) if s.is_mla(index) else KimiDeltaAttention(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        if s.is_moe(index):
+            self.block_sparse_moe = LatentMoE(s)
+        else:
+            self.mlp = MLP(s, s.hidden_size, s.intermediate_size)
+        if s.attn_res != "none":
+            for name in ("self_attention_res", "mlp_res"):
+                setattr(self, f"{name}_norm", RMSNorm(s.hidden_size, s.rms_norm_eps))
+                setattr(self, f"{name}_proj", nn.Linear(s.hidden_size, 1, bias=False))
+
+    def sublayer(self, blocks, partial, name, sublayer_kind, norm, run):
+        if self.s.attn_res == "none":
+            return blocks, partial + run(norm(partial))
+        sources = blocks + [partial]
+        mixed = sources[0] if len(sources) == 1 else attn_res_mix(
+            sources, getattr(self, f"{name}_norm"), getattr(self, f"{name}_proj"))
+        output = run(norm(mixed))
+        if self.s.closes_block(self.index, sublayer_kind):
+            return blocks + [partial], output
+        return blocks, partial + output
+
+    def forward(self, blocks, partial, cache: Optional[LayerCache]):
+        blocks, partial = self.sublayer(blocks, partial, "self_attention_res", "mixer", self.input_layernorm,
+                                        lambda h: self.self_attn(h, cache))
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return self.sublayer(blocks, partial, "mlp_res", "ffn", self.post_attention_layernorm, ffn)
+
+
+class KimiK3TextModel(nn.Module):
+    def __init__(self, s: TextSettings):
+        super().__init__()
+        self.s = s
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_hidden_layers))
+        if s.attn_res != "none":
+            self.output_attn_res_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(s.hidden_size, 1, bias=False)
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(self, input_ids, cache: Optional[KimiK3Cache]):
+        blocks, partial = [], self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers):
+            blocks, partial = layer(blocks, partial, cache.layers[index] if cache is not None else None)
+        sources = blocks + [partial]
+        if self.s.attn_res == "none" or len(sources) == 1:
+            return self.norm(partial if self.s.attn_res == "none" else sources[0])
+        return self.norm(attn_res_mix(sources, self.output_attn_res_norm, self.output_attn_res_proj))
+
+
+class KimiK3LanguageModel(nn.Module):
+    def __init__(self, s: TextSettings):
+        super().__init__()
+        self.model = KimiK3TextModel(s)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+
+
+class KimiK3PreTrainedModel(PreTrainedModel):
+    config_class = KimiK3Config
+    base_model_prefix = "language_model"
+    _no_split_modules = ["DecoderLayer"]
+
+    def _init_weights(self, module):
+        pass  # every tensor comes from the checkpoint
+
+
+class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
+    def __init__(self, config: KimiK3Config):
+        super().__init__(config)
+        text = config.text_config
+        self.settings = TextSettings(text.to_dict() if hasattr(text, "to_dict") else dict(text))
+        self.language_model = KimiK3LanguageModel(self.settings)
+        if self.settings.get("tie_word_embeddings", False):
+            self.language_model.lm_head.weight = self.language_model.model.embed_tokens.weight
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.language_model.model.embed_tokens
+
+    def forward(self, input_ids=None, past_key_values=None, use_cache=None, attention_mask=None, **kwargs):
+        cache = past_key_values if isinstance(past_key_values, KimiK3Cache) else None
+        if cache is None and use_cache:
+            cache = KimiK3Cache(len(self.language_model.model.layers))
+        if cache is not None:
+            input_ids = input_ids[:, cache.seen:]  # the tokens not yet in the cache
+        hidden = self.language_model.model(input_ids, cache)
+        logits = self.language_model.lm_head(hidden)
+        if cache is not None:
+            cache.seen += input_ids.shape[1]
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
+        cache = past_key_values if isinstance(past_key_values, KimiK3Cache) else None
+        return {"input_ids": input_ids, "past_key_values": cache, "use_cache": True}
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        model_kwargs["past_key_values"] = outputs.past_key_values
+        return model_kwargs
