@@ -18,15 +18,17 @@ import torch
 from k3train.training.build import RankJob
 
 
-def pipeline_expert_traffic(job: RankJob, micro_batches: int) -> dict[str, tuple[int, int]]:
+def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: int = 0) -> dict[str, tuple[int, int]]:
     """Exact (bytes, messages) of one step on this rank for the pipeline hops (`pp.forward`,
     `pp.backward`: one isend per tensor, the exact-delta protocol) and the expert all-to-alls
-    (`ep`), in comm.py's convention. Per MoE layer and micro-batch, forward: (balanced) the
-    all-gather of the `[1, E]` int64 loads, the replica weights `[R, slots, 3·I·l]` in the
-    parameters' dtype; the dispatch `[R, C, l]`, its ids `[R, C]` int32 and the combine
-    `[R, C, l]`; backward: the adjoints of dispatch, combine and replicas; per step, the expert
-    share of the gradient norm (one fp32 scalar). `recompute: sublayer`
-    repeats the forward all-to-alls that autograd tracks in backward (not modelled: refused)."""
+    (`ep`), in comm.py's convention. Per MoE layer and micro-batch: (balanced) the all-gather of
+    the `[1, E]` int64 loads; the dispatch `[R, C, l]`, its ids `[R, C]` int32 and the combine
+    `[R, C, l]`, and in backward the adjoints of dispatch and combine. Per step and layer
+    (balanced): the replica weights this rank sends and their gradients back, `replica_matrices`
+    expert matrices each way; how many depends on the previous step's loads (none on the first
+    step, at most `max_replicas` per receiving rank), so the caller says. Per step: the expert
+    share of the gradient norm (one fp32 scalar). `recompute: sublayer` repeats the forward
+    all-to-alls that autograd tracks in backward (not modelled: refused)."""
     config = job.config
     cfg, layout = config.model, job.parallel.layout
     b, s, h, tp = config.train.micro_batch_size, config.data.seq_length, cfg.hidden_size, layout.tp
@@ -52,12 +54,19 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int) -> dict[str, tuple
         shapes = ep.buffer_shapes(b * s // (tp if sp else 1), cfg.num_experts_per_token,
                                   cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
         rows = math.prod(shapes["dispatch"]) * activation
+        # Per layer and micro-batch: dispatch + combine and their adjoints, the int32 slot ids,
+        # and (balanced) the all-gather of the [1, E] int64 loads the routing plan is made from.
         nbytes = 4 * rows + math.prod(shapes["dispatch_ids"]) * 4
         messages = 5
         if "replica_weights" in shapes:
-            nbytes += cfg.num_experts * 8 + 2 * math.prod(shapes["replica_weights"]) * weight
-            messages += 3
-        out["ep"] = (micro_batches * moe * nbytes, micro_batches * moe * messages)
+            nbytes += cfg.num_experts * 8
+            messages += 1
+        total = (micro_batches * moe * nbytes, micro_batches * moe * messages)
+        if "replica_weights" in shapes and replica_matrices:
+            # Once per step and layer: the replicas this rank sends out, and their gradients back.
+            matrix = math.prod(shapes["replica_weights"][1:]) * weight
+            total = (total[0] + moe * 2 * replica_matrices * matrix, total[1] + moe * 2)
+        out["ep"] = total
     if ep is not None:  # the expert share of the global gradient norm: one fp32 scalar (`norm_shares`)
         nbytes, messages = out.get("ep", (0, 0))
         out["ep"] = (nbytes + 4, messages + 1)
@@ -83,7 +92,9 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
         out[bucket.reduction.group.name] += bucket.nbytes
     for exchange in job.optimizer._exchanges:
         out[exchange.group.name] += exchange.length * torch.empty((), dtype=exchange.dtype).element_size()
-    for group, (nbytes, _) in pipeline_expert_traffic(job, micro_batches).items():
+    # Steady state: every rank receives its full `max_replicas` (spare slots are filled).
+    replicas = job.expert_parallel.max_replicas if job.expert_parallel is not None else 0
+    for group, (nbytes, _) in pipeline_expert_traffic(job, micro_batches, replicas).items():
         out[group.split(".")[0]] += nbytes
     return dict(out)
 

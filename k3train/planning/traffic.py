@@ -167,8 +167,11 @@ def step_traffic_terms(
         name = routing_group.name
         experts = cfg.num_experts
         # One all-reduce pools every layer's summable statistics (`moe.pool_routing_statistics`).
-        pooled_elements = moe_layers * (experts + 4)
-        described = f"{moe_layers} × (E+4) loads"
+        # Per layer: E token loads plus the dispatch counters, read off the built model.
+        counters = next(module.step_dispatch_counts.numel() for module in model.modules()
+                        if hasattr(module, "step_dispatch_counts"))
+        pooled_elements = moe_layers * (experts + counters)
+        described = f"{moe_layers} × (E+{counters}) loads and dispatch counters"
         if cfg.balancer == "quantile_histogram":
             pooled_elements += moe_layers * experts * cfg.balancer_bins
             described += f" + {moe_layers} × E×bins histograms"
