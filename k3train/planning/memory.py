@@ -210,19 +210,27 @@ def optimizer_state_elements(job: RankJob) -> float:
 
 
 def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -> float:
-    """Per MoE layer and micro-batch in flight, the dispatch and combine buffers autograd keeps,
-    plus the replica weights received in `balanced` mode (`ExpertParallel.buffer_shapes`)."""
+    """Per MoE layer and micro-batch in flight, the dispatch and combine buffers autograd keeps
+    (`ExpertParallel.buffer_shapes`)."""
     ep = job.expert_parallel
     if ep is None or not moe_layers:
         return 0.0
     cfg = job.config.model
     shapes = ep.buffer_shapes(int(shape.outside_tokens), cfg.num_experts_per_token,
                               cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
-    total = (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * shape.element_bytes
-    if "replica_weights" in shapes:
-        _, slots, width = shapes["replica_weights"]
-        total += slots * width * 4
-    return total * moe_layers
+    return (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * shape.element_bytes * moe_layers
+
+
+def replica_weight_bytes(job: RankJob, moe_layers: int) -> float:
+    """`balanced` mode: the replica weights a rank holds for the whole step (fetched once per
+    step and layer, `max_replicas` expert matrices), and their gradients, in fp32."""
+    ep = job.expert_parallel
+    if ep is None or not moe_layers or not ep.max_replicas:
+        return 0.0
+    cfg = job.config.model
+    shapes = ep.buffer_shapes(1, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
+    slots, width = shapes["replica_weights"]
+    return 2 * slots * width * 4 * moe_layers
 
 
 def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: AttentionKernel = "flash") -> RankMemory:
@@ -246,7 +254,10 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
         block_bytes = shape.outside_tokens * cfg.hidden_size * element
         blocks = theoretical_peak_blocks(job.plan, pp_rank, micro_batches) * block_bytes
     return RankMemory(pp_rank, parameters, parameters * 4.0, parameters * 4.0, optimizer_state_elements(job) * 4.0,
-                      activations, blocks, expert_buffer_bytes(job, shape, 1) * moe_in_flight, tuple(in_flight))
+                      activations, blocks,
+                      expert_buffer_bytes(job, shape, 1) * moe_in_flight
+                      + replica_weight_bytes(job, sum(cfg.is_moe_layer(i) for r in layer_ranges for i in range(*r))),
+                      tuple(in_flight))
 
 
 __all__ = ["ActivationShape", "RankMemory", "MEMORY_HEADER", "rank_memory", "chunk_activation_bytes",
