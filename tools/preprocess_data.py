@@ -114,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as error:
         print(f"preprocess_data: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # e.g. an output prefix under a file, a full disk, no permission
+        where = error.filename or args.output_prefix
+        print(f"preprocess_data: cannot write {where} ({error.strerror or error}); "
+              f"choose a --output-prefix in a writable directory", file=sys.stderr)
+        return 2
 
     itemsize = writer.dtype.itemsize
     print(f"preprocess_data: {writer.num_documents:,} documents, {writer.num_tokens:,} tokens "

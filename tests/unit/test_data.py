@@ -415,3 +415,17 @@ def test_preprocess_reports_bad_jsonl(tmp_path, capsys):
                                    str(tmp_path / "bad"), "--quiet"])
     assert status == 2 and "bad.jsonl:1" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["bad.jsonl"]  # no .bin/.idx or temporaries left
+
+
+def test_preprocess_reports_an_unwritable_output_prefix_in_one_line(tmp_path, capsys):
+    sys.path.insert(0, str(CHECKOUT / "tools"))
+    try:
+        import preprocess_data
+    finally:
+        sys.path.remove(str(CHECKOUT / "tools"))
+    (tmp_path / "a.txt").write_text("hello\n", encoding="utf-8")
+    (tmp_path / "taken").write_text("a file, not a folder\n", encoding="utf-8")
+    status = preprocess_data.main(["--input", str(tmp_path / "a.txt"), "--output-prefix",
+                                   str(tmp_path / "taken" / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "cannot write" in err and "Traceback" not in err
