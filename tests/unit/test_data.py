@@ -404,12 +404,18 @@ def test_preprocess_cli_txt_and_jsonl(tmp_path):
         "First paragraph,\nstill first.", "Second paragraph."]
 
 
-def test_preprocess_reports_bad_jsonl(tmp_path, capsys):
+def _preprocess_module():
+    """tools/preprocess_data.py imported as a module, to call its `main` in-process."""
     sys.path.insert(0, str(CHECKOUT / "tools"))
     try:
         import preprocess_data
     finally:
         sys.path.remove(str(CHECKOUT / "tools"))
+    return preprocess_data
+
+
+def test_preprocess_reports_bad_jsonl(tmp_path, capsys):
+    preprocess_data = _preprocess_module()
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n', encoding="utf-8")
     status = preprocess_data.main(["--input", str(tmp_path / "bad.jsonl"), "--output-prefix",
                                    str(tmp_path / "bad"), "--quiet"])
@@ -418,11 +424,7 @@ def test_preprocess_reports_bad_jsonl(tmp_path, capsys):
 
 
 def test_preprocess_reports_an_unwritable_output_prefix_in_one_line(tmp_path, capsys):
-    sys.path.insert(0, str(CHECKOUT / "tools"))
-    try:
-        import preprocess_data
-    finally:
-        sys.path.remove(str(CHECKOUT / "tools"))
+    preprocess_data = _preprocess_module()
     (tmp_path / "a.txt").write_text("hello\n", encoding="utf-8")
     (tmp_path / "taken").write_text("a file, not a folder\n", encoding="utf-8")
     status = preprocess_data.main(["--input", str(tmp_path / "a.txt"), "--output-prefix",
