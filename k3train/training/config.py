@@ -37,7 +37,7 @@ class TrainConfig:
     """Stop after this many consecutive steps with a NaN/Inf loss or gradient norm (each is skipped)."""
     num_threads: int = 0
     """Intra-op CPU threads per process; 0 means OMP_NUM_THREADS when set, else the cores this
-    process may use divided among the ranks on its machine."""
+    process may use that the machine's load leaves free, divided among the ranks on its machine."""
     stop_grace_s: float = 60.0
     """After SIGTERM/SIGINT, seconds the step in progress may take before the process exits without
     saving (status 4): a rank blocked on a collective whose peer stopped answering cannot finish
