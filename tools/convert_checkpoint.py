@@ -288,7 +288,8 @@ def to_hf(args: argparse.Namespace) -> int:
     else:
         hf_config = to_hf_config(
             model_config, dtype=dtype, max_position_embeddings=args.max_position_embeddings,
-            allow_k3train_only=args.allow_k3train_only, **special_token_ids(job.data.tokenizer),
+            allow_k3train_only=args.allow_k3train_only, a_log_width=a_log_width,
+            **special_token_ids(job.data.tokenizer),
         )
     specs = hf_tensor_specs(model_config, a_log_width=a_log_width, layout=layout)
     reader = CheckpointTensorReader(checkpoint)

@@ -70,8 +70,12 @@ def to_hf_config(
     pad_token_id: Optional[int] = None,
     max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
     allow_k3train_only: bool = False,
+    a_log_width: Optional[int] = None,
 ) -> dict[str, Any]:
     """The hub `config.json` of `config` (no `quantization_config`; docs/hf_conversion.md).
+
+    `a_log_width`: the width `A_log` is written with (`to-hf --pad-a-log`), recorded as
+    `linear_attn_config.a_log_shape` so the bundled remote code declares the stored shape.
 
     Fields with no HF name (attn_res mode, balancer, recompute, init_std, KDA chunk size, …) go
     into `text_config["k3train"]`, so `from_hf_config` restores the exact ModelConfig.
@@ -114,6 +118,8 @@ def to_hf_config(
             "full_attn_layers": full,
         },
     })
+    if a_log_width is not None and a_log_width != lac.num_heads:
+        text["linear_attn_config"]["a_log_shape"] = [int(a_log_width)]
     if config.attn_res == "none":
         text.pop("attn_res_block_size")
     for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
@@ -154,12 +160,13 @@ def kimi_linear_refusal(config: ModelConfig) -> Optional[str]:
          "experts work at hidden width: null)"),
         (not config.latent_moe_use_norm, "the latent MoE RMSNorm (model.latent_moe_use_norm; Kimi Linear: false)"),
         (config.num_experts == 0 or config.num_shared_experts >= 1,
-         "MoE without a shared expert (model.num_shared_experts=0; Kimi Linear has at least 1)"),
+         "a routed-only MoE (model.num_shared_experts=0; Kimi Linear has at least 1 shared expert)"),
         (not config.mla_use_output_gate, "the Gated MLA output gate (model.mla_use_output_gate; Kimi Linear: false)"),
         (lac.gate_lower_bound is None,
          f"the bounded KDA decay gate (model.linear_attn_config.gate_lower_bound={lac.gate_lower_bound}; Kimi Linear: null)"),
         (lac.output_gate == "low_rank", "the full-rank KDA output gate (model.linear_attn_config.output_gate=full; "
-                                        "transformers' Kimi Linear implements low_rank only)"),
+                                        "it has the low-rank g_a_proj/g_b_proj gate only: train with "
+                                        "model.linear_attn_config.output_gate=low_rank)"),
         (config.kda_output_gate_rank in (None, lac.head_dim),
          f"a KDA output gate rank other than head_dim (model.linear_attn_config.output_gate_rank={lac.output_gate_rank})"),
         (config.kda_gate_rank == lac.head_dim,
@@ -188,7 +195,8 @@ def to_kimi_linear_config(
     config.validate()
     refusal = kimi_linear_refusal(config)
     if refusal is not None:
-        raise HFConversionError(f"cannot export as Kimi Linear: transformers' KimiLinearForCausalLM has no {refusal}")
+        raise HFConversionError(f"cannot export as Kimi Linear: transformers' KimiLinearForCausalLM lacks {refusal}; "
+                                "--format kimi_k3 exports every K3 feature (with remote code)")
     # transformers sizes the embedding's padding_idx from pad_token_id: an id outside the
     # vocabulary (a tokenizer's id the padded vocabulary does not hold) fails to load, leave it out.
     ids = {key: (value if value is not None and 0 <= value < config.vocab_size else None)

@@ -182,3 +182,18 @@ def test_k3_only_features_are_refused_in_one_line(changes, feature, tmp_path, ca
                          "--format", "kimi_linear", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot export as Kimi Linear") and feature in err and "\n" not in err
+
+
+def test_full_rank_kda_output_gate_refusal_names_the_feature_and_the_fix(tmp_path, capsys):
+    """transformers' Kimi Linear has the low-rank output gate only: a full-rank K3 gate is refused
+    in one line that names it, the option to train with instead, and the format that exports it."""
+    lac = LinearAttnConfig(num_heads=4, head_dim=16, gate_lower_bound=None, output_gate="full", full_attn_layers=[2, 4])
+    _save_run(tmp_path / "run", kimi_linear_model_config(linear_attn_config=lac), with_optimizer=False)
+    capsys.readouterr()
+    assert convert.main(["to-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf"),
+                         "--format", "kimi_linear", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    print(err)
+    assert "\n" not in err and not (tmp_path / "hf" / "config.json").exists()
+    for part in ("full-rank KDA output gate", "model.linear_attn_config.output_gate=low_rank", "--format kimi_k3"):
+        assert part in err, part
