@@ -69,6 +69,19 @@ def test_remote_code_export_computes_k3train_logits_and_greedy_decode(attn_res, 
               f"fp64 {fp64:.3g}")
         assert fp32 <= TOLERANCE and fp64 <= 1e-9, (length, fp32, fp64)
 
+    # A prompt in two pieces through the cache (the second chunkwise from the cached KDA state),
+    # split inside a chunk: the chunk edges move, so the algorithm is checked in float64.
+    with torch.no_grad():
+        remote.double()
+        whole = remote(input_ids=tokens).logits
+        first = remote(input_ids=tokens[:, :9], use_cache=True)
+        second = remote(input_ids=tokens, past_key_values=first.past_key_values, use_cache=True)
+        remote.float()
+    pieces = (torch.cat([first.logits, second.logits], dim=1) - whole).abs().max().item()
+    print(f"remote K3 ({attn_res}), T={tokens.shape[1]} in pieces 9 + {tokens.shape[1] - 9} through the cache: "
+          f"max abs logit difference fp64 {pieces:.3g}")
+    assert pieces <= 1e-9, pieces
+
     prompt = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
         generated = remote.generate(prompt, max_new_tokens=20, do_sample=False, return_dict_in_generate=True,
