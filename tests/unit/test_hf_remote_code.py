@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,11 @@ def _score(root: Path, tokens: torch.Tensor, dtype: str = "fp32") -> torch.Tenso
     return torch.tensor(json.loads((root / "logits.json").read_text())["logits"])
 
 
+def remote_module(model):
+    """The module transformers loaded the remote code as."""
+    return sys.modules[type(model).__module__]
+
+
 def _load_remote(path: Path):
     model, info = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True, dtype=torch.float32,
                                                        output_loading_info=True)
@@ -75,7 +81,8 @@ def test_remote_code_export_computes_k3train_logits_and_greedy_decode(attn_res, 
         remote.double()
         whole = remote(input_ids=tokens).logits
         first = remote(input_ids=tokens[:, :9], use_cache=True)
-        second = remote(input_ids=tokens, past_key_values=first.past_key_values, use_cache=True)
+        cache = getattr(first, remote_module(remote).CACHE_FIELD)  # `cache` (transformers ≥ 5.24) or `past_key_values`
+        second = remote(input_ids=tokens, cache=cache, use_cache=True)
         remote.float()
     pieces = (torch.cat([first.logits, second.logits], dim=1) - whole).abs().max().item()
     print(f"remote K3 ({attn_res}), T={tokens.shape[1]} in pieces 9 + {tokens.shape[1] - 9} through the cache: "

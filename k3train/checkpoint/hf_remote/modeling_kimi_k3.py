@@ -14,6 +14,7 @@ layer (KDA recurrent state and short-convolution tails, MLA keys and values).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,6 +32,9 @@ except ImportError:  # loaded as a top-level module (tests)
     from configuration_kimi_k3 import KimiK3Config
 
 LATENT_NORM_EPS = 1e-6  # MLA's q_a/kv_a layernorms
+# The cache's name in model outputs and generation kwargs: `cache` from transformers 5.24 on,
+# `past_key_values` before (the old name still works there, with a deprecation warning).
+CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
 def up(x: torch.Tensor) -> torch.Tensor:
@@ -527,8 +531,10 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.language_model.model.embed_tokens
 
-    def forward(self, input_ids=None, past_key_values=None, use_cache=None, attention_mask=None, **kwargs):
-        cache = past_key_values if isinstance(past_key_values, KimiK3Cache) else None
+    def forward(self, input_ids=None, cache=None, past_key_values=None, use_cache=None, attention_mask=None,
+                **kwargs):
+        given = cache if cache is not None else past_key_values
+        cache = given if isinstance(given, KimiK3Cache) else None
         if cache is None and use_cache:
             cache = KimiK3Cache(len(self.language_model.model.layers))
         if cache is not None:
@@ -537,12 +543,14 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         logits = self.language_model.lm_head(hidden)
         if cache is not None:
             cache.seen += input_ids.shape[1]
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: cache})
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
-        cache = past_key_values if isinstance(past_key_values, KimiK3Cache) else None
-        return {"input_ids": input_ids, "past_key_values": cache, "use_cache": True}
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        given = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = given if isinstance(given, KimiK3Cache) else None
+        return {"input_ids": input_ids, CACHE_FIELD: cache, "use_cache": True}
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
-        model_kwargs["past_key_values"] = outputs.past_key_values
+        model_kwargs.pop("past_key_values", None)
+        model_kwargs[CACHE_FIELD] = getattr(outputs, CACHE_FIELD)
         return model_kwargs
