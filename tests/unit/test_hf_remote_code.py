@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -129,3 +131,23 @@ def test_remote_code_loads_an_export_with_a_padded_a_log(tmp_path):
         difference = (remote(input_ids=tokens).logits - _score(tmp_path, tokens)).abs().max().item()
     print(f"remote K3 (block, --pad-a-log), T=17: max abs logit difference to score.py fp32 {difference:.3g}")
     assert difference <= TOLERANCE
+
+
+def test_remote_code_loads_and_generates_with_k3train_unimportable(tmp_path):
+    """A user's machine without k3train: `import k3train` fails in a fresh interpreter, the export
+    still loads with trust_remote_code and generates."""
+    hf = _export(tmp_path, "block")
+    script = (
+        "import sys; sys.modules['k3train'] = None\n"  # any `import k3train…` now raises ImportError
+        "import torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(hf)!r}, trust_remote_code=True, dtype=torch.float32)\n"
+        "out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)\n"
+        "assert not [m for m in sys.modules if m.startswith('k3train.')], 'k3train was imported'\n"
+        "print('generated', out.shape[1])\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "generated 7" in result.stdout, result.stderr[-2000:]
