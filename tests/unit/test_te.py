@@ -370,3 +370,15 @@ def test_fp8_forward_context_needs_transformer_engine_and_is_bf16_autocast_plus_
         forward_precision_context(config, CPU)
     assert type(te_kernels.make_fp8_recipe(te, "mxfp8")).__name__ == "MXFP8BlockScaling"
     assert te_kernels.make_fp8_recipe(te, "delayed", amax_history_len=16).amax_history_len == 16
+
+
+def test_pretrain_refuses_fp8_on_cpu_before_anything_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, str(CHECKOUT / "pretrain_k3.py"), "--recipe", "recipes/debug.yaml",
+                             "--run-dir", str(run_dir), "train.precision=fp8", "train.device=cpu"],
+                            capture_output=True, text=True, timeout=120, cwd=CHECKOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: train.precision=fp8 needs a CUDA GPU")
+    assert "pip install transformer-engine[pytorch]" in lines[0] and not run_dir.exists()
