@@ -49,9 +49,11 @@ class TENamespace:
     """`pytorch` (transformer_engine.pytorch) and `recipe` (transformer_engine.common.recipe);
     hashed by identity, so the adapter classes below are built once per namespace."""
 
-    def __init__(self, pytorch: Any, recipe: Any):
+    def __init__(self, pytorch: Any, recipe: Any, fp8_state_manager: Any = None):
         self.pytorch = pytorch
         self.recipe = recipe
+        # FP8GlobalStateManager (not exported at the top of transformer_engine.pytorch)
+        self.fp8_state_manager = fp8_state_manager or getattr(pytorch, "FP8GlobalStateManager", None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,10 +62,14 @@ def import_transformer_engine() -> tuple[Optional[TENamespace], str]:
     try:
         import transformer_engine.pytorch as te_pytorch  # noqa: PLC0415 (on request only)
         from transformer_engine.common import recipe as te_recipe  # noqa: PLC0415
+        try:  # TE >= 2.8 keeps its FP8 state in .quantization, earlier releases in .fp8
+            from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+        except ImportError:
+            from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # noqa: PLC0415
     except Exception as error:  # noqa: BLE001 — the meta package raises RuntimeError, not ImportError
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return None, f"{type(error).__name__}: {message}"[:200]
-    return TENamespace(te_pytorch, te_recipe), ""
+    return TENamespace(te_pytorch, te_recipe, FP8GlobalStateManager), ""
 
 
 def te_missing(device: torch.device) -> Optional[str]:
@@ -126,11 +132,7 @@ def fp8_autocast(te: Any, enabled: bool, recipe=None, amax_group=None):
 
 def fp8_enabled(te: Any) -> bool:
     """Whether the code runs inside an enabled FP8 region."""
-    manager = getattr(te.pytorch, "FP8GlobalStateManager", None)
-    if manager is None:  # TE < 2 kept it in transformer_engine.pytorch.fp8
-        import transformer_engine.pytorch.fp8 as te_fp8  # noqa: PLC0415
-        manager = te_fp8.FP8GlobalStateManager
-    return bool(manager.is_fp8_enabled())
+    return bool(te.fp8_state_manager.is_fp8_enabled())
 
 
 def fp8_fits(in_features: int, out_features: int) -> bool:
