@@ -135,9 +135,9 @@ def fp8_enabled(te: Any) -> bool:
     return bool(te.fp8_state_manager.is_fp8_enabled())
 
 
-def fp8_fits(in_features: int, out_features: int) -> bool:
-    """Whether a projection of this shape can run as an FP8 GEMM at all."""
-    return in_features % FP8_DIM_MULTIPLE == 0 and out_features % FP8_DIM_MULTIPLE == 0
+def fp8_fits(in_features: int, out_features: int, multiple: int = FP8_DIM_MULTIPLE) -> bool:
+    """Whether a projection of this shape can run as an FP8 GEMM at all (16; MXFP8's blocks: 32)."""
+    return in_features % multiple == 0 and out_features % multiple == 0
 
 
 # ---------------------------------------------------------------------------------- FP8 state
@@ -299,8 +299,9 @@ def te_grouped_linear_class(te: Any) -> type:
 # ---------------------------------------------------------------------------------- factory
 class TELinearFactory:
     """Builds TE modules for k3train's projections: `factory(in, out)` a `te.Linear` shard,
-    `factory.grouped(groups, in, out)` a grouped expert GEMM. `fp8_rows`: the row multiple each
-    expert group is padded to under FP8 (16; 32 for MXFP8)."""
+    `factory.grouped(groups, in, out)` a grouped expert GEMM. `fp8_rows`: the multiple FP8 GEMMs
+    need (16; 32 for MXFP8): expert groups are padded to it, projections with a dimension off it
+    stay bf16."""
 
     backend = "te"
 
@@ -317,7 +318,7 @@ class TELinearFactory:
         linear = te_linear_class(self.te)(in_features, out_features, bias=False,
                                           params_dtype=dtype or torch.get_default_dtype(),
                                           device=self._device(device))
-        linear.keep_out_of_fp8 = not fp8_fits(in_features, out_features)
+        linear.keep_out_of_fp8 = not fp8_fits(in_features, out_features, self.fp8_rows)
         _drop_te_parallel_marks(linear.weight)
         return linear
 
@@ -325,7 +326,7 @@ class TELinearFactory:
         module = te_grouped_linear_class(self.te)(num_groups, in_features, out_features, bias=False,
                                                    params_dtype=dtype or torch.get_default_dtype(),
                                                    device=self.device)
-        module.keep_out_of_fp8 = not fp8_fits(in_features, out_features)
+        module.keep_out_of_fp8 = not fp8_fits(in_features, out_features, self.fp8_rows)
         return GroupedExpertGEMM(module, self.fp8_rows)
 
 
