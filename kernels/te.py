@@ -275,23 +275,25 @@ def te_grouped_linear_class(te: Any) -> type:
             self.fp8_num_gemms = num_gemms
             for index in range(num_gemms):  # TE allocated its own weights: drop them
                 self._parameters.pop(f"weight{index}", None)
-            self.__dict__["stack"] = None
+            self.__dict__["stack_slices"] = None
 
         def __getattr__(self, name: str):
             if name.startswith("weight") and name[6:].isdigit():
-                stack = self.__dict__.get("stack")
-                if stack is not None:
-                    return stack[int(name[6:])]
+                slices = self.__dict__.get("stack_slices")
+                if slices is not None:
+                    return slices[int(name[6:])]
             return super().__getattr__(name)
 
         def forward_stack(self, rows: torch.Tensor, m_splits: list[int], stack: torch.Tensor) -> torch.Tensor:
             """`rows [Σ m_splits, in]` grouped by expert through `stack [groups, out, in]`."""
-            self.__dict__["stack"] = stack
+            # One unbind, not one index per expert: its backward stacks the experts' gradients
+            # once, where `stack[i]` would build a zero-filled full stack per expert.
+            self.__dict__["stack_slices"] = stack.unbind(0)
             try:
                 with self._fp8_region():
                     return super().forward(rows, m_splits)
             finally:
-                self.__dict__["stack"] = None
+                self.__dict__["stack_slices"] = None
 
     return TEGroupedLinear
 

@@ -1016,19 +1016,21 @@ def k3_1gpu_config(ctx: Context):
                                train=dataclasses.replace(job.train, micro_batch_size=ctx.pick(2, 2)))
 
 
-def markov_batch(vocab: int, batch: int, seq: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Learnable tokens: a fixed random chain over min(vocab, 4096) tokens where each token is
-    followed by one of 4 successors (loss floor ln 4 ≈ 1.39), a fresh walk per step."""
+def markov_batches(vocab: int, steps: int, batch: int, seq: int, device: torch.device
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Learnable tokens, one (tokens, labels) batch per step: walks on a fixed random chain over
+    min(vocab, 4096) tokens where each token is followed by one of 4 successors (loss floor
+    ln 4 ≈ 1.39). All walks advance together, one position at a time."""
     states = min(vocab, 4096)
-    table = torch.randint(0, states, (states, 4), generator=torch.Generator().manual_seed(7))
-    gen = torch.Generator().manual_seed(1000 + step)
-    choices = torch.randint(0, 4, (batch, seq + 1), generator=gen)
-    tokens = torch.empty(batch, seq + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, states, (batch,), generator=gen)
+    gen = torch.Generator().manual_seed(7)
+    table = torch.randint(0, states, (states, 4), generator=gen)
+    choices = torch.randint(0, 4, (steps * batch, seq + 1), generator=gen)
+    tokens = torch.empty(steps * batch, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, states, (steps * batch,), generator=gen)
     for t in range(1, seq + 1):
         tokens[:, t] = table[tokens[:, t - 1], choices[:, t]]
-    tokens = tokens.to(device)
-    return tokens[:, :-1], tokens[:, 1:]
+    tokens = tokens.to(device).view(steps, batch, seq + 1)
+    return [(tokens[step, :, :-1], tokens[step, :, 1:]) for step in range(steps)]
 
 
 def train_k3_1gpu(ctx: Context, job, precision: str, attn_res: str, steps: int, batches: list) -> TrainRun:
@@ -1116,7 +1118,7 @@ def check_k3_1gpu(ctx: Context) -> Iterator[Row]:
     # The recipe's micro-batch first; if any run runs out of memory, every run again at 1 (the
     # bf16 and fp8 curves must see the same batches).
     for batch in dict.fromkeys([job.train.micro_batch_size, 1]):
-        batches = [markov_batch(job.model.vocab_size, batch, seq, step, ctx.device) for step in range(steps)]
+        batches = markov_batches(job.model.vocab_size, steps, batch, seq, ctx.device)
         runs: dict[tuple[str, str], TrainRun] = {}
         failures: list[Row] = []
         out_of_memory = False
