@@ -98,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Parallel state from torchrun's environment (one process without it).
     device = select_device(config.train.device)
+    from k3train.training.build import check_precision_support
+
+    try:  # fp8 / Transformer Engine need CUDA and transformer-engine: say so before anything starts
+        check_precision_support(config, device)
+    except ValueError as error:
+        fail(str(error))
     try:
         parallel = ParallelState.from_environment(config.parallel, config.model, device.type)
     except LayoutError as error:

@@ -24,13 +24,14 @@ With a TP group of size 1 every function here is the identity and nothing is mar
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from k3train.kernels.precision import upcast
+from k3train.kernels.te import torch_linear
 from k3train.contracts.param_roles import HeadBlocks
 from k3train.parallel.comm import Group
 
@@ -94,18 +95,35 @@ class _ScatterSequence(torch.autograd.Function):
 
 
 class TensorParallel:
-    """The TP group and whether sequence parallelism is on: what the model's layers need."""
+    """The TP group, whether sequence parallelism is on, and the linear backend: what the
+    model's layers need.
 
-    def __init__(self, group: Group, sequence_parallel: bool):
+    `linear_factory(in_features, out_features, device=None, dtype=None)` builds every dense
+    projection (`linear`, and the shards of `shard_linear`): `kernels.te.torch_linear` (the
+    default, `nn.Linear(bias=False)`) or a `kernels.te.TELinearFactory` (Transformer Engine,
+    with `tp_size=1` on this rank's shard: the regions here stay k3train's)."""
+
+    def __init__(self, group: Group, sequence_parallel: bool, linear_factory: Optional[Callable] = None):
         self.group = group
         self.sequence_parallel = sequence_parallel and group.size > 1
+        self.linear_factory = linear_factory or torch_linear
 
     @classmethod
-    def single(cls) -> "TensorParallel":
+    def single(cls, linear_factory: Optional[Callable] = None) -> "TensorParallel":
         """No tensor parallelism: every region boundary is the identity."""
         from k3train.parallel.comm import TrafficCounter
 
-        return cls(Group("tp", (0,), 0, None, TrafficCounter()), sequence_parallel=False)
+        return cls(Group("tp", (0,), 0, None, TrafficCounter()), sequence_parallel=False,
+                   linear_factory=linear_factory)
+
+    def linear(self, in_features: int, out_features: int) -> nn.Module:
+        """A dense projection `[out, in]` without bias, built by the linear backend."""
+        return self.linear_factory(in_features, out_features)
+
+    @property
+    def grouped_gemm_factory(self) -> Optional[Callable]:
+        """`factory(groups, in, out)` of the routed experts' grouped GEMMs, None for the torch path."""
+        return getattr(self.linear_factory, "grouped", None)
 
     @property
     def size(self) -> int:
@@ -144,8 +162,9 @@ class TensorParallel:
         return _GatherSequence.apply(x, self.group)
 
     # ------------------------------------------------------------------ parameters
-    def shard_linear(self, linear: nn.Linear, partition_dim: int) -> nn.Linear:
-        """Replace `linear` by its shard: `partition_dim` 0 = column-parallel, 1 = row-parallel."""
+    def shard_linear(self, linear: nn.Module, partition_dim: int) -> nn.Module:
+        """Replace `linear` (from `linear`) by its shard: `partition_dim` 0 = column-parallel,
+        1 = row-parallel."""
         if self.size == 1:
             return linear
         full_shape = tuple(linear.weight.shape)
@@ -156,8 +175,8 @@ class TensorParallel:
             out_features //= self.size
         else:
             in_features //= self.size
-        shard = nn.Linear(in_features, out_features, bias=False, device=linear.weight.device,
-                          dtype=linear.weight.dtype)
+        shard = self.linear_factory(in_features, out_features, device=linear.weight.device,
+                                    dtype=linear.weight.dtype)
         for attribute, value in vars(linear.weight).items():  # keep role markers (head blocks etc.)
             setattr(shard.weight, attribute, value)
         self.mark_sharded(shard.weight, partition_dim, full_shape)

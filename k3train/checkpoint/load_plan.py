@@ -103,6 +103,11 @@ def _mismatch(path: Path, key: str, what: str, missing: list[str], unexpected: l
     )
 
 
+def is_extra_state(name: str) -> bool:
+    """A module's `get_extra_state()` entry (Transformer Engine's FP8 state), not a parameter."""
+    return name == "_extra_state" or name.endswith("._extra_state")
+
+
 def _plan_module(path: Path, key: str, module: nn.Module, saved: Entries, metadata: Metadata,
                  flat: dict[str, Any], single: bool) -> Finisher:
     raw, clean = module_state(module)
@@ -110,13 +115,22 @@ def _plan_module(path: Path, key: str, module: nn.Module, saved: Entries, metada
     by_name: dict[str, Entries] = {}
     for fqn, sub in saved:
         by_name.setdefault(str(sub[0]) if sub else "", []).append((fqn, sub))
-    missing, shapes = [], []
+    missing, shapes, absent_extra = [], [], set()
     for name, value in clean.items():
         found = by_name.get(name)
         if not found:
+            if is_extra_state(name):  # saved by another linear backend: the module keeps its own
+                absent_extra.add(name)
+                continue
             missing.append(name)
             continue
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and is_extra_state(name):
+            # FP8 scaling state as a flat tensor (kernels/te.py): whatever length was saved
+            # (empty under bf16), so checkpoints move between bf16 and fp8 runs.
+            for fqn, _ in found:
+                md = sdm[fqn]
+                flat[fqn] = empty_tensor_for(md) if isinstance(md, TensorStorageMetadata) else None
+        elif isinstance(value, torch.Tensor):
             fqn, sub = found[0]
             md = sdm[fqn]
             if len(found) != 1 or len(sub) != 1 or not isinstance(md, TensorStorageMetadata):
@@ -129,14 +143,17 @@ def _plan_module(path: Path, key: str, module: nn.Module, saved: Entries, metada
             for fqn, _ in found:
                 md = sdm[fqn]
                 flat[fqn] = empty_tensor_for(md) if isinstance(md, TensorStorageMetadata) else None
-    unexpected = sorted(name for name in by_name if name not in clean) if single else []
+    unexpected = sorted(name for name in by_name if name not in clean and not is_extra_state(name)) if single else []
     if missing or unexpected or shapes:
         raise _mismatch(path, key, "module", missing, unexpected, shapes)
 
     def finish(loaded: dict[str, Any]) -> None:
         for raw_key, value in raw.items():
-            if not isinstance(value, torch.Tensor):
-                found = by_name[clean_name(raw_key)]
+            name = clean_name(raw_key)
+            if name in absent_extra:
+                continue  # the module's own (fresh) extra state stays
+            if not isinstance(value, torch.Tensor) or is_extra_state(name):
+                found = by_name[name]
                 raw[raw_key] = unflatten([(sub[1:], loaded[fqn]) for fqn, sub in found])
         try:
             module.load_state_dict(raw, strict=True)

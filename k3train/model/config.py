@@ -120,6 +120,13 @@ class ModelConfig:
     recompute: Literal["none", "attn_res", "sublayer"] = "attn_res"
     """Activation checkpointing: none; the AttnRes mixes (K3's default); or whole sublayers."""
 
+    # Kernels
+    linear_backend: Literal["auto", "torch", "te"] = "auto"
+    """GEMMs of the dense projections and routed experts: `torch` (nn.Linear, grouped_mm),
+    `te` (Transformer Engine Linear/GroupedLinear on this rank's shard; needs CUDA and
+    transformer-engine), or `auto` (te on CUDA when Transformer Engine imports, else torch).
+    Parameter names and shapes are the same under both; docs/precision.md."""
+
     # ------------------------------------------------------------------ derived
     @property
     def full_attn_layer_set(self) -> frozenset[int]:
@@ -173,6 +180,7 @@ class ModelConfig:
              "latent_moe_use_norm needs a latent width (routed_expert_hidden_size null has no latent)"),
             (self.linear_attn_config.output_gate in ("full", "low_rank"),
              "linear_attn_config.output_gate must be 'full' or 'low_rank'"),
+            (self.linear_backend in ("auto", "torch", "te"), "linear_backend must be 'auto', 'torch' or 'te'"),
             (self.linear_attn_config.gate_lower_bound is None or -5.0 <= self.linear_attn_config.gate_lower_bound < 0,
              "linear_attn_config.gate_lower_bound must be in [-5, 0) or null"),
         ]

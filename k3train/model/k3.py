@@ -42,15 +42,18 @@ class K3Model(nn.Module):
         parallel=None,
         expert_parallel=None,
         seed: int = 0,
+        linear_factory=None,
     ):
         """`parallel`: a `k3train.parallel.state.ParallelState`, or None for one process;
         `expert_parallel`: a `k3train.parallel.expert.ExpertParallel` (this rank's experts only), or None;
-        `seed`: the weights are drawn from it and each parameter's name (`init_weights`)."""
+        `seed`: the weights are drawn from it and each parameter's name (`init_weights`);
+        `linear_factory`: how dense projections are built (`kernels.te`: torch, the default, or
+        Transformer Engine; `training.build.build_model` resolves `model.linear_backend`)."""
         super().__init__()
         config.validate()
         self.config = config
-        self.tp = tp = (TensorParallel(parallel.tp, parallel.sequence_parallel) if parallel is not None
-                        else TensorParallel.single())
+        self.tp = tp = (TensorParallel(parallel.tp, parallel.sequence_parallel, linear_factory) if parallel is not None
+                        else TensorParallel.single(linear_factory))
         start, end = layer_range if layer_range is not None else (0, config.num_hidden_layers)
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"layer_range {layer_range} must satisfy 0 <= start < end <= {config.num_hidden_layers}")

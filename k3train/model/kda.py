@@ -104,7 +104,7 @@ class KimiDeltaAttention(nn.Module):
         local_width = width // tp.size
 
         def column(in_features: int, out_features: int, per_head: bool = True) -> nn.Linear:
-            linear = nn.Linear(in_features, out_features, bias=False)
+            linear = tp.linear(in_features, out_features)
             if per_head:
                 mark_head_blocks(linear.weight, 0, heads)
             return tp.shard_linear(linear, partition_dim=0)
@@ -113,7 +113,7 @@ class KimiDeltaAttention(nn.Module):
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (
             ShortConvolution(local_width, lac.short_conv_kernel_size) for _ in range(3))
         # Decay gate: low-rank input f_b(f_a(x)) + dt_bias, per-head A_log.
-        self.f_a_proj = nn.Linear(hidden, config.kda_gate_rank, bias=False)
+        self.f_a_proj = tp.linear(hidden, config.kda_gate_rank)
         self.f_b_proj = column(config.kda_gate_rank, width, per_head=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.dt_bias = nn.Parameter(torch.empty(local_width))
@@ -124,10 +124,10 @@ class KimiDeltaAttention(nn.Module):
         if output_rank is None:
             self.g_proj = column(hidden, width)
         else:
-            self.g_a_proj = nn.Linear(hidden, output_rank, bias=False)
+            self.g_a_proj = tp.linear(hidden, output_rank)
             self.g_b_proj = column(output_rank, width, per_head=False)
         self.o_norm = GatedRMSNorm(lac.head_dim, config.rms_norm_eps)
-        o_proj = nn.Linear(width, hidden, bias=False)
+        o_proj = tp.linear(width, hidden)
         mark_head_blocks(o_proj.weight, 1, heads)
         self.o_proj = tp.shard_linear(o_proj, partition_dim=1)
 

@@ -32,22 +32,22 @@ class GatedMLA(nn.Module):
         heads, hidden, qk_head_dim = config.num_attention_heads, config.hidden_size, config.qk_head_dim
 
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, heads * qk_head_dim, bias=False)
+            self.q_proj = self.tp.linear(hidden, heads * qk_head_dim)
             mark_head_blocks(self.q_proj.weight, 0, heads)
         else:
-            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+            self.q_a_proj = self.tp.linear(hidden, config.q_lora_rank)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * qk_head_dim, bias=False)
+            self.q_b_proj = self.tp.linear(config.q_lora_rank, heads * qk_head_dim)
             mark_head_blocks(self.q_b_proj.weight, 0, heads)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = self.tp.linear(hidden, config.kv_lora_rank + config.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False)
+        self.kv_b_proj = self.tp.linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim))
         mark_head_blocks(self.kv_b_proj.weight, 0, heads)
         self.use_output_gate = config.mla_use_output_gate
         if self.use_output_gate:
-            self.g_proj = nn.Linear(hidden, heads * config.v_head_dim, bias=False)
+            self.g_proj = self.tp.linear(hidden, heads * config.v_head_dim)
             mark_head_blocks(self.g_proj.weight, 0, heads)
-        self.o_proj = nn.Linear(heads * config.v_head_dim, hidden, bias=False)
+        self.o_proj = self.tp.linear(heads * config.v_head_dim, hidden)
         mark_head_blocks(self.o_proj.weight, 1, heads)
         self.softmax_scale = qk_head_dim**-0.5
         self._shard_heads()

@@ -24,9 +24,9 @@ class GLUMLP(nn.Module):
                  tensor_parallel: TensorParallel | None = None):
         super().__init__()
         self.tp = tp = tensor_parallel or TensorParallel.single()
-        self.gate_proj = tp.shard_linear(nn.Linear(hidden_size, intermediate_size, bias=False), partition_dim=0)
-        self.up_proj = tp.shard_linear(nn.Linear(hidden_size, intermediate_size, bias=False), partition_dim=0)
-        self.down_proj = tp.shard_linear(nn.Linear(intermediate_size, hidden_size, bias=False), partition_dim=1)
+        self.gate_proj = tp.shard_linear(tp.linear(hidden_size, intermediate_size), partition_dim=0)
+        self.up_proj = tp.shard_linear(tp.linear(hidden_size, intermediate_size), partition_dim=0)
+        self.down_proj = tp.shard_linear(tp.linear(intermediate_size, hidden_size), partition_dim=1)
         self.activation = glu_activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ class MoEGate(nn.Module):
 class LocalExperts(nn.Module):
     """All routed experts of a layer as stacked weights `[experts, out, in]` (w1 gate, w3 up, w2 down)."""
 
-    def __init__(self, config: ModelConfig, num_experts: int):
+    def __init__(self, config: ModelConfig, num_experts: int, grouped_gemm_factory=None):
         super().__init__()
         latent, inner = config.expert_width, config.moe_intermediate_size
         self.num_experts = num_experts
@@ -70,6 +70,12 @@ class LocalExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, inner, latent))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, inner))
         self.activation = glu_activation(config)
+        # Transformer Engine's grouped GEMMs (`kernels.te.GroupedExpertGEMM`, no parameters of
+        # their own: they run on the stacks above), or None for `kernels.grouped_gemm`.
+        self.te_gemms = (nn.ModuleList([grouped_gemm_factory(num_experts, latent, inner),
+                                        grouped_gemm_factory(num_experts, latent, inner),
+                                        grouped_gemm_factory(num_experts, inner, latent)])
+                         if grouped_gemm_factory is not None else None)
 
     def stacks(self) -> ExpertStacks:
         """This module's own weight stacks `(w1, w3, w2)`."""
@@ -81,6 +87,10 @@ class LocalExperts(nn.Module):
         `w2 · act(w1 x, w3 x)` as grouped GEMMs. `weights`: stacks `(w1, w3, w2)` to use
         instead of the module's own (replicas of other ranks' experts, fetched for a step)."""
         w1, w3, w2 = weights if weights is not None else self.stacks()
+        if self.te_gemms is not None:
+            gemm1, gemm3, gemm2 = self.te_gemms
+            hidden = self.activation(gemm1(rows, group_ends, w1), gemm3(rows, group_ends, w3))
+            return gemm2(hidden, group_ends, w2)
         gate = grouped_mm(rows, w1.transpose(1, 2).to(rows.dtype), group_ends)
         up = grouped_mm(rows, w3.transpose(1, 2).to(rows.dtype), group_ends)
         return grouped_mm(self.activation(gate, up), w2.transpose(1, 2).to(rows.dtype), group_ends)
@@ -175,15 +185,15 @@ class LatentMoE(nn.Module):
         self.expert_parallel = expert_parallel
         self.gate = MoEGate(config)
         latent = config.routed_expert_hidden_size  # None: a plain MoE, no latent projections (Kimi Linear)
-        self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent, bias=False) if latent is not None else None
+        self.routed_expert_down_proj = tp.linear(config.hidden_size, latent) if latent is not None else None
         num_local = config.num_experts if expert_parallel is None else expert_parallel.num_local_experts
-        self.experts = LocalExperts(config, num_local)
+        self.experts = LocalExperts(config, num_local, tp.grouped_gemm_factory)
         if expert_parallel is not None:
             expert_parallel.mark_expert_params(self.experts)
         self.routed_expert_norm = (
             RMSNorm(latent, config.rms_norm_eps) if config.latent_moe_use_norm and latent is not None else None
         )
-        self.routed_expert_up_proj = nn.Linear(latent, config.hidden_size, bias=False) if latent is not None else None
+        self.routed_expert_up_proj = tp.linear(latent, config.hidden_size) if latent is not None else None
         self.shared_experts = (
             GLUMLP(config, config.hidden_size, config.num_shared_experts * config.moe_intermediate_size, tp)
             if config.num_shared_experts > 0 else None

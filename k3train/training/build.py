@@ -13,12 +13,15 @@ and no collective may run on it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from k3train.config import JobConfig
+from k3train.kernels import te as te_kernels
+from k3train.recipe import ConfigError
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model, K3Stage
 from k3train.parallel.comm import Group
@@ -63,13 +66,26 @@ def planning_parallel_state(layout: Layout, rank: int, sequence_parallel: bool =
     return _PlanningState(layout, rank, sequence_parallel=sequence_parallel)
 
 
+def fp8_excluded_layers(model_config: ModelConfig, excluded: Optional[Sequence[int]]) -> list[int]:
+    """The decoder layers kept out of FP8: `train.fp8_excluded_layers`, or the first and the last."""
+    if excluded is None:
+        return sorted({0, model_config.num_hidden_layers - 1})
+    return sorted(set(excluded))
+
+
 def build_model(model_config: ModelConfig, plan: PipelinePlan, parallel: ParallelState,
                 expert_parallel: Optional[ExpertParallel] = None, *, seed: Optional[int] = None,
-                device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> K3Stage:
+                device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+                fp8_recipe: str = "delayed", fp8_excluded: Optional[Sequence[int]] = None) -> K3Stage:
     """This rank's model: one `K3Model` slice per virtual stage (`model.chunks`, in virtual-stage
     order), initialised from `seed` (0 when not given), in `dtype`, on `device`. On the meta device
-    nothing is allocated or initialised."""
-    on_meta = device is not None and torch.device(device).type == "meta"
+    nothing is allocated or initialised. `model.linear_backend` is resolved for `device`
+    (`kernels.te.resolve_linear_backend`); with Transformer Engine the layers `fp8_excluded`
+    (`fp8_excluded_layers`) keep their projections out of FP8."""
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    on_meta = target.type == "meta"
+    backend = te_kernels.resolve_linear_backend(model_config.linear_backend, target)
+    linear_factory = te_kernels.linear_factory_for(backend, target, fp8_recipe)
     chunks = []
     for layer_range in plan.layer_ranges(parallel.pp_rank):
         if on_meta:
@@ -79,13 +95,69 @@ def build_model(model_config: ModelConfig, plan: PipelinePlan, parallel: Paralle
         else:
             # Initialised once, in the constructor (a second draw would double the start-up time).
             chunk = K3Model(model_config, layer_range=layer_range, parallel=parallel, expert_parallel=expert_parallel,
-                            seed=seed if seed is not None else 0)
+                            seed=seed if seed is not None else 0, linear_factory=linear_factory)
             if device is not None:
                 chunk = chunk.to(device)
         if dtype is not None:
             chunk = chunk.to(dtype)
+        if backend == "te":
+            te_kernels.keep_modules_out_of_fp8([chunk.layers[str(i)] for i in fp8_excluded_layers(model_config, fp8_excluded)
+                                                if str(i) in chunk.layers])
         chunks.append(chunk)
     return K3Stage(chunks)
+
+
+def check_precision_support(config: JobConfig, device: torch.device) -> None:
+    """Start-up check of `train.precision` and `model.linear_backend` on `device`: raises
+    ConfigError with one line naming what is missing and how to get it. The meta device
+    (planning) needs nothing."""
+    device = torch.device(device)
+    if device.type == "meta":
+        return
+    train, model = config.train, config.model
+    if train.precision == "fp8" or model.linear_backend == "te":
+        field = "train.precision=fp8" if train.precision == "fp8" else "model.linear_backend=te"
+        missing = te_kernels.te_missing(device)
+        if missing is not None:
+            raise ConfigError(f"{field} {missing}; or use train.precision=bf16 with model.linear_backend=torch")
+    if train.precision != "fp8":
+        return
+    if model.linear_backend == "torch":
+        raise ConfigError("train.precision=fp8 runs its GEMMs in Transformer Engine: set model.linear_backend=te "
+                          "(or auto), or use train.precision=bf16")
+    if model.recompute == "sublayer":
+        raise ConfigError("train.precision=fp8 with model.recompute=sublayer would recompute the FP8 projections "
+                          "outside the FP8 region: use model.recompute=attn_res or none")
+    if train.fp8_recipe == "mxfp8" and torch.cuda.get_device_capability(device)[0] < 10:
+        raise ConfigError(f"train.fp8_recipe=mxfp8 needs a GPU of compute capability 10.0 or later (Blackwell), "
+                          f"this one is {torch.cuda.get_device_capability(device)}: use fp8_recipe=delayed or current")
+
+
+def forward_precision_context(config: JobConfig, device: torch.device,
+                              parallel: Optional[ParallelState] = None) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context of every forward pass: `training.loop.precision_context` (bf16 autocast for
+    bf16 and fp8), and for fp8 Transformer Engine's FP8 region with the recipe of the config.
+    The delayed recipe's amaxes are reduced over the stage's data × tensor ranks, so every rank
+    of a stage holds the same FP8 state (a checkpoint stores it once)."""
+    precision = config.train.precision
+    base = precision_context("bf16" if precision == "fp8" else precision, device)
+    if precision != "fp8" or torch.device(device).type == "meta":
+        return base
+    te, why = te_kernels.import_transformer_engine()
+    if te is None:
+        raise ConfigError(f"train.precision=fp8 needs Transformer Engine ({why}); {te_kernels.INSTALL_HINT}")
+    recipe = te_kernels.make_fp8_recipe(te, config.train.fp8_recipe, config.train.fp8_amax_history_len,
+                                        config.train.fp8_amax_compute_algo)
+    group = parallel.data_tensor if parallel is not None else None
+    amax_group = group.process_group if group is not None and group.size > 1 else None
+    fp8 = te_kernels.fp8_forward_context(te, recipe, amax_group)
+
+    @contextlib.contextmanager
+    def bf16_and_fp8():
+        with base(), fp8():
+            yield
+
+    return bf16_and_fp8
 
 
 def _build_optimizer(model: K3Stage, config: JobConfig, parallel: ParallelState,
@@ -104,10 +176,11 @@ def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device,
     """The job of this rank: plan, experts, model (from `config.train.seed`), gradient reducer,
     optimizer and pipeline schedule. Raises `PipelineConfigError` or `ValueError` (a layout the
     plan, the experts or the schedule cannot run) before anything communicates."""
+    check_precision_support(config, device)
     plan = PipelinePlan.from_config(config.model, config.parallel)
     expert_parallel = ExpertParallel.from_state(parallel, config.parallel, config.model.num_experts)
     model = build_model(config.model, plan, parallel, expert_parallel, seed=config.train.seed, device=device,
-                        dtype=dtype)
+                        dtype=dtype, fp8_recipe=config.train.fp8_recipe, fp8_excluded=config.train.fp8_excluded_layers)
     optimizer = _build_optimizer(model, config, parallel, bucket_bytes)
     # Under ZeRO-1 the gradients are reduce-scattered to their owners (the optimizer's plan).
     reducer = GradientReducer(model, parallel, bucket_bytes=bucket_bytes, overlap=overlap,
@@ -116,7 +189,7 @@ def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device,
         plan, parallel.pp,
         residual_shape(config.train.micro_batch_size, config.data.seq_length, config.model.hidden_size,
                        parallel.tp.size, parallel.sequence_parallel),
-        dtype=torch.float32, device=device, forward_context=precision_context(config.train.precision, device),
+        dtype=torch.float32, device=device, forward_context=forward_precision_context(config, device, parallel),
         # The pipeline's last backward of each chunk turns on gradient reduction (DP overlap).
         before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
         grad_group=parallel.pp_grad,  # backward messages on their own communicator (NCCL order)
@@ -132,4 +205,5 @@ def build_planning_rank(config: JobConfig, layout: Layout, rank: int, *,
     return build_rank(config, parallel, META, bucket_bytes=bucket_bytes, overlap=False, dtype=dtype)
 
 
-__all__ = ["RankJob", "build_rank", "build_planning_rank", "build_model", "planning_parallel_state"]
+__all__ = ["RankJob", "build_rank", "build_planning_rank", "build_model", "check_precision_support",
+           "forward_precision_context", "fp8_excluded_layers", "planning_parallel_state"]

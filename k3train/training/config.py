@@ -23,8 +23,21 @@ class TrainConfig:
     """Samples per micro-batch on one data-parallel rank."""
     seed: int = 1234
     """Seed of parameter initialisation and every other random choice of the run."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Compute dtype of parameters and activations (AttnRes scores, router and QB stay fp32)."""
+    precision: Literal["fp32", "bf16", "fp8"] = "fp32"
+    """Compute precision: fp32; bf16 autocast over fp32 master weights; or fp8 = bf16 plus FP8
+    GEMMs in the Transformer Engine projections (needs CUDA, transformer-engine and
+    model.linear_backend te or auto). AttnRes, router, QB statistics, norms, softmaxes, SiTU-GLU
+    and the loss stay fp32/bf16 (docs/precision.md)."""
+    fp8_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
+    """FP8 scaling under precision fp8: delayed (per-tensor scales from an amax history),
+    current (per-tensor scales from the tensor itself) or mxfp8 (32-element blocks; Blackwell)."""
+    fp8_amax_history_len: int = 1024
+    """Steps of amax history of the delayed recipe."""
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """How the delayed recipe turns the amax history into a scale."""
+    fp8_excluded_layers: Optional[list[int]] = None
+    """0-based decoder layers whose projections stay bf16 under fp8; null means the first and the
+    last layer, [] means none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' uses CUDA when available, else the CPU."""
     log_interval: int = 1
@@ -54,6 +67,10 @@ class TrainConfig:
             (self.eval_batches >= 1, f"train.eval_batches must be at least 1, got {self.eval_batches}"),
             (self.max_nonfinite_steps >= 1,
              f"train.max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}"),
+            (self.fp8_amax_history_len >= 1,
+             f"train.fp8_amax_history_len must be at least 1, got {self.fp8_amax_history_len}"),
+            (self.fp8_excluded_layers is None or all(i >= 0 for i in self.fp8_excluded_layers),
+             f"train.fp8_excluded_layers must be 0-based layer indices, got {self.fp8_excluded_layers}"),
             (self.num_threads >= 0,
              f"train.num_threads must be 0 (automatic) or positive, got {self.num_threads}"),
             (math.isfinite(self.stop_grace_s) and self.stop_grace_s > 0,

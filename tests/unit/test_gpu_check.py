@@ -11,7 +11,7 @@ import sys
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = CHECKOUT / "tools" / "gpu_check.py"
 # Checks that cannot run on a CPU: their rows may SKIP; every other row must PASS.
-CUDA_ONLY = {"kda_fla", "kda_speed", "model_large", "expert_dispatch", "transformer_engine"}
+CUDA_ONLY = {"kda_fla", "kda_speed", "model_large", "expert_dispatch", "transformer_engine", "k3_1gpu"}
 
 
 def load_gpu_check():
@@ -64,3 +64,42 @@ def test_fla_rows_with_a_stand_in_kernel(monkeypatch, capsys):
     rows = table_rows(capsys.readouterr().out)
     assert [(cells[0], cells[4]) for cells in rows] == [
         ("kda_fla fp32", "PASS"), ("kda_fla bf16", "PASS"), ("kda_speed T=128", "PASS")]
+
+
+def test_transformer_engine_and_k3_1gpu_rows_with_a_stand_in(monkeypatch, capsys, tmp_path):
+    # No CUDA and no Transformer Engine here: the CPU stand-in (tests/unit/te_stand_in.py, TE's
+    # signatures with exact GEMMs) serves, so the TE rows, the fp8 training run, the loss-curve
+    # comparison and the throughput table run their code instead of printing SKIP.
+    import json
+
+    from k3train.kernels import te as te_kernels
+    from tests.unit.te_stand_in import make_stand_in
+
+    gpu_check = load_gpu_check()
+    te = make_stand_in()
+    monkeypatch.setattr(gpu_check, "te_unavailable_reason", lambda ctx: (te, None))
+    monkeypatch.setattr(gpu_check, "fp8_recipes_here", lambda ctx: ["delayed", "current"])
+    monkeypatch.setattr(te_kernels, "import_transformer_engine", lambda: (te, ""))
+    json_path = tmp_path / "gpu_check.json"
+    code = gpu_check.main(["--device", "cpu", "--quick", "--only", "transformer_engine", "--only", "k3_1gpu",
+                           "--json", str(json_path)])
+    report = json.loads(json_path.read_text())
+    rows = {cells[0]: cells[4] for cells in table_rows(capsys.readouterr().out)}
+    assert code == 0 and set(rows.values()) == {"PASS"}, rows
+    assert {"transformer_engine names", "transformer_engine fp8 state", "transformer_engine grouped current",
+            "transformer_engine linear 1536x12 delayed", "k3_1gpu loss fp8-vs-bf16",
+            "k3_1gpu speed fp8 attn_res=none"} <= set(rows)
+    table = report["k3_1gpu"]["throughput"]
+    assert {(row["precision"], row["attn_res"]) for row in table} == {
+        ("bf16", "block"), ("fp8", "block"), ("bf16", "none"), ("fp8", "none")}
+    # bf16 resolves model.linear_backend=auto (torch without CUDA); fp8 always runs on TE.
+    assert all(row["linear_backend"] == {"bf16": "torch", "fp8": "te"}[row["precision"]] and row["tokens_per_s"] > 0
+               for row in table)
+    assert len(report["k3_1gpu"]["loss_curves"]["fp8/block"]) == 4
+
+
+def test_loss_curve_comparison():
+    gpu_check = load_gpu_check()
+    worst, tail = gpu_check.compare_loss_curves([10.0, 8.0, 6.0, 4.0], [10.0, 8.8, 6.0, 4.2], tail=2)
+    assert abs(worst - 0.1) < 1e-12 and abs(tail - 0.025) < 1e-12
+    assert gpu_check.compare_loss_curves([1.0, 2.0], [1.0]) == (float("inf"), float("inf"))
