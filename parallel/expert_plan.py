@@ -175,13 +175,20 @@ class ReplicaPlacement:
             entries.append((expert, dest, used[dest]))
             used[dest] += 1
             replicated.add(expert)
+        return ReplicaPlacement.from_host(entries, num_ranks, max_replicas_per_rank, self.expert.device)
+
+    @classmethod
+    def from_host(cls, entries: list[tuple[int, int, int]], num_ranks: int, max_replicas_per_rank: int,
+                  device=None) -> "ReplicaPlacement":
+        """The placement of the `(expert, dest, slot)` entries (as `host` lists them; e.g. restored
+        from a checkpoint)."""
         size = num_ranks * max_replicas_per_rank
+        entries = [tuple(int(v) for v in entry) for entry in entries]
         padded = entries + [(0, 0, 0)] * (size - len(entries))
-        device = self.expert.device
         expert, dest, slot = (torch.tensor([entry[i] for entry in padded], dtype=torch.int64, device=device)
                               for i in range(3))
         valid = torch.arange(size, device=device) < len(entries)
-        return ReplicaPlacement(expert, dest, slot, valid, entries)
+        return cls(expert, dest, slot, valid, entries)
 
 
 def apply_placement(counts: torch.Tensor, placement: ReplicaPlacement, capacity: int | None = None) -> ReplicaPlan:
@@ -262,6 +269,62 @@ def replica_route(expert_flat: torch.Tensor, counts: torch.Tensor, source: int,
     return dest, local_id
 
 
+def proportional_shares(counts: torch.Tensor, plan: ReplicaPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each source's slots of an expert split over its holders in proportion to their planned
+    amounts (the relay transport's routing: a (source, holder) pair then carries about the
+    holder's share of the source's slots, so pairs follow the balanced destinations instead of
+    taking a source's whole count). Returns `(home [R, E], replica [R, N])`: slots each source
+    sends to each expert's home rank and to each replica entry. Replica shares are cumulative
+    floors over the sources (`floor(c_{<s+1}·a/L) − floor(c_{<s}·a/L)`, so a holder receives its
+    planned amount when no source runs out), capped at the source's count; the home takes the rest."""
+    load = plan.load.clamp(min=1)
+    upto = counts.cumsum(0)[:, plan.expert]  # [R, N] slots of the entry's expert at sources ≤ s
+    amount = torch.where(plan.valid, plan.amount, 0)
+    scaled = torch.div(upto * amount[None, :], load[plan.expert][None, :], rounding_mode="floor")
+    share = scaled - torch.cat([torch.zeros_like(scaled[:1]), scaled[:-1]])
+    # cap each source's replica shares of an expert at its count, entries in order
+    same_before = torch.ones(share.shape[1], share.shape[1], dtype=torch.bool, device=share.device).tril(-1)
+    same_before &= plan.expert[:, None] == plan.expert[None, :]  # [j, j'] j' < j, same expert
+    mine = counts[:, plan.expert]
+    before = (share.double() @ same_before.double().T).long()
+    share = (torch.minimum(before + share, mine) - torch.minimum(before, mine)).clamp(min=0)
+    home = counts - torch.zeros_like(counts).index_add_(1, plan.expert, share)
+    return home, share
+
+
+def proportional_route(expert_flat: torch.Tensor, counts: torch.Tensor, source: int, plan: ReplicaPlan,
+                       shares: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination, local id) of each slot of `source` under `proportional_shares`: its slots
+    of an expert in slot order, the first `home` to the home rank, then each replica entry's share."""
+    num_ranks, num_experts = counts.shape
+    local = num_experts // num_ranks
+    slots = expert_flat.shape[0]
+    home, share = shares[0][source], shares[1][source]
+    position = index_within_expert(expert_flat, counts[source])
+    same_before = torch.ones(share.shape[0], share.shape[0], dtype=torch.bool, device=share.device).tril(-1)
+    same_before &= plan.expert[:, None] == plan.expert[None, :]
+    start = home[plan.expert] + (same_before.long() * share[None, :]).sum(1)
+    valid = share > 0
+    span = slots + 1
+    keys = torch.where(valid, plan.expert * span + start, num_experts * span)
+    sorted_keys, key_order = torch.sort(keys, stable=True)
+    found = torch.searchsorted(sorted_keys, expert_flat * span + position, right=True) - 1
+    entry = key_order[found.clamp(min=0)]
+    is_replica = ((found >= 0) & valid[entry] & (plan.expert[entry] == expert_flat)
+                  & (position < start[entry] + share[entry]))
+    home_dest, home_id = home_route(expert_flat, local)
+    return torch.where(is_replica, plan.dest[entry], home_dest), torch.where(is_replica, local + plan.slot[entry], home_id)
+
+
+def proportional_pairs(counts: torch.Tensor, plan: ReplicaPlan,
+                       shares: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`[R, R]` slots each source sends each destination under `proportional_route`."""
+    num_ranks, num_experts = counts.shape
+    home, share = shares
+    pairs = home.view(num_ranks, num_ranks, num_experts // num_ranks).sum(2)
+    return pairs.index_add(1, plan.dest, share)
+
+
 def pair_slots(counts: torch.Tensor, plan: ReplicaPlan) -> torch.Tensor:
     """`[R, R]` slots each source sends each destination under `replica_route` (the overlaps of
     each source's contiguous range with each holder's interval), computed from the counts alone:
@@ -286,6 +349,18 @@ def destination_room(pairs: torch.Tensor, capacity: int) -> torch.Tensor:
     return torch.minimum(pairs, (capacity - before).clamp(min=0))
 
 
+def pair_positions(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Each slot's position among this source's slots to the same destination, by routing
+    weight descending (ties: lower slot index first): the order in which a pair's slots are kept."""
+    slots = dest.shape[0]
+    device = dest.device
+    by_weight = torch.sort(weights_flat.detach(), descending=True, stable=True).indices
+    order = by_weight[torch.sort(dest[by_weight], stable=True).indices]
+    per_dest = torch.zeros(num_ranks, dtype=torch.int64, device=device).scatter_add_(0, dest, torch.ones_like(dest))
+    first = per_dest.cumsum(0) - per_dest
+    return torch.empty_like(order).scatter_(0, order, torch.arange(slots, device=device) - first[dest[order]])
+
+
 def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
                capacity) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop policy: per destination keep the `capacity` slots of highest routing weight (ties:
@@ -293,12 +368,7 @@ def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
     (buffer_index [S] = `dest · max_capacity + position`, or the trash row `R · max_capacity`;
     keep [S])."""
     slots = dest.shape[0]
-    device = dest.device
-    by_weight = torch.sort(weights_flat.detach(), descending=True, stable=True).indices
-    order = by_weight[torch.sort(dest[by_weight], stable=True).indices]
-    per_dest = torch.zeros(num_ranks, dtype=torch.int64, device=device).scatter_add_(0, dest, torch.ones_like(dest))
-    first = per_dest.cumsum(0) - per_dest
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(slots, device=device) - first[dest[order]])
+    position = pair_positions(dest, weights_flat, num_ranks)
     if isinstance(capacity, torch.Tensor):
         keep = position < capacity[dest]
         row = slots  # a pair never holds more than the source's slots
@@ -307,3 +377,140 @@ def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
         row = capacity
     buffer_index = torch.where(keep, dest * row + position, num_ranks * row)
     return buffer_index, keep
+
+
+# ---------------------------------------------------------------------------------------------
+# The relay transport: two equal-split all-to-alls of fixed shape, no size exchange
+
+
+@dataclass(frozen=True)
+class RelayCapacity:
+    """Rows per (source, destination) pair of the relay transport's two hops, a function of the
+    config and the micro-batch size only. Hop 1 `[R, direct + relay]`: each pair's first `direct`
+    slots straight to their destination, then up to `relay` rows other sources' pairs overflow
+    through it; hop 2 `[R, second]`: each relay forwards those rows to their destination."""
+
+    direct: int
+    relay: int
+    second: int
+
+    @property
+    def first(self) -> int:
+        return self.direct + self.relay
+
+    @property
+    def rows(self) -> int:
+        """Rows one rank sends per all-to-all direction: `R·(first + second)` over the `R` it talks to."""
+        return self.first + self.second
+
+
+def relay_capacity(tokens: int, top_k: int, ep: int, capacity_factor: float) -> RelayCapacity:
+    """Pair capacities whose sum is `ceil(capacity_factor · s·k / R)` (the wire stays within
+    `capacity_factor` of the unpadded rows). The even share `s·k/R` plus half the headroom goes
+    straight; the rest of the headroom is split between relaying (hop 1) and forwarding (hop 2)
+    in the proportion 1 : 2 (every source overflowing into one destination meets the others at
+    each relay's hop-2 pair; one source's relayed rows are spread over all relays). Tuned with
+    `benchmarks/ep_scale.py` (docs/expert_parallel.md)."""
+    slots = tokens * top_k
+    even = slots / ep
+    even_rows = math.ceil(even)
+    headroom = max(0, math.ceil(capacity_factor * even) - even_rows)
+    direct = even_rows + headroom // 2
+    rest = even_rows + headroom - direct
+    relay = max(1, rest // 3)  # at least one row per hop (two more than the factor when it leaves none)
+    return RelayCapacity(direct, relay, max(1, rest - relay))
+
+
+@dataclass
+class RelayPlan:
+    """Which rows of every (source, destination) pair travel straight, which through relays, which
+    are dropped; identical on every rank (a function of the all-gathered counts).
+
+    Source `s` numbers its relayed rows `t = 0, 1, …` destination after destination (pair
+    `(s, d)` owns `[start[s, d], start[s, d] + overflow[s, d])`); row `t` goes through relay
+    `(t + s) mod R`, as that relay's `t // R`-th row from `s`. Round robin from a source-dependent
+    first relay: every relay carries at most `ceil(Σ_d overflow[s, d] / R)` rows of one source
+    and `Σ_s ceil(overflow[s, d] / R)` rows to one destination, the bounds the plan enforces."""
+
+    direct: torch.Tensor  # [R, R] rows of each pair sent straight
+    overflow: torch.Tensor  # [R, R] rows of each pair relayed
+    start: torch.Tensor  # [R, R] first relay index of each pair in its source's numbering
+    dropped: torch.Tensor  # [R, R] rows of each pair no buffer takes
+    capacity: RelayCapacity
+
+
+def _ceil_div(value: torch.Tensor, divisor: int) -> torch.Tensor:
+    return torch.div(value + divisor - 1, divisor, rounding_mode="floor")
+
+
+def plan_relay(pairs: torch.Tensor, capacity: RelayCapacity) -> RelayPlan:
+    """The relay plan for `pairs [R, R]` (slots each source sends each destination). What no
+    buffer takes is dropped, lowest routing weight first within a pair: hop 2 into a destination
+    is granted source after source (`Σ_s ceil(overflow/R) ≤ second`), then hop 1 of a source
+    destination after destination (`Σ_d overflow ≤ R·relay`). [R, R] work, no loops."""
+    num_ranks = pairs.shape[0]
+    direct = pairs.clamp(max=capacity.direct)
+    overflow = pairs - direct
+    units = _ceil_div(overflow, num_ranks)
+    granted = torch.minimum(units, (capacity.second - (units.cumsum(0) - units)).clamp(min=0))
+    overflow = torch.minimum(overflow, granted * num_ranks)
+    overflow = torch.minimum(overflow, (num_ranks * capacity.relay - (overflow.cumsum(1) - overflow)).clamp(min=0))
+    start = overflow.cumsum(1) - overflow
+    return RelayPlan(direct, overflow, start, pairs - direct - overflow, capacity)
+
+
+def _round_robin_before(count: torch.Tensor, phase: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """`#{t < count : t ≡ phase (mod R)}`, elementwise."""
+    return torch.div(count - phase + num_ranks - 1, num_ranks, rounding_mode="floor").clamp(min=0)
+
+
+def relay_counts(plan: RelayPlan, relay: int) -> torch.Tensor:
+    """`[R, R]`: rows each source relays through `relay` to each destination (its hop-2 rows)."""
+    num_ranks = plan.direct.shape[0]
+    sources = torch.arange(num_ranks, device=plan.direct.device)
+    phase = ((relay - sources) % num_ranks)[:, None]  # source s's rows t with (t + s) ≡ relay
+    return (_round_robin_before(plan.start + plan.overflow, phase, num_ranks)
+            - _round_robin_before(plan.start, phase, num_ranks))
+
+
+def relay_route(dest: torch.Tensor, position: torch.Tensor, source: int,
+                plan: RelayPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hop-1 row of each slot of `source` (`dest`, and `position` within its pair from
+    `pair_positions`): `hop1_index [S]` = `rank · first + row`, or the trash row `R · first`; keep [S]."""
+    num_ranks = plan.direct.shape[0]
+    first = plan.capacity.first
+    direct, overflow, start = plan.direct[source], plan.overflow[source], plan.start[source]
+    straight = position < direct[dest]
+    relayed = ~straight & (position < direct[dest] + overflow[dest])
+    t = start[dest] + position - direct[dest]
+    relay = (t + source) % num_ranks
+    relay_row = direct[relay] + torch.div(t, num_ranks, rounding_mode="floor")
+    hop1 = torch.where(straight, dest * first + position,
+                       torch.where(relayed, relay * first + relay_row, num_ranks * first))
+    return hop1, straight | relayed
+
+
+def relay_forward(plan: RelayPlan, relay: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """At `relay`: `to_hop2 [R·first]`, the hop-2 row (`destination · second + row`, or the trash
+    row `R · second`) of each received hop-1 row, and `direct [R·first]`, whether the row is for
+    this rank's own experts. Rows from a source arrive in its numbering `t` (round robin), and
+    are forwarded source after source per destination."""
+    num_ranks = plan.direct.shape[0]
+    cap = plan.capacity
+    device = plan.direct.device
+    sources = torch.arange(num_ranks, device=device)
+    phase = (relay - sources) % num_ranks  # [R]
+    counts = relay_counts(plan, relay)  # [R(s), R(d)]
+    before = counts.cumsum(0) - counts  # hop-2 rows to d from lower sources
+    row = torch.arange(cap.first, device=device)
+    direct_rows = plan.direct[:, relay]  # [R(s)]
+    j = row[None, :] - direct_rows[:, None]  # [R(s), first] index among s's relayed rows here
+    total = counts.sum(1)  # [R(s)] rows s relays through this rank
+    is_relayed = (j >= 0) & (j < total[:, None])
+    t = phase[:, None] + num_ranks * j.clamp(min=0)
+    ends = (plan.start + plan.overflow).contiguous()  # [R(s), R(d)], non-decreasing along d
+    dest = torch.searchsorted(ends, t, right=True).clamp(max=num_ranks - 1)  # first d whose range ends after t
+    first_here = _round_robin_before(plan.start.gather(1, dest), phase[:, None], num_ranks)
+    hop2_row = before.gather(1, dest) + j - first_here
+    to_hop2 = torch.where(is_relayed, dest * cap.second + hop2_row, num_ranks * cap.second)
+    return to_hop2.reshape(-1), (row[None, :] < direct_rows[:, None]).reshape(-1)

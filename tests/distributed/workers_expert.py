@@ -221,7 +221,7 @@ def setup(env, spec: dict):
                             config.num_hidden_layers)
     state = ParallelState(layout, env.rank, sequence_parallel=sp)
     expert_parallel = ExpertParallel(state.ep, config.num_experts, spec["mode"], spec["capacity_factor"],
-                                     spec.get("max_replicas", 2), transport=spec.get("transport", "padded"))
+                                     spec.get("max_replicas", 2), transport=spec.get("transport", "relay"))
     reference = K3Model(config).double()
     reference.init_weights(seed=7)
     skew_gate_bias(reference, config.num_experts // ep, spec.get("skew", 0.0))
@@ -440,7 +440,7 @@ def skewed_sources(env, spec: dict) -> dict:
     layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, config.num_attention_heads,
                             config.linear_attn_config.num_heads, config.vocab_size, experts, config.num_hidden_layers)
     state = ParallelState(layout, env.rank)
-    dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport=spec.get("transport", "padded"))
+    dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport=spec.get("transport", "relay"))
     full = LocalExperts(config, experts).double()
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
