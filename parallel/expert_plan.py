@@ -386,131 +386,137 @@ def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
 @dataclass(frozen=True)
 class RelayCapacity:
     """Rows per (source, destination) pair of the relay transport's two hops, a function of the
-    config and the micro-batch size only. Hop 1 `[R, direct + relay]`: each pair's first `direct`
-    slots straight to their destination, then up to `relay` rows other sources' pairs overflow
-    through it; hop 2 `[R, second]`: each relay forwards those rows to their destination."""
+    config and the micro-batch size only. Hop 1 `[R, first]`: each pair's first slots (highest
+    routing weight) straight to their destination, and in the rows a pair leaves unused, the
+    overflow of the source's other pairs; hop 2 `[R, second]`: each relay forwards those rows to
+    their destination. A destination can receive `R·(first + second)` rows, the per-destination
+    capacity `ceil(capacity_factor · s·k)` the replica planner keeps it under."""
 
-    direct: int
-    relay: int
+    first: int
     second: int
 
     @property
-    def first(self) -> int:
-        return self.direct + self.relay
-
-    @property
     def rows(self) -> int:
-        """Rows one rank sends per all-to-all direction: `R·(first + second)` over the `R` it talks to."""
+        """Rows per pair and all-to-all direction over both hops: `ceil(capacity_factor · s·k/R)`."""
         return self.first + self.second
 
 
 def relay_capacity(tokens: int, top_k: int, ep: int, capacity_factor: float) -> RelayCapacity:
     """Pair capacities whose sum is `ceil(capacity_factor · s·k / R)` (the wire stays within
-    `capacity_factor` of the unpadded rows). The even share `s·k/R` plus half the headroom goes
-    straight; the rest of the headroom is split between relaying (hop 1) and forwarding (hop 2)
-    in the proportion 1 : 2 (every source overflowing into one destination meets the others at
-    each relay's hop-2 pair; one source's relayed rows are spread over all relays). Tuned with
-    `benchmarks/ep_scale.py` (docs/expert_parallel.md)."""
-    slots = tokens * top_k
-    even = slots / ep
-    even_rows = math.ceil(even)
-    headroom = max(0, math.ceil(capacity_factor * even) - even_rows)
-    direct = even_rows + headroom // 2
-    rest = even_rows + headroom - direct
-    relay = max(1, rest // 3)  # at least one row per hop (two more than the factor when it leaves none)
-    return RelayCapacity(direct, relay, max(1, rest - relay))
+    `capacity_factor` of the unpadded rows): hop 1 the even share `s·k/R` plus half the headroom,
+    hop 2 the other half (at least one row). Hop 1 always has room for every slot of a source
+    (`R · first ≥ s·k`); only hop 2 can overflow. Tuned with `benchmarks/ep_scale.py`."""
+    even = math.ceil(tokens * top_k / ep)
+    headroom = max(0, math.ceil(capacity_factor * tokens * top_k / ep) - even)
+    first = even + headroom // 2
+    return RelayCapacity(first, max(1, even + headroom - first))
 
 
 @dataclass
 class RelayPlan:
-    """Which rows of every (source, destination) pair travel straight, which through relays, which
-    are dropped; identical on every rank (a function of the all-gathered counts).
+    """Where every row of every (source, destination) pair travels, identical on every rank (a
+    function of the all-gathered counts).
 
-    Source `s` numbers its relayed rows `t = 0, 1, …` destination after destination (pair
-    `(s, d)` owns `[start[s, d], start[s, d] + overflow[s, d])`); row `t` goes through relay
-    `(t + s) mod R`, as that relay's `t // R`-th row from `s`. Round robin from a source-dependent
-    first relay: every relay carries at most `ceil(Σ_d overflow[s, d] / R)` rows of one source
-    and `Σ_s ceil(overflow[s, d] / R)` rows to one destination, the bounds the plan enforces."""
+    Pair `(s, d)` sends its first `direct[s, d] = min(P, first)` rows straight. Source `s` numbers
+    the rest `t = 0, 1, …` destination after destination (pair `(s, d)` owns
+    `[start[s, d], start[s, d] + overflow[s, d])`) and lays them into the rows its pairs leave
+    unused (`spare[s, r] = first − direct[s, r]`) level by level: level `ℓ` takes one row on
+    each relay with `spare > ℓ`, relays in order from `s + 1` round the ring. `at[s, r, ℓ]` is the
+    `t` of relay `r`'s `ℓ`-th row from `s` (increasing in `ℓ`; past its spare: a bound), `counts
+    [s, r, d]` how many rows of pair `(s, d)` go through `r`, and `room[s, r, d]` how many of those
+    hop 2 takes (`second` rows per (relay, destination), granted source after source)."""
 
-    direct: torch.Tensor  # [R, R] rows of each pair sent straight
-    overflow: torch.Tensor  # [R, R] rows of each pair relayed
-    start: torch.Tensor  # [R, R] first relay index of each pair in its source's numbering
-    dropped: torch.Tensor  # [R, R] rows of each pair no buffer takes
+    direct: torch.Tensor  # [R, R]
+    overflow: torch.Tensor  # [R, R]
+    start: torch.Tensor  # [R, R]
+    at: torch.Tensor  # [R, R, first]
+    counts: torch.Tensor  # [R(s), R(r), R(d)]
+    room: torch.Tensor  # [R(s), R(r), R(d)]
     capacity: RelayCapacity
 
-
-def _ceil_div(value: torch.Tensor, divisor: int) -> torch.Tensor:
-    return torch.div(value + divisor - 1, divisor, rounding_mode="floor")
+    @property
+    def dropped(self) -> torch.Tensor:
+        """`[R, R]` rows of each pair that hop 2 has no room for."""
+        return (self.counts - self.room).sum(1)
 
 
 def plan_relay(pairs: torch.Tensor, capacity: RelayCapacity) -> RelayPlan:
-    """The relay plan for `pairs [R, R]` (slots each source sends each destination). What no
-    buffer takes is dropped, lowest routing weight first within a pair: hop 2 into a destination
-    is granted source after source (`Σ_s ceil(overflow/R) ≤ second`), then hop 1 of a source
-    destination after destination (`Σ_d overflow ≤ R·relay`). [R, R] work, no loops."""
+    """The relay plan for `pairs [R, R]` (slots each source sends each destination). Work
+    `O(R² · first)`, no loops, no host reads."""
     num_ranks = pairs.shape[0]
-    direct = pairs.clamp(max=capacity.direct)
+    first, device = capacity.first, pairs.device
+    direct = pairs.clamp(max=first)
     overflow = pairs - direct
-    units = _ceil_div(overflow, num_ranks)
-    granted = torch.minimum(units, (capacity.second - (units.cumsum(0) - units)).clamp(min=0))
-    overflow = torch.minimum(overflow, granted * num_ranks)
-    overflow = torch.minimum(overflow, (num_ranks * capacity.relay - (overflow.cumsum(1) - overflow)).clamp(min=0))
     start = overflow.cumsum(1) - overflow
-    return RelayPlan(direct, overflow, start, pairs - direct - overflow, capacity)
+    spare = first - direct  # [R(s), R(r)]
+    level = torch.arange(first, device=device)
+    taking = spare[:, :, None] > level[None, None, :]  # [s, r, ℓ]
+    # relays in ring order from s + 1: rotate, rank within the level, rotate back
+    ranks = torch.arange(num_ranks, device=device)
+    ring = (ranks[None, :] + ranks[:, None] + 1) % num_ranks  # [s, i] the i-th relay of s
+    taking_ring = taking.gather(1, ring[:, :, None].expand(-1, -1, first))
+    rank_ring = taking_ring.long().cumsum(1) - taking_ring.long()
+    rank_in_level = torch.empty_like(rank_ring).scatter_(1, ring[:, :, None].expand(-1, -1, first), rank_ring)
+    per_level = taking.long().sum(1)  # [s, ℓ]
+    base = per_level.cumsum(1) - per_level
+    beyond = base[:, -1:] + per_level[:, -1:] + num_ranks * level[None, :] + 1  # increasing past the spare
+    at = torch.where(taking, base[:, None, :] + rank_in_level, beyond[:, None, :].expand(-1, num_ranks, -1))
+    at = at.contiguous()
+    before = _rows_before(at, start)  # [s, r, d] rows of s through r with t < start[s, d]
+    counts = _rows_before(at, start + overflow) - before
+    earlier = counts.cumsum(0) - counts  # from lower sources through the same (r, d)
+    room = torch.minimum(counts, (capacity.second - earlier).clamp(min=0))
+    return RelayPlan(direct, overflow, start, at, counts, room, capacity)
 
 
-def _round_robin_before(count: torch.Tensor, phase: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """`#{t < count : t ≡ phase (mod R)}`, elementwise."""
-    return torch.div(count - phase + num_ranks - 1, num_ranks, rounding_mode="floor").clamp(min=0)
-
-
-def relay_counts(plan: RelayPlan, relay: int) -> torch.Tensor:
-    """`[R, R]`: rows each source relays through `relay` to each destination (its hop-2 rows)."""
-    num_ranks = plan.direct.shape[0]
-    sources = torch.arange(num_ranks, device=plan.direct.device)
-    phase = ((relay - sources) % num_ranks)[:, None]  # source s's rows t with (t + s) ≡ relay
-    return (_round_robin_before(plan.start + plan.overflow, phase, num_ranks)
-            - _round_robin_before(plan.start, phase, num_ranks))
+def _rows_before(at: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """`[s, r, d]`: levels ℓ with `at[s, r, ℓ] < bound[s, d]`."""
+    query = bound[:, None, :].expand(-1, at.shape[1], -1).contiguous()
+    return torch.searchsorted(at, query)
 
 
 def relay_route(dest: torch.Tensor, position: torch.Tensor, source: int,
                 plan: RelayPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Hop-1 row of each slot of `source` (`dest`, and `position` within its pair from
-    `pair_positions`): `hop1_index [S]` = `rank · first + row`, or the trash row `R · first`; keep [S]."""
+    `pair_positions`): `hop1_index [S]` = `rank · first + row`, or the trash row `R · first`;
+    keep [S] (false where hop 2 has no room for the slot)."""
     num_ranks = plan.direct.shape[0]
     first = plan.capacity.first
-    direct, overflow, start = plan.direct[source], plan.overflow[source], plan.start[source]
+    direct, start = plan.direct[source], plan.start[source]
     straight = position < direct[dest]
-    relayed = ~straight & (position < direct[dest] + overflow[dest])
-    t = start[dest] + position - direct[dest]
-    relay = (t + source) % num_ranks
-    relay_row = direct[relay] + torch.div(t, num_ranks, rounding_mode="floor")
+    t = (start[dest] + position - direct[dest]).clamp(min=0)
+    at = plan.at[source]  # [R(r), first]
+    # the relay and level of row t: the (r, ℓ) whose at equals t
+    flat = at.reshape(-1)
+    order = torch.argsort(flat)
+    found = order[torch.searchsorted(flat[order], t).clamp(max=flat.numel() - 1)]
+    relay, level = torch.div(found, first, rounding_mode="floor"), found % first
+    index_in_pair = level - _rows_before(plan.at[source:source + 1], plan.start[source:source + 1])[0][relay, dest]
+    relayed = ~straight & (index_in_pair < plan.room[source][relay, dest])
     hop1 = torch.where(straight, dest * first + position,
-                       torch.where(relayed, relay * first + relay_row, num_ranks * first))
+                       torch.where(relayed, relay * first + direct[relay] + level, num_ranks * first))
     return hop1, straight | relayed
 
 
 def relay_forward(plan: RelayPlan, relay: int) -> tuple[torch.Tensor, torch.Tensor]:
     """At `relay`: `to_hop2 [R·first]`, the hop-2 row (`destination · second + row`, or the trash
     row `R · second`) of each received hop-1 row, and `direct [R·first]`, whether the row is for
-    this rank's own experts. Rows from a source arrive in its numbering `t` (round robin), and
-    are forwarded source after source per destination."""
+    this rank's own experts. Hop 2 to each destination is filled source after source."""
     num_ranks = plan.direct.shape[0]
     cap = plan.capacity
     device = plan.direct.device
-    sources = torch.arange(num_ranks, device=device)
-    phase = (relay - sources) % num_ranks  # [R]
-    counts = relay_counts(plan, relay)  # [R(s), R(d)]
-    before = counts.cumsum(0) - counts  # hop-2 rows to d from lower sources
     row = torch.arange(cap.first, device=device)
     direct_rows = plan.direct[:, relay]  # [R(s)]
-    j = row[None, :] - direct_rows[:, None]  # [R(s), first] index among s's relayed rows here
-    total = counts.sum(1)  # [R(s)] rows s relays through this rank
-    is_relayed = (j >= 0) & (j < total[:, None])
-    t = phase[:, None] + num_ranks * j.clamp(min=0)
-    ends = (plan.start + plan.overflow).contiguous()  # [R(s), R(d)], non-decreasing along d
-    dest = torch.searchsorted(ends, t, right=True).clamp(max=num_ranks - 1)  # first d whose range ends after t
-    first_here = _round_robin_before(plan.start.gather(1, dest), phase[:, None], num_ranks)
-    hop2_row = before.gather(1, dest) + j - first_here
-    to_hop2 = torch.where(is_relayed, dest * cap.second + hop2_row, num_ranks * cap.second)
+    level = row[None, :] - direct_rows[:, None]  # [R(s), first]
+    at = plan.at[:, relay, :].gather(1, level.clamp(min=0))  # the t of each received row
+    total = plan.overflow.sum(1)  # [R(s)] rows each source relays
+    is_relayed = (level >= 0) & (at < total[:, None])
+    ends = (plan.start + plan.overflow).contiguous()
+    dest = torch.searchsorted(ends, at, right=True).clamp(max=num_ranks - 1)  # [R(s), first]
+    before = _rows_before(plan.at, plan.start)[:, relay, :]  # [R(s), R(d)]
+    index_in_pair = level - before.gather(1, dest)
+    room = plan.room[:, relay, :]  # [R(s), R(d)]
+    earlier = room.cumsum(0) - room
+    kept = is_relayed & (index_in_pair < room.gather(1, dest))
+    to_hop2 = torch.where(kept, dest * cap.second + earlier.gather(1, dest) + index_in_pair, num_ranks * cap.second)
     return to_hop2.reshape(-1), (row[None, :] < direct_rows[:, None]).reshape(-1)

@@ -2,7 +2,8 @@
 
 Two launches (2 and 4 ranks) run every check. Layouts: EP2, EP4 and EP2×DP2 (ep carved out of
 dp), EP2 with TP2 and sequence parallelism (2 and 4 ranks), EP2 inside PP2 stages with two
-micro-batches per DP rank; `balanced` mode, `capacity` mode with a capacity that drops nothing
+micro-batches per DP rank; `balanced` mode (its default `relay` transport, and `padded` and
+`splits`), `capacity` mode with a capacity that drops nothing
 (`C_pair = s·k`), and `capacity` mode with a small capacity, where the reference model drops, per
 source rank, the slots a plain-Python reference of the drop policy picks, and the EP model must
 drop exactly those. The gate bias favours the first EP rank's experts so that `balanced` mode
@@ -55,9 +56,12 @@ CHECKS = {
         no_drop(2, **SP),
         dropping(2, 0.5, **SP),
         {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25},
+        {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "transport": "padded"},
         {"check": "static_shapes", "mode": "capacity", "capacity_factor": 1.25},
+        balanced(2, transport="padded"),
         balanced(2, transport="splits"),
         {"check": "skewed_sources"},
+        {"check": "skewed_sources", "transport": "padded"},
         {"check": "skewed_sources", "transport": "splits"},
     ],
     4: [
@@ -71,8 +75,11 @@ CHECKS = {
         balanced(4, **SP),  # EP4 over TP2 × DP2
         {**balanced(2), **PP},
         {**no_drop(2), **PP},
+        balanced(4, transport="padded"),
         balanced(4, transport="splits"),
+        {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25},
         {"check": "skewed_sources"},
+        {"check": "skewed_sources", "transport": "padded"},
         {"check": "skewed_sources", "transport": "splits"},
     ],
 }
@@ -113,7 +120,8 @@ def check_static(spec, result):
         if kind == "all_gather":
             assert (spec["mode"], shape) == ("balanced", (1, expected["slot_counts"][1]))
         else:
-            assert shape in (expected["dispatch"], expected["dispatch_ids"], expected.get("replica_weights")), shape
+            assert shape in (expected["dispatch"], expected["dispatch_ids"], expected.get("forward"),
+                             expected.get("forward_ids"), expected.get("replica_weights")), shape
     if spec["mode"] == "balanced":
         assert any(facts["replicas"] > 0 for facts in result["facts"].values())
 

@@ -365,7 +365,8 @@ def static_shapes(env, spec: dict) -> dict:
                             config.num_hidden_layers)
     state = ParallelState(layout, env.rank)
     expert_parallel = ExpertParallel(state.ep, config.num_experts, spec["mode"], spec["capacity_factor"],
-                                     spec.get("max_replicas", 2), compute="gather")
+                                     spec.get("max_replicas", 2), compute="gather",
+                                     transport=spec.get("transport", "relay"))
     moe = LatentMoE(config, TensorParallel.single(), expert_parallel=expert_parallel).double()
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():

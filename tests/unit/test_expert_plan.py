@@ -45,10 +45,10 @@ def test_capacity_is_a_function_of_config_and_micro_batch():
     expert_parallel = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "balanced", 1.25, max_replicas_per_rank=2)
     # balanced, relay transport (the default): hop 1 [R, direct + relay], hop 2 [R, second], summing
     # to ceil(1.25 · s·k/R) = 80 rows per pair
-    assert relay_capacity(64, 4, 4, 1.25) == RelayCapacity(direct=72, relay=2, second=6)
+    assert relay_capacity(64, 4, 4, 1.25) == RelayCapacity(first=72, second=8)
     assert expert_parallel.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48) == {
-        "dispatch": (4, 74, 32), "dispatch_ids": (4, 74), "forward": (4, 6, 32), "forward_ids": (4, 6),
-        "combine_forwarded": (4, 6, 32), "combine": (4, 74, 32), "received": (320, 32), "slot_counts": (4, 16),
+        "dispatch": (4, 72, 32), "dispatch_ids": (4, 72), "forward": (4, 8, 32), "forward_ids": (4, 8),
+        "combine_forwarded": (4, 8, 32), "combine": (4, 72, 32), "received": (320, 32), "slot_counts": (4, 16),
         "replica_weights": (2, 3 * 48 * 32)}
     padded = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "balanced", 1.25, 2, transport="padded")
     shapes = padded.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48)
@@ -309,8 +309,11 @@ def test_relay_delivers_each_kept_slot_once_to_a_holder_of_its_expert(ranks, ske
             expert = int(ids[source].flatten()[slot])
             assert (d * local + local_id == expert) if local_id < local else hosted[(d, local_id)] == expert
     # the bounds the plan enforces hold for the real loads of every hop
-    assert int(relay_plan.direct.max()) <= capacity.direct
-    assert (capacity.first + capacity.second) * ranks <= 1.25 * tokens * top_k + 2 * ranks
+    assert int(relay_plan.direct.max()) <= capacity.first
+    hop2 = relay_plan.room.sum(0)  # [r, d]
+    assert int(hop2.max()) <= capacity.second and torch.all(relay_plan.room <= relay_plan.counts)
+    assert torch.equal(relay_plan.counts.sum(1), relay_plan.overflow)  # every overflow row has a relay
+    assert capacity.rows * ranks <= 1.25 * tokens * top_k + ranks
 
 
 def test_proportional_shares_keep_the_planned_loads_and_flatten_pairs():
@@ -341,7 +344,9 @@ def test_relay_drops_only_beyond_its_bounds_and_counts_them():
     capacity = relay_capacity(tokens, top_k, ranks, 1.25)
     delivered, kept, relay_plan = simulate_relay(ids, weights, counts, plan, capacity)
     assert int(relay_plan.dropped.sum()) == int(counts.sum()) - kept > 0
-    assert kept == capacity.direct * ranks + int(relay_plan.overflow.sum())
+    # rank 0 receives all it can: every hop-1 pair into it, and hop 2 from the other ranks (its own
+    # hop-1 rows from others are all direct, so it relays nothing to itself)
+    assert kept == capacity.first * ranks + capacity.second * (ranks - 1)
 
 
 # ---------------------------------------------------------------------------- checkpoints
