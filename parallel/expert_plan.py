@@ -191,33 +191,59 @@ class ReplicaPlacement:
         return cls(expert, dest, slot, valid, entries)
 
 
-def apply_placement(counts: torch.Tensor, placement: ReplicaPlacement, capacity: int | None = None) -> ReplicaPlan:
+def _capped_in_order(want: torch.Tensor, group: torch.Tensor, room: torch.Tensor,
+                     earlier: torch.Tensor) -> torch.Tensor:
+    """`want [N]` reduced so that, in entry order, each group's running total stays within its
+    `room` (`group [N]` the entry's group, `room` indexed by group; `earlier [N, N]` float
+    `[j, j'] = j' < j`): `min(want_j, room − Σ_{earlier j' of the group} want_j')⁺`."""
+    same = earlier * (group[:, None] == group[None, :])
+    before = (same @ want.double()).long()
+    return torch.minimum(want, (room[group] - before).clamp(min=0))
+
+
+def apply_placement(counts: torch.Tensor, placement: ReplicaPlacement, capacity: int | None = None,
+                    rounds: int = 4) -> ReplicaPlan:
     """This micro-batch's plan under the step's placement, from its all-gathered `counts [R, E]`:
-    the planner's greedy pass restricted to the placed (expert, rank) entries, in their order
-    (hottest first): each replica takes from its expert's home share what brings the home rank
-    down, or its own rank up, to the even share. With `capacity` (the receive buffer per
-    destination) a second pass lets a replica's rank go above the even share, up to the
-    capacity, for a home rank still over it. The weights are fixed for the step; how many slots
-    each replica takes follows the current micro-batch."""
+    each placed replica takes from its expert's home share what brings the home rank down, or
+    its own rank up, to the even share. With `capacity` (the receive buffer per destination) a
+    second pass lets a replica's rank go above the even share, up to the capacity, for a home rank
+    still over it. The weights are fixed for the step; how many slots each replica takes follows
+    the current micro-batch.
+
+    Vectorised (no loop over entries): in a pass the giving ranks (above the level) and the
+    receiving ranks (below the ceiling) are disjoint, so each entry's move is bounded by three
+    shared budgets, its home rank's surplus, its rank's room and its expert's home share. Each of
+    `rounds` rounds proposes `min(surplus, room, share)` per entry from what is left and cuts the
+    proposals to every budget in entry order (hottest placement first); what a round leaves the
+    next one offers again. Every budget holds after every round."""
     num_ranks, num_experts = counts.shape
     local = num_experts // num_ranks
+    device = counts.device
     load = counts.sum(0)
-    home = load.clone()
     rank_load = load.view(num_ranks, local).sum(1)
     target = load.sum() // num_ranks
     entries = placement.expert.shape[0]
-    amount = torch.zeros(entries, dtype=torch.int64, device=counts.device)
-    owners = torch.div(placement.expert, local, rounding_mode="floor")
-    for level, ceiling in ((target, target), (capacity, capacity)) if capacity is not None else ((target, target),):
-        for j in range(entries):
-            expert, dest, owner = placement.expert[j], placement.dest[j], owners[j]
-            move = torch.minimum(torch.minimum(_at(rank_load, owner) - level, ceiling - _at(rank_load, dest)),
-                                 _at(home, expert)).clamp(min=0)
-            move = torch.where(placement.valid[j], move, 0)
-            home = home.index_add(0, expert.view(1), -move.view(1))
-            rank_load = rank_load.index_add(0, torch.stack([owner, dest]), torch.stack([-move, move]))
-            amount = amount.index_add(0, torch.tensor([j], device=counts.device), move.view(1))
-    plan = _finish_plan(placement.expert, placement.dest, amount, load, home, rank_load)
+    expert, dest = placement.expert, placement.dest
+    owners = torch.div(expert, local, rounding_mode="floor")
+    earlier = torch.ones(entries, entries, dtype=torch.float64, device=device).tril(-1)
+    amount = torch.zeros(entries, dtype=torch.int64, device=device)
+    home = load.clone()
+    levels = (target, capacity) if capacity is not None else (target,)
+    for level in levels:
+        surplus = (rank_load - level).clamp(min=0)  # giving ranks
+        room = (level - rank_load).clamp(min=0)  # receiving ranks
+        for _ in range(rounds):
+            want = torch.minimum(torch.minimum(surplus[owners], room[dest]), home[expert])
+            want = torch.where(placement.valid, want, 0)
+            want = _capped_in_order(want, expert, home, earlier)
+            want = _capped_in_order(want, owners, surplus, earlier)
+            want = _capped_in_order(want, dest, room, earlier)
+            amount = amount + want
+            home = home.index_add(0, expert, -want)
+            surplus = surplus.index_add(0, owners, -want)
+            room = room.index_add(0, dest, -want)
+            rank_load = rank_load.index_add(0, owners, -want).index_add(0, dest, want)
+    plan = _finish_plan(expert, dest, amount, load, home, rank_load)
     plan.slot = placement.slot  # the slots the weights were fetched into, whatever the amounts
     plan.valid = placement.valid & (amount > 0)
     return plan

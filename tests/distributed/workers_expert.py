@@ -459,7 +459,7 @@ def skewed_sources(env, spec: dict) -> dict:
         generator = torch.Generator().manual_seed(100 * step + env.rank)
         logits = torch.randn(tokens, experts, generator=generator, dtype=torch.float64)
         if env.rank < max(1, ranks // 2):  # only some sources have hot experts: the loads are skewed too
-            logits[:, hot_home * local:hot_home * local + 3] += 3.0  # three hot experts of one home rank
+            logits[:, hot_home * local:hot_home * local + 3] += spec.get("boost", 3.0)  # three hot experts of one home
         weights, ids = logits.sigmoid().topk(top_k, dim=-1)
         latent = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
         upstream = torch.randn(tokens, width, generator=generator, dtype=torch.float64)

@@ -234,6 +234,45 @@ def test_step_placement_from_previous_loads():
     assert torch.equal(empty.rank_load, home_load) and not empty.valid.any()
 
 
+def sequential_placement_loads(counts, placement, capacity):
+    """Plain Python: the greedy pass entry by entry (the loop `apply_placement` replaces)."""
+    ranks, experts = counts.shape
+    local = experts // ranks
+    load = counts.sum(0).tolist()
+    home = list(load)
+    rank_load = [sum(load[r * local:(r + 1) * local]) for r in range(ranks)]
+    target = sum(load) // ranks
+    entries = [(int(e), int(d)) for e, d, v in zip(placement.expert, placement.dest, placement.valid) if v]
+    for level in (target, capacity):
+        for expert, dest in entries:
+            owner = expert // local
+            move = max(0, min(rank_load[owner] - level, level - rank_load[dest], home[expert]))
+            home[expert] -= move
+            rank_load[owner] -= move
+            rank_load[dest] += move
+    return rank_load
+
+
+@pytest.mark.parametrize("ranks,skew,seed", [(4, 2.0, 1), (8, 3.0, 2), (16, 1.0, 3), (8, 0.3, 4)])
+def test_vectorised_placement_matches_the_sequential_greedy(ranks, skew, seed):
+    experts, top_k, tokens = 4 * ranks, 4, 128
+    before, _ = skewed_routing(ranks, tokens, experts, top_k, skew, seed=seed)
+    now, _ = skewed_routing(ranks, tokens, experts, top_k, skew, seed=seed + 100)
+    load_before = torch.bincount(before.flatten(), minlength=experts)
+    first = plan_from_load(load_before, ranks, 2, tolerance=0.05)
+    placement = ReplicaPlacement.from_plan(first).with_spares(load_before, first.rank_load, 2)
+    counts = torch.stack([torch.bincount(now[r].flatten(), minlength=experts) for r in range(ranks)])
+    capacity = capacity_per_destination(tokens, top_k, ranks, 1.25)
+    plan = apply_placement(counts, placement, capacity)
+    held = plan.home.clone().index_add_(0, plan.expert[plan.valid], plan.amount[plan.valid])
+    assert torch.equal(held, plan.load) and torch.all(plan.home >= 0) and torch.all(plan.amount >= 0)
+    home_load = counts.sum(0).view(ranks, -1).sum(1)
+    assert int(plan.rank_load.sum()) == int(counts.sum())
+    # receivers never go above the capacity, givers never below the even share
+    assert int(plan.rank_load.max()) <= max(capacity, int(home_load.max()))
+    assert int(plan.rank_load.max()) == max(sequential_placement_loads(counts, placement, capacity))
+
+
 def test_tolerance_leaves_nearly_even_loads_alone():
     load = torch.full((32,), 100, dtype=torch.int64)
     load[0] += 30  # rank 0 at 1.0075 of the mean
