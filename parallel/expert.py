@@ -3,10 +3,12 @@
 The routed experts of a MoE layer are split over `state.ep` (each rank holds its *home* experts
 as stacks); the MoE layer hands the dispatcher latent token slots with expert ids and routing
 weights and gets `Σ_k p_k · E_k(latent)` back per token. Buffer shapes depend only on the config
-and the micro-batch size (CUDA-graph safe). `balanced` mode (the default) receives into one
-buffer per destination, whose capacity the replica planner keeps every rank under, and hosts
-replicas of hot experts placed once per step; `capacity` mode sends each slot home through
-per-pair buffers and drops overflow. The experts compute through their own module
+and the micro-batch size (CUDA-graph safe). `balanced` mode (the default) hosts replicas of hot
+experts placed once per step and keeps every rank under a per-destination capacity; its default
+`relay` transport sends two fixed-shape hops within `capacity_factor` of the unpadded bytes (a
+pair's overflow relayed through the source's spare rows), `padded` and `splits` one
+per-destination receive buffer; `capacity` mode sends each slot home through per-pair buffers
+and drops overflow. The experts compute through their own module
 (`GroupedExperts.grouped_forward`). Planning: `parallel/expert_plan.py`; layout, replicas,
 gradients and statistics: docs/expert_parallel.md.
 """
