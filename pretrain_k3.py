@@ -125,7 +125,7 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     """Steps 2-6 of the job on this rank (after the parallel state is up)."""
     import torch
 
-    from k3train.checkpoint import CheckpointError, Checkpointer, GracefulExit, RNGState, read_manifest
+    from k3train.checkpoint import CheckpointError, Checkpointer, GracefulExit, PerRank, RNGState, read_manifest
     from k3train.checkpoint.signals import STOPPED, exit_unsaved, signal_name
     from k3train.data import DataError, build_data
     from k3train.model.flops import parameter_counts, training_flops_per_token
@@ -205,8 +205,11 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
 
     def app_state() -> dict:
         # The QB biases are model buffers; the LR schedule is a pure function of the step.
-        return {"model": model, "optimizer": optimizer, "data": data, "progress": trainer.progress,
-                "rng": RNGState()}
+        state = {"model": model, "optimizer": optimizer, "data": data, "progress": trainer.progress,
+                 "rng": RNGState()}
+        if job.expert_parallel is not None:  # the next step's replica placements (per EP group, so per rank)
+            state["expert_replicas"] = PerRank(job.expert_parallel)
+        return state
 
     try:
         resume_from = checkpointer.resolve_resume(config.checkpoint.resume)

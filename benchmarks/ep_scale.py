@@ -1,27 +1,29 @@
-"""Expert parallelism at K3 scale, in one process: drops and wire bytes for R = 8 … 256 ranks.
+"""Expert parallelism at K3 scale, in one process: drops and wire bytes for R = 8 … 448 ranks.
 
-Runs the real planner, slot routing and drop rules (`parallel/expert_plan.py`) for every
-simulated source rank, on synthetic routing with K3's shapes (896 experts, top-16, latent 3584,
-expert width 3072, 2,048 tokens per rank and micro-batch, at most 2 replicas per rank), and the
-same for the code of an earlier revision (`--old-revision`, loaded from git into a temporary
-module) side by side.
+Runs the real planner, slot routing, relay plan and drop rules (`parallel/expert_plan.py`) for
+every simulated source rank, on synthetic routing with K3's shapes (896 experts, top-16, latent
+3584, expert width 3072, 2,048 tokens per rank and micro-batch, at most 2 replicas per rank), and
+the same for two earlier revisions loaded from git into temporary modules, side by side:
+`--old-revision` (the code the issue measured: per-pair buffers, replicas fetched per
+micro-batch) and `--previous-revision` (per-destination receive buffers and replicas once per
+step, with its `padded` default and its exact `splits` transport).
 
 Routing regimes (each source's logits `noise + global bias + its own bias`, top-k):
 * `global`: every expert has a fixed bias `N(0, global_skew)` (some experts hot everywhere);
 * `per_source`: the global bias, plus each source's own `hot` experts boosted by `boost`
   (documents with their own topics): the skew the (source, destination) pairs see.
 
-Replicas: the new code plans the step's placement from the previous step's loads (a second draw
-of the same regime) and routes the measured step within it; the old code plans per micro-batch.
+Replicas: planned from the previous step's loads (a second draw of the same regime), the
+measured step routed within them; the old revision plans per micro-batch.
 
 Bytes per rank and step (`--micro-batches` micro-batches, bf16 rows, int32 ids), what the
 busiest rank sends: tokens = dispatch + combine, forward + backward; replicas = weights forward
-+ gradients backward. "min" is the unpadded minimum (every slot's row once each way). The new
-token bytes are those of the exact-split transport (`splits`, or a device-split all-to-all);
-the padded gloo reference sends `R·s·k` rows per micro-batch instead.
++ gradients backward. "×min" is against the unpadded minimum (every slot's row once each way).
+896 experts split evenly over 256 ranks is impossible (896 = 2^7·7); 224 and 448 are the valid
+sizes around it.
 
-    python benchmarks/ep_scale.py                      # R = 8, 64, 256, both regimes, old and new
-    python benchmarks/ep_scale.py --ranks 64 --regimes per_source
+    python benchmarks/ep_scale.py                      # R = 8, 64, 224, both regimes, all codes
+    python benchmarks/ep_scale.py --ranks 64 --regimes per_source --boost 1.5
 """
 
 from __future__ import annotations
@@ -39,21 +41,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from k3train.parallel.expert_plan import (  # noqa: E402
-    ReplicaPlacement, apply_placement, capacity_per_destination, capacity_per_pair, destination_room, pack_slots,
-    pair_slots, plan_from_load, replica_route,
-)
+from k3train.parallel import expert_plan as plan  # noqa: E402
 
 
-def load_old_module(revision: str):
-    """`parallel/expert.py` as it was at `revision`, imported as a temporary module."""
-    source = subprocess.run(["git", "show", f"{revision}:parallel/expert.py"], cwd=ROOT, check=True,
+def load_old_module(revision: str, path: str = "parallel/expert.py"):
+    """`path` as it was at `revision`, imported as a temporary module."""
+    source = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "expert_old.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("expert_old", path)
+    name = f"old_{revision}_{Path(path).stem}"
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["expert_old"] = module  # dataclasses look their module up
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -80,30 +80,70 @@ def routing(args, ranks: int, regime: str, step: int):
     return ids, weights, counts
 
 
-def new_code(args, ranks, ids, weights, counts, previous_load):
-    slots = args.tokens * args.top_k
-    capacity = capacity_per_destination(args.tokens, args.top_k, ranks, args.capacity_factor)
-    plan0 = plan_from_load(previous_load, ranks, args.max_replicas, args.tolerance)
-    placement = ReplicaPlacement.from_plan(plan0)
+def step_placement(plan_module, args, ranks, previous_load):
+    """The step's replica placement, planned from the previous step's loads (as `finish_step` does)."""
+    first = plan_module.plan_from_load(previous_load, ranks, args.max_replicas, args.tolerance)
+    placement = plan_module.ReplicaPlacement.from_plan(first)
     if not args.no_spares:
-        placement = placement.with_spares(previous_load, plan0.rank_load, args.max_replicas)
-    plan = apply_placement(counts, placement, capacity)
-    room = destination_room(pair_slots(counts, plan), capacity)
-    dropped = 0
-    for source in range(ranks):
-        dest, _ = replica_route(ids[source].flatten(), counts, source, plan)
-        _, keep = pack_slots(dest, weights[source].flatten(), ranks, room[source])
-        dropped += int((~keep).sum())
-    sent, returned = room.sum(1), room.sum(0)  # rows each rank sends, and returns (as destination)
-    token_rows = int((2 * (sent + returned)).max())  # forward + backward, busiest rank
+        placement = placement.with_spares(previous_load, first.rank_load, args.max_replicas)
+    return placement
+
+
+def replica_traffic(args, ranks, placement):
+    """Replica matrices the busiest rank sends per step: weights from the home, gradients back."""
     outgoing = torch.zeros(ranks, dtype=torch.int64)
     local = args.experts // ranks
     for expert, dest, _ in placement.host:
-        outgoing[expert // local] += 1  # the home sends the weights
-        outgoing[dest] += 1  # the holder sends the gradients back
-    return {"dropped": dropped / (ranks * slots), "over": int((plan.rank_load - capacity).max()),
-            "capacity": capacity, "token_rows": token_rows, "token_ids": int(sent.max()),
-            "replica_matrices_step": int(outgoing.max()), "replicas": placement.num_replicas}
+        outgoing[expert // local] += 1
+        outgoing[dest] += 1
+    return int(outgoing.max())
+
+
+def new_code(args, ranks, ids, weights, counts, previous_load):
+    """This tree's default: `balanced` with the `relay` transport (two fixed-shape hops)."""
+    slots = args.tokens * args.top_k
+    placement = step_placement(plan, args, ranks, previous_load)
+    replica_plan = plan.apply_placement(counts, placement, plan.capacity_per_destination(
+        args.tokens, args.top_k, ranks, args.capacity_factor))
+    shares = plan.proportional_shares(counts, replica_plan)
+    pairs = plan.proportional_pairs(counts, replica_plan, shares)
+    capacity = plan.relay_capacity(args.tokens, args.top_k, ranks, args.capacity_factor)
+    relay_plan = plan.plan_relay(pairs, capacity)
+    dropped = 0
+    for source in range(ranks):  # the real per-source routing and packing
+        dest, _ = plan.proportional_route(ids[source].flatten(), counts, source, replica_plan, shares)
+        position = plan.pair_positions(dest, weights[source].flatten(), ranks)
+        dropped += int((~plan.relay_route(dest, position, source, relay_plan)[1]).sum())
+    assert dropped == int(relay_plan.dropped.sum())
+    rows = ranks * capacity.rows  # every rank, each all-to-all direction
+    return {"dropped": dropped / (ranks * slots), "over": int((pairs - capacity.first).max()),
+            "capacity": f"{capacity.first}+{capacity.second}", "token_rows": 4 * rows,
+            "token_ids": rows, "replica_matrices_step": replica_traffic(args, ranks, placement),
+            "replicas": placement.num_replicas}
+
+
+def previous_code(args, previous, ranks, ids, weights, counts, previous_load, transport):
+    """The tree before the relay transport (main at `--previous-revision`): `balanced` with one
+    `[C_dest]` receive buffer per destination, `padded` (its default: `R·s·k` rows per
+    all-to-all) or `splits` (exact rows, split sizes read on the host)."""
+    slots = args.tokens * args.top_k
+    capacity = previous.capacity_per_destination(args.tokens, args.top_k, ranks, args.capacity_factor)
+    placement = step_placement(previous, args, ranks, previous_load)
+    replica_plan = previous.apply_placement(counts, placement, capacity)
+    room = previous.destination_room(previous.pair_slots(counts, replica_plan), capacity)
+    dropped = 0
+    for source in range(ranks):
+        dest, _ = previous.replica_route(ids[source].flatten(), counts, source, replica_plan)
+        _, keep = previous.pack_slots(dest, weights[source].flatten(), ranks, room[source])
+        dropped += int((~keep).sum())
+    if transport == "padded":
+        rows, ids_sent = 4 * ranks * slots, ranks * slots
+    else:
+        sent, returned = room.sum(1), room.sum(0)
+        rows, ids_sent = int((2 * (sent + returned)).max()), int(sent.max())
+    return {"dropped": dropped / (ranks * slots), "over": int((replica_plan.rank_load - capacity).max()),
+            "capacity": capacity, "token_rows": rows, "token_ids": ids_sent,
+            "replica_matrices_step": replica_traffic(args, ranks, placement), "replicas": placement.num_replicas}
 
 
 def old_code(args, old, ranks, ids, weights, counts):
@@ -123,7 +163,8 @@ def old_code(args, old, ranks, ids, weights, counts):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 256])
+    parser.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 224],
+                        help="EP sizes; each must divide --experts (896 = 2^7·7: 256 does not, 224 and 448 do)")
     parser.add_argument("--regimes", nargs="*", default=["global", "per_source"])
     parser.add_argument("--experts", type=int, default=896)
     parser.add_argument("--top-k", type=int, default=16)
@@ -140,11 +181,21 @@ def main() -> None:
     parser.add_argument("--global-skew", type=float, default=0.1)
     parser.add_argument("--hot", type=int, default=8, help="per_source: each source's own hot experts")
     parser.add_argument("--boost", type=float, default=0.8, help="per_source: logit boost of the own hot experts")
-    parser.add_argument("--old-revision", default="222b10e", help="git revision of 'today's code'; '' to skip")
+    parser.add_argument("--old-revision", default="222b10e",
+                        help="git revision of the code the issue measured (per-pair buffers, replicas per "
+                             "micro-batch); '' to skip")
+    parser.add_argument("--previous-revision", default="3c49d31",
+                        help="git revision before the relay transport (destination buffers, padded/splits); '' to skip")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    for ranks in args.ranks:
+        if args.experts % ranks:
+            parser.error(f"--ranks {ranks} does not divide --experts {args.experts}: experts are split evenly "
+                         f"over the EP ranks")
     old = load_old_module(args.old_revision) if args.old_revision else None
+    previous = (load_old_module(args.previous_revision, "parallel/expert_plan.py")
+                if args.previous_revision else None)
     element, micro = 2, args.micro_batches
     matrix = 3 * args.inner * args.latent * element
     minimum = 4 * args.tokens * args.top_k * args.latent * element * micro  # bytes/rank/step, unpadded
@@ -158,17 +209,22 @@ def main() -> None:
     for ranks in args.ranks:
         for regime in args.regimes:
             started = time.perf_counter()
-            _, _, previous = routing(args, ranks, regime, step=0)
+            _, _, previous_load = routing(args, ranks, regime, step=0)
             ids, weights, counts = routing(args, ranks, regime, step=1)
             mean = args.tokens * args.top_k / args.experts
             load = counts.sum(0).double()
             skew = f"{(load.max() / load.mean()).item():.1f}/{(counts.double().topk(args.hot, dim=1).values.mean() / mean).item():.1f}"
-            rows = [("new", new_code(args, ranks, ids, weights, counts, previous.sum(0)))]
+            rows = []
             if old is not None:
-                rows.insert(0, ("today", old_code(args, old, ranks, ids, weights, counts)))
+                rows.append((args.old_revision, old_code(args, old, ranks, ids, weights, counts)))
+            if previous is not None:
+                for transport in ("padded", "splits"):
+                    rows.append((f"{args.previous_revision} {transport}", previous_code(
+                        args, previous, ranks, ids, weights, counts, previous_load.sum(0), transport)))
+            rows.append(("new relay", new_code(args, ranks, ids, weights, counts, previous_load.sum(0))))
             for label, result in rows:
                 token_bytes = (result["token_rows"] * args.latent * element + result["token_ids"] * 4) * micro
-                if label == "new":
+                if "replica_matrices_step" in result:
                     replica_bytes = result["replica_matrices_step"] * matrix
                 else:
                     replica_bytes = result["replica_matrices_micro_batch"] * matrix * micro
@@ -179,8 +235,12 @@ def main() -> None:
                 print(" | ".join(f"{str(c):>11}" for c in cells))
             print(f"{'':>11}   ({time.perf_counter() - started:.0f} s)", flush=True)
     print("skew: expert load max/mean over the group / each source's top-`hot` experts over its mean per expert.")
-    print("over cap: today = largest (source, destination) pair minus C_pair; new = largest destination "
-          "minus C_dest (planned); > 0 means drops. new token bytes: exact-split transport.")
+    print(f"over cap: {args.old_revision} = largest (source, destination) pair minus C_pair (> 0: drops); "
+          f"{args.previous_revision} = largest planned destination minus C_dest (> 0: drops); new relay = largest "
+          "pair minus its hop-1 rows (the excess is relayed through other ranks; drops only past hop 2's "
+          "bound). cap: C_pair, C_dest, or hop-1 + hop-2 rows per pair.")
+    print(f"token bytes: {args.previous_revision} splits reads split sizes on the host (a device sync per "
+          "dispatch); padded and relay are fixed shapes with nothing read on the host.")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 The routed experts of a MoE layer are split over `state.ep` (each rank holds its *home* experts
 as stacks); the MoE layer hands the dispatcher latent token slots with expert ids and routing
 weights and gets `Σ_k p_k · E_k(latent)` back per token. Buffer shapes depend only on the config
-and the micro-batch size (CUDA-graph safe). `balanced` mode (the default) receives into one
-buffer per destination, whose capacity the replica planner keeps every rank under, and hosts
-replicas of hot experts placed once per step; `capacity` mode sends each slot home through
-per-pair buffers and drops overflow. The experts compute through their own module
+and the micro-batch size (CUDA-graph safe). `balanced` mode (the default) hosts replicas of hot
+experts placed once per step and keeps every rank under a per-destination capacity; its default
+`relay` transport sends two fixed-shape hops within `capacity_factor` of the unpadded bytes (a
+pair's overflow relayed through the source's spare rows), `padded` and `splits` one
+per-destination receive buffer; `capacity` mode sends each slot home through per-pair buffers
+and drops overflow. The experts compute through their own module
 (`GroupedExperts.grouped_forward`). Planning: `parallel/expert_plan.py`; layout, replicas,
 gradients and statistics: docs/expert_parallel.md.
 """
@@ -14,6 +16,7 @@ gradients and statistics: docs/expert_parallel.md.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Protocol
 
@@ -22,13 +25,15 @@ from torch import nn
 
 from k3train.parallel.comm import Group
 from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the planner's public names)
-    ReplicaPlacement, ReplicaPlan, apply_placement, capacity_per_destination, capacity_per_pair,
-    destination_room, home_route, pack_slots, pair_slots, plan_from_load, plan_replicas, replica_route,
+    RelayCapacity, RelayPlan, ReplicaPlacement, ReplicaPlan, apply_placement, capacity_per_destination,
+    capacity_per_pair, destination_room, home_route, pack_slots, pair_positions, pair_slots, plan_from_load,
+    plan_relay, plan_replicas, proportional_pairs, proportional_route, proportional_shares, relay_capacity,
+    relay_forward, relay_route, replica_route,
 )
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
-Transport = Literal["padded", "splits"]
+Transport = Literal["relay", "padded", "splits"]
 ExpertStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """An experts module's weights `(w1, w3, w2)`: `[G, I, l]`, `[G, I, l]`, `[G, l, I]`."""
 
@@ -146,14 +151,14 @@ class ExpertParallel:
     gradients home and plans the next step."""
 
     def __init__(self, group: Group, num_experts: int, mode: Mode = "balanced", capacity_factor: float = 1.25,
-                 max_replicas_per_rank: int = 2, compute: Compute = "grouped", transport: Transport = "padded",
+                 max_replicas_per_rank: int = 2, compute: Compute = "grouped", transport: Transport = "relay",
                  replica_tolerance: float = 0.05, spare_replicas: bool = True):
         if num_experts % group.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
         if mode not in ("balanced", "capacity"):
             raise ValueError(f"expert_dispatch must be 'balanced' or 'capacity', got {mode!r}")
-        if transport not in ("padded", "splits"):
-            raise ValueError(f"transport must be 'padded' or 'splits', got {transport!r}")
+        if transport not in ("relay", "padded", "splits"):
+            raise ValueError(f"parallel.ep_transport must be 'relay', 'padded' or 'splits', got {transport!r}")
         self.group = group
         self.num_experts = num_experts
         self.mode = mode
@@ -164,6 +169,8 @@ class ExpertParallel:
         self.replica_tolerance = replica_tolerance
         self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
         self._layers: dict[int, tuple[GroupedExperts, _LayerReplicas]] = {}
+        self._order: list[int] = []  # the experts modules in the order they were marked (checkpoint keys)
+        self._restored: dict[int, list[tuple[int, int, int]]] = {}  # placements loaded before a layer ran
 
     @classmethod
     def from_state(cls, state, parallel_config, num_experts: int,
@@ -178,7 +185,8 @@ class ExpertParallel:
                 "parallel.sequence_parallel=true: without it every tensor-parallel rank routes the same tokens "
                 "and each would be dispatched tp times")
         return cls(state.ep, num_experts, parallel_config.expert_dispatch, parallel_config.capacity_factor,
-                   parallel_config.max_replicas_per_rank, compute)
+                   parallel_config.max_replicas_per_rank, compute,
+                   transport=getattr(parallel_config, "ep_transport", "relay"))
 
     # ------------------------------------------------------------------ layout
     @property
@@ -209,10 +217,17 @@ class ExpertParallel:
         r, c = self.size, self.capacity(tokens, top_k)
         if self.mode == "capacity":
             return {"dispatch": (r, c, latent), "dispatch_ids": (r, c), "combine": (r, c, latent)}
+        replica_weights = (self.max_replicas, 3 * inner * latent)
+        if self.transport == "relay":
+            hop = relay_capacity(tokens, top_k, r, self.capacity_factor)
+            return {"dispatch": (r, hop.first, latent), "dispatch_ids": (r, hop.first),
+                    "forward": (r, hop.second, latent), "forward_ids": (r, hop.second),
+                    "combine_forwarded": (r, hop.second, latent), "combine": (r, hop.first, latent),
+                    "received": (r * hop.rows, latent), "slot_counts": (r, self.num_experts),
+                    "replica_weights": replica_weights}
         pair = tokens * top_k
         return {"dispatch": (r, pair, latent), "dispatch_ids": (r, pair), "combine": (r, pair, latent),
-                "received": (c, latent), "slot_counts": (r, self.num_experts),
-                "replica_weights": (self.max_replicas, 3 * inner * latent)}
+                "received": (c, latent), "slot_counts": (r, self.num_experts), "replica_weights": replica_weights}
 
     def mark_expert_params(self, experts: GroupedExperts) -> None:
         """Tag this rank's expert stacks: distinct across `ep`, replicated over `expert_dp`."""
@@ -224,6 +239,8 @@ class ExpertParallel:
             # Checkpoints store the stack as one tensor of all experts, sharded over `ep`.
             param.shard_group = self.group
             param.partition_dim = 0
+        if id(experts) not in self._order:
+            self._order.append(id(experts))
 
     # ------------------------------------------------------------------ forward
     def __call__(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
@@ -286,7 +303,17 @@ class ExpertParallel:
             if training:
                 state.load += counts.sum(0)
             plan = apply_placement(counts, state.placement, capacity)
-            dest, local_id = replica_route(expert_flat, counts, me, plan)
+            if self.transport == "relay":  # a source's slots of an expert split over its holders
+                shares = proportional_shares(counts, plan)
+                dest, local_id = proportional_route(expert_flat, counts, me, plan, shares)
+                pairs = proportional_pairs(counts, plan, shares)
+            else:
+                dest, local_id = replica_route(expert_flat, counts, me, plan)
+        if self.transport == "relay":
+            slot_output, keep, received, wire_bytes = self._relay(
+                slot_latent, weights_flat, pairs, dest, local_id, experts, state)
+            return slot_output, self._balanced_info(state, keep, dest, received, plan, capacity, wire_bytes)
+        with torch.no_grad():
             room = destination_room(pair_slots(counts, plan), capacity)  # [R, R]: rows each pair carries
             buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, room[me])  # [R, s·k] layout
             into_me = room[:, me]  # rows from each source, placed one source after another
@@ -333,14 +360,54 @@ class ExpertParallel:
             returned = torch.cat([returned, returned.new_zeros(slots + 1 - returned.shape[0], width)])
             slot_output = returned.index_select(0, packed)
             sent_rows, returned_rows = room[me].sum(), into_me.sum()
+        wire_bytes = self._wire_bytes(sent_rows, returned_rows, width, slot_latent.element_size())
+        return slot_output, self._balanced_info(state, keep, dest, (row_ids >= 0).sum(), plan, capacity, wire_bytes)
+
+    def _balanced_info(self, state: _LayerReplicas, keep, dest, received, plan, capacity, wire_bytes) -> DispatchInfo:
         # the step's replica traffic, counted with the micro-batch that fetched it (the same ops every time)
-        replica_bytes = torch.tensor(state.fetch_bytes, dtype=torch.int64, device=device)
+        replica_bytes = torch.tensor(state.fetch_bytes, dtype=torch.int64, device=keep.device)
         state.fetch_bytes = 0
-        info = DispatchInfo(keep, dest, (~keep).sum(), (row_ids >= 0).sum(),
-                            torch.as_tensor(state.placement.num_replicas, device=device), plan, capacity,
-                            self._wire_bytes(sent_rows, returned_rows, width, slot_latent.element_size()),
-                            replica_bytes)
-        return slot_output, info
+        return DispatchInfo(keep, dest, (~keep).sum(), received,
+                            torch.as_tensor(state.placement.num_replicas, device=keep.device), plan, capacity,
+                            wire_bytes, replica_bytes)
+
+    def _relay(self, slot_latent, weights_flat, pairs, dest, local_id, experts, state):
+        """The `relay` transport: two equal-split all-to-alls of fixed shape, no size exchange.
+        Hop 1 `[R, first]`: each pair's first `direct` slots (highest routing weight) straight to
+        their destination, its overflow round robin through other ranks' spare rows; hop 2
+        `[R, second]`: each relay forwards what it holds for others. Combine runs the two hops
+        backwards. Every rank derives every row's place from the all-gathered counts
+        (`parallel/expert_plan.py` `plan_relay`); what no buffer takes is dropped and counted."""
+        num_ranks, me, width = self.size, self.rank, slot_latent.shape[-1]
+        slots, device = slot_latent.shape[0], slot_latent.device
+        cap = relay_capacity(slots, 1, num_ranks, self.capacity_factor)
+        first_rows, second_rows = num_ranks * cap.first, num_ranks * cap.second
+        with torch.no_grad():
+            relay_plan = plan_relay(pairs, cap)
+            hop1_index, keep = relay_route(dest, pair_positions(dest, weights_flat, num_ranks), me, relay_plan)
+            to_hop2, direct = relay_forward(relay_plan, me)  # [R·first] each received row's hop-2 row
+            from_hop1 = torch.full((second_rows + 1,), first_rows, dtype=torch.int64, device=device).scatter_(
+                0, to_hop2, torch.arange(first_rows, device=device))[:second_rows]  # trash entry sliced off
+        zero_row = slot_latent.new_zeros(1, width)
+        send = torch.cat([slot_latent.new_zeros(first_rows, width), zero_row]).index_copy(0, hop1_index, slot_latent)
+        send_ids = torch.full((first_rows + 1,), -1, dtype=torch.int32, device=device).index_copy(
+            0, hop1_index, local_id.to(torch.int32))
+        received = all_to_all(send[:-1].view(num_ranks, cap.first, width), self.group).reshape(-1, width)
+        received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, cap.first)).reshape(-1)
+        forward = torch.cat([received, zero_row]).index_select(0, from_hop1)
+        forward_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, from_hop1)
+        relayed = all_to_all(forward.view(num_ranks, cap.second, width), self.group).reshape(-1, width)
+        relayed_ids = self.group.all_to_all(forward_ids.view(num_ranks, cap.second)).reshape(-1)
+        rows = torch.cat([received, relayed])
+        row_ids = torch.cat([torch.where(direct, received_ids, -1), relayed_ids]).long()
+        output = self._experts(rows, row_ids, experts, state)
+        returned = all_to_all(output[first_rows:].view(num_ranks, cap.second, width), self.group).reshape(-1, width)
+        back = output[:first_rows] + torch.cat([returned, zero_row]).index_select(0, to_hop2)
+        combined = all_to_all(back.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
+        slot_output = torch.cat([combined, zero_row]).index_select(0, hop1_index)
+        wire_rows = num_ranks * cap.rows
+        wire_bytes = self._wire_bytes(wire_rows, wire_rows, width, slot_latent.element_size())
+        return slot_output, keep, (row_ids >= 0).sum(), wire_bytes
 
     def _experts(self, rows, ids, experts, state: _LayerReplicas) -> torch.Tensor:
         """Received rows through the home experts, then the replica slots (ids `G … G + M − 1`)."""
@@ -352,7 +419,11 @@ class ExpertParallel:
     def _layer(self, experts: GroupedExperts, device=None) -> _LayerReplicas:
         key = id(experts)
         if key not in self._layers:
-            placement = ReplicaPlacement.empty(self.size, self.max_replicas, device)  # step 0: no loads yet
+            restored = self._restored.pop(self._order.index(key), None) if key in self._order else None
+            if restored is not None:  # resumed: the placement the checkpointed step planned
+                placement = ReplicaPlacement.from_host(restored, self.size, self.max_replicas, device)
+            else:
+                placement = ReplicaPlacement.empty(self.size, self.max_replicas, device)  # step 0: no loads yet
             load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
             self._layers[key] = (experts, _LayerReplicas(placement, load))
         return self._layers[key][1]
@@ -398,6 +469,40 @@ class ExpertParallel:
             state.splits = (send, receive)
             state.fetch_bytes = 2 * rows.numel() * rows.element_size()  # weights now, gradients back at the end
         return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The next step's replica placement of every layer (planned by `finish_step`), as JSON
+        values: `layers[i]` lists `[expert, rank, slot]` for the `i`-th experts module marked on this
+        rank. Saved per rank (`k3train.checkpoint.PerRank`): the EP groups of a job plan apart."""
+        layers = {}
+        for index, key in enumerate(self._order):
+            if key in self._layers:
+                entries = self._layers[key][1].placement.host
+            else:
+                entries = self._restored.get(index, [])
+            layers[str(index)] = [list(entry) for entry in entries]
+        return {"ep": self.size, "max_replicas_per_rank": self.max_replicas, "layers": layers}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the placements `state_dict` saved, so a resumed step hosts the same replicas (and
+        sums replica gradients in the same order) as the uninterrupted run."""
+        if (int(state.get("ep", -1)), int(state.get("max_replicas_per_rank", -1))) != (self.size, self.max_replicas):
+            # another layout (the expert stacks reshard): the first step plans without replicas, as step 0
+            warnings.warn(f"checkpointed expert replicas are for ep={state.get('ep')}, max_replicas_per_rank="
+                          f"{state.get('max_replicas_per_rank')}; this run has ep={self.size}, max_replicas_per_rank="
+                          f"{self.max_replicas}: the first resumed step places no replicas", stacklevel=2)
+            return
+        for name, entries in state.get("layers", {}).items():
+            index = int(name)
+            entries = [tuple(int(v) for v in entry) for entry in entries]
+            key = self._order[index] if index < len(self._order) else None
+            if key in self._layers:
+                layer = self._layers[key][1]
+                layer.placement = ReplicaPlacement.from_host(entries, self.size, self.max_replicas,
+                                                             layer.placement.expert.device)
+            else:
+                self._restored[index] = entries
 
     def finish_step(self, state=None) -> None:
         """At the step boundary, after the gradient reduction: send each layer's replica

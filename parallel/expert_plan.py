@@ -175,42 +175,75 @@ class ReplicaPlacement:
             entries.append((expert, dest, used[dest]))
             used[dest] += 1
             replicated.add(expert)
+        return ReplicaPlacement.from_host(entries, num_ranks, max_replicas_per_rank, self.expert.device)
+
+    @classmethod
+    def from_host(cls, entries: list[tuple[int, int, int]], num_ranks: int, max_replicas_per_rank: int,
+                  device=None) -> "ReplicaPlacement":
+        """The placement of the `(expert, dest, slot)` entries (as `host` lists them; e.g. restored
+        from a checkpoint)."""
         size = num_ranks * max_replicas_per_rank
+        entries = [tuple(int(v) for v in entry) for entry in entries]
         padded = entries + [(0, 0, 0)] * (size - len(entries))
-        device = self.expert.device
         expert, dest, slot = (torch.tensor([entry[i] for entry in padded], dtype=torch.int64, device=device)
                               for i in range(3))
         valid = torch.arange(size, device=device) < len(entries)
-        return ReplicaPlacement(expert, dest, slot, valid, entries)
+        return cls(expert, dest, slot, valid, entries)
 
 
-def apply_placement(counts: torch.Tensor, placement: ReplicaPlacement, capacity: int | None = None) -> ReplicaPlan:
+def _capped_in_order(want: torch.Tensor, group: torch.Tensor, room: torch.Tensor,
+                     earlier: torch.Tensor) -> torch.Tensor:
+    """`want [N]` reduced so that, in entry order, each group's running total stays within its
+    `room` (`group [N]` the entry's group, `room` indexed by group; `earlier [N, N]` float
+    `[j, j'] = j' < j`): `min(want_j, room − Σ_{earlier j' of the group} want_j')⁺`."""
+    same = earlier * (group[:, None] == group[None, :])
+    before = (same @ want.double()).long()
+    return torch.minimum(want, (room[group] - before).clamp(min=0))
+
+
+def apply_placement(counts: torch.Tensor, placement: ReplicaPlacement, capacity: int | None = None,
+                    rounds: int = 4) -> ReplicaPlan:
     """This micro-batch's plan under the step's placement, from its all-gathered `counts [R, E]`:
-    the planner's greedy pass restricted to the placed (expert, rank) entries, in their order
-    (hottest first): each replica takes from its expert's home share what brings the home rank
-    down, or its own rank up, to the even share. With `capacity` (the receive buffer per
-    destination) a second pass lets a replica's rank go above the even share, up to the
-    capacity, for a home rank still over it. The weights are fixed for the step; how many slots
-    each replica takes follows the current micro-batch."""
+    each placed replica takes from its expert's home share what brings the home rank down, or
+    its own rank up, to the even share. With `capacity` (the receive buffer per destination) a
+    second pass lets a replica's rank go above the even share, up to the capacity, for a home rank
+    still over it. The weights are fixed for the step; how many slots each replica takes follows
+    the current micro-batch.
+
+    Vectorised (no loop over entries): in a pass the giving ranks (above the level) and the
+    receiving ranks (below the ceiling) are disjoint, so each entry's move is bounded by three
+    shared budgets, its home rank's surplus, its rank's room and its expert's home share. Each of
+    `rounds` rounds proposes `min(surplus, room, share)` per entry from what is left and cuts the
+    proposals to every budget in entry order (hottest placement first); what a round leaves the
+    next one offers again. Every budget holds after every round."""
     num_ranks, num_experts = counts.shape
     local = num_experts // num_ranks
+    device = counts.device
     load = counts.sum(0)
-    home = load.clone()
     rank_load = load.view(num_ranks, local).sum(1)
     target = load.sum() // num_ranks
     entries = placement.expert.shape[0]
-    amount = torch.zeros(entries, dtype=torch.int64, device=counts.device)
-    owners = torch.div(placement.expert, local, rounding_mode="floor")
-    for level, ceiling in ((target, target), (capacity, capacity)) if capacity is not None else ((target, target),):
-        for j in range(entries):
-            expert, dest, owner = placement.expert[j], placement.dest[j], owners[j]
-            move = torch.minimum(torch.minimum(_at(rank_load, owner) - level, ceiling - _at(rank_load, dest)),
-                                 _at(home, expert)).clamp(min=0)
-            move = torch.where(placement.valid[j], move, 0)
-            home = home.index_add(0, expert.view(1), -move.view(1))
-            rank_load = rank_load.index_add(0, torch.stack([owner, dest]), torch.stack([-move, move]))
-            amount = amount.index_add(0, torch.tensor([j], device=counts.device), move.view(1))
-    plan = _finish_plan(placement.expert, placement.dest, amount, load, home, rank_load)
+    expert, dest = placement.expert, placement.dest
+    owners = torch.div(expert, local, rounding_mode="floor")
+    earlier = torch.ones(entries, entries, dtype=torch.float64, device=device).tril(-1)
+    amount = torch.zeros(entries, dtype=torch.int64, device=device)
+    home = load.clone()
+    levels = (target, capacity) if capacity is not None else (target,)
+    for level in levels:
+        surplus = (rank_load - level).clamp(min=0)  # giving ranks
+        room = (level - rank_load).clamp(min=0)  # receiving ranks
+        for _ in range(rounds):
+            want = torch.minimum(torch.minimum(surplus[owners], room[dest]), home[expert])
+            want = torch.where(placement.valid, want, 0)
+            want = _capped_in_order(want, expert, home, earlier)
+            want = _capped_in_order(want, owners, surplus, earlier)
+            want = _capped_in_order(want, dest, room, earlier)
+            amount = amount + want
+            home = home.index_add(0, expert, -want)
+            surplus = surplus.index_add(0, owners, -want)
+            room = room.index_add(0, dest, -want)
+            rank_load = rank_load.index_add(0, owners, -want).index_add(0, dest, want)
+    plan = _finish_plan(expert, dest, amount, load, home, rank_load)
     plan.slot = placement.slot  # the slots the weights were fetched into, whatever the amounts
     plan.valid = placement.valid & (amount > 0)
     return plan
@@ -262,6 +295,62 @@ def replica_route(expert_flat: torch.Tensor, counts: torch.Tensor, source: int,
     return dest, local_id
 
 
+def proportional_shares(counts: torch.Tensor, plan: ReplicaPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each source's slots of an expert split over its holders in proportion to their planned
+    amounts (the relay transport's routing: a (source, holder) pair then carries about the
+    holder's share of the source's slots, so pairs follow the balanced destinations instead of
+    taking a source's whole count). Returns `(home [R, E], replica [R, N])`: slots each source
+    sends to each expert's home rank and to each replica entry. Replica shares are cumulative
+    floors over the sources (`floor(c_{<s+1}·a/L) − floor(c_{<s}·a/L)`, so a holder receives its
+    planned amount when no source runs out), capped at the source's count; the home takes the rest."""
+    load = plan.load.clamp(min=1)
+    upto = counts.cumsum(0)[:, plan.expert]  # [R, N] slots of the entry's expert at sources ≤ s
+    amount = torch.where(plan.valid, plan.amount, 0)
+    scaled = torch.div(upto * amount[None, :], load[plan.expert][None, :], rounding_mode="floor")
+    share = scaled - torch.cat([torch.zeros_like(scaled[:1]), scaled[:-1]])
+    # cap each source's replica shares of an expert at its count, entries in order
+    same_before = torch.ones(share.shape[1], share.shape[1], dtype=torch.bool, device=share.device).tril(-1)
+    same_before &= plan.expert[:, None] == plan.expert[None, :]  # [j, j'] j' < j, same expert
+    mine = counts[:, plan.expert]
+    before = (share.double() @ same_before.double().T).long()
+    share = (torch.minimum(before + share, mine) - torch.minimum(before, mine)).clamp(min=0)
+    home = counts - torch.zeros_like(counts).index_add_(1, plan.expert, share)
+    return home, share
+
+
+def proportional_route(expert_flat: torch.Tensor, counts: torch.Tensor, source: int, plan: ReplicaPlan,
+                       shares: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination, local id) of each slot of `source` under `proportional_shares`: its slots
+    of an expert in slot order, the first `home` to the home rank, then each replica entry's share."""
+    num_ranks, num_experts = counts.shape
+    local = num_experts // num_ranks
+    slots = expert_flat.shape[0]
+    home, share = shares[0][source], shares[1][source]
+    position = index_within_expert(expert_flat, counts[source])
+    same_before = torch.ones(share.shape[0], share.shape[0], dtype=torch.bool, device=share.device).tril(-1)
+    same_before &= plan.expert[:, None] == plan.expert[None, :]
+    start = home[plan.expert] + (same_before.long() * share[None, :]).sum(1)
+    valid = share > 0
+    span = slots + 1
+    keys = torch.where(valid, plan.expert * span + start, num_experts * span)
+    sorted_keys, key_order = torch.sort(keys, stable=True)
+    found = torch.searchsorted(sorted_keys, expert_flat * span + position, right=True) - 1
+    entry = key_order[found.clamp(min=0)]
+    is_replica = ((found >= 0) & valid[entry] & (plan.expert[entry] == expert_flat)
+                  & (position < start[entry] + share[entry]))
+    home_dest, home_id = home_route(expert_flat, local)
+    return torch.where(is_replica, plan.dest[entry], home_dest), torch.where(is_replica, local + plan.slot[entry], home_id)
+
+
+def proportional_pairs(counts: torch.Tensor, plan: ReplicaPlan,
+                       shares: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`[R, R]` slots each source sends each destination under `proportional_route`."""
+    num_ranks, num_experts = counts.shape
+    home, share = shares
+    pairs = home.view(num_ranks, num_ranks, num_experts // num_ranks).sum(2)
+    return pairs.index_add(1, plan.dest, share)
+
+
 def pair_slots(counts: torch.Tensor, plan: ReplicaPlan) -> torch.Tensor:
     """`[R, R]` slots each source sends each destination under `replica_route` (the overlaps of
     each source's contiguous range with each holder's interval), computed from the counts alone:
@@ -286,6 +375,18 @@ def destination_room(pairs: torch.Tensor, capacity: int) -> torch.Tensor:
     return torch.minimum(pairs, (capacity - before).clamp(min=0))
 
 
+def pair_positions(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Each slot's position among this source's slots to the same destination, by routing
+    weight descending (ties: lower slot index first): the order in which a pair's slots are kept."""
+    slots = dest.shape[0]
+    device = dest.device
+    by_weight = torch.sort(weights_flat.detach(), descending=True, stable=True).indices
+    order = by_weight[torch.sort(dest[by_weight], stable=True).indices]
+    per_dest = torch.zeros(num_ranks, dtype=torch.int64, device=device).scatter_add_(0, dest, torch.ones_like(dest))
+    first = per_dest.cumsum(0) - per_dest
+    return torch.empty_like(order).scatter_(0, order, torch.arange(slots, device=device) - first[dest[order]])
+
+
 def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
                capacity) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop policy: per destination keep the `capacity` slots of highest routing weight (ties:
@@ -293,12 +394,7 @@ def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
     (buffer_index [S] = `dest · max_capacity + position`, or the trash row `R · max_capacity`;
     keep [S])."""
     slots = dest.shape[0]
-    device = dest.device
-    by_weight = torch.sort(weights_flat.detach(), descending=True, stable=True).indices
-    order = by_weight[torch.sort(dest[by_weight], stable=True).indices]
-    per_dest = torch.zeros(num_ranks, dtype=torch.int64, device=device).scatter_add_(0, dest, torch.ones_like(dest))
-    first = per_dest.cumsum(0) - per_dest
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(slots, device=device) - first[dest[order]])
+    position = pair_positions(dest, weights_flat, num_ranks)
     if isinstance(capacity, torch.Tensor):
         keep = position < capacity[dest]
         row = slots  # a pair never holds more than the source's slots
@@ -307,3 +403,146 @@ def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
         row = capacity
     buffer_index = torch.where(keep, dest * row + position, num_ranks * row)
     return buffer_index, keep
+
+
+# ---------------------------------------------------------------------------------------------
+# The relay transport: two equal-split all-to-alls of fixed shape, no size exchange
+
+
+@dataclass(frozen=True)
+class RelayCapacity:
+    """Rows per (source, destination) pair of the relay transport's two hops, a function of the
+    config and the micro-batch size only. Hop 1 `[R, first]`: each pair's first slots (highest
+    routing weight) straight to their destination, and in the rows a pair leaves unused, the
+    overflow of the source's other pairs; hop 2 `[R, second]`: each relay forwards those rows to
+    their destination. A destination can receive `R·(first + second)` rows, the per-destination
+    capacity `ceil(capacity_factor · s·k)` the replica planner keeps it under."""
+
+    first: int
+    second: int
+
+    @property
+    def rows(self) -> int:
+        """Rows per pair and all-to-all direction over both hops: `ceil(capacity_factor · s·k/R)`."""
+        return self.first + self.second
+
+
+def relay_capacity(tokens: int, top_k: int, ep: int, capacity_factor: float) -> RelayCapacity:
+    """Pair capacities whose sum is `ceil(capacity_factor · s·k / R)` (the wire stays within
+    `capacity_factor` of the unpadded rows): hop 1 the even share `s·k/R` plus half the headroom,
+    hop 2 the other half (at least one row). Hop 1 always has room for every slot of a source
+    (`R · first ≥ s·k`); only hop 2 can overflow. Tuned with `benchmarks/ep_scale.py`."""
+    even = math.ceil(tokens * top_k / ep)
+    headroom = max(0, math.ceil(capacity_factor * tokens * top_k / ep) - even)
+    first = even + headroom // 2
+    return RelayCapacity(first, max(1, even + headroom - first))
+
+
+@dataclass
+class RelayPlan:
+    """Where every row of every (source, destination) pair travels, identical on every rank (a
+    function of the all-gathered counts).
+
+    Pair `(s, d)` sends its first `direct[s, d] = min(P, first)` rows straight. Source `s` numbers
+    the rest `t = 0, 1, …` destination after destination (pair `(s, d)` owns
+    `[start[s, d], start[s, d] + overflow[s, d])`) and lays them into the rows its pairs leave
+    unused (`spare[s, r] = first − direct[s, r]`) level by level: level `ℓ` takes one row on
+    each relay with `spare > ℓ`, relays in order from `s + 1` round the ring. `at[s, r, ℓ]` is the
+    `t` of relay `r`'s `ℓ`-th row from `s` (increasing in `ℓ`; past its spare: a bound), `counts
+    [s, r, d]` how many rows of pair `(s, d)` go through `r`, and `room[s, r, d]` how many of those
+    hop 2 takes (`second` rows per (relay, destination), granted source after source)."""
+
+    direct: torch.Tensor  # [R, R]
+    overflow: torch.Tensor  # [R, R]
+    start: torch.Tensor  # [R, R]
+    at: torch.Tensor  # [R, R, first]
+    counts: torch.Tensor  # [R(s), R(r), R(d)]
+    room: torch.Tensor  # [R(s), R(r), R(d)]
+    capacity: RelayCapacity
+
+    @property
+    def dropped(self) -> torch.Tensor:
+        """`[R, R]` rows of each pair that hop 2 has no room for."""
+        return (self.counts - self.room).sum(1)
+
+
+def plan_relay(pairs: torch.Tensor, capacity: RelayCapacity) -> RelayPlan:
+    """The relay plan for `pairs [R, R]` (slots each source sends each destination). Work
+    `O(R² · first)`, no loops, no host reads."""
+    num_ranks = pairs.shape[0]
+    first, device = capacity.first, pairs.device
+    direct = pairs.clamp(max=first)
+    overflow = pairs - direct
+    start = overflow.cumsum(1) - overflow
+    spare = first - direct  # [R(s), R(r)]
+    level = torch.arange(first, device=device)
+    taking = spare[:, :, None] > level[None, None, :]  # [s, r, ℓ]
+    # relays in ring order from s + 1: rotate, rank within the level, rotate back
+    ranks = torch.arange(num_ranks, device=device)
+    ring = (ranks[None, :] + ranks[:, None] + 1) % num_ranks  # [s, i] the i-th relay of s
+    taking_ring = taking.gather(1, ring[:, :, None].expand(-1, -1, first))
+    rank_ring = taking_ring.long().cumsum(1) - taking_ring.long()
+    rank_in_level = torch.empty_like(rank_ring).scatter_(1, ring[:, :, None].expand(-1, -1, first), rank_ring)
+    per_level = taking.long().sum(1)  # [s, ℓ]
+    base = per_level.cumsum(1) - per_level
+    beyond = base[:, -1:] + per_level[:, -1:] + num_ranks * level[None, :] + 1  # increasing past the spare
+    at = torch.where(taking, base[:, None, :] + rank_in_level, beyond[:, None, :].expand(-1, num_ranks, -1))
+    at = at.contiguous()
+    before = _rows_before(at, start)  # [s, r, d] rows of s through r with t < start[s, d]
+    counts = _rows_before(at, start + overflow) - before
+    earlier = counts.cumsum(0) - counts  # from lower sources through the same (r, d)
+    room = torch.minimum(counts, (capacity.second - earlier).clamp(min=0))
+    return RelayPlan(direct, overflow, start, at, counts, room, capacity)
+
+
+def _rows_before(at: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """`[s, r, d]`: levels ℓ with `at[s, r, ℓ] < bound[s, d]`."""
+    query = bound[:, None, :].expand(-1, at.shape[1], -1).contiguous()
+    return torch.searchsorted(at, query)
+
+
+def relay_route(dest: torch.Tensor, position: torch.Tensor, source: int,
+                plan: RelayPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hop-1 row of each slot of `source` (`dest`, and `position` within its pair from
+    `pair_positions`): `hop1_index [S]` = `rank · first + row`, or the trash row `R · first`;
+    keep [S] (false where hop 2 has no room for the slot)."""
+    num_ranks = plan.direct.shape[0]
+    first = plan.capacity.first
+    direct, start = plan.direct[source], plan.start[source]
+    straight = position < direct[dest]
+    t = (start[dest] + position - direct[dest]).clamp(min=0)
+    at = plan.at[source]  # [R(r), first]
+    # the relay and level of row t: the (r, ℓ) whose at equals t
+    flat = at.reshape(-1)
+    order = torch.argsort(flat)
+    found = order[torch.searchsorted(flat[order], t).clamp(max=flat.numel() - 1)]
+    relay, level = torch.div(found, first, rounding_mode="floor"), found % first
+    index_in_pair = level - _rows_before(plan.at[source:source + 1], plan.start[source:source + 1])[0][relay, dest]
+    relayed = ~straight & (index_in_pair < plan.room[source][relay, dest])
+    hop1 = torch.where(straight, dest * first + position,
+                       torch.where(relayed, relay * first + direct[relay] + level, num_ranks * first))
+    return hop1, straight | relayed
+
+
+def relay_forward(plan: RelayPlan, relay: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """At `relay`: `to_hop2 [R·first]`, the hop-2 row (`destination · second + row`, or the trash
+    row `R · second`) of each received hop-1 row, and `direct [R·first]`, whether the row is for
+    this rank's own experts. Hop 2 to each destination is filled source after source."""
+    num_ranks = plan.direct.shape[0]
+    cap = plan.capacity
+    device = plan.direct.device
+    row = torch.arange(cap.first, device=device)
+    direct_rows = plan.direct[:, relay]  # [R(s)]
+    level = row[None, :] - direct_rows[:, None]  # [R(s), first]
+    at = plan.at[:, relay, :].gather(1, level.clamp(min=0))  # the t of each received row
+    total = plan.overflow.sum(1)  # [R(s)] rows each source relays
+    is_relayed = (level >= 0) & (at < total[:, None])
+    ends = (plan.start + plan.overflow).contiguous()
+    dest = torch.searchsorted(ends, at, right=True).clamp(max=num_ranks - 1)  # [R(s), first]
+    before = _rows_before(plan.at, plan.start)[:, relay, :]  # [R(s), R(d)]
+    index_in_pair = level - before.gather(1, dest)
+    room = plan.room[:, relay, :]  # [R(s), R(d)]
+    earlier = room.cumsum(0) - room
+    kept = is_relayed & (index_in_pair < room.gather(1, dest))
+    to_hop2 = torch.where(kept, dest * cap.second + earlier.gather(1, dest) + index_in_pair, num_ranks * cap.second)
+    return to_hop2.reshape(-1), (row[None, :] < direct_rows[:, None]).reshape(-1)

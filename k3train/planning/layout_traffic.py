@@ -53,11 +53,14 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
         weight = next(job.model.parameters()).element_size()
         shapes = ep.buffer_shapes(b * s // (tp if sp else 1), cfg.num_experts_per_token,
                                   cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
-        rows = math.prod(shapes["dispatch"]) * activation
+        # The relay transport (balanced default) adds a second hop: `forward [R, C2, l]`, its ids.
+        hops = ("", "forward") if "forward" in shapes else ("",)
+        rows = sum(math.prod(shapes[f"{hop or 'dispatch'}"]) for hop in hops) * activation
+        ids = sum(math.prod(shapes[f"{hop or 'dispatch'}_ids"]) for hop in hops)
         # Per layer and micro-batch: dispatch + combine and their adjoints, the int32 slot ids,
-        # and (balanced) the all-gather of the [1, E] int64 loads the routing plan is made from.
-        nbytes = 4 * rows + math.prod(shapes["dispatch_ids"]) * 4
-        messages = 5
+        # per hop, and (balanced) the all-gather of the [1, E] int64 loads the routing plan is made from.
+        nbytes = 4 * rows + ids * 4
+        messages = 5 * len(hops)
         if "replica_weights" in shapes:
             nbytes += cfg.num_experts * 8
             messages += 1

@@ -2,7 +2,8 @@
 
 Two launches (2 and 4 ranks) run every check. Layouts: EP2, EP4 and EP2×DP2 (ep carved out of
 dp), EP2 with TP2 and sequence parallelism (2 and 4 ranks), EP2 inside PP2 stages with two
-micro-batches per DP rank; `balanced` mode, `capacity` mode with a capacity that drops nothing
+micro-batches per DP rank; `balanced` mode (its default `relay` transport, and `padded` and
+`splits`), `capacity` mode with a capacity that drops nothing
 (`C_pair = s·k`), and `capacity` mode with a small capacity, where the reference model drops, per
 source rank, the slots a plain-Python reference of the drop policy picks, and the EP model must
 drop exactly those. The gate bias favours the first EP rank's experts so that `balanced` mode
@@ -55,9 +56,12 @@ CHECKS = {
         no_drop(2, **SP),
         dropping(2, 0.5, **SP),
         {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25},
+        {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "transport": "padded"},
         {"check": "static_shapes", "mode": "capacity", "capacity_factor": 1.25},
+        balanced(2, transport="padded"),
         balanced(2, transport="splits"),
         {"check": "skewed_sources"},
+        {"check": "skewed_sources", "transport": "padded"},
         {"check": "skewed_sources", "transport": "splits"},
     ],
     4: [
@@ -71,8 +75,11 @@ CHECKS = {
         balanced(4, **SP),  # EP4 over TP2 × DP2
         {**balanced(2), **PP},
         {**no_drop(2), **PP},
+        balanced(4, transport="padded"),
         balanced(4, transport="splits"),
+        {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25},
         {"check": "skewed_sources"},
+        {"check": "skewed_sources", "transport": "padded"},
         {"check": "skewed_sources", "transport": "splits"},
     ],
 }
@@ -113,19 +120,29 @@ def check_static(spec, result):
         if kind == "all_gather":
             assert (spec["mode"], shape) == ("balanced", (1, expected["slot_counts"][1]))
         else:
-            assert shape in (expected["dispatch"], expected["dispatch_ids"], expected.get("replica_weights")), shape
+            assert shape in (expected["dispatch"], expected["dispatch_ids"], expected.get("forward"),
+                             expected.get("forward_ids"), expected.get("replica_weights")), shape
     if spec["mode"] == "balanced":
         assert any(facts["replicas"] > 0 for facts in result["facts"].values())
 
 
-def check_skewed_sources(spec, result):
+def check_skewed_sources(spec, result, world_size):
     """Per-source hot experts on some ranks only: the old per-pair layout would overflow (a home
-    pair above C_pair); the default layout drops nothing once replicas are planned from the
-    previous step's loads (step 0 has none and may drop, counted, at this strong skew); outputs
-    and home gradients (replica gradients returned by finish_step) match one process."""
+    pair above C_pair); the per-destination layouts (`padded`, `splits`) drop nothing once
+    replicas are planned from the previous step's loads (step 0 has none and may drop, counted);
+    the `relay` transport neither on 2 ranks, while on 4 ranks this skew (a source sending up to
+    ~77% of its slots to one rank's experts, 64 tokens) is past its boundary (3 relays of `C2`
+    rows cannot forward a pair's overflow within 1.25× of the wire; docs/expert_parallel.md) and
+    it drops, counted (measured: 95 and 86 of 1,024 slots after step 0). Outputs (a dropped slot weighs zero) and home gradients (replica
+    gradients returned by finish_step) match one process in every case."""
     label = (name(spec), result)
     assert result["max_home_pair"] > result["pair_capacity"], label
-    assert result["dropped"][1:] == [0, 0] and result["replicas"][0] == 0 and result["replicas"][-1] > 0, label
+    assert result["replicas"][0] == 0 and result["replicas"][-1] > 0, label
+    past_boundary = spec.get("transport", "relay") == "relay" and world_size > 2
+    if past_boundary:
+        assert all(dropped > 0 for dropped in result["dropped"]), label
+    else:
+        assert result["dropped"][1:] == [0, 0], label
     assert result["output_error"] < TOLERANCE and result["grad_error"] < TOLERANCE, label
 
 
@@ -138,7 +155,7 @@ def test_expert_parallel_matches_single_process(world_size):
             if spec["check"] == "static_shapes":
                 check_static(spec, result)
             elif spec["check"] == "skewed_sources":
-                check_skewed_sources(spec, result)
+                check_skewed_sources(spec, result, world_size)
             else:
                 check_equivalence(spec, rank, result)
     summary = {name(spec): (max(r[i].get("max_grad_error", 0.0) for r in results),

@@ -221,7 +221,7 @@ def setup(env, spec: dict):
                             config.num_hidden_layers)
     state = ParallelState(layout, env.rank, sequence_parallel=sp)
     expert_parallel = ExpertParallel(state.ep, config.num_experts, spec["mode"], spec["capacity_factor"],
-                                     spec.get("max_replicas", 2), transport=spec.get("transport", "padded"))
+                                     spec.get("max_replicas", 2), transport=spec.get("transport", "relay"))
     reference = K3Model(config).double()
     reference.init_weights(seed=7)
     skew_gate_bias(reference, config.num_experts // ep, spec.get("skew", 0.0))
@@ -365,7 +365,8 @@ def static_shapes(env, spec: dict) -> dict:
                             config.num_hidden_layers)
     state = ParallelState(layout, env.rank)
     expert_parallel = ExpertParallel(state.ep, config.num_experts, spec["mode"], spec["capacity_factor"],
-                                     spec.get("max_replicas", 2), compute="gather")
+                                     spec.get("max_replicas", 2), compute="gather",
+                                     transport=spec.get("transport", "relay"))
     moe = LatentMoE(config, TensorParallel.single(), expert_parallel=expert_parallel).double()
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -440,7 +441,7 @@ def skewed_sources(env, spec: dict) -> dict:
     layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, config.num_attention_heads,
                             config.linear_attn_config.num_heads, config.vocab_size, experts, config.num_hidden_layers)
     state = ParallelState(layout, env.rank)
-    dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport=spec.get("transport", "padded"))
+    dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport=spec.get("transport", "relay"))
     full = LocalExperts(config, experts).double()
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -458,7 +459,7 @@ def skewed_sources(env, spec: dict) -> dict:
         generator = torch.Generator().manual_seed(100 * step + env.rank)
         logits = torch.randn(tokens, experts, generator=generator, dtype=torch.float64)
         if env.rank < max(1, ranks // 2):  # only some sources have hot experts: the loads are skewed too
-            logits[:, hot_home * local:hot_home * local + 3] += 3.0  # three hot experts of one home rank
+            logits[:, hot_home * local:hot_home * local + 3] += spec.get("boost", 3.0)  # three hot experts of one home
         weights, ids = logits.sigmoid().topk(top_k, dim=-1)
         latent = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
         upstream = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
