@@ -35,13 +35,16 @@ CONFIG = ModelConfig(
     kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     linear_attn_config=LinearAttnConfig(num_heads=4, head_dim=16, chunk_size=8), intermediate_size=128,
     num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, routed_expert_hidden_size=32,
-    attn_res_block_size=2, recompute="none",
+    attn_res_block_size=2, recompute="none", balancer="quantile_histogram",
 )
 
 
 def job_config(spec: dict[str, Any]) -> JobConfig:
     parallel = ParallelConfig(tp=spec.get("tp", 1), pp=spec.get("pp", 1), ep=spec.get("ep", 1), cp=spec["cp"],
-                              sequence_parallel=spec.get("sp", False), zero1=False)
+                              sequence_parallel=spec.get("sp", False), zero1=False,
+                              # Capacity dispatch with capacity_factor = ep keeps every routed slot (the
+                              # balanced mode's first step has no replicas yet and may drop).
+                              expert_dispatch="capacity", capacity_factor=float(spec.get("ep", 1)))
     train = TrainConfig(global_batch_size=spec["global_batch"], micro_batch_size=spec["micro_batch"],
                         precision="fp32", device="cpu")
     config = JobConfig(model=CONFIG, parallel=parallel, data=DataConfig(seq_length=spec["seq"]), train=train)
@@ -97,9 +100,17 @@ def compare(env, spec: dict[str, Any]) -> dict[str, Any]:
         checked += 1
         if error > worst:
             worst, worst_name = error, name
+    # The balancers' statistics pooled over every rank that routed distinct tokens (dp × cp, and
+    # tp under sequence parallelism: the trainer's routing group) give the single-process biases.
+    reference.update_routing_biases()
+    job.model.update_routing_biases(state.data_tensor if state.sequence_parallel else state.dp)
+    reference_biases = {name: moe.gate.e_score_correction_bias for name, moe in
+                        ((n, m) for n, m in reference.named_modules() if hasattr(m, "balancer"))}
+    bias_error = max(((moe.gate.e_score_correction_bias - reference_biases[name]).abs().max().item()
+                     for name, moe in job.model.named_modules() if hasattr(moe, "balancer")), default=0.0)
     traffic = state.counter.snapshot()
     return {"name": spec["name"], "loss": loss, "reference_loss": reference_loss.item(), "max_grad_error": worst,
-            "worst_param": worst_name, "checked": checked, "cp_bytes": traffic.get("cp", (0, 0))[0],
+            "worst_param": worst_name, "checked": checked, "bias_error": bias_error, "cp_bytes": traffic.get("cp", (0, 0))[0],
             "cp_messages": traffic.get("cp", (0, 0))[1]}
 
 
