@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from k3train.kernels.kda import chunk_kda
+from k3train.kernels.precision import without_autocast
 from k3train.parallel.comm import Group, TrafficCounter
 
 SEQUENCE_DIM = 1
@@ -179,9 +180,11 @@ class ContextParallel:
         o, final = chunk_kda(q, k, extended_v, g, beta, scale=scale, initial_state=start,
                              output_final_state=True, chunk_size=chunk_size)
         o_zero, query_map = o.split([value_dim, key_dim], dim=-1)
-        offset, transition = final.to(dtype).split([value_dim, key_dim], dim=-1)
-        entering = self.entering_states(transition, offset)
-        o = o_zero + torch.einsum("bthk,bhkv->bthv", query_map, entering)
+        # The states cross the pieces in fp32 (float64 for float64 inputs), also under bf16 autocast.
+        with without_autocast(v.device):
+            offset, transition = final.to(dtype).split([value_dim, key_dim], dim=-1)
+            entering = self.entering_states(transition, offset)
+            o = o_zero.to(dtype) + torch.einsum("bthk,bhkv->bthv", query_map.to(dtype), entering)
         return o.to(v.dtype)
 
 
