@@ -45,6 +45,7 @@ def check(results: list[list[dict]]) -> None:
             assert result["bias_error"] < TOLERANCE, (label, result["bias_error"])
             assert result["checked"] > 40, label
             assert result["cp_bytes"] > 0, label  # the pieces did cross ranks
+            assert result["cp_bytes"] == result["planned_cp_bytes"], label  # the planner's formula
     print({result["name"]: (result["max_grad_error"], result["cp_bytes"]) for result in results[0]})
 
 

@@ -23,6 +23,7 @@ from k3train.model.moe import finish_expert_step
 from k3train.parallel.config import ParallelConfig
 from k3train.parallel.grad_reduce import average_over_dp
 from k3train.parallel.state import ParallelState, resolve_layout
+from k3train.planning.context import context_step_bytes
 from k3train.training.build import build_rank
 from k3train.training.config import TrainConfig
 
@@ -109,9 +110,13 @@ def compare(env, spec: dict[str, Any]) -> dict[str, Any]:
     bias_error = max(((moe.gate.e_score_correction_bias - reference_biases[name]).abs().max().item()
                      for name, moe in job.model.named_modules() if hasattr(moe, "balancer")), default=0.0)
     traffic = state.counter.snapshot()
+    layers = [i for start, end in job.plan.layer_ranges(state.pp_rank) for i in range(start, end)]
+    planned = context_step_bytes(CONFIG, layers, cp=layout.cp, tp=layout.tp, micro_batch_size=spec["micro_batch"],
+                                 seq_length=spec["seq"], micro_batches=len(micro_batches), element_bytes=8,
+                                 state_bytes=8)
     return {"name": spec["name"], "loss": loss, "reference_loss": reference_loss.item(), "max_grad_error": worst,
             "worst_param": worst_name, "checked": checked, "bias_error": bias_error, "cp_bytes": traffic.get("cp", (0, 0))[0],
-            "cp_messages": traffic.get("cp", (0, 0))[1]}
+            "cp_messages": traffic.get("cp", (0, 0))[1], "planned_cp_bytes": planned}
 
 
 def run_checks(env, payload: list[dict[str, Any]]) -> list[dict[str, Any]]:
