@@ -32,7 +32,8 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
     all-to-alls that autograd tracks in backward (not modelled: refused)."""
     config = job.config
     cfg, layout = config.model, job.parallel.layout
-    b, s, h, tp = config.train.micro_batch_size, config.data.seq_length, cfg.hidden_size, layout.tp
+    # This rank's tokens of a sequence: seq_length / cp under context parallelism.
+    b, s, h, tp = config.train.micro_batch_size, config.data.seq_length // layout.cp, cfg.hidden_size, layout.tp
     sp = config.parallel.sequence_parallel and tp > 1
     out: dict[str, tuple[int, int]] = {}
     if layout.pp > 1:

@@ -88,3 +88,33 @@ def test_sequence_lengths_that_cannot_split(cp, seq, tp, sp, message):
     with pytest.raises(LayoutError, match=message):
         check_context_split(cp, seq, 4, tp, sp)
     check_context_split(cp, seq * 4 * tp, 4, tp, sp)  # a longer sequence splits
+
+
+def test_planner_counts_a_rank_s_share_of_the_sequence():
+    """Under cp = 2 a rank keeps fewer activations (its half of the tokens, plus MLA's gathered
+    keys) and sends the cp exchanges; the k3-long recipe resolves for its stated 2048 GPUs."""
+    import pathlib
+
+    from k3train.config import load_config
+    from k3train.planning.layout_traffic import layout_step_bytes
+    from k3train.planning.memory import rank_memory
+    from k3train.training.build import build_planning_rank
+
+    checkout = pathlib.Path(__file__).resolve().parents[2]
+    memories, traffic = {}, {}
+    for cp in (1, 2):
+        config = load_config(str(checkout / "recipes" / "debug.yaml"), [f"parallel.cp={cp}"])
+        m = config.model
+        layout = resolve_layout(2 * cp, 1, 1, 2, 1, 1, m.num_attention_heads, m.linear_attn_config.num_heads,
+                                m.vocab_size, m.num_experts, m.num_hidden_layers, cp=cp)
+        job = build_planning_rank(config, layout, 0)
+        memories[cp] = rank_memory(job, layout, micro_batches=2).activations
+        traffic[cp] = layout_step_bytes(job, micro_batches=2)
+    assert memories[1] / 2 < memories[2] < memories[1]
+    assert "cp" not in traffic[1] and traffic[2]["cp"] > 0
+
+    long = load_config(str(checkout / "recipes" / "k3-long.yaml"), [])
+    p, m = long.parallel, long.model
+    layout = resolve_layout(2048, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, m.num_attention_heads,
+                            m.linear_attn_config.num_heads, m.vocab_size, m.num_experts, m.num_hidden_layers, cp=p.cp)
+    assert (layout.cp, layout.data_parallel, long.data.seq_length // layout.cp) == (8, 2, 16384)
