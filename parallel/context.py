@@ -52,11 +52,72 @@ class _GatherPieces(torch.autograd.Function):
         return ctx.group.reduce_scatter(grad.contiguous(), dim=0), None
 
 
-class ContextParallel:
-    """The cp group and the sequence layout: what the model's token mixers and loss need."""
+class _HandOffStates(torch.autograd.Function):
+    """The states entering this rank's two pieces, handed from piece to piece in sequence order.
 
-    def __init__(self, group: Group):
+    Forward: the front chain runs up the ranks (piece r gets rank r − 1's leaving state), rank
+    C − 1 turns round into its own back piece, and the back chain runs down (piece 2C − 1 − r gets
+    rank r + 1's). Backward runs the same chain in reverse with the adjoint map
+    `Ē = g + Aᵀ X̄` (X = A E + B), all inside this one function, so each rank's autograd engine
+    issues the chain's sends and receives in one fixed order (a receive in one rank's backward
+    never waits on a later node of another's)."""
+
+    @staticmethod
+    def forward(ctx, transition, offset, cp: "ContextParallel"):
+        group, rank, last = cp.group, cp.rank, cp.size - 1
+        entering_front = (torch.zeros_like(offset[0]) if rank == 0
+                          else group.recv(torch.empty_like(offset[0]), rank - 1))
+        leaving_front = transition[0] @ entering_front + offset[0]
+        if rank < last:
+            group.send(leaving_front, rank + 1)
+            entering_back = group.recv(torch.empty_like(offset[1]), rank + 1)
+        else:
+            entering_back = leaving_front  # piece C − 1 is followed by piece C, on this rank
+        leaving_back = transition[1] @ entering_back + offset[1]
+        if rank > 0:
+            group.send(leaving_back, rank - 1)
+        entering = torch.stack([entering_front, entering_back])
+        ctx.save_for_backward(transition, entering)
+        ctx.cp = cp
+        return entering
+
+    @staticmethod
+    def backward(ctx, grad_entering):
+        transition, entering = ctx.saved_tensors
+        cp = ctx.cp
+        group, rank, last = cp.group, cp.rank, cp.size - 1
+        grad_entering = grad_entering.contiguous()
+        # The back piece first: its leaving state entered rank r − 1's back piece (rank 0's is the last piece).
+        leaving_back_grad = (torch.zeros_like(grad_entering[1]) if rank == 0
+                             else group.recv(torch.empty_like(grad_entering[1]), rank - 1))
+        entering_back_grad = grad_entering[1] + transition[1].mT @ leaving_back_grad
+        if rank < last:
+            group.send(entering_back_grad, rank + 1)
+            leaving_front_grad = group.recv(torch.empty_like(grad_entering[0]), rank + 1)
+        else:
+            leaving_front_grad = entering_back_grad
+        entering_front_grad = grad_entering[0] + transition[0].mT @ leaving_front_grad
+        if rank > 0:
+            group.send(entering_front_grad, rank - 1)
+        grad_transition = torch.stack([leaving_front_grad @ entering[0].mT, leaving_back_grad @ entering[1].mT])
+        return grad_transition, torch.stack([leaving_front_grad, leaving_back_grad]), None
+
+
+STATE_EXCHANGES = ("handoff", "gather")
+
+
+class ContextParallel:
+    """The cp group and the sequence layout: what the model's token mixers and loss need.
+
+    `state_exchange`: how the KDA states cross the pieces, "handoff" (piece to piece, one
+    `[H, K, V]` state per boundary) or "gather" (every piece's affine map to every rank, one
+    collective); docs/context_parallel.md compares them."""
+
+    def __init__(self, group: Group, state_exchange: str = "handoff"):
+        if state_exchange not in STATE_EXCHANGES:
+            raise ValueError(f"state_exchange must be one of {STATE_EXCHANGES}, got {state_exchange!r}")
         self.group = group
+        self.state_exchange = state_exchange
 
     @classmethod
     def single(cls) -> "ContextParallel":
@@ -157,6 +218,10 @@ class ContextParallel:
         `split_pieces` order). Returns `[2B, H, K, V]`; the sequence starts from zeros."""
         batch = transition.shape[0] // 2
         key_dim = transition.shape[-1]
+        if self.state_exchange == "handoff":
+            entering = _HandOffStates.apply(transition.reshape(2, batch, *transition.shape[1:]).contiguous(),
+                                            offset.reshape(2, batch, *offset.shape[1:]).contiguous(), self)
+            return entering.reshape(offset.shape)
         local = torch.cat([transition, offset], dim=-1).reshape(2, batch, *offset.shape[1:3], -1)
         every = self.gather_pieces(local)  # [2C, B, H, K, K + V]
         front, back = self.local_pieces()

@@ -4,9 +4,12 @@ The exchanges of `parallel/context.py`, in comm.py's convention (an all-gather c
 rank's contribution, a reduce-scatter its full input, i.e. cp times the contribution), per
 micro-batch and layer:
 
-- KDA layer: the all-gather of the two local pieces' affine maps `[2, b, H/tp, K, K + V]`
-  (fp32, float64 for float64 models) and of the short convolutions' tails
-  `[2, b, kernel − 1, 3 · H/tp · K]` (activation dtype); backward, their reduce-scatter;
+- KDA layer: the short convolutions' tails `[2, b, kernel − 1, 3 · H/tp · K]` (activation
+  dtype) all-gathered, backward their reduce-scatter; the states: under "handoff" (the default)
+  one `[b, H/tp, K, V]` state (fp32, float64 for float64 models) per piece boundary this rank
+  sends across, forward and backward (cp rank 0 and cp − 1 send one each way, the others two);
+  under "gather" the two local pieces' affine maps `[2, b, H/tp, K, K + V]` all-gathered,
+  backward their reduce-scatter;
 - MLA layer: the all-gather of the local compressed KV `[b, s/cp, kv_lora_rank + rope]`
   (activation dtype); backward, its reduce-scatter.
 
@@ -19,19 +22,27 @@ from k3train.model.config import ModelConfig
 
 
 def context_step_bytes(cfg: ModelConfig, layers: list[int], *, cp: int, tp: int, micro_batch_size: int,
-                       seq_length: int, micro_batches: int, element_bytes: int, state_bytes: int = 4) -> float:
+                       seq_length: int, micro_batches: int, element_bytes: int, state_bytes: int = 4,
+                       state_exchange: str = "handoff", cp_rank: int | None = None) -> float:
     """Bytes one rank sends over its cp group in one training step (0 when cp = 1).
 
     `layers`: the decoder layers of this rank's stage; `element_bytes`: the activations' element
-    size (2 under bf16 autocast); `state_bytes`: the KDA maps' (4, or 8 for float64 models)."""
+    size (2 under bf16 autocast); `state_bytes`: the KDA states' (4, or 8 for float64 models);
+    `cp_rank`: which rank (None: the busiest)."""
     if cp == 1:
         return 0.0
     lac = cfg.linear_attn_config
     heads, key_dim = lac.num_heads // tp, lac.head_dim
-    maps = 2 * micro_batch_size * heads * key_dim * (key_dim + key_dim) * state_bytes
     tails = 2 * micro_batch_size * (lac.short_conv_kernel_size - 1) * 3 * heads * key_dim * element_bytes
+    if state_exchange == "gather":
+        maps = (1 + cp) * 2 * micro_batch_size * heads * key_dim * (key_dim + key_dim) * state_bytes
+    else:
+        boundaries = (min(2, cp - 1) if cp_rank is None
+                      else int(cp_rank < cp - 1) + int(cp_rank > 0))  # neighbours this rank sends to
+        maps = 2 * boundaries * micro_batch_size * heads * key_dim * key_dim * state_bytes
+    tails *= 1 + cp
     latent = micro_batch_size * (seq_length // cp) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element_bytes
-    per_micro_batch = sum((1 + cp) * (latent if cfg.is_mla_layer(layer) else maps + tails) for layer in layers)
+    per_micro_batch = sum((1 + cp) * latent if cfg.is_mla_layer(layer) else maps + tails for layer in layers)
     return float(micro_batches * per_micro_batch)
 
 

@@ -24,13 +24,17 @@ TOLERANCE = 1e-12
 TWO_RANKS = [
     dict(name="cp2, seq 32 (multiple of chunk*cp)", cp=2, seq=32, global_batch=2, micro_batch=1),
     dict(name="cp2, seq 24 (pieces of 6 < chunk)", cp=2, seq=24, global_batch=2, micro_batch=2),
+    dict(name="cp2, seq 24, states gathered", cp=2, seq=24, global_batch=2, micro_batch=1, state_exchange="gather"),
 ]
 FOUR_RANKS = [
     dict(name="cp4, seq 32 (pieces of 4)", cp=4, seq=32, global_batch=2, micro_batch=1),
     dict(name="cp4, seq 64 (pieces of one chunk)", cp=4, seq=64, global_batch=1, micro_batch=1),
+    dict(name="cp4, seq 32, states gathered", cp=4, seq=32, global_batch=2, micro_batch=1, state_exchange="gather"),
     dict(name="cp2 x dp2, seq 24", cp=2, seq=24, global_batch=4, micro_batch=1),
     dict(name="cp2 x tp2 + sp, seq 32", cp=2, tp=2, sp=True, seq=32, global_batch=2, micro_batch=1),
     dict(name="cp2 x pp2, seq 32, 2 micro-batches", cp=2, pp=2, seq=32, global_batch=4, micro_batch=2),
+    dict(name="cp2 x pp2, states gathered", cp=2, pp=2, seq=32, global_batch=4, micro_batch=2,
+         state_exchange="gather"),
     dict(name="cp2 x ep2, seq 24", cp=2, ep=2, seq=24, global_batch=4, micro_batch=1),
     dict(name="cp2 x ep2 x tp2 + sp, seq 24", cp=2, ep=2, tp=2, sp=True, seq=24, global_batch=2, micro_batch=1),
 ]

@@ -70,6 +70,8 @@ def compare(env, spec: dict[str, Any]) -> dict[str, Any]:
     state = ParallelState(layout, env.rank, sequence_parallel=p.sequence_parallel)
     job = build_rank(config, state, torch.device("cpu"), overlap=False, dtype=torch.float64)
     job.schedule.dtype = torch.float64  # pipeline hops in the model's dtype
+    for chunk in job.model.chunks:  # how the KDA states cross the pieces (parallel/context.py)
+        chunk.cp.state_exchange = spec.get("state_exchange", "handoff")
 
     generator = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, CONFIG.vocab_size, (spec["global_batch"], spec["seq"] + 1), generator=generator)
@@ -113,7 +115,8 @@ def compare(env, spec: dict[str, Any]) -> dict[str, Any]:
     layers = [i for start, end in job.plan.layer_ranges(state.pp_rank) for i in range(start, end)]
     planned = context_step_bytes(CONFIG, layers, cp=layout.cp, tp=layout.tp, micro_batch_size=spec["micro_batch"],
                                  seq_length=spec["seq"], micro_batches=len(micro_batches), element_bytes=8,
-                                 state_bytes=8)
+                                 state_bytes=8, state_exchange=spec.get("state_exchange", "handoff"),
+                                 cp_rank=state.cp_rank)
     return {"name": spec["name"], "loss": loss, "reference_loss": reference_loss.item(), "max_grad_error": worst,
             "worst_param": worst_name, "checked": checked, "bias_error": bias_error, "cp_bytes": traffic.get("cp", (0, 0))[0],
             "cp_messages": traffic.get("cp", (0, 0))[1], "planned_cp_bytes": planned}
