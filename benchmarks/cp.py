@@ -2,9 +2,10 @@
 the measured cost that decides how KDA's state crosses the pieces.
 
 Part 1 (formulas, per layer and per sequence, wire bytes one rank receives in forward + backward):
-- KDA, the chosen scheme: the pieces' affine maps `(A, B)` (`[H, K, K + V]` fp32 each) all-gathered
-  (backward: reduce-scatter), plus the three short convolutions' tails (bf16);
-- KDA, state handed rank to rank: one `[H, K, V]` fp32 state per piece boundary each way;
+- KDA "handoff" (the default): one `[H, K, V]` fp32 state per piece boundary each way, plus the
+  three short convolutions' tails (bf16, all-gathered);
+- KDA "gather": the pieces' affine maps `(A, B)` (`[H, K, K + V]` fp32 each) all-gathered
+  (backward: reduce-scatter), plus the tails;
 - MLA, the chosen scheme: the compressed KV (`kv_lora_rank + qk_rope_head_dim` per token, bf16)
   all-gathered (backward: reduce-scatter);
 - MLA, a ring: every head's K and V (`H · (qk_head_dim + v_head_dim)` per token, bf16) passed
@@ -12,10 +13,14 @@ Part 1 (formulas, per layer and per sequence, wire bytes one rank receives in fo
 against the bytes of one layer's input activation on a rank (`2L · hidden`, bf16).
 
 Part 2 (measured, side by side in one process, medians): the chunkwise kernel's forward+backward
-on one piece with `V` value columns (what a piece costs when its entering state is known) and
-with `V + K` (the extended run that yields the piece's affine maps), and the fold over the 2C
-maps. The critical path of a KDA layer is then about `t(V+K) + fold` for the chosen scheme and
-`2C · t(V)` for a state handed rank to rank (each piece waits for the one before it).
+on one piece with `V` value columns (a piece whose entering state is known) and with `V + K`
+(the extended run that yields the piece's affine maps), one step of the state chain
+(`S ← A S + B` and its backward), and the fold over the 2C maps. Critical paths of a KDA layer:
+- state handed along *before* each piece's run (no extended run): `2C · t(V)`, every piece waits;
+- "handoff" as implemented (every piece's extended run at once, then the chain): `t(V+K) + 2C ·
+  (chain step + one hop)`;
+- "gather": `t(V+K) + fold(2C) + one all-gather`.
+Hops are not timed here (no network on one machine); the byte table gives their size.
 
     OMP_NUM_THREADS=1 nice python benchmarks/cp.py --seq-length 131072 --piece 256 --heads 2
 """
@@ -51,7 +56,9 @@ def exchange_bytes(seq_length: int, cp: int, tp: int = 1, shapes: dict = K3) -> 
     tails = 3 * (shapes["conv_kernel"] - 1) * heads * key * BF16
     # all-gather: the 2(C − 1) pieces of the others; reduce-scatter back: the same amount.
     kda_gather = 2 * (pieces - 2) * (transition + tails)
-    kda_handoff = 2 * 2 * heads * key * value * FP32 + 2 * 2 * tails  # front and back chains, fwd + bwd
+    # The busiest rank receives the states of two boundaries forward and two backward; the tails
+    # are all-gathered as under "gather".
+    kda_handoff = 2 * min(2, cp - 1) * heads * key * value * FP32 + 2 * (pieces - 2) * tails
     latent = (shapes["kv_lora_rank"] + shapes["rope"]) * BF16
     others = (pieces - 2) * piece  # tokens held by the other ranks
     mla_gather = 2 * others * latent
@@ -96,6 +103,16 @@ def time_kda(inputs: dict[str, torch.Tensor], initial_state: torch.Tensor, chunk
     return time.perf_counter() - started
 
 
+def time_chain_step(heads: int, key: int, value: int) -> float:
+    """One step of the handoff chain, forward and backward: `S_out = A S_in + B` for one piece."""
+    transition = torch.randn(heads, key, key, requires_grad=True)
+    offset = torch.randn(heads, key, value, requires_grad=True)
+    entering = torch.randn(heads, key, value, requires_grad=True)
+    started = time.perf_counter()
+    (transition @ entering + offset).sum().backward()
+    return time.perf_counter() - started
+
+
 def time_fold(pieces: int, heads: int, key: int, value: int) -> float:
     maps = torch.randn(pieces, heads, key, key + value, requires_grad=True)
     started = time.perf_counter()
@@ -112,25 +129,28 @@ def measure(piece: int, heads: int, chunk_size: int, repeats: int, cps: list[int
     extended = kda_inputs(piece, heads, key, value + key)
     state_plain = torch.zeros(1, heads, key, value)
     state_extended = torch.zeros(1, heads, key, value + key)
-    times: dict[str, list[float]] = {"plain": [], "extended": []}
+    times: dict[str, list[float]] = {"plain": [], "extended": [], "chain": []}
     folds: dict[int, list[float]] = {cp: [] for cp in cps}
     for _ in range(repeats):  # alternate, so a drifting machine hits both alike
         times["plain"].append(time_kda(plain, state_plain, chunk_size))
         times["extended"].append(time_kda(extended, state_extended, chunk_size))
+        times["chain"].append(time_chain_step(heads, key, value))
         for cp in cps:
             folds[cp].append(time_fold(2 * cp, heads, key, value))
     t_plain, t_extended = statistics.median(times["plain"]), statistics.median(times["extended"])
+    t_chain = statistics.median(times["chain"])
     print(f"\nKDA piece of {piece} tokens, {heads} heads of {key}, chunk {chunk_size}, fp32 fwd+bwd on CPU "
           f"({torch.get_num_threads()} threads), medians of {repeats}:")
     print(f"  t(V)   = {t_plain * 1e3:8.1f} ms   (a piece whose entering state is known)")
     print(f"  t(V+K) = {t_extended * 1e3:8.1f} ms   (the extended run: o, and the maps A, B, M) "
           f"= {t_extended / t_plain:.2f} x t(V)")
-    print(f"{'C':>3} {'fold ms':>8} {'gather path':>12} {'handoff path':>13} {'handoff / gather':>17}")
+    print(f"  chain step = {t_chain * 1e3:6.2f} ms   (S_out = A S_in + B, fwd+bwd)")
+    print("critical path of one KDA layer, compute only (ms):")
+    print(f"{'C':>3} {'state first':>12} {'handoff':>9} {'gather':>9} {'state first / handoff':>22}")
     for cp in cps:
         fold = statistics.median(folds[cp])
-        gather_path, handoff_path = t_extended + fold, 2 * cp * t_plain
-        print(f"{cp:>3} {fold * 1e3:>8.2f} {gather_path * 1e3:>10.1f}ms {handoff_path * 1e3:>11.1f}ms "
-              f"{handoff_path / gather_path:>17.2f}")
+        serial, handoff, gather = 2 * cp * t_plain, t_extended + 2 * cp * t_chain, t_extended + fold
+        print(f"{cp:>3} {serial * 1e3:>12.1f} {handoff * 1e3:>9.1f} {gather * 1e3:>9.1f} {serial / handoff:>22.2f}")
 
 
 def main() -> int:

@@ -15,10 +15,11 @@ per token (embeddings, norms, AttnRes over depth, MoE routing, the head) runs on
   piece computes all of it at once: the value columns are extended by `K` columns of zeros and
   the initial state by the identity, so the kernel's extra output columns are `M` and its extra
   final-state columns are `A` (each value column of the recurrence evolves independently).
-  The `(A, B)` of every piece are all-gathered over cp (one collective; backward a
-  reduce-scatter) and every rank folds them in true sequence order to get the state entering
-  each of its pieces, then adds `M · S_in`. Why this rather than handing the state rank to rank:
-  docs/context_parallel.md.
+  Every piece runs this at once; then only states cross ranks, in sequence order
+  (`state_exchange="handoff"`, the default: `S_out = A S_in + B` handed from piece to piece,
+  one `[H, K, V]` state per boundary, backward in reverse), or every piece's `(A, B)` is
+  all-gathered and folded locally (`"gather"`: one collective, 2C maps of `[H, K, K + V]`).
+  Finally `o = o⁰ + M · S_in`. Why: docs/context_parallel.md.
 - MLA. The compressed KV (`kv_a` output: `kv_lora_rank + qk_rope_head_dim` per token, shared by
   every head) is all-gathered over cp into true order (backward: reduce-scatter), up-projected
   locally, and each local query attends the keys at or before its true position.
