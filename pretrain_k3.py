@@ -135,7 +135,7 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     run_dir = shared_run_dir(run_dir_arg)
     print(f"run directory: {run_dir}")
     layout = parallel.layout
-    print(f"parallel: world {layout.world_size} = tp {layout.tp} × dp {layout.data_parallel} × cp {layout.cp} × pp {layout.pp} "
+    print(f"parallel: world {layout.world_size} = tp {layout.tp} × cp {layout.cp} × dp {layout.data_parallel} × pp {layout.pp} "
           f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
           f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}")
     threads, threads_line = choose_num_threads(config.train.num_threads, os.environ, available_cores(),
