@@ -10,7 +10,8 @@ Tolerance: 1e-12 absolute on the loss (≈ 5.6) and on every gradient (O(1e-2)):
 computes the same sums in a different association (states through the pieces' affine maps,
 attention over gathered keys), so differences are a few ulps (measured: below 6e-16).
 
-The layout rules need no processes and are checked here too.
+The layout rules and the planner's cp terms need no processes and are checked here too; the
+last test runs `pretrain_k3.py` itself under cp (five short launches).
 """
 
 import pytest
@@ -122,3 +123,30 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
     layout = resolve_layout(2048, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, m.num_attention_heads,
                             m.linear_attn_config.num_heads, m.vocab_size, m.num_experts, m.num_hidden_layers, cp=p.cp)
     assert (layout.cp, layout.data_parallel, long.data.seq_length // layout.cp) == (8, 2, 16384)
+
+
+def test_pretrain_with_context_parallelism_matches_one_process_and_resumes_across_cp(tmp_path):
+    """`pretrain_k3.py` itself (fp32, the tolerance of tests/distributed/test_pretrain_parallel.py:
+    2e-5 on losses of about 6): cp2 × dp2 and cp2 against one process, cp2's evaluation too (with
+    one data rank it reads the same validation rows); cp2 × dp2's step-2 checkpoint resumed
+    under cp4 and on one process gives the same step-3 loss."""
+    import json
+
+    from tests.distributed.test_pretrain_parallel import assert_close, pretrain
+
+    def validation_loss(run_dir):
+        lines = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "validation_loss" in line]
+        assert len(lines) == 1, lines
+        return json.loads(lines[0])["validation_loss"]
+
+    reference = pretrain(1, tmp_path / "single", "train.eval_interval=3")
+    measured_dir = tmp_path / "cp2dp2"
+    measured = pretrain(4, measured_dir, "parallel.cp=2", "parallel.dp=2")
+    assert_close(measured, reference, [1, 2, 3])
+    context_only = pretrain(2, tmp_path / "cp2", "parallel.cp=2", "train.eval_interval=3")
+    assert_close(context_only, reference, [1, 2, 3])
+    assert abs(validation_loss(tmp_path / "cp2") - validation_loss(tmp_path / "single")) < 2e-5
+    checkpoint = measured_dir / "checkpoints" / "step_00000002"
+    for world_size, layout in ((4, ["parallel.cp=4", "parallel.dp=1"]), (1, [])):
+        resumed = pretrain(world_size, tmp_path / f"resumed-{world_size}", f"checkpoint.resume={checkpoint}", *layout)
+        assert_close(resumed, measured, [3])
