@@ -112,8 +112,6 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_collective_failure(error, timeout_s=collective_timeout_seconds(
             config.parallel.collective_timeout_s, "nccl" if device.type == "cuda" else "gloo"))
         raise
-    if config.parallel.cp > 1:
-        fail("parallel.cp (context parallelism) is reserved and not implemented yet; set parallel.cp=1")
     try:
         return run_job(config, run_dir_arg, parallel, device)
     except Exception as error:  # a dead or frozen peer surfaces as whatever collective waited on it
@@ -143,7 +141,7 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     run_dir = shared_run_dir(run_dir_arg)
     print(f"run directory: {run_dir}")
     layout = parallel.layout
-    print(f"parallel: world {layout.world_size} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp} "
+    print(f"parallel: world {layout.world_size} = tp {layout.tp} × cp {layout.cp} × dp {layout.data_parallel} × pp {layout.pp} "
           f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
           f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}")
     threads, threads_line = choose_num_threads(config.train.num_threads, os.environ, available_cores(),

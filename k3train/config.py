@@ -23,7 +23,7 @@ from k3train.checkpoint.config import CheckpointConfig
 from k3train.data.config import DataConfig
 from k3train.model.config import ModelConfig
 from k3train.optim.config import OptimizerConfig, ScheduleConfig
-from k3train.parallel.config import ParallelConfig, check_model_split
+from k3train.parallel.config import ParallelConfig, check_context_split, check_model_split
 from k3train.parallel.pipeline_schedule import partition_layers
 from k3train.recipe import ConfigError
 from k3train.training.config import LoggingConfig, TrainConfig
@@ -80,6 +80,8 @@ class JobConfig:
         check_model_split(parallel.tp, parallel.ep, model.num_attention_heads, model.linear_attn_config.num_heads,
                           model.vocab_size, model.num_experts)
         partition_layers(model.num_hidden_layers, parallel.pp, parallel.virtual_stages, parallel.pipeline_layers)
+        check_context_split(parallel.cp, self.data.seq_length, model.linear_attn_config.short_conv_kernel_size,
+                            parallel.tp, parallel.sequence_parallel)
 
 
 def check_finite_numbers(obj: Any, prefix: str = "") -> None:

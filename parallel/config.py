@@ -15,7 +15,7 @@ from typing import Literal, Optional
 
 from k3train.recipe import ConfigError, check
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "LayoutError", "ParallelConfig", "check_model_split",
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "LayoutError", "ParallelConfig", "check_context_split", "check_model_split",
            "check_pipeline_sizes", "collective_timeout_seconds", "divisors"]
 
 # The bound on one collective when `parallel.collective_timeout_s` is 0, per backend.
@@ -69,6 +69,28 @@ def check_model_split(tp: int, ep: int, mla_heads: int, kda_heads: int, vocab_si
             )
 
 
+def check_context_split(cp: int, seq_length: int, short_conv_kernel_size: int, tp: int = 1,
+                        sequence_parallel: bool = False) -> None:
+    """Raise LayoutError unless a sequence of `seq_length` tokens splits into the 2 * cp
+    load-balanced pieces of context parallelism (each at least as long as a short convolution's
+    tail, and dividing over tp under sequence parallelism)."""
+    if cp == 1:
+        return
+    pieces = 2 * cp
+    if seq_length % pieces:
+        fits = [c for c in range(1, 65) if seq_length % (2 * c) == 0]
+        raise LayoutError(f"data.seq_length={seq_length} does not split into 2*parallel.cp = {pieces} equal pieces "
+                          f"(each cp rank holds a front and a back piece); use a seq_length divisible by {pieces} "
+                          f"or parallel.cp from {fits}")
+    piece = seq_length // pieces
+    if piece < short_conv_kernel_size - 1:
+        raise LayoutError(f"data.seq_length={seq_length} over parallel.cp={cp} gives pieces of {piece} tokens, fewer "
+                          f"than the short convolution's tail of {short_conv_kernel_size - 1}; lower parallel.cp")
+    if sequence_parallel and tp > 1 and (2 * piece) % tp:
+        raise LayoutError(f"data.seq_length={seq_length} over parallel.cp={cp} leaves {2 * piece} tokens per rank, "
+                          f"not divisible by parallel.tp={tp} (sequence parallelism)")
+
+
 @dataclass
 class ParallelConfig:
     """How the job is split across processes. The values are checked here; whether they fit the
@@ -80,11 +102,14 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size (stages of consecutive decoder layers)."""
     dp: int = 0
-    """Data-parallel size; 0 means whatever is left of the world size (world / (tp * pp))."""
+    """Data-parallel size (distinct batch rows); 0 means whatever is left of the world size
+    (world / (tp * pp * cp))."""
     ep: int = 1
     """Expert-parallel size for the MoE layers, carved out of dp * tp; must divide model.num_experts."""
     cp: int = 1
-    """Context-parallel size (reserved; 1 for now)."""
+    """Context-parallel size: every sequence is split over cp ranks, each holding a front and a
+    back piece (2 * cp pieces, load-balanced for causal attention); data.seq_length must divide
+    by 2 * cp. The cp ranks hold the same weights: gradients are averaged over dp * cp."""
     virtual_stages: int = 1
     """Virtual pipeline stages per rank (interleaved 1F1B when > 1; needs pp > 1)."""
     sequence_parallel: bool = False

@@ -1,14 +1,20 @@
-"""Process groups for data, tensor, pipeline and expert parallelism, from the launcher's environment.
+"""Process groups for data, context, tensor, pipeline and expert parallelism, from the launcher's environment.
 
-Rank order (TP fastest, then DP, then PP), as in Megatron:
+Rank order (TP fastest, then CP, then DP, then PP), as in Megatron:
 
-    global_rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    global_rank = tp_rank + tp * (cp_rank + cp * (data_rank + data * pp_rank))
 
-so the ranks of a tensor-parallel group are neighbours (one node's fast links). Expert
-parallelism is carved out of the `dp × tp` ranks of one pipeline stage: number them
-`j = tp_rank + tp * dp_rank`; an expert-parallel group is `ep` consecutive `j`, and the
-expert-data-parallel group (which reduces expert gradients) joins the ranks with the same
-position in their expert-parallel groups. Context parallelism (`cp`) is reserved and must be 1.
+so the ranks of a tensor-parallel group are neighbours (one node's fast links), and the ranks
+of a context-parallel group come next (they exchange KDA states, conv tails and MLA's latent KV
+every layer, more often than DP's once-per-step gradients). The cp ranks of one data rank hold
+the same weights and see different tokens of the same rows, so for everything that concerns
+weights they are data-parallel replicas: `Layout.dp` counts the replicas of a stage, data × cp
+(`Layout.data_parallel` is the number of distinct batch shards), and the replica index
+`dp_rank = cp_rank + cp * data_rank` is what the `dp` group (gradient averaging, ZeRO-1), the
+`data_tensor` and `model` groups and expert parallelism see. Expert parallelism is carved out of
+the `dp × tp` ranks of one pipeline stage: number them `j = tp_rank + tp * dp_rank`; an
+expert-parallel group is `ep` consecutive `j`, and the expert-data-parallel group (which reduces
+expert gradients) joins the ranks with the same position in their expert-parallel groups.
 
 Groups of size 1 carry no process group and make every collective the identity, so the
 single-process model runs the same code with `ParallelState.single()`.
@@ -43,6 +49,18 @@ class Layout:
     dp: int
     ep: int
     virtual_stages: int = 1
+    cp: int = 1
+    """Context-parallel size; `dp` above counts replicas of the weights, data × cp."""
+
+    @property
+    def data_parallel(self) -> int:
+        """Distinct batch shards: the replicas over the context-parallel size."""
+        return self.dp // self.cp
+
+    def cp_groups(self) -> list[list[int]]:
+        """Consecutive replica indices `dp_rank = cp_rank + cp * data_rank` of one (tp, pp) position."""
+        return [[self.rank_of(t, d * self.cp + c, p) for c in range(self.cp)]
+                for p in range(self.pp) for d in range(self.data_parallel) for t in range(self.tp)]
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, dp_rank, pp_rank) of a global rank."""
@@ -83,11 +101,23 @@ class Layout:
 
 def resolve_layout(
     world_size: int, tp: int, pp: int, dp: int, ep: int, virtual_stages: int,
-    mla_heads: int, kda_heads: int, vocab_size: int, num_experts: int, num_layers: int,
+    mla_heads: int, kda_heads: int, vocab_size: int, num_experts: int, num_layers: int, cp: int = 1,
 ) -> Layout:
     """Check a layout against the world size and the model; raise LayoutError with a fix."""
     if world_size < 1:
         raise LayoutError(f"world size must be at least 1 process, got {world_size}")
+    if cp > 1:
+        if world_size % (tp * pp * cp):
+            raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}; "
+                              f"launch a multiple of {tp * pp * cp} processes or change parallel.cp")
+        data = world_size // (tp * pp * cp)
+        if dp not in (0, data):
+            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / (tp*pp*cp = {tp * pp * cp}) leaves "
+                              f"dp={data}; set parallel.dp=0 (automatic) or {data}, or launch {dp * tp * pp * cp} "
+                              f"processes")
+        replicas = resolve_layout(world_size, tp, pp, data * cp, ep, virtual_stages, mla_heads, kda_heads,
+                                  vocab_size, num_experts, num_layers)
+        return Layout(world_size, tp, pp, replicas.dp, ep, virtual_stages, cp)
     if world_size % (tp * pp):
         fits = [f"tp={t} pp={p}" for t in divisors(world_size) for p in divisors(world_size // t)][:6]
         raise LayoutError(
@@ -112,7 +142,7 @@ def resolve_layout(
 
 class ParallelState:
     """This rank's place in the layout and its groups (`tp`, `dp`, `pp` and `pp_grad`, `ep`,
-    `expert_dp`, `data_tensor`, `model`), each a counted `Group`. `collective_timeout_s` bounds
+    `expert_dp`, `data_tensor`, `model`, `cp`), each a counted `Group`. `collective_timeout_s` bounds
     every collective of every sub-group (None: torch's default)."""
 
     def __init__(self, layout: Layout, rank: int, sequence_parallel: bool = False, counter: Optional[TrafficCounter] = None,
@@ -123,6 +153,7 @@ class ParallelState:
         self.sequence_parallel = sequence_parallel and layout.tp > 1
         self.counter = counter or TrafficCounter()
         self.tp_rank, self.dp_rank, self.pp_rank = layout.coordinates(rank)
+        self.cp_rank, self.data_rank = self.dp_rank % layout.cp, self.dp_rank // layout.cp  # (data: batch rows)
         distributed = layout.world_size > 1
         self.tp = self._own_group("tp", layout.tp_groups(), distributed)
         self.dp = self._own_group("dp", layout.dp_groups(), distributed)
@@ -134,6 +165,7 @@ class ParallelState:
         self.model = self._own_group("model", layout.model_groups(), distributed)
         self.ep = self._own_group("ep", layout.ep_groups(), distributed)
         self.expert_dp = self._own_group("expert_dp", layout.expert_dp_groups(), distributed)
+        self.cp = self._own_group("cp", layout.cp_groups(), distributed)
 
     def _own_group(self, name: str, all_groups: list[list[int]], distributed: bool) -> Group:
         """Create every group of a kind (all ranks must, in the same order) and keep this rank's."""
@@ -164,7 +196,7 @@ class ParallelState:
             world_size, parallel_config.tp, parallel_config.pp, parallel_config.dp, parallel_config.ep,
             parallel_config.virtual_stages, model_config.num_attention_heads,
             model_config.linear_attn_config.num_heads, model_config.vocab_size,
-            model_config.num_experts, model_config.num_hidden_layers,
+            model_config.num_experts, model_config.num_hidden_layers, parallel_config.cp,
         )
         backend = "nccl" if device_type == "cuda" else "gloo"
         timeout_s = collective_timeout_seconds(parallel_config.collective_timeout_s, backend)
@@ -176,5 +208,6 @@ class ParallelState:
         layout = self.layout
         return (f"rank {self.rank}/{layout.world_size}: tp {self.tp_rank}/{layout.tp}, dp {self.dp_rank}/{layout.dp}, "
                 f"pp {self.pp_rank}/{layout.pp}, ep {self.ep.rank}/{layout.ep}"
+                f"{f', cp {self.cp_rank}/{layout.cp}' if layout.cp > 1 else ''}"
                 f"{', sequence parallel' if self.sequence_parallel else ''}")
 

@@ -105,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.recipe, args.overrides)
         parallel = config.parallel
-        world = args.world_size or parallel.tp * parallel.pp * max(parallel.dp, 1)
+        world = args.world_size or parallel.tp * parallel.pp * parallel.cp * max(parallel.dp, 1)
         layout = resolve_layout(world, parallel.tp, parallel.pp, parallel.dp, parallel.ep, parallel.virtual_stages,
                                 config.model.num_attention_heads, config.model.linear_attn_config.num_heads,
-                                config.model.vocab_size, config.model.num_experts, config.model.num_hidden_layers)
+                                config.model.vocab_size, config.model.num_experts, config.model.num_hidden_layers,
+                                cp=parallel.cp)
         plan = PipelinePlan.from_config(config.model, parallel)
     except (ConfigError, LayoutError, PipelineConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -121,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens = config.train.global_batch_size * config.data.seq_length
     print(f"model: {counts.total / 1e9:.3f}B parameters, {counts.active / 1e9:.3f}B active per token; "
           f"{flops.total / 1e9:.2f} GFLOP per token for training, {flops.total * tokens / 1e15:.3f} PFLOP per step")
-    print(f"layout: world {world} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp} (virtual stages "
+    print(f"layout: world {world} = tp {layout.tp} × cp {layout.cp} × dp {layout.data_parallel} × pp {layout.pp} (virtual stages "
           f"{layout.virtual_stages}); ep {layout.ep} within dp×tp; sequence parallel {parallel.sequence_parallel}; "
           f"ZeRO-1 {parallel.zero1}")
-    micro_batches = config.train.global_batch_size // (config.train.micro_batch_size * layout.dp)
+    micro_batches = config.train.global_batch_size // (config.train.micro_batch_size * layout.data_parallel)
     print(f"batch: {config.train.global_batch_size} samples × {config.data.seq_length} tokens; "
           f"{micro_batches} micro-batches of {config.train.micro_batch_size} per data-parallel rank")
     print()
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("AttnRes blocks per micro-batch across pipeline hops (forward; backward returns as many): "
               + ", ".join(f"{protocol} {plan.blocks_per_micro_batch(protocol)}" for protocol in ("naive", "paper", "exact")))
-    if layout.pp == 1 and layout.ep == 1:
+    if layout.pp == 1 and layout.ep == 1 and layout.cp == 1:
         traffic = predicted_step_traffic(
             config.model, config.optimizer, tp=layout.tp, dp=layout.dp, micro_batch_size=config.train.micro_batch_size,
             seq_length=config.data.seq_length, micro_batches=micro_batches,

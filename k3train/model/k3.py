@@ -23,9 +23,11 @@ from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
 from k3train.model.initialization import TILE_ELEMENTS, TiledStream, draw_local, normal_fill, uniform_fill
 from k3train.model.kda import KimiDeltaAttention
+from k3train.model.mla import GatedMLA
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
 from k3train.contracts.param_roles import mark_adamw_only
+from k3train.parallel.context import ContextParallel
 from k3train.parallel.tensor import (
     TensorParallel,
     VocabParallelEmbedding,
@@ -83,6 +85,12 @@ class K3Model(nn.Module):
             if config.tie_word_embeddings and self.with_embedding:
                 self.lm_head.weight = self.embed_tokens.weight
             mark_adamw_only(self.lm_head.weight)
+        # Context parallelism: this rank holds two pieces of every sequence; the token mixers cross them.
+        self.cp = ContextParallel(parallel.cp) if parallel is not None else ContextParallel.single()
+        if self.cp.size > 1:
+            for module in self.modules():
+                if isinstance(module, (KimiDeltaAttention, GatedMLA)):
+                    module.context_parallel = self.cp
         self.init_weights(seed)
         install_sharded_state_dict(self)  # checkpoints hold full tensors, loadable under any layout
 
@@ -105,14 +113,17 @@ class K3Model(nn.Module):
         """Logits `[batch, seq, vocab / tp]` on a model with a head (this rank's vocabulary rows,
         every token); otherwise the outgoing `ResidualState`."""
         if state is None:
-            state = self.embed(input_ids)
+            state = self.embed(self.cp.shard_sequence(input_ids))  # this rank's pieces under cp
         state = self.forward_layers(state)
         if not self.with_head:
             return state
         return self.lm_head(self.tp.enter(self.output_hidden(state)))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (vocabulary-parallel under TP), fp32 or wider."""
+        """Mean next-token cross-entropy (vocabulary-parallel under TP), fp32 or wider. Under
+        context parallelism, over this rank's pieces of `labels` (the whole sequences): every cp
+        rank holds as many tokens, so the mean over dp × cp of these means is the global mean."""
+        labels = self.cp.shard_sequence(labels)
         if self.tp.size == 1:
             return lm_loss(logits, labels)
         vocab_start = self.tp.rank * logits.shape[-1]

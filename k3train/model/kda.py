@@ -100,6 +100,7 @@ class KimiDeltaAttention(nn.Module):
         self.num_heads, self.head_dim = lac.num_heads // tp.size, lac.head_dim  # heads on this rank
         self.gate_lower_bound = lac.gate_lower_bound
         self.chunk_size = lac.chunk_size
+        self.context_parallel = None  # a parallel.context.ContextParallel, set by K3Model when cp > 1
         hidden, heads, width = config.hidden_size, lac.num_heads, lac.num_heads * lac.head_dim
         local_width = width // tp.size
 
@@ -164,12 +165,21 @@ class KimiDeltaAttention(nn.Module):
         self, x: torch.Tensor, cache: Optional[KDACache], return_cache: bool = True
     ) -> tuple[torch.Tensor, Optional[KDACache]]:
         x = self.tp.enter(x)
+        cp = self.context_parallel if self.context_parallel is not None and self.context_parallel.size > 1 else None
+        if cp is not None:  # each local piece of the sequence runs as a sequence of its own (parallel/context.py)
+            if cache is not None or return_cache:
+                raise ValueError("a KDA cache cannot be combined with context parallelism")
+            x = cp.split_pieces(x)
         batch, seq, _ = x.shape
         heads, head_dim = self.num_heads, self.head_dim
         tails = cache.conv_tails if cache is not None else (None, None, None)
-        q, q_tail = self.q_conv1d(self.q_proj(x), tails[0])
-        k, k_tail = self.k_conv1d(self.k_proj(x), tails[1])
-        v, v_tail = self.v_conv1d(self.v_proj(x), tails[2])
+        q_in, k_in, v_in = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if cp is not None:  # the convolutions' tails come from the pieces before
+            width = self.q_conv1d.kernel_size - 1
+            tails = cp.previous_tails(torch.cat([q_in, k_in, v_in], dim=-1), width).split(q_in.shape[-1], dim=1)
+        q, q_tail = self.q_conv1d(q_in, tails[0])
+        k, k_tail = self.k_conv1d(k_in, tails[1])
+        v, v_tail = self.v_conv1d(v_in, tails[2])
         q = l2_normalize(q.view(batch, seq, heads, head_dim))
         k = l2_normalize(k.view(batch, seq, heads, head_dim))
         v = v.view(batch, seq, heads, head_dim)
@@ -181,14 +191,20 @@ class KimiDeltaAttention(nn.Module):
             g = kda_gate_unbounded(gate_input, self.A_log, self.dt_bias)
         beta = torch.sigmoid(upcast(self.b_proj(x)))
 
-        output, final_state = chunk_kda(
-            q, k, v, g, beta,
-            initial_state=cache.recurrent_state if cache is not None else None,
-            output_final_state=return_cache,
-            chunk_size=self.chunk_size,
-        )
+        if cp is not None:  # the recurrent state crosses the pieces (parallel/context.py)
+            output, final_state = cp.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size), None
+        else:
+            output, final_state = chunk_kda(
+                q, k, v, g, beta,
+                initial_state=cache.recurrent_state if cache is not None else None,
+                output_final_state=return_cache,
+                chunk_size=self.chunk_size,
+            )
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         output = self.o_norm(output, gate.view(batch, seq, heads, head_dim))
-        output = self.tp.leave(self.o_proj(output.reshape(batch, seq, heads * head_dim)))
+        output = self.o_proj(output.reshape(batch, seq, heads * head_dim))
+        if cp is not None:
+            output = cp.merge_pieces(output)
+        output = self.tp.leave(output)
         new_cache = KDACache(final_state, (q_tail, k_tail, v_tail)) if return_cache else None
         return output, new_cache

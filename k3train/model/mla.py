@@ -13,6 +13,7 @@ from torch import nn
 from k3train.model.config import ModelConfig
 from k3train.model.norm import RMSNorm
 from k3train.contracts.param_roles import mark_head_blocks
+from k3train.parallel.context import context_attention
 from k3train.parallel.tensor import TensorParallel
 
 LATENT_NORM_EPS = 1e-6  # q_a/kv_a layernorms use 1e-6, not rms_norm_eps
@@ -29,6 +30,7 @@ class GatedMLA(nn.Module):
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
+        self.context_parallel = None  # a parallel.context.ContextParallel, set by K3Model when cp > 1
         heads, hidden, qk_head_dim = config.num_attention_heads, config.hidden_size, config.qk_head_dim
 
         if config.q_lora_rank is None:
@@ -73,15 +75,22 @@ class GatedMLA(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(batch, seq, heads, -1)
 
-        compressed_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(compressed_kv)).view(batch, seq, heads, -1)
+        latent = self.kv_a_proj_with_mqa(x)
+        cp = self.context_parallel if self.context_parallel is not None and self.context_parallel.size > 1 else None
+        if cp is not None:  # the whole sequence's compressed KV, in true order (parallel/context.py)
+            latent = cp.gather_sequence(latent)
+        compressed_kv, k_rope = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(compressed_kv)).view(batch, latent.shape[1], heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # NoPE: the shared 'rope' key slice is broadcast to every head unrotated.
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, heads, -1)], dim=-1)
 
-        attended = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale
-        ).transpose(1, 2)  # [batch, seq, heads, v_head_dim]
+        if cp is not None:
+            attended = context_attention(q, k, v, cp, self.softmax_scale)
+        else:
+            attended = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale
+            ).transpose(1, 2)  # [batch, seq, heads, v_head_dim]
         if self.use_output_gate:
             attended = attended * torch.sigmoid(self.g_proj(x)).view(batch, seq, heads, -1)
         return self.tp.leave(self.o_proj(attended.reshape(batch, seq, heads * self.v_head_dim)))

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 
+from k3train.planning.context import context_step_bytes
 from k3train.training.build import RankJob
 
 
@@ -31,7 +32,8 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
     all-to-alls that autograd tracks in backward (not modelled: refused)."""
     config = job.config
     cfg, layout = config.model, job.parallel.layout
-    b, s, h, tp = config.train.micro_batch_size, config.data.seq_length, cfg.hidden_size, layout.tp
+    # This rank's tokens of a sequence: seq_length / cp under context parallelism.
+    b, s, h, tp = config.train.micro_batch_size, config.data.seq_length // layout.cp, cfg.hidden_size, layout.tp
     sp = config.parallel.sequence_parallel and tp > 1
     out: dict[str, tuple[int, int]] = {}
     if layout.pp > 1:
@@ -83,7 +85,7 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     element = 2 if config.train.precision == "bf16" else 4
     b, s, h, tp = config.train.micro_batch_size, config.data.seq_length, cfg.hidden_size, layout.tp
     sp = config.parallel.sequence_parallel and tp > 1
-    full = b * s * h * element
+    full = b * s // layout.cp * h * element  # this rank's tokens (s / cp under context parallelism)
     shard = full // tp if sp else full
     out: dict[str, float] = defaultdict(float)
     layers = [i for start, end in job.plan.layer_ranges(job.parallel.pp_rank) for i in range(start, end)]
@@ -99,6 +101,9 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     replicas = job.expert_parallel.max_replicas if job.expert_parallel is not None else 0
     for group, (nbytes, _) in pipeline_expert_traffic(job, micro_batches, replicas).items():
         out[group.split(".")[0]] += nbytes
+    if layout.cp > 1:  # context parallelism's exchanges (k3train/planning/context.py)
+        out["cp"] += context_step_bytes(cfg, layers, cp=layout.cp, tp=tp, micro_batch_size=b, seq_length=s,
+                                        micro_batches=micro_batches, element_bytes=element)
     return dict(out)
 
 

@@ -25,6 +25,7 @@ from k3train.config import JobConfig
 from k3train.model.config import ModelConfig
 from k3train.optim.builder import route_parameters
 from k3train.parallel.pipeline import theoretical_peak_blocks
+from k3train.planning.context import context_extra_activation_bytes
 from k3train.parallel.pipeline_schedule import PipelinePlan, schedule_steps
 from k3train.parallel.state import Layout
 from k3train.training.build import RankJob
@@ -239,7 +240,8 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
     cfg = config.model
     pp_rank = job.parallel.pp_rank
     element = 2 if config.train.precision == "bf16" else 4
-    shape = ActivationShape(config.train.micro_batch_size * config.data.seq_length, layout.tp,
+    # Under context parallelism a rank holds seq_length / cp tokens of every micro-batch.
+    shape = ActivationShape(config.train.micro_batch_size * config.data.seq_length // layout.cp, layout.tp,
                             bool(config.parallel.sequence_parallel and layout.tp > 1), element)
     parameters = sum(p.numel() for p in job.model.parameters())
     in_flight = peak_in_flight(job.plan, pp_rank, micro_batches)
@@ -247,6 +249,9 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
     for live, layer_range in zip(in_flight, layer_ranges):
         activations += live * chunk_activation_bytes(cfg, layer_range, shape, config.data.seq_length, kernel)
         moe_in_flight += live * sum(cfg.is_moe_layer(i) for i in range(*layer_range))
+        activations += live * context_extra_activation_bytes(  # MLA's gathered keys under cp
+            cfg, list(range(*layer_range)), cp=layout.cp, tp=layout.tp,
+            micro_batch_size=config.train.micro_batch_size, seq_length=config.data.seq_length, element_bytes=element)
     activations += sublayer_recompute_peak_bytes(
         cfg, range(*layer_ranges[0]), shape, config.data.seq_length, kernel)
     blocks = 0.0

@@ -67,7 +67,7 @@ def chunk_training_flops(cfg: ModelConfig, layer_range: tuple[int, int], seq_len
 def group_link(layout: Layout, group: str, gpus_per_node: int) -> str:
     """`nvlink` or `network`: whether one group of `group` fits in one node (rank order TP, DP, PP)."""
     span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "data_tensor": layout.tp * layout.dp,
-            "ep": layout.ep, "expert_dp": layout.tp * layout.dp,
+            "ep": layout.ep, "expert_dp": layout.tp * layout.dp, "cp": layout.tp * layout.cp,
             "pp": layout.world_size}.get(group, layout.world_size)
     if group == "pp" and layout.pp == 1:
         return "nvlink"
@@ -120,7 +120,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, plan: PipelinePlan, har
     recompute = 4 / 3 if cfg.recompute == "sublayer" else 1.0
     table = layer_flops_table(cfg, seq_length)
     stage_s = [sum(chunk_training_flops(cfg, r, seq_length, table) for r in plan.layer_ranges(rank)) * tokens
-               * recompute / layout.tp / rate for rank in range(layout.pp)]
+               * recompute / layout.tp / layout.cp / rate for rank in range(layout.pp)]
     per_micro_batch = max(stage_s)
     compute = micro_batches * per_micro_batch
     bubble = (layout.pp - 1) / layout.virtual_stages * per_micro_batch
@@ -135,7 +135,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, plan: PipelinePlan, har
             gradient_share = nbytes  # overlap with the last micro-batch's backward (2/3 of its time)
             seconds = max(0.0, gradient_share / bandwidth - per_micro_batch * 2 / 3)
         exposed[group] = seconds
-    total_tokens = tokens * micro_batches * layout.dp
+    total_tokens = tokens * micro_batches * layout.data_parallel  # the cp ranks share their rows
     model_flops = (sum(table)) * total_tokens
     return StepTime(compute, bubble, exposed, comm_bytes, links, total_tokens, layout.world_size, model_flops, peak)
 

@@ -187,7 +187,7 @@ def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device,
                               owners=optimizer.gradient_owners())
     schedule = PipelineSchedule(
         plan, parallel.pp,
-        residual_shape(config.train.micro_batch_size, config.data.seq_length, config.model.hidden_size,
+        residual_shape(config.train.micro_batch_size, config.data.seq_length // parallel.layout.cp, config.model.hidden_size,
                        parallel.tp.size, parallel.sequence_parallel),
         dtype=torch.float32, device=device, forward_context=forward_precision_context(config, device, parallel),
         # The pipeline's last backward of each chunk turns on gradient reduction (DP overlap).

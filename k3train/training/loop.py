@@ -110,7 +110,7 @@ class Trainer:
         self.reducer = reducer
         self.progress = Progress()
         train = config.train
-        dp = parallel.layout.dp
+        dp = parallel.layout.data_parallel  # distinct batch shards (the cp ranks of one share rows)
         try:
             self.micro_batches = train.micro_batches_per_rank(dp)  # with the dp resolved from the world size
         except ConfigError as error:
@@ -149,7 +149,10 @@ class Trainer:
         # This data-parallel rank's rows of the step's global batch (TP and PP ranks share them),
         # through the pipeline schedule: forward and backward of every micro-batch, gradients of
         # the mean loss accumulated, the data-parallel reduction launched during the last backward.
-        batch = self.data.next_global_batch(config.train.global_batch_size, parallel.dp_rank, parallel.layout.dp)
+        # Under context parallelism the cp ranks read the same rows; the model keeps its own pieces of
+        # every sequence (parallel/context.py), and the loss averaged over dp × cp is the global mean.
+        batch = self.data.next_global_batch(config.train.global_batch_size, parallel.data_rank,
+                                            parallel.layout.data_parallel)
         micro_batches = [mb.to(self.device, non_blocking=True) for mb in batch.split(config.train.micro_batch_size)]
         with self._poisoned_gradients(step in self._nan_gradient_steps):
             local_loss = self.schedule.run(self.model.chunks, micro_batches)
@@ -236,11 +239,11 @@ class Trainer:
         """Mean loss over up to `train.eval_batches` validation micro-batches per DP rank,
         averaged over DP (NaN if the split cannot fill one)."""
         parallel, train = self.parallel, self.config.train
-        dp = parallel.layout.dp
+        dp = parallel.layout.data_parallel
         # The validation split is cut like the training batch: `micro_batch_size * dp` rows per
         # micro-batch, this rank's `micro_batch_size` of them.
         batches = [batch.to(self.device) for batch in self.data.validation_batches(
-            train.micro_batch_size * dp, train.eval_batches, dp_rank=parallel.dp_rank, dp_size=dp)]
+            train.micro_batch_size * dp, train.eval_batches, dp_rank=parallel.data_rank, dp_size=dp)]
         if self.config.parallel.virtual_stages > 1:  # the interleaved schedule runs multiples of pp
             batches = batches[: len(batches) // parallel.layout.pp * parallel.layout.pp]
         if not batches:

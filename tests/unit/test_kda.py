@@ -178,6 +178,28 @@ def test_state_handover_equals_one_run(kernel):
 
 
 @pytest.mark.parametrize("kernel", [naive_recurrent_kda, chunk_kda])
+def test_affine_transition_from_identity_columns(kernel):
+    """What context parallelism relies on (parallel/context.py): each value column of the state
+    evolves on its own, so one run with K extra zero value columns started from the identity
+    gives the maps of `S_out = A S_in + B` and `o = o⁰ + M S_in`; they reproduce the naive
+    recurrence from any initial state (here 45 tokens: not a multiple of the 16-token chunk)."""
+    inputs, initial_state = make_inputs(45)
+    kwargs = {"chunk_size": 16} if kernel is chunk_kda else {}
+    batch, _, heads, key_dim = inputs["q"].shape
+    value_dim = inputs["v"].shape[-1]
+    extended = dict(inputs, v=torch.cat([inputs["v"], inputs["v"].new_zeros(*inputs["v"].shape[:-1], key_dim)], -1))
+    identity = torch.eye(key_dim, dtype=F64).expand(batch, heads, key_dim, key_dim)
+    start = torch.cat([identity.new_zeros(batch, heads, key_dim, value_dim), identity], dim=-1)
+    o, final = kernel(**extended, initial_state=start, output_final_state=True, **kwargs)
+    o_zero, query_map = o.split([value_dim, key_dim], dim=-1)
+    offset, transition = final.split([value_dim, key_dim], dim=-1)
+
+    o_expected, state_expected = naive_recurrent_kda(**inputs, initial_state=initial_state, output_final_state=True)
+    assert max_error(transition @ initial_state + offset, state_expected) < 1e-12
+    assert max_error(o_zero + torch.einsum("bthk,bhkv->bthv", query_map, initial_state), o_expected) < 1e-12
+
+
+@pytest.mark.parametrize("kernel", [naive_recurrent_kda, chunk_kda])
 def test_empty_sequence_returns_the_initial_state(kernel):
     inputs, initial_state = make_inputs(0)
     o, state = kernel(**inputs, initial_state=initial_state, output_final_state=True)

@@ -1,0 +1,266 @@
+"""Context parallelism: every sequence split over the `cp` ranks, with the KDA recurrence, the
+short convolutions and MLA's causal attention crossing the shard boundaries exactly.
+
+The layout. A sequence of `T` tokens is cut into `2C` equal pieces (`C` = cp size, piece length
+`L = T / 2C`); cp rank `r` holds piece `r` (its front) and piece `2C − 1 − r` (its back),
+concatenated in that order. Causal attention then costs every rank the same: a front piece sees
+few keys, its back piece many (Megatron's and torchtitan's load-balanced sharding). Everything
+per token (embeddings, norms, AttnRes over depth, MoE routing, the head) runs on the local
+`2L` tokens unchanged; only the token mixers look across pieces:
+
+- KDA, per piece. The short convolutions need the last `kernel − 1` projected inputs of the
+  piece before (`previous_tails`). The recurrence is affine in the state entering a piece:
+  with everything else fixed, `S_out = A · S_in + B` (`A` is `[K, K]` per head, since the
+  delta rule acts on the state from the left) and `o = o⁰ + M · S_in`. One kernel call per
+  piece computes all of it at once: the value columns are extended by `K` columns of zeros and
+  the initial state by the identity, so the kernel's extra output columns are `M` and its extra
+  final-state columns are `A` (each value column of the recurrence evolves independently).
+  Every piece runs this at once; then only states cross ranks, in sequence order
+  (`state_exchange="handoff"`, the default: `S_out = A S_in + B` handed from piece to piece,
+  one `[H, K, V]` state per boundary, backward in reverse), or every piece's `(A, B)` is
+  all-gathered and folded locally (`"gather"`: one collective, 2C maps of `[H, K, K + V]`).
+  Finally `o = o⁰ + M · S_in`. Why: docs/context_parallel.md.
+- MLA. The compressed KV (`kv_a` output: `kv_lora_rank + qk_rope_head_dim` per token, shared by
+  every head) is all-gathered over cp into true order (backward: reduce-scatter), up-projected
+  locally, and each local query attends the keys at or before its true position.
+
+With a cp group of size 1 nothing here is called; `ContextParallel.single()` is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3train.kernels.kda import chunk_kda
+from k3train.kernels.precision import without_autocast
+from k3train.parallel.comm import Group, TrafficCounter
+
+SEQUENCE_DIM = 1
+
+
+class _GatherPieces(torch.autograd.Function):
+    """All-gather along dim 0 over the cp group (rank order); backward sums every rank's
+    gradient and keeps this rank's slice (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return group.all_gather(x.contiguous(), dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.reduce_scatter(grad.contiguous(), dim=0), None
+
+
+class _HandOffStates(torch.autograd.Function):
+    """The states entering this rank's two pieces, handed from piece to piece in sequence order.
+
+    Forward: the front chain runs up the ranks (piece r gets rank r − 1's leaving state), rank
+    C − 1 turns round into its own back piece, and the back chain runs down (piece 2C − 1 − r gets
+    rank r + 1's). Backward runs the same chain in reverse with the adjoint map
+    `Ē = g + Aᵀ X̄` (X = A E + B), all inside this one function, so each rank's autograd engine
+    issues the chain's sends and receives in one fixed order (a receive in one rank's backward
+    never waits on a later node of another's)."""
+
+    @staticmethod
+    def forward(ctx, transition, offset, cp: "ContextParallel"):
+        group, rank, last = cp.group, cp.rank, cp.size - 1
+        entering_front = (torch.zeros_like(offset[0]) if rank == 0
+                          else group.recv(torch.empty_like(offset[0]), rank - 1))
+        leaving_front = transition[0] @ entering_front + offset[0]
+        if rank < last:
+            group.send(leaving_front, rank + 1)
+            entering_back = group.recv(torch.empty_like(offset[1]), rank + 1)
+        else:
+            entering_back = leaving_front  # piece C − 1 is followed by piece C, on this rank
+        leaving_back = transition[1] @ entering_back + offset[1]
+        if rank > 0:
+            group.send(leaving_back, rank - 1)
+        entering = torch.stack([entering_front, entering_back])
+        ctx.save_for_backward(transition, entering)
+        ctx.cp = cp
+        return entering
+
+    @staticmethod
+    def backward(ctx, grad_entering):
+        transition, entering = ctx.saved_tensors
+        cp = ctx.cp
+        group, rank, last = cp.group, cp.rank, cp.size - 1
+        grad_entering = grad_entering.contiguous()
+        # The back piece first: its leaving state entered rank r − 1's back piece (rank 0's is the last piece).
+        leaving_back_grad = (torch.zeros_like(grad_entering[1]) if rank == 0
+                             else group.recv(torch.empty_like(grad_entering[1]), rank - 1))
+        entering_back_grad = grad_entering[1] + transition[1].mT @ leaving_back_grad
+        if rank < last:
+            group.send(entering_back_grad, rank + 1)
+            leaving_front_grad = group.recv(torch.empty_like(grad_entering[0]), rank + 1)
+        else:
+            leaving_front_grad = entering_back_grad
+        entering_front_grad = grad_entering[0] + transition[0].mT @ leaving_front_grad
+        if rank > 0:
+            group.send(entering_front_grad, rank - 1)
+        grad_transition = torch.stack([leaving_front_grad @ entering[0].mT, leaving_back_grad @ entering[1].mT])
+        return grad_transition, torch.stack([leaving_front_grad, leaving_back_grad]), None
+
+
+STATE_EXCHANGES = ("handoff", "gather")
+
+
+class ContextParallel:
+    """The cp group and the sequence layout: what the model's token mixers and loss need.
+
+    `state_exchange`: how the KDA states cross the pieces, "handoff" (piece to piece, one
+    `[H, K, V]` state per boundary) or "gather" (every piece's affine map to every rank, one
+    collective); docs/context_parallel.md compares them."""
+
+    def __init__(self, group: Group, state_exchange: str = "handoff"):
+        if state_exchange not in STATE_EXCHANGES:
+            raise ValueError(f"state_exchange must be one of {STATE_EXCHANGES}, got {state_exchange!r}")
+        self.group = group
+        self.state_exchange = state_exchange
+
+    @classmethod
+    def single(cls) -> "ContextParallel":
+        return cls(Group("cp", (0,), 0, None, TrafficCounter()))
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def num_pieces(self) -> int:
+        return 2 * self.size
+
+    def local_pieces(self, rank: int | None = None) -> tuple[int, int]:
+        """The indices (in sequence order) of the front and back piece of cp rank `rank`."""
+        rank = self.rank if rank is None else rank
+        return rank, self.num_pieces - 1 - rank
+
+    def _piece_order(self) -> list[int]:
+        """For each piece in sequence order, its index among the gathered `(rank, slot)` pieces."""
+        order = [0] * self.num_pieces
+        for rank in range(self.size):
+            for slot, piece in enumerate(self.local_pieces(rank)):
+                order[piece] = 2 * rank + slot
+        return order
+
+    # ------------------------------------------------------------------ the sequence layout
+    def shard_sequence(self, x: torch.Tensor, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+        """This rank's front and back piece of a whole-sequence tensor (token ids, labels)."""
+        if self.size == 1:
+            return x
+        length = x.shape[dim]
+        if length % self.num_pieces:
+            raise ValueError(f"sequence of {length} tokens does not split into 2*cp = {self.num_pieces} pieces "
+                             f"(data.seq_length must be divisible by {self.num_pieces})")
+        pieces = x.chunk(self.num_pieces, dim=dim)
+        front, back = self.local_pieces()
+        return torch.cat([pieces[front], pieces[back]], dim=dim)
+
+    def positions(self, local_length: int, device=None) -> torch.Tensor:
+        """True sequence positions of the `local_length` local tokens (front piece, then back)."""
+        piece = local_length // 2
+        front, back = self.local_pieces()
+        return torch.cat([torch.arange(front * piece, (front + 1) * piece, device=device),
+                          torch.arange(back * piece, (back + 1) * piece, device=device)])
+
+    def split_pieces(self, x: torch.Tensor) -> torch.Tensor:
+        """`[B, 2L, ...]` → `[2B, L, ...]`: the front pieces of the batch, then the back pieces,
+        each a sequence of its own for the token mixer."""
+        batch, local = x.shape[:2]
+        return x.reshape(batch, 2, local // 2, *x.shape[2:]).transpose(0, 1).reshape(2 * batch, local // 2, *x.shape[2:])
+
+    def merge_pieces(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of `split_pieces`."""
+        batch, piece = x.shape[0] // 2, x.shape[1]
+        return x.reshape(2, batch, piece, *x.shape[2:]).transpose(0, 1).reshape(batch, 2 * piece, *x.shape[2:])
+
+    def gather_pieces(self, local: torch.Tensor) -> torch.Tensor:
+        """`[2, ...]` (this rank's front and back) → `[2C, ...]`, every piece in sequence order."""
+        gathered = _GatherPieces.apply(local, self.group)
+        return gathered[self._piece_order()]
+
+    # ------------------------------------------------------------------ exchanges
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """`[B, 2L, D]` local tokens → `[B, T, D]`, the whole sequence in true order (MLA's
+        compressed KV). Backward: each rank gets back the gradient of its own tokens, summed
+        over every rank's use of them."""
+        batch, local = x.shape[:2]
+        pieces = self.gather_pieces(x.reshape(batch, 2, local // 2, *x.shape[2:]).transpose(0, 1))
+        return pieces.transpose(0, 1).reshape(batch, self.num_pieces * (local // 2), *x.shape[2:])
+
+    def causal_mask(self, local_length: int, device=None) -> torch.Tensor:
+        """`[2L, T]` boolean: local query i may attend key j iff j ≤ its true position."""
+        keys = torch.arange(local_length * self.size, device=device)
+        return keys.unsqueeze(0) <= self.positions(local_length, device).unsqueeze(1)
+
+    def previous_tails(self, pieces: torch.Tensor, width: int) -> torch.Tensor:
+        """The last `width` inputs of the piece before each local piece (zeros before the first),
+        channels first as `ShortConvolution` takes them: `[2B, L, C]` → `[2B, C, width]`."""
+        batch = pieces.shape[0] // 2
+        if pieces.shape[1] < width:
+            raise ValueError(f"pieces of {pieces.shape[1]} tokens are shorter than a convolution tail of {width}; "
+                             f"lower parallel.cp or raise data.seq_length")
+        tails = pieces[:, pieces.shape[1] - width:].reshape(2, batch, width, pieces.shape[2])
+        every = self.gather_pieces(tails)  # [2C, B, width, C] in sequence order
+        every = torch.cat([torch.zeros_like(every[:1]), every[:-1]])  # piece p gets piece p − 1's tail
+        front, back = self.local_pieces()
+        return every[[front, back]].reshape(2 * batch, width, pieces.shape[2]).transpose(1, 2)
+
+    def entering_states(self, transition: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """States entering the local pieces, from every piece's `S_out = A · S_in + B`.
+
+        `transition` `A`: `[2B, H, K, K]`, `offset` `B`: `[2B, H, K, V]` (local pieces in
+        `split_pieces` order). Returns `[2B, H, K, V]`; the sequence starts from zeros."""
+        batch = transition.shape[0] // 2
+        key_dim = transition.shape[-1]
+        if self.state_exchange == "handoff":
+            entering = _HandOffStates.apply(transition.reshape(2, batch, *transition.shape[1:]).contiguous(),
+                                            offset.reshape(2, batch, *offset.shape[1:]).contiguous(), self)
+            return entering.reshape(offset.shape)
+        local = torch.cat([transition, offset], dim=-1).reshape(2, batch, *offset.shape[1:3], -1)
+        every = self.gather_pieces(local)  # [2C, B, H, K, K + V]
+        front, back = self.local_pieces()
+        state = torch.zeros_like(every[0][..., key_dim:])
+        entering = {}
+        for piece in range(max(front, back) + 1):
+            entering[piece] = state
+            state = every[piece][..., :key_dim] @ state + every[piece][..., key_dim:]
+        return torch.cat([entering[front], entering[back]])
+
+    def chunk_kda(self, q, k, v, g, beta, chunk_size: int, scale: float | None = None) -> torch.Tensor:
+        """KDA over the local pieces (`split_pieces` layout, `[2B, L, H, *]`) as if the whole
+        sequence ran in order; returns `o` `[2B, L, H, V]` in `v.dtype`."""
+        pieces, _, heads, key_dim = q.shape
+        value_dim = v.shape[-1]
+        dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+        # Columns V..V+K: zero values from the identity state give the maps M (outputs) and A (state).
+        extended_v = torch.cat([v.to(dtype), v.new_zeros(*v.shape[:-1], key_dim, dtype=dtype)], dim=-1)
+        identity = torch.eye(key_dim, dtype=dtype, device=v.device).expand(pieces, heads, key_dim, key_dim)
+        start = torch.cat([identity.new_zeros(pieces, heads, key_dim, value_dim), identity], dim=-1)
+        o, final = chunk_kda(q, k, extended_v, g, beta, scale=scale, initial_state=start,
+                             output_final_state=True, chunk_size=chunk_size)
+        o_zero, query_map = o.split([value_dim, key_dim], dim=-1)
+        # The states cross the pieces in fp32 (float64 for float64 inputs), also under bf16 autocast.
+        with without_autocast(v.device):
+            offset, transition = final.to(dtype).split([value_dim, key_dim], dim=-1)
+            entering = self.entering_states(transition, offset)
+            o = o_zero.to(dtype) + torch.einsum("bthk,bhkv->bthv", query_map.to(dtype), entering)
+        return o.to(v.dtype)
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of the local queries `[B, 2L, H, D]` over the whole sequence's keys and
+    values `[B, T, H, D]` (true order); returns `[B, 2L, H, Dv]`."""
+    mask = cp.causal_mask(q.shape[1], q.device)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=mask, scale=scale).transpose(1, 2)
+
+
+__all__ = ["ContextParallel", "context_attention"]
