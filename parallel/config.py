@@ -128,12 +128,15 @@ class ParallelConfig:
     (tokens * top_k each); 'capacity', slots per (source, destination) pair (tokens * top_k / ep)."""
     max_replicas_per_rank: int = 2
     """'balanced' dispatch: the most replicated experts one rank hosts in a step."""
-    ep_transport: Literal["relay", "padded", "splits"] = "relay"
-    """'balanced' dispatch, how token rows cross the EP group: 'relay', two fixed-shape all-to-alls
-    (a pair's overflow goes through other ranks' spare rows; wire within capacity_factor of the
-    unpadded rows, no host synchronisation); 'padded', one all-to-all of tokens * top_k rows per
-    pair (ep times the rows: a reference); 'splits', exactly the rows that exist, with split sizes
-    read on the host (a device synchronisation per dispatch). docs/expert_parallel.md."""
+    ep_transport: Literal["auto", "relay", "padded", "splits"] = "auto"
+    """'balanced' dispatch, how token rows cross the EP group. 'auto': 'splits' on gloo (CPU, where
+    reading split sizes costs no device synchronisation), 'relay' on GPUs. 'splits': exactly the
+    rows that exist, the receive buffer sized to what arrives (never drops; on GPUs the split sizes
+    are read on the host, a device synchronisation per dispatch). 'relay': two fixed-shape
+    all-to-alls (a pair's overflow goes through other ranks' spare rows; wire within
+    capacity_factor of the unpadded rows, no host read; drops, and counts, beyond that bound).
+    'padded': one all-to-all of tokens * top_k rows per pair (ep times the rows: a reference with
+    a fixed [capacity_factor * tokens * top_k] receive buffer). docs/expert_parallel.md."""
     collective_timeout_s: float = 0.0
     """Seconds any collective may wait for its peers before this rank exits with one line naming
     the group (a rank that died or stopped answering); 0 means the backend's default: 300 on

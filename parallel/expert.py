@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from k3train.parallel.comm import Group
@@ -34,6 +35,18 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
 Transport = Literal["relay", "padded", "splits"]
+
+
+def resolve_transport(configured: str, backend: str) -> Transport:
+    """`parallel.ep_transport: auto` → `splits` on gloo (tensors live in host memory, so reading
+    the split sizes costs no device synchronisation, and the exact receive layout never drops),
+    `relay` on GPU back-ends (static shapes, no host read, within `capacity_factor` of the
+    unpadded bytes; it drops, and counts, only beyond its stated bound)."""
+    if configured == "auto":
+        return "splits" if backend == "gloo" else "relay"
+    if configured not in ("relay", "padded", "splits"):
+        raise ValueError(f"parallel.ep_transport must be 'auto', 'relay', 'padded' or 'splits', got {configured!r}")
+    return configured  # type: ignore[return-value]
 ExpertStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """An experts module's weights `(w1, w3, w2)`: `[G, I, l]`, `[G, I, l]`, `[G, l, I]`."""
 
@@ -184,9 +197,11 @@ class ExpertParallel:
                 f"parallel.ep={state.ep.size} with parallel.tp={state.layout.tp} needs "
                 "parallel.sequence_parallel=true: without it every tensor-parallel rank routes the same tokens "
                 "and each would be dispatched tp times")
+        # A plan has no process groups: it prices the transport a GPU cluster would run.
+        backend = dist.get_backend(state.ep.process_group) if state.ep.process_group is not None else "nccl"
+        transport = resolve_transport(getattr(parallel_config, "ep_transport", "auto"), backend)
         return cls(state.ep, num_experts, parallel_config.expert_dispatch, parallel_config.capacity_factor,
-                   parallel_config.max_replicas_per_rank, compute,
-                   transport=getattr(parallel_config, "ep_transport", "relay"))
+                   parallel_config.max_replicas_per_rank, compute, transport=transport)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -314,7 +329,10 @@ class ExpertParallel:
                 slot_latent, weights_flat, pairs, dest, local_id, experts, state)
             return slot_output, self._balanced_info(state, keep, dest, received, plan, capacity, wire_bytes)
         with torch.no_grad():
-            room = destination_room(pair_slots(counts, plan), capacity)  # [R, R]: rows each pair carries
+            # `splits` sizes its receive buffer to what arrives, so its only capacity is the R·s·k
+            # slots that exist (dropless); `padded` keeps the fixed [C_dest] receive layout
+            receive_capacity = num_ranks * slots if self.transport == "splits" else capacity
+            room = destination_room(pair_slots(counts, plan), receive_capacity)  # [R, R]: rows each pair carries
             buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, room[me])  # [R, s·k] layout
             into_me = room[:, me]  # rows from each source, placed one source after another
             source_start = into_me.cumsum(0) - into_me
@@ -352,9 +370,7 @@ class ExpertParallel:
             send_ids = ids.index_copy(0, packed, local_id.to(torch.int32))[:sum(sent)]
             received = _AllToAllSplits.apply(send, self.group, sent, taken)
             received_ids = all_to_all_splits(self.group, send_ids, sent, taken)
-            pad = capacity - received.shape[0]
-            rows = torch.cat([received, received.new_zeros(pad, width)])
-            row_ids = torch.cat([received_ids, received_ids.new_full((pad,), -1)]).long()
+            rows, row_ids = received, received_ids.long()
             output = self._experts(rows, row_ids, experts, state)
             returned = _AllToAllSplits.apply(output[:received.shape[0]], self.group, taken, sent)
             returned = torch.cat([returned, returned.new_zeros(slots + 1 - returned.shape[0], width)])

@@ -45,7 +45,8 @@ class TrainConfig:
     eval_interval: int = 0
     """Steps between validation passes; 0 means never."""
     eval_batches: int = 2
-    """Global batches per validation pass."""
+    """Validation batches of global_batch_size rows per validation pass: the same rows under every
+    parallel layout, each data-parallel rank taking its share in the training micro-batches."""
     max_nonfinite_steps: int = 3
     """Stop after this many consecutive steps with a NaN/Inf loss or gradient norm (each is skipped)."""
     num_threads: int = 0

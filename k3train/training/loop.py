@@ -116,12 +116,6 @@ class Trainer:
         except ConfigError as error:
             raise TrainingError(str(error)) from None
         pp, virtual_stages = parallel.layout.pp, config.parallel.virtual_stages
-        if virtual_stages > 1 and train.eval_interval and train.eval_batches % pp:
-            raise TrainingError(
-                f"the interleaved pipeline (parallel.virtual_stages={virtual_stages}) evaluates micro-batches in "
-                f"multiples of parallel.pp={pp}, but train.eval_batches={train.eval_batches}; use "
-                f"train.eval_batches={pp * max(1, round(train.eval_batches / pp))}"
-            )
         if virtual_stages > 1:  # refused here, before the first step, rather than inside it
             try:
                 check_interleaved_micro_batches(pp, self.micro_batches)
@@ -236,16 +230,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over up to `train.eval_batches` validation micro-batches per DP rank,
-        averaged over DP (NaN if the split cannot fill one)."""
+        """Mean loss over the first `train.eval_batches` validation batches of `global_batch_size`
+        rows (the same rows whatever the layout, as Megatron's eval iterations), averaged over DP
+        (NaN if the split cannot fill one). Each DP rank takes its share of every batch and runs
+        it in the training step's micro-batches (so the pipeline schedules take it as they are)."""
         parallel, train = self.parallel, self.config.train
         dp = parallel.layout.data_parallel
-        # The validation split is cut like the training batch: `micro_batch_size * dp` rows per
-        # micro-batch, this rank's `micro_batch_size` of them.
-        batches = [batch.to(self.device) for batch in self.data.validation_batches(
-            train.micro_batch_size * dp, train.eval_batches, dp_rank=parallel.data_rank, dp_size=dp)]
-        if self.config.parallel.virtual_stages > 1:  # the interleaved schedule runs multiples of pp
-            batches = batches[: len(batches) // parallel.layout.pp * parallel.layout.pp]
+        batches = [micro.to(self.device)
+                   for batch in self.data.validation_batches(train.global_batch_size, train.eval_batches,
+                                                             dp_rank=parallel.data_rank, dp_size=dp)
+                   for micro in batch.split(train.micro_batch_size)]
         if not batches:
             return math.nan
         self.model.eval()

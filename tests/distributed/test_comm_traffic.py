@@ -28,7 +28,9 @@ LAYOUTS = [
     # Pipeline hops (exact-delta blocks) and expert all-to-alls: pp.forward/pp.backward and ep only.
     dict(name="PP2×DP2", pp=2, dp=2, overrides=["model.attn_res_block_size=1"]),
     dict(name="PP2 interleaved", pp=2, overrides=["parallel.virtual_stages=2"]),
-    dict(name="EP2 balanced", dp=2, ep=2),
+    # relay: the static-shape transport whose bytes the formula gives (`auto` is `splits` on gloo,
+    # exact rows that depend on the routing; the step line reports those as measured)
+    dict(name="EP2 balanced", dp=2, ep=2, overrides=["parallel.ep_transport=relay"]),
     dict(name="EP2 capacity ×TP2+SP", tp=2, ep=2, sequence_parallel=True,
          overrides=["parallel.expert_dispatch=capacity"]),
 ]
