@@ -29,6 +29,7 @@ from k3train.parallel.muon_split import install_muon_split
 from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
 from k3train.parallel.state import Layout, ParallelState
 from k3train.parallel.zero1 import DistributedOptimizer
+from k3train.training.compile import compile_elementwise
 from k3train.training.loop import precision_context
 
 META = torch.device("meta")
@@ -114,6 +115,8 @@ def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device,
     expert_parallel = ExpertParallel.from_state(parallel, config.parallel, config.model.num_experts)
     model = build_model(config.model, plan, parallel, expert_parallel, seed=config.train.seed, device=device,
                         dtype=dtype)
+    if config.train.compile and device.type != "meta":
+        compile_elementwise(model)  # in place: the parameters, their names and hooks are unchanged
     optimizer = _build_optimizer(model, config, parallel, bucket_bytes)
     # Under ZeRO-1 the gradients are reduce-scattered to their owners (the optimizer's plan).
     reducer = GradientReducer(model, parallel, bucket_bytes=bucket_bytes, overlap=overlap,
