@@ -90,3 +90,50 @@ def run(env, payload: Any) -> dict[str, Any]:
         "seconds": time.perf_counter() - started,
         "ns_flops_formula_check": ns_flops(3, 5, 1),
     }
+
+
+def run_tensor_parallel(env, payload: Any) -> dict[str, Any]:
+    """DP2 × TP2 on 4 ranks with a TP-sharded model: the split (its owners gather the sharded MLP
+    matrices over TP and orthogonalise them whole) against the unsplit optimizer, and both
+    against one process (each rank compares its TP slice)."""
+    from tests.distributed.workers_tp import build_state, local_view, small_config
+
+    config = small_config()
+    state = build_state(env.world_size, env.rank, 2, False, config)
+    generator = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, config.vocab_size, (4, 17), generator=generator) for _ in range(STEPS)]
+
+    def trained(parallel: ParallelState | None, split: bool) -> dict[str, torch.Tensor]:
+        from k3train.model.k3 import K3Model
+
+        model = (K3Model(config, parallel=parallel) if parallel is not None else K3Model(config)).double()
+        model.init_weights(seed=7)
+        optimizer_config = OptimizerConfig(lr=LR)
+        optimizer = build_optimizer(model, optimizer_config)
+        reducer = None
+        if parallel is not None:
+            optimizer = DistributedOptimizer(optimizer, model, parallel, parameter_costs(model, optimizer_config),
+                                             zero1=False)
+            if split:
+                assert install_muon_split(optimizer.optimizer, model.named_parameters(), optimizer.plan.owners,
+                                          parallel) is not None
+            reducer = GradientReducer(model, parallel, overlap=False)
+        for tokens in batches:
+            rows = tokens if parallel is None else tokens[parallel.dp_rank * 2:(parallel.dp_rank + 1) * 2]
+            model.loss(model(rows[:, :-1]), rows[:, 1:]).backward()
+            if reducer is not None:
+                reducer.finish()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.update_routing_biases(parallel.dp if parallel is not None else None)
+        return _params(model), model
+
+    reference, _ = trained(None, False)
+    plain, _ = trained(state, False)
+    split, model = trained(state, True)
+    to_reference = {}
+    for name, param in model.named_parameters():
+        to_reference[name] = local_view(reference[name], param, state.tp.size, state.tp.rank)
+    return {"split_vs_plain": _max_diff(split, plain), "split_vs_single": _max_diff(split, to_reference),
+            "plain_vs_single": _max_diff(plain, to_reference),
+            "tp_sharded_muon": sum(getattr(p, "tensor_parallel", False) and p.ndim == 2 for p in model.parameters())}
