@@ -40,8 +40,8 @@ class TrainConfig:
     process may use that the machine's load leaves free, divided among the ranks on its machine."""
     compile: bool = False
     """torch.compile the per-layer elementwise chains (RMSNorms, KDA's gated norm, the GLU
-    activations; never matmuls, routing or collectives): measured on the CPU about 1.5x faster per
-    debug-model step after a one-off compile of minutes, so off by default (docs/performance.md)."""
+    activations; never matmuls, routing or collectives): on the CPU 1.08-1.18x per step of the
+    issue-18 model after a one-off compile of minutes, so off by default (docs/performance.md)."""
     stop_grace_s: float = 60.0
     """After SIGTERM/SIGINT, seconds the step in progress may take before the process exits without
     saving (status 4): a rank blocked on a collective whose peer stopped answering cannot finish
