@@ -82,9 +82,9 @@ class MuonSplit:
         self._exchanges = [exchanges[key] for key in sorted(exchanges, key=lambda k: (k[0], str(k[1])))]
 
     @property
-    def exchanges(self) -> int:
-        """Number of (replica group, dtype) exchanges per step."""
-        return len(self._exchanges)
+    def exchanges(self) -> list[_UpdateExchange]:
+        """The per-step all-gathers, one per (replica group, dtype), in issue order (traffic formula)."""
+        return list(self._exchanges)
 
     def computes(self, param: torch.Tensor) -> bool:
         return id(param) in self._computed_here

@@ -62,7 +62,7 @@ def _train(state: ParallelState, batches: torch.Tensor, split: bool) -> dict[str
     reducer.remove_hooks()
     out["params"] = _params(model)
     if installed is not None:
-        out["expected_exchange"] = sum(e.length * 8 for e in installed._exchanges)
+        out["expected_exchange"] = sum(e.length * 8 for e in installed.exchanges)
     return out
 
 
