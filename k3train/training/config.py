@@ -41,7 +41,8 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the per-layer elementwise chains (RMSNorms, KDA's gated norm, the GLU
     activations; never matmuls, routing or collectives): on the CPU 1.08-1.18x per step of the
-    issue-18 model after a one-off compile of minutes, so off by default (docs/performance.md)."""
+    issue-18 model (hidden 512) but 0.84x on the debug model, after a one-off compile of minutes,
+    so off by default (docs/performance.md)."""
     stop_grace_s: float = 60.0
     """After SIGTERM/SIGINT, seconds the step in progress may take before the process exits without
     saving (status 4): a rank blocked on a collective whose peer stopped answering cannot finish
