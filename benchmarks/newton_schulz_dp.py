@@ -48,7 +48,8 @@ def optimizer_times(cases: dict[str, list[str]], parallel: ParallelState) -> dic
             stats = job.optimizer.optimizer.step_stats
             if step:
                 samples[label].append((stats.ns_seconds, stats.exchange_seconds, stats.ns_flops))
-    return {label: {"ns_s": statistics.median(s for s, _, _ in rows), "exchange_s": statistics.median(e for _, e, _ in rows),
+    return {label: {"ns_s": statistics.median(s for s, _, _ in rows),
+                    "exchange_s": statistics.median(e for _, e, _ in rows),
                     "gflop": rows[-1][2] / 1e9} for label, rows in samples.items()}
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import statistics
 import sys
 import time
@@ -148,7 +147,8 @@ class DenseJob:
 def dense_job(config: JobConfig, width: int, mlp: int) -> DenseJob:
     torch.manual_seed(config.train.seed)
     model = DenseTransformer(config.model.vocab_size, config.model.num_hidden_layers, width, mlp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr,
+                                  weight_decay=config.optimizer.weight_decay)
     generator = torch.Generator().manual_seed(0)
     train = config.train
     shape = (train.micro_batch_size, config.data.seq_length + 1)
@@ -263,7 +263,8 @@ def profile_parts(trainer: Trainer) -> tuple[dict[str, float], float]:
     """Seconds per part of one profiled `train_step`, and the step's wall time."""
     handles = _label_modules(trainer.model)
     try:
-        with _labelled_functions(trainer), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with _labelled_functions(trainer), torch.profiler.profile(activities=activities) as prof:
             started = time.perf_counter()
             trainer.train_step()
             wall = time.perf_counter() - started
