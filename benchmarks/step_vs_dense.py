@@ -327,7 +327,11 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
 
     times: dict[str, list[float]] = {label: [] for label in contenders}
     newton_schulz: list[tuple[float, float]] = []
+    matmul_rates = [peak_tflops]
     for round_index in range(steps + 1):  # round 0 warms up (and compiles)
+        # The matmul rate is sampled between the steps too: a busy machine moves the denominator
+        # of "FLOP/s over the matmul rate" as much as the steps.
+        matmul_rates.append(measure_cpu_matmul_tflops(trials=1))
         for label, step in contenders.items():
             started = time.perf_counter()
             step()
@@ -336,6 +340,7 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
             if label.endswith("Muon") and round_index:
                 stats = muon_step_stats(muon.optimizer)
                 newton_schulz.append((stats.ns_seconds, stats.ns_flops))
+    peak_tflops = statistics.median(matmul_rates)
     dense = times["dense peer (SDPA + SwiGLU, AdamW)"]
     rows = []
     for label, samples in times.items():
@@ -347,7 +352,8 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
     # The best step is the one a busy machine slowed least: on a shared machine, compare both.
     table(["", "step (median)", "step (best)", "tokens/s", "tokens/s vs dense (median / best)",
            "model FLOP/s over matmul rate"], rows,
-          f"{name}: {steps} alternated steps each, matmul rate {1e3 * peak_tflops:.1f} GFLOP/s")
+          f"{name}: {steps} alternated steps each; matmul rate {1e3 * peak_tflops:.1f} GFLOP/s (median of "
+          f"{len(matmul_rates)} samples taken between the steps)")
     ns_s = statistics.median(s for s, _ in newton_schulz)
     muon_s = statistics.median(times["k3train, Per-Head Muon"])
     print(f"Per-Head Muon: Newton–Schulz {newton_schulz[0][1] / 1e9:.1f} GFLOP and {ns_s:.3f} s per step "
