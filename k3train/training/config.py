@@ -40,7 +40,7 @@ class TrainConfig:
     process may use that the machine's load leaves free, divided among the ranks on its machine."""
     compile: bool = False
     """torch.compile the per-layer elementwise chains (RMSNorms, KDA's gated norm, the GLU
-    activations; never matmuls, routing or collectives): on the CPU 1.08-1.18x per step of the
+    activations; never matmuls, routing or collectives): on the CPU 1.03-1.08x per step of the
     issue-18 model (hidden 512) but 0.84x on the debug model, after a one-off compile of minutes,
     so off by default (docs/performance.md)."""
     stop_grace_s: float = 60.0
