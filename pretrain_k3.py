@@ -176,6 +176,7 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
 
     # 5. Metrics, the step loop and checkpoints; resume from the newest complete checkpoint if asked.
     peak = peak_flops(device, config.logging.peak_tflops)
+    print(peak.describe())
     try:
         require_sinks(config)
     except SinkError as error:

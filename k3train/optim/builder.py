@@ -125,6 +125,7 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         ns_eps=config.muon_ns_eps,
         update_rms=config.muon_update_rms,
         per_head=config.muon_per_head,
+        ns_dtype=config.newton_schulz_dtype,
         betas=betas,
         adam_eps=config.adam_eps,
     )

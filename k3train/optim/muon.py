@@ -10,14 +10,24 @@ balanced by `MuonWorkItem.cost`, results all-gathered) reuses both without touch
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal, Optional
+from typing import Callable, Iterable, Literal, Optional, Protocol, Sequence
 
 import torch
 from torch.optim.adamw import adamw as adamw_functional
 
 from k3train.contracts.param_roles import head_blocks_of
-from k3train.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, newton_schulz, ns_cost
+from k3train.optim.newton_schulz import (
+    NS_COEFFICIENTS,
+    NS_EPS,
+    NS_STEPS,
+    NsDtype,
+    newton_schulz,
+    ns_cost,
+    ns_flops,
+    resolve_ns_dtype,
+)
 
 BlockKind = Literal["matrix", "heads", "experts"]
 
@@ -69,6 +79,10 @@ class BlockLayout:
         """Newton–Schulz cost of all blocks (`num_blocks * rows * cols * min(rows, cols)`)."""
         return self.num_blocks * ns_cost(self.rows, self.cols)
 
+    def flops(self, steps: int = NS_STEPS) -> int:
+        """Newton–Schulz FLOPs of all blocks (`num_blocks * ns_flops(rows, cols, steps)`)."""
+        return self.num_blocks * ns_flops(self.rows, self.cols, steps)
+
     def describe(self) -> str:
         """Short form for start-up tables, e.g. `per-head 4×[32,128]`."""
         shape = f"[{self.rows},{self.cols}]"
@@ -103,13 +117,16 @@ def orthogonalized_update(
     ns_steps: int = NS_STEPS,
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     ns_eps: float = NS_EPS,
+    ns_dtype: NsDtype = "auto",
 ) -> torch.Tensor:
     """Muon's update for one parameter from its (Nesterov) momentum: each block orthogonalised
     by one batched Newton–Schulz call and scaled by its own `layout.scale(update_rms)`.
 
-    Pure: no state, no parameters touched. Returned in parameter shape, in NS's compute dtype.
+    Pure: no state, no parameters touched. Returned in parameter shape, in NS's compute dtype
+    (`resolve_ns_dtype(ns_dtype, momentum_input)`).
     """
-    blocks = newton_schulz(layout.to_blocks(momentum_input), ns_steps, ns_coefficients, ns_eps)
+    blocks = newton_schulz(layout.to_blocks(momentum_input), ns_steps, ns_coefficients, ns_eps,
+                           compute_dtype=resolve_ns_dtype(ns_dtype, momentum_input))
     return layout.from_blocks(blocks * layout.scale(update_rms), momentum_input.shape)
 
 
@@ -123,6 +140,37 @@ def sharded_matrix_update(param: torch.Tensor, momentum_input: torch.Tensor, opt
     full = tp_group.all_gather(momentum_input, dim=param.partition_dim)
     update = orthogonalized_update(full, BlockLayout("matrix", 1, full.shape[0], full.shape[1]), **options)
     return update.chunk(tp_group.size, dim=param.partition_dim)[tp_group.rank]
+
+
+def sharded_matrix_layout(param: torch.Tensor) -> BlockLayout:
+    """The whole-matrix layout `sharded_matrix_update` orthogonalises for a TP shard `param`."""
+    shape = list(param.shape)
+    shape[param.partition_dim] *= param.tensor_parallel_group.size
+    return BlockLayout("matrix", 1, shape[0], shape[1])
+
+
+@dataclass(frozen=True)
+class MuonStepStats:
+    """What the last `PerHeadMuon.step` spent on Newton–Schulz on this rank (for the step line)."""
+
+    ns_seconds: float = 0.0
+    """Wall time of this rank's orthogonalisations (synchronised on CUDA)."""
+    ns_flops: int = 0
+    """Newton–Schulz FLOPs this rank executed (`ns_flops`; optimizer FLOPs, not model FLOPs)."""
+    exchange_seconds: float = 0.0
+    """Wall time of sharing the orthogonalised updates across data-parallel ranks (split only)."""
+
+
+class OrthogonalizationSplit(Protocol):
+    """Splits the orthogonalisation across data-parallel ranks (`k3train.parallel.muon_split`):
+    every rank advances every momentum, but only a parameter's owner orthogonalises it; `share`
+    then hands every rank every update."""
+
+    def computes(self, param: torch.Tensor) -> bool:
+        """Whether this rank orthogonalises `param`."""
+
+    def share(self, params: Sequence[torch.Tensor], updates: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+        """`updates[i]` for `params[i]`: this rank's own filled in, the others' received."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +205,7 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     Group options (defaults from the constructor): `algorithm` ("muon" | "adamw"), `lr`,
     `weight_decay`; Muon: `momentum`, `nesterov`, `ns_steps`, `ns_coefficients`, `ns_eps`,
-    `update_rms`, `per_head`; AdamW: `betas`, `adam_eps`, `foreach`.
+    `update_rms`, `per_head`, `ns_dtype` ("auto" | "float32" | "bfloat16"); AdamW: `betas`, `adam_eps`, `foreach`.
     """
 
     def __init__(
@@ -176,6 +224,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         adam_eps: float = 1e-8,
         algorithm: Literal["muon", "adamw"] = "muon",
         foreach: Optional[bool] = None,
+        ns_dtype: NsDtype = "auto",
     ) -> None:
         if lr < 0 or weight_decay < 0 or momentum < 0:
             raise ValueError(f"need lr, weight_decay, momentum >= 0: {lr}, {weight_decay}, {momentum}")
@@ -183,9 +232,12 @@ class PerHeadMuon(torch.optim.Optimizer):
             algorithm=algorithm, lr=lr, weight_decay=weight_decay, momentum=momentum,
             nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients),
             ns_eps=ns_eps, update_rms=update_rms, per_head=per_head, betas=tuple(betas),
-            adam_eps=adam_eps, foreach=foreach,
+            adam_eps=adam_eps, foreach=foreach, ns_dtype=ns_dtype,
         )
         super().__init__(params, defaults)
+        self.split: Optional[OrthogonalizationSplit] = None
+        """Set by `k3train.parallel.muon_split` under data parallelism without ZeRO-1."""
+        self.step_stats = MuonStepStats()
         for group in self.param_groups:
             if group["algorithm"] not in ("muon", "adamw"):
                 raise ValueError(f"unknown algorithm {group['algorithm']!r} (muon or adamw)")
@@ -209,22 +261,57 @@ class PerHeadMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        pending = []
         for item in self.work_items():
             if item.param.grad is None:
                 continue
             group = self.param_groups[item.group_index]
-            options = dict(update_rms=group["update_rms"], ns_steps=group["ns_steps"],
-                           ns_coefficients=group["ns_coefficients"], ns_eps=group["ns_eps"])
-            momentum_input = self._momentum_input(item.param, group)
-            if item.layout.kind == "matrix" and getattr(item.param, "tensor_parallel", False):
-                update = sharded_matrix_update(item.param, momentum_input, options)
-            else:
-                update = orthogonalized_update(momentum_input, item.layout, **options)
-            self._apply_update(item.param, update, group)
+            pending.append((item, group))
+        self._muon_updates(pending)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw_step(group)
         return loss
+
+    def _muon_updates(self, pending: list[tuple[MuonWorkItem, dict]]) -> None:
+        """Advance every momentum, orthogonalise (this rank's share of) the items and apply every
+        update. With no split each update is applied as soon as it is made (one alive at a time);
+        with a split, the owners' updates are shared first (the momenta stay replicated, so a
+        checkpoint holds them all as without the split)."""
+        cuda = any(item.param.is_cuda for item, _ in pending)
+        if cuda:
+            torch.cuda.synchronize()
+        started, flops = time.perf_counter(), 0
+        updates: list[Optional[torch.Tensor]] = []
+        for item, group in pending:
+            momentum_input = self._momentum_input(item.param, group)
+            if self.split is not None and not self.split.computes(item.param):
+                updates.append(None)
+                continue
+            # A group restored from a checkpoint written before `ns_dtype` existed lacks the key.
+            options = dict(update_rms=group["update_rms"], ns_steps=group["ns_steps"],
+                           ns_coefficients=group["ns_coefficients"], ns_eps=group["ns_eps"],
+                           ns_dtype=group.get("ns_dtype", "auto"))
+            if item.layout.kind == "matrix" and getattr(item.param, "tensor_parallel", False):
+                update = sharded_matrix_update(item.param, momentum_input, options)
+                flops += sharded_matrix_layout(item.param).flops(group["ns_steps"])
+            else:
+                update = orthogonalized_update(momentum_input, item.layout, **options)
+                flops += item.layout.flops(group["ns_steps"])
+            if self.split is None:
+                self._apply_update(item.param, update, group)
+            else:
+                updates.append(update)
+        if cuda:
+            torch.cuda.synchronize()
+        ns_seconds = time.perf_counter() - started
+        exchange_seconds = 0.0
+        if self.split is not None:
+            shared = self.split.share([item.param for item, _ in pending], updates)
+            exchange_seconds = time.perf_counter() - started - ns_seconds
+            for (item, group), update in zip(pending, shared):
+                self._apply_update(item.param, update, group)
+        self.step_stats = MuonStepStats(ns_seconds, flops, exchange_seconds)
 
     def _momentum_input(self, param: torch.Tensor, group: dict) -> torch.Tensor:
         """Advance the momentum buffer with `param.grad`; return what NS orthogonalises."""

@@ -4,9 +4,12 @@ Pure tensor functions with no knowledge of models or optimizers, so they can be 
 distributed Muon (one owner rank per block), benchmarked alone, and tested against an SVD.
 """
 
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
+
+NsDtype = Literal["auto", "float32", "bfloat16"]
+"""The `optimizer.newton_schulz_dtype` setting: "auto" is `ns_compute_dtype`'s choice."""
 
 NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 """Quintic coefficients (a, b, c) of Keller Jordan / Moonlight; NeMo calls this set "simple"."""
@@ -26,6 +29,19 @@ def ns_compute_dtype(x: torch.Tensor) -> torch.dtype:
     if x.dtype == torch.float64:
         return torch.float64
     return torch.bfloat16 if x.is_cuda else torch.float32
+
+
+def resolve_ns_dtype(setting: NsDtype, x: torch.Tensor) -> torch.dtype:
+    """The dtype Newton–Schulz runs in for `x` under the `optimizer.newton_schulz_dtype` setting:
+    "auto" picks per device (`ns_compute_dtype`); "float32"/"bfloat16" force it, except that
+    float64 input stays float64 (the exact-maths tests and the float64 parallel checks)."""
+    if setting == "auto" or x.dtype == torch.float64:
+        return ns_compute_dtype(x)
+    if setting == "float32":
+        return torch.float32
+    if setting == "bfloat16":
+        return torch.bfloat16
+    raise ValueError(f"optimizer.newton_schulz_dtype must be auto, float32 or bfloat16, got {setting!r}")
 
 
 def newton_schulz(
@@ -70,3 +86,15 @@ def ns_cost(rows: int, cols: int) -> int:
     layer-wise distributed optimizer balances owners with the same `max * min^2` rule.
     """
     return rows * cols * min(rows, cols)
+
+
+def ns_flops(rows: int, cols: int, steps: int = NS_STEPS) -> int:
+    """FLOPs of orthogonalising one `[rows, cols]` matrix with `steps` quintic iterations.
+
+    With `m = min(rows, cols)`, `M = max(rows, cols)` each step multiplies `X X^T` (`2 m^2 M`),
+    `A A` (`2 m^3`) and `B X` (`2 m^2 M`); the elementwise terms and the normalisation are not
+    counted (as model FLOPs leave out elementwise work). These are optimizer FLOPs, reported next
+    to the model FLOPs of MFU, never inside them.
+    """
+    small, large = min(rows, cols), max(rows, cols)
+    return steps * (4 * small * small * large + 2 * small**3)

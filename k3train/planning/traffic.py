@@ -126,11 +126,14 @@ def step_traffic_terms(
 
     if tp > 1:
         stepped = set(optimizer.owned_parameter_names())
+        split = getattr(optimizer.optimizer, "split", None)  # Newton–Schulz split over DP without ZeRO-1
+        if split is not None:
+            stepped = {name for name, param in model.named_parameters() if split.computes(param)}
         gathered = [route.param for route in route_parameters(model, optimizer_config)
                     if route.route == "muon" and route.name in stepped and is_tensor_parallel(route.param)
                     and block_layout(route.param, optimizer_config.muon_per_head).kind == "matrix"]
         add("tp", f"Muon: all-gather of {len(gathered)} sharded whole matrices' momentum"
-            + (" (owned ones)" if zero1 and dp > 1 else ""),
+            + (" (owned ones)" if dp > 1 and (zero1 or split is not None) else ""),
             sum(p.numel() * p.element_size() for p in gathered), len(gathered))
 
     # ---- dp / data_tensor: gradient buckets, loss, ZeRO-1 exchange
@@ -160,6 +163,13 @@ def step_traffic_terms(
         chunk = max(1, bucket_bytes // element)
         add(exchange.group.name, f"ZeRO-1 exchange ({exchange.dtype}): padded buffer of {exchange.length} elements",
             exchange.length * element, math.ceil(exchange.length / chunk))
+
+    split = getattr(optimizer.optimizer, "split", None)
+    for exchange in split.exchanges if split is not None else []:
+        element = torch.empty((), dtype=exchange.dtype).element_size()
+        chunk = max(1, bucket_bytes // element)
+        add(exchange.group.name, f"Muon updates split over DP ({exchange.dtype}): padded buffer of "
+            f"{exchange.length} elements", exchange.length * element, math.ceil(exchange.length / chunk))
 
     # ---- routing statistics on the routing group
     routing_group = state.data_tensor if sp else state.dp

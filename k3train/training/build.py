@@ -28,9 +28,11 @@ from k3train.parallel.comm import Group
 from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, GradientReducer
+from k3train.parallel.muon_split import install_muon_split
 from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
 from k3train.parallel.state import Layout, ParallelState
 from k3train.parallel.zero1 import DistributedOptimizer
+from k3train.training.compile import compile_elementwise
 from k3train.training.loop import precision_context
 
 META = torch.device("meta")
@@ -165,9 +167,14 @@ def _build_optimizer(model: K3Stage, config: JobConfig, parallel: ParallelState,
     """Per-Head Muon + AdamW over `model`, its state sharded over DP (ZeRO-1) when asked; the
     one place the job's optimizer is made: built here and handed, with each parameter's cost (which
     balances the ZeRO-1 owners), to the data-parallel wrapper."""
-    return DistributedOptimizer(build_optimizer(model, config.optimizer), model, parallel,
-                                parameter_costs(model, config.optimizer), zero1=config.parallel.zero1,
-                                bucket_bytes=bucket_bytes)
+    optimizer = DistributedOptimizer(build_optimizer(model, config.optimizer), model, parallel,
+                                     parameter_costs(model, config.optimizer), zero1=config.parallel.zero1,
+                                     bucket_bytes=bucket_bytes)
+    if not config.parallel.zero1 and config.optimizer.muon_split_over_dp:
+        # Each DP rank orthogonalises the matrices ZeRO-1 would give it; updates all-gathered.
+        install_muon_split(optimizer.optimizer, model.named_parameters(), optimizer.plan.owners, parallel,
+                           bucket_bytes)
+    return optimizer
 
 
 def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device, *,
@@ -181,6 +188,8 @@ def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device,
     expert_parallel = ExpertParallel.from_state(parallel, config.parallel, config.model.num_experts)
     model = build_model(config.model, plan, parallel, expert_parallel, seed=config.train.seed, device=device,
                         dtype=dtype, fp8_recipe=config.train.fp8_recipe, fp8_excluded=config.train.fp8_excluded_layers)
+    if config.train.compile and device.type != "meta":
+        compile_elementwise(model)  # in place: the parameters, their names and hooks are unchanged
     optimizer = _build_optimizer(model, config, parallel, bucket_bytes)
     # Under ZeRO-1 the gradients are reduce-scattered to their owners (the optimizer's plan).
     reducer = GradientReducer(model, parallel, bucket_bytes=bucket_bytes, overlap=overlap,

@@ -52,6 +52,11 @@ class TrainConfig:
     num_threads: int = 0
     """Intra-op CPU threads per process; 0 means OMP_NUM_THREADS when set, else the cores this
     process may use that the machine's load leaves free, divided among the ranks on its machine."""
+    compile: bool = False
+    """torch.compile the per-layer elementwise chains (RMSNorms, KDA's gated norm, the GLU
+    activations; never matmuls, routing or collectives): on the CPU 1.03-1.08x per step of the
+    issue-18 model (hidden 512) but 0.84x on the debug model, after a one-off compile of minutes,
+    so off by default (docs/performance.md)."""
     stop_grace_s: float = 60.0
     """After SIGTERM/SIGINT, seconds the step in progress may take before the process exits without
     saving (status 4): a rank blocked on a collective whose peer stopped answering cannot finish

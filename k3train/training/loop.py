@@ -32,7 +32,7 @@ from k3train.parallel.pipeline import PipelineSchedule
 from k3train.parallel.pipeline_schedule import PipelineConfigError, check_interleaved_micro_batches
 from k3train.parallel.state import ParallelState
 from k3train.training.metrics import MetricsLogger
-from k3train.training.throughput import PeakFlops, format_eta, rank_memory_gib
+from k3train.training.throughput import PeakFlops, format_eta, muon_step_stats, rank_memory_gib
 
 
 class TrainingError(RuntimeError):
@@ -156,8 +156,14 @@ class Trainer:
         grad_norm = clip_grad_norm(model.parameters(), config.optimizer.clip_grad, parallel).item()
 
         expert_stats = self._pooled_expert_stats()
+        optimizer_seconds, newton_schulz = 0.0, None
         if math.isfinite(step_loss) and math.isfinite(grad_norm):  # the same decision on every rank
+            optimizer_started = time.perf_counter()
             self.optimizer.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the optimizer's share of the step, not its launch time
+            optimizer_seconds = time.perf_counter() - optimizer_started
+            newton_schulz = muon_step_stats(self.optimizer)
             model.update_routing_biases(self.routing_group)  # used from the next step on
             self.progress.consecutive_nonfinite = 0
         else:
@@ -172,7 +178,11 @@ class Trainer:
                 )
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step = step
-        return self._step_metrics(step, step_loss, grad_norm, lr, expert_stats, time.perf_counter() - started)
+        metrics = self._step_metrics(step, step_loss, grad_norm, lr, expert_stats, time.perf_counter() - started)
+        metrics.update(optimizer_time_s=optimizer_seconds, optimizer_share=optimizer_seconds / metrics["step_time_s"],
+                       newton_schulz_time_s=newton_schulz.ns_seconds if newton_schulz else 0.0,
+                       newton_schulz_gflop=newton_schulz.ns_flops / 1e9 if newton_schulz else 0.0)
+        return metrics
 
     @contextlib.contextmanager
     def _poisoned_gradients(self, poison: bool):

@@ -25,6 +25,10 @@ def format_step_line(metrics: dict[str, Any], total_steps: int, mfu_label: str) 
         f"TFLOP/s {metrics['tflops']:.3g}",
         f"{mfu_label} {100 * metrics['mfu']:.1f}%",
     ]
+    if metrics.get("optimizer_share") is not None:  # optimizer time; Newton–Schulz FLOPs are not in MFU
+        newton_schulz = (f" (NS {metrics['newton_schulz_gflop']:.3g} GFLOP)"
+                         if metrics.get("newton_schulz_gflop") else "")
+        parts.append(f"opt {100 * metrics['optimizer_share']:.1f}%{newton_schulz}")
     if metrics.get("expert_load_max_over_mean") is not None:
         parts.append(f"expert load max/mean {metrics['expert_load_max_over_mean']:.2f}")
         parts.append(f"dropped {metrics['dropped_tokens']}")

@@ -2,16 +2,28 @@
 
 MFU = achieved training FLOP/s (active FLOPs per token from `k3train.model.flops` × tokens/s)
 over the device's peak. GPUs take their dense bf16 peak from a table; on a CPU there is no
-meaningful datasheet number, so the peak is a dense fp32 matmul rate measured at start-up, and
-the line says so ("MFU(cpu-matmul)").
+meaningful datasheet number, so the peak is a dense fp32 matmul rate measured on this machine
+with this process's thread count, and the line says so ("MFU(cpu-matmul)"). The measurement is
+the median of several trials of half a second and is cached per machine
+(`~/.cache/k3train/cpu_matmul_peak.json`, keyed by CPU model, thread count and torch version), so
+a run that starts while the machine is busy reuses the rate measured earlier instead of a
+depressed one. `logging.peak_tflops` pins the peak instead. Newton–Schulz FLOPs are optimizer
+FLOPs: reported beside MFU (`muon_step_stats`), never counted in it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -27,38 +39,115 @@ GPU_PEAK_BF16_TFLOPS = (
     ("A10", 125.0),
 )
 
+CPU_PEAK_CACHE_FILE = "cpu_matmul_peak.json"
+CACHE_DIR_ENV = "K3TRAIN_CACHE_DIR"
+
 
 @dataclass(frozen=True)
 class PeakFlops:
     tflops: float
-    label: str  # "MFU" against a datasheet peak, "MFU(cpu-matmul)" against a measured rate
+    label: str  # "MFU" against a datasheet or pinned peak, "MFU(cpu-matmul)" against a measured rate
+    source: str = ""
+    """Where the peak comes from, for the start-up line (`describe`)."""
+
+    def describe(self) -> str:
+        return f"MFU peak: {self.tflops:.4g} TFLOP/s per device ({self.source or self.label})"
 
 
-def measure_cpu_matmul_tflops(size: int = 1024, seconds: float = 0.2, trials: int = 3) -> float:
-    """Dense fp32 matmul rate of this process's threads, in TFLOP/s: the best of a few short
-    trials, since a shared machine only ever slows a trial down."""
+def measure_cpu_matmul_tflops(size: int = 1024, seconds: float = 0.5, trials: int = 7) -> float:
+    """Dense fp32 `size`² matmul rate of this process's threads, in TFLOP/s: the median of
+    `trials` trials of at least `seconds` each (a median, not the best: one lucky trial on a
+    turbo-boosting core would overstate the peak as much as a busy one understates it)."""
+    return statistics.median(_matmul_trials(size, seconds, trials))
+
+
+def _matmul_trials(size: int, seconds: float, trials: int) -> list[float]:
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b  # warm-up
-    best = 0.0
+    rates = []
     for _ in range(trials):
         iterations, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             a @ b
             iterations += 1
-        best = max(best, 2 * size**3 * iterations / (time.perf_counter() - start) / 1e12)
-    return best
+        rates.append(2 * size**3 * iterations / (time.perf_counter() - start) / 1e12)
+    return rates
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name (`/proc/cpuinfo` on Linux, else `platform.processor()`)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cpu_peak_key(threads: int) -> str:
+    """The cache key of a CPU peak: CPU model, thread count and torch version (its matmul kernels)."""
+    return f"{cpu_model_name()} | {threads} thread(s) | torch {torch.__version__}"
+
+
+def cache_dir() -> Path:
+    """`$K3TRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/k3train`, else `~/.cache/k3train`."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "k3train"
+
+
+def cached_cpu_peak(threads: Optional[int] = None, directory: Optional[Path] = None,
+                    measure: Callable[[], float] = measure_cpu_matmul_tflops) -> tuple[float, str]:
+    """The CPU matmul peak for `threads` (default: torch's current count) and where it came from:
+    the cached rate of this machine if there is one, else `measure()` (written to the cache; an
+    unreadable or unwritable cache only means measuring again)."""
+    threads = threads or torch.get_num_threads()
+    path = (directory or cache_dir()) / CPU_PEAK_CACHE_FILE
+    key = cpu_peak_key(threads)
+    entries: dict[str, Any] = {}
+    try:
+        entries = json.loads(path.read_text())
+        entry = entries[key]
+        return float(entry["tflops"]), f"fp32 matmul rate measured {entry['measured']}, cached in {path}"
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError):
+        entries = entries if isinstance(entries, dict) else {}
+    tflops = measure()
+    entries[key] = {"tflops": tflops, "measured": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+        os.replace(temporary, path)  # atomic: ranks starting together never read half a file
+        where = f"cached in {path}"
+    except OSError as error:
+        where = f"not cached ({path}: {error.strerror or error})"
+    return tflops, f"fp32 matmul rate measured now with {threads} thread(s), median of trials, {where}"
 
 
 def peak_flops(device: torch.device, override_tflops: float | None = None) -> PeakFlops:
     if override_tflops is not None:
-        return PeakFlops(override_tflops, "MFU")
+        return PeakFlops(override_tflops, "MFU", "logging.peak_tflops")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, tflops in GPU_PEAK_BF16_TFLOPS:
             if key in name:
-                return PeakFlops(tflops, "MFU")
+                return PeakFlops(tflops, "MFU", f"dense bf16 datasheet peak of {key}")
         print(f"note: no peak-FLOPs entry for {name!r}; set logging.peak_tflops for MFU", file=sys.stderr)
-    return PeakFlops(measure_cpu_matmul_tflops(), "MFU(cpu-matmul)")
+    tflops, source = cached_cpu_peak()
+    return PeakFlops(tflops, "MFU(cpu-matmul)", source)
+
+
+def muon_step_stats(optimizer: Any) -> Optional[Any]:
+    """The Newton–Schulz statistics of the last optimizer step (`PerHeadMuon.step_stats`: seconds
+    and FLOPs on this rank), through the data-parallel wrapper; None for an optimizer without
+    Muon (plain AdamW)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return getattr(inner, "step_stats", None)
 
 
 def peak_memory_gib(device: torch.device) -> float:

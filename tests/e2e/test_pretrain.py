@@ -48,6 +48,9 @@ def test_resume_continues_bit_identically(tmp_path):
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu",
                 "expert_load_max_over_mean", "dropped_tokens"):
         assert key in record
+    # The optimizer's share and Newton–Schulz's work, reported apart from MFU (Per-Head Muon).
+    assert 0 < record["optimizer_share"] < 1 and record["newton_schulz_gflop"] > 0
+    assert record["optimizer_time_s"] >= record["newton_schulz_time_s"] > 0
     assert original[20] < original[1]
 
 

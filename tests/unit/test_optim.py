@@ -24,7 +24,7 @@ from k3train.optim import (
     route_parameters,
     set_lr,
 )
-from k3train.optim.newton_schulz import newton_schulz
+from k3train.optim.newton_schulz import newton_schulz, ns_flops, resolve_ns_dtype
 
 # ---------------------------------------------------------------------------------------------
 # Newton–Schulz
@@ -71,6 +71,64 @@ def test_newton_schulz_compute_dtype():
     assert ns_compute_dtype(torch.zeros(2, 2, dtype=torch.bfloat16)) == torch.float32
     if torch.cuda.is_available():
         assert ns_compute_dtype(torch.zeros(2, 2, device="cuda")) == torch.bfloat16
+
+
+NS_BF16_REL_TOL = 5e-2
+"""bf16 vs fp32 Newton–Schulz, norm-wise relative: `tools/gpu_check.py`'s `newton_schulz_bf16`
+tolerance (five bf16 steps through NS's steep slope; Muon only needs the singular-value band)."""
+
+
+def test_newton_schulz_dtype_setting():
+    x32, x64 = torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.float64)
+    assert resolve_ns_dtype("auto", x32) == ns_compute_dtype(x32) == torch.float32
+    assert resolve_ns_dtype("bfloat16", x32) == torch.bfloat16
+    assert resolve_ns_dtype("float32", torch.zeros(2, 2, dtype=torch.bfloat16)) == torch.float32
+    assert resolve_ns_dtype("bfloat16", x64) == torch.float64  # float64 checks stay exact
+    with pytest.raises(ValueError, match="newton_schulz_dtype"):
+        resolve_ns_dtype("fp8", x32)
+
+
+def test_bf16_newton_schulz_matches_fp32_on_cpu():
+    """The CPU runs bf16 matmuls too: the bf16 iteration (what CUDA runs by default, and what
+    `optimizer.newton_schulz_dtype=bfloat16` asks for on the CPU) against fp32, on the block shapes
+    Per-Head Muon uses, and one optimizer step through `PerHeadMuon(ns_dtype=...)`."""
+    torch.manual_seed(0)
+    for shape in [(8, 64, 32), (4, 32, 128), (2, 96, 96), (128, 40)]:
+        x = torch.randn(shape)
+        fast = newton_schulz(x, compute_dtype=torch.bfloat16).double()
+        ref = newton_schulz(x, compute_dtype=torch.float32).double()
+        rel = ((fast - ref).norm() / ref.norm()).item()
+        assert rel < NS_BF16_REL_TOL, (shape, rel)
+    updates = {}
+    for ns_dtype in ("float32", "bfloat16"):
+        param = nn.Parameter(torch.zeros(64, 48))
+        param.grad = torch.randn(64, 48, generator=torch.Generator().manual_seed(1))
+        PerHeadMuon([param], lr=1.0, weight_decay=0.0, ns_dtype=ns_dtype).step()
+        updates[ns_dtype] = param.detach().double()
+    rel = ((updates["bfloat16"] - updates["float32"]).norm() / updates["float32"].norm()).item()
+    assert 0 < rel < NS_BF16_REL_TOL, rel  # 0 would mean the setting did nothing
+
+
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (3, 40, 12), (24, 24)])
+def test_ns_flops_counts_the_matmuls(shape):
+    """`ns_flops` (reported per step, apart from model FLOPs) equals what FlopCounterMode sees."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(shape)
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(x, steps=5)
+    batch = x.shape[0] if x.ndim == 3 else 1
+    assert counter.get_total_flops() == batch * ns_flops(shape[-2], shape[-1], 5)
+
+
+def test_step_stats_count_newton_schulz_work():
+    params = [nn.Parameter(torch.randn(16, 32)), nn.Parameter(torch.randn(4, 8, 16))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = PerHeadMuon(params, lr=0.1)
+    optimizer.step()
+    assert optimizer.step_stats.ns_flops == ns_flops(16, 32) + 4 * ns_flops(8, 16)
+    assert optimizer.step_stats.ns_seconds > 0 and optimizer.step_stats.exchange_seconds == 0
 
 
 # ---------------------------------------------------------------------------------------------

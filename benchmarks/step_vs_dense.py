@@ -1,0 +1,383 @@
+"""k3train's training step against a plain dense transformer of the same FLOPs per token.
+
+For the debug recipe and the K3-shaped model of issue 18 (hidden 512, 4 layers, 2,048 tokens per
+step), in one process and with steps alternated (a busy machine slows every contender alike):
+
+- k3train's real step (`k3train.training.build.build_rank` + `Trainer.train_step`: pipeline
+  schedule with gradient accumulation, clipping, optimizer, balancer update) with Per-Head Muon,
+  with AdamW, and, with `--compile`, with `train.compile=true`;
+- a dense peer written here (pre-norm, causal SDPA, SwiGLU, untied head, AdamW, the same
+  micro-batching and clipping) whose width and MLP size are solved so that its training FLOPs per
+  token (`dense_flops_per_token`, the same conventions as `k3train/model/flops.py`: matmuls only,
+  causal attention counted as its half, training = 3 × forward) equal k3train's.
+
+It prints each contender's median step time, model FLOP/s over the measured fp32 matmul rate of
+this machine (`measure_cpu_matmul_tflops`, median of trials), tokens/s against the dense peer,
+and, for the Muon step, Newton–Schulz's GFLOP and time (optimizer FLOPs, outside MFU). Then one
+profiled k3train step (Per-Head Muon) attributed to parts: `torch.profiler` ranges opened by
+forward hooks on the model's modules (and around the KDA kernel, the grouped GEMMs and the
+optimizer step); a backward op goes to the part of the forward op that made its autograd node
+(matched by sequence number); what no range covers (Python, the autograd engine, the loss,
+norms, embedding, head, clipping) is "other".
+
+    OMP_NUM_THREADS=1 nice python benchmarks/step_vs_dense.py                    # both models, ~6 min
+    OMP_NUM_THREADS=1 nice python benchmarks/step_vs_dense.py --models debug --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from k3train.config import JobConfig, load_config  # noqa: E402
+from k3train.data import build_data  # noqa: E402
+from k3train.model.flops import training_flops_per_token  # noqa: E402
+from k3train.parallel.state import ParallelState  # noqa: E402
+from k3train.training.build import build_rank  # noqa: E402
+from k3train.training.loop import Trainer  # noqa: E402
+from k3train.training.throughput import PeakFlops, measure_cpu_matmul_tflops, muon_step_stats  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG_RECIPE = ROOT / "recipes" / "debug.yaml"
+ISSUE_MODEL = [  # issue 18's K3-shaped model: hidden 512, 3 KDA + 1 MLA, 2,048 tokens per step
+    "model.hidden_size=512", "model.num_hidden_layers=4", "model.num_attention_heads=8", "model.q_lora_rank=256",
+    "model.kv_lora_rank=128", "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
+    "model.linear_attn_config.num_heads=8", "model.linear_attn_config.head_dim=64", "model.intermediate_size=1408",
+    "model.moe_intermediate_size=256", "model.routed_expert_hidden_size=256", "data.seq_length=512",
+    "train.global_batch_size=4", "train.micro_batch_size=2",
+]
+MODELS = {"debug": [], "issue18": ISSUE_MODEL}
+PARTS = ("KDA kernel", "KDA projections", "MLA", "routed experts", "dispatch", "shared experts", "AttnRes",
+         "optimizer", "other")
+
+
+# ---------------------------------------------------------------------------------------------
+# The dense peer
+
+
+def dense_flops_per_token(layers: int, width: int, mlp: int, vocab: int, seq_length: int) -> float:
+    """Training FLOPs per token of `DenseTransformer` (k3train/model/flops.py's conventions): per
+    layer q, k, v, o (`4 d²` multiply-adds), SwiGLU (`3 d f`) and causal attention (`QKᵀ` and `AV`
+    over `(T+1)/2` keys on average, `2 d (T+1)/2` each); the head `d V`; × 2 FLOPs, × 3 for training."""
+    per_layer = 2 * (4 * width * width + 3 * width * mlp) + 2 * 2 * width * (seq_length + 1) / 2
+    return 3 * (layers * per_layer + 2 * width * vocab)
+
+
+def size_dense_peer(target: float, layers: int, vocab: int, seq_length: int, head_dim: int = 64) -> tuple[int, int]:
+    """(width, SwiGLU size) of a `layers`-deep dense peer with `target` training FLOPs per token:
+    the width (a multiple of `head_dim`) whose `8/3 d` SwiGLU comes closest, then the SwiGLU size
+    (a multiple of 8) solved exactly for the rest."""
+    def error(width: int) -> float:
+        return abs(dense_flops_per_token(layers, width, round(8 * width / 3), vocab, seq_length) - target)
+
+    width = min(range(head_dim, 64 * head_dim + 1, head_dim), key=error)
+    rest = dense_flops_per_token(layers, width, 0, vocab, seq_length)
+    mlp = max(8, round((target - rest) / (3 * layers * 2 * 3 * width) / 8) * 8)
+    return width, mlp
+
+
+class DenseBlock(nn.Module):
+    def __init__(self, width: int, mlp: int, head_dim: int):
+        super().__init__()
+        self.heads = width // head_dim
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.o = nn.Linear(width, width, bias=False)
+        self.gate_up = nn.Linear(width, 2 * mlp, bias=False)
+        self.down = nn.Linear(mlp, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(batch, seq, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, width))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class DenseTransformer(nn.Module):
+    """nanoGPT-style pre-norm decoder: causal SDPA, SwiGLU, untied head (no positional encoding:
+    rotary embeddings are elementwise and left out, as flops.py leaves elementwise work out)."""
+
+    def __init__(self, vocab: int, layers: int, width: int, mlp: int, head_dim: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(DenseBlock(width, mlp, head_dim) for _ in range(layers))
+        self.norm = nn.RMSNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+@dataclass
+class DenseJob:
+    model: DenseTransformer
+    optimizer: torch.optim.Optimizer
+    batches: Callable[[], list[torch.Tensor]]
+    clip: float
+
+    def step(self) -> float:
+        micro_batches = self.batches()
+        for tokens in micro_batches:
+            logits = self.model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            (loss / len(micro_batches)).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+
+def dense_job(config: JobConfig, width: int, mlp: int) -> DenseJob:
+    torch.manual_seed(config.train.seed)
+    model = DenseTransformer(config.model.vocab_size, config.model.num_hidden_layers, width, mlp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr,
+                                  weight_decay=config.optimizer.weight_decay)
+    generator = torch.Generator().manual_seed(0)
+    train = config.train
+    shape = (train.micro_batch_size, config.data.seq_length + 1)
+
+    def batches() -> list[torch.Tensor]:
+        count = train.global_batch_size // train.micro_batch_size
+        return [torch.randint(0, config.model.vocab_size, shape, generator=generator) for _ in range(count)]
+
+    return DenseJob(model, optimizer, batches, config.optimizer.clip_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# k3train's step
+
+
+def k3_trainer(config: JobConfig) -> Trainer:
+    """The job's own objects (`build_rank`) in one process, on the default corpus."""
+    parallel = ParallelState.single()
+    device = torch.device("cpu")
+    torch.manual_seed(config.train.seed)
+    job = build_rank(config, parallel, device)
+    data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
+    flops = training_flops_per_token(config.model, config.data.seq_length).total
+    return Trainer(config, job.model, job.optimizer, data, device, flops, PeakFlops(1.0, "MFU"), None, parallel,
+                   job.reducer, job.schedule)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attribution of one profiled step
+
+
+def _label_modules(model: nn.Module) -> list:
+    """Forward hooks that open a profiler range per part; returns the hook handles."""
+    from k3train.model.kda import KimiDeltaAttention
+    from k3train.model.mla import GatedMLA
+    from k3train.model.moe import LatentMoE, LocalExperts
+
+    labels: dict[nn.Module, str] = {}
+    for module in model.modules():
+        if isinstance(module, KimiDeltaAttention):
+            labels[module] = "KDA projections"
+        elif isinstance(module, GatedMLA):
+            labels[module] = "MLA"
+        elif isinstance(module, LatentMoE):
+            labels[module] = "dispatch"  # router, sort and combine; its sub-parts below
+            for sub in (module.routed_expert_down_proj, module.routed_expert_up_proj, module.routed_expert_norm):
+                if sub is not None:
+                    labels[sub] = "routed experts"  # the latent projections of the routed path
+            if module.shared_experts is not None:
+                labels[module.shared_experts] = "shared experts"
+        elif isinstance(module, LocalExperts):
+            labels[module] = "dispatch"  # the grouped GEMMs inside are "routed experts"
+    handles, open_ranges = [], []
+
+    def enter(label):
+        def hook(module, args):
+            frame = torch.profiler.record_function(label)
+            frame.__enter__()
+            open_ranges.append(frame)
+        return hook
+
+    def leave(module, args, output):
+        open_ranges.pop().__exit__(None, None, None)
+
+    for module, label in labels.items():
+        handles.append(module.register_forward_pre_hook(enter(label)))
+        handles.append(module.register_forward_hook(leave))
+    return handles
+
+
+@contextlib.contextmanager
+def _labelled_functions(trainer: Trainer):
+    """The KDA kernel, the grouped GEMMs and the optimizer step inside their own ranges."""
+    import k3train.model.kda as kda_module
+    import k3train.model.moe as moe_module
+
+    def wrap(function, label):
+        def wrapped(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return function(*args, **kwargs)
+        return wrapped
+
+    from k3train.model.attn_res import AttentionResidual
+
+    saved = (kda_module.chunk_kda, moe_module.grouped_mm, trainer.optimizer.step, AttentionResidual.normalized_input)
+    kda_module.chunk_kda = wrap(saved[0], "KDA kernel")
+    moe_module.grouped_mm = wrap(saved[1], "routed experts")
+    trainer.optimizer.step = wrap(saved[2], "optimizer")
+    # AttnRes runs through this method, not `forward` (the mix and the sublayer's input norm).
+    AttentionResidual.normalized_input = wrap(saved[3], "AttnRes")
+    try:
+        yield
+    finally:
+        kda_module.chunk_kda, moe_module.grouped_mm, AttentionResidual.normalized_input = saved[0], saved[1], saved[3]
+        del trainer.optimizer.step  # the instance attribute; the method shows through again
+
+
+def _part_of(event, labels: set[str], by_sequence: dict[int, str]) -> str | None:
+    """The innermost part range around `event`, else (a backward op) the part of the forward op
+    whose autograd node it runs, else None."""
+    node = event
+    while node is not None:
+        if node.name in labels:
+            return node.name
+        if node.name.startswith("autograd::engine::evaluate_function") and node.sequence_nr >= 0:
+            return by_sequence.get(node.sequence_nr)
+        node = node.cpu_parent
+    return None
+
+
+def profile_parts(trainer: Trainer) -> tuple[dict[str, float], float]:
+    """Seconds per part of one profiled `train_step`, and the step's wall time."""
+    handles = _label_modules(trainer.model)
+    try:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with _labelled_functions(trainer), torch.profiler.profile(activities=activities) as prof:
+            started = time.perf_counter()
+            trainer.train_step()
+            wall = time.perf_counter() - started
+    finally:
+        for handle in handles:
+            handle.remove()
+    events = prof.events()
+    labels = set(PARTS)
+    by_sequence: dict[int, str] = {}
+    for event in events:  # forward ops: the part they ran in
+        if event.sequence_nr >= 0 and not event.name.startswith("autograd::") and event.sequence_nr not in by_sequence:
+            node = event.cpu_parent
+            while node is not None and node.name not in labels:
+                node = node.cpu_parent
+            if node is not None:
+                by_sequence[event.sequence_nr] = node.name
+    seconds = dict.fromkeys(PARTS, 0.0)
+    for event in events:
+        part = _part_of(event, labels, by_sequence)
+        if part is not None and part != "other":
+            seconds[part] += event.self_cpu_time_total / 1e6
+    seconds["other"] = max(0.0, wall - sum(seconds.values()))
+    return seconds, wall
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison
+
+
+def table(headers: list[str], rows: list[list[str]], title: str) -> None:
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+    print(f"\n{title}")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
+
+
+def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, with_compile: bool, profile: bool) -> None:
+    base = load_config(str(DEBUG_RECIPE), [*overrides, f"train.steps={steps + 2}", "logging.jsonl=false"])
+    seq, vocab = base.data.seq_length, base.model.vocab_size
+    k3_flops = training_flops_per_token(base.model, seq).total
+    width, mlp = size_dense_peer(k3_flops, base.model.num_hidden_layers, vocab, seq)
+    dense_flops = dense_flops_per_token(base.model.num_hidden_layers, width, mlp, vocab, seq)
+    tokens = base.train.global_batch_size * seq
+    print(f"\n== {name}: {tokens} tokens per step; k3train {k3_flops / 1e6:.1f} MFLOP/token; dense peer "
+          f"{base.model.num_hidden_layers} layers × width {width}, SwiGLU {mlp}: {dense_flops / 1e6:.1f} MFLOP/token "
+          f"({100 * (dense_flops / k3_flops - 1):+.1f}%)")
+
+    contenders: dict[str, Callable[[], object]] = {}
+    muon = k3_trainer(base)
+    contenders["k3train, Per-Head Muon"] = muon.train_step
+    contenders["k3train, AdamW"] = k3_trainer(load_config(str(DEBUG_RECIPE), [
+        *overrides, f"train.steps={steps + 2}", "optimizer.name=adamw"])).train_step
+    if with_compile:
+        contenders["k3train, AdamW, train.compile=true"] = k3_trainer(load_config(str(DEBUG_RECIPE), [
+            *overrides, f"train.steps={steps + 2}", "optimizer.name=adamw", "train.compile=true"])).train_step
+    dense = dense_job(base, width, mlp)
+    contenders["dense peer (SDPA + SwiGLU, AdamW)"] = dense.step
+
+    times: dict[str, list[float]] = {label: [] for label in contenders}
+    newton_schulz: list[tuple[float, float]] = []
+    matmul_rates = [peak_tflops]
+    for round_index in range(steps + 1):  # round 0 warms up (and compiles)
+        # The matmul rate is sampled between the steps too: a busy machine moves the denominator
+        # of "FLOP/s over the matmul rate" as much as the steps.
+        matmul_rates.append(measure_cpu_matmul_tflops(trials=1))
+        for label, step in contenders.items():
+            started = time.perf_counter()
+            step()
+            if round_index:
+                times[label].append(time.perf_counter() - started)
+            if label.endswith("Muon") and round_index:
+                stats = muon_step_stats(muon.optimizer)
+                newton_schulz.append((stats.ns_seconds, stats.ns_flops))
+    peak_tflops = statistics.median(matmul_rates)
+    dense = times["dense peer (SDPA + SwiGLU, AdamW)"]
+    rows = []
+    for label, samples in times.items():
+        step_s, best_s = statistics.median(samples), min(samples)
+        flops = (dense_flops if label.startswith("dense") else k3_flops) * tokens
+        rows.append([label, f"{step_s:.3f} s", f"{best_s:.3f} s", f"{tokens / step_s:,.0f}",
+                     f"{statistics.median(dense) / step_s:.2f} / {min(dense) / best_s:.2f}",
+                     f"{100 * flops / step_s / 1e12 / peak_tflops:.0f}%"])
+    # The best step is the one a busy machine slowed least: on a shared machine, compare both.
+    table(["", "step (median)", "step (best)", "tokens/s", "tokens/s vs dense (median / best)",
+           "model FLOP/s over matmul rate"], rows,
+          f"{name}: {steps} alternated steps each; matmul rate {1e3 * peak_tflops:.1f} GFLOP/s (median of "
+          f"{len(matmul_rates)} samples taken between the steps)")
+    ns_s = statistics.median(s for s, _ in newton_schulz)
+    muon_s = statistics.median(times["k3train, Per-Head Muon"])
+    print(f"Per-Head Muon: Newton–Schulz {newton_schulz[0][1] / 1e9:.1f} GFLOP and {ns_s:.3f} s per step "
+          f"({100 * ns_s / muon_s:.0f}% of the step; model work {k3_flops * tokens / 1e9:.1f} GFLOP)")
+    if profile:
+        seconds, wall = profile_parts(muon)
+        table(["part", "seconds", "share of the step"],
+              [[part, f"{seconds[part]:.3f}", f"{100 * seconds[part] / wall:.1f}%"] for part in PARTS],
+              f"{name}: where one profiled k3train step (Per-Head Muon) goes ({wall:.2f} s under the profiler)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["debug", "issue18"])
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per contender (after one warm-up)")
+    parser.add_argument("--compile", action="store_true", help="also time train.compile=true (AdamW)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    peak = measure_cpu_matmul_tflops()
+    print(f"threads {torch.get_num_threads()}; fp32 matmul rate {1e3 * peak:.1f} GFLOP/s (median of 7 trials)")
+    for name in args.models:
+        compare(name, MODELS[name], args.steps, peak, args.compile, not args.no_profile)
+
+
+if __name__ == "__main__":
+    main()
