@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from k3train.kernels.attn_res import attn_res_mix
+from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_reference, attn_res_mix_rmsnorm
 from k3train.kernels.grouped_gemm import grouped_mm, grouped_mm_reference
 
 
@@ -36,3 +36,64 @@ def test_attn_res_mix_matches_its_definition():
     weights = scores.softmax(-1)
     expected = sum(weights[:, i:i + 1] * sources[i] for i in range(3))
     assert (attn_res_mix(sources, gain, query, eps) - expected).abs().max() < 1e-14
+
+
+def attn_res_case(dtype=torch.float64, count=4, shape=(2, 5, 12), seed=2):
+    generator = torch.Generator().manual_seed(seed)
+    sources = [(torch.randn(*shape, generator=generator) * (i + 1)).to(dtype).requires_grad_() for i in range(count)]
+    gain = (torch.rand(shape[-1], generator=generator) + 0.5).to(dtype).requires_grad_()
+    query = torch.randn(shape[-1], generator=generator).to(dtype).requires_grad_()
+    out_gain = (torch.rand(shape[-1], generator=generator) + 0.5).to(dtype).requires_grad_()
+    return sources, gain, query, out_gain
+
+
+def values_and_grads(output, inputs, cotangent):
+    grads = torch.autograd.grad(output, inputs, cotangent, allow_unused=True)
+    return [output.detach()] + [g for g in grads]
+
+
+@pytest.mark.parametrize("count", [2, 5])
+def test_attn_res_fast_mix_and_gradients_match_the_stacked_reference(count):
+    """The written-out backward (no stacked keys) against autograd through the definition, float64."""
+    sources, gain, query, _ = attn_res_case(count=count)
+    inputs = [*sources, gain, query]
+    cotangent = torch.randn(sources[0].shape, dtype=torch.float64)
+    fast = values_and_grads(attn_res_mix(sources, gain, query, 1e-6), inputs, cotangent)
+    reference = values_and_grads(attn_res_mix_reference(sources, gain, query, 1e-6), inputs, cotangent)
+    for a, b in zip(fast, reference):
+        assert (a - b).abs().max() < 1e-12
+
+
+def test_attn_res_fused_rmsnorm_matches_norm_of_the_mix():
+    """`attn_res_mix_rmsnorm` (backward rebuilds the mixed state) = RMSNorm(reference mix), float64,
+    values and every gradient; and gradcheck of the fused op."""
+    from k3train.model.norm import RMSNorm
+    sources, gain, query, out_gain = attn_res_case(count=3)
+    norm = RMSNorm(12, 1e-5).double()
+    with torch.no_grad():
+        norm.weight.copy_(out_gain)
+    inputs = [*sources, gain, query]
+    cotangent = torch.randn(sources[0].shape, dtype=torch.float64)
+    fused = values_and_grads(attn_res_mix_rmsnorm(sources, gain, query, 1e-6, out_gain, 1e-5),
+                             inputs + [out_gain], cotangent)
+    reference = values_and_grads(norm(attn_res_mix_reference(sources, gain, query, 1e-6)),
+                                 inputs + [norm.weight], cotangent)
+    for a, b in zip(fused, reference):
+        assert (a - b).abs().max() < 1e-12
+    small = [s[:1, :2].detach().requires_grad_() for s in sources]
+    assert torch.autograd.gradcheck(
+        lambda *xs: attn_res_mix_rmsnorm(list(xs[:3]), xs[3], xs[4], 1e-6, xs[5], 1e-5),
+        (*small, gain, query, out_gain))
+
+
+def test_attn_res_fast_mix_in_bf16_matches_the_reference():
+    """bf16 sources, fp32 parameters (as in the model): fp32 accumulation in both paths."""
+    sources, gain, query, out_gain = attn_res_case(dtype=torch.float32)
+    sources = [s.detach().to(torch.bfloat16).requires_grad_() for s in sources]
+    cotangent = torch.randn(sources[0].shape).to(torch.bfloat16)
+    inputs = [*sources, gain, query]
+    fast = values_and_grads(attn_res_mix(sources, gain, query, 1e-6), inputs, cotangent)
+    reference = values_and_grads(attn_res_mix_reference(sources, gain, query, 1e-6), inputs, cotangent)
+    assert fast[0].dtype == torch.bfloat16 and fast[1].dtype == torch.bfloat16
+    for a, b in zip(fast, reference):
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
