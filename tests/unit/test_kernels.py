@@ -8,8 +8,8 @@ from k3train.kernels.grouped_gemm import grouped_mm, grouped_mm_reference
 
 
 def test_grouped_mm_reference_matches_torch_grouped_mm_forward():
-    """torch 2.13 runs `_grouped_mm` forward on CPU (its backward is what fails there), so the
-    reference loop and the fused kernel can be compared here; empty groups included."""
+    """torch 2.13 runs `_grouped_mm` on CPU (fp32 with 16-byte strides), so the reference loop and
+    the fused kernel can be compared here; empty groups included."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch has no _grouped_mm")
     generator = torch.Generator().manual_seed(0)
@@ -20,7 +20,7 @@ def test_grouped_mm_reference_matches_torch_grouped_mm_forward():
     fused = torch._grouped_mm(x, weights, offs=group_ends)
     reference = grouped_mm_reference(x, weights, group_ends)
     assert (fused - reference).abs().max() < 1e-5
-    assert torch.equal(grouped_mm(x, weights, group_ends), reference)  # CPU dispatches to the loop
+    assert (grouped_mm(x, weights, group_ends) - reference).abs().max() < 1e-5  # `_grouped_mm` inside
     explicit = torch.cat([x[a:b] @ weights[g] for g, (a, b) in enumerate(zip([0, 3, 3, 8, 8, 16], group_ends.tolist()))])
     assert torch.equal(reference, explicit)
 
@@ -97,3 +97,36 @@ def test_attn_res_fast_mix_in_bf16_matches_the_reference():
     assert fast[0].dtype == torch.bfloat16 and fast[1].dtype == torch.bfloat16
     for a, b in zip(fast, reference):
         assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.float64, 16), (torch.float32, 16), (torch.float32, 6)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_mm_gradients_match_the_reference_loop(dtype, width, transposed):
+    """The custom backward (torch `_grouped_mm` where it takes the operands: fp32 with 16-byte
+    strides; the per-group loop for float64 and odd widths) against autograd through the plain
+    loop: output, dx, dW, with empty groups and rows past the last group; weights both contiguous
+    and as the transposed view the experts pass."""
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.tensor([3, 0, 5, 0, 8, 1], dtype=torch.int32)
+    group_ends = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(counts.sum()) + 2, width, generator=generator).to(dtype).requires_grad_()
+    if transposed:
+        stacked = torch.randn(len(counts), 2 * width, width, generator=generator).to(dtype).requires_grad_()
+        weights_of = lambda: stacked.transpose(1, 2)  # noqa: E731
+        leaf = stacked
+    else:
+        leaf = torch.randn(len(counts), width, 2 * width, generator=generator).to(dtype).requires_grad_()
+        weights_of = lambda: leaf  # noqa: E731
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-4
+    results = []
+    for mm in (grouped_mm, grouped_mm_reference):
+        out = mm(x, weights_of(), group_ends)
+        cotangent = torch.ones_like(out).expand_as(out) if mm is grouped_mm else torch.ones_like(out)
+        dx, dw = torch.autograd.grad(out, (x, leaf), cotangent)
+        results.append((out, dx, dw))
+    (out, dx, dw), (ref_out, ref_dx, ref_dw) = results
+    assert out.shape == ref_out.shape == (int(counts.sum()), 2 * width)
+    assert dw.stride() == leaf.stride()
+    for a, b in ((out, ref_out), (dx, ref_dx), (dw, ref_dw)):
+        assert (a - b).abs().max() < tolerance
+    assert torch.equal(dx[-2:], torch.zeros_like(dx[-2:])) and torch.equal(dw[1], torch.zeros_like(dw[1]))
