@@ -2,8 +2,10 @@
 
 One model per mode (same recipe, same seed, AdamW, `--micro-batches` forward+backward per
 step), built in one process and stepped in alternation, so slow drifts of a shared machine hit
-every mode alike; the table reports median step times and their ratio to `none`. A second table
-times the mix kernel alone (forward+backward, `m` sources) against the stacked reference.
+every mode alike; the table reports median step times and their ratio to `none`. With
+`--with-before`, two more models run `block` and `full` as commit 3c49d31 did (the stacked
+reference mix, checkpointed together with the norm so that backward runs it twice), in the same
+alternation.
 
     OMP_NUM_THREADS=1 nice python benchmarks/attn_res.py --model debug --repeats 5
     OMP_NUM_THREADS=1 nice python benchmarks/attn_res.py --model issue --repeats 3
@@ -15,13 +17,17 @@ import argparse
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from k3train.config import JobConfig  # noqa: E402
+from k3train.kernels.attn_res import attn_res_mix_reference  # noqa: E402
+from k3train.model.attn_res import AttentionResidual  # noqa: E402
 from k3train.model.k3 import K3Model  # noqa: E402
 from k3train.recipe import load_recipe  # noqa: E402
 
@@ -36,9 +42,27 @@ ISSUE_MODEL = [
 ]
 
 
+def stacked_checkpointed_input(self: AttentionResidual, sources: list[torch.Tensor], norm) -> torch.Tensor:
+    """`AttentionResidual.normalized_input` as of 3c49d31: stacked mix, checkpointed with the norm."""
+    if len(sources) == 1:
+        return norm(sources[0])
+
+    def mix_and_normalize(*inputs: torch.Tensor) -> torch.Tensor:
+        return norm(attn_res_mix_reference(list(inputs), self.norm.weight, self.proj.weight[0], self.norm.eps))
+    if self.recompute and torch.is_grad_enabled():
+        return checkpoint(mix_and_normalize, *sources, use_reentrant=False)
+    return mix_and_normalize(*sources)
+
+
 def build(model_overrides: list[str], mode: str) -> tuple[K3Model, torch.optim.Optimizer, JobConfig]:
-    config = load_recipe(JobConfig, str(RECIPE), model_overrides + [f"model.attn_res={mode}"])
+    """`mode`: an `attn_res` value, or `<value>@3c49d31` for the earlier mix."""
+    attn_res, _, before = mode.partition("@")
+    config = load_recipe(JobConfig, str(RECIPE), model_overrides + [f"model.attn_res={attn_res}"])
     model = K3Model(config.model, seed=0)
+    if before:
+        for module in model.modules():
+            if isinstance(module, AttentionResidual):
+                module.normalized_input = types.MethodType(stacked_checkpointed_input, module)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4), config
 
 
@@ -54,7 +78,8 @@ def step(model: K3Model, optimizer: torch.optim.Optimizer, batches: list[torch.T
 def step_table(args: argparse.Namespace) -> None:
     overrides = ISSUE_MODEL if args.model == "issue" else []
     overrides = overrides + [f"model.recompute={args.recompute}"]
-    runs = {mode: build(overrides, mode) for mode in ("none", "block", "full")}
+    modes = ["none", "block", "full"] + (["block@3c49d31", "full@3c49d31"] if args.with_before else [])
+    runs = {mode: build(overrides, mode) for mode in modes}
     config = runs["none"][2]
     generator = torch.Generator().manual_seed(0)
     micro = config.train.micro_batch_size
@@ -80,6 +105,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["debug", "issue"], default="debug")
     parser.add_argument("--recompute", choices=["none", "attn_res", "sublayer"], default="attn_res")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--with-before", action="store_true", help="also the 3c49d31 mix (see above)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -9,9 +9,12 @@ group's product is written straight into its rows of one output (forward) or one
 (backward), so backward allocates each gradient once. (Slicing under autograd instead gives every
 group's slice its own full-size zero-filled gradient, summed afterwards: `groups` times the
 memory traffic of `x` and of the weights.) `grouped_mm_reference` is the plain loop that the
-tests compare against. torch 2.13's CPU `_grouped_mm` does run forward and backward (given a
-contiguous output gradient), but measured slower than these per-group BLAS calls on CPU
-(benchmarks/moe.py, table e), so it is not used there.
+tests compare against.
+
+torch 2.13's CPU `_grouped_mm` runs forward and backward too (fp32/bf16 operands whose strides
+are multiples of 16 bytes, and a contiguous output gradient), at about the speed of these
+per-group calls (benchmarks/moe.py, table e); the per-group form is kept on CPU because it takes
+any dtype and width (the float64 tests) and its matmuls are visible to `FlopCounterMode`.
 """
 
 import torch
@@ -32,81 +35,46 @@ def _group_bounds(group_ends: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def _fits_torch_grouped_mm(*tensors: torch.Tensor) -> bool:
-    """Whether torch's `_grouped_mm` takes these operands: fp32/bf16/fp16, and every stride but
-    the unit one (and the data pointer) a multiple of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    for tensor in tensors:
-        if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return False
-        size = tensor.element_size()
-        if tensor.data_ptr() % 16 or any((stride * size) % 16 for stride in tensor.stride() if stride != 1):
-            return False
-    return True
-
-
 class _GroupedMM(torch.autograd.Function):
-    """Grouped matmul whose backward writes each gradient once, in full.
-
-    Products run as torch's `_grouped_mm` where it takes the operands (on CPU too: it runs forward
-    and backward there, and measured as fast as dense matmuls), else as one BLAS call per group
-    writing into its rows of a preallocated output (`dW[g] = 0` for a group without rows)."""
+    """One BLAS call per group, each writing into its rows of a preallocated output; the backward
+    writes each group's `dx` rows and `dW[g]` in place (`dW[g] = 0` for a group without rows)."""
 
     @staticmethod
     def forward(ctx, x, weights, group_ends):
         bounds = _group_bounds(group_ends)
-        covered = bounds[-1][1] if bounds else 0
-        rows = x[:covered]
-        offsets = group_ends.to(torch.int32)
-        if covered and _fits_torch_grouped_mm(rows, weights):
-            output = torch._grouped_mm(rows, weights, offs=offsets)
-        else:
-            output = x.new_empty(covered, weights.shape[-1])  # every row belongs to a group
-            for group, (start, end) in enumerate(bounds):
-                if end > start:
-                    torch.mm(rows[start:end], weights[group], out=output[start:end])
         ctx.bounds = bounds
-        ctx.save_for_backward(x, weights, offsets)
+        ctx.save_for_backward(x, weights)
+        if not bounds:
+            return x.new_zeros(x.shape[0], weights.shape[-1])  # as the reference
+        output = x.new_empty(bounds[-1][1], weights.shape[-1])  # every row up to the last end is in a group
+        for group, (start, end) in enumerate(bounds):
+            if end > start:
+                torch.mm(x[start:end], weights[group], out=output[start:end])
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weights, offsets = ctx.saved_tensors
+        x, weights = ctx.saved_tensors
         bounds = ctx.bounds
-        covered = bounds[-1][1] if bounds else 0
-        rows = x[:covered]
-        grad_output = grad_output.contiguous()  # `_grouped_mm` rejects expanded (stride-0) gradients
-        # dW in the layout of `weights` (often a transposed view of [groups, out, in] parameters),
-        # so it reaches the parameter without a layout copy: compute dWᵀ when that is contiguous.
-        transposed = not weights.is_contiguous() and weights.transpose(-2, -1).is_contiguous()
-        fused = covered > 0 and _fits_torch_grouped_mm(rows, weights, grad_output)
+        if not bounds:
+            return torch.zeros_like(x), torch.zeros_like(weights), None
         grad_x = grad_weights = None
         if ctx.needs_input_grad[0]:
-            grad_rows = (torch._grouped_mm(grad_output, weights.transpose(-2, -1), offs=offsets) if fused
-                         else None)
-            if fused and covered == x.shape[0]:
-                grad_x = grad_rows
-            else:
-                grad_x = x.new_empty(x.shape)
-                grad_x[covered:].zero_()  # rows past the last group take no part
-                if fused:
-                    grad_x[:covered].copy_(grad_rows)
-        if ctx.needs_input_grad[1] and fused:
-            if transposed:
-                grad_weights = torch._grouped_mm(grad_output.t(), rows, offs=offsets).transpose(-2, -1)
-            else:
-                grad_weights = torch._grouped_mm(rows.t(), grad_output, offs=offsets)
-        elif ctx.needs_input_grad[1]:
-            grad_weights = torch.zeros_like(weights)  # keeps the strides of `weights`
-        if not fused:
-            for group, (start, end) in enumerate(bounds):
-                if end == start:
-                    continue
-                if grad_x is not None:
-                    torch.mm(grad_output[start:end], weights[group].t(), out=grad_x[start:end])
+            grad_x = x.new_empty(x.shape)
+            grad_x[bounds[-1][1]:].zero_()  # rows past the last group take no part
+        if ctx.needs_input_grad[1]:
+            # Same strides as `weights` (the experts pass a transposed view of [groups, out, in]
+            # parameters), so the gradient reaches the parameter without a layout copy.
+            grad_weights = torch.empty_like(weights)
+        for group, (start, end) in enumerate(bounds):
+            if end == start:
                 if grad_weights is not None:
-                    torch.mm(rows[start:end].t(), grad_output[start:end], out=grad_weights[group])
+                    grad_weights[group].zero_()
+                continue
+            if grad_x is not None:
+                torch.mm(grad_output[start:end], weights[group].t(), out=grad_x[start:end])
+            if grad_weights is not None:
+                torch.mm(x[start:end].t(), grad_output[start:end], out=grad_weights[group])
         return grad_x, grad_weights, None
 
 
