@@ -2,7 +2,9 @@
 
 One model per mode (same recipe, same seed, AdamW, `--micro-batches` forward+backward per
 step), built in one process and stepped in alternation, so slow drifts of a shared machine hit
-every mode alike; the table reports median step times and their ratio to `none`. With
+every mode alike; the table reports median step times and their ratio to `none`. Times are this
+process's CPU seconds (`time.process_time`, one thread), which a loaded shared machine disturbs
+far less than wall-clock time; `--wall` times wall-clock instead. With
 `--with-before`, two more models run `block` and `full` as commit 3c49d31 did (the stacked
 reference mix, checkpointed together with the norm so that backward runs it twice), in the same
 alternation.
@@ -66,13 +68,13 @@ def build(model_overrides: list[str], mode: str) -> tuple[K3Model, torch.optim.O
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4), config
 
 
-def step(model: K3Model, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor]) -> float:
-    start = time.perf_counter()
+def step(model: K3Model, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor], clock) -> float:
+    start = clock()
     for tokens in batches:
         model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def step_table(args: argparse.Namespace) -> None:
@@ -85,16 +87,18 @@ def step_table(args: argparse.Namespace) -> None:
     micro = config.train.micro_batch_size
     batches = [torch.randint(0, config.model.vocab_size, (micro, config.data.seq_length + 1), generator=generator)
                for _ in range(config.train.global_batch_size // micro)]
+    clock = time.perf_counter if args.wall else time.process_time
     times: dict[str, list[float]] = {mode: [] for mode in runs}
     for mode, (model, optimizer, _) in runs.items():  # warm-up, not timed
-        step(model, optimizer, batches)
+        step(model, optimizer, batches, clock)
     for _ in range(args.repeats):
         for mode, (model, optimizer, _) in runs.items():
-            times[mode].append(step(model, optimizer, batches))
+            times[mode].append(step(model, optimizer, batches, clock))
     medians = {mode: statistics.median(t) for mode, t in times.items()}
     print(f"\n{args.model} model (hidden {config.model.hidden_size}, {config.model.num_hidden_layers} layers, "
           f"{config.train.global_batch_size * config.data.seq_length} tokens/step, recompute={args.recompute}, "
-          f"block size {config.model.attn_res_block_size}), median of {args.repeats}")
+          f"block size {config.model.attn_res_block_size}), median of {args.repeats}, "
+          f"{'wall-clock' if args.wall else 'process CPU'} seconds")
     print("| attn_res | step (s) | / none |\n| --- | ---: | ---: |")
     for mode, seconds in medians.items():
         print(f"| {mode} | {seconds:.3f} | {seconds / medians['none']:.3f} |", flush=True)
@@ -105,6 +109,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["debug", "issue"], default="debug")
     parser.add_argument("--recompute", choices=["none", "attn_res", "sublayer"], default="attn_res")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--wall", action="store_true", help="wall-clock instead of process CPU time")
     parser.add_argument("--with-before", action="store_true", help="also the 3c49d31 mix (see above)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()

@@ -43,11 +43,11 @@ def load_chunk_module(path: str):
     return module
 
 
-def time_matmul(size: int = 1024) -> float:
+def time_matmul(clock: Callable[[], float], size: int = 1024) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
-    start = time.perf_counter()
+    start = clock()
     a @ b
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def make_inputs(
@@ -68,16 +68,17 @@ def make_inputs(
     return tensors
 
 
-def time_once(kernel: Callable, inputs: dict[str, torch.Tensor], backward: bool) -> float:
+def time_once(kernel: Callable, inputs: dict[str, torch.Tensor], backward: bool,
+              clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds for one forward (under no_grad) or one forward + backward."""
-    start = time.perf_counter()
+    start = clock()
     if backward:
         o, _ = kernel(**inputs)
         o.sum().backward()
     else:
         with torch.no_grad():
             kernel(**inputs)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     for tensor in inputs.values():
         tensor.grad = None  # fresh gradients each run, so no run pays for accumulation
     return elapsed
@@ -96,7 +97,10 @@ def main() -> None:
     parser.add_argument("--no-recurrent", action="store_true", help="leave out the (slow) recurrence")
     parser.add_argument("--rate", action="store_true", help="FLOP rate as a share of a dense matmul")
     parser.add_argument("--before", help="another chunk.py to time alongside (a column per chunk size)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time this process's CPU seconds (robust to a loaded machine), not wall-clock")
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
 
     kernels: dict[str, Callable] = {} if args.no_recurrent else {"recurrent": naive_recurrent_kda}
@@ -111,7 +115,8 @@ def main() -> None:
         )
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), B=1 H={args.heads} "
-        f"K=V={args.head_dim}, fp32, g in (-5, 0), median of {args.repeats}\n"
+        f"K=V={args.head_dim}, fp32, g in (-5, 0), median of {args.repeats} "
+        f"({'process CPU' if args.cpu_time else 'wall-clock'} time)\n"
     )
     chunked_names = [name for name in kernels if name != "recurrent"]
     header = ["T", "pass"] + ([] if args.no_recurrent else ["recurrent (ms)"])
@@ -128,12 +133,12 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in kernels}
             matmul_times: list[float] = []
             for kernel in kernels.values():  # warm-up, not timed
-                time_once(kernel, inputs, backward)
+                time_once(kernel, inputs, backward, clock)
             for _ in range(args.repeats):
                 for name, kernel in kernels.items():  # interleaved: drifts hit all alike
-                    times[name].append(time_once(kernel, inputs, backward))
+                    times[name].append(time_once(kernel, inputs, backward, clock))
                 if args.rate:
-                    matmul_times.append(time_matmul())
+                    matmul_times.append(time_matmul(clock))
             medians = {name: 1e3 * statistics.median(runs) for name, runs in times.items()}
             matmul_rate = 2 * 1024**3 / statistics.median(matmul_times) / 1e9 if args.rate else 0.0
             row = [str(seq_len), "fwd+bwd" if backward else "fwd"]

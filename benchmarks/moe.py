@@ -16,7 +16,8 @@
     training path), the plain per-group loop under autograd (`grouped_mm_reference`, the path
     before the custom backward), `torch._grouped_mm` where torch runs it on CPU, against the same
     GLU as dense matmuls of the same FLOPs (all rows through one expert's matrices). Timed in
-    alternation in one process, medians.
+    alternation in one process, medians of this process's CPU time (`time.process_time`, which a
+    loaded machine disturbs far less than wall-clock time).
 
     OMP_NUM_THREADS=1 python benchmarks/moe.py                  # all tables, ~1-2 min on one core
     OMP_NUM_THREADS=1 python benchmarks/moe.py --tables a c     # some of them
@@ -306,12 +307,12 @@ def expert_glu_pass(rows, stacks, group_ends, activation, mm) -> float:
     """Seconds for `w2 · act(w1 x, w3 x)` forward + backward with the grouped GEMM `mm`
     (as `LocalExperts.forward_sorted`)."""
     w1, w3, w2 = stacks
-    start = time.perf_counter()
+    start = time.process_time()
     gate = mm(rows, w1.transpose(1, 2), group_ends)
     up = mm(rows, w3.transpose(1, 2), group_ends)
     out = mm(activation(gate, up), w2.transpose(1, 2), group_ends)
     out.backward(torch.ones_like(out))
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     for tensor in (rows, *stacks):
         tensor.grad = None
     return elapsed
