@@ -48,55 +48,56 @@ def attn_res_mix_reference(
     return mixed.to(sources[0].dtype)
 
 
-def _rows(source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`[..., d]` -> `[tokens, d]` in the accumulation dtype (a view for fp32/fp64 sources)."""
-    return source.reshape(-1, source.shape[-1]).to(dtype)
+def _rows(sources: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each `[..., d]` source as `[tokens, d]` in the accumulation dtype (views for fp32/fp64)."""
+    return [source.reshape(-1, source.shape[-1]).to(dtype) for source in sources]
 
 
-def _mix_forward(sources: Sequence[torch.Tensor], score_weight: torch.Tensor, eps: float):
+def _mix_forward(rows: list[torch.Tensor], score_weight: torch.Tensor, eps: float):
     """Weights `α`, inverse key norms `r` and scores `s` (each `[m, tokens]`) and `Σ α_i v_i`."""
-    dtype = score_weight.dtype
-    dim = sources[0].shape[-1]
-    dots, inverse_norms = [], []
-    for source in sources:
-        rows = _rows(source, dtype)
-        dots.append(rows @ score_weight)  # (γ ⊙ w)ᵀ v_i: the keys are never formed
-        inverse_norms.append(torch.linalg.vector_norm(rows, dim=-1))
-    inverse_norm = torch.rsqrt(torch.stack(inverse_norms).square_().div_(dim).add_(eps))
-    scores = torch.stack(dots).mul_(inverse_norm)
+    dim = score_weight.shape[0]
+    dots = torch.stack([source @ score_weight for source in rows])  # (γ ⊙ w)ᵀ v_i: no keys formed
+    norms = torch.stack([torch.linalg.vector_norm(source, dim=-1) for source in rows])
+    inverse_norm = torch.rsqrt(norms.square_().div_(dim).add_(eps))
+    scores = dots.mul_(inverse_norm)
     probabilities = scores.softmax(0)
-    return probabilities, inverse_norm, scores, _weighted_sum(sources, probabilities)
+    return probabilities, inverse_norm, scores, _weighted_sum(rows, probabilities)
 
 
-def _weighted_sum(sources: Sequence[torch.Tensor], probabilities: torch.Tensor) -> torch.Tensor:
-    dtype = probabilities.dtype
-    mixed = _rows(sources[0], dtype) * probabilities[0].unsqueeze(-1)
-    for source, weight in zip(sources[1:], probabilities[1:]):
-        mixed.addcmul_(_rows(source, dtype), weight.unsqueeze(-1))
+def _weighted_sum(rows: list[torch.Tensor], probabilities: torch.Tensor) -> torch.Tensor:
+    weights = probabilities.unsqueeze(-1).unbind(0)
+    mixed = rows[0] * weights[0]
+    for source, weight in zip(rows[1:], weights[1:]):
+        mixed.addcmul_(source, weight)
     return mixed  # [tokens, d]
 
 
-def _mix_backward(sources, score_weight, probabilities, inverse_norm, scores, grad_mixed, needs_source_grads):
-    """Gradients of the sources (None where not needed) and of `γ ⊙ w`, from `∂L/∂mixed`."""
-    dtype = score_weight.dtype
-    dim = score_weight.shape[0]
-    grad_weights = torch.stack([(_rows(source, dtype) * grad_mixed).sum(-1) for source in sources])
+def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, grad_mixed, source_grads: bool):
+    """Gradients of the sources (`[m, tokens, d]`, or None if `not source_grads`) and of `γ ⊙ w`,
+    from `∂L/∂mixed`."""
+    count, dim = len(rows), score_weight.shape[0]
+    grad_weights = torch.stack([torch.linalg.vecdot(source, grad_mixed) for source in rows])
     grad_scores = probabilities * (grad_weights - (probabilities * grad_weights).sum(0, keepdim=True))
     along_query = grad_scores * inverse_norm  # ∂L/∂s_i · r_i
-    along_value = grad_scores * scores * inverse_norm.square() / dim  # ∂L/∂s_i · s_i r_i² / d
+    along_value = along_query * scores * inverse_norm / -dim  # −∂L/∂s_i · s_i r_i² / d
     grad_score_weight = torch.zeros_like(score_weight)
-    grad_sources = []
-    for index, source in enumerate(sources):
-        rows = _rows(source, dtype)
-        grad_score_weight.addmv_(rows.t(), along_query[index])
-        if not needs_source_grads[index]:
-            grad_sources.append(None)
-            continue
-        grad = grad_mixed * probabilities[index].unsqueeze(-1)
-        grad.addcmul_(rows, along_value[index].unsqueeze(-1), value=-1.0)
-        grad.addr_(along_query[index], score_weight)
-        grad_sources.append(grad.view(source.shape).to(source.dtype))
-    return grad_sources, grad_score_weight
+    for source, weight in zip(rows, along_query):
+        grad_score_weight.addmv_(source.t(), weight)
+    if not source_grads:
+        return None, grad_score_weight
+    # α_i g + (∂L/∂s_i r_i) (γ ⊙ w) for every source at once, then − (∂L/∂s_i s_i r_i² / d) v_i.
+    grads = probabilities.unsqueeze(-1) * grad_mixed
+    grads.baddbmm_(along_query.unsqueeze(-1), score_weight.expand(count, 1, dim))
+    for grad, source, weight in zip(grads.unbind(0), rows, along_value.unsqueeze(-1).unbind(0)):
+        grad.addcmul_(source, weight)
+    return grads, grad_score_weight
+
+
+def _source_grads(grads, sources, needs_input_grad) -> list:
+    if grads is None:
+        return [None] * len(sources)
+    return [grad.view(source.shape).to(source.dtype) if needed else None
+            for grad, source, needed in zip(grads.unbind(0), sources, needs_input_grad)]
 
 
 class _AttnResMix(torch.autograd.Function):
@@ -105,7 +106,7 @@ class _AttnResMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, norm_weight, query, eps, *sources):
         score_weight = upcast(norm_weight) * upcast(query)
-        probabilities, inverse_norm, scores, mixed = _mix_forward(sources, score_weight, eps)
+        probabilities, inverse_norm, scores, mixed = _mix_forward(_rows(sources, score_weight.dtype), score_weight, eps)
         ctx.save_for_backward(norm_weight, query, probabilities, inverse_norm, scores, *sources)
         return mixed.view(sources[0].shape).to(sources[0].dtype)
 
@@ -113,10 +114,11 @@ class _AttnResMix(torch.autograd.Function):
     def backward(ctx, grad_output):
         norm_weight, query, probabilities, inverse_norm, scores, *sources = ctx.saved_tensors
         score_weight = upcast(norm_weight) * upcast(query)
-        grad_mixed = _rows(grad_output, score_weight.dtype)
-        grad_sources, grad_score_weight = _mix_backward(
-            sources, score_weight, probabilities, inverse_norm, scores, grad_mixed, ctx.needs_input_grad[3:])
-        return _parameter_grads(ctx, norm_weight, query, grad_score_weight) + (None, *grad_sources)
+        (grad_mixed,) = _rows([grad_output], score_weight.dtype)
+        grads, grad_score_weight = _mix_backward(_rows(sources, score_weight.dtype), score_weight, probabilities,
+                                                 inverse_norm, scores, grad_mixed, any(ctx.needs_input_grad[3:]))
+        return (*_parameter_grads(ctx, norm_weight, query, grad_score_weight), None,
+                *_source_grads(grads, sources, ctx.needs_input_grad[3:]))
 
 
 class _AttnResMixRMSNorm(torch.autograd.Function):
@@ -126,7 +128,7 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, norm_weight, query, eps, out_weight, out_eps, *sources):
         score_weight = upcast(norm_weight) * upcast(query)
-        probabilities, inverse_norm, scores, mixed = _mix_forward(sources, score_weight, eps)
+        probabilities, inverse_norm, scores, mixed = _mix_forward(_rows(sources, score_weight.dtype), score_weight, eps)
         # Rounded to the sources' dtype first, as `RMSNorm(attn_res_mix(...))` would see it.
         mixed = upcast(mixed.to(sources[0].dtype))
         out_inverse_norm = torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + out_eps)
@@ -141,18 +143,20 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
             ctx.saved_tensors)
         score_weight = upcast(norm_weight) * upcast(query)
         dtype = score_weight.dtype
-        mixed = upcast(_weighted_sum(sources, probabilities).to(sources[0].dtype))  # not the whole mix again
+        rows = _rows(sources, dtype)
+        mixed = upcast(_weighted_sum(rows, probabilities).to(sources[0].dtype))  # not the whole mix again
         normalized = mixed * out_inverse_norm
-        grad_output = _rows(grad_output, dtype)
+        (grad_output,) = _rows([grad_output], dtype)
         grad_out_weight = (grad_output * normalized).sum(0).to(out_weight.dtype) if ctx.needs_input_grad[3] else None
         grad_normalized = grad_output * upcast(out_weight)
         # RMSNorm backward: ρ (ĝ − x̂ · mean(ĝ ⊙ x̂)) with x̂ = x ρ.
         projection = (grad_normalized * normalized).mean(-1, keepdim=True)
         grad_mixed = grad_normalized.sub_(normalized.mul_(projection)).mul_(out_inverse_norm)
-        grad_sources, grad_score_weight = _mix_backward(
-            sources, score_weight, probabilities, inverse_norm, scores, grad_mixed, ctx.needs_input_grad[5:])
+        grads, grad_score_weight = _mix_backward(rows, score_weight, probabilities, inverse_norm, scores,
+                                                 grad_mixed, any(ctx.needs_input_grad[5:]))
         grad_norm_weight, grad_query = _parameter_grads(ctx, norm_weight, query, grad_score_weight)
-        return (grad_norm_weight, grad_query, None, grad_out_weight, None, *grad_sources)
+        return (grad_norm_weight, grad_query, None, grad_out_weight, None,
+                *_source_grads(grads, sources, ctx.needs_input_grad[5:]))
 
 
 def _parameter_grads(ctx, norm_weight, query, grad_score_weight):
