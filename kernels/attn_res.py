@@ -48,6 +48,15 @@ def attn_res_mix_reference(
     return mixed.to(sources[0].dtype)
 
 
+def _score_weight(norm_weight: torch.Tensor, query: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`γ ⊙ w` in the computation's dtype: fp32 or wider, and no narrower than any source (under
+    bf16 autocast the embedding's fp32 output meets bf16 sublayer outputs)."""
+    dtype = upcast(norm_weight).dtype
+    for tensor in (query, *sources):
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return norm_weight.to(dtype) * query.to(dtype)
+
+
 def _rows(sources: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """Each `[..., d]` source as `[tokens, d]` in the accumulation dtype (views for fp32/fp64)."""
     return [source.reshape(-1, source.shape[-1]).to(dtype) for source in sources]
@@ -105,7 +114,7 @@ class _AttnResMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, norm_weight, query, eps, *sources):
-        score_weight = upcast(norm_weight) * upcast(query)
+        score_weight = _score_weight(norm_weight, query, sources)
         probabilities, inverse_norm, scores, mixed = _mix_forward(_rows(sources, score_weight.dtype), score_weight, eps)
         ctx.save_for_backward(norm_weight, query, probabilities, inverse_norm, scores, *sources)
         return mixed.view(sources[0].shape).to(sources[0].dtype)
@@ -113,7 +122,7 @@ class _AttnResMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         norm_weight, query, probabilities, inverse_norm, scores, *sources = ctx.saved_tensors
-        score_weight = upcast(norm_weight) * upcast(query)
+        score_weight = _score_weight(norm_weight, query, sources)
         (grad_mixed,) = _rows([grad_output], score_weight.dtype)
         grads, grad_score_weight = _mix_backward(_rows(sources, score_weight.dtype), score_weight, probabilities,
                                                  inverse_norm, scores, grad_mixed, any(ctx.needs_input_grad[3:]))
@@ -127,7 +136,7 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, norm_weight, query, eps, out_weight, out_eps, *sources):
-        score_weight = upcast(norm_weight) * upcast(query)
+        score_weight = _score_weight(norm_weight, query, sources)
         probabilities, inverse_norm, scores, mixed = _mix_forward(_rows(sources, score_weight.dtype), score_weight, eps)
         # Rounded to the sources' dtype first, as `RMSNorm(attn_res_mix(...))` would see it.
         mixed = upcast(mixed.to(sources[0].dtype))
@@ -141,7 +150,7 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
     def backward(ctx, grad_output):
         norm_weight, query, out_weight, probabilities, inverse_norm, scores, out_inverse_norm, *sources = (
             ctx.saved_tensors)
-        score_weight = upcast(norm_weight) * upcast(query)
+        score_weight = _score_weight(norm_weight, query, sources)
         dtype = score_weight.dtype
         rows = _rows(sources, dtype)
         mixed = upcast(_weighted_sum(rows, probabilities).to(sources[0].dtype))  # not the whole mix again
@@ -169,15 +178,15 @@ def _parameter_grads(ctx, norm_weight, query, grad_score_weight):
 def _check_sources(sources: Sequence[torch.Tensor]) -> None:
     if not sources:
         raise ValueError("attn_res_mix needs at least one source")
-    if any(source.shape != sources[0].shape or source.dtype != sources[0].dtype for source in sources):
-        raise ValueError("attn_res_mix sources must share one shape and dtype, got "
-                         f"{[(tuple(s.shape), s.dtype) for s in sources]}")
+    if any(source.shape != sources[0].shape for source in sources):
+        raise ValueError(f"attn_res_mix sources must share one shape, got {[tuple(s.shape) for s in sources]}")
 
 
 def attn_res_mix(
     sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """Mix `sources` (all of one shape `[..., d]`) with depth attention; returns `[..., d]`."""
+    """Mix `sources` (all of one shape `[..., d]`) with depth attention; returns `[..., d]` in the
+    first source's dtype."""
     _check_sources(sources)
     with without_autocast(sources[0].device):  # bf16 autocast must not downcast the mix
         return _AttnResMix.apply(norm_weight, query, eps, *sources)

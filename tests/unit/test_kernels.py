@@ -6,6 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_reference, attn_res_mix_rmsnorm
 from k3train.kernels.grouped_gemm import grouped_mm, grouped_mm_reference
+from k3train.model.norm import RMSNorm
 
 
 def test_grouped_mm_reference_matches_torch_grouped_mm_forward():
@@ -134,3 +135,22 @@ def test_grouped_mm_gradients_match_the_reference_loop(dtype, width, transposed)
     for a, b in ((out, ref_out), (dx, ref_dx), (dw, ref_dw)):
         assert (a - b).abs().max() < tolerance
     assert torch.equal(dx[-2:], torch.zeros_like(dx[-2:])) and torch.equal(dw[1], torch.zeros_like(dw[1]))
+
+
+def test_attn_res_fast_mix_takes_sources_of_mixed_dtypes():
+    """Under bf16 autocast the embedding's fp32 output meets bf16 sublayer outputs: the mix runs
+    in fp32, returns the first source's dtype and each gradient in its source's dtype."""
+    sources, gain, query, out_gain = attn_res_case(dtype=torch.float32)
+    sources = [s.detach().to(torch.bfloat16 if i else torch.float32).requires_grad_() for i, s in enumerate(sources)]
+    cotangent = torch.randn(sources[0].shape)
+    inputs = [*sources, gain, query]
+    for fast, reference in ((attn_res_mix(sources, gain, query, 1e-6), attn_res_mix_reference(sources, gain, query, 1e-6)),
+                            (attn_res_mix_rmsnorm(sources, gain, query, 1e-6, out_gain, 1e-5),
+                             RMSNorm(12, 1e-5).to(torch.float32).requires_grad_(False)(
+                                 attn_res_mix_reference(sources, gain, query, 1e-6)) * out_gain)):
+        fast_values = values_and_grads(fast, inputs, cotangent)
+        reference_values = values_and_grads(reference, inputs, cotangent)
+        assert fast.dtype == torch.float32
+        assert [g.dtype for g in fast_values[1:len(sources) + 1]] == [s.dtype for s in sources]
+        for a, b in zip(fast_values, reference_values):
+            assert (a.float() - b.float()).abs().max() <= 1e-5 * max(1.0, b.float().abs().max())
