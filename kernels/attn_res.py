@@ -154,13 +154,14 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
         dtype = score_weight.dtype
         rows = _rows(sources, dtype)
         mixed = upcast(_weighted_sum(rows, probabilities).to(sources[0].dtype))  # not the whole mix again
-        normalized = mixed * out_inverse_norm
+        normalized = mixed * out_inverse_norm  # x̂ = x ρ
         (grad_output,) = _rows([grad_output], dtype)
-        grad_out_weight = (grad_output * normalized).sum(0).to(out_weight.dtype) if ctx.needs_input_grad[3] else None
-        grad_normalized = grad_output * upcast(out_weight)
-        # RMSNorm backward: ρ (ĝ − x̂ · mean(ĝ ⊙ x̂)) with x̂ = x ρ.
-        projection = (grad_normalized * normalized).mean(-1, keepdim=True)
-        grad_mixed = grad_normalized.sub_(normalized.mul_(projection)).mul_(out_inverse_norm)
+        gain = upcast(out_weight)
+        # RMSNorm backward: ρ (ĝ − x̂ · mean(ĝ ⊙ x̂)) with ĝ = g ⊙ gain; g ⊙ x̂ also gives ∂L/∂gain.
+        product = grad_output * normalized
+        grad_out_weight = product.sum(0).to(out_weight.dtype) if ctx.needs_input_grad[3] else None
+        projection = (product @ gain).div_(gain.shape[0]).unsqueeze(-1)
+        grad_mixed = torch.mul(grad_output, gain).sub_(normalized.mul_(projection)).mul_(out_inverse_norm)
         grads, grad_score_weight = _mix_backward(rows, score_weight, probabilities, inverse_norm, scores,
                                                  grad_mixed, any(ctx.needs_input_grad[5:]))
         grad_norm_weight, grad_query = _parameter_grads(ctx, norm_weight, query, grad_score_weight)
