@@ -2,8 +2,15 @@
 
 Both kernels run side by side in one process: every repeat times each of them once, in
 alternation, so slow drifts of a shared machine hit both alike; the table reports medians.
+With `--rate`, each chunked kernel's column also gives its FLOP rate (the forward FLOPs of
+`k3train.model.flops.kda_chunk_flops_per_chunk`, times 3 for forward + backward) as a share of a
+dense 1024×1024 fp32 matmul timed in the same alternation. `--before FILE` adds another
+version of `kernels/kda/chunk.py` (e.g. `git show REV:kernels/kda/chunk.py > /tmp/old_chunk.py`)
+as its own column, timed in the same alternation.
 
     OMP_NUM_THREADS=1 python benchmarks/kda.py --threads 1 --repeats 5 --chunk-sizes 16 64
+    OMP_NUM_THREADS=1 nice python benchmarks/kda.py --no-recurrent --rate --chunk-sizes 64 \
+        --lengths 512 4096 --head-dim 64 --before /tmp/old_chunk.py
 """
 
 from __future__ import annotations
@@ -22,6 +29,25 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from k3train.kernels.kda import chunk_kda, naive_recurrent_kda  # noqa: E402
+from k3train.model.flops import kda_chunk_flops_per_chunk  # noqa: E402
+
+
+def load_chunk_module(path: str):
+    """Another version of `kernels/kda/chunk.py`, imported inside the `kda` package so its
+    relative imports resolve."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("k3train.kernels.kda._chunk_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_matmul(clock: Callable[[], float], size: int = 1024) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    start = clock()
+    a @ b
+    return clock() - start
 
 
 def make_inputs(
@@ -42,16 +68,17 @@ def make_inputs(
     return tensors
 
 
-def time_once(kernel: Callable, inputs: dict[str, torch.Tensor], backward: bool) -> float:
+def time_once(kernel: Callable, inputs: dict[str, torch.Tensor], backward: bool,
+              clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds for one forward (under no_grad) or one forward + backward."""
-    start = time.perf_counter()
+    start = clock()
     if backward:
         o, _ = kernel(**inputs)
         o.sum().backward()
     else:
         with torch.no_grad():
             kernel(**inputs)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     for tensor in inputs.values():
         tensor.grad = None  # fresh gradients each run, so no run pays for accumulation
     return elapsed
@@ -67,37 +94,65 @@ def main() -> None:
     parser.add_argument(
         "--chunk-sizes", type=int, nargs="+", default=[16, 64], help="one column per chunk size"
     )
+    parser.add_argument("--no-recurrent", action="store_true", help="leave out the (slow) recurrence")
+    parser.add_argument("--rate", action="store_true", help="FLOP rate as a share of a dense matmul")
+    parser.add_argument("--before", help="another chunk.py to time alongside (a column per chunk size)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time this process's CPU seconds (robust to a loaded machine), not wall-clock")
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
 
-    kernels: dict[str, Callable] = {"recurrent": naive_recurrent_kda}
+    kernels: dict[str, Callable] = {} if args.no_recurrent else {"recurrent": naive_recurrent_kda}
+    before = load_chunk_module(args.before) if args.before else None
     for chunk_size in args.chunk_sizes:
+        if before is not None:
+            kernels[f"before C={chunk_size}"] = functools.partial(
+                before.chunk_kda, chunk_size=chunk_size, backend="torch"
+            )
         kernels[f"chunked C={chunk_size}"] = functools.partial(
             chunk_kda, chunk_size=chunk_size, backend="torch"
         )
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), B=1 H={args.heads} "
-        f"K=V={args.head_dim}, fp32, g in (-5, 0), median of {args.repeats}\n"
+        f"K=V={args.head_dim}, fp32, g in (-5, 0), median of {args.repeats} "
+        f"({'process CPU' if args.cpu_time else 'wall-clock'} time)\n"
     )
-    chunked_names = list(kernels)[1:]
-    header = ["T", "pass", "recurrent (ms)"]
+    chunked_names = [name for name in kernels if name != "recurrent"]
+    header = ["T", "pass"] + ([] if args.no_recurrent else ["recurrent (ms)"])
     for name in chunked_names:
-        header += [f"{name} (ms)", "speed-up"]
+        header += [f"{name} (ms)"] + ([] if args.no_recurrent else ["speed-up"])
+        header += ["GFLOP/s", "/ matmul"] if args.rate else []
+    if args.rate:
+        header += ["matmul GFLOP/s"]
     print("| " + " | ".join(header) + " |")
     print("| " + " | ".join(["---:", "---"] + ["---:"] * (len(header) - 2)) + " |")
     for seq_len in args.lengths:
         for backward in (False, True):
             inputs = make_inputs(seq_len, args.heads, args.head_dim, requires_grad=backward)
             times: dict[str, list[float]] = {name: [] for name in kernels}
+            matmul_times: list[float] = []
             for kernel in kernels.values():  # warm-up, not timed
-                time_once(kernel, inputs, backward)
+                time_once(kernel, inputs, backward, clock)
             for _ in range(args.repeats):
                 for name, kernel in kernels.items():  # interleaved: drifts hit all alike
-                    times[name].append(time_once(kernel, inputs, backward))
+                    times[name].append(time_once(kernel, inputs, backward, clock))
+                if args.rate:
+                    matmul_times.append(time_matmul(clock))
             medians = {name: 1e3 * statistics.median(runs) for name, runs in times.items()}
-            row = [str(seq_len), "fwd+bwd" if backward else "fwd", f"{medians['recurrent']:.1f}"]
+            matmul_rate = 2 * 1024**3 / statistics.median(matmul_times) / 1e9 if args.rate else 0.0
+            row = [str(seq_len), "fwd+bwd" if backward else "fwd"]
+            row += [] if args.no_recurrent else [f"{medians['recurrent']:.1f}"]
             for name in chunked_names:
-                row += [f"{medians[name]:.1f}", f"{medians['recurrent'] / medians[name]:.1f}x"]
+                row += [f"{medians[name]:.1f}"]
+                row += [] if args.no_recurrent else [f"{medians['recurrent'] / medians[name]:.1f}x"]
+                if args.rate:
+                    chunk_size = int(name.split("C=")[1])
+                    flops = (3 if backward else 1) * args.heads * -(-seq_len // chunk_size) * \
+                        kda_chunk_flops_per_chunk(chunk_size, args.head_dim, args.head_dim)
+                    rate = flops / (medians[name] / 1e3) / 1e9
+                    row += [f"{rate:.1f}", f"{rate / matmul_rate:.0%}"]
+            row += [f"{matmul_rate:.1f}"] if args.rate else []
             print("| " + " | ".join(row) + " |", flush=True)
 
 

@@ -12,9 +12,16 @@
 (c) The histogram quantile against the exact one for 100, 1000 and 10000 bins.
 (d) Dropped slots of the fixed-size dispatch (EP 16, K3 routing from (b)) in `capacity` and
     `balanced` mode at several capacity factors, routed by the real planner and drop policy.
+(e) The routed experts' GLU, forward + backward on sorted rows, on CPU: `grouped_mm` (the
+    training path), the plain per-group loop under autograd (`grouped_mm_reference`, the path
+    before the custom backward), `torch._grouped_mm` where torch runs it on CPU, against the same
+    GLU as dense matmuls of the same FLOPs (all rows through one expert's matrices). Timed in
+    alternation in one process, medians of this process's CPU time (`time.process_time`, which a
+    loaded machine disturbs far less than wall-clock time).
 
     OMP_NUM_THREADS=1 python benchmarks/moe.py                  # all tables, ~1-2 min on one core
     OMP_NUM_THREADS=1 python benchmarks/moe.py --tables a c     # some of them
+    OMP_NUM_THREADS=1 nice python benchmarks/moe.py --tables e --repeats 9
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from k3train.model.balance import (  # noqa: E402
     Balancer, ExactQuantileBalancer, HistogramQuantileBalancer, SignBalancer, histogram_quantile, kth_largest_cutoff,
 )
+from k3train.kernels.grouped_gemm import grouped_mm, grouped_mm_reference  # noqa: E402
 from k3train.model.config import ModelConfig  # noqa: E402
 from k3train.model.moe import LocalExperts  # noqa: E402
 from k3train.parallel.comm import Group, TrafficCounter  # noqa: E402
@@ -293,6 +302,66 @@ def table_d(args) -> None:
           f"max_replicas_per_rank={replicas}; real planner and drop policy")
 
 
+# ---------------------------------------------------------------------------------------------- (e)
+def expert_glu_pass(rows, stacks, group_ends, activation, mm) -> float:
+    """Seconds for `w2 · act(w1 x, w3 x)` forward + backward with the grouped GEMM `mm`
+    (as `LocalExperts.forward_sorted`)."""
+    w1, w3, w2 = stacks
+    start = time.process_time()
+    gate = mm(rows, w1.transpose(1, 2), group_ends)
+    up = mm(rows, w3.transpose(1, 2), group_ends)
+    out = mm(activation(gate, up), w2.transpose(1, 2), group_ends)
+    out.backward(torch.ones_like(out))
+    elapsed = time.process_time() - start
+    for tensor in (rows, *stacks):
+        tensor.grad = None
+    return elapsed
+
+
+def torch_grouped_mm(x, weights, group_ends):
+    return torch._grouped_mm(x, weights, offs=group_ends)
+
+
+def dense_mm(x, weights, group_ends):
+    """All rows through one matrix (`weights` holds one group): the FLOPs of the grouped GLU as
+    dense matmuls."""
+    return x @ weights[0]
+
+
+def table_e(args: argparse.Namespace) -> None:
+    rows_out = []
+    for label, tokens, width, inner in (("debug", 256, 64, 64), ("issue", 1024, 256, 256)):
+        config = dataclasses.replace(ModelConfig(), routed_expert_hidden_size=width, moe_intermediate_size=inner,
+                                     num_experts=args.glu_experts, num_experts_per_token=args.glu_top_k)
+        experts = LocalExperts(config, args.glu_experts)
+        generator = torch.Generator().manual_seed(0)
+        stacks = [torch.randn(p.shape, generator=generator).mul_(0.05).requires_grad_() for p in experts.stacks()]
+        ids = torch.rand(tokens, args.glu_experts, generator=generator).topk(args.glu_top_k, dim=-1).indices
+        counts = torch.bincount(ids.flatten(), minlength=args.glu_experts)
+        group_ends = counts.cumsum(0).to(torch.int32)
+        rows = torch.randn(int(counts.sum()), width, generator=generator, requires_grad=True)
+        kernels = {"dense": dense_mm, "grouped_mm": grouped_mm, "loop (before)": grouped_mm_reference}
+        if hasattr(torch, "_grouped_mm"):
+            kernels["torch._grouped_mm"] = torch_grouped_mm
+        dense_stacks = [stack[:1].detach().clone().requires_grad_() for stack in stacks]  # one expert's matrices
+        times = {name: [] for name in kernels}
+
+        def run(name: str) -> float:
+            return expert_glu_pass(rows, dense_stacks if name == "dense" else stacks, group_ends,
+                                   experts.activation, kernels[name])
+        for name in kernels:  # warm-up
+            run(name)
+        for _ in range(args.repeats):
+            for name in kernels:
+                times[name].append(run(name))
+        medians = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+        rows_out.append([f"{label}: {rows.shape[0]} rows, {width}->{inner}->{width}"]
+                        + [f"{medians[name]:.2f} ({medians[name] / medians['dense']:.2f}x)" for name in kernels])
+    table(["case", *[f"{name} ms (/dense)" for name in kernels]], rows_out,
+          f"(e) expert GLU forward+backward, {args.glu_experts} experts top-{args.glu_top_k}, fp32, "
+          f"{torch.get_num_threads()} thread(s), median of {args.repeats}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tables", nargs="*", default=["a", "b", "c", "d"])
@@ -304,6 +373,9 @@ def main() -> None:
     parser.add_argument("--router-tokens", type=int, default=4096, help="(b, c) tokens per step")
     parser.add_argument("--dispatch-tokens", type=int, default=1024, help="(d) tokens per rank")
     parser.add_argument("--capacity-factors", type=float, nargs="*", default=[1.0, 1.25, 1.5])
+    parser.add_argument("--glu-experts", type=int, default=16, help="(e) experts")
+    parser.add_argument("--glu-top-k", type=int, default=4, help="(e) experts per token")
+    parser.add_argument("--repeats", type=int, default=9, help="(e) timed passes per kernel")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -316,6 +388,8 @@ def main() -> None:
         table_c(args, *kept)
     if "d" in args.tables:
         table_d(args)
+    if "e" in args.tables:
+        table_e(args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.contracts.param_roles import mark_adamw_only
 from k3train.contracts.stage_io import ResidualState
-from k3train.kernels.attn_res import attn_res_mix
+from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_rmsnorm
 from k3train.model.norm import RMSNorm
 
 
@@ -43,18 +43,17 @@ class AttentionResidual(nn.Module):
         """`norm(mix(sources))`: the input of the sublayer's first projection."""
         if len(sources) == 1:
             return norm(sources[0])  # softmax over one source is exactly 1
-        if self.recompute and torch.is_grad_enabled():
+        if self.recompute and torch.is_grad_enabled() and isinstance(norm, RMSNorm):
             # Save only the sources (block tensors shared by every later layer, and this layer's
-            # partial sum, the size of the hidden state a plain residual layer saves); the stacked
-            # values, keys, softmax weights and the mixed hidden state are rebuilt in backward.
-            return checkpoint(self._mix_and_normalize, norm, *sources, use_reentrant=False)
-        return self._mix_and_normalize(norm, *sources)
+            # partial sum, the size of the hidden state a plain residual layer saves) and
+            # per-token scalars; backward rebuilds the mixed hidden state from the saved weights
+            # (m multiply-adds) rather than running the mix a second time.
+            return attn_res_mix_rmsnorm(sources, self.norm.weight, self.proj.weight[0], self.norm.eps,
+                                        norm.weight, norm.eps)
+        return norm(self.mix(sources))
 
     def mix(self, sources: list[torch.Tensor]) -> torch.Tensor:
         return attn_res_mix(sources, self.norm.weight, self.proj.weight[0], self.norm.eps)
-
-    def _mix_and_normalize(self, norm: nn.Module, *sources: torch.Tensor) -> torch.Tensor:
-        return norm(self.mix(list(sources)) if len(sources) > 1 else sources[0])
 
 
 def apply_sublayer(

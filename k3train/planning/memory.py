@@ -97,11 +97,12 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, shape: ActivationShape,
     """Saved bytes of decoder layer `layer` for one micro-batch under `cfg.recompute`."""
     h, tp = cfg.hidden_size, shape.tp
     inside, outside, a = shape.tokens, shape.outside_tokens, shape.element_bytes
-    # Residual path: the partial sum handed to each sublayer (2 per layer); without recompute the
-    # AttnRes mixes' stacked sources, keys, weights and norms (5h more per mix, fp32).
+    # Residual path: the partial sum handed to each sublayer (2 per layer); without recompute each
+    # AttnRes mix's output and its normalised copy, saved by the norm that follows (2h more per
+    # mix, fp32; the mix itself keeps only per-token scalars besides its sources).
     residual = 2 * h * outside * a
     if cfg.recompute == "none" and cfg.attn_res != "none":
-        residual += 10 * h * outside * 4
+        residual += 4 * h * outside * 4
     if cfg.recompute == "sublayer":
         return residual
     mixer = (mla_elements_per_token(cfg, tp, seq_length, kernel) if cfg.is_mla_layer(layer)

@@ -33,12 +33,21 @@ terms, far under fp32 resolution. Cumulative sums and exponent differences are f
 and rounded once, so nearby tokens keep full relative precision even where `G` itself is near
 −320; each factor then carries a relative error of about `|exponent| · 2^−24` (≤ 2.4e-6 at
 g = −5 in fp32).
+
+Speed on CPU. The same wide range makes many products of these factors subnormal (fp32 below
+1.2e-38: `e^{G_i − G_j}` of far-apart tokens), and x86 cores take a microcode assist for every
+subnormal operand or result, which made the chunk's 64×64 matmuls run at a few percent of the
+matmul rate. The PyTorch path therefore runs, forward and backward, with the CPU's
+flush-to-zero mode on (`torch.set_flush_denormal`; values under 1.2e-38 become 0, far below what
+fp32 resolves next to the O(1) terms they are added to) and restores the caller's mode after.
+The mode is per thread: with several intra-op threads, the worker threads keep theirs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -168,7 +177,72 @@ def decayed_gram_matrices(
     return grams
 
 
+def _flushes_denormals() -> bool:
+    """Whether this thread's CPU flushes subnormal floats to zero (a subnormal times 2 reads 0)."""
+    return bool((torch.tensor([1e-40], dtype=torch.float32) * 2).item() == 0.0)
+
+
+@contextlib.contextmanager
+def _flushing_denormals(enabled: bool) -> Iterator[None]:
+    """Flush-to-zero on this thread for the block (if `enabled` and supported), then the previous mode."""
+    switched = enabled and not _flushes_denormals() and torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if switched:
+            torch.set_flush_denormal(False)
+
+
+class _FlushDenormalsInBackward(torch.autograd.Function):
+    """An identity on tensors that brackets a region's backward in flush-to-zero mode: placed on
+    the region's outputs (`entering=True`: its backward runs first and switches the mode on) and
+    on its inputs (`entering=False`: its backward runs last and restores the mode). `mode` is a
+    dict the pair shares."""
+
+    @staticmethod
+    def forward(ctx, entering: bool, mode: dict, *tensors: torch.Tensor):
+        ctx.entering, ctx.mode = entering, mode
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.entering:
+            ctx.mode["switched"] = not _flushes_denormals() and torch.set_flush_denormal(True)
+        elif ctx.mode.pop("switched", False):
+            torch.set_flush_denormal(False)
+        return (None, None, *grads)
+
+
 def _chunk_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_chunk_kda_chunks` in flush-to-zero mode on CPU, forward and backward (module docstring)."""
+    on_cpu = q.device.type == "cpu"
+    inputs = [q, k, v, g, beta] + ([initial_state] if initial_state is not None else [])
+    bracket = on_cpu and torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    mode: dict = {}
+    if bracket:
+        inputs = list(_FlushDenormalsInBackward.apply(False, mode, *inputs))
+    with _flushing_denormals(on_cpu):
+        o, final_state = _chunk_kda_chunks(*inputs[:5], scale, inputs[5] if initial_state is not None else None,
+                                           output_final_state, chunk_size)
+    if bracket:
+        if final_state is None:
+            (o,) = _FlushDenormalsInBackward.apply(True, mode, o)
+        else:
+            o, final_state = _FlushDenormalsInBackward.apply(True, mode, o, final_state)
+    return o, final_state
+
+
+def _chunk_kda_chunks(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

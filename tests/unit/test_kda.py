@@ -421,3 +421,26 @@ def test_input_shapes_are_checked():
         chunk_kda(**{**inputs, "beta": inputs["beta"][..., None]})
     with pytest.raises(ValueError):
         naive_recurrent_kda(**inputs, initial_state=initial_state.transpose(-1, -2))
+
+
+@pytest.mark.parametrize("caller_flushes", [False, True])
+def test_chunk_kda_restores_the_callers_denormal_mode(caller_flushes):
+    """The PyTorch path runs in flush-to-zero mode on CPU (subnormal decay products otherwise
+    stall the matmuls) and hands the caller's mode back after forward and after backward."""
+    from k3train.kernels.kda.chunk import _flushes_denormals
+
+    generator = torch.Generator().manual_seed(0)
+    shape = (1, 40, 2, 8)
+    q, k = (F.normalize(torch.randn(shape, generator=generator), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(shape, generator=generator, requires_grad=True)
+    g = (-5.0 * torch.rand(shape, generator=generator)).requires_grad_()
+    beta = torch.rand(shape[:3], generator=generator, requires_grad=True)
+    torch.set_flush_denormal(caller_flushes)
+    try:
+        o, state = chunk_kda(q, k, v, g, beta, output_final_state=True, chunk_size=16, backend="torch")
+        assert _flushes_denormals() == caller_flushes
+        (o.square().sum() + state.sum()).backward()
+        assert _flushes_denormals() == caller_flushes
+        assert all(torch.isfinite(x.grad).all() for x in (q, k, v, g, beta))
+    finally:
+        torch.set_flush_denormal(False)

@@ -352,3 +352,33 @@ def test_router_and_attn_res_stay_fp32_under_bf16_autocast():
     assert (scores - expected_scores).abs().max() < 1e-6  # a bf16 matmul would be off by ~1e-3
     assert mixed.dtype == torch.float32
     assert (mixed - attn_res.mix(sources)).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_attn_res_gradients_equal_across_recompute_modes_and_the_stacked_reference(mode, monkeypatch):
+    """float64, whole model: `recompute: attn_res` (mix and norm fused, backward rebuilding the
+    mixed state), `none` (the mix function, then the norm) and the stacked autograd reference
+    give one loss and one set of gradients (to 1e-10)."""
+    from k3train.kernels import attn_res as attn_res_kernels
+    from k3train.model import attn_res as attn_res_model
+
+    input_ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grads(recompute: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        config = small_config(attn_res=mode, attn_res_block_size=2, hidden_size=64, vocab_size=64,
+                              num_hidden_layers=3, recompute=recompute)
+        model = K3Model(config).double()
+        randomize_attn_res_queries(model)
+        loss = lm_loss(model(input_ids), input_ids)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    runs = [loss_and_grads("attn_res"), loss_and_grads("none")]
+    monkeypatch.setattr(attn_res_model, "attn_res_mix", attn_res_kernels.attn_res_mix_reference)
+    runs.append(loss_and_grads("none"))
+    (loss, grads), *others = runs
+    for other_loss, other_grads in others:
+        assert (loss - other_loss).abs() < 1e-12
+        assert grads.keys() == other_grads.keys()
+        for name, grad in grads.items():
+            assert (grad - other_grads[name]).abs().max() < 1e-10, name
