@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = build_sweep(args, shared)
         runs = expand(sweep)
         if sweep.match:
-            runs = apply_match(runs, sweep.match, sweep.baseline_name)
+            runs = apply_match(runs, sweep.match, sweep.baseline_arms())
         if not args.no_plots:
             from k3train.ablation.plots import pyplot
 

@@ -84,9 +84,9 @@ class Sweep:
         for name, values in self.grid.items():
             if "." not in name or not values:
                 raise ConfigError(f"sweep: grid field {name!r} needs the form section.field=v1,v2")
-        if self.baseline is not None and self.baseline not in {arm.name for arm in self.arms()}:
-            raise ConfigError(f"sweep: baseline {self.baseline!r} is not one of the variants "
-                              f"{[arm.name for arm in self.arms()]}")
+        known = {arm.name for arm in self.arms()} | {variant.name for variant in self.variants}
+        if self.baseline is not None and self.baseline not in known:
+            raise ConfigError(f"sweep: baseline {self.baseline!r} is not one of the variants {sorted(known)}")
 
     def arms(self) -> list[Variant]:
         """The variants crossed with the grid, in a fixed order (variant-major)."""
@@ -102,9 +102,32 @@ class Sweep:
                 arms.append(Variant(name, variant.overrides + grid_overrides))
         return arms
 
+    def _arm_parts(self) -> list[tuple[Variant, str, Variant]]:
+        """(variant, grid suffix, arm) for every arm."""
+        if not self.grid:
+            return [(variant, "", variant) for variant in self.variants]
+        arms, per_variant = self.arms(), len(self.arms()) // len(self.variants)
+        return [(self.variants[i // per_variant], arm.name.split(",", 1)[1] if "," in arm.name else arm.name, arm)
+                for i, arm in enumerate(arms)]
+
+    def baseline_arms(self) -> dict[str, str]:
+        """Each arm's baseline arm. `baseline` may name an arm (every arm is compared with it) or a
+        variant (each arm with that variant at the same grid point); None means the first variant.
+        A sweep of the grid alone compares with its first point."""
+        parts = self._arm_parts()
+        arm_names = [arm.name for _, _, arm in parts]
+        if self.baseline in arm_names:
+            return {name: self.baseline for name in arm_names}
+        if self.grid and len(self.variants) == 1 and self.variants[0].name == "base":
+            return {name: arm_names[0] for name in arm_names}
+        variant = self.baseline if self.baseline is not None else self.variants[0].name
+        by_point = {suffix: arm.name for v, suffix, arm in parts if v.name == variant}
+        return {arm.name: by_point[suffix] for _, suffix, arm in parts}
+
     @property
     def baseline_name(self) -> str:
-        return self.baseline if self.baseline is not None else self.arms()[0].name
+        """The baseline arm of the first arm (the one the report names)."""
+        return next(iter(self.baseline_arms().values()))
 
 
 @dataclass(frozen=True)

@@ -82,14 +82,15 @@ def match_overrides(mode: str, baseline: RunCost, arm: RunCost) -> tuple[str, ..
     return extra + ((f"train.eval_interval={interval}",) if evaluations else ())
 
 
-def apply_match(runs: Sequence[RunSpec], mode: str, baseline_arm: str) -> list[RunSpec]:
-    """The runs with step overrides that match each run to the baseline arm's run of the same
-    size (seeds do not change the cost)."""
+def apply_match(runs: Sequence[RunSpec], mode: str, baselines: dict[str, str]) -> list[RunSpec]:
+    """The runs with step overrides that match each run to its baseline arm's run of the same size
+    (`baselines` maps an arm to its baseline arm; seeds do not change the cost)."""
     costs = {spec: run_cost(spec.recipe, spec.overrides) for spec in runs}
-    baselines = {spec.size: costs[spec] for spec in runs if spec.arm == baseline_arm}
+    reference = {(spec.size, spec.arm): costs[spec] for spec in runs}
     matched = []
     for spec in runs:
-        if spec.size not in baselines:
-            raise ValueError(f"--match needs the baseline arm {baseline_arm!r} in every size")
-        matched.append(spec.with_overrides(match_overrides(mode, baselines[spec.size], costs[spec])))
+        base = reference.get((spec.size, baselines[spec.arm]))
+        if base is None:
+            raise ValueError(f"--match needs the baseline arm {baselines[spec.arm]!r} in every size")
+        matched.append(spec.with_overrides(match_overrides(mode, base, costs[spec])))
     return matched

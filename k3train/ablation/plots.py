@@ -53,18 +53,17 @@ def arm_bands(results: Sequence[RunResult], series: Series) -> dict[str, Band]:
     return {arm: b for arm, b in bands.items() if b is not None}
 
 
-def difference_bands(results: Sequence[RunResult], series: Series, baseline: str) -> dict[str, Band]:
-    """Per arm, the per-seed difference to the baseline's run of the same seed, then mean and
+def difference_bands(results: Sequence[RunResult], series: Series, baselines: dict[str, str]) -> dict[str, Band]:
+    """Per arm, the per-seed difference to its baseline arm's run of the same seed, then mean and
     min–max over seeds (the paired view the table's interval uses)."""
-    base = {r.spec.seed_index: dict(zip(*series(r))) for r in results if r.spec.arm == baseline}
+    reference = {(r.spec.arm, r.spec.seed_index): dict(zip(*series(r))) for r in results}
     by_arm: dict[str, list] = {}
     for result in results:
-        if result.spec.arm == baseline or result.spec.seed_index not in base:
+        base = reference.get((baselines.get(result.spec.arm), result.spec.seed_index))
+        if baselines.get(result.spec.arm) == result.spec.arm or base is None:
             continue
-        reference = base[result.spec.seed_index]
         xs, ys = series(result)
-        pairs = [(x, y - reference[x]) for x, y in zip(xs, ys)
-                 if y is not None and reference.get(x) is not None]
+        pairs = [(x, y - base[x]) for x, y in zip(xs, ys) if y is not None and base.get(x) is not None]
         by_arm.setdefault(result.spec.arm, []).append(([p[0] for p in pairs], [p[1] for p in pairs]))
     bands = {arm: band(members) for arm, members in by_arm.items()}
     return {arm: b for arm, b in bands.items() if b is not None}
@@ -102,7 +101,7 @@ def _figure(plt, panels: list[tuple[str, dict[str, Band]]], colours, path: pathl
     return path
 
 
-def plot_size(results: Sequence[RunResult], baseline: str, out: pathlib.Path, prefix: str = "",
+def plot_size(results: Sequence[RunResult], baselines: dict[str, str], out: pathlib.Path, prefix: str = "",
               smoothing: float = 0.0) -> list[pathlib.Path]:
     """The figures of one size; returns the files written."""
     plt = pyplot()
@@ -115,9 +114,9 @@ def plot_size(results: Sequence[RunResult], baseline: str, out: pathlib.Path, pr
         _figure(plt, [(f"train loss{smoothed}", arm_bands(results, train)),
                       ("validation loss", arm_bands(results, validation_series))],
                 colours, out / f"{prefix}loss.png", "loss (mean over seeds, band: min–max)"),
-        _figure(plt, [(f"Δ train loss{smoothed}", difference_bands(results, train, baseline)),
-                      ("Δ validation loss", difference_bands(results, validation_series, baseline))],
-                colours, out / f"{prefix}loss_difference.png", f"difference to {baseline} (same seed; < 0 is better)",
+        _figure(plt, [(f"Δ train loss{smoothed}", difference_bands(results, train, baselines)),
+                      ("Δ validation loss", difference_bands(results, validation_series, baselines))],
+                colours, out / f"{prefix}loss_difference.png", "difference to " + ", ".join(sorted(set(baselines.values()))) + " (same seed; < 0 is better)",
                 zero_line=True),
         _figure(plt, [("expert load max/mean", arm_bands(results, step_series("expert_load_max_over_mean", smoothing))),
                       ("dropped slots per step", arm_bands(results, step_series("dropped_tokens")))],

@@ -84,16 +84,22 @@ def per_seed_table(summaries: Sequence[ArmSummary]) -> str:
 class LadderSection:
     fits: dict[str, PowerLaw]
     points: dict[str, list[tuple[float, float]]]
-    baseline: str
-    reference_loss: Optional[float]
+    baselines: dict[str, str]
+    """Each arm's baseline arm."""
+    reference_losses: dict[str, float]
+    """Each arm's final loss on the largest size: a baseline's is where multipliers are read."""
     plot: Optional[str] = None
 
-    def multipliers(self) -> dict[str, Optional[float]]:
-        base = self.fits.get(self.baseline)
-        if base is None or self.reference_loss is None:
-            return {}
-        return {arm: compute_multiplier(law, base, self.reference_loss)
-                for arm, law in self.fits.items() if arm != self.baseline}
+    def multipliers(self) -> dict[str, tuple[str, float, Optional[float]]]:
+        """arm → (its baseline, the loss compared at, C_baseline(L) / C_arm(L))."""
+        found = {}
+        for arm, law in self.fits.items():
+            base = self.baselines.get(arm)
+            if base == arm or base not in self.fits or base not in self.reference_losses:
+                continue
+            loss = self.reference_losses[base]
+            found[arm] = (base, loss, compute_multiplier(law, self.fits[base], loss))
+        return found
 
     def markdown(self) -> str:
         lines = ["## Ladder: loss against compute", "",
@@ -105,11 +111,11 @@ class LadderSection:
                          f"| {law.residual:.4f} |")
         multipliers = self.multipliers()
         if multipliers:
-            lines += ["", f"Compute multiplier over `{self.baseline}` at the baseline's loss on the largest size "
-                          f"({format_loss(self.reference_loss)}): `C_{self.baseline}(L) / C_variant(L)` "
-                          "(> 1: the variant reaches that loss with less compute).", "",
-                      "| variant | compute multiplier |", "|---|---:|"]
-            lines += [f"| {arm} | {'–' if m is None else f'{m:.3f}×'} |" for arm, m in multipliers.items()]
+            lines += ["", "Compute multiplier `C_baseline(L) / C_variant(L)` at the baseline's final loss on the "
+                          "largest size (> 1: the variant reaches that loss with less compute).", "",
+                      "| variant | baseline | at loss | compute multiplier |", "|---|---|---:|---:|"]
+            lines += [f"| {arm} | {base} | {format_loss(loss)} | {'–' if m is None else f'{m:.3f}×'} |"
+                      for arm, (base, loss, m) in multipliers.items()]
         if self.plot:
             lines += ["", f"![loss against compute]({self.plot})"]
         return "\n".join(lines)

@@ -63,6 +63,7 @@ class ArmSummary:
     flops_per_token: float
     difference: Optional[stats.Interval] = None
     """Against the baseline arm of the same size; None for the baseline itself."""
+    baseline: Optional[str] = None
 
     @property
     def mean(self) -> float:
@@ -80,8 +81,10 @@ def compared_metric(results: Sequence[RunResult]) -> str:
     return "train"
 
 
-def summarise(results: Sequence[RunResult], baseline: str, window: int, confidence: float = 0.95) -> list[ArmSummary]:
-    """One summary per (size, arm), in the order the runs were given."""
+def summarise(results: Sequence[RunResult], baselines: dict[str, str], window: int,
+              confidence: float = 0.95) -> list[ArmSummary]:
+    """One summary per (size, arm), in the order the runs were given; `baselines` maps each arm to
+    the arm its difference is taken against."""
     metric = compared_metric(results)
     groups: dict[tuple[Optional[str], str], list[RunResult]] = {}
     for result in results:
@@ -107,7 +110,8 @@ def summarise(results: Sequence[RunResult], baseline: str, window: int, confiden
         ))
     by_key = {(s.size, s.arm): s for s in summaries}
     for summary in summaries:
-        base = by_key.get((summary.size, baseline))
+        base = by_key.get((summary.size, baselines.get(summary.arm)))
         if base is not None and base is not summary and summary.final and base.final:
             summary.difference = stats.difference_interval(summary.final, base.final, confidence)
+            summary.baseline = base.arm
     return summaries

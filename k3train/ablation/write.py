@@ -5,7 +5,6 @@ from __future__ import annotations
 import pathlib
 from typing import Optional, Sequence
 
-from k3train.ablation import stats
 from k3train.ablation.grid import RunSpec, Sweep
 from k3train.ablation.ladder import PowerLaw, fit_power_law
 from k3train.ablation.report import LadderSection, Report, summary_table
@@ -25,12 +24,12 @@ def ladder_section(summaries, sweep: Sweep, irreducible: bool, out: pathlib.Path
             fits[arm] = fit_power_law(compute, loss, irreducible=irreducible)
     if not fits:
         return None
-    baseline = sweep.baseline_name
-    largest = sweep.recipes[-1] and pathlib.Path(sweep.recipes[-1]).stem
-    reference = next((s.mean for s in summaries if s.size == largest and s.arm == baseline and s.final), None)
-    if reference is None and baseline in points:  # the largest size not finished: its largest finished one
-        reference = max(points[baseline])[1]
-    section = LadderSection(fits=fits, points=points, baseline=baseline, reference_loss=reference)
+    largest = pathlib.Path(sweep.recipes[-1]).stem
+    references = {}
+    for arm in points:  # each arm's loss on the largest size (or its largest finished one)
+        at_largest = next((s.mean for s in summaries if s.size == largest and s.arm == arm and s.final), None)
+        references[arm] = at_largest if at_largest is not None else min(points[arm])[1]
+    section = LadderSection(fits=fits, points=points, baselines=sweep.baseline_arms(), reference_losses=references)
     if plots:
         from k3train.ablation.plots import plot_ladder
 
@@ -41,7 +40,8 @@ def ladder_section(summaries, sweep: Sweep, irreducible: bool, out: pathlib.Path
 def describe(sweep: Sweep, runs: Sequence[RunSpec]) -> list[str]:
     lines = [("Sizes (ladder): " + ", ".join(f"`{r}`" for r in sweep.recipes)) if sweep.ladder
              else f"Base recipe: `{sweep.recipes[0]}`",
-             f"Seeds: {sweep.seeds} ({', '.join(sweep.seed_fields)} = {sweep.base_seed} + k); baseline: `{sweep.baseline_name}`"]
+             f"Seeds: {sweep.seeds} ({', '.join(sweep.seed_fields)} = {sweep.base_seed} + k); baseline: "
+             + ", ".join(f"`{b}`" for b in dict.fromkeys(sweep.baseline_arms().values()))]
     if sweep.overrides:
         lines.append("Shared overrides: `" + " ".join(sweep.overrides) + "`")
     for arm in sweep.arms():
@@ -56,8 +56,8 @@ def write_report(sweep: Sweep, runs: Sequence[RunSpec], out: pathlib.Path, comma
     """Write the report; returns its path and the summary table(s) for the console."""
     out.mkdir(parents=True, exist_ok=True)
     results = collect(runs, out)
-    baseline = sweep.baseline_name
-    summaries = summarise(results, baseline, args.window, args.confidence)
+    baselines = sweep.baseline_arms()
+    summaries = summarise(results, baselines, args.window, args.confidence)
     metric = compared_metric(results)
     sizes: dict = {}
     for s in summaries:
@@ -69,7 +69,7 @@ def write_report(sweep: Sweep, runs: Sequence[RunSpec], out: pathlib.Path, comma
         for size in sizes:
             size_results = [r for r in results if r.spec.size == size]
             prefix = f"{size}-" if size else ""
-            plots[size] = [p.name for p in plot_size(size_results, baseline, out, prefix, args.smooth)]
+            plots[size] = [p.name for p in plot_size(size_results, baselines, out, prefix, args.smooth)]
     notes = []
     missing = len(runs) - len(results)
     if missing:
@@ -88,5 +88,3 @@ def write_report(sweep: Sweep, runs: Sequence[RunSpec], out: pathlib.Path, comma
         tables += "\n\n" + report.ladder.markdown()
     return path, tables
 
-
-__all__ = ["write_report", "stats"]
