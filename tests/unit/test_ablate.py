@@ -174,3 +174,31 @@ def test_number_formats_are_fixed_per_kind():
     table = summary_table([row], "validation", 0.95)
     assert "| full | 2 | 1,200 | 614 k | 2.1000 ± 0.1414 | -0.0100 [-0.0300, +0.0100] | 969 | 781 k | 274 k | 1.90 M | 1.10 T |" in table
     assert format_interval(None) == "(baseline)"
+
+
+def test_ladder_report_fits_each_arm_and_prints_the_compute_multiplier(tmp_path):
+    """Runs on disk (metrics written here) whose final losses follow L = 50·C^-0.1 for `a` and
+    L = 50·(1.25·C)^-0.1 for `b`: the report's multiplier of b over a is 1.25."""
+    from types import SimpleNamespace
+
+    from k3train.ablation.write import write_report
+
+    small = str(CHECKOUT / "recipes" / "ladder" / "cpu-small.yaml")
+    sweep = Sweep(recipes=[TINY, small], ladder=True, seeds=2, overrides=("train.steps=4", "train.eval_interval=4"),
+                  variants=[Variant("a", ("optimizer.lr=1e-3",)), Variant("b", ("optimizer.lr=2e-3",))])
+    runs = expand(sweep)
+    for run in runs:
+        cost = run_cost(run.recipe, run.overrides)
+        loss = 50.0 * ((1.25 if run.arm == "b" else 1.0) * cost.flops) ** -0.1 + 0.001 * run.seed_index
+        run_dir = tmp_path / run.relative_dir
+        run_dir.mkdir(parents=True)
+        records = [{"step": s, "loss": loss + 0.1 * (4 - s), "tokens_per_s": 1000.0} for s in range(1, 5)]
+        records.append({"step": 4, "validation_loss": loss})
+        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    args = SimpleNamespace(window=2, confidence=0.95, no_plots=False, smooth=0.0, irreducible=False)
+    path, table = write_report(sweep, runs, tmp_path, "python tools/ablate.py ...", args)
+    report = path.read_text()
+    assert "## Size `cpu-tiny`" in report and "## Size `cpu-small`" in report
+    assert "| b | a |" in report and "| 1.250× |" in report
+    assert "0.1000 |" in report  # the fitted exponent b
+    assert (tmp_path / "ladder.png").stat().st_size > 0 and (tmp_path / "cpu-small-loss.png").exists()
