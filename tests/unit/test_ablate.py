@@ -202,3 +202,11 @@ def test_ladder_report_fits_each_arm_and_prints_the_compute_multiplier(tmp_path)
     assert "| b | a |" in report and "| 1.250× |" in report
     assert "0.1000 |" in report  # the fitted exponent b
     assert (tmp_path / "ladder.png").stat().st_size > 0 and (tmp_path / "cpu-small-loss.png").exists()
+
+
+def test_without_matplotlib_the_cli_stops_with_one_line_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib → ImportError
+    assert ablate.main(["--recipe", TINY, "--out", str(tmp_path), "--variant", "a"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "pip install matplotlib" in error and "--no-plots" in error
+    assert not any(tmp_path.iterdir())  # nothing ran

@@ -85,6 +85,10 @@ def test_commands_threads_and_gpus_per_slot(tmp_path):
     from k3train.ablation.runner import environment_for
 
     assert environment_for(spec, 1, LaunchOptions(parallel=2, nproc=2, gpus=4))["CUDA_VISIBLE_DEVICES"] == "2,3"
+    grouped = LaunchOptions(wandb_group="attn-res")
+    environment = environment_for(spec, 0, grouped)
+    assert environment["WANDB_RUN_GROUP"] == "attn-res" and environment["WANDB_NAME"] == "a/seed0"
+    assert command_for(spec, tmp_path, grouped)[-1] == "logging.wandb=true"
     with pytest.raises(SweepError, match="needs 6 GPUs"):
         run_sweep([spec], tmp_path, LaunchOptions(parallel=3, nproc=2, gpus=4))
 
