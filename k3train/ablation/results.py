@@ -16,6 +16,7 @@ from k3train.ablation import stats
 from k3train.ablation.curves import RunCurves, read_curves
 from k3train.ablation.grid import RunSpec
 from k3train.ablation.matching import RunCost, run_cost
+from k3train.ablation.runner import read_record
 
 
 @dataclass
@@ -36,10 +37,14 @@ class RunResult:
 
 
 def collect(runs: Sequence[RunSpec], out: pathlib.Path) -> list[RunResult]:
-    """Every run with at least one logged step (a run not started yet is left out)."""
+    """Every finished run (`done` in its ablate_run.json, of these settings): a run in progress or
+    failed would mix a shorter curve into the seed statistics."""
     results = []
     for spec in runs:
         run_dir = out / spec.relative_dir
+        record = read_record(run_dir)
+        if record is None or record.get("status") != "done" or record.get("overrides") != list(spec.overrides):
+            continue
         curves = read_curves(run_dir / "metrics.jsonl")
         if curves.steps:
             results.append(RunResult(spec, run_dir, curves, run_cost(spec.recipe, spec.overrides)))

@@ -73,7 +73,7 @@ def write_report(sweep: Sweep, runs: Sequence[RunSpec], out: pathlib.Path, comma
     notes = []
     missing = len(runs) - len(results)
     if missing:
-        notes.append(f"{missing} of {len(runs)} runs have no metrics yet (not started or failed at start-up).")
+        notes.append(f"{missing} of {len(runs)} runs are not finished (running, failed or not started) and are left out.")
     report = Report(
         title=f"Ablation: {', '.join(a.name for a in sweep.arms())}", command=command,
         description=describe(sweep, runs), metric=metric, confidence=args.confidence, window=args.window,

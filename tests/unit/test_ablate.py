@@ -181,6 +181,7 @@ def test_ladder_report_fits_each_arm_and_prints_the_compute_multiplier(tmp_path)
     L = 50·(1.25·C)^-0.1 for `b`: the report's multiplier of b over a is 1.25."""
     from types import SimpleNamespace
 
+    from k3train.ablation.runner import write_record
     from k3train.ablation.write import write_report
 
     small = str(CHECKOUT / "recipes" / "ladder" / "cpu-small.yaml")
@@ -189,18 +190,21 @@ def test_ladder_report_fits_each_arm_and_prints_the_compute_multiplier(tmp_path)
     runs = expand(sweep)
     for run in runs:
         cost = run_cost(run.recipe, run.overrides)
-        loss = 50.0 * ((1.25 if run.arm == "b" else 1.0) * cost.flops) ** -0.1 + 0.001 * run.seed_index
+        loss = 50.0 * ((1.25 if run.arm == "b" else 1.0) * cost.flops) ** -0.1  # the same for every seed
         run_dir = tmp_path / run.relative_dir
         run_dir.mkdir(parents=True)
         records = [{"step": s, "loss": loss + 0.1 * (4 - s), "tokens_per_s": 1000.0} for s in range(1, 5)]
         records.append({"step": 4, "validation_loss": loss})
         (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        write_record(run_dir, run, "done")
+    (tmp_path / runs[-1].relative_dir / "ablate_run.json").unlink()  # one run unfinished: left out
     args = SimpleNamespace(window=2, confidence=0.95, no_plots=False, smooth=0.0, irreducible=False)
     path, table = write_report(sweep, runs, tmp_path, "python tools/ablate.py ...", args)
     report = path.read_text()
     assert "## Size `cpu-tiny`" in report and "## Size `cpu-small`" in report
     assert "| b | a |" in report and "| 1.250× |" in report
     assert "0.1000 |" in report  # the fitted exponent b
+    assert "| b | 1 | 4 |" in report and "1 of 8 runs are not finished" in report
     assert (tmp_path / "ladder.png").stat().st_size > 0 and (tmp_path / "cpu-small-loss.png").exists()
 
 
