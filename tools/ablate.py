@@ -12,7 +12,8 @@ A sweep file (see k3train/ablation/grid.py) names a base recipe, variants, a gri
 command-line options add to it or replace it (`--variant` adds variants, `--grid` adds grid
 fields, `--seeds`/`--match`/`--baseline` replace; overrides after `--` apply to every run). Each run
 is one `pretrain_k3.py` process in `OUT/[SIZE/]VARIANT/seedK`; `--parallel N` runs N at once with
-`cores / N` threads each; `--nproc N` runs each under torchrun with N ranks. Rerunning the same
+`cores / N` threads each; `--nproc N` runs each under torchrun with N ranks (a sweep file may give a
+variant its own: `tp2: {overrides: [parallel.tp=2], nproc: 2}`). Rerunning the same
 command skips finished runs and resumes the others from their checkpoints. The report is
 `OUT/report.md` with PNG plots beside it; `--report-only` rewrites it from the runs on disk.
 """

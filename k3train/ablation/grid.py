@@ -13,6 +13,7 @@ Sweep file (YAML; every key but `base`/`ladder` optional):
     variants:
       none: [model.attn_res=none]
       block: [model.attn_res=block]
+      tp2: {overrides: [parallel.tp=2], nproc: 2}   # this variant runs under torchrun, 2 ranks
     grid:
       optimizer.lr: [1.0e-3, 3.0e-3]
     seeds: 3
@@ -46,6 +47,8 @@ class Variant:
 
     name: str
     overrides: tuple[str, ...] = ()
+    nproc: Optional[int] = None
+    """Ranks of this variant's runs (torchrun); None: the sweep's `--nproc`."""
 
 
 @dataclass
@@ -99,7 +102,7 @@ class Sweep:
                 grid_overrides = tuple(f"{name}={value}" for name, value in zip(fields_, values))
                 suffix = ",".join(f"{name.rsplit('.', 1)[-1]}={value}" for name, value in zip(fields_, values))
                 name = suffix if variant.name == "base" and len(self.variants) == 1 else f"{variant.name},{suffix}"
-                arms.append(Variant(name, variant.overrides + grid_overrides))
+                arms.append(Variant(name, variant.overrides + grid_overrides, variant.nproc))
         return arms
 
     def _arm_parts(self) -> list[tuple[Variant, str, Variant]]:
@@ -141,6 +144,8 @@ class RunSpec:
     relative_dir: str
     size: Optional[str] = None
     """The ladder size (the recipe's stem); None outside a ladder."""
+    nproc: Optional[int] = None
+    """Ranks of this run; None: the sweep's `--nproc`."""
 
     def with_overrides(self, extra: tuple[str, ...]) -> "RunSpec":
         return replace(self, overrides=self.overrides + extra)
@@ -164,7 +169,7 @@ def expand(sweep: Sweep) -> list[RunSpec]:
                 parts = ([size] if size else []) + [arm.name, f"seed{seed_index}"]
                 runs.append(RunSpec(arm=arm.name, seed_index=seed_index, recipe=recipe,
                                     overrides=sweep.overrides + seed_overrides(sweep, seed_index) + arm.overrides,
-                                    relative_dir="/".join(parts), size=size))
+                                    relative_dir="/".join(parts), size=size, nproc=arm.nproc))
     return runs
 
 
@@ -191,6 +196,16 @@ def _override_list(value: Any, where: str) -> tuple[str, ...]:
 def _yaml_scalar(value: Any) -> str:
     text = yaml.safe_dump(value, default_flow_style=True).strip()
     return text[:-4].strip() if text.endswith("\n...") or text.endswith("...") else text
+
+
+def _variant(name: str, value: Any, path: str) -> Variant:
+    """A variant entry: a list of overrides, or {overrides: [...], nproc: N}."""
+    if isinstance(value, dict) and set(value) <= {"overrides", "nproc"} and "overrides" in value:
+        nproc = value.get("nproc")
+        if nproc is not None and (not isinstance(nproc, int) or nproc < 1):
+            raise ConfigError(f"{path}: variant {name}: nproc must be a positive integer, got {nproc!r}")
+        return Variant(name, _override_list(value["overrides"], f"{path}: variant {name}"), nproc)
+    return Variant(name, _override_list(value, f"{path}: variant {name}"))
 
 
 def load_sweep_file(path: str) -> Sweep:
@@ -220,8 +235,7 @@ def load_sweep_file(path: str) -> Sweep:
     variants_data = data.get("variants") or {}
     if not isinstance(variants_data, dict):
         raise ConfigError(f"sweep file {path}: variants must map a name to its overrides")
-    variants = [Variant(str(name), _override_list(overrides, f"{path}: variant {name}"))
-                for name, overrides in variants_data.items()] or [Variant("base")]
+    variants = [_variant(str(name), value, path) for name, value in variants_data.items()] or [Variant("base")]
     grid_data = data.get("grid") or {}
     if not isinstance(grid_data, dict):
         raise ConfigError(f"sweep file {path}: grid must map section.field to a list of values")

@@ -53,8 +53,8 @@ class LaunchOptions:
     trainer: Sequence[str] = (str(CHECKOUT / "pretrain_k3.py"),)
     """The training entry point (a script path, run with this Python or under the launcher)."""
 
-    def threads_per_rank(self) -> int:
-        return self.threads or max(1, self.cores // (self.parallel * self.nproc))
+    def threads_per_rank(self, nproc: Optional[int] = None) -> int:
+        return self.threads or max(1, self.cores // (self.parallel * (nproc or self.nproc)))
 
 
 @dataclass
@@ -101,22 +101,24 @@ def is_done(run_dir: pathlib.Path, spec: RunSpec) -> bool:
 
 
 def command_for(spec: RunSpec, run_dir: pathlib.Path, options: LaunchOptions) -> list[str]:
+    nproc = spec.nproc or options.nproc
     if options.launcher:
         prefix = shlex.split(options.launcher)
-    elif options.nproc > 1:
-        prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={options.nproc}"]
+    elif nproc > 1:
+        prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     else:
         prefix = [sys.executable]
     return [*prefix, *options.trainer, "--recipe", spec.recipe, "--run-dir", str(run_dir),
-            *RESUME_OVERRIDES, f"train.num_threads={options.threads_per_rank()}", *spec.overrides,
+            *RESUME_OVERRIDES, f"train.num_threads={options.threads_per_rank(spec.nproc)}", *spec.overrides,
             *(("logging.wandb=true",) if options.wandb_group else ())]
 
 
 def environment_for(spec: RunSpec, slot: int, options: LaunchOptions) -> dict[str, str]:
-    environment = dict(os.environ, OMP_NUM_THREADS=str(options.threads_per_rank()))
-    if options.gpus:
-        first = slot * options.nproc
-        environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(options.nproc))
+    nproc = spec.nproc or options.nproc
+    environment = dict(os.environ, OMP_NUM_THREADS=str(options.threads_per_rank(spec.nproc)))
+    if options.gpus:  # slots are sized for the widest run
+        width = max(nproc, options.nproc)
+        environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(slot * width + i) for i in range(nproc))
     if options.wandb_group:  # wandb.init reads these: one group per sweep, one name per run
         environment["WANDB_RUN_GROUP"] = options.wandb_group
         environment["WANDB_NAME"] = spec.arm + (f"/{spec.size}" if spec.size else "") + f"/seed{spec.seed_index}"
@@ -128,9 +130,10 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
     """Run every run not already done, `options.parallel` at a time; returns one outcome per run
     in the order given. A KeyboardInterrupt stops the loop after the running jobs saved their
     checkpoints (they receive the same signal from the terminal) and re-raises."""
-    if options.gpus and options.parallel * options.nproc > options.gpus:
-        raise SweepError(f"--parallel {options.parallel} × --nproc {options.nproc} needs "
-                         f"{options.parallel * options.nproc} GPUs, --gpus says {options.gpus}")
+    widest = max([options.nproc] + [spec.nproc or 1 for spec in runs])
+    if options.gpus and options.parallel * widest > options.gpus:
+        raise SweepError(f"--parallel {options.parallel} × {widest} ranks per run needs "
+                         f"{options.parallel * widest} GPUs, --gpus says {options.gpus}")
     outcomes: dict[int, RunOutcome] = {}
     pending = []
     for index, spec in enumerate(runs):

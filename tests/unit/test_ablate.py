@@ -56,6 +56,9 @@ def test_sweep_file_and_its_errors(tmp_path):
     sweep = load_sweep_file(str(CHECKOUT / "recipes" / "ablations" / "attn_res.yaml"))
     assert sweep.recipes == [str(pathlib.Path("recipes/ladder/cpu-tiny.yaml"))] or sweep.recipes[0].endswith("ladder/cpu-tiny.yaml")
     assert [v.name for v in sweep.variants] == ["none", "block", "full"] and sweep.baseline == "none" and sweep.seeds == 3
+    layouts = tmp_path / "layouts.yaml"
+    layouts.write_text(f"base: {TINY}\nvariants:\n  one: []\n  tp2: {{overrides: [parallel.tp=2], nproc: 2}}\n")
+    assert [r.nproc for r in expand(load_sweep_file(str(layouts)))] == [None, 2]
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"base: {TINY}\nvariant: {{a: []}}\n")
     with pytest.raises(ConfigError, match="unknown key.*variant"):

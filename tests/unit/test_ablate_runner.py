@@ -89,6 +89,9 @@ def test_commands_threads_and_gpus_per_slot(tmp_path):
     environment = environment_for(spec, 0, grouped)
     assert environment["WANDB_RUN_GROUP"] == "attn-res" and environment["WANDB_NAME"] == "a/seed0"
     assert command_for(spec, tmp_path, grouped)[-1] == "logging.wandb=true"
+    wide = expand(Sweep(recipes=[TINY], variants=[Variant("tp2", ("parallel.tp=2",), nproc=2)]))[0]
+    assert "--nproc_per_node=2" in command_for(wide, tmp_path, LaunchOptions(parallel=1, cores=8))
+    assert "train.num_threads=4" in command_for(wide, tmp_path, LaunchOptions(parallel=1, cores=8))
     with pytest.raises(SweepError, match="needs 6 GPUs"):
         run_sweep([spec], tmp_path, LaunchOptions(parallel=3, nproc=2, gpus=4))
 
