@@ -62,7 +62,10 @@ def summary_table(summaries: Sequence[ArmSummary], metric: str, confidence: floa
               "train FLOPs/token", "train FLOPs"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for s in summaries:
-        final = f"{format_loss(s.mean)} ± {format_loss(s.std)}" if s.final else "–"
+        if len(s.final) >= 2:
+            final = f"{format_loss(s.mean)} ± {format_loss(s.std)}"
+        else:
+            final = f"{format_loss(s.mean)} (1 seed)" if s.final else "–"
         lines.append("| " + " | ".join([
             s.arm, str(len(s.final)), f"{s.steps:,}", format_count(s.tokens), final, format_interval(s.difference),
             format_rate(s.throughput), format_count(s.parameters), format_count(s.active_parameters),

@@ -106,7 +106,7 @@ def test_a_real_two_step_sweep_writes_its_report_and_resumes_as_a_no_op(tmp_path
             "train.steps=2", "train.eval_interval=2", "train.eval_batches=1", "checkpoint.interval=0"]
     assert ablate.main(argv) == 0
     report = (tmp_path / "report.md").read_text()
-    assert "| none | 1 | 2 | 1.02 k |" in report and "(baseline)" in report  # 1 seed, 2 steps of 512 tokens
+    assert "| none | 1 | 2 | 1.02 k |" in report and "(1 seed) | (baseline)" in report  # 2 steps of 512 tokens
     assert "no interval: too few seeds" in report
     for plot in ("loss.png", "loss_difference.png", "experts.png", "grad_norm_throughput.png"):
         assert (tmp_path / plot).stat().st_size > 0 and f"({plot})" in report
