@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"logs in {out}/<run>/train.log", flush=True)
             outcomes = run_sweep(runs, out, options)
             failed = [o for o in outcomes if o.status == "failed"]
+            if any(o.status in ("stopped", "not started") for o in outcomes):
+                print("sweep stopped by a signal (running jobs saved checkpoints); rerun the same command to resume",
+                      file=sys.stderr)
+                return 3
         command = "python tools/ablate.py " + " ".join(shlex.quote(a) for a in argv)
         path, table = write_report(sweep, runs, out, command, args)
     except (ConfigError, SweepError, ValueError) as error:

@@ -18,8 +18,10 @@ import json
 import os
 import pathlib
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -62,7 +64,8 @@ class RunOutcome:
     spec: RunSpec
     run_dir: pathlib.Path
     status: str
-    """'done', 'skipped' (done before), 'failed'."""
+    """'done', 'skipped' (done before), 'failed', 'stopped' (by a signal, checkpoint saved) or
+    'not started' (a signal stopped the sweep first)."""
     returncode: int = 0
     seconds: float = 0.0
 
@@ -125,11 +128,19 @@ def environment_for(spec: RunSpec, slot: int, options: LaunchOptions) -> dict[st
     return environment
 
 
+STOPPED = 3
+"""pretrain_k3.py's exit status after a signal it answered with a checkpoint."""
+
+
 def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions,
               say: Callable[[str], None] = print) -> list[RunOutcome]:
     """Run every run not already done, `options.parallel` at a time; returns one outcome per run
-    in the order given. A KeyboardInterrupt stops the loop after the running jobs saved their
-    checkpoints (they receive the same signal from the terminal) and re-raises."""
+    in the order given ('not started' for runs a stop left out).
+
+    SIGTERM (a scheduler's stop) is passed on to the running jobs, which save a checkpoint and
+    exit; no new run starts and the sweep returns, to be resumed by the same command. A
+    KeyboardInterrupt (Ctrl-C: the terminal signals the jobs too) waits for the jobs the same way
+    and re-raises."""
     widest = max([options.nproc] + [spec.nproc or 1 for spec in runs])
     if options.gpus and options.parallel * widest > options.gpus:
         raise SweepError(f"--parallel {options.parallel} × {widest} ranks per run needs "
@@ -146,9 +157,20 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
         say(f"{len(runs) - len(pending)} of {len(runs)} runs finished before; running the other {len(pending)}")
     running: dict[int, tuple[subprocess.Popen, int, float, object]] = {}
     free_slots = list(range(options.parallel))
+    stop_signals: list[int] = []
+
+    def pass_on(signum, frame) -> None:
+        stop_signals.append(signum)
+        for process, *_rest in running.values():
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, pass_on)
     try:
         while pending or running:
-            while pending and free_slots:
+            while pending and free_slots and not stop_signals:
                 index = pending.pop(0)
                 spec, slot = runs[index], free_slots.pop(0)
                 run_dir = out / spec.relative_dir
@@ -158,6 +180,8 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
                 process = subprocess.Popen(command_for(spec, run_dir, options), stdout=log,
                                            stderr=subprocess.STDOUT, env=environment_for(spec, slot, options))
                 running[index] = (process, slot, time.monotonic(), log)
+            if stop_signals and not running:
+                break
             time.sleep(options.poll_s)
             for index in [i for i, (process, *_rest) in running.items() if process.poll() is not None]:
                 process, slot, started, log = running.pop(index)
@@ -165,7 +189,12 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
                 free_slots.append(slot)
                 spec, run_dir = runs[index], out / runs[index].relative_dir
                 seconds = time.monotonic() - started
-                status = "done" if process.returncode == 0 else "failed"
+                if process.returncode == 0:
+                    status = "done"
+                elif process.returncode == STOPPED and stop_signals:
+                    status = "stopped"
+                else:
+                    status = "failed"
                 write_record(run_dir, spec, status, returncode=process.returncode, seconds=round(seconds, 1))
                 outcomes[index] = RunOutcome(spec, run_dir, status, process.returncode, seconds)
                 tail = "" if status == "done" else f" (exit {process.returncode}; see {run_dir / 'train.log'})"
@@ -177,5 +206,9 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
             except subprocess.TimeoutExpired:
                 process.terminate()
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    for index in pending:
+        outcomes[index] = RunOutcome(runs[index], out / runs[index].relative_dir, "not started")
     return [outcomes[index] for index in range(len(runs))]
-

@@ -8,8 +8,11 @@ steps per run to check the whole path (tools/ablate.py → runs → report)."""
 import importlib.util
 import json
 import pathlib
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -21,7 +24,9 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(CHECKOUT / "recipes" / "ladder" / "cpu-tiny.yaml")
 
 FAKE_TRAINER = textwrap.dedent('''
-    import json, os, pathlib, sys
+    import json, os, pathlib, signal, sys, time
+    stop = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
     args = sys.argv[1:]
     run_dir = pathlib.Path(args[args.index("--run-dir") + 1])
     overrides = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("--"))
@@ -42,6 +47,11 @@ FAKE_TRAINER = textwrap.dedent('''
             if crash_at.exists() and step == int(crash_at.read_text()):
                 crash_at.unlink()
                 sys.exit(1)
+            time.sleep(float(os.environ.get("FAKE_STEP_S", "0")))
+            if stop:  # as pretrain_k3.py: finish the step, save, exit 3
+                checkpoint.parent.mkdir(exist_ok=True)
+                checkpoint.write_text(str(step))
+                sys.exit(3)
         metrics.write(json.dumps({"step": steps, "validation_loss": loss}) + "\\n")
 ''')
 
@@ -73,6 +83,41 @@ def test_interrupted_sweep_skips_finished_runs_and_resumes_the_others(tmp_path):
     changed = expand(Sweep(recipes=[TINY], variants=[Variant("a", ("optimizer.lr=1e-4",))], overrides=("train.steps=6",)))
     with pytest.raises(SweepError, match="other settings"):
         run_sweep(changed, out, options, say=lambda line: None)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_sweep_with_checkpoints_and_the_same_sweep_resumes(tmp_path):
+    trainer = tmp_path / "fake_trainer.py"
+    trainer.write_text(FAKE_TRAINER)
+    out = tmp_path / "out"
+    driver = textwrap.dedent(f'''
+        import os, pathlib, sys
+        sys.path.insert(0, {str(CHECKOUT)!r})
+        from k3train.ablation.grid import Sweep, Variant, expand
+        from k3train.ablation.runner import LaunchOptions, run_sweep
+        os.environ["FAKE_STEP_S"] = "0.05"
+        runs = expand(Sweep(recipes=[{TINY!r}], variants=[Variant("a"), Variant("b")], overrides=("train.steps=400",)))
+        options = LaunchOptions(parallel=1, cores=1, poll_s=0.05, trainer=({str(trainer)!r},))
+        print(" ".join(o.status for o in run_sweep(runs, pathlib.Path({str(out)!r}), options, say=lambda line: None)))
+    ''')
+    process = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    metrics = out / "a" / "seed0" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and stdout.split() == ["stopped", "not", "started"]
+    record = json.loads((out / "a" / "seed0" / RUN_FILE).read_text())
+    assert record["status"] == "stopped" and record["returncode"] == 3
+    saved = int((out / "a" / "seed0" / "checkpoints" / "step").read_text())
+    assert 3 <= saved < 400 and not (out / "b").exists()
+
+    runs = expand(Sweep(recipes=[TINY], variants=[Variant("a"), Variant("b")], overrides=("train.steps=400",)))
+    outcomes = run_sweep(runs, out, LaunchOptions(poll_s=0.05, trainer=(str(trainer),)), say=lambda line: None)
+    assert [o.status for o in outcomes] == ["done", "done"]
+    assert [int(line.split()[0]) for line in (out / "a" / "seed0" / "starts.txt").read_text().splitlines()] == [0, saved]
+    assert read_curves(metrics).steps == list(range(1, 401))
 
 
 def test_commands_threads_and_gpus_per_slot(tmp_path):
