@@ -1,71 +1,36 @@
 #!/usr/bin/env python
-"""Run recipe variants side by side and print a table of their losses.
+"""Run recipe variants × grid × seeds as separate training runs and write a report with plots.
 
-    python tools/ablate.py --recipe recipes/debug.yaml --out runs/ablate-attn-res \\
-        --variant none model.attn_res=none --variant block model.attn_res=block \\
-        --variant full model.attn_res=full -- train.steps=60 train.eval_interval=60
+    python tools/ablate.py --sweep recipes/ablations/attn_res.yaml --seeds 3 --out runs/attn-res
+    python tools/ablate.py --recipe recipes/ladder/cpu-tiny.yaml --out runs/lr \\
+        --variant muon optimizer.name=muon --variant adamw optimizer.name=adamw \\
+        --grid optimizer.lr=1e-3,3e-3 --seeds 2 --parallel 2 -- train.steps=100
+    python tools/ablate.py --sweep recipes/ablations/attn_res.yaml --ladder \\
+        recipes/ladder/cpu-tiny.yaml recipes/ladder/cpu-small.yaml --match flops --out runs/ladder
 
-Each `--variant NAME OVERRIDE...` is one run of `pretrain_k3.py` (same recipe, seed and data,
-plus its overrides and the shared ones after `--`), in `OUT/NAME`. A variant that already
-finished is not run again (resume=auto picks up its checkpoint), so an interrupted ablation
-continues where it stopped. `--launcher "torchrun --nproc_per_node=4"` runs each variant in
-parallel layouts. The table compares the final loss, the mean of the last `--window` steps, the
-last validation loss and the throughput.
+A sweep file (see k3train/ablation/grid.py) names a base recipe, variants, a grid and seeds; the
+command-line options add to it or replace it (`--variant` adds variants, `--grid` adds grid
+fields, `--seeds`/`--match`/`--baseline` replace; overrides after `--` apply to every run). Each run
+is one `pretrain_k3.py` process in `OUT/[SIZE/]VARIANT/seedK`; `--parallel N` runs N at once with
+`cores / N` threads each; `--nproc N` runs each under torchrun with N ranks (a sweep file may give a
+variant its own: `tp2: {overrides: [parallel.tp=2], nproc: 2}`). Rerunning the same
+command skips finished runs and resumes the others from their checkpoints. The report is
+`OUT/report.md` with PNG plots beside it; `--report-only` rewrites it from the runs on disk.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import pathlib
 import shlex
-import subprocess
 import sys
 
-CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from the checkout
 
-
-def read_metrics(run_dir: pathlib.Path) -> tuple[list[dict], list[dict]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return [], []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    steps = [r for r in records if "loss" in r and "validation_loss" not in r]
-    validation = [r for r in records if "validation_loss" in r]
-    return steps, validation
-
-
-def summarize(name: str, run_dir: pathlib.Path, window: int) -> dict:
-    steps, validation = read_metrics(run_dir)
-    if not steps:
-        return {"variant": name, "steps": 0}
-    last = steps[-window:]
-    validation_loss = validation[-1]["validation_loss"] if validation else None
-    return {
-        "variant": name,
-        "steps": steps[-1]["step"],
-        "first loss": steps[0]["loss"],
-        "final loss": steps[-1]["loss"],
-        f"mean last {len(last)}": sum(r["loss"] for r in last) / len(last),
-        "validation": validation_loss,
-        "tok/s": sum(r["tokens_per_s"] for r in last) / len(last),
-    }
-
-
-def format_table(rows: list[dict]) -> str:
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-
-    def cell(value) -> str:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            return "-"
-        if isinstance(value, float):
-            return f"{value:,.0f}" if value >= 1000 else f"{value:.4f}"
-        return str(value)
-
-    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
-    lines += ["| " + " | ".join(cell(row.get(column)) for column in columns) + " |" for row in rows]
-    return "\n".join(lines)
+from k3train.ablation.grid import MATCH_MODES, Sweep, Variant, expand, load_sweep_file, parse_grid_option  # noqa: E402
+from k3train.ablation.runner import LaunchOptions, SweepError, run_sweep  # noqa: E402
+from k3train.recipe import ConfigError  # noqa: E402
+from k3train.training.threads import available_cores  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -73,37 +38,113 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         split = argv.index("--")
         argv, shared = argv[:split], argv[split + 1:]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", required=True, help="the base recipe every variant starts from")
-    parser.add_argument("--out", required=True, help="directory holding one run directory per variant")
-    parser.add_argument("--variant", nargs="+", action="append", required=True, metavar=("NAME", "OVERRIDE"),
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--sweep", help="a sweep file (YAML): base recipe, variants, grid, seeds")
+    parser.add_argument("--recipe", help="the base recipe (replaces the sweep file's `base:`)")
+    parser.add_argument("--out", required=True, help="directory of the runs and the report")
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "OVERRIDE"),
                         help="a variant: its name, then its section.field=value overrides")
-    parser.add_argument("--launcher", default=sys.executable, help="how to start pretrain_k3.py (e.g. 'torchrun --nproc_per_node=4')")
-    parser.add_argument("--window", type=int, default=5, help="steps averaged at the end of each run")
+    parser.add_argument("--grid", action="append", default=[], metavar="FIELD=V1,V2",
+                        help="a field swept over values, crossed with every variant")
+    parser.add_argument("--seeds", type=int, help="seeds per variant (train.seed and data.seed = base_seed + k)")
+    parser.add_argument("--baseline", help="the variant differences are taken against (default: the first)")
+    parser.add_argument("--match", choices=MATCH_MODES,
+                        help="give every variant the baseline's training FLOPs or tokens (steps adjusted)")
+    parser.add_argument("--ladder", nargs="+", metavar="RECIPE",
+                        help="run every variant at each of these sizes and fit loss against compute")
+    parser.add_argument("--irreducible", action="store_true", help="ladder fits with an irreducible loss term")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (processes)")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun --standalone)")
+    parser.add_argument("--launcher", help="a full launcher instead of --nproc (e.g. 'torchrun --nnodes 2 ...')")
+    parser.add_argument("--threads", type=int, help="threads per rank (default: cores / (parallel × nproc))")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs on this machine, split among parallel runs")
+    parser.add_argument("--wandb-group", help="also log every run to wandb, in this group")
+    parser.add_argument("--window", type=int, default=10, help="steps averaged for the final training loss")
+    parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight of the past for plotted curves, [0, 1)")
+    parser.add_argument("--confidence", type=float, default=0.95, help="of the intervals on differences")
+    parser.add_argument("--no-plots", action="store_true", help="the report without plots (no matplotlib needed)")
+    parser.add_argument("--report-only", action="store_true", help="run nothing; write the report from OUT")
     args = parser.parse_args(argv)
-    names = [variant[0] for variant in args.variant]
-    if len(set(names)) != len(names):
-        parser.error(f"variant names must be distinct, got {names}")
+    if not args.sweep and not args.recipe and not args.ladder:
+        parser.error("give --sweep FILE, --recipe RECIPE or --ladder RECIPE...")
+    if args.parallel < 1 or args.nproc < 1:
+        parser.error("--parallel and --nproc must be at least 1")
+    if not 0.0 <= args.smooth < 1.0:
+        parser.error(f"--smooth must lie in [0, 1), got {args.smooth}")
     return args, shared
 
 
+def build_sweep(args: argparse.Namespace, shared: list[str]) -> Sweep:
+    sweep = load_sweep_file(args.sweep) if args.sweep else Sweep(recipes=[], variants=[])
+    if args.recipe:
+        sweep.recipes = [args.recipe]
+    if args.ladder:
+        sweep.recipes, sweep.ladder = list(args.ladder), True
+    cli_variants = [Variant(name, tuple(overrides)) for name, *overrides in args.variant]
+    sweep.variants = [v for v in sweep.variants if v.name != "base" or not cli_variants] + cli_variants
+    if not sweep.variants:
+        sweep.variants = [Variant("base")]
+    for text in args.grid:
+        name, values = parse_grid_option(text)
+        sweep.grid[name] = values
+    sweep.overrides = sweep.overrides + tuple(shared)
+    if args.seeds is not None:
+        sweep.seeds = args.seeds
+    if args.baseline is not None:
+        sweep.baseline = args.baseline
+    if args.match is not None:
+        sweep.match = args.match
+    sweep.validate()
+    return sweep
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, shared = parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, shared = parse_args(argv)
+    from k3train.ablation.matching import apply_match
+    from k3train.ablation.write import write_report
+
     out = pathlib.Path(args.out)
-    rows = []
-    for name, *overrides in args.variant:
-        run_dir = out / name
-        command = [*shlex.split(args.launcher), str(CHECKOUT / "pretrain_k3.py"), "--recipe", args.recipe,
-                   "--run-dir", str(run_dir), *shared, *overrides]
-        print(f"== {name}: {' '.join(overrides) or '(recipe as is)'}", flush=True)
-        result = subprocess.run(command, cwd=CHECKOUT)
-        if result.returncode != 0:
-            print(f"variant {name} failed with exit code {result.returncode}; see the output above", file=sys.stderr)
-            return result.returncode
-        rows.append(summarize(name, run_dir, args.window))
-    table = format_table(rows)
+    try:
+        sweep = build_sweep(args, shared)
+        runs = expand(sweep)
+        if sweep.match:
+            runs = apply_match(runs, sweep.match, sweep.baseline_arms())
+        if not args.no_plots:
+            from k3train.ablation.plots import pyplot
+
+            pyplot()  # a missing matplotlib stops here, before hours of training
+        failed = []
+        if not args.report_only:
+            options = LaunchOptions(parallel=args.parallel, nproc=args.nproc, launcher=args.launcher,
+                                    threads=args.threads, cores=available_cores(), gpus=args.gpus,
+                                    wandb_group=args.wandb_group)
+            print(f"{len(runs)} runs, {args.parallel} at a time, {options.threads_per_rank()} thread(s) per rank; "
+                  f"logs in {out}/<run>/train.log", flush=True)
+            outcomes = run_sweep(runs, out, options)
+            failed = [o for o in outcomes if o.status == "failed"]
+            if any(o.status in ("stopped", "not started") for o in outcomes):
+                print("sweep stopped by a signal (running jobs saved checkpoints); rerun the same command to resume",
+                      file=sys.stderr)
+                return 3
+        command = "python tools/ablate.py " + " ".join(shlex.quote(a) for a in argv)
+        path, table = write_report(sweep, runs, out, command, args)
+    except (ConfigError, SweepError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # noqa: BLE001 — the plots' missing dependency, one line
+        from k3train.ablation.plots import PlotsUnavailable
+
+        if isinstance(error, PlotsUnavailable):
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        raise
     print(table)
-    (out / "ablation.md").write_text(table + "\n")
+    print(f"report: {path}")
+    if failed:
+        print(f"{len(failed)} run(s) failed: " + ", ".join(str(o.run_dir / 'train.log') for o in failed), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -19,5 +19,5 @@
                 || python -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu
         fi
     fi
-    python -m pip install --quiet numpy pyyaml tqdm safetensors tokenizers pytest pytest-timeout transformers
+    python -m pip install --quiet numpy pyyaml tqdm safetensors tokenizers pytest pytest-timeout transformers matplotlib
 )

@@ -1,0 +1,1 @@
+"""Recipe-driven ablations: sweeps of training runs, their statistics, plots and ladder fits (tools/ablate.py)."""
