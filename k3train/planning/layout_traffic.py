@@ -73,6 +73,21 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
     return out
 
 
+def data_parallel_wire_bytes(job: RankJob) -> dict[str, float]:
+    """Per group: bytes this rank puts on the wire per step for the gradient buckets and the
+    ZeRO-1 parameter exchange, on a ring (all-reduce 2(p-1)/p of its input, reduce-scatter
+    (p-1)/p, all-gather (p-1) × the local chunk), read off the rank's own reducer and optimizer:
+    the quantity that ZeRO-1's reduce-scatter to the owners lowers (docs/data_parallel.md)."""
+    out: dict[str, float] = defaultdict(float)
+    for bucket in job.reducer.buckets:
+        for group, nbytes in bucket.wire_bytes().items():
+            out[group] += nbytes
+    for exchange in job.optimizer._exchanges:
+        element = torch.empty((), dtype=exchange.dtype).element_size()
+        out[exchange.group.name] += (exchange.group.size - 1) * exchange.length * element
+    return dict(out)
+
+
 def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     """Per group: bytes this rank sends (comm.py's convention) in one training step."""
     config = job.config
@@ -88,8 +103,9 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     if tp > 1:
         regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
         out["tp"] += micro_batches * regions * 2 * (full + (shard if sp else 0))
-    for bucket in job.reducer.buckets:
-        out[bucket.reduction.group.name] += bucket.nbytes
+    for bucket in job.reducer.buckets:  # a group of one rank sends nothing (expert_dp when ep = dp × tp)
+        for group, (nbytes, _) in bucket.sent().items():
+            out[group] += nbytes
     for exchange in job.optimizer._exchanges:
         out[exchange.group.name] += exchange.length * torch.empty((), dtype=exchange.dtype).element_size()
     # Steady state: every rank receives its full `max_replicas` (spare slots are filled).
@@ -99,4 +115,4 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     return dict(out)
 
 
-__all__ = ["layout_step_bytes", "pipeline_expert_traffic"]
+__all__ = ["layout_step_bytes", "pipeline_expert_traffic", "data_parallel_wire_bytes"]

@@ -134,23 +134,28 @@ def step_traffic_terms(
             sum(p.numel() * p.element_size() for p in gathered), len(gathered))
 
     # ---- dp / data_tensor: gradient buckets, loss, ZeRO-1 exchange
-    buckets: dict[str, list] = defaultdict(list)
-    for bucket in reducer.buckets:
-        buckets[bucket.reduction.group.name].append(bucket)
-    for group_name in ("dp", "data_tensor"):
-        found = buckets.get(group_name, [])
-        reduced = [b for b in found if not b.sharded]
+    for group_name in ("dp", "data_tensor", "expert_dp"):
+        reduced = [b for b in reducer.buckets if not b.sharded and b.reduction.group.name == group_name
+                   and b.reduction.group.size > 1]
         if reduced:
             tensors = sum(len(b.params) for b in reduced)
             add(group_name, f"gradient buckets, all-reduce: {tensors} tensors, {sum(b.numel for b in reduced)} "
                 "elements (+flags)", sum(b.nbytes for b in reduced), len(reduced))
-        scattered = [b for b in found if b.sharded]
-        if scattered:
+        for partial in (False, True):
+            scattered = [b for b in reducer.buckets if b.sharded and b.scatter_group.name == group_name
+                         and (b.then_over is not None) == partial]
+            if not scattered:
+                continue
             tensors = sum(len(b.params) for b in scattered)
-            add(group_name, f"gradient buckets, ZeRO-1 reduce-scatter to owners: {tensors} tensors, "
-                f"{sum(b.numel for b in scattered)} elements in {group_name}-size × padded per-owner segments "
-                f"of {sum(b.segment for b in scattered)} elements (+flags)",
-                sum(b.nbytes for b in scattered), len(scattered))
+            padded = sum(b.scatter_group.size * b.segment - b.numel - len(b.params) for b in scattered)
+            add(group_name, f"gradient buckets, ZeRO-1 reduce-scatter to owners"
+                + (" (TP-partial gradients)" if partial else "") + f": {tensors} tensors, "
+                f"{sum(b.numel for b in scattered)} elements (+flags, +{padded} padding) in "
+                f"{group_name}-size per-owner segments", sum(b.nbytes for b in scattered), len(scattered))
+            if partial and tp > 1:
+                add("tp", f"ZeRO-1: the owners' segments of those {len(scattered)} buckets, all-reduce over tp "
+                    "(each TP rank held a partial sum)",
+                    sum(b.sent()["tp"][0] for b in scattered), len(scattered))
     if any(b.sharded for b in reducer.buckets) and state.data_tensor.size > 1:
         add("data_tensor", "global grad norm, owner-only gradients' share: fp32 scalar all-reduce", 4, 1)
     if dp > 1:

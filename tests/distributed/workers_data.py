@@ -310,20 +310,21 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         off = train(state, batches, zero1=False)
         on = train(state, batches, zero1=True, after_step=save_after_two if label == "dp2" else None)
-        with_grad = {id(p) for n, p in on["model"].named_parameters() if n in ref["grads"]}
-        names = {id(p): n for n, p in on["model"].named_parameters()}
+        with_grad = {id(p) for run in (on, off) for n, p in run["model"].named_parameters() if n in ref["grads"]}
+        names = {id(p): n for run in (on, off) for n, p in run["model"].named_parameters()}
         plan = on["optimizer"].plan
         results[label] = {
             "zero_off": _compare(off, ref), "zero_on": _compare(on, ref),
             "on_vs_off": _max_diff(on["params"], off["params"]),
             "traffic_zero_on": _traffic(on, on["reducer"], on["optimizer"]),
             "traffic_zero_off": _traffic(off, off["reducer"], off["optimizer"]),
-            "launched_in_backward": on["launched_in_backward"], "buckets": len(on["reducer"].buckets),
             # Buckets launch in order, so the first one holding a parameter that gets no gradient
             # (layer 0's unused AttnRes query, last in backward) waits for finish().
-            "first_unused_bucket": min(b.index for b in on["reducer"].buckets
-                                       if any(id(p) not in with_grad for p in b.params)),
-            "bucket_names": [[names[id(p)] for p in b.params] for b in on["reducer"].buckets],
+            **{f"{key}_{zero}": value for zero, run in (("on", on), ("off", off)) for key, value in (
+                ("launched_in_backward", run["launched_in_backward"]), ("buckets", len(run["reducer"].buckets)),
+                ("first_unused_bucket", min(b.index for b in run["reducer"].buckets
+                                            if any(id(p) not in with_grad for p in b.params))),
+                ("bucket_names", [[names[id(p)] for p in b.params] for b in run["reducer"].buckets]))},
             "plan": {"owners": plan.owners, "costs": plan.costs, "numels": plan.numels,
                      "describe": plan.describe()},
             "owned_state_entries": len(on["optimizer"].optimizer.state),
