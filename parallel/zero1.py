@@ -7,6 +7,7 @@ Ownership plan, exchange layout and traffic: docs/data_parallel.md ("ZeRO-1").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -157,11 +158,30 @@ class _Exchange:
     """For each rank of the group: (parameter, offset in its flat buffer), in model order."""
     in_order: list[tuple[nn.Parameter, int]]
     """(parameter, owner) in model order: the broadcast order, the same on every rank."""
+    broadcast: list[tuple[nn.Parameter, int]] = dataclasses.field(default_factory=list)
+    """(parameter, owner), model order: the parameters the all-gather leaves out (`per_rank` does
+    not hold them) and their owners broadcast instead (`_broadcast_instead`)."""
 
     @property
     def length(self) -> int:
         """Longest per-rank buffer (every rank's buffer is padded to it)."""
         return max((offset + p.numel() for owned in self.per_rank for p, offset in owned[-1:]), default=0)
+
+    def sent(self, chunk_elements: int) -> tuple[int, int]:
+        """(bytes, messages) this rank's counter records per step in the all-gather mode: the
+        padded buffer in chunks, and the broadcasts of the parameters it owns."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        mine = [p for p, owner in self.broadcast if owner == self.group.rank]
+        return (self.length * element + sum(p.numel() for p in mine) * element,
+                math.ceil(self.length / chunk_elements) + len(mine))
+
+    def wire_bytes(self) -> float:
+        """Bytes this rank puts on the wire per step on a ring: (p−1) × the padded buffer for
+        the all-gather; about one copy of each broadcast parameter (a pipelined ring broadcast
+        has every rank but the last forward it once)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        size = self.group.size
+        return ((size - 1) * self.length + (size - 1) / size * sum(p.numel() for p, _ in self.broadcast)) * element
 
     def pieces(self, rank: int, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
         """(flat parameter, its first element, element count, position in the chunk) for the
@@ -255,10 +275,15 @@ class DistributedOptimizer:
             key = (group.name, param.dtype)
             if key not in exchanges:
                 exchanges[key] = _Exchange(group, param.dtype, param.device, [[] for _ in range(group.size)], [])
-            exchange, owner = exchanges[key], self.plan.owners[name]
-            owned = exchange.per_rank[owner]
-            owned.append((param, owned[-1][1] + owned[-1][0].numel() if owned else 0))
-            exchange.in_order.append((param, owner))
+            exchanges[key].in_order.append((param, self.plan.owners[name]))
+        for exchange in exchanges.values():
+            left_out = _broadcast_instead(exchange.in_order, exchange.group.size) if self.exchange == "all_gather" else set()
+            for param, owner in exchange.in_order:
+                if id(param) in left_out:
+                    exchange.broadcast.append((param, owner))
+                    continue
+                owned = exchange.per_rank[owner]
+                owned.append((param, owned[-1][1] + owned[-1][0].numel() if owned else 0))
         return list(exchanges.values())
 
     # ------------------------------------------------------------------ the step
@@ -269,6 +294,8 @@ class DistributedOptimizer:
         for exchange in self._exchanges:
             if self.exchange == "all_gather":
                 self._all_gather(exchange)
+                for param, owner in exchange.broadcast:  # model order, the same on every rank
+                    exchange.group.broadcast(param.data, owner)
             else:
                 self._broadcast(exchange)
 
@@ -354,6 +381,31 @@ class DistributedOptimizer:
                            "param_names": list(group["param_names"])})
             position += count
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _broadcast_instead(in_order: list[tuple[nn.Parameter, int]], size: int) -> set[int]:
+    """Ids of the parameters to broadcast from their owners rather than all-gather. The
+    all-gather pads every rank's buffer to the longest, so one parameter much larger than a
+    rank's fair share (an embedding or head owned whole) makes every rank send `(p−1)` times
+    its size; a pipelined broadcast of it costs each rank about one copy. Greedy: while the
+    largest all-gathered parameter of the longest buffer saves more all-gather bytes per rank,
+    `(p−1) ×` the drop of the longest buffer, than its broadcast costs (its size), broadcast it."""
+    owned: list[list[nn.Parameter]] = [[] for _ in range(size)]
+    for param, owner in in_order:
+        owned[owner].append(param)
+    lengths = [sum(p.numel() for p in params) for params in owned]
+    left_out: set[int] = set()
+    while True:
+        longest = max(range(size), key=lambda r: (lengths[r], -r))
+        candidates = [p for p in owned[longest] if id(p) not in left_out]
+        if not candidates:
+            return left_out
+        biggest = max(candidates, key=lambda p: p.numel())
+        after = max(lengths[r] - (biggest.numel() if r == longest else 0) for r in range(size))
+        if (size - 1) * (lengths[longest] - after) <= biggest.numel():
+            return left_out
+        left_out.add(id(biggest))
+        lengths[longest] -= biggest.numel()
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],

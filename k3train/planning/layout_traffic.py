@@ -73,18 +73,24 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
     return out
 
 
-def data_parallel_wire_bytes(job: RankJob) -> dict[str, float]:
+def data_parallel_wire_bytes(job: RankJob, all_reduced: bool = False) -> dict[str, float]:
     """Per group: bytes this rank puts on the wire per step for the gradient buckets and the
     ZeRO-1 parameter exchange, on a ring (all-reduce 2(p-1)/p of its input, reduce-scatter
     (p-1)/p, all-gather (p-1) × the local chunk), read off the rank's own reducer and optimizer:
-    the quantity that ZeRO-1's reduce-scatter to the owners lowers (docs/data_parallel.md)."""
+    the quantity that ZeRO-1's reduce-scatter to the owners lowers (docs/data_parallel.md).
+    `all_reduced`: as if every bucket were all-reduced over its reduction group (ZeRO-1 before
+    the reduce-scatter to owners: all-reduce + all-gather)."""
     out: dict[str, float] = defaultdict(float)
     for bucket in job.reducer.buckets:
+        if all_reduced and bucket.sharded:
+            p = bucket.reduction.group.size
+            element = torch.empty((), dtype=bucket.dtype).element_size()
+            out[bucket.reduction.group.name] += 2 * (p - 1) / p * (bucket.numel + len(bucket.params)) * element
+            continue
         for group, nbytes in bucket.wire_bytes().items():
             out[group] += nbytes
     for exchange in job.optimizer._exchanges:
-        element = torch.empty((), dtype=exchange.dtype).element_size()
-        out[exchange.group.name] += (exchange.group.size - 1) * exchange.length * element
+        out[exchange.group.name] += exchange.wire_bytes()
     return dict(out)
 
 
@@ -107,7 +113,8 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
         for group, (nbytes, _) in bucket.sent().items():
             out[group] += nbytes
     for exchange in job.optimizer._exchanges:
-        out[exchange.group.name] += exchange.length * torch.empty((), dtype=exchange.dtype).element_size()
+        chunk = max(1, job.optimizer.bucket_bytes // torch.empty((), dtype=exchange.dtype).element_size())
+        out[exchange.group.name] += exchange.sent(chunk)[0]
     # Steady state: every rank receives its full `max_replicas` (spare slots are filled).
     replicas = job.expert_parallel.max_replicas if job.expert_parallel is not None else 0
     for group, (nbytes, _) in pipeline_expert_traffic(job, micro_batches, replicas).items():

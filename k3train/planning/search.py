@@ -90,6 +90,31 @@ def stage_parameters(cfg: ModelConfig, layer_ranges: Sequence[tuple[int, int]], 
     return params, state
 
 
+def data_parallel_wire(cfg: ModelConfig, layout: Layout, plan: PipelinePlan) -> dict[str, float]:
+    """Ring wire bytes per step of the fullest stage's fp32 gradient reduction and ZeRO-1
+    exchange, as `layout_traffic.data_parallel_wire_bytes` counts them on a built rank, without
+    padding: dense parameters over `dp` (with or without ZeRO-1: an all-reduce, or the reduce-
+    scatter to the owners plus the all-gather, both 2(p−1)/p of the gradients), routed experts
+    over `expert_dp` (dp·tp/ep ranks). `tests/unit/test_plan_search.py` holds it to the built
+    rank's bytes."""
+    out: dict[str, float] = {}
+    expert_dp = layout.dp * layout.tp // layout.ep
+    dense = experts = 0.0
+    for rank in range(layout.pp):
+        ranges = plan.layer_ranges(rank)
+        params, _ = stage_parameters(cfg, ranges, layout.tp, layout.ep)
+        moe = sum(cfg.is_moe_layer(i) for start, end in ranges for i in range(start, end))
+        # Without EP the experts are ordinary replicated weights, reduced over dp with the rest.
+        routed = moe * F.routed_experts_parameters(cfg, cfg.num_experts) / layout.ep if layout.ep > 1 else 0.0
+        if params - routed > dense:
+            dense, experts = params - routed, routed
+    if layout.dp > 1:
+        out["dp"] = 2 * (layout.dp - 1) / layout.dp * dense * 4
+    if expert_dp > 1 and experts:
+        out["expert_dp"] = 2 * (expert_dp - 1) / expert_dp * experts * 4
+    return out
+
+
 def accepted(base: JobConfig, overrides: list[str], world_size: int) -> Optional[tuple[JobConfig, Layout, PipelinePlan]]:
     """The job's own checks; None when any refuses the layout."""
     try:
@@ -147,9 +172,7 @@ def estimate(config: JobConfig, layout: Layout, plan: PipelinePlan, hardware: Ha
     comm: dict[str, float] = {}
     if layout.tp > 1:
         comm["tp"] = micro_batches * regions * 2 * (full + (full / layout.tp if sp else 0))
-    if layout.dp > 1:
-        params, _ = stage_parameters(cfg, plan.layer_ranges(0), layout.tp, layout.ep)
-        comm["dp"] = params * 4 * (1.5 if config.parallel.zero1 else 1)
+    comm.update(data_parallel_wire(cfg, layout, plan))
     if layout.pp > 1:
         block = full / layout.tp if sp else full
         comm["pp"] = sum(plan.rank_step_bytes(1 % layout.pp, int(block), micro_batches).values())
@@ -223,6 +246,7 @@ def nearest_fitting_world_sizes(recipe: str, world_size: int, hardware: Hardware
 
 
 __all__ = ["Candidate", "search_layouts", "nearest_fitting_world_sizes", "stage_parameters", "accepted",
+           "data_parallel_wire",
            "describe_candidates"]
 
 

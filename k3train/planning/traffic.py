@@ -165,6 +165,9 @@ def step_traffic_terms(
         chunk = max(1, bucket_bytes // element)
         add(exchange.group.name, f"ZeRO-1 exchange ({exchange.dtype}): padded buffer of {exchange.length} elements",
             exchange.length * element, math.ceil(exchange.length / chunk))
+        mine = [p for p, owner in exchange.broadcast if owner == exchange.group.rank]
+        add(exchange.group.name, f"ZeRO-1 exchange ({exchange.dtype}): broadcast of {len(mine)} owned parameters "
+            "larger than a rank's share", sum(p.numel() for p in mine) * element, len(mine))
 
     # ---- routing statistics on the routing group
     routing_group = state.data_tensor if sp else state.dp

@@ -194,8 +194,9 @@ def _expected_exchange(optimizer: DistributedOptimizer) -> tuple[int, int]:
         element = torch.empty((), dtype=exchange.dtype).element_size()
         if optimizer.exchange == "all_gather":
             chunk = BUCKET_BYTES // element
-            total_bytes += exchange.length * element
-            messages += math.ceil(exchange.length / chunk)
+            mine = [p for p, owner in exchange.broadcast if owner == exchange.group.rank]
+            total_bytes += exchange.length * element + sum(p.numel() for p in mine) * element
+            messages += math.ceil(exchange.length / chunk) + len(mine)
         else:
             mine = exchange.per_rank[exchange.group.rank]
             total_bytes += sum(p.numel() for p, _ in mine) * element
