@@ -61,15 +61,17 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
         if "replica_weights" in shapes:
             nbytes += cfg.num_experts * 8
             messages += 1
-        total = (micro_batches * moe * nbytes, micro_batches * moe * messages)
-        if "replica_weights" in shapes and replica_matrices:
-            # Once per step and layer: the replicas this rank sends out, and their gradients back.
+        out["ep"] = (micro_batches * moe * nbytes, micro_batches * moe * messages)
+        if "replica_weights" in shapes:
+            # Once per step and layer, counted as `ep.replicas`: the replica weights this rank sends
+            # out and, at the step's end, their gradients back (two uneven all-to-alls, sent even
+            # when empty, as on the first step).
             matrix = math.prod(shapes["replica_weights"][1:]) * weight
-            total = (total[0] + moe * 2 * replica_matrices * matrix, total[1] + moe * 2)
-        out["ep"] = total
+            out[f"{ep.group.name}.replicas"] = (moe * 2 * replica_matrices * matrix, moe * 2)
     if ep is not None:  # the expert share of the global gradient norm: one fp32 scalar (`norm_shares`)
         nbytes, messages = out.get("ep", (0, 0))
         out["ep"] = (nbytes + 4, messages + 1)
+        out = dict(sorted(out.items()))
     return out
 
 

@@ -1,5 +1,7 @@
 """Measured communication of one training step equals the formula (`k3train/planning/traffic.py`), per
-group, in bytes and in messages, on every rank.
+group, in bytes and in messages, on every rank: `step_traffic_terms` for pp = ep = 1, and for every
+layout `job_traffic_terms` of the rank's own meta-device build (`build_planning_rank`), the
+function `tools/plan.py` and the planner use.
 
 One 4-rank gloo launch runs several layouts through the real training step
 (`workers_comm.py`); the prediction is computed for each rank's own coordinates, because under
@@ -31,6 +33,10 @@ LAYOUTS = [
     dict(name="EP2 balanced", dp=2, ep=2),
     dict(name="EP2 capacity ×TP2+SP", tp=2, ep=2, sequence_parallel=True,
          overrides=["parallel.expert_dispatch=capacity"]),
+    # Combinations: ZeRO-1's TP-partial gradients under SP (reduce-scatter over dp, then the owner's
+    # segment over tp); pipeline stages with expert parallelism and ZeRO-1 together.
+    dict(name="DP2×TP2+SP ZeRO-1", tp=2, dp=2, sequence_parallel=True, zero1=True),
+    dict(name="PP2×DP2 EP2 balanced ZeRO-1", pp=2, dp=2, ep=2, zero1=True),
 ]
 
 
@@ -44,6 +50,8 @@ def test_measured_traffic_equals_formula_per_group_and_rank():
             assert result["member"]
             assert result["measured"] == result["predicted"], (layout["name"], rank, result["measured"],
                                                                result["predicted"])
+            # The any-layout prediction from the rank's own build agrees (pp = ep = 1: with the formula).
+            assert result["predicted_job"] == result["predicted"], (layout["name"], rank)
         assert ("tp" in results[0][index]["measured"] or layout.get("tp", 1) == 1
                 or layout.get("pp", 1) > 1 or layout.get("ep", 1) > 1)
         if layout.get("pp", 1) > 1:
