@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LayoutError, PipelineConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         if args.hardware and args.world_size:
+            # The checks above name sizes that divide; the search keeps only the layouts that the
+            # recipe's every check accepts and that fit in memory.
+            print("layouts that the recipe accepts and that fit (every check of pretrain_k3.py, and memory):")
             search(args)
         return 2
 

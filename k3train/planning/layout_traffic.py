@@ -12,10 +12,30 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Optional
 
 import torch
 
 from k3train.training.build import RankJob
+
+
+def expert_layer_traffic(ep, cfg, tokens: int, activation: int, weight: int, replica_matrices: int = 0
+                         ) -> tuple[tuple[int, int], Optional[tuple[int, int]]]:
+    """One MoE layer's expert traffic on one rank, (bytes, messages): per micro-batch of `tokens`
+    local tokens (dispatch + combine `[R, C, l]` and their adjoints, the int32 slot ids `[R, C]`,
+    and in `balanced` mode the all-gather of the `[1, E]` int64 loads the routing plan is made
+    from), and per step in `balanced` mode (None otherwise) the replica weights this rank sends
+    out and, at the step's end, their gradients back: two uneven all-to-alls, sent even when
+    empty as on the first step, `replica_matrices` expert matrices each way. Shapes from the
+    dispatcher's own `ExpertParallel.buffer_shapes`."""
+    shapes = ep.buffer_shapes(tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size,
+                              cfg.moe_intermediate_size)
+    nbytes = 4 * math.prod(shapes["dispatch"]) * activation + math.prod(shapes["dispatch_ids"]) * 4
+    messages = 5
+    if "replica_weights" not in shapes:
+        return (nbytes, messages), None
+    matrix = math.prod(shapes["replica_weights"][1:]) * weight
+    return (nbytes + cfg.num_experts * 8, messages + 1), (2 * replica_matrices * matrix, 2)
 
 
 def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: int = 0) -> dict[str, tuple[int, int]]:
@@ -51,23 +71,11 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
             raise ValueError("expert traffic under recompute=sublayer is not modelled")
         activation = 4 if config.train.precision == "fp32" else 2
         weight = next(job.model.parameters()).element_size()
-        shapes = ep.buffer_shapes(b * s // (tp if sp else 1), cfg.num_experts_per_token,
-                                  cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
-        rows = math.prod(shapes["dispatch"]) * activation
-        # Per layer and micro-batch: dispatch + combine and their adjoints, the int32 slot ids,
-        # and (balanced) the all-gather of the [1, E] int64 loads the routing plan is made from.
-        nbytes = 4 * rows + math.prod(shapes["dispatch_ids"]) * 4
-        messages = 5
-        if "replica_weights" in shapes:
-            nbytes += cfg.num_experts * 8
-            messages += 1
-        out["ep"] = (micro_batches * moe * nbytes, micro_batches * moe * messages)
-        if "replica_weights" in shapes:
-            # Once per step and layer, counted as `ep.replicas`: the replica weights this rank sends
-            # out and, at the step's end, their gradients back (two uneven all-to-alls, sent even
-            # when empty, as on the first step).
-            matrix = math.prod(shapes["replica_weights"][1:]) * weight
-            out[f"{ep.group.name}.replicas"] = (moe * 2 * replica_matrices * matrix, moe * 2)
+        per_micro_batch, per_step = expert_layer_traffic(ep, cfg, b * s // (tp if sp else 1), activation, weight,
+                                                         replica_matrices)
+        out["ep"] = (micro_batches * moe * per_micro_batch[0], micro_batches * moe * per_micro_batch[1])
+        if per_step is not None:
+            out[f"{ep.group.name}.replicas"] = (moe * per_step[0], moe * per_step[1])
     if ep is not None:  # the expert share of the global gradient norm: one fp32 scalar (`norm_shares`)
         nbytes, messages = out.get("ep", (0, 0))
         out["ep"] = (nbytes + 4, messages + 1)
@@ -124,4 +132,4 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     return dict(out)
 
 
-__all__ = ["layout_step_bytes", "pipeline_expert_traffic", "data_parallel_wire_bytes"]
+__all__ = ["layout_step_bytes", "pipeline_expert_traffic", "data_parallel_wire_bytes", "expert_layer_traffic"]

@@ -192,6 +192,23 @@ def test_tp_partial_grads_reduce_over_data_tensor(results):
         assert check["traffic"] == {"data_tensor": (bytes_expected["data_tensor"], buckets)}
 
 
+def test_tp_partial_grads_reach_their_owners_under_zero1(results):
+    """ZeRO-1 with `tp_partial_grad` parameters: a reduce-scatter over dp to the owners, then the
+    owner's segment summed over tp (2 TP ranks); each owner's gradients are the single process's
+    (within GRAD_TOL: another summation order), each dp rank pair holds its owned ones, together all."""
+    every = set(results[0]["clip_dp4"]["held_grads"])
+    held = {}
+    for rank, result in enumerate(results):
+        check = result["tp_partial_zero1"]
+        assert check["grads"] < GRAD_TOL, check
+        assert check["two_phase_buckets"] == check["buckets"] > 0
+        assert {g: nbytes for g, (nbytes, _) in check["traffic"].items()} == check["expected"]
+        assert set(check["traffic"]) == {"dp", "tp"}
+        held[rank] = set(check["held"])
+    assert held[0] == held[1] and held[2] == held[3]  # the TP pair of one dp rank steps the same ones
+    assert held[0] | held[2] == every and not held[0] & held[2]
+
+
 def test_reshard_dp2_to_dp4(results):
     """Two steps under DP2 + ZeRO-1, the third under DP4 + ZeRO-1 from the saved state, by name
     and through the Checkpointer: the single-process parameters after three steps."""

@@ -255,14 +255,18 @@ def clip_check(state: ParallelState, batches: torch.Tensor, zero1: bool = False)
 # TP-partial gradients (parallel/tensor.py's `tp_partial_grad`)
 
 
-def tp_partial_check(state: ParallelState, batches: torch.Tensor, ref: dict[str, Any]) -> dict[str, Any]:
+def tp_partial_check(state: ParallelState, batches: torch.Tensor, ref: dict[str, Any],
+                     zero1: bool = False) -> dict[str, Any]:
     """DP2 x "TP"2 where each TP rank takes half of its replica's rows and 1/tp of its loss, as
     a sequence-parallel rank sees part of the tokens: with every parameter marked
-    `tp_partial_grad`, the one SUM over `data_tensor` / dp must give the global gradient."""
+    `tp_partial_grad`, the one SUM over `data_tensor` / dp must give the global gradient. With
+    `zero1`: reduce-scattered over dp to the owners, whose segment is then summed over tp; the
+    owners' gradients must be the global ones."""
     model = _model(torch.float64)
     for param in model.parameters():
         param.tp_partial_grad = True
-    reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES)
+    owners = _distributed_optimizer(model, state, zero1=True).gradient_owners() if zero1 else None
+    reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES, owners=owners)
     tp = state.layout.tp
     rows = GLOBAL_BATCH // (state.layout.dp * tp)
     first = (state.dp_rank * tp + state.tp_rank) * rows
@@ -270,7 +274,13 @@ def tp_partial_check(state: ParallelState, batches: torch.Tensor, ref: dict[str,
     (_loss(model, batches[0][first:first + rows]) / tp).backward()
     reducer.finish()
     reducer.remove_hooks()
-    return {"grads": _max_diff(_grads(model), ref["grads"]), "traffic": state.counter.snapshot(),
+    held = _grads(model)
+    if zero1:
+        return {"grads": _max_diff(held, {name: ref["grads"][name] for name in held}), "held": sorted(held),
+                "traffic": state.counter.snapshot(), "expected": reducer.bytes_per_step(),
+                "two_phase_buckets": sum(b.then_over is not None for b in reducer.buckets),
+                "buckets": len(reducer.buckets)}
+    return {"grads": _max_diff(held, ref["grads"]), "traffic": state.counter.snapshot(),
             "expected": (reducer.bytes_per_step(), len(reducer.buckets))}
 
 
@@ -352,6 +362,7 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
     results["clip_dp4_zero1"] = clip_check(dp4, batches, zero1=True)
     results["clip_dp2_tp2_zero1"] = clip_check(dp2, batches, zero1=True)
     results["tp_partial"] = tp_partial_check(dp2, batches, ref)
+    results["tp_partial_zero1"] = tp_partial_check(dp2, batches, ref, zero1=True)
     results["seconds"]["clip"] = time.perf_counter() - t0
 
     # Resharding: step 3 under DP4 + ZeRO-1 from the DP2 state after step 2.
