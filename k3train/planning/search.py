@@ -155,8 +155,8 @@ def analytic_step_bytes(config: JobConfig, layout: Layout, plan: PipelinePlan) -
         regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
         comm["tp"] = micro_batches * regions * 2 * (full + (full / layout.tp if sp else 0))
     comm.update(data_parallel_wire(cfg, layout, plan))
-    if layout.pp > 1:
-        block = full // layout.tp if sp else full
+    if layout.pp > 1:  # the schedule's wire dtype is fp32 whatever the compute precision
+        block = tokens * cfg.hidden_size * 4 // (layout.tp if sp else 1)
         comm["pp"] = sum(plan.rank_step_bytes(1 % layout.pp, int(block), micro_batches).values())
     if layout.ep > 1:
         moe = max(sum(cfg.is_moe_layer(i) for i in layers) for layers in ranks)
@@ -164,7 +164,8 @@ def analytic_step_bytes(config: JobConfig, layout: Layout, plan: PipelinePlan) -
                                        config.parallel, cfg.num_experts)
         local_tokens = tokens // (layout.tp if sp else 1)
         per_micro_batch, per_step = expert_layer_traffic(ep, cfg, local_tokens, element, 4, ep.max_replicas)
-        comm["ep"] = moe * (micro_batches * per_micro_batch[0] + (per_step[0] if per_step else 0))
+        # + the expert share of the global gradient norm (one fp32 scalar).
+        comm["ep"] = moe * (micro_batches * per_micro_batch[0] + (per_step[0] if per_step else 0)) + 4
     return comm
 
 
