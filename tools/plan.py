@@ -36,7 +36,7 @@ from k3train.planning.layout_traffic import data_parallel_wire_bytes, layout_ste
 from k3train.planning.memory import GIB as _GIB, MEMORY_HEADER, rank_memory  # noqa: E402
 from k3train.planning.search import describe_candidates, nearest_fitting_world_sizes, search_layouts  # noqa: E402
 from k3train.planning.time import estimate_step_time  # noqa: E402
-from k3train.planning.traffic import predicted_step_traffic  # noqa: E402
+from k3train.planning.traffic import predicted_job_traffic  # noqa: E402
 from k3train.training.build import build_model, build_planning_rank, planning_parallel_state  # noqa: E402
 
 GIB = 2**30
@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     zero1_wire = (0.0, 0.0)  # (now, with every gradient bucket all-reduced), network groups, fullest stage
     for pp_rank in range(layout.pp):
         job = build_planning_rank(config, layout, layout.rank_of(0, 0, pp_rank))
+        if pp_rank == 0:
+            first_job = job
         print("| " + " | ".join(rank_memory(job, layout, micro_batches).row()) + " |")
         for group, nbytes in layout_step_bytes(job, micro_batches).items():
             step_bytes[group] = max(step_bytes.get(group, 0.0), nbytes)
@@ -185,15 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("AttnRes blocks per micro-batch across pipeline hops (forward; backward returns as many): "
               + ", ".join(f"{protocol} {plan.blocks_per_micro_batch(protocol)}" for protocol in ("naive", "paper", "exact")))
-    if layout.pp == 1 and layout.ep == 1:
-        traffic = predicted_step_traffic(
-            config.model, config.optimizer, tp=layout.tp, dp=layout.dp, micro_batch_size=config.train.micro_batch_size,
-            seq_length=config.data.seq_length, micro_batches=micro_batches,
-            dtype_bytes=2 if config.train.precision == "bf16" else 4, zero1=parallel.zero1,
-            sequence_parallel=parallel.sequence_parallel)
-        print()
-        print("communication of one step on rank 0 (bytes, messages): "
-              + "; ".join(f"{group} {nbytes:,} B in {messages}" for group, (nbytes, messages) in traffic.items()))
+    # Global rank 0's step, every group, bytes and messages (the formula the comm test holds to
+    # the counters; first step: no replica weights yet).
+    traffic = predicted_job_traffic(first_job, micro_batches, 2 if config.train.precision == "bf16" else 4)
+    print()
+    print("communication of one step on rank 0 (bytes, messages): "
+          + "; ".join(f"{group} {nbytes:,} B in {messages:,}" for group, (nbytes, messages) in traffic.items()))
     return 0
 
 

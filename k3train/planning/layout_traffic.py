@@ -19,23 +19,30 @@ import torch
 from k3train.training.build import RankJob
 
 
-def expert_layer_traffic(ep, cfg, tokens: int, activation: int, weight: int, replica_matrices: int = 0
-                         ) -> tuple[tuple[int, int], Optional[tuple[int, int]]]:
+def expert_layer_traffic(ep, cfg, tokens: int, activation: int, weight: int, replica_matrices: int = 0,
+                         recompute: bool = False) -> tuple[tuple[int, int], Optional[tuple[int, int]]]:
     """One MoE layer's expert traffic on one rank, (bytes, messages): per micro-batch of `tokens`
     local tokens (dispatch + combine `[R, C, l]` and their adjoints, the int32 slot ids `[R, C]`,
     and in `balanced` mode the all-gather of the `[1, E]` int64 loads the routing plan is made
     from), and per step in `balanced` mode (None otherwise) the replica weights this rank sends
     out and, at the step's end, their gradients back: two uneven all-to-alls, sent even when
-    empty as on the first step, `replica_matrices` expert matrices each way. Shapes from the
-    dispatcher's own `ExpertParallel.buffer_shapes`."""
+    empty as on the first step, `replica_matrices` expert matrices each way. With `recompute`
+    (`recompute: sublayer`) backward reruns the layer's forward, all-to-alls included (the
+    replicas are the step's cached ones). Shapes from the dispatcher's own
+    `ExpertParallel.buffer_shapes`."""
     shapes = ep.buffer_shapes(tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size,
                               cfg.moe_intermediate_size)
-    nbytes = 4 * math.prod(shapes["dispatch"]) * activation + math.prod(shapes["dispatch_ids"]) * 4
-    messages = 5
+    rows = math.prod(shapes["dispatch"]) * activation
+    ids = math.prod(shapes["dispatch_ids"]) * 4
+    forward, forward_messages = 2 * rows + ids, 3  # dispatch, its ids, combine
+    if "replica_weights" in shapes:  # the all-gather of the [1, E] int64 loads
+        forward, forward_messages = forward + cfg.num_experts * 8, forward_messages + 1
+    nbytes = (2 if recompute else 1) * forward + 2 * rows  # + the adjoints of dispatch and combine
+    messages = (2 if recompute else 1) * forward_messages + 2
     if "replica_weights" not in shapes:
         return (nbytes, messages), None
     matrix = math.prod(shapes["replica_weights"][1:]) * weight
-    return (nbytes + cfg.num_experts * 8, messages + 1), (2 * replica_matrices * matrix, 2)
+    return (nbytes, messages), (2 * replica_matrices * matrix, 2)
 
 
 def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: int = 0) -> dict[str, tuple[int, int]]:
@@ -67,12 +74,10 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
     layers = [i for start, end in job.plan.layer_ranges(job.parallel.pp_rank) for i in range(start, end)]
     moe = sum(cfg.is_moe_layer(i) for i in layers)
     if ep is not None and moe:
-        if cfg.recompute == "sublayer":
-            raise ValueError("expert traffic under recompute=sublayer is not modelled")
         activation = 4 if config.train.precision == "fp32" else 2
         weight = next(job.model.parameters()).element_size()
         per_micro_batch, per_step = expert_layer_traffic(ep, cfg, b * s // (tp if sp else 1), activation, weight,
-                                                         replica_matrices)
+                                                         replica_matrices, cfg.recompute == "sublayer")
         out["ep"] = (micro_batches * moe * per_micro_batch[0], micro_batches * moe * per_micro_batch[1])
         if per_step is not None:
             out[f"{ep.group.name}.replicas"] = (moe * per_step[0], moe * per_step[1])

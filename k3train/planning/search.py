@@ -163,7 +163,8 @@ def analytic_step_bytes(config: JobConfig, layout: Layout, plan: PipelinePlan) -
         ep = ExpertParallel.from_state(planning_parallel_state(layout, 0, config.parallel.sequence_parallel),
                                        config.parallel, cfg.num_experts)
         local_tokens = tokens // (layout.tp if sp else 1)
-        per_micro_batch, per_step = expert_layer_traffic(ep, cfg, local_tokens, element, 4, ep.max_replicas)
+        per_micro_batch, per_step = expert_layer_traffic(ep, cfg, local_tokens, element, 4, ep.max_replicas,
+                                                         cfg.recompute == "sublayer")
         # + the expert share of the global gradient norm (one fp32 scalar).
         comm["ep"] = moe * (micro_batches * per_micro_batch[0] + (per_step[0] if per_step else 0)) + 4
     return comm

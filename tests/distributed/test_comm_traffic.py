@@ -37,6 +37,8 @@ LAYOUTS = [
     # segment over tp); pipeline stages with expert parallelism and ZeRO-1 together.
     dict(name="DP2×TP2+SP ZeRO-1", tp=2, dp=2, sequence_parallel=True, zero1=True),
     dict(name="PP2×DP2 EP2 balanced ZeRO-1", pp=2, dp=2, ep=2, zero1=True),
+    # recompute=sublayer reruns each MoE layer's forward all-to-alls in backward.
+    dict(name="EP2 balanced recompute=sublayer", dp=2, ep=2, overrides=["model.recompute=sublayer"]),
 ]
 
 
