@@ -36,6 +36,15 @@ def test_debug_suggestions_run(world_size):
     for candidate in found:
         assert candidate.tp * candidate.pp * candidate.dp == world_size
         assert_runs(DEBUG, world_size, candidate.overrides())
+    # And the planner itself takes the first suggestion (every stage built, every term priced).
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(CHECKOUT / "tools" / "plan.py"), "--recipe", DEBUG, "--world-size",
+                             str(world_size), "--hardware", "h100", *found[0].overrides()],
+                            capture_output=True, text=True, timeout=300, cwd=CHECKOUT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "communication of one step on rank 0" in result.stdout
 
 
 def test_memory_limit_excludes_and_nearest_sizes_fit():
