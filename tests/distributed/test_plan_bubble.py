@@ -10,7 +10,8 @@ to the measured bubble; 1F1B measured 0.007–0.043 above the formula, the inter
 with V× more (shorter) chunk steps, 0.03–0.13 above. So: measured ≥ predicted − 0.03 (a timer's
 slack), and measured ≤ predicted + 0.08 for 1F1B, + 0.15 for interleaved. (Whether interleaving
 lowers the measured bubble at P=2, M=4 is left out: predicted 0.111 against 0.200, it measured
-0.202 against 0.217 in one run here, inside the overheads above.)
+0.202 against 0.217 in one run under load, inside the overheads above; 0.114 against 0.203 on a
+quiet machine, where every setting came within 0.003 of the formula.)
 """
 
 import statistics
