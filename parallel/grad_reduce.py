@@ -87,6 +87,62 @@ def gradient_reduction(param: torch.Tensor, state: ParallelState) -> Reduction:
     return Reduction(state.dp, 1.0 / dp)
 
 
+def owner_scatter(param: torch.Tensor, state: ParallelState) -> Optional[tuple[Group, Optional[Group]]]:
+    """How `param`'s gradient reaches its ZeRO-1 owner alone: (the group to reduce-scatter over,
+    the group the owner's segment is then all-reduced over, or None). A gradient summed over its
+    replica group (`dp`, or `expert_dp` for experts) is reduce-scattered over it; a TP-partial
+    gradient (summed over `data_tensor` = dp × tp of the stage; its owner is a dp rank, and every
+    TP rank of that dp rank steps it) is reduce-scattered over `dp`, then its owner's segment is
+    all-reduced over `tp` (each TP rank still holds a partial sum): the same sum in another order.
+    None when nothing needs reducing or the replica group has a single rank."""
+    reduction = gradient_reduction(param, state)
+    replicas = replica_group(param, state)
+    if reduction.group.size == 1 or replicas.size == 1:
+        return None
+    if reduction.group.name == replicas.name:
+        return replicas, None
+    if reduction.group.name == state.data_tensor.name and replicas.name == state.dp.name:
+        return replicas, state.tp
+    return None
+
+
+def row_class(param: torch.Tensor, state: ParallelState) -> Optional[tuple]:
+    """What parameters must share for one ZeRO-1 owner row (see `owner_rows`): their reduction
+    (group and scale), dtype and element count; None when `param`'s gradient cannot be
+    reduce-scattered to its owner (`owner_scatter`)."""
+    if owner_scatter(param, state) is None:
+        return None
+    return gradient_reduction(param, state).key, param.dtype, param.numel()
+
+
+def owner_rows(named_params: Iterable[tuple[str, nn.Parameter]], owners: Mapping[str, int],
+               state: ParallelState) -> list[list[tuple[str, nn.Parameter]]]:
+    """ZeRO-1 owner rows: groups of `p` parameters (p = their replica group's size) of one
+    `row_class`, one owned by each rank of the group, in rank order. A bucket of whole rows
+    reduce-scatters with no padding at all: every rank's segment holds one parameter of each row,
+    all of the same length. Formed from `owners` alone (per class and owner, the parameters in
+    the order given, the i-th of every owner making row i), so any plan works; the ownership plan
+    (`zero1.plan_ownership`) assigns owners so that nearly every parameter is in a row. The
+    order given is the reducer's (reverse registration, about backward's); rows come out in the
+    order of their last-ready parameter."""
+    named = list(named_params)
+    position = {id(param): i for i, (_, param) in enumerate(named)}
+    classes: dict[tuple, dict[int, list[tuple[str, nn.Parameter]]]] = defaultdict(lambda: defaultdict(list))
+    sizes: dict[tuple, int] = {}
+    for name, param in named:
+        key = row_class(param, state)
+        if key is None or name not in owners:
+            continue
+        classes[key][owners[name]].append((name, param))
+        sizes[key] = replica_group(param, state).size
+    rows = []
+    for key, per_owner in classes.items():
+        count = min(len(per_owner.get(rank, [])) for rank in range(sizes[key]))
+        rows += [[per_owner[rank][i] for rank in range(sizes[key])] for i in range(count)]
+    rows.sort(key=lambda row: max(position[id(param)] for _, param in row))
+    return rows
+
+
 def _all_reduce_async(group: Group, tensor: torch.Tensor) -> Optional[dist.Work]:
     """SUM all-reduce of `tensor` over `group`, launched asynchronously and counted like
     comm.py's synchronous collectives (bytes this rank contributes, one message)."""
@@ -137,7 +193,12 @@ class GradBucket:
     numel: int = 0
     """Gradient elements (without flags and padding)."""
     owners: Optional[list[int]] = None
-    """Owner-sharded: each parameter's owner (index in the reduction group); None: all-reduced."""
+    """Owner-sharded: each parameter's owner (index in `scatter_group`); None: all-reduced."""
+    scatter_group: Optional[Group] = None
+    """Owner-sharded: the group reduce-scattered over (the parameters' replica group)."""
+    then_over: Optional[Group] = None
+    """Owner-sharded TP-partial gradients: the group the owner's segment is then all-reduced over
+    (`tp`); None otherwise (`owner_scatter`)."""
     segment: int = 0
     """Owner-sharded: elements per rank's segment (gradients + flags + padding)."""
     flag_positions: list[int] = field(default_factory=list)
@@ -161,12 +222,38 @@ class GradBucket:
     @property
     def length(self) -> int:
         """Elements of the flat buffer (the collective's input)."""
-        return self.reduction.group.size * self.segment if self.sharded else self.numel + len(self.params)
+        return self.scatter_group.size * self.segment if self.sharded else self.numel + len(self.params)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the collective's input (gradients, flags, padding): what comm.py counts."""
         return self.length * torch.empty((), dtype=self.dtype).element_size()
+
+    def sent(self) -> dict[str, tuple[int, int]]:
+        """{group name: (bytes, messages)} this bucket's collectives count on every rank of it,
+        per step: the all-reduce, or the reduce-scatter and (TP-partial) the segment's all-reduce."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        if not self.sharded:
+            group = self.reduction.group
+            return {group.name: (self.nbytes, 1)} if group.size > 1 else {}
+        out = {self.scatter_group.name: (self.nbytes, 1)}
+        if self.then_over is not None and self.then_over.size > 1:
+            out[self.then_over.name] = (self.segment * element, 1)
+        return out
+
+    def wire_bytes(self) -> dict[str, float]:
+        """{group name: bytes} one rank puts on the wire per step for this bucket in a ring
+        (an all-reduce 2(p-1)/p of its input, a reduce-scatter (p-1)/p): what the time model uses."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        if not self.sharded:
+            p = self.reduction.group.size
+            return {self.reduction.group.name: 2 * (p - 1) / p * self.nbytes} if p > 1 else {}
+        p = self.scatter_group.size
+        out = {self.scatter_group.name: (p - 1) / p * self.nbytes}
+        if self.then_over is not None and self.then_over.size > 1:
+            q = self.then_over.size
+            out[self.then_over.name] = 2 * (q - 1) / q * self.segment * element
+        return out
 
     def received(self, rank: int) -> list[tuple[nn.Parameter, int, int]]:
         """(parameter, gradient position, flag position) in `result` for the parameters whose
@@ -178,9 +265,10 @@ class GradBucket:
                 for p, offset, flag, owner in zip(self.params, self.offsets, self.flag_positions, self.owners)
                 if owner == rank]
 
-    def shard_by_owner(self, owners: list[int]) -> None:
-        """Lay the buffer out as per-owner segments (see the class docstring)."""
-        size = self.reduction.group.size
+    def shard_by_owner(self, owners: list[int], scatter_group: Group, then_over: Optional[Group] = None) -> None:
+        """Lay the buffer out as per-owner segments of `scatter_group` (see the class docstring)."""
+        self.scatter_group, self.then_over = scatter_group, then_over
+        size = scatter_group.size
         grads, flags = [0] * size, [0] * size
         for param, owner in zip(self.params, owners):
             grads[owner] += param.numel()
@@ -236,9 +324,7 @@ class GradientReducer:
         self.state = state
         self.bucket_bytes = bucket_bytes
         self.reduce_dtype = reduce_dtype
-        self.buckets = self._build_buckets(model)
-        if owners is not None:
-            self._shard_by_owner(model, owners)
+        self.buckets = self._build_buckets(model, owners)
         for bucket in self.buckets:
             if not bucket.sharded:
                 bucket.flag_positions = [bucket.numel + i for i in range(len(bucket.params))]
@@ -257,48 +343,86 @@ class GradientReducer:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                            for b in self.buckets for p in b.params]
 
-    def _build_buckets(self, model: nn.Module) -> list[GradBucket]:
-        """Reverse registration order, one open bucket per (reduction, dtype); a bucket closes
-        when the next parameter would take it past `bucket_bytes`."""
+    def _build_buckets(self, model: nn.Module, owners: Optional[Mapping[str, int]]) -> list[GradBucket]:
+        """Without owners: reverse registration order, one open bucket per (reduction, dtype); a
+        bucket closes when the next parameter would take it past `bucket_bytes`. With owners
+        (ZeRO-1): the owner rows (`owner_rows`) are packed the same way, whole rows at a time, into
+        reduce-scattered buckets with no padding; the parameters in no row are packed as without
+        owners, and such a bucket is reduce-scattered too when its padded segments stay under
+        twice its plain size (`_shard_by_owner`). Buckets are launched in the order their last
+        parameter becomes ready (reverse registration order of their earliest parameter), the
+        same order on every rank."""
+        named = [(name, param) for name, param in reversed(list(model.named_parameters()))
+                 if param.requires_grad and not gradient_reduction(param, self.state).is_identity]
+        position = {id(param): i for i, (_, param) in enumerate(named)}
+        rows = owner_rows(named, owners, self.state) if owners is not None else []
+        in_rows = {id(param) for row in rows for _, param in row}
+        rest = [param for _, param in named if id(param) not in in_rows]
+        if owners is None:
+            buckets = self._pack([[param] for param in rest])
+        else:
+            # The parameters in no row that could go to their owners are pooled (one bucket per
+            # reduction and dtype, whatever its size): the segments even out over the pool where
+            # a bucket-size slice of it would be one or two owners' padded to all.
+            names = {id(param): name for name, param in named}
+            pooled = [param for param in rest if names[id(param)] in owners and owner_scatter(param, self.state)]
+            buckets = self._pack([[param] for param in rest if not any(param is q for q in pooled)])
+            pools = self._pack([[param] for param in pooled], bucket_bytes=None)
+            self._shard_by_owner(pools, names, owners)
+            unsharded = [param for bucket in pools if not bucket.sharded for param in bucket.params]
+            buckets += [bucket for bucket in pools if bucket.sharded] + self._pack([[param] for param in unsharded])
+        row_buckets = self._pack([[param for _, param in row] for row in rows])
+        owner_of = {id(param): owners[name] for row in rows for name, param in row}
+        for bucket in row_buckets:
+            bucket.shard_by_owner([owner_of[id(param)] for param in bucket.params],
+                                  *owner_scatter(bucket.params[0], self.state))
+        buckets += row_buckets
+        buckets.sort(key=lambda bucket: max(position[id(param)] for param in bucket.params))
+        for index, bucket in enumerate(buckets):
+            bucket.index = index
+        return buckets
+
+    def _pack(self, units: list[list[nn.Parameter]], bucket_bytes: Optional[int] = -1) -> list[GradBucket]:
+        """Pack units (one parameter, or one owner row) in the order given, one open bucket per
+        (reduction, dtype); a bucket closes when the next unit would take it past `bucket_bytes`
+        (default `self.bucket_bytes`; None: no limit; a unit larger than that gets a bucket of
+        its own)."""
+        limit = self.bucket_bytes if bucket_bytes == -1 else bucket_bytes
         buckets: list[GradBucket] = []
         open_buckets: dict[tuple, GradBucket] = {}
-        for _, param in reversed(list(model.named_parameters())):
-            if not param.requires_grad:
-                continue
-            reduction = gradient_reduction(param, self.state)
-            if reduction.is_identity:
-                continue  # nothing to do, e.g. a single process
-            dtype = self.reduce_dtype or torch.promote_types(param.dtype, torch.float32)
+        for unit in units:
+            reduction = gradient_reduction(unit[0], self.state)
+            dtype = self.reduce_dtype or torch.promote_types(unit[0].dtype, torch.float32)
             key = (reduction.key, dtype)
+            numel = sum(param.numel() for param in unit)
             bucket = open_buckets.get(key)
             element = torch.empty((), dtype=dtype).element_size()
-            if bucket is not None and (bucket.numel + param.numel()) * element > self.bucket_bytes:
+            if bucket is not None and limit is not None and (bucket.numel + numel) * element > limit:
                 bucket = None
             if bucket is None:
                 bucket = GradBucket(len(buckets), reduction, dtype, [], [])
                 buckets.append(bucket)
                 open_buckets[key] = bucket
-            bucket.params.append(param)
-            bucket.offsets.append(bucket.numel)
-            bucket.numel += param.numel()
+            for param in unit:
+                bucket.params.append(param)
+                bucket.offsets.append(bucket.numel)
+                bucket.numel += param.numel()
         return buckets
 
-    def _shard_by_owner(self, model: nn.Module, owners: Mapping[str, int]) -> None:
+    def _shard_by_owner(self, buckets: list[GradBucket], names: Mapping[int, str], owners: Mapping[str, int]) -> None:
         """Reduce-scatter the buckets whose group is their parameters' replica group (the group
         the owners are ranks of) when its padded input is under twice the all-reduced buffer:
         a ring reduce-scatter sends (p-1)/p of its input, an all-reduce 2(p-1)/p of its own."""
-        names = {id(param): name for name, param in model.named_parameters()}
-        for bucket in self.buckets:
-            group = bucket.reduction.group
-            if group.size == 1 or any(replica_group(p, self.state).name != group.name for p in bucket.params):
-                continue
-            if any(names[id(p)] not in owners for p in bucket.params):
+        for bucket in buckets:
+            scatter = owner_scatter(bucket.params[0], self.state)
+            if scatter is None or any(names[id(p)] not in owners for p in bucket.params):
                 continue
             plain = bucket.numel + len(bucket.params)
             offsets = list(bucket.offsets)
-            bucket.shard_by_owner([owners[names[id(p)]] for p in bucket.params])
+            bucket.shard_by_owner([owners[names[id(p)]] for p in bucket.params], *scatter)
             if bucket.length >= 2 * plain:  # padding would cost more than the reduce-scatter saves
                 bucket.owners, bucket.segment, bucket.offsets = None, 0, offsets
+                bucket.scatter_group = bucket.then_over = None
 
     # ------------------------------------------------------------------ micro-batch switch
     def set_last_micro_batch(self, last: bool) -> None:
@@ -350,7 +474,7 @@ class GradientReducer:
         group = bucket.reduction.group
         if bucket.sharded:
             bucket.result = buffer.new_empty(bucket.segment)
-            bucket.work = _reduce_scatter_async(group, buffer, bucket.result)
+            bucket.work = _reduce_scatter_async(bucket.scatter_group, buffer, bucket.result)
         else:
             bucket.result = buffer
             bucket.work = _all_reduce_async(group, buffer)
@@ -364,9 +488,11 @@ class GradientReducer:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
+            if bucket.then_over is not None:  # TP-partial: the owner segment's sum over TP, in place
+                bucket.then_over.all_reduce(bucket.result)
         if not self.buckets:
             return
-        received = [bucket.received(bucket.reduction.group.rank) for bucket in self.buckets]
+        received = [bucket.received((bucket.scatter_group or bucket.reduction.group).rank) for bucket in self.buckets]
         # One host read of every flag (one device synchronisation per step, not per bucket).
         flag_tensors = [bucket.result[[flag for _, _, flag in mine]] for bucket, mine in zip(self.buckets, received)
                         if mine]
@@ -402,8 +528,8 @@ class GradientReducer:
         """Bytes this rank contributes per step, per group name (what `state.counter` counts)."""
         out: dict[str, int] = defaultdict(int)
         for bucket in self.buckets:
-            if bucket.reduction.group.size > 1:
-                out[bucket.reduction.group.name] += bucket.nbytes
+            for name, (nbytes, _) in bucket.sent().items():
+                out[name] += nbytes
         return dict(out)
 
     def describe(self) -> str:

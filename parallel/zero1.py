@@ -7,6 +7,7 @@ Ownership plan, exchange layout and traffic: docs/data_parallel.md ("ZeRO-1").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from k3train.parallel.comm import Group
-from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, replica_group
+from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, replica_group, row_class
 from k3train.parallel.state import ParallelState
 from k3train.parallel.tensor import _MeshCache, as_global_dtensor, is_sharded, local_from_saved
 
@@ -63,22 +64,31 @@ class OwnershipPlan:
 
 
 def plan_ownership(model: nn.Module, costs: ParameterCosts, state: ParallelState) -> OwnershipPlan:
-    """Deterministic greedy (longest processing time first) owner assignment per replica group.
+    """Deterministic owner assignment per replica group: owner rows first, then greedy longest
+    processing time first. (Name and signature are a contract: the job, the reducer's buckets
+    and the optimizer's work split all read this plan.)
 
-    First the Muon parameters, largest Newton–Schulz cost first, each to the rank with the least
-    cost so far: that balances the step's compute. Then the AdamW parameters, largest first,
-    each to the rank with the fewest elements so far: their cost (numel) is negligible next to
-    Newton–Schulz (a matrix costs about min(rows, cols) times its numel), so they are better
-    spent evening out the exchange buffers (less all-gather padding) and the state memory.
-    Depends only on names, shapes, markers, costs and group sizes, so every rank of a group
-    computes the same plan without communication. `costs` names the parameters to place (the
-    optimizer's); the Muon/AdamW split and the costs come from the optimizer's side
-    (`k3train.optim.builder.parameter_costs`).
+    Rows: the parameters that can be reduce-scattered to their owners (`grad_reduce.row_class`:
+    reduced over their replica group), grouped by that class (reduction, dtype, element count) in
+    reverse registration order (about backward's), are cut into runs of `p` (the group size);
+    each run becomes one row, one parameter per rank: the run's costliest parameter to the rank
+    with the least cost so far, and so on. A bucket of whole rows reduce-scatters without padding
+    (`grad_reduce.owner_rows`), and every rank gains the same elements per row, so the exchange
+    buffers stay even too. The rest (the last `n mod p` of each class, and the parameters reduced
+    over `data_tensor`): first the Muon parameters, largest Newton–Schulz cost first, each to the
+    rank with the least cost so far (that balances the step's compute); then the AdamW
+    parameters, largest first, each to the rank with the fewest elements so far (their cost,
+    numel, is negligible next to Newton–Schulz, so they are better spent evening out the
+    exchange buffers and the state memory). Depends only on names, shapes, markers, costs and
+    group sizes, so every rank of a group computes the same plan without communication. `costs`
+    names the parameters to place (the optimizer's); the Muon/AdamW split and the costs come
+    from the optimizer's side (`k3train.optim.builder.parameter_costs`).
     """
     params = dict(model.named_parameters())
+    backward_order = [name for name, _ in reversed(list(model.named_parameters())) if name in costs]
     by_group: dict[str, list[str]] = defaultdict(list)
     group_size: dict[str, int] = {}
-    for name in costs:
+    for name in backward_order:
         group = replica_group(params[name], state)
         by_group[group.name].append(name)
         group_size[group.name] = group.size
@@ -87,18 +97,48 @@ def plan_ownership(model: nn.Module, costs: ParameterCosts, state: ParallelState
     totals: dict[str, list[int]] = {}
     numels: dict[str, list[int]] = {}
     for group_name, names in by_group.items():
-        load = [0] * group_size[group_name]
-        count = [0] * group_size[group_name]
-        muon = sorted((n for n in names if costs[n][0]), key=lambda n: (-costs[n][1], n))
-        adamw = sorted((n for n in names if not costs[n][0]), key=lambda n: (-costs[n][1], n))
-        for name in muon + adamw:
-            if costs[name][0]:
-                rank = min(range(len(load)), key=lambda r: (load[r], count[r], r))
-            else:
-                rank = min(range(len(load)), key=lambda r: (count[r], load[r], r))
+        size = group_size[group_name]
+        load = [0] * size
+        count = [0] * size
+
+        def place(name: str, rank: int) -> None:
             owners[name], group_of[name] = rank, group_name
             load[rank] += costs[name][1]
             count[rank] += params[name].numel()
+
+        classes: dict[tuple, list[str]] = defaultdict(list)
+        for name in names:
+            key = row_class(params[name], state)
+            if key is not None and size > 1:
+                classes[key].append(name)
+        runs = [members[i:i + size] for members in classes.values()
+                for i in range(0, len(members) - len(members) % size, size)]
+        runs.sort(key=lambda run: (-max(costs[n][1] for n in run), run[0]))
+        for run in runs:
+            by_cost = sorted(run, key=lambda n: (-costs[n][1], n))
+            by_load = sorted(range(size), key=lambda r: (load[r], count[r], r))
+            for name, rank in zip(by_cost, by_load):
+                place(name, rank)
+        # The rest (the reducer pools the reduce-scatterable part into one bucket per reduction,
+        # padded to its fullest owner): Muon by cost (the step's compute), then AdamW by elements,
+        # counted per pool, so that they even out each pool's segments.
+        pool_count: dict[Optional[tuple], list[int]] = defaultdict(lambda: [0] * size)
+
+        def pool_of(name: str) -> Optional[tuple]:
+            key = row_class(params[name], state)
+            return None if key is None else key[0]
+
+        rest = [n for n in names if n not in owners]
+        muon = sorted((n for n in rest if costs[n][0]), key=lambda n: (-costs[n][1], n))
+        adamw = sorted((n for n in rest if not costs[n][0]), key=lambda n: (-costs[n][1], n))
+        for name in muon:
+            rank = min(range(size), key=lambda r: (load[r], pool_count[pool_of(name)][r], r))
+            place(name, rank)
+            pool_count[pool_of(name)][rank] += params[name].numel()
+        for name in adamw:
+            rank = min(range(size), key=lambda r: (pool_count[pool_of(name)][r], count[r], load[r], r))
+            place(name, rank)
+            pool_count[pool_of(name)][rank] += params[name].numel()
         totals[group_name], numels[group_name] = load, count
     return OwnershipPlan(owners, group_of, totals, numels)
 
@@ -118,11 +158,30 @@ class _Exchange:
     """For each rank of the group: (parameter, offset in its flat buffer), in model order."""
     in_order: list[tuple[nn.Parameter, int]]
     """(parameter, owner) in model order: the broadcast order, the same on every rank."""
+    broadcast: list[tuple[nn.Parameter, int]] = dataclasses.field(default_factory=list)
+    """(parameter, owner), model order: the parameters the all-gather leaves out (`per_rank` does
+    not hold them) and their owners broadcast instead (`_broadcast_instead`)."""
 
     @property
     def length(self) -> int:
         """Longest per-rank buffer (every rank's buffer is padded to it)."""
         return max((offset + p.numel() for owned in self.per_rank for p, offset in owned[-1:]), default=0)
+
+    def sent(self, chunk_elements: int) -> tuple[int, int]:
+        """(bytes, messages) this rank's counter records per step in the all-gather mode: the
+        padded buffer in chunks, and the broadcasts of the parameters it owns."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        mine = [p for p, owner in self.broadcast if owner == self.group.rank]
+        return (self.length * element + sum(p.numel() for p in mine) * element,
+                math.ceil(self.length / chunk_elements) + len(mine))
+
+    def wire_bytes(self) -> float:
+        """Bytes this rank puts on the wire per step on a ring: (p−1) × the padded buffer for
+        the all-gather; about one copy of each broadcast parameter (a pipelined ring broadcast
+        has every rank but the last forward it once)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        size = self.group.size
+        return ((size - 1) * self.length + (size - 1) / size * sum(p.numel() for p, _ in self.broadcast)) * element
 
     def pieces(self, rank: int, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
         """(flat parameter, its first element, element count, position in the chunk) for the
@@ -216,10 +275,15 @@ class DistributedOptimizer:
             key = (group.name, param.dtype)
             if key not in exchanges:
                 exchanges[key] = _Exchange(group, param.dtype, param.device, [[] for _ in range(group.size)], [])
-            exchange, owner = exchanges[key], self.plan.owners[name]
-            owned = exchange.per_rank[owner]
-            owned.append((param, owned[-1][1] + owned[-1][0].numel() if owned else 0))
-            exchange.in_order.append((param, owner))
+            exchanges[key].in_order.append((param, self.plan.owners[name]))
+        for exchange in exchanges.values():
+            left_out = _broadcast_instead(exchange.in_order, exchange.group.size) if self.exchange == "all_gather" else set()
+            for param, owner in exchange.in_order:
+                if id(param) in left_out:
+                    exchange.broadcast.append((param, owner))
+                    continue
+                owned = exchange.per_rank[owner]
+                owned.append((param, owned[-1][1] + owned[-1][0].numel() if owned else 0))
         return list(exchanges.values())
 
     # ------------------------------------------------------------------ the step
@@ -230,6 +294,8 @@ class DistributedOptimizer:
         for exchange in self._exchanges:
             if self.exchange == "all_gather":
                 self._all_gather(exchange)
+                for param, owner in exchange.broadcast:  # model order, the same on every rank
+                    exchange.group.broadcast(param.data, owner)
             else:
                 self._broadcast(exchange)
 
@@ -315,6 +381,31 @@ class DistributedOptimizer:
                            "param_names": list(group["param_names"])})
             position += count
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _broadcast_instead(in_order: list[tuple[nn.Parameter, int]], size: int) -> set[int]:
+    """Ids of the parameters to broadcast from their owners rather than all-gather. The
+    all-gather pads every rank's buffer to the longest, so one parameter much larger than a
+    rank's fair share (an embedding or head owned whole) makes every rank send `(p−1)` times
+    its size; a pipelined broadcast of it costs each rank about one copy. Greedy: while the
+    largest all-gathered parameter of the longest buffer saves more all-gather bytes per rank,
+    `(p−1) ×` the drop of the longest buffer, than its broadcast costs (its size), broadcast it."""
+    owned: list[list[nn.Parameter]] = [[] for _ in range(size)]
+    for param, owner in in_order:
+        owned[owner].append(param)
+    lengths = [sum(p.numel() for p in params) for params in owned]
+    left_out: set[int] = set()
+    while True:
+        longest = max(range(size), key=lambda r: (lengths[r], -r))
+        candidates = [p for p in owned[longest] if id(p) not in left_out]
+        if not candidates:
+            return left_out
+        biggest = max(candidates, key=lambda p: p.numel())
+        after = max(lengths[r] - (biggest.numel() if r == longest else 0) for r in range(size))
+        if (size - 1) * (lengths[longest] - after) <= biggest.numel():
+            return left_out
+        left_out.add(id(biggest))
+        lengths[longest] -= biggest.numel()
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],

@@ -32,14 +32,16 @@ from k3train.parallel.expert import ExpertParallel  # noqa: E402
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan  # noqa: E402
 from k3train.parallel.state import LayoutError, resolve_layout  # noqa: E402
 from k3train.planning.hardware import load_profile  # noqa: E402
-from k3train.planning.layout_traffic import layout_step_bytes  # noqa: E402
+from k3train.planning.layout_traffic import data_parallel_wire_bytes, layout_step_bytes  # noqa: E402
 from k3train.planning.memory import GIB as _GIB, MEMORY_HEADER, rank_memory  # noqa: E402
 from k3train.planning.search import describe_candidates, nearest_fitting_world_sizes, search_layouts  # noqa: E402
 from k3train.planning.time import estimate_step_time  # noqa: E402
-from k3train.planning.traffic import predicted_step_traffic  # noqa: E402
+from k3train.planning.traffic import predicted_job_traffic  # noqa: E402
 from k3train.training.build import build_model, build_planning_rank, planning_parallel_state  # noqa: E402
 
 GIB = 2**30
+DATA_GROUPS = ("dp", "data_tensor", "expert_dp")
+"""The groups whose step time uses ring wire bytes (gradient buckets and the ZeRO-1 exchange)."""
 
 
 def rank_stage(config, layout, pp_rank: int, plan: PipelinePlan) -> K3Stage:
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LayoutError, PipelineConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         if args.hardware and args.world_size:
+            # The checks above name sizes that divide; the search keeps only the layouts that the
+            # recipe's every check accepts and that fit in memory.
+            print("layouts that the recipe accepts and that fit (every check of pretrain_k3.py, and memory):")
             search(args)
         return 2
 
@@ -140,20 +145,35 @@ def main(argv: list[str] | None = None) -> int:
     print("| " + " | ".join(MEMORY_HEADER) + " |")
     print("| " + " | ".join(["---"] * len(MEMORY_HEADER)) + " |")
     step_bytes: dict[str, float] = {}
+    wire: dict[str, float] = {}
+    zero1_wire = (0.0, 0.0)  # (now, with every gradient bucket all-reduced), network groups, fullest stage
     for pp_rank in range(layout.pp):
         job = build_planning_rank(config, layout, layout.rank_of(0, 0, pp_rank))
+        if pp_rank == 0:
+            first_job = job
         print("| " + " | ".join(rank_memory(job, layout, micro_batches).row()) + " |")
         for group, nbytes in layout_step_bytes(job, micro_batches).items():
             step_bytes[group] = max(step_bytes.get(group, 0.0), nbytes)
+        now = data_parallel_wire_bytes(job)
+        for group, nbytes in now.items():
+            wire[group] = max(wire.get(group, 0.0), nbytes)
+        before = data_parallel_wire_bytes(job, all_reduced=True)
+        totals = (sum(v for g, v in now.items() if g in DATA_GROUPS), sum(v for g, v in before.items() if g in DATA_GROUPS))
+        zero1_wire = max(zero1_wire, totals)
     print()
-    print("bytes per rank and step (largest stage): "
+    print("bytes per rank and step (largest stage, counted as parallel/comm.py counts them): "
           + "; ".join(f"{group} {nbytes / _GIB:,.2f} GiB" for group, nbytes in sorted(step_bytes.items())))
+    print("data-parallel gradients + ZeRO-1 exchange on the wire (ring; largest stage): "
+          + "; ".join(f"{group} {nbytes / _GIB:,.2f} GiB" for group, nbytes in sorted(wire.items()))
+          + (f" (gradients all-reduced instead: {zero1_wire[1] / _GIB:,.2f} GiB over dp/data_tensor/expert_dp, "
+             f"now {zero1_wire[0] / _GIB:,.2f})" if parallel.zero1 and layout.dp > 1 else ""))
     if args.hardware:
         hardware = load_profile(args.hardware)
         estimate = estimate_step_time(config.model, layout, plan, hardware,
                                       micro_batch_size=config.train.micro_batch_size,
                                       seq_length=config.data.seq_length, micro_batches=micro_batches,
-                                      precision=config.train.precision, comm_bytes=step_bytes,
+                                      precision=config.train.precision,
+                                      comm_bytes={**step_bytes, **{g: v for g, v in wire.items() if g in DATA_GROUPS}},
                                       efficiency=args.efficiency)
         print(f"\n{hardware.name}, {args.efficiency:.0%} of the dense peak: step {estimate.step_s:.2f} s, "
               f"{estimate.tokens_per_s:,.0f} tokens/s, MFU {estimate.mfu:.1%}")
@@ -168,15 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("AttnRes blocks per micro-batch across pipeline hops (forward; backward returns as many): "
               + ", ".join(f"{protocol} {plan.blocks_per_micro_batch(protocol)}" for protocol in ("naive", "paper", "exact")))
-    if layout.pp == 1 and layout.ep == 1 and layout.cp == 1:
-        traffic = predicted_step_traffic(
-            config.model, config.optimizer, tp=layout.tp, dp=layout.dp, micro_batch_size=config.train.micro_batch_size,
-            seq_length=config.data.seq_length, micro_batches=micro_batches,
-            dtype_bytes=2 if config.train.precision == "bf16" else 4, zero1=parallel.zero1,
-            sequence_parallel=parallel.sequence_parallel)
-        print()
-        print("communication of one step on rank 0 (bytes, messages): "
-              + "; ".join(f"{group} {nbytes:,} B in {messages}" for group, (nbytes, messages) in traffic.items()))
+    # Global rank 0's step, every group, bytes and messages (the formula the comm test holds to
+    # the counters; first step: no replica weights yet).
+    traffic = predicted_job_traffic(first_job, micro_batches, 2 if config.train.precision == "bf16" else 4)
+    print()
+    print("communication of one step on rank 0 (bytes, messages): "
+          + "; ".join(f"{group} {nbytes:,} B in {messages:,}" for group, (nbytes, messages) in traffic.items()))
     return 0
 
 

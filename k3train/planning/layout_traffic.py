@@ -12,11 +12,40 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Optional
 
 import torch
 
 from k3train.planning.context import context_step_bytes
 from k3train.training.build import RankJob
+
+
+def expert_layer_traffic(ep, cfg, tokens: int, activation: int, weight: int, replica_matrices: int = 0,
+                         recompute: bool = False) -> tuple[tuple[int, int], Optional[tuple[int, int]]]:
+    """One MoE layer's expert traffic on one rank, (bytes, messages): per micro-batch of `tokens`
+    local tokens (dispatch + combine `[R, C, l]` and their adjoints, the int32 slot ids `[R, C]`,
+    and in `balanced` mode the all-gather of the `[1, E]` int64 loads the routing plan is made
+    from), and per step in `balanced` mode (None otherwise) the replica weights this rank sends
+    out and, at the step's end, their gradients back: two uneven all-to-alls, sent even when
+    empty as on the first step, `replica_matrices` expert matrices each way. With `recompute`
+    (`recompute: sublayer`) backward reruns the layer's forward, all-to-alls included (the
+    replicas are the step's cached ones). Shapes from the dispatcher's own
+    `ExpertParallel.buffer_shapes`."""
+    shapes = ep.buffer_shapes(tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size,
+                              cfg.moe_intermediate_size)
+    # The relay transport (balanced, on GPUs) adds a second hop: `forward [R, C2, l]` and its ids.
+    hops = ("dispatch", "forward") if "forward" in shapes else ("dispatch",)
+    rows = sum(math.prod(shapes[hop]) for hop in hops) * activation
+    ids = sum(math.prod(shapes[f"{hop}_ids"]) for hop in hops) * 4
+    forward, forward_messages = 2 * rows + ids, 3 * len(hops)  # per hop: rows, their ids, the combine
+    if "replica_weights" in shapes:  # the all-gather of the [1, E] int64 loads
+        forward, forward_messages = forward + cfg.num_experts * 8, forward_messages + 1
+    nbytes = (2 if recompute else 1) * forward + 2 * rows  # + the adjoints of dispatch and combine
+    messages = (2 if recompute else 1) * forward_messages + 2 * len(hops)
+    if "replica_weights" not in shapes:
+        return (nbytes, messages), None
+    matrix = math.prod(shapes["replica_weights"][1:]) * weight
+    return (nbytes, messages), (2 * replica_matrices * matrix, 2)
 
 
 def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: int = 0) -> dict[str, tuple[int, int]]:
@@ -49,33 +78,39 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
     layers = [i for start, end in job.plan.layer_ranges(job.parallel.pp_rank) for i in range(start, end)]
     moe = sum(cfg.is_moe_layer(i) for i in layers)
     if ep is not None and moe:
-        if cfg.recompute == "sublayer":
-            raise ValueError("expert traffic under recompute=sublayer is not modelled")
         activation = 4 if config.train.precision == "fp32" else 2
         weight = next(job.model.parameters()).element_size()
-        shapes = ep.buffer_shapes(b * s // (tp if sp else 1), cfg.num_experts_per_token,
-                                  cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
-        # The relay transport (balanced default) adds a second hop: `forward [R, C2, l]`, its ids.
-        hops = ("", "forward") if "forward" in shapes else ("",)
-        rows = sum(math.prod(shapes[f"{hop or 'dispatch'}"]) for hop in hops) * activation
-        ids = sum(math.prod(shapes[f"{hop or 'dispatch'}_ids"]) for hop in hops)
-        # Per layer and micro-batch: dispatch + combine and their adjoints, the int32 slot ids,
-        # per hop, and (balanced) the all-gather of the [1, E] int64 loads the routing plan is made from.
-        nbytes = 4 * rows + ids * 4
-        messages = 5 * len(hops)
-        if "replica_weights" in shapes:
-            nbytes += cfg.num_experts * 8
-            messages += 1
-        total = (micro_batches * moe * nbytes, micro_batches * moe * messages)
-        if "replica_weights" in shapes and replica_matrices:
-            # Once per step and layer: the replicas this rank sends out, and their gradients back.
-            matrix = math.prod(shapes["replica_weights"][1:]) * weight
-            total = (total[0] + moe * 2 * replica_matrices * matrix, total[1] + moe * 2)
-        out["ep"] = total
+        per_micro_batch, per_step = expert_layer_traffic(ep, cfg, b * s // (tp if sp else 1), activation, weight,
+                                                         replica_matrices, cfg.recompute == "sublayer")
+        out["ep"] = (micro_batches * moe * per_micro_batch[0], micro_batches * moe * per_micro_batch[1])
+        if per_step is not None:
+            out[f"{ep.group.name}.replicas"] = (moe * per_step[0], moe * per_step[1])
     if ep is not None:  # the expert share of the global gradient norm: one fp32 scalar (`norm_shares`)
         nbytes, messages = out.get("ep", (0, 0))
         out["ep"] = (nbytes + 4, messages + 1)
+        out = dict(sorted(out.items()))
     return out
+
+
+def data_parallel_wire_bytes(job: RankJob, all_reduced: bool = False) -> dict[str, float]:
+    """Per group: bytes this rank puts on the wire per step for the gradient buckets and the
+    ZeRO-1 parameter exchange, on a ring (all-reduce 2(p-1)/p of its input, reduce-scatter
+    (p-1)/p, all-gather (p-1) × the local chunk), read off the rank's own reducer and optimizer:
+    the quantity that ZeRO-1's reduce-scatter to the owners lowers (docs/data_parallel.md).
+    `all_reduced`: as if every bucket were all-reduced over its reduction group (ZeRO-1 before
+    the reduce-scatter to owners: all-reduce + all-gather)."""
+    out: dict[str, float] = defaultdict(float)
+    for bucket in job.reducer.buckets:
+        if all_reduced and bucket.sharded:
+            p = bucket.reduction.group.size
+            element = torch.empty((), dtype=bucket.dtype).element_size()
+            out[bucket.reduction.group.name] += 2 * (p - 1) / p * (bucket.numel + len(bucket.params)) * element
+            continue
+        for group, nbytes in bucket.wire_bytes().items():
+            out[group] += nbytes
+    for exchange in job.optimizer._exchanges:
+        out[exchange.group.name] += exchange.wire_bytes()
+    return dict(out)
 
 
 def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
@@ -93,10 +128,12 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     if tp > 1:
         regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
         out["tp"] += micro_batches * regions * 2 * (full + (shard if sp else 0))
-    for bucket in job.reducer.buckets:
-        out[bucket.reduction.group.name] += bucket.nbytes
+    for bucket in job.reducer.buckets:  # a group of one rank sends nothing (expert_dp when ep = dp × tp)
+        for group, (nbytes, _) in bucket.sent().items():
+            out[group] += nbytes
     for exchange in job.optimizer._exchanges:
-        out[exchange.group.name] += exchange.length * torch.empty((), dtype=exchange.dtype).element_size()
+        chunk = max(1, job.optimizer.bucket_bytes // torch.empty((), dtype=exchange.dtype).element_size())
+        out[exchange.group.name] += exchange.sent(chunk)[0]
     # Steady state: every rank receives its full `max_replicas` (spare slots are filled).
     replicas = job.expert_parallel.max_replicas if job.expert_parallel is not None else 0
     for group, (nbytes, _) in pipeline_expert_traffic(job, micro_batches, replicas).items():
@@ -107,4 +144,4 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     return dict(out)
 
 
-__all__ = ["layout_step_bytes", "pipeline_expert_traffic"]
+__all__ = ["layout_step_bytes", "pipeline_expert_traffic", "data_parallel_wire_bytes", "expert_layer_traffic"]

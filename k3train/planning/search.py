@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,6 +25,7 @@ from k3train.parallel.pipeline import theoretical_peak_blocks
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan, check_interleaved_micro_batches
 from k3train.parallel.state import Layout, LayoutError, resolve_layout
 from k3train.planning.hardware import HardwareProfile
+from k3train.planning.layout_traffic import expert_layer_traffic
 from k3train.planning.memory import GIB, ActivationShape, chunk_activation_bytes, peak_in_flight
 from k3train.planning.time import StepTime, estimate_step_time
 from k3train.training.build import planning_parallel_state
@@ -90,6 +92,31 @@ def stage_parameters(cfg: ModelConfig, layer_ranges: Sequence[tuple[int, int]], 
     return params, state
 
 
+def data_parallel_wire(cfg: ModelConfig, layout: Layout, plan: PipelinePlan) -> dict[str, float]:
+    """Ring wire bytes per step of the fullest stage's fp32 gradient reduction and ZeRO-1
+    exchange, as `layout_traffic.data_parallel_wire_bytes` counts them on a built rank, without
+    padding: dense parameters over `dp` (with or without ZeRO-1: an all-reduce, or the reduce-
+    scatter to the owners plus the all-gather, both 2(p−1)/p of the gradients), routed experts
+    over `expert_dp` (dp·tp/ep ranks). `tests/unit/test_plan_search.py` holds it to the built
+    rank's bytes."""
+    out: dict[str, float] = {}
+    expert_dp = layout.dp * layout.tp // layout.ep
+    dense = experts = 0.0
+    for rank in range(layout.pp):
+        ranges = plan.layer_ranges(rank)
+        params, _ = stage_parameters(cfg, ranges, layout.tp, layout.ep)
+        moe = sum(cfg.is_moe_layer(i) for start, end in ranges for i in range(start, end))
+        # Without EP the experts are ordinary replicated weights, reduced over dp with the rest.
+        routed = moe * F.routed_experts_parameters(cfg, cfg.num_experts) / layout.ep if layout.ep > 1 else 0.0
+        if params - routed > dense:
+            dense, experts = params - routed, routed
+    if layout.dp > 1:
+        out["dp"] = 2 * (layout.dp - 1) / layout.dp * dense * 4
+    if expert_dp > 1 and experts:
+        out["expert_dp"] = 2 * (expert_dp - 1) / expert_dp * experts * 4
+    return out
+
+
 def accepted(base: JobConfig, overrides: list[str], world_size: int) -> Optional[tuple[JobConfig, Layout, PipelinePlan]]:
     """The job's own checks; None when any refuses the layout."""
     try:
@@ -105,6 +132,42 @@ def accepted(base: JobConfig, overrides: list[str], world_size: int) -> Optional
     except (ConfigError, LayoutError, PipelineConfigError, ValueError):
         return None
     return config, layout, plan
+
+
+def analytic_step_bytes(config: JobConfig, layout: Layout, plan: PipelinePlan) -> dict[str, float]:
+    """Per group, what the busiest rank sends in one step, without building it: the TP regions
+    (`traffic.py`'s regions × N per micro-batch), the data-parallel ring bytes without padding
+    (`data_parallel_wire`), the pipeline hops of pipeline rank 1 (`PipelinePlan.rank_step_bytes`,
+    the exact-delta protocol) and the expert traffic of the rank with the most MoE layers from the
+    dispatcher's own buffer shapes (`layout_traffic.expert_layer_traffic`, steady state: every
+    replica slot filled). `tests/unit/test_plan_search.py` holds each to the built rank's bytes."""
+    cfg, train = config.model, config.train
+    micro_batches = train.micro_batches_per_rank(layout.dp)
+    element = 2 if train.precision == "bf16" else 4
+    sp = config.parallel.sequence_parallel and layout.tp > 1
+    tokens = train.micro_batch_size * config.data.seq_length
+    full = tokens * cfg.hidden_size * element
+    ranks = [[i for start, end in plan.layer_ranges(rank) for i in range(start, end)] for rank in range(layout.pp)]
+    comm: dict[str, float] = {}
+    if layout.tp > 1:
+        layers = max(ranks, key=len)  # traffic.py's regions: mixer, dense MLP or shared experts
+        moe = sum(cfg.is_moe_layer(i) for i in layers)
+        regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
+        comm["tp"] = micro_batches * regions * 2 * (full + (full / layout.tp if sp else 0))
+    comm.update(data_parallel_wire(cfg, layout, plan))
+    if layout.pp > 1:  # the schedule's wire dtype is fp32 whatever the compute precision
+        block = tokens * cfg.hidden_size * 4 // (layout.tp if sp else 1)
+        comm["pp"] = sum(plan.rank_step_bytes(1 % layout.pp, int(block), micro_batches).values())
+    if layout.ep > 1:
+        moe = max(sum(cfg.is_moe_layer(i) for i in layers) for layers in ranks)
+        ep = ExpertParallel.from_state(planning_parallel_state(layout, 0, config.parallel.sequence_parallel),
+                                       config.parallel, cfg.num_experts)
+        local_tokens = tokens // (layout.tp if sp else 1)
+        per_micro_batch, per_step = expert_layer_traffic(ep, cfg, local_tokens, element, 4, ep.max_replicas,
+                                                         cfg.recompute == "sublayer")
+        # + the expert share of the global gradient norm (one fp32 scalar).
+        comm["ep"] = moe * (micro_batches * per_micro_batch[0] + (per_step[0] if per_step else 0)) + 4
+    return comm
 
 
 def estimate(config: JobConfig, layout: Layout, plan: PipelinePlan, hardware: HardwareProfile,
@@ -128,39 +191,18 @@ def estimate(config: JobConfig, layout: Layout, plan: PipelinePlan, hardware: Ha
         if layout.pp > 1:  # the AttnRes blocks the pipeline cache holds
             activations += (_peak_blocks(plan, rank, micro_batches) * shape.outside_tokens
                             * cfg.hidden_size * element)
-        if layout.ep > 1:  # dispatch and combine buffers (and received replicas) of every MoE layer in flight
+        if layout.ep > 1:  # as memory.py: dispatch and combine of every MoE layer in flight, replicas per layer
+            ep = ExpertParallel.from_state(planning_parallel_state(layout, 0, config.parallel.sequence_parallel),
+                                           config.parallel, cfg.num_experts)
+            shapes = ep.buffer_shapes(int(shape.outside_tokens), cfg.num_experts_per_token,
+                                      cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
             moe_live = sum(n * sum(cfg.is_moe_layer(i) for i in range(*r)) for n, r in zip(in_flight, ranges))
-            slots = -(-int(config.parallel.capacity_factor * shape.outside_tokens * cfg.num_experts_per_token)
-                      // layout.ep) * layout.ep
-            per_layer = 2 * slots * cfg.routed_expert_hidden_size * element
-            if config.parallel.expert_dispatch == "balanced":
-                per_layer += (config.parallel.max_replicas_per_rank * 3 * cfg.moe_intermediate_size
-                              * cfg.routed_expert_hidden_size * 4)
-            activations += moe_live * per_layer
+            activations += moe_live * (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * element
+            if "replica_weights" in shapes and ep.max_replicas:
+                moe_here = sum(cfg.is_moe_layer(i) for r in ranges for i in range(*r))
+                activations += moe_here * 2 * math.prod(shapes["replica_weights"]) * 4
         worst = max(worst, params * 8 + state * 4 + activations)
-    full = shape.tokens * cfg.hidden_size * element
-    # The busiest rank's layers (traffic.py's regions: mixer, dense MLP or shared experts).
-    layers = max(([i for start, end in plan.layer_ranges(rank) for i in range(start, end)]
-                  for rank in range(layout.pp)), key=len)
-    moe = sum(cfg.is_moe_layer(i) for i in layers)
-    regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
-    comm: dict[str, float] = {}
-    if layout.tp > 1:
-        comm["tp"] = micro_batches * regions * 2 * (full + (full / layout.tp if sp else 0))
-    if layout.dp > 1:
-        params, _ = stage_parameters(cfg, plan.layer_ranges(0), layout.tp, layout.ep)
-        comm["dp"] = params * 4 * (1.5 if config.parallel.zero1 else 1)
-    if layout.pp > 1:
-        block = full / layout.tp if sp else full
-        comm["pp"] = sum(plan.rank_step_bytes(1 % layout.pp, int(block), micro_batches).values())
-    if layout.ep > 1:
-        tokens = shape.tokens // (layout.tp if sp else 1)
-        capacity = -(-int(config.parallel.capacity_factor * tokens * cfg.num_experts_per_token) // layout.ep)
-        per_layer = 4 * layout.ep * capacity * cfg.routed_expert_hidden_size * element
-        if config.parallel.expert_dispatch == "balanced":
-            per_layer += 2 * layout.ep * config.parallel.max_replicas_per_rank * 3 * cfg.moe_intermediate_size \
-                * cfg.routed_expert_hidden_size * 4
-        comm["ep"] = micro_batches * moe * per_layer
+    comm = analytic_step_bytes(config, layout, plan)
     time = estimate_step_time(cfg, layout, plan, hardware, micro_batch_size=train.micro_batch_size,
                               seq_length=config.data.seq_length, micro_batches=micro_batches,
                               precision=train.precision, comm_bytes=comm, efficiency=efficiency)
@@ -223,6 +265,7 @@ def nearest_fitting_world_sizes(recipe: str, world_size: int, hardware: Hardware
 
 
 __all__ = ["Candidate", "search_layouts", "nearest_fitting_world_sizes", "stage_parameters", "accepted",
+           "data_parallel_wire", "analytic_step_bytes",
            "describe_candidates"]
 
 

@@ -21,6 +21,7 @@ from k3train.optim.builder import route_parameters
 from k3train.optim.muon import block_layout
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, is_tensor_parallel
 from k3train.parallel.state import resolve_layout
+from k3train.planning.layout_traffic import pipeline_expert_traffic
 from k3train.training.build import RankJob, build_planning_rank
 
 
@@ -77,23 +78,43 @@ def step_traffic_terms(
     order (terms that send nothing are left out). `micro_batches` is per rank and step
     (`global_batch_size / (micro_batch_size · dp)`); `dtype_bytes` the activation element size."""
     if pp != 1 or ep != 1:
-        raise ValueError(f"the traffic formula covers pp=1 and ep=1 (got pp={pp}, ep={ep}); pipeline hops: "
-                         "PipelinePlan.blocks_per_micro_batch, expert dispatch: benchmarks/moe.py")
+        raise ValueError(f"step_traffic_terms covers pp=1 and ep=1 (got pp={pp}, ep={ep}); for any layout "
+                         "build the rank (build_planning_rank) and call job_traffic_terms")
     sp = sequence_parallel and tp > 1
     if sp and seq_length % tp:
         raise ValueError(f"seq_length={seq_length} does not split over tp={tp} (sequence parallelism)")
     job = _planning_job(model_config, optimizer_config, tp, dp, zero1, sp, micro_batch_size, seq_length,
                         tp_rank, dp_rank, bucket_bytes, param_dtype)
+    return job_traffic_terms(job, micro_batches, dtype_bytes)
+
+
+def job_traffic_terms(job: RankJob, micro_batches: int, dtype_bytes: int = 4,
+                      replica_matrices: int = 0) -> list[TrafficTerm]:
+    """Every term of one training step on the rank `job` is built for (`build_planning_rank`),
+    for any layout: TP regions of this rank's layers (the embedding on the first stage, the head
+    and cross-entropy on the last), its gradient buckets and ZeRO-1 exchange, the scalars of the
+    loss and the norm, the routing statistics of its MoE layers, and the pipeline hops and expert
+    all-to-alls (`layout_traffic.pipeline_expert_traffic`; `replica_matrices` expert matrices
+    received per layer, none on a first step). `micro_batches` is per rank and step."""
+    config = job.config
     state, model, optimizer, reducer = job.parallel, job.model, job.optimizer, job.reducer
-    cfg = model_config
+    cfg, optimizer_config = config.model, config.optimizer
+    tp, dp, pp = state.layout.tp, state.layout.dp, state.layout.pp
+    zero1 = config.parallel.zero1
+    micro_batch_size, seq_length = config.train.micro_batch_size, config.data.seq_length
+    bucket_bytes = optimizer.bucket_bytes
+    sp = config.parallel.sequence_parallel and tp > 1
     terms: list[TrafficTerm] = []
 
     def add(group: str, what: str, nbytes: int, messages: int) -> None:
         if messages:
             terms.append(TrafficTerm(group, what, int(nbytes), int(messages)))
 
-    layers = cfg.num_hidden_layers
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers))
+    local_layers = [i for start, end in job.plan.layer_ranges(state.pp_rank) for i in range(start, end)]
+    first_stage = job.plan.rank_of(0) == state.pp_rank  # the embedding's stage
+    last_stage = job.plan.rank_of(job.plan.num_chunks - 1) == state.pp_rank
+    layers = len(local_layers)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in local_layers)
     dense_layers = layers - moe_layers
     float_bytes = 8 if dtype_bytes == 8 else 4  # CE and router scores: fp32, or fp64 in a float64 model
     M = micro_batches
@@ -116,12 +137,17 @@ def step_traffic_terms(
             add("tp", f"recompute=sublayer: {regions} regions' enter all-gather N/tp again in backward",
                 M * regions * shard, M * regions)
         if sp:
-            add("tp", "embedding leave: reduce-scatter N fwd + all-gather N/tp bwd", M * (full + shard), 2 * M)
-            add("tp", "head enter: all-gather N/tp fwd + reduce-scatter N bwd", M * (shard + full), 2 * M)
+            if first_stage:
+                add("tp", "embedding leave: reduce-scatter N fwd + all-gather N/tp bwd", M * (full + shard), 2 * M)
+            if last_stage:
+                add("tp", "head enter: all-gather N/tp fwd + reduce-scatter N bwd", M * (shard + full), 2 * M)
         else:
-            add("tp", "embedding leave: all-reduce N fwd", M * full, M)
-            add("tp", "head enter: all-reduce N bwd", M * full, M)
-        add("tp", "vocab-parallel CE: 3 all-reduces of [b·s]", M * 3 * tokens * float_bytes, 3 * M)
+            if first_stage:
+                add("tp", "embedding leave: all-reduce N fwd", M * full, M)
+            if last_stage:
+                add("tp", "head enter: all-reduce N bwd", M * full, M)
+        if last_stage:
+            add("tp", "vocab-parallel CE: 3 all-reduces of [b·s]", M * 3 * tokens * float_bytes, 3 * M)
         add("tp", "global grad norm: fp32 scalar all-reduce", 4, 1)
 
     if tp > 1:
@@ -137,32 +163,44 @@ def step_traffic_terms(
             sum(p.numel() * p.element_size() for p in gathered), len(gathered))
 
     # ---- dp / data_tensor: gradient buckets, loss, ZeRO-1 exchange
-    buckets: dict[str, list] = defaultdict(list)
-    for bucket in reducer.buckets:
-        buckets[bucket.reduction.group.name].append(bucket)
-    for group_name in ("dp", "data_tensor"):
-        found = buckets.get(group_name, [])
-        reduced = [b for b in found if not b.sharded]
+    for group_name in ("dp", "data_tensor", "expert_dp"):
+        reduced = [b for b in reducer.buckets if not b.sharded and b.reduction.group.name == group_name
+                   and b.reduction.group.size > 1]
         if reduced:
             tensors = sum(len(b.params) for b in reduced)
             add(group_name, f"gradient buckets, all-reduce: {tensors} tensors, {sum(b.numel for b in reduced)} "
                 "elements (+flags)", sum(b.nbytes for b in reduced), len(reduced))
-        scattered = [b for b in found if b.sharded]
-        if scattered:
+        for partial in (False, True):
+            scattered = [b for b in reducer.buckets if b.sharded and b.scatter_group.name == group_name
+                         and (b.then_over is not None) == partial]
+            if not scattered:
+                continue
             tensors = sum(len(b.params) for b in scattered)
-            add(group_name, f"gradient buckets, ZeRO-1 reduce-scatter to owners: {tensors} tensors, "
-                f"{sum(b.numel for b in scattered)} elements in {group_name}-size × padded per-owner segments "
-                f"of {sum(b.segment for b in scattered)} elements (+flags)",
-                sum(b.nbytes for b in scattered), len(scattered))
+            padded = sum(b.scatter_group.size * b.segment - b.numel - len(b.params) for b in scattered)
+            add(group_name, f"gradient buckets, ZeRO-1 reduce-scatter to owners"
+                + (" (TP-partial gradients)" if partial else "") + f": {tensors} tensors, "
+                f"{sum(b.numel for b in scattered)} elements (+flags, +{padded} padding) in "
+                f"{group_name}-size per-owner segments", sum(b.nbytes for b in scattered), len(scattered))
+            if partial and tp > 1:
+                add("tp", f"ZeRO-1: the owners' segments of those {len(scattered)} buckets, all-reduce over tp "
+                    "(each TP rank held a partial sum)",
+                    sum(b.sent()["tp"][0] for b in scattered), len(scattered))
     if any(b.sharded for b in reducer.buckets) and state.data_tensor.size > 1:
         add("data_tensor", "global grad norm, owner-only gradients' share: fp32 scalar all-reduce", 4, 1)
     if dp > 1:
         add("dp", "loss average: fp64 scalar all-reduce", 8, 1)
+    if pp > 1:
+        if last_stage:
+            add("pp", "step loss: fp64 scalar broadcast from the last stage", 8, 1)
+        add("pp", "global grad norm: fp32 scalar all-reduce over the stages", 4, 1)
     for exchange in optimizer._exchanges:
         element = torch.empty((), dtype=exchange.dtype).element_size()
         chunk = max(1, bucket_bytes // element)
         add(exchange.group.name, f"ZeRO-1 exchange ({exchange.dtype}): padded buffer of {exchange.length} elements",
             exchange.length * element, math.ceil(exchange.length / chunk))
+        mine = [p for p, owner in exchange.broadcast if owner == exchange.group.rank]
+        add(exchange.group.name, f"ZeRO-1 exchange ({exchange.dtype}): broadcast of {len(mine)} owned parameters "
+            "larger than a rank's share", sum(p.numel() for p in mine) * element, len(mine))
 
     split = getattr(optimizer.optimizer, "split", None)
     for exchange in split.exchanges if split is not None else []:
@@ -193,7 +231,17 @@ def step_traffic_terms(
             local_tokens = M * tokens // (tp if sp else 1)
             add(name, f"balancer: {moe_layers} × all-gather of [{local_tokens}, E] margins",
                 moe_layers * local_tokens * experts * float_bytes, moe_layers)
+    for group, (nbytes, messages) in pipeline_expert_traffic(job, micro_batches, replica_matrices).items():
+        what = {"pp.forward": "pipeline hops forward: residual + the AttnRes blocks the receiver lacks",
+                "pp.backward": "pipeline hops backward: their gradients",
+                "ep": "expert all-to-alls (dispatch, ids, combine, their adjoints; loads) and the expert share "
+                      "of the norm",
+                "ep.replicas": f"replica weights out and their gradients back, {replica_matrices} matrices "
+                               "per layer"}[group]
+        add(group, what, nbytes, messages)
     return terms
+
+
 
 
 def predicted_step_traffic(model_config, optimizer_config, **kwargs) -> dict[str, tuple[int, int]]:
@@ -206,6 +254,16 @@ def predicted_step_traffic(model_config, optimizer_config, **kwargs) -> dict[str
     return {name: (totals[name][0], totals[name][1]) for name in sorted(totals)}
 
 
+def predicted_job_traffic(job: RankJob, micro_batches: int, dtype_bytes: int = 4,
+                          replica_matrices: int = 0) -> dict[str, tuple[int, int]]:
+    """`{group name: (bytes, messages)}` of `job_traffic_terms`, as `TrafficCounter.snapshot()`."""
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for term in job_traffic_terms(job, micro_batches, dtype_bytes, replica_matrices):
+        totals[term.group][0] += term.bytes
+        totals[term.group][1] += term.messages
+    return {name: (totals[name][0], totals[name][1]) for name in sorted(totals)}
+
+
 def describe_terms(terms: list[TrafficTerm]) -> str:
     """The terms as markdown table rows (group, what, bytes, messages)."""
     lines = ["| group | term | bytes | messages |", "| --- | --- | ---: | ---: |"]
@@ -213,4 +271,5 @@ def describe_terms(terms: list[TrafficTerm]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TrafficTerm", "step_traffic_terms", "predicted_step_traffic", "describe_terms"]
+__all__ = ["TrafficTerm", "step_traffic_terms", "job_traffic_terms", "predicted_step_traffic", "predicted_job_traffic",
+           "describe_terms"]

@@ -79,15 +79,23 @@ def test_gradient_accumulation(results):
 
 def test_buckets_launch_during_backward(results):
     """The hooks launched every bucket before finish() (overlap) up to the first one holding a
-    parameter without gradient (layer 0's unused AttnRes query): only that bucket and those of
-    layer 0 and the embedding, the very end of backward, wait for finish()."""
+    parameter without gradient (layer 0's unused AttnRes query). Under ZeRO-1 (`on`) buckets
+    launch in the order their last parameter is ready, so each bucket left for finish() holds a
+    parameter of layer 0 or the embedding, the very end of backward (an owner row spans the p
+    matrices of one class, e.g. lm_head and embed_tokens, and waits for the last); without
+    ZeRO-1 (`off`, buckets of consecutive parameters) every waiting parameter is of those."""
     for result in results:
         for layout in ("dp4", "dp2"):
-            first_unused = result[layout]["first_unused_bucket"]
-            assert result[layout]["launched_in_backward"] == [first_unused] * 3
-            waiting = [name for bucket in result[layout]["bucket_names"][first_unused + 1:] for name in bucket]
-            assert all(name.startswith(("layers.0.", "embed_tokens.")) for name in waiting), waiting
-            assert 1 < first_unused < result[layout]["buckets"]
+            for zero in ("on", "off"):
+                first_unused = result[layout][f"first_unused_bucket_{zero}"]
+                assert result[layout][f"launched_in_backward_{zero}"] == [first_unused] * 3
+                waiting = result[layout][f"bucket_names_{zero}"][first_unused + 1:]
+                at_end = [[name.startswith(("layers.0.", "embed_tokens.")) for name in bucket] for bucket in waiting]
+                if zero == "on":
+                    assert all(any(bucket) for bucket in at_end), waiting
+                else:
+                    assert all(all(bucket) for bucket in at_end), waiting
+                assert 1 < first_unused < result[layout][f"buckets_{zero}"]
 
 
 @pytest.mark.parametrize("layout", ["dp4", "dp2"])
@@ -103,7 +111,7 @@ def test_traffic(results, layout):
         assert plain["exchange"] == (0, 0)
         traffic = result[layout]["traffic_zero_on"]
         assert traffic["grad"] == traffic["grad_expected"]
-        assert traffic["grad"][1] == plain["grad"][1]  # the same buckets, one message each
+        assert traffic["grad"][1] == result[layout]["buckets_on"]  # one message per bucket
         assert traffic["exchange"] == traffic["exchange_expected"]
     # Every rank sends the same padded length: together at least the model once.
     sent = sum(result[layout]["traffic_zero_on"]["exchange"][0] for result in results)
@@ -182,6 +190,23 @@ def test_tp_partial_grads_reduce_over_data_tensor(results):
         bytes_expected, buckets = check["expected"]
         assert set(bytes_expected) == {"data_tensor"}
         assert check["traffic"] == {"data_tensor": (bytes_expected["data_tensor"], buckets)}
+
+
+def test_tp_partial_grads_reach_their_owners_under_zero1(results):
+    """ZeRO-1 with `tp_partial_grad` parameters: a reduce-scatter over dp to the owners, then the
+    owner's segment summed over tp (2 TP ranks); each owner's gradients are the single process's
+    (within GRAD_TOL: another summation order), each dp rank pair holds its owned ones, together all."""
+    every = set(results[0]["clip_dp4"]["held_grads"])
+    held = {}
+    for rank, result in enumerate(results):
+        check = result["tp_partial_zero1"]
+        assert check["grads"] < GRAD_TOL, check
+        assert check["two_phase_buckets"] == check["buckets"] > 0
+        assert {g: nbytes for g, (nbytes, _) in check["traffic"].items()} == check["expected"]
+        assert set(check["traffic"]) == {"dp", "tp"}
+        held[rank] = set(check["held"])
+    assert held[0] == held[1] and held[2] == held[3]  # the TP pair of one dp rank steps the same ones
+    assert held[0] | held[2] == every and not held[0] & held[2]
 
 
 def test_reshard_dp2_to_dp4(results):

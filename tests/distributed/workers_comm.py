@@ -22,9 +22,8 @@ from k3train.config import load_config
 from k3train.data import build_data
 from k3train.model.flops import training_flops_per_token
 from k3train.parallel.state import ParallelState, resolve_layout
-from k3train.planning.traffic import predicted_step_traffic, step_traffic_terms
+from k3train.planning.traffic import predicted_job_traffic, predicted_step_traffic, step_traffic_terms
 from k3train.training import loop
-from k3train.planning.layout_traffic import pipeline_expert_traffic
 from k3train.training.build import build_planning_rank, build_rank
 from k3train.training.loop import Trainer
 from k3train.training.throughput import peak_flops
@@ -82,14 +81,12 @@ def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict
         finally:
             loop.rank_memory_gib = real_memory
         measured = state.counter.snapshot()
+        # Every layout: the whole step of this rank from its meta-device build (any pp, ep).
+        job = build_planning_rank(config, grid, env.rank)
+        result["predicted_job"] = predicted_job_traffic(job, micro_batches)
         if pp > 1 or ep > 1:
-            # The pipeline hops and the expert all-to-alls, from the plan and the dispatcher's
-            # buffers (the rest of these layouts' traffic is not predicted exactly yet).
-            job = build_planning_rank(config, grid, env.rank)
-            predicted = {group: list(value) for group, value in
-                         pipeline_expert_traffic(job, micro_batches).items()}
-            result.update(measured={group: list(measured.get(group, (0, 0))) for group in predicted},
-                          predicted=predicted, loss=metrics["loss"], seconds=time.perf_counter() - started)
+            result.update(measured=measured, predicted=result["predicted_job"], loss=metrics["loss"],
+                          seconds=time.perf_counter() - started)
             dist.barrier()
             return result
         arguments = dict(tp=tp, dp=dp, micro_batch_size=micro_batch_size, seq_length=seq_length,

@@ -194,8 +194,9 @@ def _expected_exchange(optimizer: DistributedOptimizer) -> tuple[int, int]:
         element = torch.empty((), dtype=exchange.dtype).element_size()
         if optimizer.exchange == "all_gather":
             chunk = BUCKET_BYTES // element
-            total_bytes += exchange.length * element
-            messages += math.ceil(exchange.length / chunk)
+            mine = [p for p, owner in exchange.broadcast if owner == exchange.group.rank]
+            total_bytes += exchange.length * element + sum(p.numel() for p in mine) * element
+            messages += math.ceil(exchange.length / chunk) + len(mine)
         else:
             mine = exchange.per_rank[exchange.group.rank]
             total_bytes += sum(p.numel() for p, _ in mine) * element
@@ -254,14 +255,18 @@ def clip_check(state: ParallelState, batches: torch.Tensor, zero1: bool = False)
 # TP-partial gradients (parallel/tensor.py's `tp_partial_grad`)
 
 
-def tp_partial_check(state: ParallelState, batches: torch.Tensor, ref: dict[str, Any]) -> dict[str, Any]:
+def tp_partial_check(state: ParallelState, batches: torch.Tensor, ref: dict[str, Any],
+                     zero1: bool = False) -> dict[str, Any]:
     """DP2 x "TP"2 where each TP rank takes half of its replica's rows and 1/tp of its loss, as
     a sequence-parallel rank sees part of the tokens: with every parameter marked
-    `tp_partial_grad`, the one SUM over `data_tensor` / dp must give the global gradient."""
+    `tp_partial_grad`, the one SUM over `data_tensor` / dp must give the global gradient. With
+    `zero1`: reduce-scattered over dp to the owners, whose segment is then summed over tp; the
+    owners' gradients must be the global ones."""
     model = _model(torch.float64)
     for param in model.parameters():
         param.tp_partial_grad = True
-    reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES)
+    owners = _distributed_optimizer(model, state, zero1=True).gradient_owners() if zero1 else None
+    reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES, owners=owners)
     tp = state.layout.tp
     rows = GLOBAL_BATCH // (state.layout.dp * tp)
     first = (state.dp_rank * tp + state.tp_rank) * rows
@@ -269,7 +274,13 @@ def tp_partial_check(state: ParallelState, batches: torch.Tensor, ref: dict[str,
     (_loss(model, batches[0][first:first + rows]) / tp).backward()
     reducer.finish()
     reducer.remove_hooks()
-    return {"grads": _max_diff(_grads(model), ref["grads"]), "traffic": state.counter.snapshot(),
+    held = _grads(model)
+    if zero1:
+        return {"grads": _max_diff(held, {name: ref["grads"][name] for name in held}), "held": sorted(held),
+                "traffic": state.counter.snapshot(), "expected": reducer.bytes_per_step(),
+                "two_phase_buckets": sum(b.then_over is not None for b in reducer.buckets),
+                "buckets": len(reducer.buckets)}
+    return {"grads": _max_diff(held, ref["grads"]), "traffic": state.counter.snapshot(),
             "expected": (reducer.bytes_per_step(), len(reducer.buckets))}
 
 
@@ -310,20 +321,21 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         off = train(state, batches, zero1=False)
         on = train(state, batches, zero1=True, after_step=save_after_two if label == "dp2" else None)
-        with_grad = {id(p) for n, p in on["model"].named_parameters() if n in ref["grads"]}
-        names = {id(p): n for n, p in on["model"].named_parameters()}
+        with_grad = {id(p) for run in (on, off) for n, p in run["model"].named_parameters() if n in ref["grads"]}
+        names = {id(p): n for run in (on, off) for n, p in run["model"].named_parameters()}
         plan = on["optimizer"].plan
         results[label] = {
             "zero_off": _compare(off, ref), "zero_on": _compare(on, ref),
             "on_vs_off": _max_diff(on["params"], off["params"]),
             "traffic_zero_on": _traffic(on, on["reducer"], on["optimizer"]),
             "traffic_zero_off": _traffic(off, off["reducer"], off["optimizer"]),
-            "launched_in_backward": on["launched_in_backward"], "buckets": len(on["reducer"].buckets),
             # Buckets launch in order, so the first one holding a parameter that gets no gradient
             # (layer 0's unused AttnRes query, last in backward) waits for finish().
-            "first_unused_bucket": min(b.index for b in on["reducer"].buckets
-                                       if any(id(p) not in with_grad for p in b.params)),
-            "bucket_names": [[names[id(p)] for p in b.params] for b in on["reducer"].buckets],
+            **{f"{key}_{zero}": value for zero, run in (("on", on), ("off", off)) for key, value in (
+                ("launched_in_backward", run["launched_in_backward"]), ("buckets", len(run["reducer"].buckets)),
+                ("first_unused_bucket", min(b.index for b in run["reducer"].buckets
+                                            if any(id(p) not in with_grad for p in b.params))),
+                ("bucket_names", [[names[id(p)] for p in b.params] for b in run["reducer"].buckets]))},
             "plan": {"owners": plan.owners, "costs": plan.costs, "numels": plan.numels,
                      "describe": plan.describe()},
             "owned_state_entries": len(on["optimizer"].optimizer.state),
@@ -350,6 +362,7 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
     results["clip_dp4_zero1"] = clip_check(dp4, batches, zero1=True)
     results["clip_dp2_tp2_zero1"] = clip_check(dp2, batches, zero1=True)
     results["tp_partial"] = tp_partial_check(dp2, batches, ref)
+    results["tp_partial_zero1"] = tp_partial_check(dp2, batches, ref, zero1=True)
     results["seconds"]["clip"] = time.perf_counter() - t0
 
     # Resharding: step 3 under DP4 + ZeRO-1 from the DP2 state after step 2.

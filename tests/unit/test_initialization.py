@@ -27,7 +27,8 @@ def unbounded_gate_config() -> ModelConfig:
 def tp_rank_model(config: ModelConfig, tp: int, rank: int, ep: int = 1) -> K3Model:
     """The model TP rank `rank` of `tp` (and EP rank `rank % ep` of `ep`) builds, in one process
     (no collective runs while building and initialising)."""
-    parallel = SimpleNamespace(tp=Group("tp", tuple(range(tp)), rank, None, TrafficCounter()), sequence_parallel=False)
+    parallel = SimpleNamespace(tp=Group("tp", tuple(range(tp)), rank, None, TrafficCounter()), sequence_parallel=False,
+                               cp=Group("cp", (0,), 0, None, TrafficCounter()))
     expert_parallel = None
     if ep > 1:
         expert_parallel = ExpertParallel(Group("ep", tuple(range(ep)), rank % ep, None, TrafficCounter()),

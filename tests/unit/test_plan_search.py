@@ -36,6 +36,15 @@ def test_debug_suggestions_run(world_size):
     for candidate in found:
         assert candidate.tp * candidate.pp * candidate.dp == world_size
         assert_runs(DEBUG, world_size, candidate.overrides())
+    # And the planner itself takes the first suggestion (every stage built, every term priced).
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(CHECKOUT / "tools" / "plan.py"), "--recipe", DEBUG, "--world-size",
+                             str(world_size), "--hardware", "h100", *found[0].overrides()],
+                            capture_output=True, text=True, timeout=300, cwd=CHECKOUT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "communication of one step on rank 0" in result.stdout
 
 
 def test_memory_limit_excludes_and_nearest_sizes_fit():
@@ -47,3 +56,42 @@ def test_memory_limit_excludes_and_nearest_sizes_fit():
         best = search_layouts(K3, size, hardware, first_fit=True)[0]
         assert best.memory_gib <= hardware.memory_gib * 0.9 * 1e9 / 2**30
         assert_runs(K3, size, best.overrides())
+
+
+@pytest.mark.parametrize("recipe,world_size,overrides", [
+    (DEBUG, 8, ["parallel.tp=2", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
+    (DEBUG, 8, ["parallel.tp=2", "parallel.dp=2", "parallel.pp=2", "parallel.ep=4", "parallel.sequence_parallel=true",
+                "parallel.expert_dispatch=capacity"]),
+    (DEBUG, 4, ["parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "model.recompute=sublayer"]),
+    (K3, 1024, []),
+], ids=["debug tp2 dp2 pp2 ep2 balanced", "debug ep4 capacity", "debug ep2 sublayer", "k3 recipe at 1024"])
+def test_search_terms_match_the_built_ranks(recipe, world_size, overrides):
+    """The search ranks thousands of layouts without building them; its per-group bytes must be
+    the built ranks' (`layout_step_bytes`, `data_parallel_wire_bytes`): pipeline hops of rank 1
+    and the expert traffic of the busiest rank exactly, TP within 5% (the built rank adds the
+    ZeRO-1 TP-partial segments: 3.4% on the debug model), data-parallel ring bytes from the padding-free volume to 1.6× it
+    (owner rows, the padded pool and exchange, the embedding's broadcast)."""
+    from k3train.planning.layout_traffic import data_parallel_wire_bytes, layout_step_bytes
+    from k3train.planning.search import analytic_step_bytes
+
+    config = load_config(recipe, overrides)
+    p, m = config.parallel, config.model
+    layout = resolve_layout(world_size, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, m.num_attention_heads,
+                            m.linear_attn_config.num_heads, m.vocab_size, m.num_experts, m.num_hidden_layers)
+    plan = PipelinePlan.from_config(m, p)
+    micro_batches = config.train.micro_batches_per_rank(layout.dp)
+    analytic = analytic_step_bytes(config, layout, plan)
+    busiest = max(range(layout.pp), key=lambda r: sum(m.is_moe_layer(i) for s, e in plan.layer_ranges(r)
+                                                      for i in range(s, e)))
+    built = {rank: build_planning_rank(config, layout, layout.rank_of(0, 0, rank))
+             for rank in {0, 1, busiest, layout.pp - 1}}
+    step = {rank: layout_step_bytes(job, micro_batches) for rank, job in built.items()}
+    assert analytic["pp"] == step[1]["pp"]
+    assert analytic["ep"] == step[busiest]["ep"]
+    if layout.tp > 1:
+        assert analytic["tp"] == pytest.approx(step[busiest]["tp"], rel=0.05)
+    wires = [data_parallel_wire_bytes(job) for job in built.values()]  # the fullest stage, as the search
+    for group in ("dp", "expert_dp"):
+        measured = max(wire.get(group, 0.0) + (wire.get("data_tensor", 0.0) if group == "dp" else 0.0)
+                       for wire in wires)
+        assert analytic.get(group, 0.0) * 0.99 <= measured <= 1.6 * analytic.get(group, 0.0), (group, analytic, wires)

@@ -1,6 +1,7 @@
 """tools/plan.py: exact per-rank parameter counts from meta-device stages, clear layout errors."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -27,3 +28,18 @@ def test_pipeline_ranks_add_up_to_the_model():
 def test_impossible_layout_is_one_line():
     result = plan("--recipe", "recipes/debug.yaml", "--world-size", "6", "parallel.tp=4")
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "tp*pp" in result.stderr
+
+
+def test_k3_plan_prints_memory_traffic_bubble_and_step_time():
+    """The issue's done-when: K3 at 1,024 H200s prints memory with activations per pipeline rank,
+    the bytes of every group including PP and EP, the ZeRO-1 wire bytes, the bubble and the step
+    time with MFU."""
+    result = plan("--recipe", "recipes/k3.yaml", "--world-size", "1024", "--hardware", "h200")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "| activations | AttnRes cache | EP buffers |" in out
+    assert sum(re.match(r"\| pp\d+ \|", line) is not None for line in out.splitlines()) == 16  # every stage
+    counted = next(line for line in out.splitlines() if line.startswith("bytes per rank and step"))
+    assert all(f"{group} " in counted for group in ("tp", "dp", "pp", "ep"))
+    assert "ZeRO-1 exchange on the wire" in out and "gradients all-reduced instead" in out
+    assert "| pipeline bubble |" in out and "MFU" in out and "step " in out

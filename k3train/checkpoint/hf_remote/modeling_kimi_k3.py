@@ -440,11 +440,22 @@ class GatedMLA(nn.Module):
 
 
 def attn_res_mix(sources, norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
-    """Depth attention over `sources`: softmax of `(γ ⊙ w)ᵀ RMSNorm(v_i)` weighting the raw `v_i`."""
-    values = torch.stack([up(source) for source in sources], dim=-2)
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.eps)
-    probabilities = (keys * (up(norm.weight) * up(proj.weight[0]))).sum(-1).softmax(-1)
-    return (probabilities.unsqueeze(-2) @ values).squeeze(-2).to(sources[0].dtype)
+    """Depth attention over `sources`: softmax of `(γ ⊙ w)ᵀ RMSNorm(v_i)` weighting the raw `v_i`.
+    Computed as k3train computes it (scores as `(γ ⊙ w)ᵀ v_i` times each token's inverse RMS, no
+    normalised keys formed), so the logits agree to the bit."""
+    rows = [up(source) for source in sources]
+    weight = up(norm.weight) * up(proj.weight[0])
+    for row in rows:
+        weight = weight.to(torch.promote_types(weight.dtype, row.dtype))
+    rows = [row.to(weight.dtype) for row in rows]
+    dots = torch.stack([row @ weight for row in rows])  # [m, ...]
+    norms = torch.stack([torch.linalg.vector_norm(row, dim=-1) for row in rows])
+    inverse_norm = torch.rsqrt(norms.square().div(weight.shape[0]).add(norm.eps))
+    probabilities = (dots * inverse_norm).softmax(0).unsqueeze(-1)
+    mixed = rows[0] * probabilities[0]
+    for row, probability in zip(rows[1:], probabilities[1:]):
+        mixed = mixed.addcmul(row, probability)
+    return mixed.to(sources[0].dtype)
 
 
 class DecoderLayer(nn.Module):
