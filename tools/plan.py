@@ -114,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
                                 cp=parallel.cp)
         plan = PipelinePlan.from_config(config.model, parallel)
     except (ConfigError, LayoutError, PipelineConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        if args.hardware and args.world_size:
+        searching = bool(args.hardware and args.world_size)
+        # The layout check names sizes that merely divide the world ("these fit: tp=1 pp=1, …");
+        # when the search follows, it names the layouts that the whole job accepts instead.
+        print(f"error: {str(error).split('; with ', 1)[0] if searching else error}", file=sys.stderr)
+        if searching:
             # The checks above name sizes that divide; the search keeps only the layouts that the
             # recipe's every check accepts and that fit in memory.
             print("layouts that the recipe accepts and that fit (every check of pretrain_k3.py, and memory):")

@@ -38,9 +38,10 @@ LAYOUTS = [
     # Combinations: ZeRO-1's TP-partial gradients under SP (reduce-scatter over dp, then the owner's
     # segment over tp); pipeline stages with expert parallelism and ZeRO-1 together.
     dict(name="DP2×TP2+SP ZeRO-1", tp=2, dp=2, sequence_parallel=True, zero1=True),
-    dict(name="PP2×DP2 EP2 balanced ZeRO-1", pp=2, dp=2, ep=2, zero1=True),
+    dict(name="PP2×DP2 EP2 balanced ZeRO-1", pp=2, dp=2, ep=2, zero1=True, overrides=["parallel.ep_transport=relay"]),
     # recompute=sublayer reruns each MoE layer's forward all-to-alls in backward.
-    dict(name="EP2 balanced recompute=sublayer", dp=2, ep=2, overrides=["model.recompute=sublayer"]),
+    dict(name="EP2 balanced recompute=sublayer", dp=2, ep=2,
+         overrides=["model.recompute=sublayer", "parallel.ep_transport=relay"]),
 ]
 
 

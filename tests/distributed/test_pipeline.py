@@ -101,14 +101,13 @@ def _assert_check(results, check):
         assert total == protocol["exact"] <= protocol["paper"] <= protocol["naive"], (name, total, protocol)
 
 
-def _assert_probe(results, expect_copies: bool):
+def _assert_probe(results):
     for r in results:
         assert r["probe_mismatches"] == [], r["probe_mismatches"]
         assert r["saved_copies"] == 0, (r["name"], r["rank"], r["saved_copies"])
-        if expect_copies:
-            assert r["stacked_copies"] > 0, (r["name"], r["rank"])
-        else:
-            assert r["stacked_copies"] == 0, (r["name"], r["rank"], r["stacked_copies"])
+        # The AttnRes mix saves its sources as they are (the cache's own storage), never a stacked
+        # copy, with or without recompute.
+        assert r["stacked_copies"] == 0, (r["name"], r["rank"], r["stacked_copies"])
 
 
 @pytest.mark.parametrize("check", CHECKS_2, ids=[c["name"] for c in CHECKS_2])
@@ -117,7 +116,7 @@ def test_pp2_matches_single_process(two_ranks, check):
     assert len(results) == 2
     _assert_check(results, check)
     if check.get("probe"):
-        _assert_probe(results, expect_copies=check.get("config", {}).get("recompute") == "none")
+        _assert_probe(results)
 
 
 @pytest.mark.parametrize("check", CHECKS_4, ids=[c["name"] for c in CHECKS_4])
@@ -126,7 +125,7 @@ def test_pp4_tp_dp_match_single_process(four_ranks, check):
     assert len(results) == 4
     _assert_check(results, check)
     if check.get("probe"):
-        _assert_probe(results, expect_copies=False)
+        _assert_probe(results)
     if "dp2" in check["name"]:
         assert {r["dp_reduction"] for r in results} <= {"GradientReducer", "all_reduce"}
 

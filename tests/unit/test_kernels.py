@@ -153,4 +153,7 @@ def test_attn_res_fast_mix_takes_sources_of_mixed_dtypes():
         assert fast.dtype == torch.float32
         assert [g.dtype for g in fast_values[1:len(sources) + 1]] == [s.dtype for s in sources]
         for a, b in zip(fast_values, reference_values):
-            assert (a.float() - b.float()).abs().max() <= 1e-5 * max(1.0, b.float().abs().max())
+            # bf16 gradients are fp32 results rounded once: two orders of the same sum may round
+            # to neighbouring bf16 values, one ulp (at most 2^-7 of the value) apart.
+            ulp = 2.0 ** -7 * b.float().abs() if a.dtype == torch.bfloat16 else 0.0
+            assert ((a.float() - b.float()).abs() - ulp).max() <= 1e-5 * max(1.0, b.float().abs().max())
