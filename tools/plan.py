@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{protocol} {plan.blocks_per_micro_batch(protocol)}" for protocol in ("naive", "paper", "exact")))
     # Global rank 0's step, every group, bytes and messages (the formula the comm test holds to
     # the counters; first step: no replica weights yet).
-    traffic = predicted_job_traffic(first_job, micro_batches, 2 if config.train.precision == "bf16" else 4)
+    traffic = predicted_job_traffic(first_job, micro_batches, 2 if config.train.precision != "fp32" else 4)
     print()
     print("communication of one step on rank 0 (bytes, messages): "
           + "; ".join(f"{group} {nbytes:,} B in {messages:,}" for group, (nbytes, messages) in traffic.items()))

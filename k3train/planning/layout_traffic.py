@@ -117,7 +117,7 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     """Per group: bytes this rank sends (comm.py's convention) in one training step."""
     config = job.config
     cfg, layout = config.model, job.parallel.layout
-    element = 2 if config.train.precision == "bf16" else 4
+    element = 2 if config.train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     b, s, h, tp = config.train.micro_batch_size, config.data.seq_length, cfg.hidden_size, layout.tp
     sp = config.parallel.sequence_parallel and tp > 1
     full = b * s // layout.cp * h * element  # this rank's tokens (s / cp under context parallelism)

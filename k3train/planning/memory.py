@@ -240,7 +240,7 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
     config: JobConfig = job.config
     cfg = config.model
     pp_rank = job.parallel.pp_rank
-    element = 2 if config.train.precision == "bf16" else 4
+    element = 2 if config.train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     # Under context parallelism a rank holds seq_length / cp tokens of every micro-batch.
     shape = ActivationShape(config.train.micro_batch_size * config.data.seq_length // layout.cp, layout.tp,
                             bool(config.parallel.sequence_parallel and layout.tp > 1), element)

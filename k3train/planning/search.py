@@ -143,7 +143,7 @@ def analytic_step_bytes(config: JobConfig, layout: Layout, plan: PipelinePlan) -
     replica slot filled). `tests/unit/test_plan_search.py` holds each to the built rank's bytes."""
     cfg, train = config.model, config.train
     micro_batches = train.micro_batches_per_rank(layout.dp)
-    element = 2 if train.precision == "bf16" else 4
+    element = 2 if train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     sp = config.parallel.sequence_parallel and layout.tp > 1
     tokens = train.micro_batch_size * config.data.seq_length
     full = tokens * cfg.hidden_size * element
@@ -175,7 +175,7 @@ def estimate(config: JobConfig, layout: Layout, plan: PipelinePlan, hardware: Ha
     """(GiB of the fullest pipeline rank, step time) of an accepted layout, analytically."""
     cfg, train = config.model, config.train
     micro_batches = train.micro_batches_per_rank(layout.dp)
-    element = 2 if train.precision == "bf16" else 4
+    element = 2 if train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     sp = config.parallel.sequence_parallel and layout.tp > 1
     shape = ActivationShape(train.micro_batch_size * config.data.seq_length, layout.tp, sp, element)
     expert_dp = layout.dp * layout.tp // layout.ep
