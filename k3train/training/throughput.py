@@ -4,7 +4,9 @@ MFU = achieved training FLOP/s (active FLOPs per token from `k3train.model.flops
 over the device's peak. GPUs take their dense bf16 peak from a table; on a CPU there is no
 meaningful datasheet number, so the peak is a dense fp32 matmul rate measured on this machine
 with this process's thread count, and the line says so ("MFU(cpu-matmul)"). The measurement is
-the median of several trials of half a second and is cached per machine
+the median of several trials of half a second, each timed by the process's CPU time over its
+threads where that is shorter than the wall clock (so load from other processes does not depress
+it), and is cached per machine
 (`~/.cache/k3train/cpu_matmul_peak.json`, keyed by CPU model, thread count and torch version), so
 a run that starts while the machine is busy reuses the rate measured earlier instead of a
 depressed one. `logging.peak_tflops` pins the peak instead. Newton–Schulz FLOPs are optimizer
@@ -64,13 +66,19 @@ def measure_cpu_matmul_tflops(size: int = 1024, seconds: float = 0.5, trials: in
 def _matmul_trials(size: int, seconds: float, trials: int) -> list[float]:
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b  # warm-up
+    threads = torch.get_num_threads()
     rates = []
     for _ in range(trials):
-        iterations, start = 0, time.perf_counter()
+        iterations, start, cpu_start = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - start < seconds:
             a @ b
             iterations += 1
-        rates.append(2 * size**3 * iterations / (time.perf_counter() - start) / 1e12)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        # On a busy machine the wall clock counts time other processes held the cores; the
+        # process's CPU time over its threads does not, so the shorter of the two is the rate
+        # these cores reach (an idle machine gives the same number either way).
+        elapsed = min(wall, cpu / threads) if cpu > 0 else wall
+        rates.append(2 * size**3 * iterations / elapsed / 1e12)
     return rates
 
 
@@ -88,7 +96,9 @@ def cpu_model_name() -> str:
 
 def cpu_peak_key(threads: int) -> str:
     """The cache key of a CPU peak: CPU model, thread count and torch version (its matmul kernels)."""
-    return f"{cpu_model_name()} | {threads} thread(s) | torch {torch.__version__}"
+    # "cpu-time": rates measured over the process's CPU time (entries of the earlier wall-clock
+    # measurement, depressed by load, are not reused).
+    return f"{cpu_model_name()} | {threads} thread(s) | torch {torch.__version__} | cpu-time"
 
 
 def cache_dir() -> Path:
