@@ -169,7 +169,8 @@ def describe_collective_failure(error: BaseException, counter: Optional[TrafficC
     the group and operation this rank launched last; None when `error` is not such a failure."""
     text = " ".join(str(error).split()).lower()
     distributed_error = isinstance(error, getattr(dist, "DistError", ())) or any(
-        marker in text for marker in ("gloo", "nccl", "c10d", "process group"))
+        marker in text for marker in ("gloo", "nccl", "c10d", "process group",
+                                      "caused pair closure"))  # gloo's async work.wait() timeout
     if not distributed_error:
         return None
     group, operation = counter.last_launched if counter and counter.last_launched else ("?", "collective")

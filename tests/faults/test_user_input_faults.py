@@ -46,14 +46,16 @@ def test_failed_save_is_one_line_saying_what_was_kept(tmp_path):
     pytest.importorskip("torch")
     run_dir = tmp_path / "save-fails"
     checkpoints = tmp_path / "checkpoints"
-    job = single(run_dir, f"checkpoint.dir={checkpoints}", "checkpoint.resume=none")
+    # The first save at step 4: three steps between the line and the save leave time to swap the
+    # directory for a file even on a loaded machine (step 2 followed within milliseconds).
+    job = single(run_dir, f"checkpoint.dir={checkpoints}", "checkpoint.resume=none", "checkpoint.interval=4")
     job.wait_for(r"step 1/6")
     checkpoints.rmdir()
     checkpoints.write_text("not a directory")
     assert job.finish() == 2, job.stderr[-3000:]
     lines = job.error_lines()
     assert len(lines) == 1 and "Traceback" not in job.stderr, job.stderr[-3000:]
-    assert "saving the checkpoint of step 2" in lines[0] and "no complete checkpoint is kept" in lines[0], lines[0]
+    assert "saving the checkpoint of step 4" in lines[0] and "no complete checkpoint is kept" in lines[0], lines[0]
     assert complete_checkpoints(run_dir) == []
 
 
@@ -116,6 +118,10 @@ def test_collective_failure_line_names_group_operation_and_timeout():
         "collective all_reduce on group 'dp' timed out after 5s (a rank stopped answering?)")
     closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
     assert "closed its connection" in describe_collective_failure(closed, counter, 5.0)
+    # what gloo raises from an asynchronous collective's work.wait() (the gradient buckets)
+    pair_closed = RuntimeError("Application timeout caused pair closure")
+    assert describe_collective_failure(pair_closed, counter, 5.0).startswith(
+        "collective all_reduce on group 'dp' timed out after 5s")
     assert describe_collective_failure(RuntimeError("CUDA out of memory"), counter, 5.0) is None
     assert describe_collective_failure(ValueError("bad"), counter, 5.0) is None
 
