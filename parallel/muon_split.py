@@ -16,7 +16,6 @@ The optimizer side (`k3train.optim.muon.PerHeadMuon.split`) asks `computes(param
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
@@ -25,30 +24,7 @@ from torch import nn
 from k3train.parallel.comm import Group
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, replica_group
 from k3train.parallel.state import ParallelState
-
-
-@dataclass(frozen=True)
-class _UpdateExchange:
-    """One replica group's Muon parameters of one dtype: rank r's owned ones back to back."""
-
-    group: Group
-    dtype: torch.dtype
-    device: torch.device
-    per_rank: list[list[tuple[nn.Parameter, int]]]
-    """For each rank of the group: (parameter, offset in its flat buffer), in model order."""
-
-    @property
-    def length(self) -> int:
-        """Longest per-rank buffer (every rank's buffer is padded to it)."""
-        return max((offset + p.numel() for owned in self.per_rank for p, offset in owned[-1:]), default=0)
-
-    def pieces(self, rank: int, start: int, stop: int):
-        """(parameter, its first element, element count, position in the chunk) for the parts of
-        rank `rank`'s buffer inside [start, stop)."""
-        for param, offset in self.per_rank[rank]:
-            lo, hi = max(start, offset), min(stop, offset + param.numel())
-            if lo < hi:
-                yield param, lo - offset, hi - lo, lo - start
+from k3train.parallel.zero1 import FlatExchange
 
 
 class MuonSplit:
@@ -66,7 +42,7 @@ class MuonSplit:
             raise ValueError(f"the owner plan has no owner for Muon parameters {missing[:5]}")
         self.bucket_bytes = bucket_bytes
         self._computed_here: set[int] = set()
-        exchanges: dict[tuple[str, torch.dtype], _UpdateExchange] = {}
+        exchanges: dict[tuple[str, torch.dtype], FlatExchange] = {}
         for name, param in muon_params.items():
             group, owner = replica_group(param, state), owners[name]
             if group.size == 1 or owner == group.rank:
@@ -75,14 +51,14 @@ class MuonSplit:
                 continue
             key = (group.name, param.dtype)
             if key not in exchanges:
-                exchanges[key] = _UpdateExchange(group, param.dtype, param.device, [[] for _ in range(group.size)])
+                exchanges[key] = FlatExchange(group, param.dtype, param.device, [[] for _ in range(group.size)])
             owned = exchanges[key].per_rank[owner]
             owned.append((param, owned[-1][1] + owned[-1][0].numel() if owned else 0))
         # Sorted by group name and dtype: every rank of a group issues its all-gathers in one order.
         self._exchanges = [exchanges[key] for key in sorted(exchanges, key=lambda k: (k[0], str(k[1])))]
 
     @property
-    def exchanges(self) -> list[_UpdateExchange]:
+    def exchanges(self) -> list[FlatExchange]:
         """The per-step all-gathers, one per (replica group, dtype), in issue order (traffic formula)."""
         return list(self._exchanges)
 
@@ -103,7 +79,7 @@ class MuonSplit:
                                f"(shapes {[tuple(params[i].shape) for i in missing[:3]]})")
         return shared
 
-    def _all_gather(self, exchange: _UpdateExchange, position: dict[int, int],
+    def _all_gather(self, exchange: FlatExchange, position: dict[int, int],
                     updates: list[Optional[torch.Tensor]], shared: list[Optional[torch.Tensor]]) -> None:
         """Padded flat buffers in the parameter dtype, all-gathered in chunks of about `bucket_bytes`."""
         group, me = exchange.group, exchange.group.rank

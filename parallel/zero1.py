@@ -148,24 +148,40 @@ def plan_ownership(model: nn.Module, costs: ParameterCosts, state: ParallelState
 
 
 @dataclass(frozen=True)
-class _Exchange:
-    """One replica group's parameters of one dtype: rank r's owned ones back to back."""
+class FlatExchange:
+    """One replica group's parameters of one dtype, rank r's owned ones back to back in a flat
+    buffer that is all-gathered (padded to the longest rank's). ZeRO-1 exchanges parameters
+    this way, and the Newton–Schulz split over DP ranks (`muon_split.py`) exchanges updates."""
 
     group: Group
     dtype: torch.dtype
     device: torch.device
     per_rank: list[list[tuple[nn.Parameter, int]]]
     """For each rank of the group: (parameter, offset in its flat buffer), in model order."""
-    in_order: list[tuple[nn.Parameter, int]]
-    """(parameter, owner) in model order: the broadcast order, the same on every rank."""
-    broadcast: list[tuple[nn.Parameter, int]] = dataclasses.field(default_factory=list)
-    """(parameter, owner), model order: the parameters the all-gather leaves out (`per_rank` does
-    not hold them) and their owners broadcast instead (`_broadcast_instead`)."""
 
     @property
     def length(self) -> int:
         """Longest per-rank buffer (every rank's buffer is padded to it)."""
         return max((offset + p.numel() for owned in self.per_rank for p, offset in owned[-1:]), default=0)
+
+    def pieces(self, rank: int, start: int, stop: int) -> Iterator[tuple[nn.Parameter, int, int, int]]:
+        """(parameter, its first element, element count, position in the chunk) for the parts of
+        rank `rank`'s buffer inside [start, stop)."""
+        for param, offset in self.per_rank[rank]:
+            lo, hi = max(start, offset), min(stop, offset + param.numel())
+            if lo < hi:
+                yield param, lo - offset, hi - lo, lo - start
+
+
+@dataclass(frozen=True)
+class _Exchange(FlatExchange):
+    """ZeRO-1's exchange of updated parameters: the flat all-gather, and the broadcasts."""
+
+    in_order: list[tuple[nn.Parameter, int]] = dataclasses.field(default_factory=list)
+    """(parameter, owner) in model order: the broadcast order, the same on every rank."""
+    broadcast: list[tuple[nn.Parameter, int]] = dataclasses.field(default_factory=list)
+    """(parameter, owner), model order: the parameters the all-gather leaves out (`per_rank` does
+    not hold them) and their owners broadcast instead (`_broadcast_instead`)."""
 
     def sent(self, chunk_elements: int) -> tuple[int, int]:
         """(bytes, messages) this rank's counter records per step in the all-gather mode: the
@@ -182,14 +198,6 @@ class _Exchange:
         element = torch.empty((), dtype=self.dtype).element_size()
         size = self.group.size
         return ((size - 1) * self.length + (size - 1) / size * sum(p.numel() for p, _ in self.broadcast)) * element
-
-    def pieces(self, rank: int, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
-        """(flat parameter, its first element, element count, position in the chunk) for the
-        parts of rank `rank`'s buffer inside [start, stop)."""
-        for param, offset in self.per_rank[rank]:
-            lo, hi = max(start, offset), min(stop, offset + param.numel())
-            if lo < hi:
-                yield param.data.view(-1), lo - offset, hi - lo, lo - start
 
 
 class DistributedOptimizer:
@@ -307,15 +315,15 @@ class DistributedOptimizer:
         for start in range(0, length, chunk):
             count = min(chunk, length - start)
             local = torch.zeros(count, dtype=exchange.dtype, device=exchange.device)
-            for flat, first, n, at in exchange.pieces(me, start, start + count):
-                local[at:at + n].copy_(flat[first:first + n])
+            for param, first, n, at in exchange.pieces(me, start, start + count):
+                local[at:at + n].copy_(param.data.view(-1)[first:first + n])
             gathered = group.all_gather(local)
             for rank in range(group.size):
                 if rank == me:
                     continue
                 base = rank * count
-                for flat, first, n, at in exchange.pieces(rank, start, start + count):
-                    flat[first:first + n].copy_(gathered[base + at:base + at + n])
+                for param, first, n, at in exchange.pieces(rank, start, start + count):
+                    param.data.view(-1)[first:first + n].copy_(gathered[base + at:base + at + n])
 
     def _broadcast(self, exchange: _Exchange) -> None:
         """One broadcast per parameter from its owner, in model order (the same on every rank)."""
