@@ -152,6 +152,26 @@ def decayed_gram_matrices(
     """
     *batch_shape, n_tiles, tile, dim = key_columns.shape
     chunk = n_tiles * tile
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=key_columns.device).tril()
+    causal = causal.view(n_tiles, tile, chunk)
+    # Entries above the diagonal inside a tile are finite but meaningless: select them away
+    # (a select, not a multiply, so nothing of them reaches the values or the gradients).
+    return [
+        torch.where(causal, gram, 0.0).reshape(*batch_shape, chunk, chunk)
+        for gram in tiled_gram_matrices(rows, key_columns, reference)
+    ]
+
+
+def tiled_gram_matrices(
+    rows: Sequence[torch.Tensor], key_columns: torch.Tensor, reference: torch.Tensor
+) -> list[torch.Tensor]:
+    """`decayed_gram_matrices` before the causal mask, as `[..., n_tiles, tile, C]` (row tile,
+    row in tile, column), possibly strided views; entries above the diagonal are finite garbage.
+
+    All `rows` go through one batched matmul (stacked along the row axis): twice the rows per
+    matmul runs at a better rate, and its backward sums the key gradient in one matmul."""
+    *batch_shape, n_tiles, tile, dim = key_columns.shape
+    chunk = n_tiles * tile
     if n_tiles == 1:
         keys_seen = key_columns  # one tile per chunk: no bridges
     else:
@@ -166,15 +186,9 @@ def decayed_gram_matrices(
         keys_seen = (bridge.unsqueeze(-2) * key_columns.unsqueeze(-4)).reshape(
             *batch_shape, n_tiles, chunk, dim
         )
-
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=key_columns.device).tril()
-    grams = []
-    for row in rows:
-        gram = (row @ keys_seen.transpose(-1, -2)).reshape(*batch_shape, chunk, chunk)
-        # Entries above the diagonal inside a tile are finite but meaningless: select them away
-        # (masked_fill, not a multiply, so nothing of them reaches the values or the gradients).
-        grams.append(gram.masked_fill(~causal, 0.0))
-    return grams
+    stacked_rows = rows[0] if len(rows) == 1 else torch.cat(list(rows), dim=-2)
+    grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, len(rows)·tile, C]
+    return list(grams.split(tile, dim=-2))
 
 
 def _flushes_denormals() -> bool:
@@ -297,9 +311,14 @@ def _chunk_kda_chunks(
     k_rows = tiled(k_chunks) * decay.to_reference  # k_i e^{G_i − r}
     q_rows = tiled(q_chunks) * decay.to_reference  # q_i e^{G_i − r}
     k_columns = tiled(k_chunks) * decay.from_reference  # k_j e^{r − G_j}
-    key_gram, query_gram = decayed_gram_matrices([k_rows, q_rows], k_columns, decay.reference)
-    strict_key_gram = (beta_chunks * key_gram).tril(-1)  # A; the unit diagonal is implicit below
-    query_gram = query_gram * scale  # P (C×C per chunk: cheaper to scale than q)
+    key_gram, query_gram = tiled_gram_matrices([k_rows, q_rows], k_columns, decay.reference)
+    # A = β ⊙ (key Gram) below the diagonal. What lies on and above it is finite and never read:
+    # the solve below reads the strict lower triangle only (unit diagonal), and its backward
+    # returns a strictly lower gradient, so no mask pass is needed.
+    strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(*beta_chunks.shape[:2], chunk_size, chunk_size)
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # P, scaled here (C×C per chunk: cheaper to scale than q); the select drops j > i.
+    query_gram = torch.where(causal.view_as(query_gram[0, 0]), query_gram * scale, 0.0).reshape_as(strict_key_gram)
 
     # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
     chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [BH, N, 1, 1, K]
