@@ -90,23 +90,13 @@ class MuonSplit:
             for param, _ in exchange.per_rank[rank]:
                 if id(param) in position:
                     received[id(param)] = torch.empty(param.numel(), dtype=exchange.dtype, device=exchange.device)
-        chunk = max(1, self.bucket_bytes // torch.empty((), dtype=exchange.dtype).element_size())
-        length = exchange.length
-        for start in range(0, length, chunk):
-            count = min(chunk, length - start)
-            local = torch.zeros(count, dtype=exchange.dtype, device=exchange.device)
-            for param, first, n, at in exchange.pieces(me, start, start + count):
-                index = position.get(id(param))
-                if index is not None:
-                    local[at:at + n].copy_(updates[index].reshape(-1)[first:first + n])
-            gathered = group.all_gather(local)
-            for rank in range(group.size):
-                if rank == me:
-                    continue
-                base = rank * count
-                for param, first, n, at in exchange.pieces(rank, start, start + count):
-                    if id(param) in received:
-                        received[id(param)][first:first + n].copy_(gathered[base + at:base + at + n])
+
+        def source(param: nn.Parameter) -> Optional[torch.Tensor]:
+            index = position.get(id(param))
+            update = updates[index] if index is not None else None
+            return update.reshape(-1) if update is not None else None
+
+        exchange.all_gather(self.bucket_bytes, source, lambda param: received.get(id(param)))
         for rank in range(group.size):
             for param, _ in exchange.per_rank[rank]:
                 if id(param) in received:

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Mapping, Optional
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional
 
 import torch
 from torch import nn
@@ -172,6 +172,31 @@ class FlatExchange:
             if lo < hi:
                 yield param, lo - offset, hi - lo, lo - start
 
+    def all_gather(self, chunk_bytes: int, source: Callable[[nn.Parameter], Optional[torch.Tensor]],
+                   sink: Callable[[nn.Parameter], Optional[torch.Tensor]]) -> None:
+        """All-gather the padded flat buffers in chunks of about `chunk_bytes`: this rank's
+        pieces are read from `source(param)` (a flat tensor; None sends zeros), every other
+        rank's are written into `sink(param)` (a flat tensor; None drops them)."""
+        group, me = self.group, self.group.rank
+        chunk = max(1, chunk_bytes // torch.empty((), dtype=self.dtype).element_size())
+        length = self.length
+        for start in range(0, length, chunk):
+            count = min(chunk, length - start)
+            local = torch.zeros(count, dtype=self.dtype, device=self.device)
+            for param, first, n, at in self.pieces(me, start, start + count):
+                flat = source(param)
+                if flat is not None:
+                    local[at:at + n].copy_(flat[first:first + n])
+            gathered = group.all_gather(local)
+            for rank in range(group.size):
+                if rank == me:
+                    continue
+                base = rank * count
+                for param, first, n, at in self.pieces(rank, start, start + count):
+                    flat = sink(param)
+                    if flat is not None:
+                        flat[first:first + n].copy_(gathered[base + at:base + at + n])
+
 
 @dataclass(frozen=True)
 class _Exchange(FlatExchange):
@@ -308,22 +333,8 @@ class DistributedOptimizer:
                 self._broadcast(exchange)
 
     def _all_gather(self, exchange: _Exchange) -> None:
-        """Padded flat buffers, all-gathered in chunks of about `bucket_bytes`."""
-        group, me = exchange.group, exchange.group.rank
-        chunk = max(1, self.bucket_bytes // torch.empty((), dtype=exchange.dtype).element_size())
-        length = exchange.length
-        for start in range(0, length, chunk):
-            count = min(chunk, length - start)
-            local = torch.zeros(count, dtype=exchange.dtype, device=exchange.device)
-            for param, first, n, at in exchange.pieces(me, start, start + count):
-                local[at:at + n].copy_(param.data.view(-1)[first:first + n])
-            gathered = group.all_gather(local)
-            for rank in range(group.size):
-                if rank == me:
-                    continue
-                base = rank * count
-                for param, first, n, at in exchange.pieces(rank, start, start + count):
-                    param.data.view(-1)[first:first + n].copy_(gathered[base + at:base + at + n])
+        """Padded flat buffers of the owned parameters, all-gathered in place."""
+        exchange.all_gather(self.bucket_bytes, lambda param: param.data.view(-1), lambda param: param.data.view(-1))
 
     def _broadcast(self, exchange: _Exchange) -> None:
         """One broadcast per parameter from its owner, in model order (the same on every rank)."""
