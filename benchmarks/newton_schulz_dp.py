@@ -1,4 +1,4 @@
-"""Newton–Schulz time per rank: one process against DP2 (gloo, one thread per rank), issue 18's model.
+"""Newton–Schulz time per rank: one process against DP2 (gloo, one thread per rank), the 512-wide K3-shaped model.
 
 The job's optimizer (`build_rank`) steps on fixed random gradients (no forward or backward: only
 the optimizer is timed), and each rank reports `PerHeadMuon.step_stats` (its Newton–Schulz

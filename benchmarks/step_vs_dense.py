@@ -1,6 +1,6 @@
 """k3train's training step against a plain dense transformer of the same FLOPs per token.
 
-For the debug recipe and the K3-shaped model of issue 18 (hidden 512, 4 layers, 2,048 tokens per
+For the debug recipe and a 512-wide K3-shaped model (hidden 512, 4 layers, 2,048 tokens per
 step), in one process and with steps alternated (a busy machine slows every contender alike):
 
 - k3train's real step (`k3train.training.build.build_rank` + `Trainer.train_step`: pipeline
@@ -51,7 +51,7 @@ from k3train.training.throughput import PeakFlops, measure_cpu_matmul_tflops, mu
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_RECIPE = ROOT / "recipes" / "debug.yaml"
-ISSUE_MODEL = [  # issue 18's K3-shaped model: hidden 512, 3 KDA + 1 MLA, 2,048 tokens per step
+ISSUE_MODEL = [  # the 512-wide K3-shaped model: hidden 512, 3 KDA + 1 MLA, 2,048 tokens per step
     "model.hidden_size=512", "model.num_hidden_layers=4", "model.num_attention_heads=8", "model.q_lora_rank=256",
     "model.kv_lora_rank=128", "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
     "model.linear_attn_config.num_heads=8", "model.linear_attn_config.head_dim=64", "model.intermediate_size=1408",

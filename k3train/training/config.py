@@ -55,7 +55,7 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the per-layer elementwise chains (RMSNorms, KDA's gated norm, the GLU
     activations; never matmuls, routing or collectives): on the CPU 1.03-1.08x per step of the
-    issue-18 model (hidden 512) but 0.84x on the debug model, after a one-off compile of minutes,
+    512-wide K3-shaped model but 0.84x on the debug model, after a one-off compile of minutes,
     so off by default (docs/performance.md)."""
     stop_grace_s: float = 60.0
     """After SIGTERM/SIGINT, seconds the step in progress may take before the process exits without
