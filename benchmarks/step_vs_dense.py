@@ -6,9 +6,10 @@ step), in one process and with steps alternated (a busy machine slows every cont
 - k3train's real step (`k3train.training.build.build_rank` + `Trainer.train_step`: pipeline
   schedule with gradient accumulation, clipping, optimizer, balancer update) with Per-Head Muon,
   with AdamW, and, with `--compile`, with `train.compile=true`;
-- a dense peer written here (pre-norm, causal SDPA, SwiGLU, untied head, AdamW, the same
-  micro-batching and clipping) whose width and MLP size are solved so that its training FLOPs per
-  token (`dense_flops_per_token`, the same conventions as `k3train/model/flops.py`: matmuls only,
+- a dense peer written here (pre-norm, causal SDPA, SwiGLU, untied head, AdamW through the same
+  kernel as k3train's (`optimizer.adamw_fused`), the same micro-batching and clipping) whose
+  width and MLP size are solved so that its training FLOPs per token (`dense_flops_per_token`,
+  the same conventions as `k3train/model/flops.py`: matmuls only,
   causal attention counted as its half, training = 3 × forward) equal k3train's.
 
 It prints each contender's median step time, model FLOP/s over the measured fp32 matmul rate of
@@ -147,8 +148,9 @@ class DenseJob:
 def dense_job(config: JobConfig, width: int, mlp: int) -> DenseJob:
     torch.manual_seed(config.train.seed)
     model = DenseTransformer(config.model.vocab_size, config.model.num_hidden_layers, width, mlp)
+    # The same AdamW kernel as k3train's (`optimizer.adamw_fused`), so the ratio compares models.
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr,
-                                  weight_decay=config.optimizer.weight_decay)
+                                  weight_decay=config.optimizer.weight_decay, fused=config.optimizer.adamw_fused)
     generator = torch.Generator().manual_seed(0)
     train = config.train
     shape = (train.micro_batch_size, config.data.seq_length + 1)

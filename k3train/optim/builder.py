@@ -20,7 +20,7 @@ from torch import nn
 
 from k3train.contracts.param_roles import is_adamw_only
 from k3train.optim.config import OptimizerConfig
-from k3train.optim.muon import PerHeadMuon, block_layout
+from k3train.optim.muon import PerHeadMuon, block_layout, fused_adamw_supported
 
 Route = Literal["muon", "adamw", "adamw_no_decay"]
 
@@ -111,7 +111,8 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         for group in groups:
             group.pop("algorithm")
         return torch.optim.AdamW(
-            groups, lr=config.lr, betas=betas, eps=config.adam_eps, weight_decay=config.weight_decay
+            groups, lr=config.lr, betas=betas, eps=config.adam_eps, weight_decay=config.weight_decay,
+            fused=config.adamw_fused and fused_adamw_supported(p for group in groups for _, p in group["params"]),
         )
     if config.name != "muon":
         raise ValueError(f"unknown optimizer {config.name!r} (muon or adamw)")
@@ -128,6 +129,7 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         ns_dtype=config.newton_schulz_dtype,
         betas=betas,
         adam_eps=config.adam_eps,
+        fused=config.adamw_fused,
     )
 
 

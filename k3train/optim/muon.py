@@ -191,6 +191,11 @@ class MuonWorkItem:
         return self.layout.cost
 
 
+def fused_adamw_supported(params) -> bool:
+    """Whether torch's fused AdamW kernel takes every parameter: floating point, on CPU or CUDA."""
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+
+
 class PerHeadMuon(torch.optim.Optimizer):
     """Moonlight Muon with per-head / per-expert blocks; groups with `algorithm="adamw"` get AdamW.
 
@@ -205,7 +210,8 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     Group options (defaults from the constructor): `algorithm` ("muon" | "adamw"), `lr`,
     `weight_decay`; Muon: `momentum`, `nesterov`, `ns_steps`, `ns_coefficients`, `ns_eps`,
-    `update_rms`, `per_head`, `ns_dtype` ("auto" | "float32" | "bfloat16"); AdamW: `betas`, `adam_eps`, `foreach`.
+    `update_rms`, `per_head`, `ns_dtype` ("auto" | "float32" | "bfloat16"); AdamW: `betas`, `adam_eps`, `foreach`, `fused`
+    (torch's fused AdamW kernel where it takes the group's parameters: CPU and CUDA floats).
     """
 
     def __init__(
@@ -224,6 +230,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         adam_eps: float = 1e-8,
         algorithm: Literal["muon", "adamw"] = "muon",
         foreach: Optional[bool] = None,
+        fused: bool = False,
         ns_dtype: NsDtype = "auto",
     ) -> None:
         if lr < 0 or weight_decay < 0 or momentum < 0:
@@ -232,7 +239,7 @@ class PerHeadMuon(torch.optim.Optimizer):
             algorithm=algorithm, lr=lr, weight_decay=weight_decay, momentum=momentum,
             nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients),
             ns_eps=ns_eps, update_rms=update_rms, per_head=per_head, betas=tuple(betas),
-            adam_eps=adam_eps, foreach=foreach, ns_dtype=ns_dtype,
+            adam_eps=adam_eps, foreach=foreach, fused=fused, ns_dtype=ns_dtype,
         )
         super().__init__(params, defaults)
         self.split: Optional[OrthogonalizationSplit] = None
@@ -337,21 +344,28 @@ class PerHeadMuon(torch.optim.Optimizer):
         param.add_(update.to(param.dtype), alpha=-lr)
 
     def _adamw_step(self, group: dict) -> None:
-        """AdamW on one group through torch's functional kernel (foreach on CUDA)."""
+        """AdamW on one group through torch's functional kernel: fused where asked and the kernel
+        takes the parameters, else the for-loop kernel (foreach on CUDA)."""
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError("AdamW does not support sparse gradients")
+            params.append(p)
+        # A group restored from a checkpoint written before `fused` existed lacks the key.
+        fused = bool(group.get("fused", False)) and fused_adamw_supported(params)
+        for p in params:
             state = self.state[p]
             if not state:
-                # The same state as torch.optim.AdamW (a float32 CPU step tensor), so
-                # checkpoints and tools that know AdamW's layout read these groups unchanged.
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                # The same state as torch.optim.AdamW (a float32 step tensor: on the CPU, or on the
+                # parameter's device for the fused kernel), so checkpoints and tools that know
+                # AdamW's layout read these groups unchanged.
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if fused else "cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
+            if fused and state["step"].device != p.device:  # a for-loop run's checkpoint
+                state["step"] = state["step"].to(p.device)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
@@ -361,7 +375,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         adamw_functional(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            foreach=group["foreach"], amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["adam_eps"],
-            maximize=False,
+            foreach=None if fused else group["foreach"], fused=fused or None, amsgrad=False,
+            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["adam_eps"], maximize=False,
         )
