@@ -1,0 +1,112 @@
+"""Normalisations over the last dim with written-out backwards: the L2 normalisation of KDA's
+queries and keys, and the gated RMSNorm of its output.
+
+Each has its definition in plain PyTorch (`*_reference`, differentiated by autograd) and a
+training path (an `autograd.Function`) that saves the normalised values and the per-row inverse
+norm instead of autograd's chain of intermediates, and computes the gradient in a few fused
+passes. With `y = x · r` and the per-row scalar `r = (Σx² / n + ε)^{-1/2}` (n = 1 for the L2 form,
+the row length for the RMS form), the input gradient is
+
+    ∂L/∂x = (∂L/∂y − y · Σ(∂L/∂y ⊙ y) / n) · r
+
+(the one-row Jacobian `r (I − y yᵀ / n)`). Both compute in fp32 or wider (float64 stays float64)
+and return the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3train.kernels.precision import accumulation_dtype, upcast
+
+
+def l2_normalize_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(Σx² + eps)` over the last dim, in fp32: FLA's `l2norm` (what its KDA kernel and
+    transformers' Kimi Linear compute), not `F.normalize`'s `x / max(‖x‖, eps)`, which differs
+    by ~eps/(2‖x‖²) relative: 1e-4 for the small q/k of a freshly initialised model."""
+    x32 = upcast(x)
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _inverse_norm(x: torch.Tensor, eps: float, mean: bool) -> torch.Tensor:
+    """`(Σx² (/ n) + eps)^{-1/2}` over the last dim, keepdim; one fused reduction pass."""
+    squares = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()
+    if mean:
+        squares.div_(x.shape[-1])
+    return squares.add_(eps).rsqrt_()
+
+
+class _L2Normalize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        x_compute = x.to(accumulation_dtype(x.dtype))
+        inverse_norm = _inverse_norm(x_compute, eps, mean=False)
+        normalized = x_compute * inverse_norm
+        ctx.save_for_backward(normalized, inverse_norm)
+        ctx.input_dtype = x.dtype
+        return normalized.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        normalized, inverse_norm = ctx.saved_tensors
+        grad = grad_output.to(normalized.dtype)
+        projection = (grad * normalized).sum(-1, keepdim=True)
+        grad_x = torch.addcmul(grad, normalized, projection, value=-1).mul_(inverse_norm)
+        return grad_x.to(ctx.input_dtype), None
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The training path of `l2_normalize_reference` (same arguments, same result)."""
+    return _L2Normalize.apply(x, eps)
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm(x) · weight · sigmoid(gate)` over the last dim, in fp32, returned in x's dtype
+    (KDA's output norm: `x`, `gate` `[..., D]`, `weight` `[D]`)."""
+    x32 = upcast(x)
+    normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normalized * upcast(weight) * torch.sigmoid(upcast(gate))).to(x.dtype)
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    """Backward with `n = x·r`, `s = sigmoid(gate)`, `a = ∂L/∂out ⊙ s`, `q = a ⊙ n ⊙ weight`:
+    `∂L/∂weight = Σ a ⊙ n`, `∂L/∂gate = q (1 − s)`, `∂L/∂x = (a ⊙ weight − n · mean(q)) · r`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        compute = accumulation_dtype(torch.promote_types(torch.promote_types(x.dtype, gate.dtype), weight.dtype))
+        x_compute, weight_compute = x.to(compute), weight.to(compute)
+        inverse_norm = _inverse_norm(x_compute, eps, mean=True)
+        normalized = x_compute * inverse_norm
+        gate_sigmoid = torch.sigmoid(gate.to(compute))
+        output = (normalized * weight_compute).mul_(gate_sigmoid)
+        ctx.save_for_backward(normalized, gate_sigmoid, inverse_norm, weight_compute)
+        ctx.dtypes = (x.dtype, gate.dtype, weight.dtype)
+        return output.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        normalized, gate_sigmoid, inverse_norm, weight = ctx.saved_tensors
+        need_x, need_gate, need_weight, _ = ctx.needs_input_grad
+        x_dtype, gate_dtype, weight_dtype = ctx.dtypes
+        gated = grad_output.to(normalized.dtype) * gate_sigmoid  # a
+        gated_normalized = gated * normalized  # a ⊙ n
+        grad_x = grad_gate = grad_weight = None
+        if need_weight:
+            grad_weight = gated_normalized.reshape(-1, weight.shape[0]).sum(0).to(weight_dtype)
+        if need_x or need_gate:
+            q = gated_normalized.mul_(weight)
+            if need_gate:
+                grad_gate = torch.addcmul(q, q, gate_sigmoid, value=-1).to(gate_dtype)
+            if need_x:
+                grad_x = torch.addcmul(gated.mul_(weight), normalized, q.mean(-1, keepdim=True), value=-1)
+                grad_x = grad_x.mul_(inverse_norm).to(x_dtype)
+        return grad_x, grad_gate, grad_weight, None
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The training path of `gated_rms_norm_reference` (same arguments, same result)."""
+    if gate.shape != x.shape or weight.shape != x.shape[-1:]:
+        raise ValueError(f"gated RMSNorm needs gate of x's shape {tuple(x.shape)} and weight [{x.shape[-1]}], "
+                         f"got gate {tuple(gate.shape)} and weight {tuple(weight.shape)}")
+    return _GatedRMSNorm.apply(x, gate, weight, eps)

@@ -1,0 +1,142 @@
+"""Causal depthwise short convolution followed by SiLU (the q/k/v convolutions of KDA).
+
+For inputs `x [B, T, C]`, filters `w [C, 1, W]` (W taps, W = 4 in K3) and the last `W − 1`
+inputs of the piece before, `tail [B, C, W − 1]` (zeros at the start of a sequence), with
+`x_{−s}` read from the tail:
+
+    pre_t = Σ_{s=0}^{W−1} w[:, W−1−s] ⊙ x_{t−s},     y_t = silu(pre_t) = pre_t · sigmoid(pre_t)
+
+and the new tail is the last `W − 1` inputs (`[B, C, W − 1]`, channels first, as the cache and
+context parallelism carry it).
+
+Two forms of one definition:
+
+- `short_conv_silu_reference`: channels first, the tail concatenated in front, `F.conv1d`
+  with `groups=C`, `F.silu`; autograd differentiates it.
+- `short_conv_silu`: the training path, channels last on `[B, T, C]` as the projections
+  produce it. Each tap is one shifted multiply-add over the sequence (`W` passes), the tail
+  only touches the first `W − 1` positions, and the backward is written out: `∂pre` from the
+  saved pre-activation with one fused `silu_backward`, `∂x` the same shifted multiply-adds run
+  the other way, `∂w[:, W−1−s] = Σ_{b,t} ∂pre_t ⊙ x_{t−s}` (one reduction per tap). No
+  transposes, no padded copy, no `[B, C, T]` layouts on either pass.
+
+Both compute in fp32 or wider (float64 stays float64) and return `y` in the input's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from k3train.kernels.precision import accumulation_dtype
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]) -> int:
+    if x.dim() != 3:
+        raise ValueError(f"short convolution input must be [batch, seq, channels], got shape {tuple(x.shape)}")
+    channels = x.shape[2]
+    if weight.dim() != 3 or weight.shape[0] != channels or weight.shape[1] != 1:
+        raise ValueError(f"short convolution weight must be [channels, 1, kernel] = [{channels}, 1, W], "
+                         f"got {tuple(weight.shape)}")
+    taps = weight.shape[2]
+    if tail is not None and tuple(tail.shape) != (x.shape[0], channels, taps - 1):
+        raise ValueError(f"short convolution tail must be [batch, channels, kernel - 1] = "
+                         f"[{x.shape[0]}, {channels}, {taps - 1}], got {tuple(tail.shape)}")
+    return taps
+
+
+def short_conv_silu_reference(
+    x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition: `x [B, T, C]`, `weight [C, 1, W]`, `tail [B, C, W − 1]` or None →
+    (`silu(conv)` `[B, T, C]` in x's dtype, the last `W − 1` inputs `[B, C, W − 1]`)."""
+    taps = _check(x, weight, tail)
+    compute = accumulation_dtype(x.dtype)
+    channels_first = x.transpose(1, 2)
+    if tail is None:
+        tail = channels_first.new_zeros(x.shape[0], x.shape[2], taps - 1)
+    padded = torch.cat([tail.to(x.dtype), channels_first], dim=-1)
+    output = F.conv1d(padded.to(compute), weight.to(compute), groups=x.shape[2])
+    return F.silu(output).to(x.dtype).transpose(1, 2), padded[..., padded.shape[-1] - (taps - 1):]
+
+
+def _shifted_taps(
+    source: torch.Tensor, tail: Optional[torch.Tensor], filters: torch.Tensor, forward: bool
+) -> torch.Tensor:
+    """`Σ_s filters[:, W−1−s] ⊙ source shifted by s`: later in time (`forward`, the convolution;
+    `tail [B, W−1, C]` supplies the inputs before the first) or earlier (its transpose, the input
+    gradient; `tail` unused)."""
+    taps, seq = filters.shape[1], source.shape[1]
+    result = source * filters[:, taps - 1]
+    for shift in range(1, taps):
+        tap = filters[:, taps - 1 - shift]
+        if shift < seq:
+            if forward:
+                result[:, shift:].addcmul_(source[:, : seq - shift], tap)
+            else:
+                result[:, : seq - shift].addcmul_(source[:, shift:], tap)
+        if forward and tail is not None:  # positions t < shift read x_{t − shift} from the tail
+            first = min(shift, seq)
+            result[:, :first].addcmul_(tail[:, taps - 1 - shift : taps - 1 - shift + first], tap)
+    return result
+
+
+class _ShortConvSiLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]) -> torch.Tensor:
+        compute = accumulation_dtype(x.dtype)
+        filters = weight.to(compute).reshape(weight.shape[0], weight.shape[2])  # [C, W]
+        x_compute = x.to(compute)
+        tail_compute = None if tail is None else tail.to(compute)
+        pre = _shifted_taps(x_compute, tail_compute, filters, forward=True)
+        ctx.save_for_backward(x, filters, tail, pre)
+        ctx.weight_dtype = weight.dtype
+        return F.silu(pre).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, filters, tail, pre = ctx.saved_tensors
+        need_x, need_weight, need_tail = ctx.needs_input_grad
+        grad_pre = torch.ops.aten.silu_backward(grad_output.to(pre.dtype), pre)
+        taps, seq = filters.shape[1], x.shape[1]
+        grad_x = grad_weight = grad_tail = None
+        if need_x:
+            grad_x = _shifted_taps(grad_pre, None, filters, forward=False).to(x.dtype)
+        if need_weight:
+            x_compute = x.to(pre.dtype)
+            tail_compute = None if tail is None else tail.to(pre.dtype)
+            grad_filters = filters.new_zeros(filters.shape)
+            for shift in range(taps):
+                if shift < seq:
+                    grad_filters[:, taps - 1 - shift] = (grad_pre[:, shift:] * x_compute[:, : seq - shift]).sum((0, 1))
+                if tail_compute is not None and shift > 0:
+                    first = min(shift, seq)
+                    window = tail_compute[:, taps - 1 - shift : taps - 1 - shift + first]
+                    grad_filters[:, taps - 1 - shift] += (grad_pre[:, :first] * window).sum((0, 1))
+            grad_weight = grad_filters.unsqueeze(1).to(ctx.weight_dtype)
+        if need_tail:
+            grad_tail_compute = grad_pre.new_zeros(tail.shape)
+            for shift in range(1, taps):
+                first = min(shift, seq)
+                grad_tail_compute[:, taps - 1 - shift : taps - 1 - shift + first].addcmul_(
+                    grad_pre[:, :first], filters[:, taps - 1 - shift])
+            grad_tail = grad_tail_compute.to(tail.dtype)
+        return grad_x, grad_weight, grad_tail
+
+
+def short_conv_silu(
+    x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training path of `short_conv_silu_reference` (same arguments, same results)."""
+    taps = _check(x, weight, tail)
+    seq = x.shape[1]
+    tail_last = None if tail is None else tail.to(x.dtype).transpose(1, 2)  # [B, W − 1, C], a view
+    output = _ShortConvSiLU.apply(x, weight, tail_last)
+    if seq >= taps - 1:
+        new_tail = x[:, seq - (taps - 1):].transpose(1, 2)
+    else:  # a piece shorter than the tail keeps part of the tail before it
+        before = x.new_zeros(x.shape[0], x.shape[2], taps - 1) if tail is None else tail.to(x.dtype)
+        new_tail = torch.cat([before[..., seq:], x.transpose(1, 2)], dim=-1)
+    return output, new_tail
