@@ -50,8 +50,9 @@ class _L2Normalize(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         normalized, inverse_norm = ctx.saved_tensors
         grad = grad_output.to(normalized.dtype)
-        projection = (grad * normalized).sum(-1, keepdim=True)
-        grad_x = torch.addcmul(grad, normalized, projection, value=-1).mul_(inverse_norm)
+        products = grad * normalized  # the one full-size allocation: reused for ∂x
+        projection = products.sum(-1, keepdim=True)
+        grad_x = torch.addcmul(grad, normalized, projection, value=-1, out=products).mul_(inverse_norm)
         return grad_x.to(ctx.input_dtype), None
 
 
@@ -94,13 +95,13 @@ class _GatedRMSNorm(torch.autograd.Function):
         grad_x = grad_gate = grad_weight = None
         if need_weight:
             grad_weight = gated_normalized.reshape(-1, weight.shape[0]).sum(0).to(weight_dtype)
-        if need_x or need_gate:
+        if need_x or need_gate:  # in place from here: a fresh full-size tensor costs more than a pass
             q = gated_normalized.mul_(weight)
-            if need_gate:
-                grad_gate = torch.addcmul(q, q, gate_sigmoid, value=-1).to(gate_dtype)
             if need_x:
-                grad_x = torch.addcmul(gated.mul_(weight), normalized, q.mean(-1, keepdim=True), value=-1)
+                grad_x = gated.mul_(weight).addcmul_(normalized, q.mean(-1, keepdim=True), value=-1)
                 grad_x = grad_x.mul_(inverse_norm).to(x_dtype)
+            if need_gate:
+                grad_gate = q.addcmul_(q, gate_sigmoid, value=-1).to(gate_dtype)
         return grad_x, grad_gate, grad_weight, None
 
 

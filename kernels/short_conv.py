@@ -63,15 +63,18 @@ def short_conv_silu_reference(
 
 
 def _shifted_taps(
-    source: torch.Tensor, tail: Optional[torch.Tensor], filters: torch.Tensor, forward: bool
+    source: torch.Tensor, tail: Optional[torch.Tensor], filters: torch.Tensor, forward: bool,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """`Σ_s filters[:, W−1−s] ⊙ source shifted by s`: later in time (`forward`, the convolution;
-    `tail [B, W−1, C]` supplies the inputs before the first) or earlier (its transpose, the input
-    gradient; `tail` unused)."""
-    taps, seq = filters.shape[1], source.shape[1]
-    result = source * filters[:, taps - 1]
+    """`Σ_s filters[W−1−s] ⊙ source shifted by s` (`filters [W, C]`, each tap a contiguous row:
+    a strided tap vector costs the multiply-adds their vectorisation), into `out` if given (a
+    fresh full-size tensor costs more than a pass over one): later in time (`forward`, the
+    convolution; `tail [B, W−1, C]` supplies the inputs before the first) or earlier (its
+    transpose, the input gradient; `tail` unused)."""
+    taps, seq = filters.shape[0], source.shape[1]
+    result = torch.mul(source, filters[taps - 1], out=out) if out is not None else source * filters[taps - 1]
     for shift in range(1, taps):
-        tap = filters[:, taps - 1 - shift]
+        tap = filters[taps - 1 - shift]
         if shift < seq:
             if forward:
                 result[:, shift:].addcmul_(source[:, : seq - shift], tap)
@@ -87,7 +90,7 @@ class _ShortConvSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]) -> torch.Tensor:
         compute = accumulation_dtype(x.dtype)
-        filters = weight.to(compute).reshape(weight.shape[0], weight.shape[2])  # [C, W]
+        filters = weight.to(compute).reshape(weight.shape[0], weight.shape[2]).t().contiguous()  # [W, C]
         x_compute = x.to(compute)
         tail_compute = None if tail is None else tail.to(compute)
         pre = _shifted_taps(x_compute, tail_compute, filters, forward=True)
@@ -100,28 +103,33 @@ class _ShortConvSiLU(torch.autograd.Function):
         x, filters, tail, pre = ctx.saved_tensors
         need_x, need_weight, need_tail = ctx.needs_input_grad
         grad_pre = torch.ops.aten.silu_backward(grad_output.to(pre.dtype), pre)
-        taps, seq = filters.shape[1], x.shape[1]
+        taps, seq = filters.shape[0], x.shape[1]
         grad_x = grad_weight = grad_tail = None
-        if need_x:
-            grad_x = _shifted_taps(grad_pre, None, filters, forward=False).to(x.dtype)
+        # one contiguous buffer: the per-tap products, then ∂x
+        scratch = grad_pre.new_empty(grad_pre.shape) if need_x or need_weight else None
         if need_weight:
             x_compute = x.to(pre.dtype)
             tail_compute = None if tail is None else tail.to(pre.dtype)
             grad_filters = filters.new_zeros(filters.shape)
             for shift in range(taps):
                 if shift < seq:
-                    grad_filters[:, taps - 1 - shift] = (grad_pre[:, shift:] * x_compute[:, : seq - shift]).sum((0, 1))
+                    # a contiguous [B, T − s, C] block of the buffer: reductions over a strided slice are slow
+                    products = scratch.view(-1)[: grad_pre[:, shift:].numel()].view(grad_pre[:, shift:].shape)
+                    torch.mul(grad_pre[:, shift:], x_compute[:, : seq - shift], out=products)
+                    grad_filters[taps - 1 - shift] = products.sum((0, 1))
                 if tail_compute is not None and shift > 0:
                     first = min(shift, seq)
                     window = tail_compute[:, taps - 1 - shift : taps - 1 - shift + first]
-                    grad_filters[:, taps - 1 - shift] += (grad_pre[:, :first] * window).sum((0, 1))
-            grad_weight = grad_filters.unsqueeze(1).to(ctx.weight_dtype)
+                    grad_filters[taps - 1 - shift] += (grad_pre[:, :first] * window).sum((0, 1))
+            grad_weight = grad_filters.t().contiguous().unsqueeze(1).to(ctx.weight_dtype)
+        if need_x:
+            grad_x = _shifted_taps(grad_pre, None, filters, forward=False, out=scratch).to(x.dtype)
         if need_tail:
             grad_tail_compute = grad_pre.new_zeros(tail.shape)
             for shift in range(1, taps):
                 first = min(shift, seq)
                 grad_tail_compute[:, taps - 1 - shift : taps - 1 - shift + first].addcmul_(
-                    grad_pre[:, :first], filters[:, taps - 1 - shift])
+                    grad_pre[:, :first], filters[taps - 1 - shift])
             grad_tail = grad_tail_compute.to(tail.dtype)
         return grad_x, grad_weight, grad_tail
 

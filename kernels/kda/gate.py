@@ -102,18 +102,24 @@ class _BoundedGate(torch.autograd.Function):
         z, gate, head_rate, shift = ctx.saved_tensors
         need_z, need_a, need_bias, _ = ctx.needs_input_grad
         z_dtype, a_dtype, bias_dtype = ctx.dtypes
-        scaled = grad_gate.to(gate.dtype) * gate
-        argument_grad = torch.addcmul(scaled, scaled, gate, value=-1.0 / ctx.lower_bound)  # e
+        # Two full-size allocations (each costs more than a pass): e, and the product e ⊙ z whose
+        # buffer then takes ∂z.
+        argument_grad = grad_gate.to(gate.dtype) * gate
+        argument_grad.addcmul_(argument_grad, gate, value=-1.0 / ctx.lower_bound)  # e
         grad_z = grad_a = grad_bias = None
-        if need_z:
-            grad_z = (argument_grad * head_rate).to(z_dtype)
+        products = None
         if need_a or need_bias:
             summed = _sum_to_heads(argument_grad)  # Σ_{B,T} e: [H, K]
             if need_bias:
                 grad_bias = (summed * head_rate).reshape(-1).to(bias_dtype)
             if need_a:
-                along_z = _sum_to_heads(argument_grad * z).sum(-1)
+                products = argument_grad * z
+                along_z = _sum_to_heads(products).sum(-1)
                 grad_a = (head_rate.squeeze(-1) * (along_z + (summed * shift).sum(-1))).to(a_dtype)
+        if need_z:
+            grad_z = torch.mul(argument_grad, head_rate, out=products) if products is not None else \
+                argument_grad.mul_(head_rate)
+            grad_z = grad_z.to(z_dtype)
         return grad_z, grad_a, grad_bias, None
 
 
