@@ -41,7 +41,7 @@ class _L2Normalize(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
         x_compute = x.to(accumulation_dtype(x.dtype))
         inverse_norm = _inverse_norm(x_compute, eps, mean=False)
-        normalized = x_compute * inverse_norm
+        normalized = torch.mul(x_compute, inverse_norm, out=x_compute.new_empty(x.shape))  # contiguous
         ctx.save_for_backward(normalized, inverse_norm)
         ctx.input_dtype = x.dtype
         return normalized.to(x.dtype)
@@ -50,7 +50,9 @@ class _L2Normalize(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         normalized, inverse_norm = ctx.saved_tensors
         grad = grad_output.to(normalized.dtype)
-        products = grad * normalized  # the one full-size allocation: reused for ∂x
+        # The one full-size allocation, reused for ∂x; `normalized` first: the result takes its
+        # (contiguous) layout whatever the incoming gradient's, so the views before need no copy.
+        products = normalized * grad
         projection = products.sum(-1, keepdim=True)
         grad_x = torch.addcmul(grad, normalized, projection, value=-1, out=products).mul_(inverse_norm)
         return grad_x.to(ctx.input_dtype), None
@@ -78,7 +80,8 @@ class _GatedRMSNorm(torch.autograd.Function):
         compute = accumulation_dtype(torch.promote_types(torch.promote_types(x.dtype, gate.dtype), weight.dtype))
         x_compute, weight_compute = x.to(compute), weight.to(compute)
         inverse_norm = _inverse_norm(x_compute, eps, mean=True)
-        normalized = x_compute * inverse_norm
+        # contiguous whatever x's layout: the output feeds a reshape to the output projection
+        normalized = torch.mul(x_compute, inverse_norm, out=x_compute.new_empty(x.shape))
         gate_sigmoid = torch.sigmoid(gate.to(compute))
         output = (normalized * weight_compute).mul_(gate_sigmoid)
         ctx.save_for_backward(normalized, gate_sigmoid, inverse_norm, weight_compute)
@@ -90,8 +93,8 @@ class _GatedRMSNorm(torch.autograd.Function):
         normalized, gate_sigmoid, inverse_norm, weight = ctx.saved_tensors
         need_x, need_gate, need_weight, _ = ctx.needs_input_grad
         x_dtype, gate_dtype, weight_dtype = ctx.dtypes
-        gated = grad_output.to(normalized.dtype) * gate_sigmoid  # a
-        gated_normalized = gated * normalized  # a ⊙ n
+        gated = gate_sigmoid * grad_output.to(normalized.dtype)  # a, in the saved tensors' layout
+        gated_normalized = normalized * gated  # a ⊙ n
         grad_x = grad_gate = grad_weight = None
         if need_weight:
             grad_weight = gated_normalized.reshape(-1, weight.shape[0]).sum(0).to(weight_dtype)

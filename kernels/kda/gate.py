@@ -79,8 +79,8 @@ def kda_gate_unbounded_reference(z: torch.Tensor, A_log: torch.Tensor, dt_bias: 
 
 
 def _sum_to_heads(values: torch.Tensor) -> torch.Tensor:
-    """`[..., H, K]` summed over the leading dims → `[H, K]`."""
-    return values.reshape(-1, *values.shape[-2:]).sum(0)
+    """`[..., H, K]` summed over the leading dims → `[H, K]` (no reshape: it would copy a strided input)."""
+    return values.sum(tuple(range(values.dim() - 2)))
 
 
 class _BoundedGate(torch.autograd.Function):
@@ -104,7 +104,7 @@ class _BoundedGate(torch.autograd.Function):
         z_dtype, a_dtype, bias_dtype = ctx.dtypes
         # Two full-size allocations (each costs more than a pass): e, and the product e ⊙ z whose
         # buffer then takes ∂z.
-        argument_grad = grad_gate.to(gate.dtype) * gate
+        argument_grad = gate * grad_gate.to(gate.dtype)  # gate first: the result takes its (contiguous) layout
         argument_grad.addcmul_(argument_grad, gate, value=-1.0 / ctx.lower_bound)  # e
         grad_z = grad_a = grad_bias = None
         products = None
