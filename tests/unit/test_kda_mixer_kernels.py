@@ -27,7 +27,7 @@ def assert_same_values_and_gradients(fast, reference, inputs: list[torch.Tensor]
     if isinstance(fast_out, torch.Tensor):
         fast_out, reference_out = (fast_out,), (reference_out,)
     generator = torch.Generator().manual_seed(seed)
-    probes = [torch.randn(out.shape, generator=generator, dtype=out.dtype) for out in reference_out]
+    probes = [torch.randn(out.shape, generator=generator, dtype=out.dtype).to(out.device) for out in reference_out]
     for a, b in zip(fast_out, reference_out):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert (a - b).abs().max() < TOLERANCE
@@ -208,3 +208,39 @@ def test_mixer_equals_mixer_on_references(monkeypatch):
             assert (fast[0] - reference[0]).abs().max() < 1e-10
             for name, grad in reference[1].items():
                 assert (fast[1][name] - grad).abs().max() < 1e-10, name
+
+
+def test_strided_inputs_and_gradients():
+    """Inputs and incoming gradients in a transposed layout (as the chunkwise kernel hands them
+    back) give the same values and gradients."""
+    generator = torch.Generator().manual_seed(11)
+    strided = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64).transpose(1, 2)  # [2, 5, 3, 8]
+    gate = torch.randn(2, 5, 3, 8, generator=generator, dtype=torch.float64)
+    weight = torch.rand(8, generator=generator, dtype=torch.float64) + 0.5
+    assert not strided.is_contiguous()
+    assert_same_values_and_gradients(l2_normalize, l2_normalize_reference, [strided])
+    for fast, reference in ((l2_normalize, l2_normalize_reference),
+                            (lambda a: gated_rms_norm(a, gate, weight, 1e-5),
+                             lambda a: gated_rms_norm_reference(a, gate, weight, 1e-5))):
+        fast_x, reference_x = leaves(strided, strided)
+        probe = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64).transpose(1, 2)
+        fast_grad = torch.autograd.grad(fast(fast_x), fast_x, probe)[0]
+        assert (fast_grad - torch.autograd.grad(reference(reference_x), reference_x, probe)[0]).abs().max() < TOLERANCE
+    x = torch.randn(2, 6, 7, generator=generator, dtype=torch.float64).transpose(1, 2)  # [2, 7, 6]
+    conv_weight = torch.randn(6, 1, 4, generator=generator, dtype=torch.float64)
+    assert_same_values_and_gradients(lambda a, w: short_conv_silu(a, w),
+                                     lambda a, w: short_conv_silu_reference(a, w), [x, conv_weight])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_kernels_on_cuda_match_references():
+    device = torch.device("cuda")
+    x, weight, tail = (t.to(device) for t in conv_inputs(9, True))
+    assert_same_values_and_gradients(short_conv_silu, short_conv_silu_reference, [x, weight, tail])
+    x, gate, norm_weight = (t.to(device) for t in norm_inputs())
+    assert_same_values_and_gradients(l2_normalize, l2_normalize_reference, [x])
+    assert_same_values_and_gradients(lambda a, g, w: gated_rms_norm(a, g, w, 1e-5),
+                                     lambda a, g, w: gated_rms_norm_reference(a, g, w, 1e-5), [x, gate, norm_weight])
+    inputs = [t.to(device) for t in gate_inputs()]
+    assert_same_values_and_gradients(kda_gate, kda_gate_reference, inputs)
+    assert_same_values_and_gradients(kda_gate_unbounded, kda_gate_unbounded_reference, inputs)
