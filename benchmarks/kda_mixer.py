@@ -11,7 +11,13 @@ difference is the projections side alone). The shapes are the issue18 model's of
 Each repeat times every contender once, in alternation; the table gives medians of this
 process's CPU time (robust to other load on the machine) and their ratio.
 
+With `--step`, also the whole training step of that model (`benchmarks/step_vs_dense.py`'s
+issue18 model and AdamW trainer: 3 KDA layers, 2 micro-batches), the mixers on the reference
+kernels against the fast ones, alternated step by step in the same process; the difference is
+what the fast kernels save per step.
+
     OMP_NUM_THREADS=1 nice python benchmarks/kda_mixer.py --repeats 15
+    OMP_NUM_THREADS=1 nice python benchmarks/kda_mixer.py --repeats 15 --step --step-repeats 5
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--step", action="store_true", help="also time the issue18 model's AdamW training step")
+    parser.add_argument("--step-repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = load_config(str(ROOT / "recipes" / "debug.yaml"), ISSUE_MODEL).model
@@ -101,6 +109,35 @@ def main() -> None:
                 times[name].append(time_step(mixer, x, probe, swaps))
         reference, fast = (statistics.median(times[name]) for name in ("reference", "fast"))
         print(f"| {row} | {reference * 1e3:.1f} | {fast * 1e3:.1f} | {reference / fast:.2f}x |")
+    if args.step:
+        time_training_step(args.step_repeats)
+
+
+def time_training_step(repeats: int) -> None:
+    """The issue18 model's AdamW step (`step_vs_dense.k3_trainer`) with its KDA mixers on the
+    reference kernels and on the fast ones, alternated."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import step_vs_dense
+
+    config = load_config(str(step_vs_dense.DEBUG_RECIPE), [
+        *step_vs_dense.ISSUE_MODEL, f"train.steps={2 * repeats + 4}", "logging.jsonl=false", "optimizer.name=adamw"])
+    trainer = step_vs_dense.k3_trainer(config)
+    contenders = {"reference": REFERENCES, "fast": {}}
+    times = {name: [] for name in contenders}
+    for swaps in contenders.values():  # warm-up
+        with patched(swaps):
+            trainer.train_step()
+    for _ in range(repeats):
+        for name, swaps in contenders.items():
+            with patched(swaps):
+                start = time.process_time()
+                trainer.train_step()
+                times[name].append(time.process_time() - start)
+    reference, fast = (statistics.median(times[name]) for name in ("reference", "fast"))
+    print(f"\nissue18 training step (AdamW, {config.train.global_batch_size // config.train.micro_batch_size} "
+          f"micro-batches of {config.train.micro_batch_size}x{config.data.seq_length}), median of {repeats} "
+          f"(process CPU time): reference kernels {reference:.3f} s, fast kernels {fast:.3f} s, "
+          f"saved {(reference - fast) * 1e3:.0f} ms per step ({reference / fast:.3f}x)")
 
 
 if __name__ == "__main__":
