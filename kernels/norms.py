@@ -29,10 +29,11 @@ def l2_normalize_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _inverse_norm(x: torch.Tensor, eps: float, mean: bool) -> torch.Tensor:
-    """`(Σx² (/ n) + eps)^{-1/2}` over the last dim, keepdim; one fused reduction pass."""
-    squares = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()
-    if mean:
-        squares.div_(x.shape[-1])
+    """`(Σx² (/ n) + eps)^{-1/2}` over the last dim, keepdim, summed as the references sum it
+    (`pow(2).sum`/`.mean`: the same bits; `vector_norm(x)²` saves a pass but rounds differently,
+    enough to flip a near-tied expert choice downstream)."""
+    squares = x.pow(2)
+    squares = squares.mean(-1, keepdim=True) if mean else squares.sum(-1, keepdim=True)
     return squares.add_(eps).rsqrt_()
 
 
@@ -41,7 +42,7 @@ class _L2Normalize(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
         x_compute = x.to(accumulation_dtype(x.dtype))
         inverse_norm = _inverse_norm(x_compute, eps, mean=False)
-        normalized = torch.mul(x_compute, inverse_norm, out=x_compute.new_empty(x.shape))  # contiguous
+        normalized = x_compute * inverse_norm  # x's layout, as the reference
         ctx.save_for_backward(normalized, inverse_norm)
         ctx.input_dtype = x.dtype
         return normalized.to(x.dtype)

@@ -68,20 +68,32 @@ def _shifted_taps(
 ) -> torch.Tensor:
     """`Σ_s filters[W−1−s] ⊙ source shifted by s` (`filters [W, C]`, each tap a contiguous row:
     a strided tap vector costs the multiply-adds their vectorisation), into `out` if given (a
-    fresh full-size tensor costs more than a pass over one): later in time (`forward`, the
-    convolution; `tail [B, W−1, C]` supplies the inputs before the first) or earlier (its
-    transpose, the input gradient; `tail` unused)."""
+    fresh full-size tensor costs more than a pass over one).
+
+    `forward`: the convolution, shifted later in time, `tail [B, W−1, C]` (or zeros) supplying
+    the inputs before the first; the taps are added oldest first, the order of `F.conv1d`'s
+    sum, so the two agree to the last bit in fp32. Otherwise its transpose (the input gradient,
+    shifted earlier; `tail` unused)."""
     taps, seq = filters.shape[0], source.shape[1]
-    result = torch.mul(source, filters[taps - 1], out=out) if out is not None else source * filters[taps - 1]
-    for shift in range(1, taps):
-        tap = filters[taps - 1 - shift]
-        if shift < seq:
-            if forward:
-                result[:, shift:].addcmul_(source[:, : seq - shift], tap)
+    if not forward:
+        result = torch.mul(source, filters[taps - 1], out=out) if out is not None else source * filters[taps - 1]
+        for shift in range(1, min(taps, seq)):
+            result[:, : seq - shift].addcmul_(source[:, shift:], filters[taps - 1 - shift])
+        return result
+    result = source.new_empty(source.shape) if out is None else out
+    for shift in range(taps - 1, -1, -1):
+        tap, first = filters[taps - 1 - shift], min(shift, seq)
+        if shift == taps - 1:  # the oldest tap writes every position
+            if shift < seq:
+                torch.mul(source[:, : seq - shift], tap, out=result[:, shift:])
+            if tail is None:
+                result[:, :first].zero_()
             else:
-                result[:, : seq - shift].addcmul_(source[:, shift:], tap)
-        if forward and tail is not None:  # positions t < shift read x_{t − shift} from the tail
-            first = min(shift, seq)
+                torch.mul(tail[:, : first], tap, out=result[:, :first])
+            continue
+        if shift < seq:
+            result[:, shift:].addcmul_(source[:, : seq - shift], tap)
+        if tail is not None and first:  # positions t < shift read x_{t − shift} from the tail
             result[:, :first].addcmul_(tail[:, taps - 1 - shift : taps - 1 - shift + first], tap)
     return result
 
@@ -137,7 +149,15 @@ class _ShortConvSiLU(torch.autograd.Function):
 def short_conv_silu(
     x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training path of `short_conv_silu_reference` (same arguments, same results)."""
+    """The training path of `short_conv_silu_reference` (same arguments, same results).
+
+    Without autograd (inference, scoring) the reference runs instead: there is no backward to
+    save, and its output keeps the channels-first layout whose downstream reductions (the
+    q/k L2 norms) and matmuls round exactly as the exported Hugging Face remote code does, so
+    `tools/score.py` and the export agree bit for bit. With autograd the output is
+    channels-last; values agree with the reference's to fp32 rounding of those reductions."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, tail))):
+        return short_conv_silu_reference(x, weight, tail)
     taps = _check(x, weight, tail)
     seq = x.shape[1]
     tail_last = None if tail is None else tail.to(x.dtype).transpose(1, 2)  # [B, W − 1, C], a view

@@ -90,8 +90,8 @@ class _BoundedGate(torch.autograd.Function):
         z_compute = upcast(z)
         head_rate = upcast(A_log).exp().unsqueeze(-1)  # [H, 1]
         shift = upcast(dt_bias).reshape(heads, key_dim)
-        # a·(z + dt_bias) as a·z + a·dt_bias: one pass over [B, T, H, K]
-        gate = torch.addcmul(head_rate * shift, z_compute, head_rate).sigmoid_().mul_(lower_bound)
+        # in place after the one allocation, in the reference's order (the same bits)
+        gate = torch.add(z_compute, shift).mul_(head_rate).sigmoid_().mul_(lower_bound)
         ctx.save_for_backward(z_compute, gate, head_rate, shift)
         ctx.lower_bound = lower_bound
         ctx.dtypes = (z.dtype, A_log.dtype, dt_bias.dtype)

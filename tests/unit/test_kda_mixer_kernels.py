@@ -68,7 +68,7 @@ def test_short_conv_gradcheck(taps):
 
 
 def test_short_conv_pieces_equal_one_pass():
-    x, weight, _ = conv_inputs(11, False)
+    x, weight = leaves(*conv_inputs(11, False)[:2])  # with autograd: the channels-last path
     whole, whole_tail = short_conv_silu(x, weight)
     first, tail = short_conv_silu(x[:, :5], weight)
     second, tail = short_conv_silu(x[:, 5:7], weight, tail)
@@ -77,14 +77,39 @@ def test_short_conv_pieces_equal_one_pass():
     assert torch.equal(tail, whole_tail)
 
 
+def test_short_conv_without_autograd_is_the_reference_and_fp32_agrees():
+    """No autograd: the reference itself (bit for bit, channels-first layout). With autograd in
+    fp32: the taps are summed oldest first like `F.conv1d`, so the values agree to rounding
+    (on this CPU's oneDNN to the bit)."""
+    x, weight, tail = conv_inputs(9, True, dtype=torch.float32)
+    with torch.no_grad():
+        plain, plain_tail = short_conv_silu(x, weight, tail)
+    reference, reference_tail = short_conv_silu_reference(x, weight, tail)
+    assert torch.equal(plain, reference) and plain.stride() == reference.stride()
+    assert torch.equal(plain_tail, reference_tail)
+    fast, _ = short_conv_silu(*leaves(x, weight, tail))
+    assert fast.is_contiguous() and (fast - reference).abs().max() < 1e-6
+
+
+def test_norms_and_gates_fp32_forward_equal_references_bit_for_bit():
+    """Same ops in the same order as the references, so scoring and exports stay bit-identical."""
+    x, gate, weight = norm_inputs(torch.float32)
+    assert torch.equal(l2_normalize(x.requires_grad_()), l2_normalize_reference(x))
+    assert torch.equal(gated_rms_norm(x, gate, weight, 1e-5), gated_rms_norm_reference(x, gate, weight, 1e-5))
+    z, A_log, dt_bias = gate_inputs(torch.float32)
+    z.requires_grad_()
+    assert torch.equal(kda_gate(z, A_log, dt_bias), kda_gate_reference(z, A_log, dt_bias))
+    assert torch.equal(kda_gate_unbounded(z, A_log, dt_bias), kda_gate_unbounded_reference(z, A_log, dt_bias))
+
+
 def test_short_conv_low_precision_computes_in_fp32():
     """bf16 in, bf16 out; the convolution and SiLU in fp32 (then one rounding), as the reference."""
     x, weight, tail = conv_inputs(9, True, dtype=torch.float32)
     x, tail = x.bfloat16(), tail.bfloat16()
-    fast, fast_tail = short_conv_silu(x, weight, tail)
+    fast, fast_tail = short_conv_silu(x.requires_grad_(), weight, tail)
     reference, reference_tail = short_conv_silu_reference(x, weight, tail)
     assert fast.dtype == torch.bfloat16 and fast_tail.dtype == torch.bfloat16
-    assert torch.equal(fast_tail, reference_tail)
+    assert torch.equal(fast_tail, reference_tail) and fast.is_contiguous()
     exact = short_conv_silu_reference(x.double(), weight.double(), tail.double())[0]
     assert (fast.double() - exact).abs().max() <= (reference.double() - exact).abs().max() + 1e-2
     assert (fast.float() - reference.float()).abs().max() < 2e-2
