@@ -12,15 +12,16 @@ context parallelism carry it).
 Two forms of one definition:
 
 - `short_conv_silu_reference`: channels first, the tail concatenated in front, `F.conv1d`
-  with `groups=C`, `F.silu`; autograd differentiates it.
+  with `groups=C` in the input's dtype, `F.silu`; autograd differentiates it. This is also
+  what runs without autograd (inference, scoring): it is what the exported Hugging Face remote
+  code computes, bit for bit.
 - `short_conv_silu`: the training path, channels last on `[B, T, C]` as the projections
-  produce it. Each tap is one shifted multiply-add over the sequence (`W` passes), the tail
+  produce it, computed in fp32 or wider (float64 stays float64) and returned in the input's
+  dtype. Each tap is one shifted multiply-add over the sequence (`W` passes), the tail
   only touches the first `W − 1` positions, and the backward is written out: `∂pre` from the
   saved pre-activation with one fused `silu_backward`, `∂x` the same shifted multiply-adds run
   the other way, `∂w[:, W−1−s] = Σ_{b,t} ∂pre_t ⊙ x_{t−s}` (one reduction per tap). No
   transposes, no padded copy, no `[B, C, T]` layouts on either pass.
-
-Both compute in fp32 or wider (float64 stays float64) and return `y` in the input's dtype.
 """
 
 from __future__ import annotations
@@ -53,13 +54,12 @@ def short_conv_silu_reference(
     """The definition: `x [B, T, C]`, `weight [C, 1, W]`, `tail [B, C, W − 1]` or None →
     (`silu(conv)` `[B, T, C]` in x's dtype, the last `W − 1` inputs `[B, C, W − 1]`)."""
     taps = _check(x, weight, tail)
-    compute = accumulation_dtype(x.dtype)
     channels_first = x.transpose(1, 2)
     if tail is None:
         tail = channels_first.new_zeros(x.shape[0], x.shape[2], taps - 1)
     padded = torch.cat([tail.to(x.dtype), channels_first], dim=-1)
-    output = F.conv1d(padded.to(compute), weight.to(compute), groups=x.shape[2])
-    return F.silu(output).to(x.dtype).transpose(1, 2), padded[..., padded.shape[-1] - (taps - 1):]
+    output = F.conv1d(padded, weight.to(x.dtype), groups=x.shape[2])
+    return F.silu(output).transpose(1, 2), padded[..., padded.shape[-1] - (taps - 1):]
 
 
 def _shifted_taps(

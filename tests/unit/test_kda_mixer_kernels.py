@@ -103,7 +103,8 @@ def test_norms_and_gates_fp32_forward_equal_references_bit_for_bit():
 
 
 def test_short_conv_low_precision_computes_in_fp32():
-    """bf16 in, bf16 out; the convolution and SiLU in fp32 (then one rounding), as the reference."""
+    """bf16 in, bf16 out; the convolution and SiLU in fp32, then one rounding (the reference
+    convolves in bf16, as the remote code: the fast path is at least as close to the exact value)."""
     x, weight, tail = conv_inputs(9, True, dtype=torch.float32)
     x, tail = x.bfloat16(), tail.bfloat16()
     fast, fast_tail = short_conv_silu(x.requires_grad_(), weight, tail)
@@ -112,7 +113,7 @@ def test_short_conv_low_precision_computes_in_fp32():
     assert torch.equal(fast_tail, reference_tail) and fast.is_contiguous()
     exact = short_conv_silu_reference(x.double(), weight.double(), tail.double())[0]
     assert (fast.double() - exact).abs().max() <= (reference.double() - exact).abs().max() + 1e-2
-    assert (fast.float() - reference.float()).abs().max() < 2e-2
+    assert ((fast.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()  # one bf16 rounding
 
 
 def test_short_conv_rejects_bad_shapes():
@@ -151,11 +152,12 @@ def test_gated_rms_norm_matches_reference():
 def test_norms_low_precision_keep_dtype_and_match():
     x, gate, weight = norm_inputs(torch.float32)
     x, gate = x.bfloat16(), gate.bfloat16()
+    x.requires_grad_()
     assert l2_normalize(x).dtype == torch.bfloat16
-    assert (l2_normalize(x).float() - l2_normalize_reference(x).float()).abs().max() < 1e-2
+    assert torch.equal(l2_normalize(x), l2_normalize_reference(x))  # both fp32 inside, the same ops
     fast, reference = gated_rms_norm(x, gate, weight, 1e-5), gated_rms_norm_reference(x, gate, weight, 1e-5)
     assert fast.dtype == reference.dtype == torch.bfloat16
-    assert (fast.float() - reference.float()).abs().max() < 2e-2
+    assert torch.equal(fast, reference)
     with pytest.raises(ValueError, match="gate"):
         gated_rms_norm(x, gate[..., :4], weight, 1e-5)
 
