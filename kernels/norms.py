@@ -28,21 +28,22 @@ def l2_normalize_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _inverse_norm(x: torch.Tensor, eps: float, mean: bool) -> torch.Tensor:
-    """`(Σx² (/ n) + eps)^{-1/2}` over the last dim, keepdim, summed as the references sum it
-    (`pow(2).sum`/`.mean`: the same bits; `vector_norm(x)²` saves a pass but rounds differently,
-    enough to flip a near-tied expert choice downstream)."""
+def _normalize(x: torch.Tensor, eps: float, mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x · r, r)` with `r = (Σx² (/ n) + eps)^{-1/2}` over the last dim (keepdim), summed as
+    the references sum it (`pow(2).sum`/`.mean`: the same bits; `vector_norm(x)²` saves a pass
+    but rounds differently, enough to flip a near-tied expert choice downstream). `x · r` reuses
+    the squares' buffer (x's layout): one full-size allocation."""
     squares = x.pow(2)
-    squares = squares.mean(-1, keepdim=True) if mean else squares.sum(-1, keepdim=True)
-    return squares.add_(eps).rsqrt_()
+    sums = squares.mean(-1, keepdim=True) if mean else squares.sum(-1, keepdim=True)
+    inverse_norm = sums.add_(eps).rsqrt_()
+    return torch.mul(x, inverse_norm, out=squares), inverse_norm
 
 
 class _L2Normalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
         x_compute = x.to(accumulation_dtype(x.dtype))
-        inverse_norm = _inverse_norm(x_compute, eps, mean=False)
-        normalized = x_compute * inverse_norm  # x's layout, as the reference
+        normalized, inverse_norm = _normalize(x_compute, eps, mean=False)
         ctx.save_for_backward(normalized, inverse_norm)
         ctx.input_dtype = x.dtype
         return normalized.to(x.dtype)
@@ -80,11 +81,10 @@ class _GatedRMSNorm(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         compute = accumulation_dtype(torch.promote_types(torch.promote_types(x.dtype, gate.dtype), weight.dtype))
         x_compute, weight_compute = x.to(compute), weight.to(compute)
-        inverse_norm = _inverse_norm(x_compute, eps, mean=True)
-        # contiguous whatever x's layout: the output feeds a reshape to the output projection
-        normalized = torch.mul(x_compute, inverse_norm, out=x_compute.new_empty(x.shape))
+        normalized, inverse_norm = _normalize(x_compute, eps, mean=True)
         gate_sigmoid = torch.sigmoid(gate.to(compute))
-        output = (normalized * weight_compute).mul_(gate_sigmoid)
+        # contiguous whatever x's layout: the output feeds a reshape to the output projection
+        output = torch.mul(normalized, weight_compute, out=normalized.new_empty(x.shape)).mul_(gate_sigmoid)
         ctx.save_for_backward(normalized, gate_sigmoid, inverse_norm, weight_compute)
         ctx.dtypes = (x.dtype, gate.dtype, weight.dtype)
         return output.to(x.dtype)
