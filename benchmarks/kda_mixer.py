@@ -109,8 +109,52 @@ def main() -> None:
                 times[name].append(time_step(mixer, x, probe, swaps))
         reference, fast = (statistics.median(times[name]) for name in ("reference", "fast"))
         print(f"| {row} | {reference * 1e3:.1f} | {fast * 1e3:.1f} | {reference / fast:.2f}x |")
+    time_kernels(args.batch, args.seq, config.hidden_size, lac.num_heads, lac.head_dim, args.repeats)
     if args.step:
         time_training_step(args.step_repeats)
+
+
+def time_kernels(batch: int, seq: int, hidden: int, heads: int, head_dim: int, repeats: int) -> None:
+    """Each kernel alone, forward + backward on the mixer's shapes, reference against fast."""
+    from k3train.kernels.kda import kda_gate
+    from k3train.kernels.norms import gated_rms_norm, l2_normalize
+    from k3train.kernels.short_conv import short_conv_silu
+
+    generator = torch.Generator().manual_seed(0)
+    width = heads * head_dim
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator).requires_grad_()
+
+    conv_x, conv_w = tensor(batch, seq, width), tensor(width, 1, 4)
+    norm_x, norm_gate, norm_w = tensor(batch, seq, heads, head_dim), tensor(batch, seq, heads, head_dim), tensor(head_dim)
+    gate_z, a_log, dt_bias = tensor(batch, seq, heads, head_dim), tensor(heads), tensor(width)
+    cases = {
+        "short conv + SiLU (one of q/k/v)": (lambda: short_conv_silu_reference(conv_x, conv_w)[0],
+                                             lambda: short_conv_silu(conv_x, conv_w)[0]),
+        "l2 normalise (one of q/k)": (lambda: l2_normalize_reference(norm_x), lambda: l2_normalize(norm_x)),
+        "gated RMSNorm": (lambda: gated_rms_norm_reference(norm_x, norm_gate, norm_w, 1e-5),
+                          lambda: gated_rms_norm(norm_x, norm_gate, norm_w, 1e-5)),
+        "decay gate (bounded)": (lambda: kda_gate_reference(gate_z, a_log, dt_bias),
+                                 lambda: kda_gate(gate_z, a_log, dt_bias)),
+    }
+    print(f"\n| kernel, forward + backward | reference (ms) | fast (ms) | reference / fast |")
+    print("|---|---:|---:|---:|")
+    for name, (reference, fast) in cases.items():
+        times: dict[str, list[float]] = {"reference": [], "fast": []}
+
+        def once(function) -> float:
+            start = time.process_time()
+            out = function()
+            out.backward(torch.ones_like(out))
+            return time.process_time() - start
+
+        once(reference), once(fast)  # warm-up
+        for _ in range(repeats):
+            times["reference"].append(once(reference))
+            times["fast"].append(once(fast))
+        ref_time, fast_time = statistics.median(times["reference"]), statistics.median(times["fast"])
+        print(f"| {name} | {ref_time * 1e3:.2f} | {fast_time * 1e3:.2f} | {ref_time / fast_time:.2f}x |")
 
 
 def time_training_step(repeats: int) -> None:
