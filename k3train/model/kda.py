@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3train.kernels.kda import chunk_kda, kda_gate, kda_gate_unbounded
+from k3train.kernels.norms import gated_rms_norm, l2_normalize
 from k3train.kernels.precision import upcast
+from k3train.kernels.short_conv import short_conv_silu
 from k3train.model.config import ModelConfig
 from k3train.contracts.param_roles import mark_adamw_only, mark_head_blocks
 from k3train.model.initialization import TILE_ELEMENTS, TiledStream, TileFill, draw_local
@@ -47,16 +48,9 @@ def gate_fill(a_log_draws: int) -> TileFill:
     return fill
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`x / sqrt(Σx² + eps)` over the last dim, in fp32: FLA's `l2norm` (what its KDA kernel and
-    transformers' Kimi Linear compute), not `F.normalize`'s `x / max(‖x‖, eps)`, which differs
-    by ~eps/(2‖x‖²) relative: 1e-4 for the small q/k of a freshly initialised model."""
-    x32 = upcast(x)
-    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class ShortConvolution(nn.Module):
-    """Causal depthwise 1-D convolution (no bias) followed by SiLU; weight `[channels, 1, kernel]`."""
+    """Causal depthwise 1-D convolution (no bias) followed by SiLU; weight `[channels, 1, kernel]`
+    (`kernels.short_conv`: channels last, no transposes)."""
 
     def __init__(self, channels: int, kernel_size: int):
         super().__init__()
@@ -66,13 +60,9 @@ class ShortConvolution(nn.Module):
         self.kernel_size = kernel_size
 
     def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x [batch, seq, channels]` → (output, the last `kernel - 1` inputs for the next piece)."""
-        channels_first = x.transpose(1, 2)
-        if tail is None:
-            tail = channels_first.new_zeros(x.shape[0], x.shape[2], self.kernel_size - 1)
-        padded = torch.cat([tail.to(channels_first.dtype), channels_first], dim=-1)
-        output = F.conv1d(padded, self.weight.to(x.dtype), groups=x.shape[2])
-        return F.silu(output).transpose(1, 2), padded[..., padded.shape[-1] - (self.kernel_size - 1):]
+        """`x [batch, seq, channels]`, `tail [batch, channels, kernel - 1]` (zeros if None) →
+        (output `[batch, seq, channels]`, the last `kernel - 1` inputs for the next piece)."""
+        return short_conv_silu(x, self.weight, tail)
 
 
 class GatedRMSNorm(nn.Module):
@@ -84,9 +74,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = upcast(x)
-        normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normalized * upcast(self.weight) * torch.sigmoid(upcast(gate))).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class KimiDeltaAttention(nn.Module):

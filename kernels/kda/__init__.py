@@ -3,7 +3,10 @@ PyTorch form used for training (dispatching to flash-linear-attention on CUDA wh
 and the decay gates."""
 
 from .chunk import chunk_kda
-from .gate import kda_gate, kda_gate_unbounded
+from .gate import kda_gate, kda_gate_reference, kda_gate_unbounded, kda_gate_unbounded_reference
 from .naive import naive_recurrent_kda
 
-__all__ = ["chunk_kda", "kda_gate", "kda_gate_unbounded", "naive_recurrent_kda"]
+__all__ = [
+    "chunk_kda", "kda_gate", "kda_gate_reference", "kda_gate_unbounded", "kda_gate_unbounded_reference",
+    "naive_recurrent_kda",
+]

@@ -1,0 +1,117 @@
+"""Normalisations over the last dim with written-out backwards: the L2 normalisation of KDA's
+queries and keys, and the gated RMSNorm of its output.
+
+Each has its definition in plain PyTorch (`*_reference`, differentiated by autograd) and a
+training path (an `autograd.Function`) that saves the normalised values and the per-row inverse
+norm instead of autograd's chain of intermediates, and computes the gradient in a few fused
+passes. With `y = x · r` and the per-row scalar `r = (Σx² / n + ε)^{-1/2}` (n = 1 for the L2 form,
+the row length for the RMS form), the input gradient is
+
+    ∂L/∂x = (∂L/∂y − y · Σ(∂L/∂y ⊙ y) / n) · r
+
+(the one-row Jacobian `r (I − y yᵀ / n)`). Both compute in fp32 or wider (float64 stays float64)
+and return the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3train.kernels.precision import accumulation_dtype, upcast
+
+
+def l2_normalize_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(Σx² + eps)` over the last dim, in fp32: FLA's `l2norm` (what its KDA kernel and
+    transformers' Kimi Linear compute), not `F.normalize`'s `x / max(‖x‖, eps)`, which differs
+    by ~eps/(2‖x‖²) relative: 1e-4 for the small q/k of a freshly initialised model."""
+    x32 = upcast(x)
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _normalize(x: torch.Tensor, eps: float, mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x · r, r)` with `r = (Σx² (/ n) + eps)^{-1/2}` over the last dim (keepdim), summed as
+    the references sum it (`pow(2).sum`/`.mean`: the same bits; `vector_norm(x)²` saves a pass
+    but rounds differently, enough to flip a near-tied expert choice downstream). `x · r` reuses
+    the squares' buffer (x's layout): one full-size allocation."""
+    squares = x.pow(2)
+    sums = squares.mean(-1, keepdim=True) if mean else squares.sum(-1, keepdim=True)
+    inverse_norm = sums.add_(eps).rsqrt_()
+    return torch.mul(x, inverse_norm, out=squares), inverse_norm
+
+
+class _L2Normalize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        x_compute = x.to(accumulation_dtype(x.dtype))
+        normalized, inverse_norm = _normalize(x_compute, eps, mean=False)
+        ctx.save_for_backward(normalized, inverse_norm)
+        ctx.input_dtype = x.dtype
+        return normalized.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        normalized, inverse_norm = ctx.saved_tensors
+        grad = grad_output.to(normalized.dtype)
+        # The one full-size allocation, reused for ∂x; `normalized` first: the result takes its
+        # (contiguous) layout whatever the incoming gradient's, so the views before need no copy.
+        products = normalized * grad
+        projection = products.sum(-1, keepdim=True)
+        grad_x = torch.addcmul(grad, normalized, projection, value=-1, out=products).mul_(inverse_norm)
+        return grad_x.to(ctx.input_dtype), None
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The training path of `l2_normalize_reference` (same arguments, same result)."""
+    return _L2Normalize.apply(x, eps)
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm(x) · weight · sigmoid(gate)` over the last dim, in fp32, returned in x's dtype
+    (KDA's output norm: `x`, `gate` `[..., D]`, `weight` `[D]`)."""
+    x32 = upcast(x)
+    normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normalized * upcast(weight) * torch.sigmoid(upcast(gate))).to(x.dtype)
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    """Backward with `n = x·r`, `s = sigmoid(gate)`, `a = ∂L/∂out ⊙ s`, `q = a ⊙ n ⊙ weight`:
+    `∂L/∂weight = Σ a ⊙ n`, `∂L/∂gate = q (1 − s)`, `∂L/∂x = (a ⊙ weight − n · mean(q)) · r`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        compute = accumulation_dtype(torch.promote_types(torch.promote_types(x.dtype, gate.dtype), weight.dtype))
+        x_compute, weight_compute = x.to(compute), weight.to(compute)
+        normalized, inverse_norm = _normalize(x_compute, eps, mean=True)
+        gate_sigmoid = torch.sigmoid(gate.to(compute))
+        # contiguous whatever x's layout: the output feeds a reshape to the output projection
+        output = torch.mul(normalized, weight_compute, out=normalized.new_empty(x.shape)).mul_(gate_sigmoid)
+        ctx.save_for_backward(normalized, gate_sigmoid, inverse_norm, weight_compute)
+        ctx.dtypes = (x.dtype, gate.dtype, weight.dtype)
+        return output.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        normalized, gate_sigmoid, inverse_norm, weight = ctx.saved_tensors
+        need_x, need_gate, need_weight, _ = ctx.needs_input_grad
+        x_dtype, gate_dtype, weight_dtype = ctx.dtypes
+        gated = gate_sigmoid * grad_output.to(normalized.dtype)  # a, in the saved tensors' layout
+        gated_normalized = normalized * gated  # a ⊙ n
+        grad_x = grad_gate = grad_weight = None
+        if need_weight:
+            grad_weight = gated_normalized.reshape(-1, weight.shape[0]).sum(0).to(weight_dtype)
+        if need_x or need_gate:  # in place from here: a fresh full-size tensor costs more than a pass
+            q = gated_normalized.mul_(weight)
+            if need_x:
+                grad_x = gated.mul_(weight).addcmul_(normalized, q.mean(-1, keepdim=True), value=-1)
+                grad_x = grad_x.mul_(inverse_norm).to(x_dtype)
+            if need_gate:
+                grad_gate = q.addcmul_(q, gate_sigmoid, value=-1).to(gate_dtype)
+        return grad_x, grad_gate, grad_weight, None
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The training path of `gated_rms_norm_reference` (same arguments, same result)."""
+    if gate.shape != x.shape or weight.shape != x.shape[-1:]:
+        raise ValueError(f"gated RMSNorm needs gate of x's shape {tuple(x.shape)} and weight [{x.shape[-1]}], "
+                         f"got gate {tuple(gate.shape)} and weight {tuple(weight.shape)}")
+    return _GatedRMSNorm.apply(x, gate, weight, eps)
