@@ -170,25 +170,33 @@ def tiled_gram_matrices(
 
     All `rows` go through one batched matmul (stacked along the row axis): twice the rows per
     matmul runs at a better rate, and its backward sums the key gradient in one matmul."""
-    *batch_shape, n_tiles, tile, dim = key_columns.shape
-    chunk = n_tiles * tile
-    if n_tiles == 1:
-        keys_seen = key_columns  # one tile per chunk: no bridges
-    else:
-        # Bridge e^{r_a − r_b} from key tile b to row tile a: exponent ≤ 0 for b ≤ a. Tiles after
-        # the row tile are masked to −inf *before* exponentiating, so their positive exponent
-        # never is.
-        reference = reference.squeeze(-2)
-        bridge_exponent = (reference.unsqueeze(-2) - reference.unsqueeze(-3)).to(key_columns.dtype)
-        later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1)
-        bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp()
-        # Keys as seen from each row tile a: [..., a, b, tile, K] -> [..., a, C, K].
-        keys_seen = (bridge.unsqueeze(-2) * key_columns.unsqueeze(-4)).reshape(
-            *batch_shape, n_tiles, chunk, dim
-        )
+    tile = key_columns.shape[-2]
+    keys_seen, _ = keys_seen_from_row_tiles(key_columns, reference)
     stacked_rows = rows[0] if len(rows) == 1 else torch.cat(list(rows), dim=-2)
     grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, len(rows)·tile, C]
     return list(grams.split(tile, dim=-2))
+
+
+def keys_seen_from_row_tiles(
+    key_columns: torch.Tensor, reference: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The keys of a chunk as each row tile sees them, `[..., n_tiles, C, K]`: key tile `b` times
+    the bridge `e^{r_a − r_b}` to row tile `a` (0 for tiles after `a`), and the bridges
+    `[..., a, b, K]` (None for one tile per chunk, where the keys are seen as they are)."""
+    *batch_shape, n_tiles, tile, dim = key_columns.shape
+    if n_tiles == 1:
+        return key_columns, None  # one tile per chunk: no bridges
+    # Bridge e^{r_a − r_b} from key tile b to row tile a: exponent ≤ 0 for b ≤ a. Tiles after the
+    # row tile are masked to −inf *before* exponentiating, so their positive exponent never is.
+    reference = reference.squeeze(-2)
+    bridge_exponent = (reference.unsqueeze(-2) - reference.unsqueeze(-3)).to(key_columns.dtype)
+    later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1)
+    bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp()
+    # [..., a, b, tile, K] -> [..., a, C, K].
+    keys_seen = (bridge.unsqueeze(-2) * key_columns.unsqueeze(-4)).reshape(
+        *batch_shape, n_tiles, n_tiles * tile, dim
+    )
+    return keys_seen, bridge
 
 
 def _flushes_denormals() -> bool:
@@ -227,7 +235,7 @@ class _FlushDenormalsInBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _chunk_kda_torch(
+def chunk_kda_autograd_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -238,7 +246,10 @@ def _chunk_kda_torch(
     output_final_state: bool,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_chunk_kda_chunks` in flush-to-zero mode on CPU, forward and backward (module docstring)."""
+    """The chunkwise form differentiated by autograd through its operations: the reference the
+    hand-written backward of `_ChunkKDA` is tested against (arguments as `chunk_kda`, already
+    validated, `scale` given). `_chunk_kda_chunks` in flush-to-zero mode on CPU, forward and
+    backward (module docstring)."""
     on_cpu = q.device.type == "cpu"
     inputs = [q, k, v, g, beta] + ([initial_state] if initial_state is not None else [])
     bracket = on_cpu and torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
@@ -363,3 +374,316 @@ def _chunk_kda_chunks(
     o = o.to(v.dtype).transpose(1, 2).contiguous()  # [B, T, H, V]
     final_state = state.reshape(batch, heads, key_dim, value_dim) if output_final_state else None
     return o, final_state
+
+
+# ---------------------------------------------------------------- the training path: hand-written backward
+def _chunk_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The PyTorch path: `_ChunkKDA`, forward and backward in flush-to-zero mode on CPU."""
+    if q.shape[1] == 0:
+        return chunk_kda_autograd_reference(
+            q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size
+        )
+    o, final_state = _ChunkKDA.apply(q, k, v, g, beta, initial_state, scale, chunk_size)
+    return o, (final_state if output_final_state else None)
+
+
+class _ChunkLayout(NamedTuple):
+    """`[B, T, H, D]` <-> `[B·H, N, C, D]` (chunks of `C` tokens, the last one zero-padded)."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    n_chunks: int
+    chunk: int
+
+    @classmethod
+    def of(cls, x: torch.Tensor, chunk: int) -> "_ChunkLayout":
+        batch, seq_len, heads = x.shape[:3]
+        return cls(batch, seq_len, heads, -(-seq_len // chunk), chunk)
+
+    def to_chunks(self, x: torch.Tensor, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
+        """Contiguous `[B·H, N, C, D]` in `dtype` (times `scale`), in one pass. Zero padding makes
+        the padded tokens no-ops on the state: k = 0 and beta = 0 write nothing, g = 0 decays
+        nothing; their gradients are dropped."""
+        batch, seq_len, heads, n_chunks, chunk = self
+        padded = n_chunks * chunk
+        out = torch.empty(batch * heads, n_chunks, chunk, x.shape[-1], dtype=dtype, device=x.device)
+        tokens = out.view(batch, heads, padded, x.shape[-1])
+        if padded > seq_len:
+            tokens[:, :, seq_len:].zero_()
+        if scale is None:
+            tokens[:, :, :seq_len].copy_(x.transpose(1, 2))
+        else:
+            torch.mul(x.transpose(1, 2), scale, out=tokens[:, :, :seq_len])
+        return out
+
+    def from_chunks(self, x: torch.Tensor, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
+        """`[B, T, H, D]` in `dtype` (times `scale`) from `[B·H, N, C, D]`, in one pass."""
+        batch, seq_len, heads, n_chunks, chunk = self
+        tokens = x.reshape(batch, heads, n_chunks * chunk, x.shape[-1])[:, :, :seq_len].transpose(1, 2)
+        out = torch.empty(batch, seq_len, heads, x.shape[-1], dtype=dtype, device=x.device)
+        if scale is None:
+            out.copy_(tokens)
+        else:
+            torch.mul(tokens, scale, out=out)
+        return out
+
+
+def _causal_masks(chunk: int, tile: int, device: torch.device) -> torch.Tensor:
+    """`[n_tiles, 2, tile, C]`: per row tile, the strict lower triangle (the key Gram, which the
+    unit-triangular solve reads below the diagonal only) and the lower triangle (the query Gram)."""
+    rows = torch.arange(chunk, device=device).view(chunk // tile, 1, tile, 1)
+    columns = torch.arange(chunk, device=device)
+    return torch.cat([columns < rows, columns <= rows], dim=1)
+
+
+class _ChunkKDA(torch.autograd.Function):
+    """The chunkwise form (module docstring) with a hand-written backward.
+
+    Forward, per chunk with state `S` entering it, `W = T (k ⊙ e^G)`, `u_base = T v` and
+    `T = (I + A)⁻¹ Diag(β)`: `u = u_base − W S`, `o = scale · (P u + (q ⊙ e^G) S)` and
+    `S' = F S + B` with the chunk's transition `F = Diag(e^{G_C}) − (k ⊙ e^{G_C − G})ᵀ W` and
+    offset `B = (k ⊙ e^{G_C − G})ᵀ u_base`. All chunks' `F`, `B`, `P`, `W`, `u_base` come from
+    batched matmuls; the state pass is one `K×K` by `K×V` matmul per chunk, and the outputs one
+    batched matmul after it.
+
+    Backward, with `dS'` the gradient of the state leaving a chunk (`dS_C`): the state gradients
+    run back through `dS = Fᵀ dS' + (q ⊙ e^G − P W)ᵀ (scale·do)`, one matmul per chunk; then, for
+    all chunks at once, `du = Pᵀ do + (k ⊙ e^{G_C−G}) dS'`, `dy = (I + A)⁻ᵀ du`, `dv = β dy`,
+    `dA = −dy uᵀ`, `dP = do uᵀ` (masked), and the gradients of the decayed Gram matrices go back
+    through the same tiles as the forward. The log-decay gradient uses that every decay factor
+    is `e^{±G}` of its own token: `∂L/∂G = Σ_x ±x ⊙ ∂L/∂x` over the factors' inputs (`+` where
+    `G` is the row's, `−` where it is the column's, plus `e^{G_C}` terms on the last token),
+    and `dg` is its reverse cumulative sum inside the chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale: float, chunk_size: int):
+        on_cpu = q.device.type == "cpu"
+        with _flushing_denormals(on_cpu):
+            o, final_state, saved, meta = _chunk_kda_forward(
+                q, k, v, g, beta, initial_state, scale, chunk_size
+            )
+        ctx.save_for_backward(*saved)
+        ctx.meta = meta
+        ctx.scale, ctx.on_cpu = scale, on_cpu
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+        ctx.initial_state_dtype = None if initial_state is None else initial_state.dtype
+        ctx.set_materialize_grads(False)
+        return o, final_state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_o, grad_final_state):
+        with _flushing_denormals(ctx.on_cpu):
+            grads = _chunk_kda_backward(
+                ctx.saved_tensors, ctx.meta, ctx.scale, grad_o, grad_final_state
+            )
+        dq, dk, dv, dg, dbeta, d_initial = grads
+        q_dtype, k_dtype, v_dtype, g_dtype, beta_dtype = ctx.dtypes
+        layout = ctx.meta["layout"]
+        d_initial = (
+            None if ctx.initial_state_dtype is None
+            else d_initial.view(layout.batch, layout.heads, *d_initial.shape[-2:]).to(ctx.initial_state_dtype)
+        )
+        return (
+            layout.from_chunks(dq, q_dtype),
+            layout.from_chunks(dk, k_dtype),
+            layout.from_chunks(dv, v_dtype),
+            layout.from_chunks(dg, g_dtype),
+            layout.from_chunks(dbeta.unsqueeze(-1), beta_dtype).squeeze(-1),
+            d_initial,
+            None,
+            None,
+        )
+
+
+def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size: int):
+    """`_ChunkKDA.forward`'s math: `(o, final_state, tensors to save, metadata)`."""
+    layout = _ChunkLayout.of(q, chunk_size)
+    batch, seq_len, heads, n_chunks, chunk = layout
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    dtype = compute_dtype_for(q, k, v, g, beta)
+    bh = batch * heads
+
+    lowest, highest = torch.aminmax(g.detach())
+    max_decay = max(-float(lowest), float(highest))  # max |g|; highest ≤ 0 by contract
+    tile = diagonal_tile_size(max_decay, chunk, dtype)
+    n_tiles = chunk // tile
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        return x.view(bh, n_chunks, n_tiles, tile, x.shape[-1])
+
+    log_decay = layout.to_chunks(g, torch.float64).cumsum_(dim=-2)  # G (module docstring)
+    decay = tile_decay(log_decay, tile, dtype)
+    k_chunks = layout.to_chunks(k, dtype)
+    beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [BH, N, C, 1]
+    # The rows of both Gram matrices, stacked per row tile: [BH, N, n_tiles, 2, tile, K] holds
+    # k e^{G − r} then q e^{G − r} (q unscaled: `scale` goes on o).
+    rows = torch.empty(bh, n_chunks, n_tiles, 2, tile, key_dim, dtype=dtype, device=q.device)
+    rows[..., 0, :, :].copy_(tiled(k_chunks))
+    rows[..., 1, :, :].copy_(tiled(layout.to_chunks(q, dtype)))
+    rows.mul_(decay.to_reference.unsqueeze(-3))
+    key_columns = tiled(k_chunks) * decay.from_reference  # k e^{r − G}
+    keys_seen, bridge = keys_seen_from_row_tiles(key_columns, decay.reference)
+    grams = (rows.view(bh, n_chunks, n_tiles, 2 * tile, key_dim) @ keys_seen.transpose(-1, -2)).view(
+        bh, n_chunks, n_tiles, 2, tile, chunk
+    )
+    masks = _causal_masks(chunk, tile, q.device)
+    # Masked: what lies on/above the diagonal of the key Gram and above it in the query Gram is
+    # finite but meaningless (products of tile factors of later tokens).
+    key_gram = torch.where(masks[:, 0], grams[..., 0, :, :], 0.0).view(bh, n_chunks, chunk, chunk)
+    query_gram = torch.where(masks[:, 1], grams[..., 1, :, :], 0.0).view(bh, n_chunks, chunk, chunk)
+
+    # Decays from the chunk start and to its end, from the tile factors times factors ≤ 1.
+    chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [BH, N, 1, 1, K]
+    reference_decay = decay.reference.to(dtype).exp()  # e^{r}
+    to_end = (chunk_total - decay.reference).to(dtype).exp()  # e^{G_C − r}
+    k_to_end = (key_columns * to_end).view_as(k_chunks)  # k e^{G_C − G}, [BH, N, C, K]
+    chunk_decay = chunk_total.view(bh, n_chunks, key_dim).to(dtype).exp()  # e^{G_C}
+    # Right-hand sides of the UT transform side by side: [k e^G | v], [BH, N, C, K + V].
+    key_values = torch.empty(bh, n_chunks, chunk, key_dim + value_dim, dtype=dtype, device=q.device)
+    torch.mul(rows[..., 0, :, :], reference_decay, out=tiled(key_values[..., :key_dim]))
+    key_values[..., key_dim:].copy_(layout.to_chunks(v, dtype))
+    q_from_start = (rows[..., 1, :, :] * reference_decay).view_as(k_chunks)  # q e^G
+
+    # UT transform: T = (I + A)⁻¹ Diag(β) with A = Diag(β) (key Gram). The inverse is formed once
+    # per chunk (C×C right-hand sides are cheaper than K + V of them) and kept for the backward.
+    identity = torch.eye(chunk, dtype=dtype, device=q.device)
+    inverse = torch.linalg.solve_triangular(
+        key_gram * beta_chunks, identity, upper=False, unitriangular=True
+    )
+    w_u = (inverse * beta_chunks.transpose(-1, -2)) @ key_values  # [W | u_base]
+    # o = P u_base + (q e^G − P W) S and S' = F S + B, all but the S products batched.
+    p_w_u = query_gram @ w_u
+    query_state = q_from_start - p_w_u[..., :key_dim]
+    transition_offset = k_to_end.transpose(-1, -2) @ w_u  # [kᵀW | B], [BH, N, K, K + V]
+    transition = transition_offset[..., :key_dim].neg()
+    transition.diagonal(dim1=-2, dim2=-1).add_(chunk_decay)
+
+    state = (
+        q.new_zeros(bh, key_dim, value_dim, dtype=dtype)
+        if initial_state is None
+        else initial_state.reshape(bh, key_dim, value_dim).to(dtype)
+    )
+    states = torch.empty(bh, n_chunks, key_dim, value_dim, dtype=dtype, device=q.device)
+    for n in range(n_chunks):
+        states[:, n] = state
+        state = torch.baddbmm(transition_offset[:, n, :, key_dim:], transition[:, n], state)
+    o = torch.baddbmm(
+        p_w_u[..., key_dim:].flatten(0, 1), query_state.flatten(0, 1), states.flatten(0, 1)
+    )
+    o = layout.from_chunks(o, v.dtype, scale=scale)
+    final_state = state.view(batch, heads, key_dim, value_dim)
+
+    saved = [rows, key_columns, keys_seen, decay.to_reference, decay.from_reference, reference_decay,
+             to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, key_values,
+             w_u, query_state, transition, states]
+    if bridge is not None:
+        saved.append(bridge)
+    return o, final_state, saved, {"layout": layout, "tile": tile}
+
+
+def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
+    """`_ChunkKDA.backward`'s math: chunked `dq, dk, dv, dg, dbeta` and the initial state's
+    gradient, `[B·H, K, V]`."""
+    (rows, key_columns, keys_seen, to_reference, from_reference, reference_decay, to_end, k_to_end,
+     chunk_decay, key_gram, query_gram, inverse, beta_chunks, key_values, w_u, query_state,
+     transition, states, *bridge) = saved
+    layout, tile = meta["layout"], meta["tile"]
+    bh, n_chunks, n_tiles, _, _, key_dim = rows.shape
+    chunk = n_tiles * tile
+    value_dim = states.shape[-1]
+    dtype = rows.dtype
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        return x.view(bh, n_chunks, n_tiles, tile, x.shape[-1])
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 1)
+
+    if grad_o is None:
+        d_o = states.new_zeros(bh, n_chunks, chunk, value_dim)
+    else:
+        d_o = layout.to_chunks(grad_o, dtype, scale=scale)  # gradient of P u + (q e^G) S
+    d_state = (
+        states.new_zeros(bh, key_dim, value_dim)
+        if grad_final_state is None
+        else grad_final_state.reshape(bh, key_dim, value_dim).to(dtype)
+    )
+    # State gradients, back through the chunks: dS = Fᵀ dS' + (q e^G − P W)ᵀ do.
+    from_outputs = query_state.transpose(-1, -2) @ d_o  # [BH, N, K, V]
+    d_states_after = torch.empty_like(states)  # dS' of each chunk
+    for n in range(n_chunks - 1, -1, -1):
+        d_states_after[:, n] = d_state
+        d_state = torch.baddbmm(from_outputs[:, n], transition[:, n].transpose(-1, -2), d_state)
+
+    w, u_base = w_u[..., :key_dim], w_u[..., key_dim:]
+    u = torch.baddbmm(flat(u_base), flat(w), flat(states), alpha=-1.0).view_as(d_o)
+    d_u = torch.baddbmm(
+        flat(k_to_end) @ flat(d_states_after), flat(query_gram).transpose(-1, -2), flat(d_o)
+    ).view_as(d_o)
+    d_y = inverse.transpose(-1, -2) @ d_u  # gradient of β (v − (k e^G) S) = (I + A) u
+    dv = d_y * beta_chunks
+
+    # [dy; do] per row tile against u and S: dy uᵀ (−dA/β... the key Gram's), do uᵀ (the query
+    # Gram's), dy Sᵀ (k e^G's, /−β) and do Sᵀ (q e^G's), in the stacked layout of `rows`.
+    left = torch.empty(bh, n_chunks, n_tiles, 2, tile, value_dim, dtype=dtype, device=d_o.device)
+    left[..., 0, :, :].copy_(tiled(d_y))
+    left[..., 1, :, :].copy_(tiled(d_o))
+    left = left.view(bh, n_chunks, 2 * chunk, value_dim)
+    with_u = (left @ u.transpose(-1, -2)).view(bh, n_chunks, n_tiles, 2, tile, chunk)
+    with_state = (left @ states.transpose(-1, -2)).view(bh, n_chunks, n_tiles, 2, tile, key_dim)
+    # Row factors: −β for the key Gram (dA = −dy uᵀ, A = β ⊙ Gram) and k e^G, 1 for the queries.
+    row_factor = torch.empty(bh, n_chunks, n_tiles, 2, tile, 1, dtype=dtype, device=d_o.device)
+    torch.neg(tiled(beta_chunks), out=row_factor[..., 0, :, :])
+    row_factor[..., 1, :, :] = 1.0
+    masks = _causal_masks(chunk, tile, d_o.device)
+    d_grams = torch.where(masks, with_u * row_factor, 0.0).view(bh, n_chunks, n_tiles, 2 * tile, chunk)
+
+    # β: from β (v − (k e^G) S) and from A = Diag(β) (key Gram).
+    d_y_tiled = with_state[..., 0, :, :]  # dy Sᵀ
+    dbeta = (
+        (key_values[..., key_dim:] * d_y).sum(-1)
+        - (tiled(key_values[..., :key_dim]) * d_y_tiled).sum(-1).view(bh, n_chunks, chunk)
+        - (tiled(key_gram) * with_u[..., 0, :, :]).sum(-1).view(bh, n_chunks, chunk)
+    )
+
+    # Gradients of the tiled row inputs (k e^{G−r}, q e^{G−r}): through the Gram matrices and
+    # through k e^G = (k e^{G−r}) e^r, q e^G likewise.
+    d_rows = with_state * row_factor * reference_decay.unsqueeze(-3)
+    flat(d_rows.view(bh, n_chunks, n_tiles, 2 * tile, key_dim)).flatten(0, 1).baddbmm_(
+        flat(d_grams).flatten(0, 1), flat(keys_seen).flatten(0, 1)
+    )
+    # Gradients of the key columns (k e^{r−G}): through the Gram matrices (summed over the row
+    # tiles through their bridges) and through k e^{G_C−G} = (k e^{r−G}) e^{G_C−r}.
+    d_keys_seen = d_grams.transpose(-1, -2) @ rows.view(bh, n_chunks, n_tiles, 2 * tile, key_dim)
+    d_k_to_end = u @ d_states_after.transpose(-1, -2)  # [BH, N, C, K]
+    if bridge:
+        d_key_columns = (
+            d_keys_seen.view(bh, n_chunks, n_tiles, n_tiles, tile, key_dim) * bridge[0].unsqueeze(-2)
+        ).sum(2)
+    else:
+        d_key_columns = d_keys_seen.view(bh, n_chunks, 1, tile, key_dim)
+    d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
+
+    dq = d_rows[..., 1, :, :] * to_reference
+    dk = torch.addcmul(d_rows[..., 0, :, :] * to_reference, d_key_columns, from_reference)
+    # ∂L/∂G: +x ∂L/∂x for row-side factors e^{G−r}, −x ∂L/∂x for column-side e^{r−G}; the chunk's
+    # last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
+    d_log_decay = (rows * d_rows).sum(-3).sub_(key_columns * d_key_columns).view(bh, n_chunks, chunk, key_dim)
+    d_log_decay[..., -1, :] += (k_to_end * d_k_to_end).sum(-2) + chunk_decay * (
+        states * d_states_after
+    ).sum(-1)
+    dg = d_log_decay.flip(-2).cumsum(-2).flip(-2)
+    return dq.view(bh, n_chunks, chunk, key_dim), dk.view(bh, n_chunks, chunk, key_dim), dv, dg, dbeta, d_state
