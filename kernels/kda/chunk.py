@@ -52,6 +52,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..precision import without_autocast
 from . import fla_backend
 from .naive import check_kda_inputs, compute_dtype_for
 
@@ -470,7 +471,9 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale: float, chunk_size: int):
         on_cpu = q.device.type == "cpu"
-        with _flushing_denormals(on_cpu):
+        # Autocast off: the kernel picks its own accumulation dtype (module docstring); under
+        # autocast its matmuls would mix bf16 operands with its fp32 states.
+        with _flushing_denormals(on_cpu), without_autocast(q.device):
             o, final_state, saved, meta = _chunk_kda_forward(
                 q, k, v, g, beta, initial_state, scale, chunk_size
             )
@@ -485,7 +488,7 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o, grad_final_state):
-        with _flushing_denormals(ctx.on_cpu):
+        with _flushing_denormals(ctx.on_cpu), without_autocast(ctx.saved_tensors[0].device):
             grads = _chunk_kda_backward(
                 ctx.saved_tensors, ctx.meta, ctx.scale, grad_o, grad_final_state
             )

@@ -378,6 +378,19 @@ def test_bf16_inputs_give_bf16_output_close_to_reference(kernel):
     assert max_error(state, state_ref) < 1e-5
 
 
+def test_chunk_kda_under_bf16_autocast_keeps_its_own_precision():
+    # The model runs under bf16 autocast; the kernel's matmuls stay in its fp32 compute dtype.
+    inputs, initial_state = make_inputs(40, dtype=torch.float32)
+    params = {name: x.clone().requires_grad_() for name, x in inputs.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, state = chunk_kda(**params, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
+    o_ref, state_ref = chunk_kda(**inputs, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
+    assert o.dtype == state.dtype == torch.float32
+    assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
+    (o.sum() + state.sum()).backward()
+    assert all(torch.isfinite(x.grad).all() for x in params.values())
+
+
 # ------------------------------------------------------------------ gates
 def gate_inputs(dtype: torch.dtype = torch.float32):
     generator = torch.Generator().manual_seed(0)
