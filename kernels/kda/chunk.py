@@ -512,7 +512,10 @@ class _ChunkKDA(torch.autograd.Function):
 
 
 def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size: int):
-    """`_ChunkKDA.forward`'s math: `(o, final_state, tensors to save, metadata)`."""
+    """`_ChunkKDA.forward`'s math: `(o, final_state, tensors to save, metadata)`. The operations
+    and their order are `_chunk_kda_chunks`'s, so the fp32 numbers are the same (the standalone
+    remote code of the HF export repeats them too); the extra work is keeping what the backward
+    reads (masked key Gram, the inverse, per-chunk states and `u`)."""
     layout = _ChunkLayout.of(q, chunk_size)
     batch, seq_len, heads, n_chunks, chunk = layout
     key_dim, value_dim = q.shape[-1], v.shape[-1]
@@ -527,71 +530,70 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     def tiled(x: torch.Tensor) -> torch.Tensor:
         return x.view(bh, n_chunks, n_tiles, tile, x.shape[-1])
 
+    q_chunks, k_chunks, v_chunks = (layout.to_chunks(x, dtype) for x in (q, k, v))
+    beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [BH, N, C, 1]
     log_decay = layout.to_chunks(g, torch.float64).cumsum_(dim=-2)  # G (module docstring)
     decay = tile_decay(log_decay, tile, dtype)
-    k_chunks = layout.to_chunks(k, dtype)
-    beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [BH, N, C, 1]
-    # The rows of both Gram matrices, stacked per row tile: [BH, N, n_tiles, 2, tile, K] holds
-    # k e^{G − r} then q e^{G − r} (q unscaled: `scale` goes on o).
-    rows = torch.empty(bh, n_chunks, n_tiles, 2, tile, key_dim, dtype=dtype, device=q.device)
-    rows[..., 0, :, :].copy_(tiled(k_chunks))
-    rows[..., 1, :, :].copy_(tiled(layout.to_chunks(q, dtype)))
-    rows.mul_(decay.to_reference.unsqueeze(-3))
+
+    k_rows = tiled(k_chunks) * decay.to_reference  # k e^{G − r}
+    q_rows = tiled(q_chunks) * decay.to_reference  # q e^{G − r}
     key_columns = tiled(k_chunks) * decay.from_reference  # k e^{r − G}
     keys_seen, bridge = keys_seen_from_row_tiles(key_columns, decay.reference)
-    grams = (rows.view(bh, n_chunks, n_tiles, 2 * tile, key_dim) @ keys_seen.transpose(-1, -2)).view(
-        bh, n_chunks, n_tiles, 2, tile, chunk
-    )
+    grams = torch.cat([k_rows, q_rows], dim=-2) @ keys_seen.transpose(-1, -2)  # [..., 2·tile, C]
+    key_gram, query_gram = grams.split(tile, dim=-2)
+    # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so no mask pass there;
+    # the backward's copy is masked (what lies on and above the diagonal is finite but no Gram).
+    strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(bh, n_chunks, chunk, chunk)
     masks = _causal_masks(chunk, tile, q.device)
-    # Masked: what lies on/above the diagonal of the key Gram and above it in the query Gram is
-    # finite but meaningless (products of tile factors of later tokens).
-    key_gram = torch.where(masks[:, 0], grams[..., 0, :, :], 0.0).view(bh, n_chunks, chunk, chunk)
-    query_gram = torch.where(masks[:, 1], grams[..., 1, :, :], 0.0).view(bh, n_chunks, chunk, chunk)
+    key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(bh, n_chunks, chunk, chunk)
+    # P, scaled here (C×C per chunk: cheaper to scale than q); the select drops j > i.
+    query_gram = torch.where(masks[:, 1], query_gram * scale, 0.0).view(bh, n_chunks, chunk, chunk)
 
-    # Decays from the chunk start and to its end, from the tile factors times factors ≤ 1.
+    # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
     chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [BH, N, 1, 1, K]
     reference_decay = decay.reference.to(dtype).exp()  # e^{r}
+    k_from_start = (k_rows * reference_decay).view_as(k_chunks)  # k e^{G}
+    q_from_start = (q_rows * reference_decay).view_as(q_chunks)  # q e^{G}
     to_end = (chunk_total - decay.reference).to(dtype).exp()  # e^{G_C − r}
-    k_to_end = (key_columns * to_end).view_as(k_chunks)  # k e^{G_C − G}, [BH, N, C, K]
-    chunk_decay = chunk_total.view(bh, n_chunks, key_dim).to(dtype).exp()  # e^{G_C}
-    # Right-hand sides of the UT transform side by side: [k e^G | v], [BH, N, C, K + V].
-    key_values = torch.empty(bh, n_chunks, chunk, key_dim + value_dim, dtype=dtype, device=q.device)
-    torch.mul(rows[..., 0, :, :], reference_decay, out=tiled(key_values[..., :key_dim]))
-    key_values[..., key_dim:].copy_(layout.to_chunks(v, dtype))
-    q_from_start = (rows[..., 1, :, :] * reference_decay).view_as(k_chunks)  # q e^G
+    k_to_end = (key_columns * to_end).view_as(k_chunks).transpose(-1, -2)  # k e^{G_C − G}, [BH, N, K, C]
+    chunk_decay = chunk_total.squeeze(-2).squeeze(-2).to(dtype).exp()  # e^{G_C}, [BH, N, K]
 
-    # UT transform: T = (I + A)⁻¹ Diag(β) with A = Diag(β) (key Gram). The inverse is formed once
-    # per chunk (C×C right-hand sides are cheaper than K + V of them) and kept for the backward.
+    # UT transform: u = (I + A)⁻¹ Diag(β) (v − (k ⊙ e^G) S_0) = u_base − W S_0. The inverse is
+    # formed once per chunk (C×C right-hand sides are cheaper than K + V of them) and kept.
     identity = torch.eye(chunk, dtype=dtype, device=q.device)
-    inverse = torch.linalg.solve_triangular(
-        key_gram * beta_chunks, identity, upper=False, unitriangular=True
-    )
-    w_u = (inverse * beta_chunks.transpose(-1, -2)) @ key_values  # [W | u_base]
-    # o = P u_base + (q e^G − P W) S and S' = F S + B, all but the S products batched.
-    p_w_u = query_gram @ w_u
-    query_state = q_from_start - p_w_u[..., :key_dim]
-    transition_offset = k_to_end.transpose(-1, -2) @ w_u  # [kᵀW | B], [BH, N, K, K + V]
-    transition = transition_offset[..., :key_dim].neg()
-    transition.diagonal(dim1=-2, dim2=-1).add_(chunk_decay)
+    inverse = torch.linalg.solve_triangular(strict_key_gram, identity, upper=False, unitriangular=True)
+    ut_transform = inverse * beta_chunks.transpose(-1, -2)
+    u_base = ut_transform @ v_chunks
+    w = ut_transform @ k_from_start
+    # o = o_base + q_state S_0, with o_base = P u_base and q_state = scale (q ⊙ e^G) − P W.
+    o_base = query_gram @ u_base
+    q_state = torch.baddbmm(
+        q_from_start.flatten(0, 1), query_gram.flatten(0, 1), w.flatten(0, 1), beta=scale, alpha=-1.0
+    ).view_as(q_chunks)
 
+    # Across chunks: three small matmuls per chunk; the states entering each chunk and each
+    # chunk's u are kept for the backward.
     state = (
         q.new_zeros(bh, key_dim, value_dim, dtype=dtype)
         if initial_state is None
-        else initial_state.reshape(bh, key_dim, value_dim).to(dtype)
+        else initial_state.to(dtype).reshape(bh, key_dim, value_dim)
     )
-    states = torch.empty(bh, n_chunks, key_dim, value_dim, dtype=dtype, device=q.device)
-    for n in range(n_chunks):
-        states[:, n] = state
-        state = torch.baddbmm(transition_offset[:, n, :, key_dim:], transition[:, n], state)
-    o = torch.baddbmm(
-        p_w_u[..., key_dim:].flatten(0, 1), query_state.flatten(0, 1), states.flatten(0, 1)
-    )
-    o = layout.from_chunks(o, v.dtype, scale=scale)
+    states, chunk_outputs, corrections = [], [], []
+    for o_base_n, q_state_n, u_base_n, w_n, k_to_end_n, chunk_decay_n in zip(
+        *(x.unbind(1) for x in (o_base, q_state, u_base, w, k_to_end, chunk_decay.unsqueeze(-1)))
+    ):
+        states.append(state)
+        chunk_outputs.append(torch.baddbmm(o_base_n, q_state_n, state))
+        u = torch.baddbmm(u_base_n, w_n, state, alpha=-1.0)
+        corrections.append(u)
+        state = torch.baddbmm(state * chunk_decay_n, k_to_end_n, u)
+    o = layout.from_chunks(torch.stack(chunk_outputs, dim=1), v.dtype)
     final_state = state.view(batch, heads, key_dim, value_dim)
 
-    saved = [rows, key_columns, keys_seen, decay.to_reference, decay.from_reference, reference_decay,
-             to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, key_values,
-             w_u, query_state, transition, states]
+    saved = [k_rows, q_rows, key_columns, keys_seen, decay.to_reference, decay.from_reference,
+             reference_decay, to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse,
+             beta_chunks, v_chunks, k_from_start, w, q_state, torch.stack(states, dim=1),
+             torch.stack(corrections, dim=1)]
     if bridge is not None:
         saved.append(bridge)
     return o, final_state, saved, {"layout": layout, "tile": tile}
@@ -600,14 +602,14 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
 def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     """`_ChunkKDA.backward`'s math: chunked `dq, dk, dv, dg, dbeta` and the initial state's
     gradient, `[B·H, K, V]`."""
-    (rows, key_columns, keys_seen, to_reference, from_reference, reference_decay, to_end, k_to_end,
-     chunk_decay, key_gram, query_gram, inverse, beta_chunks, key_values, w_u, query_state,
-     transition, states, *bridge) = saved
+    (k_rows, q_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay, to_end,
+     k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks, k_from_start, w,
+     q_state, states, u, *bridge) = saved
     layout, tile = meta["layout"], meta["tile"]
-    bh, n_chunks, n_tiles, _, _, key_dim = rows.shape
+    bh, n_chunks, n_tiles, _, key_dim = k_rows.shape
     chunk = n_tiles * tile
     value_dim = states.shape[-1]
-    dtype = rows.dtype
+    dtype = k_rows.dtype
 
     def tiled(x: torch.Tensor) -> torch.Tensor:
         return x.view(bh, n_chunks, n_tiles, tile, x.shape[-1])
@@ -618,59 +620,65 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     if grad_o is None:
         d_o = states.new_zeros(bh, n_chunks, chunk, value_dim)
     else:
-        d_o = layout.to_chunks(grad_o, dtype, scale=scale)  # gradient of P u + (q e^G) S
+        d_o = layout.to_chunks(grad_o, dtype)
     d_state = (
         states.new_zeros(bh, key_dim, value_dim)
         if grad_final_state is None
         else grad_final_state.reshape(bh, key_dim, value_dim).to(dtype)
     )
-    # State gradients, back through the chunks: dS = Fᵀ dS' + (q e^G − P W)ᵀ do.
-    from_outputs = query_state.transpose(-1, -2) @ d_o  # [BH, N, K, V]
+    # State gradients, back through the chunks: dS = Fᵀ dS' + q_stateᵀ do, with the chunk's
+    # transition S' = F S + (terms without S), F = Diag(e^{G_C}) − (k e^{G_C−G})ᵀ W.
+    transition_t = torch.matmul(w.transpose(-1, -2), k_to_end.transpose(-1, -2)).neg_()  # Fᵀ
+    transition_t.diagonal(dim1=-2, dim2=-1).add_(chunk_decay)
+    from_outputs = q_state.transpose(-1, -2) @ d_o  # [BH, N, K, V]
     d_states_after = torch.empty_like(states)  # dS' of each chunk
     for n in range(n_chunks - 1, -1, -1):
         d_states_after[:, n] = d_state
-        d_state = torch.baddbmm(from_outputs[:, n], transition[:, n].transpose(-1, -2), d_state)
+        d_state = torch.baddbmm(from_outputs[:, n], transition_t[:, n], d_state)
 
-    w, u_base = w_u[..., :key_dim], w_u[..., key_dim:]
-    u = torch.baddbmm(flat(u_base), flat(w), flat(states), alpha=-1.0).view_as(d_o)
+    # u = (I + A)⁻¹ y with y = β (v − (k e^G) S): du from o = P u + … and S' = … + (k e^{G_C−G})ᵀ u.
     d_u = torch.baddbmm(
-        flat(k_to_end) @ flat(d_states_after), flat(query_gram).transpose(-1, -2), flat(d_o)
+        flat(k_to_end.transpose(-1, -2)) @ flat(d_states_after), flat(query_gram).transpose(-1, -2), flat(d_o)
     ).view_as(d_o)
-    d_y = inverse.transpose(-1, -2) @ d_u  # gradient of β (v − (k e^G) S) = (I + A) u
+    d_y = inverse.transpose(-1, -2) @ d_u
     dv = d_y * beta_chunks
 
-    # [dy; do] per row tile against u and S: dy uᵀ (−dA/β... the key Gram's), do uᵀ (the query
-    # Gram's), dy Sᵀ (k e^G's, /−β) and do Sᵀ (q e^G's), in the stacked layout of `rows`.
+    # [dy; scale·do] per row tile, against u and S: dy uᵀ (the key Gram's, up to −β), scale·do uᵀ
+    # (the query Gram's), dy Sᵀ (k e^G's, up to −β) and scale·do Sᵀ (q e^G's).
     left = torch.empty(bh, n_chunks, n_tiles, 2, tile, value_dim, dtype=dtype, device=d_o.device)
     left[..., 0, :, :].copy_(tiled(d_y))
-    left[..., 1, :, :].copy_(tiled(d_o))
+    torch.mul(tiled(d_o), scale, out=left[..., 1, :, :])
     left = left.view(bh, n_chunks, 2 * chunk, value_dim)
     with_u = (left @ u.transpose(-1, -2)).view(bh, n_chunks, n_tiles, 2, tile, chunk)
     with_state = (left @ states.transpose(-1, -2)).view(bh, n_chunks, n_tiles, 2, tile, key_dim)
-    # Row factors: −β for the key Gram (dA = −dy uᵀ, A = β ⊙ Gram) and k e^G, 1 for the queries.
+    # Row factors: −β for the key side (A = Diag(β) Gram and y = β (v − (k e^G) S)), 1 for queries.
     row_factor = torch.empty(bh, n_chunks, n_tiles, 2, tile, 1, dtype=dtype, device=d_o.device)
     torch.neg(tiled(beta_chunks), out=row_factor[..., 0, :, :])
     row_factor[..., 1, :, :] = 1.0
     masks = _causal_masks(chunk, tile, d_o.device)
-    d_grams = torch.where(masks, with_u * row_factor, 0.0).view(bh, n_chunks, n_tiles, 2 * tile, chunk)
+    d_grams = torch.where(masks, with_u * row_factor, 0.0)  # [BH, N, n_tiles, 2, tile, C]
 
-    # β: from β (v − (k e^G) S) and from A = Diag(β) (key Gram).
-    d_y_tiled = with_state[..., 0, :, :]  # dy Sᵀ
+    # β: from y = β (v − (k e^G) S) and from A = Diag(β) Gram.
     dbeta = (
-        (key_values[..., key_dim:] * d_y).sum(-1)
-        - (tiled(key_values[..., :key_dim]) * d_y_tiled).sum(-1).view(bh, n_chunks, chunk)
+        (v_chunks * d_y).sum(-1)
+        - (tiled(k_from_start) * with_state[..., 0, :, :]).sum(-1).view(bh, n_chunks, chunk)
         - (tiled(key_gram) * with_u[..., 0, :, :]).sum(-1).view(bh, n_chunks, chunk)
     )
 
-    # Gradients of the tiled row inputs (k e^{G−r}, q e^{G−r}): through the Gram matrices and
+    # Gradients of the tiled row inputs k e^{G−r}, q e^{G−r}: through the Gram matrices and
     # through k e^G = (k e^{G−r}) e^r, q e^G likewise.
     d_rows = with_state * row_factor * reference_decay.unsqueeze(-3)
     flat(d_rows.view(bh, n_chunks, n_tiles, 2 * tile, key_dim)).flatten(0, 1).baddbmm_(
-        flat(d_grams).flatten(0, 1), flat(keys_seen).flatten(0, 1)
+        flat(d_grams.view(bh, n_chunks, n_tiles, 2 * tile, chunk)).flatten(0, 1),
+        flat(keys_seen).flatten(0, 1),
     )
-    # Gradients of the key columns (k e^{r−G}): through the Gram matrices (summed over the row
+    d_k_rows, d_q_rows = d_rows.unbind(-3)
+    # Gradients of the key columns k e^{r−G}: through the Gram matrices (summed over the row
     # tiles through their bridges) and through k e^{G_C−G} = (k e^{r−G}) e^{G_C−r}.
-    d_keys_seen = d_grams.transpose(-1, -2) @ rows.view(bh, n_chunks, n_tiles, 2 * tile, key_dim)
+    d_keys_seen = d_grams[..., 0, :, :].transpose(-1, -2) @ k_rows  # [BH, N, n_tiles, C, K]
+    d_keys_seen = d_keys_seen.flatten(0, 2).baddbmm_(
+        d_grams[..., 1, :, :].transpose(-1, -2).flatten(0, 2), q_rows.flatten(0, 2)
+    ).view(bh, n_chunks, n_tiles, chunk, key_dim)
     d_k_to_end = u @ d_states_after.transpose(-1, -2)  # [BH, N, C, K]
     if bridge:
         d_key_columns = (
@@ -680,12 +688,13 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
         d_key_columns = d_keys_seen.view(bh, n_chunks, 1, tile, key_dim)
     d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
 
-    dq = d_rows[..., 1, :, :] * to_reference
-    dk = torch.addcmul(d_rows[..., 0, :, :] * to_reference, d_key_columns, from_reference)
-    # ∂L/∂G: +x ∂L/∂x for row-side factors e^{G−r}, −x ∂L/∂x for column-side e^{r−G}; the chunk's
-    # last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
-    d_log_decay = (rows * d_rows).sum(-3).sub_(key_columns * d_key_columns).view(bh, n_chunks, chunk, key_dim)
-    d_log_decay[..., -1, :] += (k_to_end * d_k_to_end).sum(-2) + chunk_decay * (
+    dq = d_q_rows * to_reference
+    dk = torch.addcmul(d_k_rows * to_reference, d_key_columns, from_reference)
+    # ∂L/∂G: +x ∂L/∂x for the row-side factors e^{G−r}, −x ∂L/∂x for the column-side e^{r−G};
+    # the chunk's last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
+    d_log_decay = (k_rows * d_k_rows).addcmul_(q_rows, d_q_rows).sub_(key_columns * d_key_columns)
+    d_log_decay = d_log_decay.view(bh, n_chunks, chunk, key_dim)
+    d_log_decay[..., -1, :] += (k_to_end.transpose(-1, -2) * d_k_to_end).sum(-2) + chunk_decay * (
         states * d_states_after
     ).sum(-1)
     dg = d_log_decay.flip(-2).cumsum(-2).flip(-2)

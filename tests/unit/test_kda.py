@@ -202,6 +202,15 @@ def test_hand_written_backward_matches_autograd_reference_float64(chunk_size, ga
         assert max_error(grads[name], grads_ref[name]) < 1e-12 * max(1.0, grads_ref[name].abs().max().item()), name
 
 
+def test_forward_is_the_reference_operations_bit_for_bit_in_fp32():
+    # The HF export's standalone remote code repeats these operations to get the same fp32 numbers.
+    inputs, initial_state = make_inputs(150, key_dim=64, value_dim=32, gate="bounded", dtype=torch.float32)
+    for state in (None, initial_state.float()):
+        o, final = chunk_kda(**inputs, scale=0.125, initial_state=state, output_final_state=True)
+        o_ref, final_ref = chunk_kda_autograd_reference(*inputs.values(), 0.125, state, True, 64)
+        assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+
+
 def test_hand_written_backward_passes_gradcheck():
     # Finite differences in float64 on a small case: two chunks of 8 (tiles of 8 at g > -5),
     # a padded tail, an initial state, and both outputs.
