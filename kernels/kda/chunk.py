@@ -390,7 +390,9 @@ def _chunk_kda_torch(
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The PyTorch path: `_ChunkKDA`, forward and backward in flush-to-zero mode on CPU."""
-    if q.shape[1] == 0:
+    inputs = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
+    if q.shape[1] == 0 or not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
+        # Nothing to differentiate: the same forward without keeping anything for a backward.
         return chunk_kda_autograd_reference(
             q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size
         )
@@ -539,7 +541,8 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     q_rows = tiled(q_chunks) * decay.to_reference  # q e^{G − r}
     key_columns = tiled(k_chunks) * decay.from_reference  # k e^{r − G}
     keys_seen, bridge = keys_seen_from_row_tiles(key_columns, decay.reference)
-    grams = torch.cat([k_rows, q_rows], dim=-2) @ keys_seen.transpose(-1, -2)  # [..., 2·tile, C]
+    stacked_rows = torch.cat([k_rows, q_rows], dim=-2)  # [..., n_tiles, 2·tile, K]
+    grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, 2·tile, C]
     key_gram, query_gram = grams.split(tile, dim=-2)
     # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so no mask pass there;
     # the backward's copy is masked (what lies on and above the diagonal is finite but no Gram).
@@ -590,7 +593,7 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     o = layout.from_chunks(torch.stack(chunk_outputs, dim=1), v.dtype)
     final_state = state.view(batch, heads, key_dim, value_dim)
 
-    saved = [k_rows, q_rows, key_columns, keys_seen, decay.to_reference, decay.from_reference,
+    saved = [stacked_rows, key_columns, keys_seen, decay.to_reference, decay.from_reference,
              reference_decay, to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse,
              beta_chunks, v_chunks, k_from_start, w, q_state, torch.stack(states, dim=1),
              torch.stack(corrections, dim=1)]
@@ -602,14 +605,15 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
 def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     """`_ChunkKDA.backward`'s math: chunked `dq, dk, dv, dg, dbeta` and the initial state's
     gradient, `[B·H, K, V]`."""
-    (k_rows, q_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay, to_end,
+    (stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay, to_end,
      k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks, k_from_start, w,
      q_state, states, u, *bridge) = saved
     layout, tile = meta["layout"], meta["tile"]
-    bh, n_chunks, n_tiles, _, key_dim = k_rows.shape
+    bh, n_chunks, n_tiles, _, key_dim = stacked_rows.shape
     chunk = n_tiles * tile
     value_dim = states.shape[-1]
-    dtype = k_rows.dtype
+    dtype = stacked_rows.dtype
+    k_rows, q_rows = stacked_rows.split(tile, dim=-2)
 
     def tiled(x: torch.Tensor) -> torch.Tensor:
         return x.view(bh, n_chunks, n_tiles, tile, x.shape[-1])
@@ -651,12 +655,6 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     left = left.view(bh, n_chunks, 2 * chunk, value_dim)
     with_u = (left @ u.transpose(-1, -2)).view(bh, n_chunks, n_tiles, 2, tile, chunk)
     with_state = (left @ states.transpose(-1, -2)).view(bh, n_chunks, n_tiles, 2, tile, key_dim)
-    # Row factors: −β for the key side (A = Diag(β) Gram and y = β (v − (k e^G) S)), 1 for queries.
-    row_factor = torch.empty(bh, n_chunks, n_tiles, 2, tile, 1, dtype=dtype, device=d_o.device)
-    torch.neg(tiled(beta_chunks), out=row_factor[..., 0, :, :])
-    row_factor[..., 1, :, :] = 1.0
-    masks = _causal_masks(chunk, tile, d_o.device)
-    d_grams = torch.where(masks, with_u * row_factor, 0.0)  # [BH, N, n_tiles, 2, tile, C]
 
     # β: from y = β (v − (k e^G) S) and from A = Diag(β) Gram.
     dbeta = (
@@ -665,24 +663,27 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
         - (tiled(key_gram) * with_u[..., 0, :, :]).sum(-1).view(bh, n_chunks, chunk)
     )
 
+    # Row factors: −β for the key side (A = Diag(β) Gram and y = β (v − (k e^G) S)), 1 for queries.
+    row_factor = torch.empty(bh, n_chunks, n_tiles, 2, tile, 1, dtype=dtype, device=d_o.device)
+    torch.neg(tiled(beta_chunks), out=row_factor[..., 0, :, :])
+    row_factor[..., 1, :, :] = 1.0
+    outside = ~_causal_masks(chunk, tile, d_o.device)
+    d_grams = with_u.mul_(row_factor).masked_fill_(outside, 0.0)  # [BH, N, n_tiles, 2, tile, C]
+    d_grams = d_grams.view(bh, n_chunks, n_tiles, 2 * tile, chunk)
+
     # Gradients of the tiled row inputs k e^{G−r}, q e^{G−r}: through the Gram matrices and
     # through k e^G = (k e^{G−r}) e^r, q e^G likewise.
-    d_rows = with_state * row_factor * reference_decay.unsqueeze(-3)
-    flat(d_rows.view(bh, n_chunks, n_tiles, 2 * tile, key_dim)).flatten(0, 1).baddbmm_(
-        flat(d_grams.view(bh, n_chunks, n_tiles, 2 * tile, chunk)).flatten(0, 1),
-        flat(keys_seen).flatten(0, 1),
-    )
-    d_k_rows, d_q_rows = d_rows.unbind(-3)
+    d_rows = with_state.mul_(row_factor).mul_(reference_decay.unsqueeze(-3))
+    d_rows = d_rows.view(bh, n_chunks, n_tiles, 2 * tile, key_dim)
+    d_rows.flatten(0, 2).baddbmm_(d_grams.flatten(0, 2), keys_seen.flatten(0, 2))
+    d_k_rows, d_q_rows = d_rows.split(tile, dim=-2)
     # Gradients of the key columns k e^{r−G}: through the Gram matrices (summed over the row
     # tiles through their bridges) and through k e^{G_C−G} = (k e^{r−G}) e^{G_C−r}.
-    d_keys_seen = d_grams[..., 0, :, :].transpose(-1, -2) @ k_rows  # [BH, N, n_tiles, C, K]
-    d_keys_seen = d_keys_seen.flatten(0, 2).baddbmm_(
-        d_grams[..., 1, :, :].transpose(-1, -2).flatten(0, 2), q_rows.flatten(0, 2)
-    ).view(bh, n_chunks, n_tiles, chunk, key_dim)
+    d_keys_seen = d_grams.transpose(-1, -2) @ stacked_rows  # [BH, N, n_tiles, C, K]
     d_k_to_end = u @ d_states_after.transpose(-1, -2)  # [BH, N, C, K]
     if bridge:
         d_key_columns = (
-            d_keys_seen.view(bh, n_chunks, n_tiles, n_tiles, tile, key_dim) * bridge[0].unsqueeze(-2)
+            d_keys_seen.view(bh, n_chunks, n_tiles, n_tiles, tile, key_dim).mul_(bridge[0].unsqueeze(-2))
         ).sum(2)
     else:
         d_key_columns = d_keys_seen.view(bh, n_chunks, 1, tile, key_dim)
@@ -697,5 +698,7 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     d_log_decay[..., -1, :] += (k_to_end.transpose(-1, -2) * d_k_to_end).sum(-2) + chunk_decay * (
         states * d_states_after
     ).sum(-1)
-    dg = d_log_decay.flip(-2).cumsum(-2).flip(-2)
+    # dg_s = Σ_{i ≥ s} dG_i, as one matmul with the upper-triangular ones (no flips).
+    suffix_sum = torch.ones(chunk, chunk, dtype=dtype, device=d_o.device).triu()
+    dg = torch.matmul(suffix_sum, d_log_decay)
     return dq.view(bh, n_chunks, chunk, key_dim), dk.view(bh, n_chunks, chunk, key_dim), dv, dg, dbeta, d_state
