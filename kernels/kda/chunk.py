@@ -401,7 +401,8 @@ def _chunk_kda_torch(
 
 
 class _ChunkLayout(NamedTuple):
-    """`[B, T, H, D]` <-> `[B·H, N, C, D]` (chunks of `C` tokens, the last one zero-padded)."""
+    """`[B, T, H, D]` <-> chunk-major `[N, B·H, C, D]` (chunks of `C` tokens, the last one
+    zero-padded)."""
 
     batch: int
     seq_len: int
@@ -414,31 +415,39 @@ class _ChunkLayout(NamedTuple):
         batch, seq_len, heads = x.shape[:3]
         return cls(batch, seq_len, heads, -(-seq_len // chunk), chunk)
 
-    def to_chunks(self, x: torch.Tensor, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
-        """Contiguous `[B·H, N, C, D]` in `dtype` (times `scale`), in one pass. Zero padding makes
-        the padded tokens no-ops on the state: k = 0 and beta = 0 write nothing, g = 0 decays
-        nothing; their gradients are dropped."""
+    def _pieces(self, chunked: torch.Tensor, tokens: torch.Tensor):
+        """Matching views: (chunks of `chunked` [N, B·H, C, D], the same tokens of `tokens`
+        [B, T, H, D]) for the full chunks and for the tail, each as [N', B, H, C', D]."""
         batch, seq_len, heads, n_chunks, chunk = self
-        padded = n_chunks * chunk
-        out = torch.empty(batch * heads, n_chunks, chunk, x.shape[-1], dtype=dtype, device=x.device)
-        tokens = out.view(batch, heads, padded, x.shape[-1])
-        if padded > seq_len:
-            tokens[:, :, seq_len:].zero_()
-        if scale is None:
-            tokens[:, :, :seq_len].copy_(x.transpose(1, 2))
-        else:
-            torch.mul(x.transpose(1, 2), scale, out=tokens[:, :, :seq_len])
+        dim = tokens.shape[-1]
+        full = seq_len // chunk
+        by_chunk = chunked.view(n_chunks, batch, heads, chunk, dim)
+        pieces = []
+        if full:
+            pieces.append((by_chunk[:full], tokens[:, : full * chunk].reshape(batch, full, chunk, heads, dim).permute(1, 0, 3, 2, 4)))
+        if full < n_chunks:
+            tail = seq_len - full * chunk
+            pieces.append((by_chunk[full:, :, :, :tail], tokens[:, full * chunk :].unsqueeze(0).permute(0, 1, 3, 2, 4)))
+        return pieces
+
+    def to_chunks(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Contiguous `[N, B·H, C, D]` in `dtype`, in one pass. Zero padding makes the padded
+        tokens no-ops on the state: k = 0 and beta = 0 write nothing, g = 0 decays nothing;
+        their gradients are dropped."""
+        batch, seq_len, heads, n_chunks, chunk = self
+        out = torch.empty(n_chunks, batch * heads, chunk, x.shape[-1], dtype=dtype, device=x.device)
+        if n_chunks * chunk > seq_len:
+            out[-1].zero_()
+        for destination, source in self._pieces(out, x):
+            destination.copy_(source)
         return out
 
-    def from_chunks(self, x: torch.Tensor, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
-        """`[B, T, H, D]` in `dtype` (times `scale`) from `[B·H, N, C, D]`, in one pass."""
-        batch, seq_len, heads, n_chunks, chunk = self
-        tokens = x.reshape(batch, heads, n_chunks * chunk, x.shape[-1])[:, :, :seq_len].transpose(1, 2)
+    def from_chunks(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`[B, T, H, D]` in `dtype` from `[N, B·H, C, D]`, in one pass."""
+        batch, seq_len, heads = self.batch, self.seq_len, self.heads
         out = torch.empty(batch, seq_len, heads, x.shape[-1], dtype=dtype, device=x.device)
-        if scale is None:
-            out.copy_(tokens)
-        else:
-            torch.mul(tokens, scale, out=out)
+        for source, destination in self._pieces(x, out):
+            destination.copy_(source)
         return out
 
 
@@ -530,7 +539,7 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     n_tiles = chunk // tile
 
     def tiled(x: torch.Tensor) -> torch.Tensor:
-        return x.view(bh, n_chunks, n_tiles, tile, x.shape[-1])
+        return x.view(n_chunks, bh, n_tiles, tile, x.shape[-1])
 
     q_chunks, k_chunks, v_chunks = (layout.to_chunks(x, dtype) for x in (q, k, v))
     beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [BH, N, C, 1]
@@ -546,11 +555,11 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     key_gram, query_gram = grams.split(tile, dim=-2)
     # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so no mask pass there;
     # the backward's copy is masked (what lies on and above the diagonal is finite but no Gram).
-    strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(bh, n_chunks, chunk, chunk)
+    strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(n_chunks, bh, chunk, chunk)
     masks = _causal_masks(chunk, tile, q.device)
-    key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(bh, n_chunks, chunk, chunk)
+    key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(n_chunks, bh, chunk, chunk)
     # P, scaled here (C×C per chunk: cheaper to scale than q); the select drops j > i.
-    query_gram = torch.where(masks[:, 1], query_gram * scale, 0.0).view(bh, n_chunks, chunk, chunk)
+    query_gram = torch.where(masks[:, 1], query_gram * scale, 0.0).view(n_chunks, bh, chunk, chunk)
 
     # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
     chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [BH, N, 1, 1, K]
@@ -581,22 +590,25 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
         if initial_state is None
         else initial_state.to(dtype).reshape(bh, key_dim, value_dim)
     )
-    states, chunk_outputs, corrections = [], [], []
-    for o_base_n, q_state_n, u_base_n, w_n, k_to_end_n, chunk_decay_n in zip(
-        *(x.unbind(1) for x in (o_base, q_state, u_base, w, k_to_end, chunk_decay.unsqueeze(-1)))
-    ):
-        states.append(state)
-        chunk_outputs.append(torch.baddbmm(o_base_n, q_state_n, state))
-        u = torch.baddbmm(u_base_n, w_n, state, alpha=-1.0)
-        corrections.append(u)
-        state = torch.baddbmm(state * chunk_decay_n, k_to_end_n, u)
-    o = layout.from_chunks(torch.stack(chunk_outputs, dim=1), v.dtype)
+    # (Chunk-major layout: each chunk's slice is contiguous, so results go straight into place.)
+    states = torch.empty(n_chunks, bh, key_dim, value_dim, dtype=dtype, device=q.device)
+    corrections = torch.empty_like(v_chunks)
+    chunk_outputs = torch.empty_like(v_chunks)
+    states[0] = state
+    for n, (o_base_n, q_state_n, u_base_n, w_n, k_to_end_n, chunk_decay_n) in enumerate(zip(
+        *(x.unbind(0) for x in (o_base, q_state, u_base, w, k_to_end, chunk_decay.unsqueeze(-1)))
+    )):
+        state = states[n]
+        torch.baddbmm(o_base_n, q_state_n, state, out=chunk_outputs[n])
+        u = torch.baddbmm(u_base_n, w_n, state, alpha=-1.0, out=corrections[n])
+        next_state = states[n + 1] if n + 1 < n_chunks else None
+        state = torch.baddbmm(state * chunk_decay_n, k_to_end_n, u, out=next_state)
+    o = layout.from_chunks(chunk_outputs, v.dtype)
     final_state = state.view(batch, heads, key_dim, value_dim)
 
     saved = [stacked_rows, key_columns, keys_seen, decay.to_reference, decay.from_reference,
              reference_decay, to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse,
-             beta_chunks, v_chunks, k_from_start, w, q_state, torch.stack(states, dim=1),
-             torch.stack(corrections, dim=1)]
+             beta_chunks, v_chunks, k_from_start, w, q_state, states, corrections]
     if bridge is not None:
         saved.append(bridge)
     return o, final_state, saved, {"layout": layout, "tile": tile}
@@ -609,20 +621,20 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
      k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks, k_from_start, w,
      q_state, states, u, *bridge) = saved
     layout, tile = meta["layout"], meta["tile"]
-    bh, n_chunks, n_tiles, _, key_dim = stacked_rows.shape
+    n_chunks, bh, n_tiles, _, key_dim = stacked_rows.shape
     chunk = n_tiles * tile
     value_dim = states.shape[-1]
     dtype = stacked_rows.dtype
     k_rows, q_rows = stacked_rows.split(tile, dim=-2)
 
     def tiled(x: torch.Tensor) -> torch.Tensor:
-        return x.view(bh, n_chunks, n_tiles, tile, x.shape[-1])
+        return x.view(n_chunks, bh, n_tiles, tile, x.shape[-1])
 
     def flat(x: torch.Tensor) -> torch.Tensor:
         return x.flatten(0, 1)
 
     if grad_o is None:
-        d_o = states.new_zeros(bh, n_chunks, chunk, value_dim)
+        d_o = states.new_zeros(n_chunks, bh, chunk, value_dim)
     else:
         d_o = layout.to_chunks(grad_o, dtype)
     d_state = (
@@ -636,9 +648,10 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     transition_t.diagonal(dim1=-2, dim2=-1).add_(chunk_decay)
     from_outputs = q_state.transpose(-1, -2) @ d_o  # [BH, N, K, V]
     d_states_after = torch.empty_like(states)  # dS' of each chunk
+    d_states_after[-1] = d_state
     for n in range(n_chunks - 1, -1, -1):
-        d_states_after[:, n] = d_state
-        d_state = torch.baddbmm(from_outputs[:, n], transition_t[:, n], d_state)
+        previous = d_states_after[n - 1] if n > 0 else None
+        d_state = torch.baddbmm(from_outputs[n], transition_t[n], d_states_after[n], out=previous)
 
     # u = (I + A)⁻¹ y with y = β (v − (k e^G) S): du from o = P u + … and S' = … + (k e^{G_C−G})ᵀ u.
     d_u = torch.baddbmm(
@@ -649,32 +662,32 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
 
     # [dy; scale·do] per row tile, against u and S: dy uᵀ (the key Gram's, up to −β), scale·do uᵀ
     # (the query Gram's), dy Sᵀ (k e^G's, up to −β) and scale·do Sᵀ (q e^G's).
-    left = torch.empty(bh, n_chunks, n_tiles, 2, tile, value_dim, dtype=dtype, device=d_o.device)
+    left = torch.empty(n_chunks, bh, n_tiles, 2, tile, value_dim, dtype=dtype, device=d_o.device)
     left[..., 0, :, :].copy_(tiled(d_y))
     torch.mul(tiled(d_o), scale, out=left[..., 1, :, :])
-    left = left.view(bh, n_chunks, 2 * chunk, value_dim)
-    with_u = (left @ u.transpose(-1, -2)).view(bh, n_chunks, n_tiles, 2, tile, chunk)
-    with_state = (left @ states.transpose(-1, -2)).view(bh, n_chunks, n_tiles, 2, tile, key_dim)
+    left = left.view(n_chunks, bh, 2 * chunk, value_dim)
+    with_u = (left @ u.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2, tile, chunk)
+    with_state = (left @ states.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2, tile, key_dim)
 
     # β: from y = β (v − (k e^G) S) and from A = Diag(β) Gram.
     dbeta = (
         (v_chunks * d_y).sum(-1)
-        - (tiled(k_from_start) * with_state[..., 0, :, :]).sum(-1).view(bh, n_chunks, chunk)
-        - (tiled(key_gram) * with_u[..., 0, :, :]).sum(-1).view(bh, n_chunks, chunk)
+        - (tiled(k_from_start) * with_state[..., 0, :, :]).sum(-1).view(n_chunks, bh, chunk)
+        - (tiled(key_gram) * with_u[..., 0, :, :]).sum(-1).view(n_chunks, bh, chunk)
     )
 
     # Row factors: −β for the key side (A = Diag(β) Gram and y = β (v − (k e^G) S)), 1 for queries.
-    row_factor = torch.empty(bh, n_chunks, n_tiles, 2, tile, 1, dtype=dtype, device=d_o.device)
+    row_factor = torch.empty(n_chunks, bh, n_tiles, 2, tile, 1, dtype=dtype, device=d_o.device)
     torch.neg(tiled(beta_chunks), out=row_factor[..., 0, :, :])
     row_factor[..., 1, :, :] = 1.0
     outside = ~_causal_masks(chunk, tile, d_o.device)
     d_grams = with_u.mul_(row_factor).masked_fill_(outside, 0.0)  # [BH, N, n_tiles, 2, tile, C]
-    d_grams = d_grams.view(bh, n_chunks, n_tiles, 2 * tile, chunk)
+    d_grams = d_grams.view(n_chunks, bh, n_tiles, 2 * tile, chunk)
 
     # Gradients of the tiled row inputs k e^{G−r}, q e^{G−r}: through the Gram matrices and
     # through k e^G = (k e^{G−r}) e^r, q e^G likewise.
     d_rows = with_state.mul_(row_factor).mul_(reference_decay.unsqueeze(-3))
-    d_rows = d_rows.view(bh, n_chunks, n_tiles, 2 * tile, key_dim)
+    d_rows = d_rows.view(n_chunks, bh, n_tiles, 2 * tile, key_dim)
     d_rows.flatten(0, 2).baddbmm_(d_grams.flatten(0, 2), keys_seen.flatten(0, 2))
     d_k_rows, d_q_rows = d_rows.split(tile, dim=-2)
     # Gradients of the key columns k e^{r−G}: through the Gram matrices (summed over the row
@@ -683,10 +696,10 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     d_k_to_end = u @ d_states_after.transpose(-1, -2)  # [BH, N, C, K]
     if bridge:
         d_key_columns = (
-            d_keys_seen.view(bh, n_chunks, n_tiles, n_tiles, tile, key_dim).mul_(bridge[0].unsqueeze(-2))
+            d_keys_seen.view(n_chunks, bh, n_tiles, n_tiles, tile, key_dim).mul_(bridge[0].unsqueeze(-2))
         ).sum(2)
     else:
-        d_key_columns = d_keys_seen.view(bh, n_chunks, 1, tile, key_dim)
+        d_key_columns = d_keys_seen.view(n_chunks, bh, 1, tile, key_dim)
     d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
 
     dq = d_q_rows * to_reference
@@ -694,11 +707,11 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     # ∂L/∂G: +x ∂L/∂x for the row-side factors e^{G−r}, −x ∂L/∂x for the column-side e^{r−G};
     # the chunk's last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
     d_log_decay = (k_rows * d_k_rows).addcmul_(q_rows, d_q_rows).sub_(key_columns * d_key_columns)
-    d_log_decay = d_log_decay.view(bh, n_chunks, chunk, key_dim)
+    d_log_decay = d_log_decay.view(n_chunks, bh, chunk, key_dim)
     d_log_decay[..., -1, :] += (k_to_end.transpose(-1, -2) * d_k_to_end).sum(-2) + chunk_decay * (
         states * d_states_after
     ).sum(-1)
     # dg_s = Σ_{i ≥ s} dG_i, as one matmul with the upper-triangular ones (no flips).
     suffix_sum = torch.ones(chunk, chunk, dtype=dtype, device=d_o.device).triu()
     dg = torch.matmul(suffix_sum, d_log_decay)
-    return dq.view(bh, n_chunks, chunk, key_dim), dk.view(bh, n_chunks, chunk, key_dim), dv, dg, dbeta, d_state
+    return dq.view(n_chunks, bh, chunk, key_dim), dk.view(n_chunks, bh, chunk, key_dim), dv, dg, dbeta, d_state
