@@ -694,12 +694,18 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     # tiles through their bridges) and through k e^{G_C−G} = (k e^{r−G}) e^{G_C−r}.
     d_keys_seen = d_grams.transpose(-1, -2) @ stacked_rows  # [BH, N, n_tiles, C, K]
     d_k_to_end = u @ d_states_after.transpose(-1, -2)  # [BH, N, C, K]
+    d_keys_seen = d_keys_seen.view(n_chunks, bh, n_tiles, n_tiles, tile, key_dim)  # [.., a, b, tile, K]
     if bridge:
-        d_key_columns = (
-            d_keys_seen.view(n_chunks, bh, n_tiles, n_tiles, tile, key_dim).mul_(bridge[0].unsqueeze(-2))
-        ).sum(2)
+        # Σ_{a ≥ b} e^{r_a − r_b} (d_keys_seen)_{a,b} by Horner's rule over the row tiles a, from
+        # the last: e^{r_a − r_b} = Π_{b < t ≤ a} e^{r_t − r_{t−1}}, and blocks with b > a are 0
+        # (their Gram gradients are masked), so only b ≤ a is touched.
+        d_key_columns = d_keys_seen[..., -1, :, :, :].clone()
+        steps = bridge[0].diagonal(offset=-1, dim1=-3, dim2=-2)  # e^{r_{t} − r_{t−1}}, [.., K, t−1]
+        for a in range(n_tiles - 2, -1, -1):
+            acc = d_key_columns[..., : a + 1, :, :]
+            acc.mul_(steps[..., a].unsqueeze(-2).unsqueeze(-2)).add_(d_keys_seen[..., a, : a + 1, :, :])
     else:
-        d_key_columns = d_keys_seen.view(n_chunks, bh, 1, tile, key_dim)
+        d_key_columns = d_keys_seen[..., 0, :, :, :]
     d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
 
     dq = d_q_rows * to_reference
