@@ -692,20 +692,21 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     d_k_rows, d_q_rows = d_rows.split(tile, dim=-2)
     # Gradients of the key columns k e^{r−G}: through the Gram matrices (summed over the row
     # tiles through their bridges) and through k e^{G_C−G} = (k e^{r−G}) e^{G_C−r}.
-    d_keys_seen = d_grams.transpose(-1, -2) @ stacked_rows  # [BH, N, n_tiles, C, K]
-    d_k_to_end = u @ d_states_after.transpose(-1, -2)  # [BH, N, C, K]
-    d_keys_seen = d_keys_seen.view(n_chunks, bh, n_tiles, n_tiles, tile, key_dim)  # [.., a, b, tile, K]
+    # Key tile b collects Σ_{a ≥ b} e^{r_a − r_b} (row tile a's Gram gradient)ᵀ (row tile a), by
+    # Horner's rule over a from the last tile: e^{r_a − r_b} = Π_{b < t ≤ a} e^{r_t − r_{t−1}}, and
+    # row tile a reaches key tiles b ≤ a only (the rest of its gradient is masked to 0). No
+    # [n_tiles, C, K] blow-up: each step is one matmul into the columns still open.
+    d_k_to_end = u @ d_states_after.transpose(-1, -2)  # [N, BH, C, K]
+    d_key_columns = torch.matmul(d_grams[..., -1, :, :].transpose(-1, -2), stacked_rows[..., -1, :, :])
     if bridge:
-        # Σ_{a ≥ b} e^{r_a − r_b} (d_keys_seen)_{a,b} by Horner's rule over the row tiles a, from
-        # the last: e^{r_a − r_b} = Π_{b < t ≤ a} e^{r_t − r_{t−1}}, and blocks with b > a are 0
-        # (their Gram gradients are masked), so only b ≤ a is touched.
-        d_key_columns = d_keys_seen[..., -1, :, :, :].clone()
-        steps = bridge[0].diagonal(offset=-1, dim1=-3, dim2=-2)  # e^{r_{t} − r_{t−1}}, [.., K, t−1]
+        steps = bridge[0].diagonal(offset=-1, dim1=-3, dim2=-2)  # e^{r_t − r_{t−1}}, [.., K, t − 1]
         for a in range(n_tiles - 2, -1, -1):
-            acc = d_key_columns[..., : a + 1, :, :]
-            acc.mul_(steps[..., a].unsqueeze(-2).unsqueeze(-2)).add_(d_keys_seen[..., a, : a + 1, :, :])
-    else:
-        d_key_columns = d_keys_seen[..., 0, :, :, :]
+            width = (a + 1) * tile
+            open_columns = d_key_columns[..., :width, :].mul_(steps[..., a].unsqueeze(-2))
+            open_columns.flatten(0, 1).baddbmm_(
+                d_grams[..., a, :, :width].transpose(-1, -2).flatten(0, 1), stacked_rows[..., a, :, :].flatten(0, 1)
+            )
+    d_key_columns = tiled(d_key_columns)
     d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
 
     dq = d_q_rows * to_reference
