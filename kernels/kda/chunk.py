@@ -546,11 +546,13 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     log_decay = layout.to_chunks(g, torch.float64).cumsum_(dim=-2)  # G (module docstring)
     decay = tile_decay(log_decay, tile, dtype)
 
-    k_rows = tiled(k_chunks) * decay.to_reference  # k e^{G − r}
-    q_rows = tiled(q_chunks) * decay.to_reference  # q e^{G − r}
+    # Rows of both Gram matrices stacked per row tile, [N, BH, n_tiles, 2·tile, K]: k e^{G − r},
+    # then q e^{G − r} (written in place of a concatenation).
+    stacked_rows = torch.empty(n_chunks, bh, n_tiles, 2 * tile, key_dim, dtype=dtype, device=q.device)
+    k_rows = torch.mul(tiled(k_chunks), decay.to_reference, out=stacked_rows[..., :tile, :])
+    q_rows = torch.mul(tiled(q_chunks), decay.to_reference, out=stacked_rows[..., tile:, :])
     key_columns = tiled(k_chunks) * decay.from_reference  # k e^{r − G}
     keys_seen, bridge = keys_seen_from_row_tiles(key_columns, decay.reference)
-    stacked_rows = torch.cat([k_rows, q_rows], dim=-2)  # [..., n_tiles, 2·tile, K]
     grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, 2·tile, C]
     key_gram, query_gram = grams.split(tile, dim=-2)
     # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so no mask pass there;
@@ -558,8 +560,8 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(n_chunks, bh, chunk, chunk)
     masks = _causal_masks(chunk, tile, q.device)
     key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(n_chunks, bh, chunk, chunk)
-    # P, scaled here (C×C per chunk: cheaper to scale than q); the select drops j > i.
-    query_gram = torch.where(masks[:, 1], query_gram * scale, 0.0).view(n_chunks, bh, chunk, chunk)
+    # P, scaled here (C×C per chunk: cheaper to scale than q); the mask drops j > i.
+    query_gram = (query_gram * scale).masked_fill_(~masks[:, 1], 0.0).view(n_chunks, bh, chunk, chunk)
 
     # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
     chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [BH, N, 1, 1, K]
