@@ -661,35 +661,27 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     ).view_as(d_o)
     d_y = inverse.transpose(-1, -2) @ d_u
     dv = d_y * beta_chunks
+    # β enters y = β z with z = v − (k e^G) S − (key Gram) u (from (I + A) u = β (v − (k e^G) S),
+    # A = Diag(β) Gram): dβ = Σ_v dy ⊙ z.
+    z = torch.baddbmm(flat(v_chunks), flat(k_from_start), flat(states), alpha=-1.0)
+    z.baddbmm_(flat(key_gram), flat(u), alpha=-1.0)
+    dbeta = (z.view_as(d_y) * d_y).sum(-1)
 
-    # [dy; scale·do] per row tile, against u and S: dy uᵀ (the key Gram's, up to −β), scale·do uᵀ
-    # (the query Gram's), dy Sᵀ (k e^G's, up to −β) and scale·do Sᵀ (q e^G's).
+    # [−dv; scale·do] per row tile, against u and S: −dv uᵀ is the key Gram's gradient
+    # (dA = −dy uᵀ, A = Diag(β) Gram), scale·do uᵀ the query Gram's (masked below), −dv Sᵀ that
+    # of k e^G, scale·do Sᵀ that of q e^G.
     left = torch.empty(n_chunks, bh, n_tiles, 2, tile, value_dim, dtype=dtype, device=d_o.device)
-    left[..., 0, :, :].copy_(tiled(d_y))
+    torch.neg(tiled(dv), out=left[..., 0, :, :])
     torch.mul(tiled(d_o), scale, out=left[..., 1, :, :])
     left = left.view(n_chunks, bh, 2 * chunk, value_dim)
-    with_u = (left @ u.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2, tile, chunk)
-    with_state = (left @ states.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2, tile, key_dim)
-
-    # β: from y = β (v − (k e^G) S) and from A = Diag(β) Gram.
-    dbeta = (
-        (v_chunks * d_y).sum(-1)
-        - (tiled(k_from_start) * with_state[..., 0, :, :]).sum(-1).view(n_chunks, bh, chunk)
-        - (tiled(key_gram) * with_u[..., 0, :, :]).sum(-1).view(n_chunks, bh, chunk)
-    )
-
-    # Row factors: −β for the key side (A = Diag(β) Gram and y = β (v − (k e^G) S)), 1 for queries.
-    row_factor = torch.empty(n_chunks, bh, n_tiles, 2, tile, 1, dtype=dtype, device=d_o.device)
-    torch.neg(tiled(beta_chunks), out=row_factor[..., 0, :, :])
-    row_factor[..., 1, :, :] = 1.0
     outside = ~_causal_masks(chunk, tile, d_o.device)
-    d_grams = with_u.mul_(row_factor).masked_fill_(outside, 0.0)  # [BH, N, n_tiles, 2, tile, C]
+    d_grams = (left @ u.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2, tile, chunk).masked_fill_(outside, 0.0)
     d_grams = d_grams.view(n_chunks, bh, n_tiles, 2 * tile, chunk)
+    with_state = (left @ states.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2 * tile, key_dim)
 
     # Gradients of the tiled row inputs k e^{G−r}, q e^{G−r}: through the Gram matrices and
     # through k e^G = (k e^{G−r}) e^r, q e^G likewise.
-    d_rows = with_state.mul_(row_factor).mul_(reference_decay.unsqueeze(-3))
-    d_rows = d_rows.view(n_chunks, bh, n_tiles, 2 * tile, key_dim)
+    d_rows = with_state.mul_(reference_decay)
     d_rows.flatten(0, 2).baddbmm_(d_grams.flatten(0, 2), keys_seen.flatten(0, 2))
     d_k_rows, d_q_rows = d_rows.split(tile, dim=-2)
     # Gradients of the key columns k e^{r−G}: through the Gram matrices (summed over the row
