@@ -41,6 +41,13 @@ matmul rate. The PyTorch path therefore runs, forward and backward, with the CPU
 flush-to-zero mode on (`torch.set_flush_denormal`; values under 1.2e-38 become 0, far below what
 fp32 resolves next to the O(1) terms they are added to) and restores the caller's mode after.
 The mode is per thread: with several intra-op threads, the worker threads keep theirs.
+
+The backward. Autograd through the many small operations above spends most of its time in their
+elementwise backward passes. `chunk_kda` (PyTorch path, when a gradient is wanted) runs
+`_ChunkKDA` instead: the same forward, plus a hand-written backward that recomputes nothing
+expensive and forms every gradient with batched matmuls and a few elementwise passes
+(`_ChunkKDA`'s docstring has the formulas). `chunk_kda_autograd_reference` keeps the
+differentiated-by-autograd form, which the tests hold the hand-written backward to in float64.
 """
 
 from __future__ import annotations
@@ -462,21 +469,22 @@ def _causal_masks(chunk: int, tile: int, device: torch.device) -> torch.Tensor:
 class _ChunkKDA(torch.autograd.Function):
     """The chunkwise form (module docstring) with a hand-written backward.
 
-    Forward, per chunk with state `S` entering it, `W = T (k ⊙ e^G)`, `u_base = T v` and
-    `T = (I + A)⁻¹ Diag(β)`: `u = u_base − W S`, `o = scale · (P u + (q ⊙ e^G) S)` and
-    `S' = F S + B` with the chunk's transition `F = Diag(e^{G_C}) − (k ⊙ e^{G_C − G})ᵀ W` and
-    offset `B = (k ⊙ e^{G_C − G})ᵀ u_base`. All chunks' `F`, `B`, `P`, `W`, `u_base` come from
-    batched matmuls; the state pass is one `K×K` by `K×V` matmul per chunk, and the outputs one
-    batched matmul after it.
+    Forward: the operations of `_chunk_kda_chunks` in the same order (so the same fp32 numbers),
+    keeping per chunk the state `S` entering it and its `u = u_base − W S` (`W = T (k ⊙ e^G)`,
+    `u_base = T v`, `T = (I + A)⁻¹ Diag(β)`), besides the tiles, Gram matrices and `(I + A)⁻¹`.
 
-    Backward, with `dS'` the gradient of the state leaving a chunk (`dS_C`): the state gradients
-    run back through `dS = Fᵀ dS' + (q ⊙ e^G − P W)ᵀ (scale·do)`, one matmul per chunk; then, for
-    all chunks at once, `du = Pᵀ do + (k ⊙ e^{G_C−G}) dS'`, `dy = (I + A)⁻ᵀ du`, `dv = β dy`,
-    `dA = −dy uᵀ`, `dP = do uᵀ` (masked), and the gradients of the decayed Gram matrices go back
-    through the same tiles as the forward. The log-decay gradient uses that every decay factor
-    is `e^{±G}` of its own token: `∂L/∂G = Σ_x ±x ⊙ ∂L/∂x` over the factors' inputs (`+` where
-    `G` is the row's, `−` where it is the column's, plus `e^{G_C}` terms on the last token),
-    and `dg` is its reverse cumulative sum inside the chunk.
+    Backward, with `dS'` the gradient of the state leaving a chunk: the state gradients run back
+    through `dS = Fᵀ dS' + q_stateᵀ do`, one matmul per chunk, where `S' = F S + (terms without
+    S)`, `F = Diag(e^{G_C}) − (k ⊙ e^{G_C − G})ᵀ W` and `q_state = scale (q ⊙ e^G) − P W`; then,
+    for all chunks at once, `du = Pᵀ do + (k ⊙ e^{G_C−G}) dS'`, `dy = (I + A)⁻ᵀ du`, `dv = β dy`,
+    `dβ = Σ_v dy ⊙ (v − (k ⊙ e^G) S − (key Gram) u)`, and the Gram matrices' gradients
+    `−dv uᵀ` (strictly lower) and `scale · do uᵀ` (lower) go back through the same tiles as the
+    forward, the key side summed over row tiles by Horner's rule along the bridges. The log-decay
+    gradient uses that every decay factor is `e^{±G}` of its own token: `∂L/∂G = Σ_x ±x ⊙ ∂L/∂x`
+    over the factors' inputs (`+` where `G` is the row's, `−` where it is the column's, plus the
+    `e^{G_C}` terms on the chunk's last token), and `dg` is its suffix sum inside the chunk.
+    Everything is a few large batched matmuls and elementwise passes per call; tested against
+    autograd through `_chunk_kda_chunks` in float64 (tests/unit/test_kda.py).
     """
 
     @staticmethod
