@@ -669,10 +669,12 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     ).view_as(d_o)
     d_y = inverse.transpose(-1, -2) @ d_u
     dv = d_y * beta_chunks
+    # (Accumulating matmuls are written `out=` their input, not `baddbmm_`: the same in-place
+    # work, and FLOP counters that know `baddbmm` see it.)
     # β enters y = β z with z = v − (k e^G) S − (key Gram) u (from (I + A) u = β (v − (k e^G) S),
     # A = Diag(β) Gram): dβ = Σ_v dy ⊙ z.
     z = torch.baddbmm(flat(v_chunks), flat(k_from_start), flat(states), alpha=-1.0)
-    z.baddbmm_(flat(key_gram), flat(u), alpha=-1.0)
+    torch.baddbmm(z, flat(key_gram), flat(u), alpha=-1.0, out=z)
     dbeta = (z.view_as(d_y) * d_y).sum(-1)
 
     # [−dv; scale·do] per row tile, against u and S: −dv uᵀ is the key Gram's gradient
@@ -690,7 +692,8 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     # Gradients of the tiled row inputs k e^{G−r}, q e^{G−r}: through the Gram matrices and
     # through k e^G = (k e^{G−r}) e^r, q e^G likewise.
     d_rows = with_state.mul_(reference_decay)
-    d_rows.flatten(0, 2).baddbmm_(d_grams.flatten(0, 2), keys_seen.flatten(0, 2))
+    rows_flat = d_rows.flatten(0, 2)
+    torch.baddbmm(rows_flat, d_grams.flatten(0, 2), keys_seen.flatten(0, 2), out=rows_flat)
     d_k_rows, d_q_rows = d_rows.split(tile, dim=-2)
     # Gradients of the key columns k e^{r−G}: through the Gram matrices (summed over the row
     # tiles through their bridges) and through k e^{G_C−G} = (k e^{r−G}) e^{G_C−r}.
@@ -705,8 +708,10 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
         for a in range(n_tiles - 2, -1, -1):
             width = (a + 1) * tile
             open_columns = d_key_columns[..., :width, :].mul_(steps[..., a].unsqueeze(-2))
-            open_columns.flatten(0, 1).baddbmm_(
-                d_grams[..., a, :, :width].transpose(-1, -2).flatten(0, 1), stacked_rows[..., a, :, :].flatten(0, 1)
+            open_columns = open_columns.flatten(0, 1)
+            torch.baddbmm(
+                open_columns, d_grams[..., a, :, :width].transpose(-1, -2).flatten(0, 1),
+                stacked_rows[..., a, :, :].flatten(0, 1), out=open_columns,
             )
     d_key_columns = tiled(d_key_columns)
     d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
