@@ -138,7 +138,11 @@ def tile_decay(log_decay: torch.Tensor, tile: int, dtype: torch.dtype) -> TiledD
     middle = tile // 2
     # (.contiguous(): broadcasting against a strided slice takes a much slower kernel path)
     reference = tiled[..., middle : middle + 1, :].contiguous()
-    to_reference = torch.exp((tiled - reference).to(dtype))
+    if torch.is_grad_enabled() and log_decay.requires_grad:  # (autograd: no out=, no in-place)
+        to_reference = torch.exp((tiled - reference).to(dtype))
+    else:  # the same numbers in fewer passes: G − r rounded into `dtype` as it is written
+        to_reference = torch.sub(tiled, reference, out=torch.empty(tiled.shape, dtype=dtype, device=tiled.device))
+        to_reference.exp_()
     return TiledDecay(to_reference, to_reference.reciprocal(), reference)
 
 
@@ -720,7 +724,7 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     dk = torch.addcmul(d_k_rows * to_reference, d_key_columns, from_reference)
     # ∂L/∂G: +x ∂L/∂x for the row-side factors e^{G−r}, −x ∂L/∂x for the column-side e^{r−G};
     # the chunk's last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
-    d_log_decay = (k_rows * d_k_rows).addcmul_(q_rows, d_q_rows).sub_(key_columns * d_key_columns)
+    d_log_decay = (k_rows * d_k_rows).addcmul_(q_rows, d_q_rows).addcmul_(key_columns, d_key_columns, value=-1.0)
     d_log_decay = d_log_decay.view(n_chunks, bh, chunk, key_dim)
     d_log_decay[..., -1, :] += (k_to_end.transpose(-1, -2) * d_k_to_end).sum(-2) + chunk_decay * (
         states * d_states_after
