@@ -711,11 +711,10 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
         steps = bridge[0].diagonal(offset=-1, dim1=-3, dim2=-2)  # e^{r_t − r_{t−1}}, [.., K, t − 1]
         for a in range(n_tiles - 2, -1, -1):
             width = (a + 1) * tile
-            open_columns = d_key_columns[..., :width, :].mul_(steps[..., a].unsqueeze(-2))
-            open_columns = open_columns.flatten(0, 1)
-            torch.baddbmm(
-                open_columns, d_grams[..., a, :, :width].transpose(-1, -2).flatten(0, 1),
-                stacked_rows[..., a, :, :].flatten(0, 1), out=open_columns,
+            # (bmm into a new tensor, then add: a strided accumulator would send the matmul down
+            # a per-matrix loop)
+            d_key_columns[..., :width, :].mul_(steps[..., a].unsqueeze(-2)).add_(
+                torch.matmul(d_grams[..., a, :, :width].transpose(-1, -2), stacked_rows[..., a, :, :])
             )
     d_key_columns = tiled(d_key_columns)
     d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
