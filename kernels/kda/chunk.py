@@ -554,7 +554,7 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
         return x.view(n_chunks, bh, n_tiles, tile, x.shape[-1])
 
     q_chunks, k_chunks, v_chunks = (layout.to_chunks(x, dtype) for x in (q, k, v))
-    beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [BH, N, C, 1]
+    beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [N, BH, C, 1]
     log_decay = layout.to_chunks(g, torch.float64).cumsum_(dim=-2)  # G (module docstring)
     decay = tile_decay(log_decay, tile, dtype)
 
@@ -576,13 +576,13 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     query_gram = (query_gram * scale).masked_fill_(~masks[:, 1], 0.0).view(n_chunks, bh, chunk, chunk)
 
     # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
-    chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [BH, N, 1, 1, K]
+    chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [N, BH, 1, 1, K]
     reference_decay = decay.reference.to(dtype).exp()  # e^{r}
     k_from_start = (k_rows * reference_decay).view_as(k_chunks)  # k e^{G}
     q_from_start = (q_rows * reference_decay).view_as(q_chunks)  # q e^{G}
     to_end = (chunk_total - decay.reference).to(dtype).exp()  # e^{G_C − r}
-    k_to_end = (key_columns * to_end).view_as(k_chunks).transpose(-1, -2)  # k e^{G_C − G}, [BH, N, K, C]
-    chunk_decay = chunk_total.squeeze(-2).squeeze(-2).to(dtype).exp()  # e^{G_C}, [BH, N, K]
+    k_to_end = (key_columns * to_end).view_as(k_chunks).transpose(-1, -2)  # k e^{G_C − G}, [N, BH, K, C]
+    chunk_decay = chunk_total.squeeze(-2).squeeze(-2).to(dtype).exp()  # e^{G_C}, [N, BH, K]
 
     # UT transform: u = (I + A)⁻¹ Diag(β) (v − (k ⊙ e^G) S_0) = u_base − W S_0. The inverse is
     # formed once per chunk (C×C right-hand sides are cheaper than K + V of them) and kept.
@@ -660,7 +660,7 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     # transition S' = F S + (terms without S), F = Diag(e^{G_C}) − (k e^{G_C−G})ᵀ W.
     transition_t = torch.matmul(w.transpose(-1, -2), k_to_end.transpose(-1, -2)).neg_()  # Fᵀ
     transition_t.diagonal(dim1=-2, dim2=-1).add_(chunk_decay)
-    from_outputs = q_state.transpose(-1, -2) @ d_o  # [BH, N, K, V]
+    from_outputs = q_state.transpose(-1, -2) @ d_o  # [N, BH, K, V]
     d_states_after = torch.empty_like(states)  # dS' of each chunk
     d_states_after[-1] = d_state
     for n in range(n_chunks - 1, -1, -1):
