@@ -667,19 +667,54 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
         previous = d_states_after[n - 1] if n > 0 else None
         d_state = torch.baddbmm(from_outputs[n], transition_t[n], d_states_after[n], out=previous)
 
+    # The rest is chunk by chunk: done for groups of about `_GROUP_MATRICES` chunk-heads at a time,
+    # so that each step's operands are still in cache when the next one reads them.
+    dq, dk, dg = (torch.empty(n_chunks, bh, chunk, key_dim, dtype=dtype, device=d_o.device) for _ in range(3))
+    dv = torch.empty_like(d_o)
+    dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=d_o.device)
+    per_chunk = (stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay,
+                 to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks,
+                 k_from_start, states, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge)
+    group = max(1, _GROUP_MATRICES // bh)
+    for start in range(0, n_chunks, group):
+        _chunk_gradients(*(x[start : start + group] for x in per_chunk), tile=tile, scale=scale)
+    return dq, dk, dv, dg, dbeta, d_state
+
+
+_GROUP_MATRICES = 32  # chunk-heads per group of the backward's chunk-local part (≈ 0.5 MB per tensor)
+
+
+def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay,
+                     to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks,
+                     k_from_start, states, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge,
+                     tile: int, scale: float) -> None:
+    """The chunk-local part of `_chunk_kda_backward` for a group of chunks (all tensors sliced
+    alike along the chunk axis), writing into the group's slices of `dq, dk, dv, dg, dbeta`."""
+    n_chunks, bh, n_tiles, _, key_dim = stacked_rows.shape
+    chunk = n_tiles * tile
+    value_dim = states.shape[-1]
+    dtype = stacked_rows.dtype
+    k_rows, q_rows = stacked_rows.split(tile, dim=-2)
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        return x.view(n_chunks, bh, n_tiles, tile, x.shape[-1])
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 1)
+
     # u = (I + A)⁻¹ y with y = β (v − (k e^G) S): du from o = P u + … and S' = … + (k e^{G_C−G})ᵀ u.
     d_u = torch.baddbmm(
         flat(k_to_end.transpose(-1, -2)) @ flat(d_states_after), flat(query_gram).transpose(-1, -2), flat(d_o)
     ).view_as(d_o)
     d_y = inverse.transpose(-1, -2) @ d_u
-    dv = d_y * beta_chunks
+    torch.mul(d_y, beta_chunks, out=dv)
     # (Accumulating matmuls are written `out=` their input, not `baddbmm_`: the same in-place
     # work, and FLOP counters that know `baddbmm` see it.)
     # β enters y = β z with z = v − (k e^G) S − (key Gram) u (from (I + A) u = β (v − (k e^G) S),
     # A = Diag(β) Gram): dβ = Σ_v dy ⊙ z.
     z = torch.baddbmm(flat(v_chunks), flat(k_from_start), flat(states), alpha=-1.0)
     torch.baddbmm(z, flat(key_gram), flat(u), alpha=-1.0, out=z)
-    dbeta = (z.view_as(d_y) * d_y).sum(-1)
+    torch.sum(z.view_as(d_y) * d_y, dim=-1, out=dbeta)
 
     # [−dv; scale·do] per row tile, against u and S: −dv uᵀ is the key Gram's gradient
     # (dA = −dy uᵀ, A = Diag(β) Gram), scale·do uᵀ the query Gram's (masked below), −dv Sᵀ that
@@ -719,8 +754,8 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     d_key_columns = tiled(d_key_columns)
     d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
 
-    dq = d_q_rows * to_reference
-    dk = torch.addcmul(d_k_rows * to_reference, d_key_columns, from_reference)
+    torch.mul(d_q_rows, to_reference, out=tiled(dq))
+    torch.addcmul(d_k_rows * to_reference, d_key_columns, from_reference, out=tiled(dk))
     # ∂L/∂G: +x ∂L/∂x for the row-side factors e^{G−r}, −x ∂L/∂x for the column-side e^{r−G};
     # the chunk's last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
     d_log_decay = (k_rows * d_k_rows).addcmul_(q_rows, d_q_rows).addcmul_(key_columns, d_key_columns, value=-1.0)
@@ -730,5 +765,5 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     ).sum(-1)
     # dg_s = Σ_{i ≥ s} dG_i, as one matmul with the upper-triangular ones (no flips).
     suffix_sum = torch.ones(chunk, chunk, dtype=dtype, device=d_o.device).triu()
-    dg = torch.matmul(suffix_sum, d_log_decay)
-    return dq.view(n_chunks, bh, chunk, key_dim), dk.view(n_chunks, bh, chunk, key_dim), dv, dg, dbeta, d_state
+    torch.matmul(suffix_sum, d_log_decay, out=dg)
+

@@ -21,6 +21,7 @@ from k3train.kernels.kda import (
     kda_gate_unbounded,
     naive_recurrent_kda,
 )
+from k3train.kernels.kda import chunk as chunk_module
 from k3train.kernels.kda import fla_backend
 from k3train.kernels.kda.chunk import (
     chunk_kda_autograd_reference,
@@ -171,9 +172,13 @@ def test_chunk_gradients_match_recurrent_float64(chunk_size, gate):
         (64, "none", 64, True),  # exactly one chunk: no state pass in between
     ],
 )
-def test_hand_written_backward_matches_autograd_reference_float64(chunk_size, gate, seq_len, with_initial_state):
+@pytest.mark.parametrize("group_matrices", [1, 32])  # chunk by chunk, or all chunks in one group
+def test_hand_written_backward_matches_autograd_reference_float64(
+    chunk_size, gate, seq_len, with_initial_state, group_matrices, monkeypatch
+):
     """`chunk_kda`'s hand-written backward against autograd through the same chunkwise ops,
     for every input, the initial state, and a loss on both the output and the final state."""
+    monkeypatch.setattr(chunk_module, "_GROUP_MATRICES", group_matrices)
     inputs, initial_state = make_inputs(seq_len, heads=3, key_dim=16, value_dim=8, gate=gate)
     leaves = {**inputs, "initial_state": initial_state if with_initial_state else None}
     generator = torch.Generator().manual_seed(2)
@@ -457,6 +462,7 @@ sys.meta_path.insert(0, Recorder())
 sys.path.insert(0, sys.argv[1])
 import torch
 from k3train.kernels.kda import chunk_kda
+from k3train.kernels.kda import chunk as chunk_module
 from k3train.kernels.kda import fla_backend
 
 x = torch.randn(1, 20, 2, 8)
