@@ -51,11 +51,11 @@ def time_matmul(clock: Callable[[], float], size: int = 1024) -> float:
 
 
 def make_inputs(
-    seq_len: int, heads: int, head_dim: int, requires_grad: bool, seed: int = 0
+    seq_len: int, heads: int, head_dim: int, requires_grad: bool, seed: int = 0, batch: int = 1
 ) -> dict[str, torch.Tensor]:
-    """fp32 inputs `B=1` with K3's bounded gate range (g in (−5, 0)) and normalised q, k."""
+    """fp32 inputs with K3's bounded gate range (g in (−5, 0)) and normalised q, k."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (1, seq_len, heads, head_dim)
+    shape = (batch, seq_len, heads, head_dim)
     tensors = {
         "q": F.normalize(torch.randn(shape, generator=generator), dim=-1),
         "k": F.normalize(torch.randn(shape, generator=generator), dim=-1),
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per kernel and case")
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64, help="K = V")
     parser.add_argument(
@@ -114,7 +115,7 @@ def main() -> None:
             chunk_kda, chunk_size=chunk_size, backend="torch"
         )
     print(
-        f"torch {torch.__version__}, {args.threads} thread(s), B=1 H={args.heads} "
+        f"torch {torch.__version__}, {args.threads} thread(s), B={args.batch} H={args.heads} "
         f"K=V={args.head_dim}, fp32, g in (-5, 0), median of {args.repeats} "
         f"({'process CPU' if args.cpu_time else 'wall-clock'} time)\n"
     )
@@ -129,7 +130,7 @@ def main() -> None:
     print("| " + " | ".join(["---:", "---"] + ["---:"] * (len(header) - 2)) + " |")
     for seq_len in args.lengths:
         for backward in (False, True):
-            inputs = make_inputs(seq_len, args.heads, args.head_dim, requires_grad=backward)
+            inputs = make_inputs(seq_len, args.heads, args.head_dim, requires_grad=backward, batch=args.batch)
             times: dict[str, list[float]] = {name: [] for name in kernels}
             matmul_times: list[float] = []
             for kernel in kernels.values():  # warm-up, not timed
@@ -148,7 +149,7 @@ def main() -> None:
                 row += [] if args.no_recurrent else [f"{medians['recurrent'] / medians[name]:.1f}x"]
                 if args.rate:
                     chunk_size = int(name.split("C=")[1])
-                    flops = (3 if backward else 1) * args.heads * -(-seq_len // chunk_size) * \
+                    flops = (3 if backward else 1) * args.batch * args.heads * -(-seq_len // chunk_size) * \
                         kda_chunk_flops_per_chunk(chunk_size, args.head_dim, args.head_dim)
                     rate = flops / (medians[name] / 1e3) / 1e9
                     row += [f"{rate:.1f}", f"{rate / matmul_rate:.0%}"]

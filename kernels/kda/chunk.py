@@ -41,6 +41,13 @@ matmul rate. The PyTorch path therefore runs, forward and backward, with the CPU
 flush-to-zero mode on (`torch.set_flush_denormal`; values under 1.2e-38 become 0, far below what
 fp32 resolves next to the O(1) terms they are added to) and restores the caller's mode after.
 The mode is per thread: with several intra-op threads, the worker threads keep theirs.
+
+The backward. Autograd through the many small operations above spends most of its time in their
+elementwise backward passes. `chunk_kda` (PyTorch path, when a gradient is wanted) runs
+`_ChunkKDA` instead: the same forward, plus a hand-written backward that recomputes nothing
+expensive and forms every gradient with batched matmuls and a few elementwise passes
+(`_ChunkKDA`'s docstring has the formulas). `chunk_kda_autograd_reference` keeps the
+differentiated-by-autograd form, which the tests hold the hand-written backward to in float64.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..precision import without_autocast
 from . import fla_backend
 from .naive import check_kda_inputs, compute_dtype_for
 
@@ -130,7 +138,11 @@ def tile_decay(log_decay: torch.Tensor, tile: int, dtype: torch.dtype) -> TiledD
     middle = tile // 2
     # (.contiguous(): broadcasting against a strided slice takes a much slower kernel path)
     reference = tiled[..., middle : middle + 1, :].contiguous()
-    to_reference = torch.exp((tiled - reference).to(dtype))
+    if torch.is_grad_enabled() and log_decay.requires_grad:  # (autograd: no out=, no in-place)
+        to_reference = torch.exp((tiled - reference).to(dtype))
+    else:  # the same numbers in fewer passes: G − r rounded into `dtype` as it is written
+        to_reference = torch.sub(tiled, reference, out=torch.empty(tiled.shape, dtype=dtype, device=tiled.device))
+        to_reference.exp_()
     return TiledDecay(to_reference, to_reference.reciprocal(), reference)
 
 
@@ -170,25 +182,33 @@ def tiled_gram_matrices(
 
     All `rows` go through one batched matmul (stacked along the row axis): twice the rows per
     matmul runs at a better rate, and its backward sums the key gradient in one matmul."""
-    *batch_shape, n_tiles, tile, dim = key_columns.shape
-    chunk = n_tiles * tile
-    if n_tiles == 1:
-        keys_seen = key_columns  # one tile per chunk: no bridges
-    else:
-        # Bridge e^{r_a − r_b} from key tile b to row tile a: exponent ≤ 0 for b ≤ a. Tiles after
-        # the row tile are masked to −inf *before* exponentiating, so their positive exponent
-        # never is.
-        reference = reference.squeeze(-2)
-        bridge_exponent = (reference.unsqueeze(-2) - reference.unsqueeze(-3)).to(key_columns.dtype)
-        later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1)
-        bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp()
-        # Keys as seen from each row tile a: [..., a, b, tile, K] -> [..., a, C, K].
-        keys_seen = (bridge.unsqueeze(-2) * key_columns.unsqueeze(-4)).reshape(
-            *batch_shape, n_tiles, chunk, dim
-        )
+    tile = key_columns.shape[-2]
+    keys_seen, _ = keys_seen_from_row_tiles(key_columns, reference)
     stacked_rows = rows[0] if len(rows) == 1 else torch.cat(list(rows), dim=-2)
     grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, len(rows)·tile, C]
     return list(grams.split(tile, dim=-2))
+
+
+def keys_seen_from_row_tiles(
+    key_columns: torch.Tensor, reference: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The keys of a chunk as each row tile sees them, `[..., n_tiles, C, K]`: key tile `b` times
+    the bridge `e^{r_a − r_b}` to row tile `a` (0 for tiles after `a`), and the bridges
+    `[..., a, b, K]` (None for one tile per chunk, where the keys are seen as they are)."""
+    *batch_shape, n_tiles, tile, dim = key_columns.shape
+    if n_tiles == 1:
+        return key_columns, None  # one tile per chunk: no bridges
+    # Bridge e^{r_a − r_b} from key tile b to row tile a: exponent ≤ 0 for b ≤ a. Tiles after the
+    # row tile are masked to −inf *before* exponentiating, so their positive exponent never is.
+    reference = reference.squeeze(-2)
+    bridge_exponent = (reference.unsqueeze(-2) - reference.unsqueeze(-3)).to(key_columns.dtype)
+    later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1)
+    bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp()
+    # [..., a, b, tile, K] -> [..., a, C, K].
+    keys_seen = (bridge.unsqueeze(-2) * key_columns.unsqueeze(-4)).reshape(
+        *batch_shape, n_tiles, n_tiles * tile, dim
+    )
+    return keys_seen, bridge
 
 
 def _flushes_denormals() -> bool:
@@ -227,7 +247,7 @@ class _FlushDenormalsInBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _chunk_kda_torch(
+def chunk_kda_autograd_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -238,7 +258,10 @@ def _chunk_kda_torch(
     output_final_state: bool,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_chunk_kda_chunks` in flush-to-zero mode on CPU, forward and backward (module docstring)."""
+    """The chunkwise form differentiated by autograd through its operations: the reference the
+    hand-written backward of `_ChunkKDA` is tested against (arguments as `chunk_kda`, already
+    validated, `scale` given). `_chunk_kda_chunks` in flush-to-zero mode on CPU, forward and
+    backward (module docstring)."""
     on_cpu = q.device.type == "cpu"
     inputs = [q, k, v, g, beta] + ([initial_state] if initial_state is not None else [])
     bracket = on_cpu and torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
@@ -363,3 +386,384 @@ def _chunk_kda_chunks(
     o = o.to(v.dtype).transpose(1, 2).contiguous()  # [B, T, H, V]
     final_state = state.reshape(batch, heads, key_dim, value_dim) if output_final_state else None
     return o, final_state
+
+
+# ---------------------------------------------------------------- the training path: hand-written backward
+def _chunk_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The PyTorch path: `_ChunkKDA`, forward and backward in flush-to-zero mode on CPU."""
+    inputs = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
+    if q.shape[1] == 0 or not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
+        # Nothing to differentiate: the same forward without keeping anything for a backward.
+        return chunk_kda_autograd_reference(
+            q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size
+        )
+    o, final_state = _ChunkKDA.apply(q, k, v, g, beta, initial_state, scale, chunk_size)
+    return o, (final_state if output_final_state else None)
+
+
+class _ChunkLayout(NamedTuple):
+    """`[B, T, H, D]` <-> chunk-major `[N, B·H, C, D]` (chunks of `C` tokens, the last one
+    zero-padded)."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    n_chunks: int
+    chunk: int
+
+    @classmethod
+    def of(cls, x: torch.Tensor, chunk: int) -> "_ChunkLayout":
+        batch, seq_len, heads = x.shape[:3]
+        return cls(batch, seq_len, heads, -(-seq_len // chunk), chunk)
+
+    def _pieces(self, chunked: torch.Tensor, tokens: torch.Tensor):
+        """Matching views: (chunks of `chunked` [N, B·H, C, D], the same tokens of `tokens`
+        [B, T, H, D]) for the full chunks and for the tail, each as [N', B, H, C', D]."""
+        batch, seq_len, heads, n_chunks, chunk = self
+        dim = tokens.shape[-1]
+        full = seq_len // chunk
+        by_chunk = chunked.view(n_chunks, batch, heads, chunk, dim)
+        pieces = []
+        if full:
+            pieces.append((by_chunk[:full], tokens[:, : full * chunk].reshape(batch, full, chunk, heads, dim).permute(1, 0, 3, 2, 4)))
+        if full < n_chunks:
+            tail = seq_len - full * chunk
+            pieces.append((by_chunk[full:, :, :, :tail], tokens[:, full * chunk :].unsqueeze(0).permute(0, 1, 3, 2, 4)))
+        return pieces
+
+    def to_chunks(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Contiguous `[N, B·H, C, D]` in `dtype`, in one pass. Zero padding makes the padded
+        tokens no-ops on the state: k = 0 and beta = 0 write nothing, g = 0 decays nothing;
+        their gradients are dropped."""
+        batch, seq_len, heads, n_chunks, chunk = self
+        out = torch.empty(n_chunks, batch * heads, chunk, x.shape[-1], dtype=dtype, device=x.device)
+        if n_chunks * chunk > seq_len:
+            out[-1].zero_()
+        for destination, source in self._pieces(out, x):
+            destination.copy_(source)
+        return out
+
+    def from_chunks(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`[B, T, H, D]` in `dtype` from `[N, B·H, C, D]`, in one pass."""
+        batch, seq_len, heads = self.batch, self.seq_len, self.heads
+        out = torch.empty(batch, seq_len, heads, x.shape[-1], dtype=dtype, device=x.device)
+        for source, destination in self._pieces(x, out):
+            destination.copy_(source)
+        return out
+
+
+def _causal_masks(chunk: int, tile: int, device: torch.device) -> torch.Tensor:
+    """`[n_tiles, 2, tile, C]`: per row tile, the strict lower triangle (the key Gram, which the
+    unit-triangular solve reads below the diagonal only) and the lower triangle (the query Gram)."""
+    rows = torch.arange(chunk, device=device).view(chunk // tile, 1, tile, 1)
+    columns = torch.arange(chunk, device=device)
+    return torch.cat([columns < rows, columns <= rows], dim=1)
+
+
+class _ChunkKDA(torch.autograd.Function):
+    """The chunkwise form (module docstring) with a hand-written backward.
+
+    Forward: the operations of `_chunk_kda_chunks` in the same order (so the same fp32 numbers),
+    keeping per chunk the state `S` entering it and its `u = u_base − W S` (`W = T (k ⊙ e^G)`,
+    `u_base = T v`, `T = (I + A)⁻¹ Diag(β)`), besides the tiles, Gram matrices and `(I + A)⁻¹`.
+
+    Backward, with `dS'` the gradient of the state leaving a chunk: the state gradients run back
+    through `dS = Fᵀ dS' + q_stateᵀ do`, one matmul per chunk, where `S' = F S + (terms without
+    S)`, `F = Diag(e^{G_C}) − (k ⊙ e^{G_C − G})ᵀ W` and `q_state = scale (q ⊙ e^G) − P W`; then,
+    for all chunks at once, `du = Pᵀ do + (k ⊙ e^{G_C−G}) dS'`, `dy = (I + A)⁻ᵀ du`, `dv = β dy`,
+    `dβ = Σ_v dy ⊙ (v − (k ⊙ e^G) S − (key Gram) u)`, and the Gram matrices' gradients
+    `−dv uᵀ` (strictly lower) and `scale · do uᵀ` (lower) go back through the same tiles as the
+    forward, the key side summed over row tiles by Horner's rule along the bridges. The log-decay
+    gradient uses that every decay factor is `e^{±G}` of its own token: `∂L/∂G = Σ_x ±x ⊙ ∂L/∂x`
+    over the factors' inputs (`+` where `G` is the row's, `−` where it is the column's, plus the
+    `e^{G_C}` terms on the chunk's last token), and `dg` is its suffix sum inside the chunk.
+    Everything is a few large batched matmuls and elementwise passes per call; tested against
+    autograd through `_chunk_kda_chunks` in float64 (tests/unit/test_kda.py).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale: float, chunk_size: int):
+        on_cpu = q.device.type == "cpu"
+        # Autocast off: the kernel picks its own accumulation dtype (module docstring); under
+        # autocast its matmuls would mix bf16 operands with its fp32 states.
+        with _flushing_denormals(on_cpu), without_autocast(q.device):
+            o, final_state, saved, meta = _chunk_kda_forward(
+                q, k, v, g, beta, initial_state, scale, chunk_size
+            )
+        ctx.save_for_backward(*saved)
+        ctx.meta = meta
+        ctx.scale, ctx.on_cpu = scale, on_cpu
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+        ctx.initial_state_dtype = None if initial_state is None else initial_state.dtype
+        ctx.set_materialize_grads(False)
+        return o, final_state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_o, grad_final_state):
+        with _flushing_denormals(ctx.on_cpu), without_autocast(ctx.saved_tensors[0].device):
+            grads = _chunk_kda_backward(
+                ctx.saved_tensors, ctx.meta, ctx.scale, grad_o, grad_final_state
+            )
+        dq, dk, dv, dg, dbeta, d_initial = grads
+        q_dtype, k_dtype, v_dtype, g_dtype, beta_dtype = ctx.dtypes
+        layout = ctx.meta["layout"]
+        d_initial = (
+            None if ctx.initial_state_dtype is None
+            else d_initial.view(layout.batch, layout.heads, *d_initial.shape[-2:]).to(ctx.initial_state_dtype)
+        )
+        return (
+            layout.from_chunks(dq, q_dtype),
+            layout.from_chunks(dk, k_dtype),
+            layout.from_chunks(dv, v_dtype),
+            layout.from_chunks(dg, g_dtype),
+            layout.from_chunks(dbeta.unsqueeze(-1), beta_dtype).squeeze(-1),
+            d_initial,
+            None,
+            None,
+        )
+
+
+def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size: int):
+    """`_ChunkKDA.forward`'s math: `(o, final_state, tensors to save, metadata)`. The operations
+    and their order are `_chunk_kda_chunks`'s, so the fp32 numbers are the same (the standalone
+    remote code of the HF export repeats them too); the extra work is keeping what the backward
+    reads (masked key Gram, the inverse, per-chunk states and `u`)."""
+    layout = _ChunkLayout.of(q, chunk_size)
+    batch, seq_len, heads, n_chunks, chunk = layout
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    dtype = compute_dtype_for(q, k, v, g, beta)
+    bh = batch * heads
+
+    lowest, highest = torch.aminmax(g.detach())
+    max_decay = max(-float(lowest), float(highest))  # max |g|; highest ≤ 0 by contract
+    tile = diagonal_tile_size(max_decay, chunk, dtype)
+    n_tiles = chunk // tile
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        return x.view(n_chunks, bh, n_tiles, tile, x.shape[-1])
+
+    q_chunks, k_chunks, v_chunks = (layout.to_chunks(x, dtype) for x in (q, k, v))
+    beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [N, BH, C, 1]
+    log_decay = layout.to_chunks(g, torch.float64).cumsum_(dim=-2)  # G (module docstring)
+    decay = tile_decay(log_decay, tile, dtype)
+
+    # Rows of both Gram matrices stacked per row tile, [N, BH, n_tiles, 2·tile, K]: k e^{G − r},
+    # then q e^{G − r} (written in place of a concatenation).
+    stacked_rows = torch.empty(n_chunks, bh, n_tiles, 2 * tile, key_dim, dtype=dtype, device=q.device)
+    k_rows = torch.mul(tiled(k_chunks), decay.to_reference, out=stacked_rows[..., :tile, :])
+    q_rows = torch.mul(tiled(q_chunks), decay.to_reference, out=stacked_rows[..., tile:, :])
+    key_columns = tiled(k_chunks) * decay.from_reference  # k e^{r − G}
+    keys_seen, bridge = keys_seen_from_row_tiles(key_columns, decay.reference)
+    grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, 2·tile, C]
+    key_gram, query_gram = grams.split(tile, dim=-2)
+    # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so no mask pass there;
+    # the backward's copy is masked (what lies on and above the diagonal is finite but no Gram).
+    strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(n_chunks, bh, chunk, chunk)
+    masks = _causal_masks(chunk, tile, q.device)
+    key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(n_chunks, bh, chunk, chunk)
+    # P, scaled here (C×C per chunk: cheaper to scale than q); the mask drops j > i.
+    query_gram = (query_gram * scale).masked_fill_(~masks[:, 1], 0.0).view(n_chunks, bh, chunk, chunk)
+
+    # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
+    chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [N, BH, 1, 1, K]
+    reference_decay = decay.reference.to(dtype).exp()  # e^{r}
+    k_from_start = (k_rows * reference_decay).view_as(k_chunks)  # k e^{G}
+    q_from_start = (q_rows * reference_decay).view_as(q_chunks)  # q e^{G}
+    to_end = (chunk_total - decay.reference).to(dtype).exp()  # e^{G_C − r}
+    k_to_end = (key_columns * to_end).view_as(k_chunks).transpose(-1, -2)  # k e^{G_C − G}, [N, BH, K, C]
+    chunk_decay = chunk_total.squeeze(-2).squeeze(-2).to(dtype).exp()  # e^{G_C}, [N, BH, K]
+
+    # UT transform: u = (I + A)⁻¹ Diag(β) (v − (k ⊙ e^G) S_0) = u_base − W S_0. The inverse is
+    # formed once per chunk (C×C right-hand sides are cheaper than K + V of them) and kept.
+    identity = torch.eye(chunk, dtype=dtype, device=q.device)
+    inverse = torch.linalg.solve_triangular(strict_key_gram, identity, upper=False, unitriangular=True)
+    ut_transform = inverse * beta_chunks.transpose(-1, -2)
+    u_base = ut_transform @ v_chunks
+    w = ut_transform @ k_from_start
+    # o = o_base + q_state S_0, with o_base = P u_base and q_state = scale (q ⊙ e^G) − P W.
+    o_base = query_gram @ u_base
+    q_state = torch.baddbmm(
+        q_from_start.flatten(0, 1), query_gram.flatten(0, 1), w.flatten(0, 1), beta=scale, alpha=-1.0
+    ).view_as(q_chunks)
+
+    # Across chunks: three small matmuls per chunk; the states entering each chunk and each
+    # chunk's u are kept for the backward.
+    state = (
+        q.new_zeros(bh, key_dim, value_dim, dtype=dtype)
+        if initial_state is None
+        else initial_state.to(dtype).reshape(bh, key_dim, value_dim)
+    )
+    # (Chunk-major layout: each chunk's slice is contiguous, so results go straight into place.)
+    states = torch.empty(n_chunks, bh, key_dim, value_dim, dtype=dtype, device=q.device)
+    corrections = torch.empty_like(v_chunks)
+    chunk_outputs = torch.empty_like(v_chunks)
+    states[0] = state
+    for n, (o_base_n, q_state_n, u_base_n, w_n, k_to_end_n, chunk_decay_n) in enumerate(zip(
+        *(x.unbind(0) for x in (o_base, q_state, u_base, w, k_to_end, chunk_decay.unsqueeze(-1)))
+    )):
+        state = states[n]
+        torch.baddbmm(o_base_n, q_state_n, state, out=chunk_outputs[n])
+        u = torch.baddbmm(u_base_n, w_n, state, alpha=-1.0, out=corrections[n])
+        next_state = states[n + 1] if n + 1 < n_chunks else None
+        state = torch.baddbmm(state * chunk_decay_n, k_to_end_n, u, out=next_state)
+    o = layout.from_chunks(chunk_outputs, v.dtype)
+    final_state = state.view(batch, heads, key_dim, value_dim)
+
+    saved = [stacked_rows, key_columns, keys_seen, decay.to_reference, decay.from_reference,
+             reference_decay, to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse,
+             beta_chunks, v_chunks, k_from_start, w, q_state, states, corrections]
+    if bridge is not None:
+        saved.append(bridge)
+    return o, final_state, saved, {"layout": layout, "tile": tile}
+
+
+def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
+    """`_ChunkKDA.backward`'s math: chunked `dq, dk, dv, dg, dbeta` and the initial state's
+    gradient, `[B·H, K, V]`."""
+    (stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay, to_end,
+     k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks, k_from_start, w,
+     q_state, states, u, *bridge) = saved
+    layout, tile = meta["layout"], meta["tile"]
+    n_chunks, bh, n_tiles, _, key_dim = stacked_rows.shape
+    chunk = n_tiles * tile
+    value_dim = states.shape[-1]
+    dtype = stacked_rows.dtype
+    k_rows, q_rows = stacked_rows.split(tile, dim=-2)
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        return x.view(n_chunks, bh, n_tiles, tile, x.shape[-1])
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 1)
+
+    if grad_o is None:
+        d_o = states.new_zeros(n_chunks, bh, chunk, value_dim)
+    else:
+        d_o = layout.to_chunks(grad_o, dtype)
+    d_state = (
+        states.new_zeros(bh, key_dim, value_dim)
+        if grad_final_state is None
+        else grad_final_state.reshape(bh, key_dim, value_dim).to(dtype)
+    )
+    # State gradients, back through the chunks: dS = Fᵀ dS' + q_stateᵀ do, with the chunk's
+    # transition S' = F S + (terms without S), F = Diag(e^{G_C}) − (k e^{G_C−G})ᵀ W.
+    transition_t = torch.matmul(w.transpose(-1, -2), k_to_end.transpose(-1, -2)).neg_()  # Fᵀ
+    transition_t.diagonal(dim1=-2, dim2=-1).add_(chunk_decay)
+    from_outputs = q_state.transpose(-1, -2) @ d_o  # [N, BH, K, V]
+    d_states_after = torch.empty_like(states)  # dS' of each chunk
+    d_states_after[-1] = d_state
+    for n in range(n_chunks - 1, -1, -1):
+        previous = d_states_after[n - 1] if n > 0 else None
+        d_state = torch.baddbmm(from_outputs[n], transition_t[n], d_states_after[n], out=previous)
+
+    # The rest is chunk by chunk: done for groups of about `_GROUP_MATRICES` chunk-heads at a time,
+    # so that each step's operands are still in cache when the next one reads them.
+    dq, dk, dg = (torch.empty(n_chunks, bh, chunk, key_dim, dtype=dtype, device=d_o.device) for _ in range(3))
+    dv = torch.empty_like(d_o)
+    dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=d_o.device)
+    per_chunk = (stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay,
+                 to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks,
+                 k_from_start, states, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge)
+    group = max(1, _GROUP_MATRICES // bh)
+    for start in range(0, n_chunks, group):
+        _chunk_gradients(*(x[start : start + group] for x in per_chunk), tile=tile, scale=scale)
+    return dq, dk, dv, dg, dbeta, d_state
+
+
+_GROUP_MATRICES = 32  # chunk-heads per group of the backward's chunk-local part (≈ 0.5 MB per tensor)
+
+
+def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay,
+                     to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks,
+                     k_from_start, states, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge,
+                     tile: int, scale: float) -> None:
+    """The chunk-local part of `_chunk_kda_backward` for a group of chunks (all tensors sliced
+    alike along the chunk axis), writing into the group's slices of `dq, dk, dv, dg, dbeta`."""
+    n_chunks, bh, n_tiles, _, key_dim = stacked_rows.shape
+    chunk = n_tiles * tile
+    value_dim = states.shape[-1]
+    dtype = stacked_rows.dtype
+    k_rows, q_rows = stacked_rows.split(tile, dim=-2)
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        return x.view(n_chunks, bh, n_tiles, tile, x.shape[-1])
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 1)
+
+    # u = (I + A)⁻¹ y with y = β (v − (k e^G) S): du from o = P u + … and S' = … + (k e^{G_C−G})ᵀ u.
+    d_u = torch.baddbmm(
+        flat(k_to_end.transpose(-1, -2)) @ flat(d_states_after), flat(query_gram).transpose(-1, -2), flat(d_o)
+    ).view_as(d_o)
+    d_y = inverse.transpose(-1, -2) @ d_u
+    torch.mul(d_y, beta_chunks, out=dv)
+    # (Accumulating matmuls are written `out=` their input, not `baddbmm_`: the same in-place
+    # work, and FLOP counters that know `baddbmm` see it.)
+    # β enters y = β z with z = v − (k e^G) S − (key Gram) u (from (I + A) u = β (v − (k e^G) S),
+    # A = Diag(β) Gram): dβ = Σ_v dy ⊙ z.
+    z = torch.baddbmm(flat(v_chunks), flat(k_from_start), flat(states), alpha=-1.0)
+    torch.baddbmm(z, flat(key_gram), flat(u), alpha=-1.0, out=z)
+    torch.sum(z.view_as(d_y) * d_y, dim=-1, out=dbeta)
+
+    # [−dv; scale·do] per row tile, against u and S: −dv uᵀ is the key Gram's gradient
+    # (dA = −dy uᵀ, A = Diag(β) Gram), scale·do uᵀ the query Gram's (masked below), −dv Sᵀ that
+    # of k e^G, scale·do Sᵀ that of q e^G.
+    left = torch.empty(n_chunks, bh, n_tiles, 2, tile, value_dim, dtype=dtype, device=d_o.device)
+    torch.neg(tiled(dv), out=left[..., 0, :, :])
+    torch.mul(tiled(d_o), scale, out=left[..., 1, :, :])
+    left = left.view(n_chunks, bh, 2 * chunk, value_dim)
+    outside = ~_causal_masks(chunk, tile, d_o.device)
+    d_grams = (left @ u.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2, tile, chunk).masked_fill_(outside, 0.0)
+    d_grams = d_grams.view(n_chunks, bh, n_tiles, 2 * tile, chunk)
+    with_state = (left @ states.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2 * tile, key_dim)
+
+    # Gradients of the tiled row inputs k e^{G−r}, q e^{G−r}: through the Gram matrices and
+    # through k e^G = (k e^{G−r}) e^r, q e^G likewise.
+    d_rows = with_state.mul_(reference_decay)
+    rows_flat = d_rows.flatten(0, 2)
+    torch.baddbmm(rows_flat, d_grams.flatten(0, 2), keys_seen.flatten(0, 2), out=rows_flat)
+    d_k_rows, d_q_rows = d_rows.split(tile, dim=-2)
+    # Gradients of the key columns k e^{r−G}: through the Gram matrices (summed over the row
+    # tiles through their bridges) and through k e^{G_C−G} = (k e^{r−G}) e^{G_C−r}.
+    # Key tile b collects Σ_{a ≥ b} e^{r_a − r_b} (row tile a's Gram gradient)ᵀ (row tile a), by
+    # Horner's rule over a from the last tile: e^{r_a − r_b} = Π_{b < t ≤ a} e^{r_t − r_{t−1}}, and
+    # row tile a reaches key tiles b ≤ a only (the rest of its gradient is masked to 0). No
+    # [n_tiles, C, K] blow-up: each step is one matmul into the columns still open.
+    d_k_to_end = u @ d_states_after.transpose(-1, -2)  # [N, BH, C, K]
+    d_key_columns = torch.matmul(d_grams[..., -1, :, :].transpose(-1, -2), stacked_rows[..., -1, :, :])
+    if bridge:
+        steps = bridge[0].diagonal(offset=-1, dim1=-3, dim2=-2)  # e^{r_t − r_{t−1}}, [.., K, t − 1]
+        for a in range(n_tiles - 2, -1, -1):
+            width = (a + 1) * tile
+            # (bmm into a new tensor, then add: a strided accumulator would send the matmul down
+            # a per-matrix loop)
+            d_key_columns[..., :width, :].mul_(steps[..., a].unsqueeze(-2)).add_(
+                torch.matmul(d_grams[..., a, :, :width].transpose(-1, -2), stacked_rows[..., a, :, :])
+            )
+    d_key_columns = tiled(d_key_columns)
+    d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
+
+    torch.mul(d_q_rows, to_reference, out=tiled(dq))
+    torch.addcmul(d_k_rows * to_reference, d_key_columns, from_reference, out=tiled(dk))
+    # ∂L/∂G: +x ∂L/∂x for the row-side factors e^{G−r}, −x ∂L/∂x for the column-side e^{r−G};
+    # the chunk's last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
+    d_log_decay = (k_rows * d_k_rows).addcmul_(q_rows, d_q_rows).addcmul_(key_columns, d_key_columns, value=-1.0)
+    d_log_decay = d_log_decay.view(n_chunks, bh, chunk, key_dim)
+    d_log_decay[..., -1, :] += (k_to_end.transpose(-1, -2) * d_k_to_end).sum(-2) + chunk_decay * (
+        states * d_states_after
+    ).sum(-1)
+    # dg_s = Σ_{i ≥ s} dG_i, as one matmul with the upper-triangular ones (no flips).
+    suffix_sum = torch.ones(chunk, chunk, dtype=dtype, device=d_o.device).triu()
+    torch.matmul(suffix_sum, d_log_decay, out=dg)
+

@@ -71,10 +71,11 @@ def test_kda_mixer_flops_match_executed_matmuls():
     with torch.no_grad(), flop_counter() as forward_counter:
         KimiDeltaAttention(config)(torch.randn(BATCH, SEQ_LENGTH, config.hidden_size))
     assert forward_counter.get_total_flops() / (BATCH * SEQ_LENGTH) == analytic / 3
-    # Exact forward; backward is not exactly 2 × forward (flops.py docstring): more in the
-    # triangular solve (a solve plus a C×C matmul), less in the first chunk (its zero state needs
-    # no gradient) and the last (its state update is unused). Net −0.8 % on two chunks.
-    assert counted == pytest.approx(analytic, rel=0.02)
+    # Exact forward; backward is not 2 × forward (flops.py docstring): chunk_kda's hand-written
+    # backward executes 1.53 × its forward's matmul FLOPs here (C = 64, K = V = 32: no solve, and
+    # the key Gram's gradient only for the causal tile blocks; autograd through the ops ran
+    # 1.94 ×). Net −5.5 % of the mixer's 3 × forward.
+    assert counted == pytest.approx(analytic, rel=0.07)
 
 
 @pytest.mark.parametrize("changes", [{}, {"q_lora_rank": None, "mla_use_output_gate": False}])

@@ -21,8 +21,14 @@ from k3train.kernels.kda import (
     kda_gate_unbounded,
     naive_recurrent_kda,
 )
+from k3train.kernels.kda import chunk as chunk_module
 from k3train.kernels.kda import fla_backend
-from k3train.kernels.kda.chunk import decayed_gram_matrices, diagonal_tile_size, tile_decay
+from k3train.kernels.kda.chunk import (
+    chunk_kda_autograd_reference,
+    decayed_gram_matrices,
+    diagonal_tile_size,
+    tile_decay,
+)
 
 F64 = torch.float64
 
@@ -155,6 +161,92 @@ def test_chunk_gradients_match_recurrent_float64(chunk_size, gate):
     chunked = gradients(chunk_kda, chunk_size=chunk_size)
     for name in leaves:
         assert max_error(chunked[name], reference[name]) < 1e-9, name
+
+
+@pytest.mark.parametrize(
+    "chunk_size, gate, seq_len, with_initial_state",
+    [
+        (64, "worst", 150, True),  # tiles of 16 joined by bridges; padded last chunk
+        (32, "bounded", 100, True),  # float64: one tile per chunk
+        (16, "unbounded", 45, False),  # no initial state: its gradient is None
+        (64, "none", 64, True),  # exactly one chunk: no state pass in between
+    ],
+)
+@pytest.mark.parametrize("group_matrices", [1, 32])  # chunk by chunk, or all chunks in one group
+def test_hand_written_backward_matches_autograd_reference_float64(
+    chunk_size, gate, seq_len, with_initial_state, group_matrices, monkeypatch
+):
+    """`chunk_kda`'s hand-written backward against autograd through the same chunkwise ops,
+    for every input, the initial state, and a loss on both the output and the final state."""
+    monkeypatch.setattr(chunk_module, "_GROUP_MATRICES", group_matrices)
+    inputs, initial_state = make_inputs(seq_len, heads=3, key_dim=16, value_dim=8, gate=gate)
+    leaves = {**inputs, "initial_state": initial_state if with_initial_state else None}
+    generator = torch.Generator().manual_seed(2)
+    o_weight = torch.randn(inputs["v"].shape, generator=generator, dtype=F64)
+    state_weight = torch.randn(initial_state.shape, generator=generator, dtype=F64)
+    scale = 0.3
+
+    def run(kernel):
+        params = {name: None if x is None else x.clone().requires_grad_() for name, x in leaves.items()}
+        o, state = kernel(params)
+        loss = (o * o_weight).sum() + (state * state_weight).sum()
+        present = {name: x for name, x in params.items() if x is not None}
+        grads = dict(zip(present, torch.autograd.grad(loss, list(present.values()))))
+        return o, state, grads
+
+    o, state, grads = run(lambda p: chunk_kda(**p, scale=scale, output_final_state=True, chunk_size=chunk_size))
+    o_ref, state_ref, grads_ref = run(
+        lambda p: chunk_kda_autograd_reference(
+            p["q"], p["k"], p["v"], p["g"], p["beta"], scale, p["initial_state"], True, chunk_size
+        )
+    )
+    assert o.grad_fn is not None and type(o.grad_fn).__name__ != type(o_ref.grad_fn).__name__
+    assert max_error(o, o_ref) < 1e-12 and max_error(state, state_ref) < 1e-12
+    assert set(grads) == set(grads_ref) == {name for name, x in leaves.items() if x is not None}
+    for name in grads:
+        assert max_error(grads[name], grads_ref[name]) < 1e-12 * max(1.0, grads_ref[name].abs().max().item()), name
+
+
+def test_forward_is_the_reference_operations_bit_for_bit_in_fp32():
+    # The HF export's standalone remote code repeats these operations to get the same fp32 numbers.
+    inputs, initial_state = make_inputs(150, key_dim=64, value_dim=32, gate="bounded", dtype=torch.float32)
+    for state in (None, initial_state.float()):
+        o, final = chunk_kda(**inputs, scale=0.125, initial_state=state, output_final_state=True)
+        o_ref, final_ref = chunk_kda_autograd_reference(*inputs.values(), 0.125, state, True, 64)
+        assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+
+
+def test_hand_written_backward_passes_gradcheck():
+    # Finite differences in float64 on a small case: two chunks of 8 (tiles of 8 at g > -5),
+    # a padded tail, an initial state, and both outputs.
+    inputs, initial_state = make_inputs(13, batch=1, heads=2, key_dim=4, value_dim=3)
+    names = list(inputs) + ["initial_state"]
+    tensors = [x.clone().requires_grad_() for x in [*inputs.values(), initial_state]]
+
+    def kernel(*args):
+        return chunk_kda(*args[:5], initial_state=args[5], output_final_state=True, chunk_size=8)
+
+    assert torch.autograd.gradcheck(kernel, tensors, eps=1e-6, atol=1e-8), names
+
+
+def test_backward_with_only_the_final_state_or_only_the_output_used():
+    """A gradient arriving for one output only (the other's is None inside autograd)."""
+    inputs, initial_state = make_inputs(40, gate="worst")
+    for use in ("output", "state"):
+        params = {name: x.clone().requires_grad_() for name, x in {**inputs, "initial_state": initial_state}.items()}
+        reference = {name: x.detach().clone().requires_grad_() for name, x in params.items()}
+        o, state = chunk_kda(**params, output_final_state=True, chunk_size=16)
+        o_ref, state_ref = chunk_kda_autograd_reference(
+            reference["q"], reference["k"], reference["v"], reference["g"], reference["beta"],
+            inputs["q"].shape[-1] ** -0.5, reference["initial_state"], True, 16,
+        )
+        (o.sum() if use == "output" else state.sum()).backward()
+        (o_ref.sum() if use == "output" else state_ref.sum()).backward()
+        for name in params:
+            # (q does not reach the state: autograd leaves its gradient None, this backward zeros)
+            expected = reference[name].grad
+            expected = torch.zeros_like(params[name]) if expected is None else expected
+            assert max_error(params[name].grad, expected) < 1e-12, (use, name)
 
 
 @pytest.mark.parametrize("kernel", [naive_recurrent_kda, chunk_kda])
@@ -300,6 +392,19 @@ def test_bf16_inputs_give_bf16_output_close_to_reference(kernel):
     assert max_error(state, state_ref) < 1e-5
 
 
+def test_chunk_kda_under_bf16_autocast_keeps_its_own_precision():
+    # The model runs under bf16 autocast; the kernel's matmuls stay in its fp32 compute dtype.
+    inputs, initial_state = make_inputs(40, dtype=torch.float32)
+    params = {name: x.clone().requires_grad_() for name, x in inputs.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, state = chunk_kda(**params, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
+    o_ref, state_ref = chunk_kda(**inputs, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
+    assert o.dtype == state.dtype == torch.float32
+    assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
+    (o.sum() + state.sum()).backward()
+    assert all(torch.isfinite(x.grad).all() for x in params.values())
+
+
 # ------------------------------------------------------------------ gates
 def gate_inputs(dtype: torch.dtype = torch.float32):
     generator = torch.Generator().manual_seed(0)
@@ -357,6 +462,7 @@ sys.meta_path.insert(0, Recorder())
 sys.path.insert(0, sys.argv[1])
 import torch
 from k3train.kernels.kda import chunk_kda
+from k3train.kernels.kda import chunk as chunk_module
 from k3train.kernels.kda import fla_backend
 
 x = torch.randn(1, 20, 2, 8)
