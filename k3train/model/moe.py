@@ -59,40 +59,6 @@ class MoEGate(nn.Module):
         return scores, expert_ids, weights * self.scaling
 
 
-class _GatherSlots(torch.autograd.Function):
-    """`latent[token_of_slot]`: each token's row for each of its `top_k` slots, in expert order.
-    Backward: the slot gradients back in token-major order (one gather by `slot_position`, the
-    inverse of the sort) summed over each token's `top_k` slots, instead of autograd's zero fill
-    and accumulating `index_put_`."""
-
-    @staticmethod
-    def forward(ctx, latent, token_of_slot, slot_position, top_k):
-        ctx.save_for_backward(slot_position)
-        ctx.top_k = top_k
-        return latent.index_select(0, token_of_slot)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (slot_position,) = ctx.saved_tensors
-        by_token = grad.index_select(0, slot_position)
-        return by_token.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
-
-
-class _PermuteRows(torch.autograd.Function):
-    """`rows[order]` for a permutation `order` whose inverse is `inverse`: backward gathers with
-    the inverse instead of scattering into zeros."""
-
-    @staticmethod
-    def forward(ctx, rows, order, inverse):
-        ctx.save_for_backward(inverse)
-        return rows.index_select(0, order)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
 class LocalExperts(nn.Module):
     """All routed experts of a layer as stacked weights `[experts, out, in]` (w1 gate, w3 up, w2 down)."""
 
@@ -162,28 +128,7 @@ class LocalExperts(nn.Module):
         return torch.where(valid[:, None], out, torch.zeros_like(out))  # rows past the last offset on CUDA
 
     def forward(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """`Σ_k weights[t, k] · E_{expert_ids[t, k]}(latent[t])` for every token `t`; `[tokens, latent]`.
-
-        `forward_reference` with fewer passes over the `[tokens·k, latent]` slots: the gather
-        into expert order and the way back are permutations whose backward is the inverse
-        permutation (no zero fill, no accumulating scatter), and the routing weights enter in
-        the combine, `[1, k] @ [k, latent]` per token (one pass forward; two, reading the slots
-        once each, backward), instead of a weighted copy of every slot and its gradient."""
-        tokens, top_k = expert_ids.shape
-        flat_ids = expert_ids.reshape(-1)
-        slot_order = torch.argsort(flat_ids, stable=True)  # expert-sorted row -> token-major slot
-        slot_position = torch.empty_like(slot_order).scatter_(  # token-major slot -> its sorted row
-            0, slot_order, torch.arange(slot_order.numel(), device=slot_order.device))
-        group_ends = torch.bincount(flat_ids, minlength=self.num_experts).cumsum(0)
-        rows = _GatherSlots.apply(latent, slot_order // top_k, slot_position, top_k)
-        outputs = self.forward_sorted(rows, group_ends)
-        by_token = _PermuteRows.apply(upcast(outputs), slot_position, slot_order).view(tokens, top_k, -1)
-        with without_autocast(latent.device):  # the combine stays in fp32, as the router's weights
-            combined = torch.bmm(weights.to(by_token.dtype).unsqueeze(1), by_token).squeeze(1)
-        return combined.to(latent.dtype)
-
-    def forward_reference(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """`forward` in plain indexing: gather the slots, weight them, `index_add_` them back."""
+        """`Σ_k weights[t, k] · E_{expert_ids[t, k]}(latent[t])` for every token `t`; `[tokens, latent]`."""
         top_k = expert_ids.shape[-1]
         flat_ids = expert_ids.reshape(-1)
         slot_order = torch.argsort(flat_ids, stable=True)
