@@ -121,7 +121,7 @@ class LocalExperts(nn.Module):
         order = torch.sort(key, stable=True).indices
         group_ends = torch.zeros(groups + 1, dtype=torch.int64, device=rows.device).scatter_add_(
             0, key, torch.ones_like(key))[:groups].cumsum(0)
-        out_sorted = self.forward_sorted(rows[order], group_ends, (w1, w3, w2))
+        out_sorted = self.forward_sorted(rows.index_select(0, order), group_ends, (w1, w3, w2))
         if out_sorted.shape[0] < count:  # CPU loop path: rows after the last group were not computed
             out_sorted = torch.cat([out_sorted, out_sorted.new_zeros(count - out_sorted.shape[0], out_sorted.shape[1])])
         out = out_sorted.new_zeros(count, out_sorted.shape[1]).index_copy(0, order, out_sorted)
@@ -134,7 +134,9 @@ class LocalExperts(nn.Module):
         slot_order = torch.argsort(flat_ids, stable=True)
         token_of_slot = slot_order // top_k
         group_ends = torch.bincount(flat_ids, minlength=self.num_experts).cumsum(0)
-        outputs = self.forward_sorted(latent[token_of_slot], group_ends)
+        # index_select, not latent[token_of_slot]: its backward is an index_add_, not the slower
+        # accumulating index_put_ (benchmarks/fused_paths.py)
+        outputs = self.forward_sorted(latent.index_select(0, token_of_slot), group_ends)
         weighted = upcast(outputs) * weights.reshape(-1)[slot_order, None]
         combined = torch.zeros(latent.shape, dtype=weighted.dtype, device=latent.device)
         return combined.index_add_(0, token_of_slot, weighted).to(latent.dtype)
