@@ -77,7 +77,11 @@ class SiTUGLUFunction(torch.autograd.Function):
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
     """`β1·tanh(gate/β1)·sigmoid(gate) ⊙ β2·tanh(up/β2)`, in fp32, returned in the input dtype
-    (`situ_glu_reference` with a closed-form backward)."""
+    (`situ_glu_reference` with a closed-form backward). Under `torch.compile` the plain formula
+    is traced instead: inductor fuses it, and its derivative, into single kernels, which the
+    pass-counting above cannot beat."""
+    if torch.compiler.is_compiling():
+        return situ_glu_reference(gate, up, beta, linear_beta)
     return SiTUGLUFunction.apply(gate, up, beta, linear_beta)
 
 
