@@ -107,11 +107,14 @@ def kernel_rows(rounds: int) -> list[list[str]]:
 
 
 def use_references(model: torch.nn.Module) -> None:
-    """Switch a model's SiTU-GLU to its reference (MLA's attention: `reference_attention`)."""
+    """Switch a model's SiTU-GLU and routed combine to their references (MLA's attention:
+    `reference_attention`)."""
     for module in model.modules():
         if isinstance(module, (GLUMLP, LocalExperts)) and isinstance(module.activation, partial) \
                 and module.activation.func is situ_glu:
             module.activation = partial(situ_glu_reference, **module.activation.keywords)
+        if isinstance(module, LocalExperts):
+            module.forward = module.forward_reference
 
 
 @contextlib.contextmanager

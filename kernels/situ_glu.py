@@ -39,7 +39,8 @@ class SiTUGLUFunction(torch.autograd.Function):
     (`σ·a² = a·P/β1`), so the backward needs only the saved `a, σ, b, P`."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float,
+                row_scale: torch.Tensor | None = None) -> torch.Tensor:
         dtype = accumulation_dtype(gate.dtype)
         gate32, up32 = gate.to(dtype), up.to(dtype)
         zero = gate32.new_zeros(())  # 0-dim: `addcmul(zero, x, y, value=c)` is `c·x·y` in one pass
@@ -48,22 +49,31 @@ class SiTUGLUFunction(torch.autograd.Function):
         tanh_up = torch.mul(up32, 1.0 / linear_beta).tanh_()
         capped_gate = torch.addcmul(zero, tanh_gate, sigmoid_gate, value=beta)
         out = torch.addcmul(zero, capped_gate, tanh_up, value=linear_beta)
-        ctx.save_for_backward(tanh_gate, sigmoid_gate, tanh_up, capped_gate)
+        ctx.row_scale_dtype = None if row_scale is None else row_scale.dtype
+        if row_scale is not None:  # in place on the fresh output: a cheap pass
+            row_scale = row_scale.to(dtype).unsqueeze(-1)
+            out.mul_(row_scale)
+        ctx.save_for_backward(tanh_gate, sigmoid_gate, tanh_up, capped_gate, row_scale)
         ctx.betas = beta, linear_beta
         ctx.input_dtypes = gate.dtype, up.dtype
         return out.to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        tanh_gate, sigmoid_gate, tanh_up, capped_gate = ctx.saved_tensors
+        tanh_gate, sigmoid_gate, tanh_up, capped_gate, row_scale = ctx.saved_tensors
         beta, linear_beta = ctx.betas
         gate_dtype, up_dtype = ctx.input_dtypes
         grad = grad_out.to(tanh_gate.dtype)
         zero, one = tanh_gate.new_zeros(()), tanh_gate.new_ones(())
-        grad_gate = grad_up = None
+        grad_gate = grad_up = grad_row_scale = None
+        if row_scale is not None and ctx.needs_input_grad[4]:  # Σ_j grad_j · (P·β2·b)_j
+            unscaled = torch.addcmul(zero, capped_gate, tanh_up, value=linear_beta)
+            grad_row_scale = unscaled.mul_(grad).sum(-1).to(ctx.row_scale_dtype)
         if ctx.needs_input_grad[1]:
             grad_up = torch.addcmul(one, tanh_up, tanh_up, value=-1.0)  # 1 − b²
             grad_up.mul_(capped_gate).mul_(grad)
+            if row_scale is not None:
+                grad_up.mul_(row_scale)
             grad_up = grad_up.to(up_dtype)
         if ctx.needs_input_grad[0]:
             grad_gate = torch.add(sigmoid_gate, tanh_gate, alpha=1.0 / beta)  # σ + a/β1
@@ -71,20 +81,30 @@ class SiTUGLUFunction(torch.autograd.Function):
             grad_gate.add_(capped_gate)
             grad_gate.mul_(tanh_up)
             torch.addcmul(zero, grad_gate, grad, value=linear_beta, out=grad_gate)
+            if row_scale is not None:
+                grad_gate.mul_(row_scale)
             grad_gate = grad_gate.to(gate_dtype)
-        return grad_gate, grad_up, None, None
+        return grad_gate, grad_up, None, None, grad_row_scale
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
+             row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`β1·tanh(gate/β1)·sigmoid(gate) ⊙ β2·tanh(up/β2)`, in fp32, returned in the input dtype
-    (`situ_glu_reference` with a closed-form backward). Under `torch.compile` the plain formula
-    is traced instead: inductor fuses it, and its derivative, into single kernels, which the
-    pass-counting above cannot beat."""
+    (`situ_glu_reference` with a closed-form backward). `row_scale` (`gate.shape[:-1]`, e.g. the
+    routing weight of each expert row) multiplies each row of the product in fp32, in place on
+    it, with its gradient. Under `torch.compile` the plain formula is traced instead: inductor
+    fuses it, and its derivative, into single kernels, which the pass-counting above cannot beat."""
     if torch.compiler.is_compiling():
-        return situ_glu_reference(gate, up, beta, linear_beta)
-    return SiTUGLUFunction.apply(gate, up, beta, linear_beta)
+        out = situ_glu_reference(gate, up, beta, linear_beta)
+        return out if row_scale is None else _scale_rows(out, row_scale)
+    return SiTUGLUFunction.apply(gate, up, beta, linear_beta, row_scale)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) ⊙ up`."""
-    return torch.nn.functional.silu(gate) * up
+def swiglu(gate: torch.Tensor, up: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(gate) ⊙ up` (each row times `row_scale`, in fp32, when given)."""
+    out = torch.nn.functional.silu(gate) * up
+    return out if row_scale is None else _scale_rows(out, row_scale)
+
+
+def _scale_rows(out: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    return (upcast(out) * row_scale.unsqueeze(-1)).to(out.dtype)

@@ -2,7 +2,7 @@
 
 import torch
 
-from k3train.kernels.situ_glu import situ_glu, situ_glu_reference
+from k3train.kernels.situ_glu import situ_glu, situ_glu_reference, swiglu
 
 
 def _inputs(shape, dtype, generator, scale=3.0):
@@ -73,3 +73,32 @@ def test_situ_glu_computes_bf16_inputs_in_fp32_and_returns_bf16():
     torch.testing.assert_close(fused, reference, rtol=bf16_step, atol=0.0)
     for mine, theirs in zip(fused_grads, reference_grads):
         torch.testing.assert_close(mine.float(), theirs.float(), rtol=2 * bf16_step, atol=1e-3)
+
+
+def test_situ_glu_row_scale_matches_scaling_the_reference_in_float64():
+    """`row_scale` (the routing weights of expert rows) multiplies each output row, gradient included."""
+    generator = torch.Generator().manual_seed(4)
+    gate, up = _inputs((10, 6), torch.float64, generator)
+    row_scale = torch.rand(10, dtype=torch.float64, generator=generator)
+    row_scale[3] = 0.0  # a dropped slot
+    row_scale.requires_grad_()
+    grad_out = torch.randn(10, 6, dtype=torch.float64, generator=generator)
+    fused = situ_glu(gate, up, row_scale=row_scale)
+    fused_grads = torch.autograd.grad(fused, (gate, up, row_scale), grad_out)
+    reference = situ_glu_reference(gate, up) * row_scale[:, None]
+    reference_grads = torch.autograd.grad(reference, (gate, up, row_scale), grad_out)
+    torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
+    for mine, theirs in zip(fused_grads, reference_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    small_gate, small_up = _inputs((4, 3), torch.float64, generator, scale=2.0)
+    small_scale = torch.rand(4, dtype=torch.float64, generator=generator).requires_grad_()
+    assert torch.autograd.gradcheck(lambda g, u, s: situ_glu(g, u, 4.0, 25.0, s), (small_gate, small_up, small_scale))
+
+
+def test_swiglu_row_scale_scales_each_row():
+    generator = torch.Generator().manual_seed(5)
+    gate, up = _inputs((5, 4), torch.float64, generator)
+    row_scale = torch.rand(5, dtype=torch.float64, generator=generator)
+    torch.testing.assert_close(swiglu(gate, up, row_scale), swiglu(gate, up) * row_scale[:, None], rtol=1e-12, atol=1e-12)
+    bf16 = swiglu(gate.detach().bfloat16(), up.detach().bfloat16(), row_scale.float())
+    assert bf16.dtype == torch.bfloat16
