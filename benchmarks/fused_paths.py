@@ -6,12 +6,14 @@ the same process, alternated, on a shared machine:
 - SiTU-GLU: `situ_glu` (closed-form backward) vs `situ_glu_reference` (autograd over the formula),
   on the routed experts' `[4096, 256]` and the dense MLP's `[2, 512, 1408]`;
 - the routed experts' slot gather: `latent.index_select(0, token_of_slot)` (backward: an
-  `index_add_`) vs `latent[token_of_slot]` (backward: an accumulating `index_put_`);
+  `index_add_`) vs `latent[token_of_slot]` (backward: an accumulating `index_put_`), and
+  `LocalExperts.forward` (that gather, routing weights folded into the activation) vs
+  `forward_reference` (weights applied to a copy of the expert outputs), GEMMs included;
 - MLA attention: `causal_attention` (v zero-padded, SDPA's fused kernel) vs the unpadded call
   (SDPA's math path), 2 × 8 heads × 512 tokens, qk 96, v 64.
 
 Then the issue18 model's AdamW `train_step` (benchmarks/step_vs_dense.py's 512-wide model), two
-trainers built alike, one switched to the SiTU-GLU and attention references, steps alternated, and one profiled
+trainers built alike, one switched to the SiTU-GLU, routed-combine and attention references, steps alternated, and one profiled
 step of each split into step_vs_dense.py's parts. Times are this process's CPU seconds
 (`time.process_time`, one thread): a loaded machine disturbs them far less than wall-clock time.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import sys
 import time
@@ -37,6 +40,7 @@ import benchmarks.step_vs_dense as step_bench  # noqa: E402
 import k3train.model.mla as mla_module  # noqa: E402
 from k3train.config import load_config  # noqa: E402
 from k3train.kernels.situ_glu import situ_glu, situ_glu_reference  # noqa: E402
+from k3train.model.config import ModelConfig  # noqa: E402
 from k3train.model.mlp import GLUMLP  # noqa: E402
 from k3train.model.moe import LocalExperts  # noqa: E402
 
@@ -90,6 +94,16 @@ def kernel_rows(rounds: int) -> list[list[str]]:
     add(f"routed slot gather [{tokens}, {width}] -> [{tokens * top_k}, {width}]",
         lambda x: x[token_of_slot], lambda x: x.index_select(0, token_of_slot), [latent],
         torch.randn(tokens * top_k, width, generator=generator), 20)
+    config = dataclasses.replace(ModelConfig(), num_experts=experts, num_experts_per_token=top_k,
+                                 moe_intermediate_size=256, routed_expert_hidden_size=width)
+    local = LocalExperts(config, experts)
+    for stack in local.stacks():
+        torch.nn.init.normal_(stack, std=0.05)
+    expert_ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator).requires_grad_()
+    add(f"routed experts, grouped GEMMs included ({tokens} tokens x top-{top_k})",
+        lambda x, w: local.forward_reference(x, expert_ids, w), lambda x, w: local(x, expert_ids, w),
+        [latent, weights], torch.randn(tokens, width, generator=generator), 5)
 
     batch, seq, heads = 2, 512, 8
     q = torch.randn(batch, seq, heads, 96, generator=generator).requires_grad_()
@@ -143,10 +157,18 @@ def step_tables(steps: int, profiled: int) -> None:
           f"{times['before'] / 1e3:.3f} s, after {times['after'] / 1e3:.3f} s "
           f"({times['before'] / times['after']:.2f}x)")
     profiles = {"before": [], "after": []}
-    for _ in range(profiled):  # alternated too; the profiler's times are wall-clock, so take medians
+
+    def profile_before():
         with reference_attention():
             profiles["before"].append(step_bench.profile_parts(before))
+
+    def profile_after():
         profiles["after"].append(step_bench.profile_parts(after))
+
+    # Alternated, the order swapped every round; the profiler's times are wall-clock: medians.
+    for round_index in range(profiled):
+        for profile in (profile_after, profile_before)[::1 if round_index % 2 else -1]:
+            profile()
 
     def median(name, part=None):
         return statistics.median(wall if part is None else seconds[part] for seconds, wall in profiles[name])
