@@ -92,9 +92,16 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
     """`β1·tanh(gate/β1)·sigmoid(gate) ⊙ β2·tanh(up/β2)`, in fp32, returned in the input dtype
     (`situ_glu_reference` with a closed-form backward). `row_scale` (`gate.shape[:-1]`, e.g. the
     routing weight of each expert row) multiplies each row of the product in fp32, in place on
-    it, with its gradient. Under `torch.compile` the plain formula is traced instead: inductor
-    fuses it, and its derivative, into single kernels, which the pass-counting above cannot beat."""
-    if torch.compiler.is_compiling():
+    it, with its gradient.
+
+    The plain formula runs instead (1) under `torch.compile`: inductor fuses it, and its
+    derivative, into single kernels, which the pass-counting above cannot beat; (2) without
+    autograd (evaluation, scoring, generation): the gain is in the backward, and the formula's
+    operation order is the exported remote code's, whose fp32 logits stay bit-equal to
+    `tools/score.py`'s (docs/hf_conversion.md)."""
+    inputs = (gate, up) if row_scale is None else (gate, up, row_scale)
+    records = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if torch.compiler.is_compiling() or not records:
         out = situ_glu_reference(gate, up, beta, linear_beta)
         return out if row_scale is None else _scale_rows(out, row_scale)
     return SiTUGLUFunction.apply(gate, up, beta, linear_beta, row_scale)

@@ -9,6 +9,7 @@ before `o_proj`; there is no norm around it (the released checkpoints carry none
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import flop_counter
 
 from k3train.model.config import ModelConfig
 from k3train.model.norm import RMSNorm
@@ -28,20 +29,49 @@ def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def causal_attention(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """`causal_attention_reference(q, cat(k_nope, k_rope), v)` with v zero-padded to q/k's head dim.
+    """`causal_attention_reference(q, cat(k_nope, k_rope), v)`; in training, with v zero-padded
+    to q/k's head dim.
 
     SDPA's fused (flash) kernels want one head dim for q, k and v; MLA's v (64) is narrower than
     q/k (96), which sends the call to the math path (a materialised score matrix and its mask
-    passes: CPU fwd+bwd ~25% slower at 2×8 heads × 512 tokens). Zero columns of v only add zero
-    columns to the output, sliced off after, so the result is the same attention (vLLM's MLA
-    prefill pads v the same way). k and the padded v come out of one `cat`.
+    passes: CPU fwd+bwd ~1.3x slower at 2×8 heads × 512 tokens, benchmarks/fused_paths.py).
+    Zero columns of v only add zero columns to the output, sliced off after, so the result is
+    the same attention (vLLM's MLA prefill pads v the same way); k and the padded v come out of
+    one `cat`. Without autograd (evaluation, scoring, generation) the unpadded call runs: the
+    exported remote code makes that same call, so its fp32 logits stay bit-equal to
+    `tools/score.py`'s (docs/hf_conversion.md).
     """
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
-    if v_dim >= qk_dim:
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_nope, k_rope, v))
+    if v_dim >= qk_dim or not training:
         return causal_attention_reference(q, torch.cat([k_nope, k_rope], dim=-1), v, scale)
     zeros = v.new_zeros(()).expand(*v.shape[:-1], qk_dim - v_dim)
     k, v_padded = torch.cat([k_nope, k_rope, v, zeros], dim=-1).split([qk_dim, qk_dim], dim=-1)
     return causal_attention_reference(q, k, v_padded, scale)[..., :v_dim]
+
+
+def _cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """CPU flash attention forward, counted as the math path counts the same call (k3train/model/
+    flops.py's `attention="full"`): `QKᵀ` and `AV` over the whole `T×T` square, `v` at the width
+    it was given (padded columns included: they are multiplied)."""
+    batch, heads, queries, qk_dim = query_shape
+    return 2 * batch * heads * queries * key_shape[-2] * (qk_dim + value_shape[-1])
+
+
+def _cpu_flash_attention_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args,
+                                       out_shape=None, **kwargs) -> int:
+    """Twice the forward (the input gradients of both products), as for the math path; the
+    kernel's recomputation of the scores is not counted (model FLOPs exclude recomputation)."""
+    return 2 * _cpu_flash_attention_flop(query_shape, key_shape, value_shape)
+
+
+# torch's FlopCounterMode knows the CUDA fused attention ops but not the CPU flash kernel that
+# the padded path reaches; without this the MLA attention would count as zero FLOPs on CPU.
+for _op, _formula in ((torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, _cpu_flash_attention_flop),
+                      (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                       _cpu_flash_attention_backward_flop)):
+    if _op not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(_op)(_formula)
 
 
 class GatedMLA(nn.Module):

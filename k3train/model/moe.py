@@ -132,6 +132,10 @@ class LocalExperts(nn.Module):
 
     def forward(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`Σ_k weights[t, k] · E_{expert_ids[t, k]}(latent[t])` for every token `t`; `[tokens, latent]`."""
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (latent, weights, *self.stacks()))):
+            # Without autograd the gain is small and the exported remote code's operation order
+            # (weights after the experts) keeps evaluation's fp32 logits bit-equal to it.
+            return self.forward_reference(latent, expert_ids, weights)
         top_k = expert_ids.shape[-1]
         flat_ids = expert_ids.reshape(-1)
         slot_order = torch.argsort(flat_ids, stable=True)

@@ -33,21 +33,33 @@ def test_padded_attention_equals_the_unpadded_call_in_float64():
             torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
 
 
+def _ops(function):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        function()
+    return {event.name for event in prof.events()}
+
+
 def test_padded_attention_takes_a_fused_sdpa_kernel_on_cpu():
     """The reason for the padding: with one head dim SDPA does not materialise the scores
     (no `_softmax`), while the unpadded call does."""
     generator = torch.Generator().manual_seed(1)
+    q, k_nope, k_rope, v = (t.detach().float().requires_grad_() for t in _mla_shaped(torch.float64, generator))
+    k_rope = k_rope.expand(-1, -1, q.shape[2], -1)
+    padded = _ops(lambda: causal_attention(q, k_nope, k_rope, v, 0.2))
+    unpadded = _ops(lambda: causal_attention_reference(q, torch.cat([k_nope, k_rope], -1), v, 0.2))
+    assert "aten::_softmax" in unpadded and "aten::_softmax" not in padded
+
+
+def test_without_autograd_the_unpadded_call_runs_bit_for_bit():
+    """Evaluation and scoring keep the call the exported remote code makes (equal fp32 logits)."""
+    generator = torch.Generator().manual_seed(2)
     q, k_nope, k_rope, v = (t.detach().float() for t in _mla_shaped(torch.float64, generator))
     k_rope = k_rope.expand(-1, -1, q.shape[2], -1)
-
-    def ops(function):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            function()
-        return {event.name for event in prof.events()}
-
-    padded = ops(lambda: causal_attention(q, k_nope, k_rope, v, 0.2))
-    unpadded = ops(lambda: causal_attention_reference(q, torch.cat([k_nope, k_rope], -1), v, 0.2))
-    assert "aten::_softmax" in unpadded and "aten::_softmax" not in padded
+    reference = causal_attention_reference(q, torch.cat([k_nope, k_rope], -1), v, 0.2)
+    assert torch.equal(causal_attention(q, k_nope, k_rope, v, 0.2), reference)
+    with torch.no_grad():
+        trainable = [t.clone().requires_grad_() for t in (q, k_nope, k_rope, v)]
+        assert "aten::_softmax" in _ops(lambda: causal_attention(*trainable, 0.2))
 
 
 def test_context_parallel_path_gets_the_unpadded_values(monkeypatch):

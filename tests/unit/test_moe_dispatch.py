@@ -53,3 +53,14 @@ def test_folded_weights_keep_the_latent_dtype_in_bf16():
     reference = experts.forward_reference(latent, expert_ids, weights)
     assert folded.dtype == torch.bfloat16
     torch.testing.assert_close(folded.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_without_autograd_the_combine_is_the_reference_bit_for_bit():
+    """Evaluation keeps the exported remote code's order (weights applied after the experts)."""
+    experts = _experts("situ").float()
+    generator = torch.Generator().manual_seed(3)
+    expert_ids = torch.stack([torch.randperm(6, generator=generator)[:2] for _ in range(9)])
+    latent = torch.randn(9, experts.w1.shape[-1], generator=generator)
+    weights = torch.rand(9, 2, generator=generator)
+    with torch.no_grad():
+        assert torch.equal(experts(latent, expert_ids, weights), experts.forward_reference(latent, expert_ids, weights))

@@ -102,3 +102,12 @@ def test_swiglu_row_scale_scales_each_row():
     torch.testing.assert_close(swiglu(gate, up, row_scale), swiglu(gate, up) * row_scale[:, None], rtol=1e-12, atol=1e-12)
     bf16 = swiglu(gate.detach().bfloat16(), up.detach().bfloat16(), row_scale.float())
     assert bf16.dtype == torch.bfloat16
+
+
+def test_situ_glu_without_autograd_is_the_formula_bit_for_bit():
+    """Evaluation keeps the formula's operation order (the exported remote code's)."""
+    generator = torch.Generator().manual_seed(6)
+    gate, up = (t.detach().float() for t in _inputs((8, 16), torch.float64, generator))
+    assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
+    with torch.no_grad():
+        assert torch.equal(situ_glu(gate.requires_grad_(), up), situ_glu_reference(gate, up))
