@@ -36,17 +36,16 @@ def causal_attention(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor
     q/k (96), which sends the call to the math path (a materialised score matrix and its mask
     passes: CPU fwd+bwd ~1.3x slower at 2×8 heads × 512 tokens, benchmarks/fused_paths.py).
     Zero columns of v only add zero columns to the output, sliced off after, so the result is
-    the same attention (vLLM's MLA prefill pads v the same way); k and the padded v come out of
-    one `cat`. Without autograd (evaluation, scoring, generation) the unpadded call runs: the
-    exported remote code makes that same call, so its fp32 logits stay bit-equal to
-    `tools/score.py`'s (docs/hf_conversion.md).
+    the same attention (vLLM's MLA prefill pads v the same way). Without autograd (evaluation,
+    scoring, generation) the unpadded call runs: the exported remote code makes that same call,
+    so its fp32 logits stay bit-equal to `tools/score.py`'s (docs/hf_conversion.md).
     """
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_nope, k_rope, v))
+    k = torch.cat([k_nope, k_rope], dim=-1)
     if v_dim >= qk_dim or not training:
-        return causal_attention_reference(q, torch.cat([k_nope, k_rope], dim=-1), v, scale)
-    zeros = v.new_zeros(()).expand(*v.shape[:-1], qk_dim - v_dim)
-    k, v_padded = torch.cat([k_nope, k_rope, v, zeros], dim=-1).split([qk_dim, qk_dim], dim=-1)
+        return causal_attention_reference(q, k, v, scale)
+    v_padded = F.pad(v, (0, qk_dim - v_dim))  # separate from k's cat: no cat of their gradients
     return causal_attention_reference(q, k, v_padded, scale)[..., :v_dim]
 
 
