@@ -132,9 +132,12 @@ class LocalExperts(nn.Module):
 
     def forward(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`Σ_k weights[t, k] · E_{expert_ids[t, k]}(latent[t])` for every token `t`; `[tokens, latent]`."""
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (latent, weights, *self.stacks()))):
+        records = torch.is_grad_enabled() and any(t.requires_grad for t in (latent, weights, *self.stacks()))
+        if not records or self.te_gemms is not None:
             # Without autograd the gain is small and the exported remote code's operation order
-            # (weights after the experts) keeps evaluation's fp32 logits bit-equal to it.
+            # (weights after the experts) keeps evaluation's fp32 logits bit-equal to it. With
+            # Transformer Engine's (possibly FP8) GEMMs the weights stay out of the quantized
+            # input of `w2`: scaling rows by (0, 1] weights would widen its dynamic range.
             return self.forward_reference(latent, expert_ids, weights)
         top_k = expert_ids.shape[-1]
         flat_ids = expert_ids.reshape(-1)
