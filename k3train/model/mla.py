@@ -9,6 +9,7 @@ before `o_proj`; there is no norm around it (the released checkpoints carry none
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import flop_counter
 
 from k3train.model.config import ModelConfig
 from k3train.model.norm import RMSNorm
@@ -17,6 +18,59 @@ from k3train.parallel.context import context_attention
 from k3train.parallel.tensor import TensorParallel
 
 LATENT_NORM_EPS = 1e-6  # q_a/kv_a layernorms use 1e-6, not rms_norm_eps
+
+
+def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention of `[batch, seq, heads, dim]` tensors (v's dim may differ from q/k's)."""
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+    ).transpose(1, 2)
+
+
+def causal_attention(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """`causal_attention_reference(q, cat(k_nope, k_rope), v)`; in training, with v zero-padded
+    to q/k's head dim.
+
+    SDPA's fused (flash) kernels want one head dim for q, k and v; MLA's v (64) is narrower than
+    q/k (96), which sends the call to the math path (a materialised score matrix and its mask
+    passes: CPU fwd+bwd ~1.3x slower at 2×8 heads × 512 tokens, benchmarks/fused_paths.py).
+    Zero columns of v only add zero columns to the output, sliced off after, so the result is
+    the same attention (vLLM's MLA prefill pads v the same way). Without autograd (evaluation,
+    scoring, generation) the unpadded call runs: the exported remote code makes that same call,
+    so its fp32 logits stay bit-equal to `tools/score.py`'s (docs/hf_conversion.md).
+    """
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_nope, k_rope, v))
+    k = torch.cat([k_nope, k_rope], dim=-1)
+    if v_dim >= qk_dim or not training:
+        return causal_attention_reference(q, k, v, scale)
+    v_padded = F.pad(v, (0, qk_dim - v_dim))  # separate from k's cat: no cat of their gradients
+    return causal_attention_reference(q, k, v_padded, scale)[..., :v_dim]
+
+
+def _cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """CPU flash attention forward, counted as the math path counts the same call (k3train/model/
+    flops.py's `attention="full"`): `QKᵀ` and `AV` over the whole `T×T` square, `v` at the width
+    it was given (padded columns included: they are multiplied)."""
+    batch, heads, queries, qk_dim = query_shape
+    return 2 * batch * heads * queries * key_shape[-2] * (qk_dim + value_shape[-1])
+
+
+def _cpu_flash_attention_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args,
+                                       out_shape=None, **kwargs) -> int:
+    """Twice the forward (the input gradients of both products), as for the math path; the
+    kernel's recomputation of the scores is not counted (model FLOPs exclude recomputation)."""
+    return 2 * _cpu_flash_attention_flop(query_shape, key_shape, value_shape)
+
+
+# torch's FlopCounterMode knows the CUDA fused attention ops but not the CPU flash kernel that
+# the padded path reaches; without this the MLA attention would count as zero FLOPs on CPU.
+for _op, _formula in ((torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, _cpu_flash_attention_flop),
+                      (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                       _cpu_flash_attention_backward_flop)):
+    if _op not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(_op)(_formula)
 
 
 class GatedMLA(nn.Module):
@@ -83,14 +137,13 @@ class GatedMLA(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(compressed_kv)).view(batch, latent.shape[1], heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # NoPE: the shared 'rope' key slice is broadcast to every head unrotated.
-        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, heads, -1)], dim=-1)
+        k_rope = k_rope.unsqueeze(2).expand(-1, -1, heads, -1)
 
         if cp is not None:
+            k = torch.cat([k_nope, k_rope], dim=-1)
             attended = context_attention(q, k, v, cp, self.softmax_scale)
         else:
-            attended = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale
-            ).transpose(1, 2)  # [batch, seq, heads, v_head_dim]
+            attended = causal_attention(q, k_nope, k_rope, v, self.softmax_scale)  # [batch, seq, heads, v_head_dim]
         if self.use_output_gate:
             attended = attended * torch.sigmoid(self.g_proj(x)).view(batch, seq, heads, -1)
         return self.tp.leave(self.o_proj(attended.reshape(batch, seq, heads * self.v_head_dim)))

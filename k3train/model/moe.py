@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3train.kernels.grouped_gemm import grouped_mm
-from k3train.kernels.precision import upcast, without_autocast
+from k3train.kernels.precision import accumulation_dtype, upcast, without_autocast
 from k3train.model.balance import build_balancer
 from k3train.model.config import ModelConfig
 from k3train.model.mlp import GLUMLP, glu_activation
@@ -82,18 +82,21 @@ class LocalExperts(nn.Module):
         return self.w1, self.w3, self.w2
 
     def forward_sorted(self, rows: torch.Tensor, group_ends: torch.Tensor,
-                       weights: ExpertStacks | None = None) -> torch.Tensor:
+                       weights: ExpertStacks | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Rows sorted by expert (`group_ends` cumulative counts) through their experts: the GLU
         `w2 · act(w1 x, w3 x)` as grouped GEMMs. `weights`: stacks `(w1, w3, w2)` to use
-        instead of the module's own (replicas of other ranks' experts, fetched for a step)."""
+        instead of the module's own (replicas of other ranks' experts, fetched for a step).
+        `row_scale` `[rows]`: a factor per row applied inside the activation (`w2` is linear, so
+        this is the output row times it): the routing weights, at no extra pass."""
         w1, w3, w2 = weights if weights is not None else self.stacks()
+        scale = {} if row_scale is None else {"row_scale": row_scale}
         if self.te_gemms is not None:
             gemm1, gemm3, gemm2 = self.te_gemms
-            hidden = self.activation(gemm1(rows, group_ends, w1), gemm3(rows, group_ends, w3))
+            hidden = self.activation(gemm1(rows, group_ends, w1), gemm3(rows, group_ends, w3), **scale)
             return gemm2(hidden, group_ends, w2)
         gate = grouped_mm(rows, w1.transpose(1, 2).to(rows.dtype), group_ends)
         up = grouped_mm(rows, w3.transpose(1, 2).to(rows.dtype), group_ends)
-        return grouped_mm(self.activation(gate, up), w2.transpose(1, 2).to(rows.dtype), group_ends)
+        return grouped_mm(self.activation(gate, up, **scale), w2.transpose(1, 2).to(rows.dtype), group_ends)
 
     def grouped_forward(self, rows: torch.Tensor, ids: torch.Tensor, weights: ExpertStacks | None = None,
                         compute: str = "grouped") -> torch.Tensor:
@@ -121,7 +124,7 @@ class LocalExperts(nn.Module):
         order = torch.sort(key, stable=True).indices
         group_ends = torch.zeros(groups + 1, dtype=torch.int64, device=rows.device).scatter_add_(
             0, key, torch.ones_like(key))[:groups].cumsum(0)
-        out_sorted = self.forward_sorted(rows[order], group_ends, (w1, w3, w2))
+        out_sorted = self.forward_sorted(rows.index_select(0, order), group_ends, (w1, w3, w2))
         if out_sorted.shape[0] < count:  # CPU loop path: rows after the last group were not computed
             out_sorted = torch.cat([out_sorted, out_sorted.new_zeros(count - out_sorted.shape[0], out_sorted.shape[1])])
         out = out_sorted.new_zeros(count, out_sorted.shape[1]).index_copy(0, order, out_sorted)
@@ -129,11 +132,32 @@ class LocalExperts(nn.Module):
 
     def forward(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`Σ_k weights[t, k] · E_{expert_ids[t, k]}(latent[t])` for every token `t`; `[tokens, latent]`."""
+        records = torch.is_grad_enabled() and any(t.requires_grad for t in (latent, weights, *self.stacks()))
+        if not records or self.te_gemms is not None:
+            # Without autograd the gain is small and the exported remote code's operation order
+            # (weights after the experts) keeps evaluation's fp32 logits bit-equal to it. With
+            # Transformer Engine's (possibly FP8) GEMMs the weights stay out of the quantized
+            # input of `w2`: scaling rows by (0, 1] weights would widen its dynamic range.
+            return self.forward_reference(latent, expert_ids, weights)
         top_k = expert_ids.shape[-1]
         flat_ids = expert_ids.reshape(-1)
         slot_order = torch.argsort(flat_ids, stable=True)
         token_of_slot = slot_order // top_k
         group_ends = torch.bincount(flat_ids, minlength=self.num_experts).cumsum(0)
+        # index_select, not latent[token_of_slot]: its backward is an index_add_, not the slower
+        # accumulating index_put_; the routing weights ride in the activation's last pass
+        # instead of a weighted copy of every output slot (benchmarks/fused_paths.py)
+        outputs = self.forward_sorted(latent.index_select(0, token_of_slot), group_ends,
+                                      row_scale=weights.reshape(-1)[slot_order])
+        combined = torch.zeros(latent.shape, dtype=accumulation_dtype(outputs.dtype), device=latent.device)
+        return combined.index_add_(0, token_of_slot, upcast(outputs)).to(latent.dtype)
+
+    def forward_reference(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`forward` as plain indexing: each slot's expert output weighted after the GLU, summed back."""
+        top_k = expert_ids.shape[-1]
+        slot_order = torch.argsort(expert_ids.reshape(-1), stable=True)
+        token_of_slot = slot_order // top_k
+        group_ends = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).cumsum(0)
         outputs = self.forward_sorted(latent[token_of_slot], group_ends)
         weighted = upcast(outputs) * weights.reshape(-1)[slot_order, None]
         combined = torch.zeros(latent.shape, dtype=weighted.dtype, device=latent.device)

@@ -83,8 +83,10 @@ def test_mla_mixer_flops_match_executed_matmuls(changes):
     config = debug_config(**changes)
     torch.manual_seed(0)
     counted = counted_sublayer_flops(GatedMLA(config), config.hidden_size)
-    # PyTorch's math SDPA on CPU multiplies the full T×T square: compare with `full`.
-    analytic = 3 * (flops.mla_projection_flops(config) + flops.mla_attention_flops(config, SEQ_LENGTH, "full"))
+    # Training pads v to the q/k head dim for SDPA's fused kernel (mla.causal_attention), whose
+    # zero columns are multiplied too; counted over the full T×T square as the math path runs it.
+    padded = config.replace(v_head_dim=config.qk_head_dim)
+    analytic = 3 * (flops.mla_projection_flops(config) + flops.mla_attention_flops(padded, SEQ_LENGTH, "full"))
     assert counted == analytic
     causal = flops.mla_attention_flops(config, SEQ_LENGTH, "causal")
     full = flops.mla_attention_flops(config, SEQ_LENGTH, "full")
