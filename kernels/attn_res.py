@@ -28,7 +28,8 @@ The backward, per token, with `t_i = (γ ⊙ w)ᵀ v_i`, `s_i = r_i t_i`, incomi
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Optional, Sequence
 
 import torch
 
@@ -42,19 +43,19 @@ def attn_res_mix_reference(
     with without_autocast(sources[0].device):  # bf16 autocast must not downcast the mix
         values = torch.stack([upcast(source) for source in sources], dim=-2)  # [..., sources, d]
         keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
-        score_weight = upcast(norm_weight) * upcast(query)
+        score_weight = upcast(norm_weight) * upcast(query).reshape(-1)
         probabilities = (keys * score_weight).sum(-1).softmax(-1)  # [..., sources]
         mixed = (probabilities.unsqueeze(-2) @ values).squeeze(-2)
     return mixed.to(sources[0].dtype)
 
 
 def _score_weight(norm_weight: torch.Tensor, query: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`γ ⊙ w` in the computation's dtype: fp32 or wider, and no narrower than any source (under
-    bf16 autocast the embedding's fp32 output meets bf16 sublayer outputs)."""
-    dtype = upcast(norm_weight).dtype
-    for tensor in (query, *sources):
-        dtype = torch.promote_types(dtype, tensor.dtype)
-    return norm_weight.to(dtype) * query.to(dtype)
+    """`γ ⊙ w` (`[d]`) in the computation's dtype: fp32 or wider, and no narrower than any source
+    (under bf16 autocast the embedding's fp32 output meets bf16 sublayer outputs)."""
+    dtype = torch.promote_types(upcast(norm_weight).dtype, query.dtype)
+    for source_dtype in {source.dtype for source in sources}:
+        dtype = torch.promote_types(dtype, source_dtype)
+    return norm_weight.to(dtype) * query.reshape(-1).to(dtype)
 
 
 def _rows(sources: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -62,15 +63,14 @@ def _rows(sources: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Ten
     return [source.reshape(-1, source.shape[-1]).to(dtype) for source in sources]
 
 
-def _mix_forward(rows: list[torch.Tensor], score_weight: torch.Tensor, eps: float):
-    """Weights `α`, inverse key norms `r` and scores `s` (each `[m, tokens]`) and `Σ α_i v_i`."""
+def _scores(rows: list[torch.Tensor], score_weight: torch.Tensor, eps: float):
+    """Weights `α`, inverse key norms `r` and scores `s`, each `[m, tokens]`."""
     dim = score_weight.shape[0]
     dots = torch.stack([source @ score_weight for source in rows])  # (γ ⊙ w)ᵀ v_i: no keys formed
     norms = torch.stack([torch.linalg.vector_norm(source, dim=-1) for source in rows])
     inverse_norm = torch.rsqrt(norms.square_().div_(dim).add_(eps))
     scores = dots.mul_(inverse_norm)
-    probabilities = scores.softmax(0)
-    return probabilities, inverse_norm, scores, _weighted_sum(rows, probabilities)
+    return scores.softmax(0), inverse_norm, scores
 
 
 def _weighted_sum(rows: list[torch.Tensor], probabilities: torch.Tensor) -> torch.Tensor:
@@ -81,11 +81,15 @@ def _weighted_sum(rows: list[torch.Tensor], probabilities: torch.Tensor) -> torc
     return mixed  # [tokens, d]
 
 
-def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, grad_mixed, source_grads: bool):
-    """Gradients of the sources (`[m, tokens, d]`, or None if `not source_grads`) and of `γ ⊙ w`,
-    from `∂L/∂mixed`."""
+def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, grad_mixed, grad_scale,
+                  source_grads: bool):
+    """Gradients of the sources (a list of `[tokens, d]`, or None if `not source_grads`) and of
+    `γ ⊙ w`, from `∂L/∂mixed = grad_scale ⊙ grad_mixed` (`grad_scale` a per-token `[tokens]`
+    factor or None: folded into the per-token scalars, so no caller spends a pass applying it)."""
     count, dim = len(rows), score_weight.shape[0]
-    grad_weights = torch.stack([torch.linalg.vecdot(source, grad_mixed) for source in rows])
+    grad_weights = torch.stack([torch.linalg.vecdot(source, grad_mixed) for source in rows])  # gᵀ v_i
+    if grad_scale is not None:
+        grad_weights.mul_(grad_scale)
     grad_scores = probabilities * (grad_weights - (probabilities * grad_weights).sum(0, keepdim=True))
     along_query = grad_scores * inverse_norm  # ∂L/∂s_i · r_i
     along_value = along_query * scores * inverse_norm / -dim  # −∂L/∂s_i · s_i r_i² / d
@@ -95,9 +99,11 @@ def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, grad_
     if not source_grads:
         return None, grad_score_weight
     # α_i g + (∂L/∂s_i r_i) (γ ⊙ w) for every source at once, then − (∂L/∂s_i s_i r_i² / d) v_i.
-    grads = probabilities.unsqueeze(-1) * grad_mixed
+    weights = probabilities if grad_scale is None else probabilities * grad_scale
+    grads = weights.unsqueeze(-1) * grad_mixed
     grads.baddbmm_(along_query.unsqueeze(-1), score_weight.expand(count, 1, dim))
-    for grad, source, weight in zip(grads.unbind(0), rows, along_value.unsqueeze(-1).unbind(0)):
+    grads = grads.unbind(0)
+    for grad, source, weight in zip(grads, rows, along_value.unsqueeze(-1).unbind(0)):
         grad.addcmul_(source, weight)
     return grads, grad_score_weight
 
@@ -106,7 +112,7 @@ def _source_grads(grads, sources, needs_input_grad) -> list:
     if grads is None:
         return [None] * len(sources)
     return [grad.view(source.shape).to(source.dtype) if needed else None
-            for grad, source, needed in zip(grads.unbind(0), sources, needs_input_grad)]
+            for grad, source, needed in zip(grads, sources, needs_input_grad)]
 
 
 class _AttnResMix(torch.autograd.Function):
@@ -115,7 +121,9 @@ class _AttnResMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, norm_weight, query, eps, *sources):
         score_weight = _score_weight(norm_weight, query, sources)
-        probabilities, inverse_norm, scores, mixed = _mix_forward(_rows(sources, score_weight.dtype), score_weight, eps)
+        rows = _rows(sources, score_weight.dtype)
+        probabilities, inverse_norm, scores = _scores(rows, score_weight, eps)
+        mixed = _weighted_sum(rows, probabilities)
         ctx.save_for_backward(norm_weight, query, probabilities, inverse_norm, scores, *sources)
         return mixed.view(sources[0].shape).to(sources[0].dtype)
 
@@ -125,45 +133,54 @@ class _AttnResMix(torch.autograd.Function):
         score_weight = _score_weight(norm_weight, query, sources)
         (grad_mixed,) = _rows([grad_output], score_weight.dtype)
         grads, grad_score_weight = _mix_backward(_rows(sources, score_weight.dtype), score_weight, probabilities,
-                                                 inverse_norm, scores, grad_mixed, any(ctx.needs_input_grad[3:]))
+                                                 inverse_norm, scores, grad_mixed, None, any(ctx.needs_input_grad[3:]))
         return (*_parameter_grads(ctx, norm_weight, query, grad_score_weight), None,
                 *_source_grads(grads, sources, ctx.needs_input_grad[3:]))
 
 
 class _AttnResMixRMSNorm(torch.autograd.Function):
-    """`RMSNorm(mix(sources))` that saves no `[tokens, d]` tensor of its own: backward rebuilds
-    the mixed state from the saved weights."""
+    """`RMSNorm(mix(sources))`. It saves what a plain RMSNorm saves (one `[tokens, d]` tensor, the
+    mixed state, and the per-token inverse norm) besides the sources; backward recomputes the
+    scores (a matrix–vector product and a norm per source, cheaper than rebuilding the mixed
+    state from saved weights, and no `[m, tokens]` scalars to keep)."""
 
     @staticmethod
     def forward(ctx, norm_weight, query, eps, out_weight, out_eps, *sources):
         score_weight = _score_weight(norm_weight, query, sources)
-        probabilities, inverse_norm, scores, mixed = _mix_forward(_rows(sources, score_weight.dtype), score_weight, eps)
-        # Rounded to the sources' dtype first, as `RMSNorm(attn_res_mix(...))` would see it.
-        mixed = upcast(mixed.to(sources[0].dtype))
-        out_inverse_norm = torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + out_eps)
-        output = (upcast(out_weight) * (mixed * out_inverse_norm)).to(sources[0].dtype)
-        ctx.save_for_backward(norm_weight, query, out_weight, probabilities, inverse_norm, scores,
-                              out_inverse_norm, *sources)
+        rows = _rows(sources, score_weight.dtype)
+        probabilities, _, _ = _scores(rows, score_weight, eps)
+        # Rounded to the sources' dtype, as `RMSNorm(attn_res_mix(...))` would see it.
+        mixed = _weighted_sum(rows, probabilities).to(sources[0].dtype)
+        wide = upcast(mixed)
+        dim = wide.shape[-1]
+        out_inverse_norm = torch.linalg.vector_norm(wide, dim=-1).square_().div_(dim).add_(out_eps).rsqrt_()
+        output = (wide * out_inverse_norm.unsqueeze(-1)).mul_(upcast(out_weight)).to(sources[0].dtype)
+        ctx.eps = eps
+        ctx.save_for_backward(norm_weight, query, out_weight, out_inverse_norm, mixed, *sources)
         return output.view(sources[0].shape)
 
     @staticmethod
     def backward(ctx, grad_output):
-        norm_weight, query, out_weight, probabilities, inverse_norm, scores, out_inverse_norm, *sources = (
-            ctx.saved_tensors)
+        norm_weight, query, out_weight, out_inverse_norm, mixed, *sources = ctx.saved_tensors
         score_weight = _score_weight(norm_weight, query, sources)
         dtype = score_weight.dtype
         rows = _rows(sources, dtype)
-        mixed = upcast(_weighted_sum(rows, probabilities).to(sources[0].dtype))  # not the whole mix again
-        normalized = mixed * out_inverse_norm  # x̂ = x ρ
+        probabilities, inverse_norm, scores = _scores(rows, score_weight, ctx.eps)
+        mixed = mixed.to(dtype)
         (grad_output,) = _rows([grad_output], dtype)
         gain = upcast(out_weight)
-        # RMSNorm backward: ρ (ĝ − x̂ · mean(ĝ ⊙ x̂)) with ĝ = g ⊙ gain; g ⊙ x̂ also gives ∂L/∂gain.
-        product = grad_output * normalized
-        grad_out_weight = product.sum(0).to(out_weight.dtype) if ctx.needs_input_grad[3] else None
-        projection = (product @ gain).div_(gain.shape[0]).unsqueeze(-1)
-        grad_mixed = torch.mul(grad_output, gain).sub_(normalized.mul_(projection)).mul_(out_inverse_norm)
+        dim = gain.shape[0]
+        # RMSNorm backward with x̂ = ρ x, ĝ = g ⊙ gain: ∂L/∂x = ρ (ĝ − x̂ · mean(ĝ ⊙ x̂)) and
+        # ∂L/∂gain = Σ_tokens g ⊙ x̂; both from g ⊙ x (one pass) and two matrix–vector products.
+        # ρ stays a per-token factor that the mix's backward folds into its own scalars.
+        product = grad_output * mixed  # g ⊙ x
+        grad_out_weight = ((product.t() @ out_inverse_norm).to(out_weight.dtype)
+                           if ctx.needs_input_grad[3] else None)
+        projection = (product @ gain).mul_(out_inverse_norm.square()).div_(-dim)  # −ρ² mean(ĝ ⊙ x)
+        del product
+        grad_unscaled = torch.mul(mixed, projection.unsqueeze(-1)).addcmul_(grad_output, gain)  # ∂L/∂x / ρ
         grads, grad_score_weight = _mix_backward(rows, score_weight, probabilities, inverse_norm, scores,
-                                                 grad_mixed, any(ctx.needs_input_grad[5:]))
+                                                 grad_unscaled, out_inverse_norm, any(ctx.needs_input_grad[5:]))
         grad_norm_weight, grad_query = _parameter_grads(ctx, norm_weight, query, grad_score_weight)
         return (grad_norm_weight, grad_query, None, grad_out_weight, None,
                 *_source_grads(grads, sources, ctx.needs_input_grad[5:]))
@@ -171,8 +188,10 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
 
 def _parameter_grads(ctx, norm_weight, query, grad_score_weight):
     """`∂L/∂γ`, `∂L/∂w` from `∂L/∂(γ ⊙ w)`."""
-    grad_norm_weight = (grad_score_weight * upcast(query)).to(norm_weight.dtype) if ctx.needs_input_grad[0] else None
-    grad_query = (grad_score_weight * upcast(norm_weight)).to(query.dtype) if ctx.needs_input_grad[1] else None
+    grad_norm_weight = ((grad_score_weight * upcast(query).reshape(-1)).to(norm_weight.dtype)
+                        if ctx.needs_input_grad[0] else None)
+    grad_query = ((grad_score_weight * upcast(norm_weight)).to(query.dtype).view(query.shape)
+                  if ctx.needs_input_grad[1] else None)
     return grad_norm_weight, grad_query
 
 
@@ -183,13 +202,20 @@ def _check_sources(sources: Sequence[torch.Tensor]) -> None:
         raise ValueError(f"attn_res_mix sources must share one shape, got {[tuple(s.shape) for s in sources]}")
 
 
+def _autocast_off(device: torch.device):
+    """Leave bf16 autocast for the mix (it must not downcast it); no context at all when autocast
+    is off, as in fp32 training (entering one costs more than a small mix's arithmetic)."""
+    return without_autocast(device) if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()
+
+
 def attn_res_mix(
     sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """Mix `sources` (all of one shape `[..., d]`) with depth attention; returns `[..., d]` in the
-    first source's dtype."""
+    first source's dtype. `query` holds `d` elements: `[d]`, or the `[1, d]` projection weight
+    itself (no indexing op, so no extra autograd node)."""
     _check_sources(sources)
-    with without_autocast(sources[0].device):  # bf16 autocast must not downcast the mix
+    with _autocast_off(sources[0].device):
         return _AttnResMix.apply(norm_weight, query, eps, *sources)
 
 
@@ -198,8 +224,8 @@ def attn_res_mix_rmsnorm(
     out_weight: torch.Tensor, out_eps: float,
 ) -> torch.Tensor:
     """`RMSNorm(attn_res_mix(sources, ...))` with gain `out_weight` (computed in fp32 or wider, cast
-    back, as `k3train.model.norm.RMSNorm`); saves only the sources and per-token scalars."""
+    back, as `k3train.model.norm.RMSNorm`); saves the sources, the mixed state and its per-token
+    inverse norm, as much as a plain residual layer's RMSNorm saves."""
     _check_sources(sources)
-    with without_autocast(sources[0].device):
+    with _autocast_off(sources[0].device):
         return _AttnResMixRMSNorm.apply(norm_weight, query, eps, out_weight, out_eps, *sources)
-

@@ -48,12 +48,12 @@ class AttentionResidual(nn.Module):
             # partial sum, the size of the hidden state a plain residual layer saves) and
             # per-token scalars; backward rebuilds the mixed hidden state from the saved weights
             # (m multiply-adds) rather than running the mix a second time.
-            return attn_res_mix_rmsnorm(sources, self.norm.weight, self.proj.weight[0], self.norm.eps,
+            return attn_res_mix_rmsnorm(sources, self.norm.weight, self.proj.weight, self.norm.eps,
                                         norm.weight, norm.eps)
         return norm(self.mix(sources))
 
     def mix(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        return attn_res_mix(sources, self.norm.weight, self.proj.weight[0], self.norm.eps)
+        return attn_res_mix(sources, self.norm.weight, self.proj.weight, self.norm.eps)
 
 
 def apply_sublayer(
