@@ -37,9 +37,11 @@ from k3train.kernels.precision import upcast, without_autocast
 
 
 def attn_res_mix_reference(
-    sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float
+    sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
+    inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
-    """The definition, stacked and differentiated by autograd; returns `[..., d]`."""
+    """The definition, stacked and differentiated by autograd; returns `[..., d]`. Takes the fast
+    path's arguments, but normalises every key itself (`inverse_norms` is not read)."""
     with without_autocast(sources[0].device):  # bf16 autocast must not downcast the mix
         values = torch.stack([upcast(source) for source in sources], dim=-2)  # [..., sources, d]
         keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
@@ -63,14 +65,19 @@ def _rows(sources: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Ten
     return [source.reshape(-1, source.shape[-1]).to(dtype) for source in sources]
 
 
-def _scores(rows: list[torch.Tensor], score_weight: torch.Tensor, eps: float):
-    """Weights `α`, inverse key norms `r` and scores `s`, each `[m, tokens]`."""
-    dim = score_weight.shape[0]
+def _inverse_rms(row: torch.Tensor, eps: float) -> torch.Tensor:
+    """`(mean(v²) + ε)^{-1/2}` per row of `[tokens, d]`: one read of the row."""
+    return torch.linalg.vector_norm(row, dim=-1).square_().div_(row.shape[-1]).add_(eps).rsqrt_()
+
+
+def _scores(rows: list[torch.Tensor], score_weight: torch.Tensor, eps: float, given: list):
+    """Weights `α`, inverse key norms `r`, scores `s` and dots `t = s / r`, each `[m, tokens]`;
+    `given[i]`, if not None, is source i's `r` computed once by `key_inverse_rms`."""
     dots = torch.stack([source @ score_weight for source in rows])  # (γ ⊙ w)ᵀ v_i: no keys formed
-    norms = torch.stack([torch.linalg.vector_norm(source, dim=-1) for source in rows])
-    inverse_norm = torch.rsqrt(norms.square_().div_(dim).add_(eps))
-    scores = dots.mul_(inverse_norm)
-    return scores.softmax(0), inverse_norm, scores
+    inverse_norm = torch.stack([_inverse_rms(source, eps) if norm is None else norm.reshape(-1).to(dots.dtype)
+                                for source, norm in zip(rows, given)])
+    scores = dots * inverse_norm
+    return scores.softmax(0), inverse_norm, scores, dots
 
 
 def _weighted_sum(rows: list[torch.Tensor], probabilities: torch.Tensor) -> torch.Tensor:
@@ -81,11 +88,14 @@ def _weighted_sum(rows: list[torch.Tensor], probabilities: torch.Tensor) -> torc
     return mixed  # [tokens, d]
 
 
-def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, grad_mixed, grad_scale,
+def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, dots, given, grad_mixed, grad_scale,
                   source_grads: bool):
-    """Gradients of the sources (a list of `[tokens, d]`, or None if `not source_grads`) and of
-    `γ ⊙ w`, from `∂L/∂mixed = grad_scale ⊙ grad_mixed` (`grad_scale` a per-token `[tokens]`
-    factor or None: folded into the per-token scalars, so no caller spends a pass applying it)."""
+    """Gradients of the sources (a list of `[tokens, d]`, or None if `not source_grads`), of
+    `γ ⊙ w` and of the given inverse norms (a list, None where not given), from
+    `∂L/∂mixed = grad_scale ⊙ grad_mixed` (`grad_scale` a per-token `[tokens]` factor or None:
+    folded into the per-token scalars, so no caller spends a pass applying it). A source whose
+    `r` was given gets no `r`-term here: `∂L/∂r_i = ∂L/∂s_i t_i` goes to `key_inverse_rms`, which
+    applies the sum over all of a block's mixes in one pass."""
     count, dim = len(rows), score_weight.shape[0]
     grad_weights = torch.stack([torch.linalg.vecdot(source, grad_mixed) for source in rows])  # gᵀ v_i
     if grad_scale is not None:
@@ -96,76 +106,95 @@ def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, grad_
     grad_score_weight = torch.zeros_like(score_weight)
     for source, weight in zip(rows, along_query):
         grad_score_weight.addmv_(source.t(), weight)
+    grad_norms = [None if norm is None else (grad_scores[i] * dots[i]).view(norm.shape).to(norm.dtype)
+                  for i, norm in enumerate(given)]
     if not source_grads:
-        return None, grad_score_weight
+        return None, grad_score_weight, grad_norms
     # α_i g + (∂L/∂s_i r_i) (γ ⊙ w) for every source at once, then − (∂L/∂s_i s_i r_i² / d) v_i.
     weights = probabilities if grad_scale is None else probabilities * grad_scale
     grads = weights.unsqueeze(-1) * grad_mixed
     grads.baddbmm_(along_query.unsqueeze(-1), score_weight.expand(count, 1, dim))
     grads = grads.unbind(0)
-    for grad, source, weight in zip(grads, rows, along_value.unsqueeze(-1).unbind(0)):
-        grad.addcmul_(source, weight)
-    return grads, grad_score_weight
+    for grad, source, weight, norm in zip(grads, rows, along_value.unsqueeze(-1).unbind(0), given):
+        if norm is None:
+            grad.addcmul_(source, weight)
+    return grads, grad_score_weight, grad_norms
 
 
-def _source_grads(grads, sources, needs_input_grad) -> list:
-    if grads is None:
-        return [None] * len(sources)
-    return [grad.view(source.shape).to(source.dtype) if needed else None
-            for grad, source, needed in zip(grads, sources, needs_input_grad)]
+def _split(tensors: tuple, given_mask: tuple) -> tuple[list, list]:
+    """`(sources, given)` from `apply`'s flat tensors: the sources, then the given inverse norms
+    of the sources marked in `given_mask`."""
+    count = len(given_mask)
+    sources, supplied = list(tensors[:count]), iter(tensors[count:])
+    return sources, [next(supplied) if marked else None for marked in given_mask]
+
+
+def _input_grads(grads, grad_norms, sources, given, needs_input_grad) -> list:
+    """Gradients for `apply`'s flat tensors (sources, then the given norms)."""
+    count = len(sources)
+    source_grads = ([None] * count if grads is None else
+                    [grad.view(source.shape).to(source.dtype) if needed else None
+                     for grad, source, needed in zip(grads, sources, needs_input_grad[:count])])
+    return source_grads + [grad for grad, norm in zip(grad_norms, given) if norm is not None]
 
 
 class _AttnResMix(torch.autograd.Function):
-    """`attn_res_mix` with the written-out backward; saves the sources and `[3, m, tokens]`."""
+    """`attn_res_mix` with the written-out backward; saves the sources and `[4, m, tokens]`."""
 
     @staticmethod
-    def forward(ctx, norm_weight, query, eps, *sources):
+    def forward(ctx, norm_weight, query, eps, given_mask, *tensors):
+        sources, given = _split(tensors, given_mask)
         score_weight = _score_weight(norm_weight, query, sources)
         rows = _rows(sources, score_weight.dtype)
-        probabilities, inverse_norm, scores = _scores(rows, score_weight, eps)
+        probabilities, inverse_norm, scores, dots = _scores(rows, score_weight, eps, given)
         mixed = _weighted_sum(rows, probabilities)
-        ctx.save_for_backward(norm_weight, query, probabilities, inverse_norm, scores, *sources)
+        ctx.given_mask = given_mask
+        ctx.save_for_backward(norm_weight, query, probabilities, inverse_norm, scores, dots, *tensors)
         return mixed.view(sources[0].shape).to(sources[0].dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
-        norm_weight, query, probabilities, inverse_norm, scores, *sources = ctx.saved_tensors
+        norm_weight, query, probabilities, inverse_norm, scores, dots, *tensors = ctx.saved_tensors
+        sources, given = _split(tensors, ctx.given_mask)
         score_weight = _score_weight(norm_weight, query, sources)
         (grad_mixed,) = _rows([grad_output], score_weight.dtype)
-        grads, grad_score_weight = _mix_backward(_rows(sources, score_weight.dtype), score_weight, probabilities,
-                                                 inverse_norm, scores, grad_mixed, None, any(ctx.needs_input_grad[3:]))
-        return (*_parameter_grads(ctx, norm_weight, query, grad_score_weight), None,
-                *_source_grads(grads, sources, ctx.needs_input_grad[3:]))
+        needs = ctx.needs_input_grad[4:]
+        grads, grad_score_weight, grad_norms = _mix_backward(
+            _rows(sources, score_weight.dtype), score_weight, probabilities, inverse_norm, scores, dots, given,
+            grad_mixed, None, any(needs[:len(sources)]))
+        return (*_parameter_grads(ctx, norm_weight, query, grad_score_weight), None, None,
+                *_input_grads(grads, grad_norms, sources, given, needs))
 
 
 class _AttnResMixRMSNorm(torch.autograd.Function):
     """`RMSNorm(mix(sources))`. It saves what a plain RMSNorm saves (one `[tokens, d]` tensor, the
     mixed state, and the per-token inverse norm) besides the sources; backward recomputes the
-    scores (a matrix–vector product and a norm per source, cheaper than rebuilding the mixed
-    state from saved weights, and no `[m, tokens]` scalars to keep)."""
+    scores (a matrix–vector product and, unless given, a norm per source: cheaper than rebuilding
+    the mixed state from saved weights, and no `[m, tokens]` scalars to keep)."""
 
     @staticmethod
-    def forward(ctx, norm_weight, query, eps, out_weight, out_eps, *sources):
+    def forward(ctx, norm_weight, query, eps, out_weight, out_eps, given_mask, *tensors):
+        sources, given = _split(tensors, given_mask)
         score_weight = _score_weight(norm_weight, query, sources)
         rows = _rows(sources, score_weight.dtype)
-        probabilities, _, _ = _scores(rows, score_weight, eps)
+        probabilities = _scores(rows, score_weight, eps, given)[0]
         # Rounded to the sources' dtype, as `RMSNorm(attn_res_mix(...))` would see it.
         mixed = _weighted_sum(rows, probabilities).to(sources[0].dtype)
         wide = upcast(mixed)
-        dim = wide.shape[-1]
-        out_inverse_norm = torch.linalg.vector_norm(wide, dim=-1).square_().div_(dim).add_(out_eps).rsqrt_()
+        out_inverse_norm = _inverse_rms(wide, out_eps)
         output = (wide * out_inverse_norm.unsqueeze(-1)).mul_(upcast(out_weight)).to(sources[0].dtype)
-        ctx.eps = eps
-        ctx.save_for_backward(norm_weight, query, out_weight, out_inverse_norm, mixed, *sources)
+        ctx.eps, ctx.given_mask = eps, given_mask
+        ctx.save_for_backward(norm_weight, query, out_weight, out_inverse_norm, mixed, *tensors)
         return output.view(sources[0].shape)
 
     @staticmethod
     def backward(ctx, grad_output):
-        norm_weight, query, out_weight, out_inverse_norm, mixed, *sources = ctx.saved_tensors
+        norm_weight, query, out_weight, out_inverse_norm, mixed, *tensors = ctx.saved_tensors
+        sources, given = _split(tensors, ctx.given_mask)
         score_weight = _score_weight(norm_weight, query, sources)
         dtype = score_weight.dtype
         rows = _rows(sources, dtype)
-        probabilities, inverse_norm, scores = _scores(rows, score_weight, ctx.eps)
+        probabilities, inverse_norm, scores, dots = _scores(rows, score_weight, ctx.eps, given)
         mixed = mixed.to(dtype)
         (grad_output,) = _rows([grad_output], dtype)
         gain = upcast(out_weight)
@@ -179,11 +208,32 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
         projection = (product @ gain).mul_(out_inverse_norm.square()).div_(-dim)  # −ρ² mean(ĝ ⊙ x)
         del product
         grad_unscaled = torch.mul(mixed, projection.unsqueeze(-1)).addcmul_(grad_output, gain)  # ∂L/∂x / ρ
-        grads, grad_score_weight = _mix_backward(rows, score_weight, probabilities, inverse_norm, scores,
-                                                 grad_unscaled, out_inverse_norm, any(ctx.needs_input_grad[5:]))
+        needs = ctx.needs_input_grad[6:]
+        grads, grad_score_weight, grad_norms = _mix_backward(
+            rows, score_weight, probabilities, inverse_norm, scores, dots, given, grad_unscaled, out_inverse_norm,
+            any(needs[:len(sources)]))
         grad_norm_weight, grad_query = _parameter_grads(ctx, norm_weight, query, grad_score_weight)
-        return (grad_norm_weight, grad_query, None, grad_out_weight, None,
-                *_source_grads(grads, sources, ctx.needs_input_grad[5:]))
+        return (grad_norm_weight, grad_query, None, grad_out_weight, None, None,
+                *_input_grads(grads, grad_norms, sources, given, needs))
+
+
+class _KeyInverseRMS(torch.autograd.Function):
+    """`r = (mean(v²) + ε)^{-1/2}` per token of one source (`[tokens]`, fp32 or wider). Backward:
+    `∂L/∂v = −∂L/∂r · r³ / d · v`, one pass for the gradients of every mix that used `r`."""
+
+    @staticmethod
+    def forward(ctx, source, eps):
+        row = upcast(source.reshape(-1, source.shape[-1]))
+        inverse_norm = _inverse_rms(row, eps)
+        ctx.save_for_backward(source, inverse_norm)
+        return inverse_norm
+
+    @staticmethod
+    def backward(ctx, grad_inverse_norm):
+        source, inverse_norm = ctx.saved_tensors
+        row = upcast(source.reshape(-1, source.shape[-1]))
+        scale = grad_inverse_norm.to(row.dtype) * inverse_norm.pow(3) / -row.shape[-1]
+        return (row * scale.unsqueeze(-1)).view(source.shape).to(source.dtype), None
 
 
 def _parameter_grads(ctx, norm_weight, query, grad_score_weight):
@@ -208,24 +258,44 @@ def _autocast_off(device: torch.device):
     return without_autocast(device) if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()
 
 
+def key_inverse_rms(source: torch.Tensor, eps: float) -> torch.Tensor:
+    """A source's inverse key norm `r` (`[tokens]`, fp32 or wider), computed once for a block
+    representation that many mixes read: pass it to them in `inverse_norms`, and the key norm's
+    backward runs once per block instead of once per mix."""
+    with _autocast_off(source.device):
+        return _KeyInverseRMS.apply(source, eps)
+
+
+def _flat(sources: Sequence[torch.Tensor], inverse_norms) -> tuple[tuple, list]:
+    _check_sources(sources)
+    if inverse_norms is None:
+        return (False,) * len(sources), list(sources)
+    if len(inverse_norms) != len(sources):
+        raise ValueError(f"attn_res_mix got {len(inverse_norms)} inverse_norms for {len(sources)} sources")
+    given_mask = tuple(norm is not None for norm in inverse_norms)
+    return given_mask, [*sources, *(norm for norm in inverse_norms if norm is not None)]
+
+
 def attn_res_mix(
-    sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float
+    sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
+    inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
     """Mix `sources` (all of one shape `[..., d]`) with depth attention; returns `[..., d]` in the
     first source's dtype. `query` holds `d` elements: `[d]`, or the `[1, d]` projection weight
-    itself (no indexing op, so no extra autograd node)."""
-    _check_sources(sources)
+    itself (no indexing op, so no extra autograd node). `inverse_norms[i]`, where given, is
+    `key_inverse_rms(sources[i], eps)`."""
+    given_mask, tensors = _flat(sources, inverse_norms)
     with _autocast_off(sources[0].device):
-        return _AttnResMix.apply(norm_weight, query, eps, *sources)
+        return _AttnResMix.apply(norm_weight, query, eps, given_mask, *tensors)
 
 
 def attn_res_mix_rmsnorm(
     sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
-    out_weight: torch.Tensor, out_eps: float,
+    out_weight: torch.Tensor, out_eps: float, inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
     """`RMSNorm(attn_res_mix(sources, ...))` with gain `out_weight` (computed in fp32 or wider, cast
     back, as `k3train.model.norm.RMSNorm`); saves the sources, the mixed state and its per-token
     inverse norm, as much as a plain residual layer's RMSNorm saves."""
-    _check_sources(sources)
+    given_mask, tensors = _flat(sources, inverse_norms)
     with _autocast_off(sources[0].device):
-        return _AttnResMixRMSNorm.apply(norm_weight, query, eps, out_weight, out_eps, *sources)
+        return _AttnResMixRMSNorm.apply(norm_weight, query, eps, out_weight, out_eps, given_mask, *tensors)

@@ -12,6 +12,7 @@ afterwards attends over the same sources in the same order as the reference, so 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -20,8 +21,26 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.contracts.param_roles import mark_adamw_only
 from k3train.contracts.stage_io import ResidualState
-from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_rmsnorm
+from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_rmsnorm, key_inverse_rms
 from k3train.model.norm import RMSNorm
+
+
+@dataclass
+class KeyNormedResidualState(ResidualState):
+    """The residual state with each block's inverse key norm `(eps, r)`, computed once when the
+    block closes and read by every later mix (the key norm's backward then runs once per block,
+    not once per mix). Not stage I/O: a state rebuilt from received blocks has no entries, and a
+    mix computes the missing norms itself. `block_key_norms[i]` belongs to `blocks[i]`."""
+
+    block_key_norms: list = field(default_factory=list)
+
+
+def source_key_norms(state: ResidualState, eps: float) -> list[Optional[torch.Tensor]]:
+    """For each of `state.sources()`, its cached inverse key norm for `eps`, or None."""
+    cached = getattr(state, "block_key_norms", [])
+    norms = [cached[i][1] if i < len(cached) and cached[i] is not None and cached[i][0] == eps else None
+             for i in range(len(state.blocks))]
+    return norms + ([None] if state.partial is not None else [])
 
 
 class AttentionResidual(nn.Module):
@@ -39,8 +58,10 @@ class AttentionResidual(nn.Module):
         mark_adamw_only(self.proj.weight)
         self.recompute = recompute
 
-    def normalized_input(self, sources: list[torch.Tensor], norm: nn.Module) -> torch.Tensor:
-        """`norm(mix(sources))`: the input of the sublayer's first projection."""
+    def normalized_input(self, sources: list[torch.Tensor], norm: nn.Module,
+                         inverse_norms: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+        """`norm(mix(sources))`: the input of the sublayer's first projection. `inverse_norms`:
+        the sources' key norms where computed once already (`source_key_norms`)."""
         if len(sources) == 1:
             return norm(sources[0])  # softmax over one source is exactly 1
         if self.recompute and torch.is_grad_enabled() and isinstance(norm, RMSNorm):
@@ -49,11 +70,12 @@ class AttentionResidual(nn.Module):
             # per-token scalars; backward rebuilds the mixed hidden state from the saved weights
             # (m multiply-adds) rather than running the mix a second time.
             return attn_res_mix_rmsnorm(sources, self.norm.weight, self.proj.weight, self.norm.eps,
-                                        norm.weight, norm.eps)
-        return norm(self.mix(sources))
+                                        norm.weight, norm.eps, inverse_norms)
+        return norm(self.mix(sources, inverse_norms))
 
-    def mix(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        return attn_res_mix(sources, self.norm.weight, self.proj.weight, self.norm.eps)
+    def mix(self, sources: list[torch.Tensor],
+            inverse_norms: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+        return attn_res_mix(sources, self.norm.weight, self.proj.weight, self.norm.eps, inverse_norms)
 
 
 def apply_sublayer(
@@ -69,20 +91,30 @@ def apply_sublayer(
     `recompute_sublayer` checkpoints the whole sublayer (mix, norm and `sublayer`), saving only
     its inputs.
     """
-    sources = state.sources() if attn_res is not None else [state.partial]
+    if attn_res is None:  # plain residual: x = x + f(norm(x))
+        def plain(hidden: torch.Tensor) -> torch.Tensor:
+            return sublayer(norm(hidden))
+        output = (checkpoint(plain, state.partial, use_reentrant=False)
+                  if recompute_sublayer and torch.is_grad_enabled() else plain(state.partial))
+        return ResidualState(state.partial + output, state.blocks)
+
+    sources = state.sources()
+    eps = attn_res.norm.eps
+    inverse_norms = source_key_norms(state, eps)
+    given = [norm_ for norm_ in inverse_norms if norm_ is not None]
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
-        if attn_res is None:
-            return sublayer(norm(inputs[0]))
-        return sublayer(attn_res.normalized_input(list(inputs), norm))
+        supplied = iter(inputs[len(sources):])
+        norms = [next(supplied) if norm_ is not None else None for norm_ in inverse_norms]
+        return sublayer(attn_res.normalized_input(list(inputs[:len(sources)]), norm, norms))
 
     if recompute_sublayer and torch.is_grad_enabled():
-        output = checkpoint(run, *sources, use_reentrant=False)
+        output = checkpoint(run, *sources, *given, use_reentrant=False)
     else:
-        output = run(*sources)
-    if attn_res is None:  # plain residual: x = x + f(norm(x))
-        return ResidualState(state.partial + output, state.blocks)
+        output = run(*sources, *given)
     blocks, partial = state.blocks, state.partial
+    cached = list(getattr(state, "block_key_norms", []))
     if push_block:
+        cached = cached + [None] * (len(blocks) - len(cached)) + [(eps, key_inverse_rms(partial, eps))]
         blocks, partial = blocks + [partial], None
-    return ResidualState(output if partial is None else partial + output, blocks)
+    return KeyNormedResidualState(output if partial is None else partial + output, blocks, cached)

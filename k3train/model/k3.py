@@ -18,7 +18,7 @@ from torch import nn
 
 from k3train.kernels.precision import upcast
 from k3train.contracts.stage_io import ResidualState
-from k3train.model.attn_res import AttentionResidual
+from k3train.model.attn_res import AttentionResidual, source_key_norms
 from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
 from k3train.model.initialization import TILE_ELEMENTS, TiledStream, draw_local, normal_fill, uniform_fill
@@ -107,7 +107,8 @@ class K3Model(nn.Module):
         """The final aggregation over every block (and the last partial block), then the final norm."""
         if self.output_attn_res is None:
             return self.norm(state.partial)
-        return self.output_attn_res.normalized_input(state.sources(), self.norm)
+        return self.output_attn_res.normalized_input(
+            state.sources(), self.norm, source_key_norms(state, self.output_attn_res.norm.eps))
 
     def forward(self, input_ids: Optional[torch.Tensor] = None, state: Optional[ResidualState] = None):
         """Logits `[batch, seq, vocab / tp]` on a model with a head (this rank's vocabulary rows,
