@@ -74,8 +74,8 @@ def _scores(rows: list[torch.Tensor], score_weight: torch.Tensor, eps: float, gi
     """Weights `α`, inverse key norms `r`, scores `s` and dots `t = s / r`, each `[m, tokens]`;
     `given[i]`, if not None, is source i's `r` computed once by `key_inverse_rms`."""
     dots = torch.stack([source @ score_weight for source in rows])  # (γ ⊙ w)ᵀ v_i: no keys formed
-    inverse_norm = torch.stack([_inverse_rms(source, eps) if norm is None else norm.reshape(-1).to(dots.dtype)
-                                for source, norm in zip(rows, given)])
+    inverse_norm = torch.stack([_inverse_rms(source, eps) if norm is None else norm.to(dots.dtype)
+                                for source, norm in zip(rows, given)])  # given: [tokens] already
     scores = dots * inverse_norm
     return scores.softmax(0), inverse_norm, scores, dots
 
@@ -106,8 +106,10 @@ def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, dots,
     grad_score_weight = torch.zeros_like(score_weight)
     for source, weight in zip(rows, along_query):
         grad_score_weight.addmv_(source.t(), weight)
-    grad_norms = [None if norm is None else (grad_scores[i] * dots[i]).view(norm.shape).to(norm.dtype)
-                  for i, norm in enumerate(given)]
+    grad_norms = [None] * count
+    if any(norm is not None for norm in given):  # ∂L/∂r_i = ∂L/∂s_i t_i, one op for all sources
+        grad_norms = [None if norm is None else grad.to(norm.dtype)
+                      for grad, norm in zip((grad_scores * dots).unbind(0), given)]
     if not source_grads:
         return None, grad_score_weight, grad_norms
     # α_i g + (∂L/∂s_i r_i) (γ ⊙ w) for every source at once, then − (∂L/∂s_i s_i r_i² / d) v_i.
