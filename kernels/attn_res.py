@@ -51,18 +51,39 @@ def attn_res_mix_reference(
     return mixed.to(sources[0].dtype)
 
 
-def _score_weight(norm_weight: torch.Tensor, query: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`γ ⊙ w` (`[d]`) in the computation's dtype: fp32 or wider, and no narrower than any source
-    (under bf16 autocast the embedding's fp32 output meets bf16 sublayer outputs)."""
-    dtype = torch.promote_types(upcast(norm_weight).dtype, query.dtype)
+_WIDE = (torch.float32, torch.float64)
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """`upcast` without its dtype promotion call (the mix runs it a few dozen times per call)."""
+    return tensor if tensor.dtype in _WIDE else tensor.float()
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+def _compute_dtype(norm_weight: torch.Tensor, query: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.dtype:
+    """fp32 or wider, and no narrower than any source or parameter (under bf16 autocast the
+    embedding's fp32 output meets bf16 sublayer outputs)."""
+    dtype = sources[0].dtype
+    if dtype in _WIDE and norm_weight.dtype == dtype and query.dtype == dtype and all(
+            source.dtype == dtype for source in sources):
+        return dtype
+    dtype = torch.promote_types(_wide(norm_weight).dtype, query.dtype)
     for source_dtype in {source.dtype for source in sources}:
         dtype = torch.promote_types(dtype, source_dtype)
-    return norm_weight.to(dtype) * query.reshape(-1).to(dtype)
+    return dtype
+
+
+def _score_weight(norm_weight: torch.Tensor, query: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`γ ⊙ w` (`[d]`) in the computation's dtype."""
+    return _as(norm_weight, dtype) * _as(query, dtype).view(-1)
 
 
 def _rows(sources: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """Each `[..., d]` source as `[tokens, d]` in the accumulation dtype (views for fp32/fp64)."""
-    return [source.reshape(-1, source.shape[-1]).to(dtype) for source in sources]
+    return [_as(source.reshape(-1, source.shape[-1]), dtype) for source in sources]
 
 
 def _inverse_rms(row: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,8 +94,8 @@ def _inverse_rms(row: torch.Tensor, eps: float) -> torch.Tensor:
 def _scores(rows: list[torch.Tensor], score_weight: torch.Tensor, eps: float, given: list):
     """Weights `α`, inverse key norms `r`, scores `s` and dots `t = s / r`, each `[m, tokens]`;
     `given[i]`, if not None, is source i's `r` computed once by `key_inverse_rms`."""
-    dots = torch.stack([source @ score_weight for source in rows])  # (γ ⊙ w)ᵀ v_i: no keys formed
-    inverse_norm = torch.stack([_inverse_rms(source, eps) if norm is None else norm.to(dots.dtype)
+    dots = torch.stack([torch.mv(source, score_weight) for source in rows])  # (γ ⊙ w)ᵀ v_i: no keys formed
+    inverse_norm = torch.stack([_inverse_rms(source, eps) if norm is None else _as(norm, dots.dtype)
                                 for source, norm in zip(rows, given)])  # given: [tokens] already
     scores = dots * inverse_norm
     return scores.softmax(0), inverse_norm, scores, dots
@@ -102,24 +123,26 @@ def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, dots,
         grad_weights.mul_(grad_scale)
     grad_scores = probabilities * (grad_weights - (probabilities * grad_weights).sum(0, keepdim=True))
     along_query = grad_scores * inverse_norm  # ∂L/∂s_i · r_i
-    along_value = along_query * scores * inverse_norm / -dim  # −∂L/∂s_i · s_i r_i² / d
-    grad_score_weight = torch.zeros_like(score_weight)
-    for source, weight in zip(rows, along_query):
+    weights = along_query.unbind(0)
+    grad_score_weight = torch.mv(rows[0].t(), weights[0])
+    for source, weight in zip(rows[1:], weights[1:]):
         grad_score_weight.addmv_(source.t(), weight)
+    computed = [i for i, norm in enumerate(given) if norm is None]
     grad_norms = [None] * count
-    if any(norm is not None for norm in given):  # ∂L/∂r_i = ∂L/∂s_i t_i, one op for all sources
-        grad_norms = [None if norm is None else grad.to(norm.dtype)
+    if len(computed) < count:  # ∂L/∂r_i = ∂L/∂s_i t_i, one op for all sources
+        grad_norms = [None if norm is None else _as(grad, norm.dtype)
                       for grad, norm in zip((grad_scores * dots).unbind(0), given)]
     if not source_grads:
         return None, grad_score_weight, grad_norms
-    # α_i g + (∂L/∂s_i r_i) (γ ⊙ w) for every source at once, then − (∂L/∂s_i s_i r_i² / d) v_i.
+    # α_i g + (∂L/∂s_i r_i) (γ ⊙ w) for every source at once, then − (∂L/∂s_i s_i r_i² / d) v_i
+    # for the sources whose r was not given.
     weights = probabilities if grad_scale is None else probabilities * grad_scale
     grads = weights.unsqueeze(-1) * grad_mixed
     grads.baddbmm_(along_query.unsqueeze(-1), score_weight.expand(count, 1, dim))
     grads = grads.unbind(0)
-    for grad, source, weight, norm in zip(grads, rows, along_value.unsqueeze(-1).unbind(0), given):
-        if norm is None:
-            grad.addcmul_(source, weight)
+    for i in computed:
+        along_value = along_query[i] * scores[i] * inverse_norm[i] / -dim  # −∂L/∂s_i · s_i r_i² / d
+        grads[i].addcmul_(rows[i], along_value.unsqueeze(-1))
     return grads, grad_score_weight, grad_norms
 
 
@@ -135,7 +158,7 @@ def _input_grads(grads, grad_norms, sources, given, needs_input_grad) -> list:
     """Gradients for `apply`'s flat tensors (sources, then the given norms)."""
     count = len(sources)
     source_grads = ([None] * count if grads is None else
-                    [grad.view(source.shape).to(source.dtype) if needed else None
+                    [_as(grad.view(source.shape), source.dtype) if needed else None
                      for grad, source, needed in zip(grads, sources, needs_input_grad[:count])])
     return source_grads + [grad for grad, norm in zip(grad_norms, given) if norm is not None]
 
@@ -146,23 +169,24 @@ class _AttnResMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, norm_weight, query, eps, given_mask, *tensors):
         sources, given = _split(tensors, given_mask)
-        score_weight = _score_weight(norm_weight, query, sources)
-        rows = _rows(sources, score_weight.dtype)
-        probabilities, inverse_norm, scores, dots = _scores(rows, score_weight, eps, given)
+        ctx.dtype = _compute_dtype(norm_weight, query, sources)
+        rows = _rows(sources, ctx.dtype)
+        probabilities, inverse_norm, scores, dots = _scores(rows, _score_weight(norm_weight, query, ctx.dtype), eps,
+                                                            given)
         mixed = _weighted_sum(rows, probabilities)
         ctx.given_mask = given_mask
         ctx.save_for_backward(norm_weight, query, probabilities, inverse_norm, scores, dots, *tensors)
-        return mixed.view(sources[0].shape).to(sources[0].dtype)
+        return _as(mixed.view(sources[0].shape), sources[0].dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         norm_weight, query, probabilities, inverse_norm, scores, dots, *tensors = ctx.saved_tensors
         sources, given = _split(tensors, ctx.given_mask)
-        score_weight = _score_weight(norm_weight, query, sources)
-        (grad_mixed,) = _rows([grad_output], score_weight.dtype)
+        score_weight = _score_weight(norm_weight, query, ctx.dtype)
+        (grad_mixed,) = _rows([grad_output], ctx.dtype)
         needs = ctx.needs_input_grad[4:]
         grads, grad_score_weight, grad_norms = _mix_backward(
-            _rows(sources, score_weight.dtype), score_weight, probabilities, inverse_norm, scores, dots, given,
+            _rows(sources, ctx.dtype), score_weight, probabilities, inverse_norm, scores, dots, given,
             grad_mixed, None, any(needs[:len(sources)]))
         return (*_parameter_grads(ctx, norm_weight, query, grad_score_weight), None, None,
                 *_input_grads(grads, grad_norms, sources, given, needs))
@@ -177,37 +201,37 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, norm_weight, query, eps, out_weight, out_eps, given_mask, *tensors):
         sources, given = _split(tensors, given_mask)
-        score_weight = _score_weight(norm_weight, query, sources)
-        rows = _rows(sources, score_weight.dtype)
-        probabilities = _scores(rows, score_weight, eps, given)[0]
+        ctx.dtype = dtype = _compute_dtype(norm_weight, query, sources)
+        rows = _rows(sources, dtype)
+        probabilities = _scores(rows, _score_weight(norm_weight, query, dtype), eps, given)[0]
         # Rounded to the sources' dtype, as `RMSNorm(attn_res_mix(...))` would see it.
-        mixed = _weighted_sum(rows, probabilities).to(sources[0].dtype)
-        wide = upcast(mixed)
+        mixed = _as(_weighted_sum(rows, probabilities), sources[0].dtype)
+        wide = _wide(mixed)
         out_inverse_norm = _inverse_rms(wide, out_eps)
-        output = (wide * out_inverse_norm.unsqueeze(-1)).mul_(upcast(out_weight)).to(sources[0].dtype)
+        output = (wide * out_inverse_norm.unsqueeze(-1)).mul_(_wide(out_weight))
         ctx.eps, ctx.given_mask = eps, given_mask
         ctx.save_for_backward(norm_weight, query, out_weight, out_inverse_norm, mixed, *tensors)
-        return output.view(sources[0].shape)
+        return _as(output, sources[0].dtype).view(sources[0].shape)
 
     @staticmethod
     def backward(ctx, grad_output):
         norm_weight, query, out_weight, out_inverse_norm, mixed, *tensors = ctx.saved_tensors
         sources, given = _split(tensors, ctx.given_mask)
-        score_weight = _score_weight(norm_weight, query, sources)
-        dtype = score_weight.dtype
+        dtype = ctx.dtype
+        score_weight = _score_weight(norm_weight, query, dtype)
         rows = _rows(sources, dtype)
         probabilities, inverse_norm, scores, dots = _scores(rows, score_weight, ctx.eps, given)
-        mixed = mixed.to(dtype)
+        mixed = _as(mixed, dtype)
         (grad_output,) = _rows([grad_output], dtype)
-        gain = upcast(out_weight)
+        gain = _as(out_weight, dtype)
         dim = gain.shape[0]
         # RMSNorm backward with x̂ = ρ x, ĝ = g ⊙ gain: ∂L/∂x = ρ (ĝ − x̂ · mean(ĝ ⊙ x̂)) and
         # ∂L/∂gain = Σ_tokens g ⊙ x̂; both from g ⊙ x (one pass) and two matrix–vector products.
         # ρ stays a per-token factor that the mix's backward folds into its own scalars.
         product = grad_output * mixed  # g ⊙ x
-        grad_out_weight = ((product.t() @ out_inverse_norm).to(out_weight.dtype)
+        grad_out_weight = (_as(torch.mv(product.t(), out_inverse_norm), out_weight.dtype)
                            if ctx.needs_input_grad[3] else None)
-        projection = (product @ gain).mul_(out_inverse_norm.square()).div_(-dim)  # −ρ² mean(ĝ ⊙ x)
+        projection = torch.mv(product, gain).mul_(out_inverse_norm.square()).div_(-dim)  # −ρ² mean(ĝ ⊙ x)
         del product
         grad_unscaled = torch.mul(mixed, projection.unsqueeze(-1)).addcmul_(grad_output, gain)  # ∂L/∂x / ρ
         needs = ctx.needs_input_grad[6:]
@@ -225,24 +249,23 @@ class _KeyInverseRMS(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, source, eps):
-        row = upcast(source.reshape(-1, source.shape[-1]))
-        inverse_norm = _inverse_rms(row, eps)
+        inverse_norm = _inverse_rms(_wide(source.reshape(-1, source.shape[-1])), eps)
         ctx.save_for_backward(source, inverse_norm)
         return inverse_norm
 
     @staticmethod
     def backward(ctx, grad_inverse_norm):
         source, inverse_norm = ctx.saved_tensors
-        row = upcast(source.reshape(-1, source.shape[-1]))
-        scale = grad_inverse_norm.to(row.dtype) * inverse_norm.pow(3) / -row.shape[-1]
-        return (row * scale.unsqueeze(-1)).view(source.shape).to(source.dtype), None
+        row = _wide(source.reshape(-1, source.shape[-1]))
+        scale = _as(grad_inverse_norm, row.dtype) * inverse_norm.pow(3) / -row.shape[-1]
+        return _as((row * scale.unsqueeze(-1)).view(source.shape), source.dtype), None
 
 
 def _parameter_grads(ctx, norm_weight, query, grad_score_weight):
     """`∂L/∂γ`, `∂L/∂w` from `∂L/∂(γ ⊙ w)`."""
-    grad_norm_weight = ((grad_score_weight * upcast(query).reshape(-1)).to(norm_weight.dtype)
+    grad_norm_weight = (_as(grad_score_weight * _wide(query).view(-1), norm_weight.dtype)
                         if ctx.needs_input_grad[0] else None)
-    grad_query = ((grad_score_weight * upcast(norm_weight)).to(query.dtype).view(query.shape)
+    grad_query = (_as(grad_score_weight * _wide(norm_weight), query.dtype).view(query.shape)
                   if ctx.needs_input_grad[1] else None)
     return grad_norm_weight, grad_query
 
