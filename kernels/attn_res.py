@@ -13,17 +13,22 @@ Two forms of one definition:
 - `attn_res_mix` / `attn_res_mix_rmsnorm`: the training path. The keys are never formed: since
   `k_i = r_i v_i` with the per-token scalar `r_i = (mean(v_i²) + ε)^{-1/2}`, each score is a
   matrix–vector product of one source with `γ ⊙ w` times `r_i`, and the backward is written out
-  (below), so a mix keeps only `[m, tokens]` scalars (the weights `α`, `r` and the scores) besides
-  the sources it already holds, instead of `[tokens, m, d]` stacks. With the output RMSNorm fused
-  (`attn_res_mix_rmsnorm`, what a checkpointed sublayer input needs), the mixed hidden state is
-  not saved either: backward rebuilds it as `Σ α_i v_i` from the saved weights (m multiply-adds)
-  instead of rerunning the whole mix.
+  (below), so no `[tokens, m, d]` stack exists. With the output RMSNorm fused
+  (`attn_res_mix_rmsnorm`, the sublayer's input under `recompute: attn_res`), a mix saves what a
+  plain RMSNorm saves (the mixed state and its inverse norm) besides the sources, and backward
+  recomputes the `[m, tokens]` scores (one matrix–vector product per source) instead of keeping
+  them.
+- `key_inverse_rms`: `r_i` of one source, computed once when a block representation closes and
+  passed to every later mix (`inverse_norms`): a mix then neither reads the block for its norm
+  nor applies the norm's gradient term to it; `∂L/∂r_i` (a `[tokens]` vector per mix) sums in
+  autograd and the norm's backward applies it to the block once.
 
 The backward, per token, with `t_i = (γ ⊙ w)ᵀ v_i`, `s_i = r_i t_i`, incoming gradient `g`:
 
     ∂L/∂α_i = gᵀ v_i,     ∂L/∂s_i = α_i (∂L/∂α_i − Σ_j α_j ∂L/∂α_j)
     ∂L/∂v_i = α_i g + (∂L/∂s_i) r_i (γ ⊙ w) − (∂L/∂s_i) s_i r_i² / d · v_i
     ∂L/∂(γ ⊙ w) = Σ_tokens Σ_i (∂L/∂s_i) r_i v_i
+    (the last term of ∂L/∂v_i is ∂L/∂r_i ∂r_i/∂v_i with ∂L/∂r_i = (∂L/∂s_i) t_i, ∂r_i/∂v_i = −r_i³ v_i / d)
 """
 
 from __future__ import annotations

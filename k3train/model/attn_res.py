@@ -8,6 +8,9 @@ depth-attention mix over `[*blocks, partial]`; if a block closes here, `partial`
 and the sum restarts; the sublayer's output is added to `partial`. Mixing first and pushing
 afterwards attends over the same sources in the same order as the reference, so one rule covers
 `block`, `full` and `none` (never mix, never push: `partial` is the plain residual).
+
+When a block closes, its key norm is computed once (`KeyNormedResidualState`) and every later
+mix reads it instead of normalising the block again.
 """
 
 from __future__ import annotations
@@ -65,10 +68,10 @@ class AttentionResidual(nn.Module):
         if len(sources) == 1:
             return norm(sources[0])  # softmax over one source is exactly 1
         if self.recompute and torch.is_grad_enabled() and isinstance(norm, RMSNorm):
-            # Save only the sources (block tensors shared by every later layer, and this layer's
-            # partial sum, the size of the hidden state a plain residual layer saves) and
-            # per-token scalars; backward rebuilds the mixed hidden state from the saved weights
-            # (m multiply-adds) rather than running the mix a second time.
+            # Mix and norm in one function that saves the sources (block tensors shared by every
+            # later layer, and this layer's partial sum) plus what a plain RMSNorm saves (the
+            # mixed state and its inverse norm); backward recomputes the scores rather than
+            # running the whole mix a second time.
             return attn_res_mix_rmsnorm(sources, self.norm.weight, self.proj.weight, self.norm.eps,
                                         norm.weight, norm.eps, inverse_norms)
         return norm(self.mix(sources, inverse_norms))
