@@ -115,15 +115,18 @@ def _weighted_sum(rows: list[torch.Tensor], probabilities: torch.Tensor) -> torc
 
 
 def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, dots, given, grad_mixed, grad_scale,
-                  source_grads: bool):
+                  source_grads: bool, scratch: Optional[torch.Tensor] = None):
     """Gradients of the sources (a list of `[tokens, d]`, or None if `not source_grads`), of
     `γ ⊙ w` and of the given inverse norms (a list, None where not given), from
     `∂L/∂mixed = grad_scale ⊙ grad_mixed` (`grad_scale` a per-token `[tokens]` factor or None:
     folded into the per-token scalars, so no caller spends a pass applying it). A source whose
     `r` was given gets no `r`-term here: `∂L/∂r_i = ∂L/∂s_i t_i` goes to `key_inverse_rms`, which
-    applies the sum over all of a block's mixes in one pass."""
+    applies the sum over all of a block's mixes in one pass. `scratch`: a free `[tokens, d]`
+    buffer for the products behind `gᵀ v_i` (one buffer, warm in cache, for every source)."""
     count, dim = len(rows), score_weight.shape[0]
-    grad_weights = torch.stack([torch.linalg.vecdot(source, grad_mixed) for source in rows])  # gᵀ v_i
+    scratch = torch.empty_like(grad_mixed) if scratch is None else scratch
+    grad_weights = torch.stack([torch.mul(source, grad_mixed, out=scratch).sum(-1) for source in rows])  # gᵀ v_i
+    del scratch
     if grad_scale is not None:
         grad_weights.mul_(grad_scale)
     grad_scores = probabilities * (grad_weights - (probabilities * grad_weights).sum(0, keepdim=True))
@@ -237,12 +240,11 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
         grad_out_weight = (_as(torch.mv(product.t(), out_inverse_norm), out_weight.dtype)
                            if ctx.needs_input_grad[3] else None)
         projection = torch.mv(product, gain).mul_(out_inverse_norm.square()).div_(-dim)  # −ρ² mean(ĝ ⊙ x)
-        del product
         grad_unscaled = torch.mul(mixed, projection.unsqueeze(-1)).addcmul_(grad_output, gain)  # ∂L/∂x / ρ
         needs = ctx.needs_input_grad[6:]
         grads, grad_score_weight, grad_norms = _mix_backward(
             rows, score_weight, probabilities, inverse_norm, scores, dots, given, grad_unscaled, out_inverse_norm,
-            any(needs[:len(sources)]))
+            any(needs[:len(sources)]), scratch=product)
         grad_norm_weight, grad_query = _parameter_grads(ctx, norm_weight, query, grad_score_weight)
         return (grad_norm_weight, grad_query, None, grad_out_weight, None, None,
                 *_input_grads(grads, grad_norms, sources, given, needs))
