@@ -44,9 +44,11 @@ from k3train.kernels.precision import upcast, without_autocast
 def attn_res_mix_reference(
     sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
     inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    dots: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
     """The definition, stacked and differentiated by autograd; returns `[..., d]`. Takes the fast
-    path's arguments, but normalises every key itself (`inverse_norms` is not read)."""
+    path's arguments, but normalises and scores every key itself (`inverse_norms` and `dots` are
+    not read)."""
     with without_autocast(sources[0].device):  # bf16 autocast must not downcast the mix
         values = torch.stack([upcast(source) for source in sources], dim=-2)  # [..., sources, d]
         keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
@@ -96,10 +98,12 @@ def _inverse_rms(row: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.linalg.vector_norm(row, dim=-1).square_().div_(row.shape[-1]).add_(eps).rsqrt_()
 
 
-def _scores(rows: list[torch.Tensor], score_weight: torch.Tensor, eps: float, given: list):
-    """Weights `α`, inverse key norms `r`, scores `s` and dots `t = s / r`, each `[m, tokens]`;
-    `given[i]`, if not None, is source i's `r` computed once by `key_inverse_rms`."""
-    dots = torch.stack([torch.mv(source, score_weight) for source in rows])  # (γ ⊙ w)ᵀ v_i: no keys formed
+def _scores(rows: list[torch.Tensor], score_weight: torch.Tensor, eps: float, given: list, given_dots: list):
+    """Weights `α`, inverse key norms `r`, scores `s` and dots `t = s / r`, each `[m, tokens]`.
+    `given[i]` / `given_dots[i]`, where not None, are source i's `r` and `t` computed once for its
+    block (`block_keys`)."""
+    dots = torch.stack([torch.mv(source, score_weight) if dot is None else _as(dot, score_weight.dtype)
+                        for source, dot in zip(rows, given_dots)])  # (γ ⊙ w)ᵀ v_i: no keys formed
     inverse_norm = torch.stack([_inverse_rms(source, eps) if norm is None else _as(norm, dots.dtype)
                                 for source, norm in zip(rows, given)])  # given: [tokens] already
     scores = dots * inverse_norm
@@ -114,15 +118,16 @@ def _weighted_sum(rows: list[torch.Tensor], probabilities: torch.Tensor) -> torc
     return mixed  # [tokens, d]
 
 
-def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, dots, given, grad_mixed, grad_scale,
-                  source_grads: bool, scratch: Optional[torch.Tensor] = None):
+def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, dots, given, given_dots, grad_mixed,
+                  grad_scale, source_grads: bool, scratch: Optional[torch.Tensor] = None):
     """Gradients of the sources (a list of `[tokens, d]`, or None if `not source_grads`), of
-    `γ ⊙ w` and of the given inverse norms (a list, None where not given), from
+    `γ ⊙ w`, of the given inverse norms and of the given dots (lists, None where not given), from
     `∂L/∂mixed = grad_scale ⊙ grad_mixed` (`grad_scale` a per-token `[tokens]` factor or None:
     folded into the per-token scalars, so no caller spends a pass applying it). A source whose
-    `r` was given gets no `r`-term here: `∂L/∂r_i = ∂L/∂s_i t_i` goes to `key_inverse_rms`, which
-    applies the sum over all of a block's mixes in one pass. `scratch`: a free `[tokens, d]`
-    buffer for the products behind `gᵀ v_i` (one buffer, warm in cache, for every source)."""
+    `r` was given gets no `r`-term here (`∂L/∂r_i = ∂L/∂s_i t_i` goes to `block_keys`, which
+    applies the sum over all of a block's mixes in one pass); one whose `t` was given gets no
+    `(γ ⊙ w)`-term and adds nothing to `∂L/∂(γ ⊙ w)` (`∂L/∂t_i = ∂L/∂s_i r_i` goes there too).
+    `scratch`: a free `[tokens, d]` buffer for the products behind `gᵀ v_i`."""
     count, dim = len(rows), score_weight.shape[0]
     scratch = torch.empty_like(grad_mixed) if scratch is None else scratch
     grad_weights = torch.stack([torch.mul(source, grad_mixed, out=scratch).sum(-1) for source in rows])  # gᵀ v_i
@@ -132,43 +137,48 @@ def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, dots,
     grad_scores = probabilities * (grad_weights - (probabilities * grad_weights).sum(0, keepdim=True))
     along_query = grad_scores * inverse_norm  # ∂L/∂s_i · r_i
     weights = along_query.unbind(0)
-    grad_score_weight = torch.mv(rows[0].t(), weights[0])
-    for source, weight in zip(rows[1:], weights[1:]):
-        grad_score_weight.addmv_(source.t(), weight)
-    computed = [i for i, norm in enumerate(given) if norm is None]
+    own_dots = [i for i, dot in enumerate(given_dots) if dot is None]
+    grad_score_weight = torch.zeros_like(score_weight)
+    for i in own_dots:
+        grad_score_weight.addmv_(rows[i].t(), weights[i])
+    own_norms = [i for i, norm in enumerate(given) if norm is None]
     grad_norms = [None] * count
-    if len(computed) < count:  # ∂L/∂r_i = ∂L/∂s_i t_i, one op for all sources
+    if len(own_norms) < count:  # ∂L/∂r_i = ∂L/∂s_i t_i, one op for all sources
         grad_norms = [None if norm is None else _as(grad, norm.dtype)
                       for grad, norm in zip((grad_scores * dots).unbind(0), given)]
+    grad_dots = [None if dot is None else _as(weight, dot.dtype) for weight, dot in zip(weights, given_dots)]
     if not source_grads:
-        return None, grad_score_weight, grad_norms
-    # α_i g + (∂L/∂s_i r_i) (γ ⊙ w) for every source at once, then − (∂L/∂s_i s_i r_i² / d) v_i
-    # for the sources whose r was not given.
+        return None, grad_score_weight, grad_norms, grad_dots
+    # α_i g for every source at once; + (∂L/∂s_i r_i) (γ ⊙ w) where t_i was not given,
+    # − (∂L/∂s_i s_i r_i² / d) v_i where r_i was not given.
     weights = probabilities if grad_scale is None else probabilities * grad_scale
-    grads = weights.unsqueeze(-1) * grad_mixed
-    grads.baddbmm_(along_query.unsqueeze(-1), score_weight.expand(count, 1, dim))
-    grads = grads.unbind(0)
-    for i in computed:
+    grads = (weights.unsqueeze(-1) * grad_mixed).unbind(0)
+    for i in own_dots:
+        grads[i].addr_(along_query[i], score_weight)
+    for i in own_norms:
         along_value = along_query[i] * scores[i] * inverse_norm[i] / -dim  # −∂L/∂s_i · s_i r_i² / d
         grads[i].addcmul_(rows[i], along_value.unsqueeze(-1))
-    return grads, grad_score_weight, grad_norms
+    return grads, grad_score_weight, grad_norms, grad_dots
 
 
-def _split(tensors: tuple, given_mask: tuple) -> tuple[list, list]:
-    """`(sources, given)` from `apply`'s flat tensors: the sources, then the given inverse norms
-    of the sources marked in `given_mask`."""
+def _split(tensors: tuple, given_mask: tuple) -> tuple[list, list, list]:
+    """`(sources, norms, dots)` from `apply`'s flat tensors: the sources, then the given inverse
+    norms, then the given dots, of the sources marked in `given_mask` (`(has_norm, has_dot)` each)."""
     count = len(given_mask)
     sources, supplied = list(tensors[:count]), iter(tensors[count:])
-    return sources, [next(supplied) if marked else None for marked in given_mask]
+    norms = [next(supplied) if has_norm else None for has_norm, _ in given_mask]
+    dots = [next(supplied) if has_dot else None for _, has_dot in given_mask]
+    return sources, norms, dots
 
 
-def _input_grads(grads, grad_norms, sources, given, needs_input_grad) -> list:
-    """Gradients for `apply`'s flat tensors (sources, then the given norms)."""
+def _input_grads(grads, grad_norms, grad_dots, sources, given, given_dots, needs_input_grad) -> list:
+    """Gradients for `apply`'s flat tensors (sources, then the given norms, then the given dots)."""
     count = len(sources)
     source_grads = ([None] * count if grads is None else
                     [_as(grad.view(source.shape), source.dtype) if needed else None
                      for grad, source, needed in zip(grads, sources, needs_input_grad[:count])])
-    return source_grads + [grad for grad, norm in zip(grad_norms, given) if norm is not None]
+    return (source_grads + [grad for grad, norm in zip(grad_norms, given) if norm is not None]
+            + [grad for grad, dot in zip(grad_dots, given_dots) if dot is not None])
 
 
 class _AttnResMix(torch.autograd.Function):
@@ -176,11 +186,11 @@ class _AttnResMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, norm_weight, query, eps, given_mask, *tensors):
-        sources, given = _split(tensors, given_mask)
+        sources, given, given_dots = _split(tensors, given_mask)
         ctx.dtype = _compute_dtype(norm_weight, query, sources)
         rows = _rows(sources, ctx.dtype)
         probabilities, inverse_norm, scores, dots = _scores(rows, _score_weight(norm_weight, query, ctx.dtype), eps,
-                                                            given)
+                                                            given, given_dots)
         mixed = _weighted_sum(rows, probabilities)
         ctx.given_mask = given_mask
         ctx.save_for_backward(norm_weight, query, probabilities, inverse_norm, scores, dots, *tensors)
@@ -189,15 +199,15 @@ class _AttnResMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         norm_weight, query, probabilities, inverse_norm, scores, dots, *tensors = ctx.saved_tensors
-        sources, given = _split(tensors, ctx.given_mask)
+        sources, given, given_dots = _split(tensors, ctx.given_mask)
         score_weight = _score_weight(norm_weight, query, ctx.dtype)
         (grad_mixed,) = _rows([grad_output], ctx.dtype)
         needs = ctx.needs_input_grad[4:]
-        grads, grad_score_weight, grad_norms = _mix_backward(
-            _rows(sources, ctx.dtype), score_weight, probabilities, inverse_norm, scores, dots, given,
+        grads, grad_score_weight, grad_norms, grad_dots = _mix_backward(
+            _rows(sources, ctx.dtype), score_weight, probabilities, inverse_norm, scores, dots, given, given_dots,
             grad_mixed, None, any(needs[:len(sources)]))
         return (*_parameter_grads(ctx, norm_weight, query, grad_score_weight), None, None,
-                *_input_grads(grads, grad_norms, sources, given, needs))
+                *_input_grads(grads, grad_norms, grad_dots, sources, given, given_dots, needs))
 
 
 class _AttnResMixRMSNorm(torch.autograd.Function):
@@ -208,10 +218,10 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, norm_weight, query, eps, out_weight, out_eps, given_mask, *tensors):
-        sources, given = _split(tensors, given_mask)
+        sources, given, given_dots = _split(tensors, given_mask)
         ctx.dtype = dtype = _compute_dtype(norm_weight, query, sources)
         rows = _rows(sources, dtype)
-        probabilities = _scores(rows, _score_weight(norm_weight, query, dtype), eps, given)[0]
+        probabilities = _scores(rows, _score_weight(norm_weight, query, dtype), eps, given, given_dots)[0]
         # Rounded to the sources' dtype, as `RMSNorm(attn_res_mix(...))` would see it.
         mixed = _as(_weighted_sum(rows, probabilities), sources[0].dtype)
         wide = _wide(mixed)
@@ -224,11 +234,11 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         norm_weight, query, out_weight, out_inverse_norm, mixed, *tensors = ctx.saved_tensors
-        sources, given = _split(tensors, ctx.given_mask)
+        sources, given, given_dots = _split(tensors, ctx.given_mask)
         dtype = ctx.dtype
         score_weight = _score_weight(norm_weight, query, dtype)
         rows = _rows(sources, dtype)
-        probabilities, inverse_norm, scores, dots = _scores(rows, score_weight, ctx.eps, given)
+        probabilities, inverse_norm, scores, dots = _scores(rows, score_weight, ctx.eps, given, given_dots)
         mixed = _as(mixed, dtype)
         (grad_output,) = _rows([grad_output], dtype)
         gain = _as(out_weight, dtype)
@@ -242,30 +252,61 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
         projection = torch.mv(product, gain).mul_(out_inverse_norm.square()).div_(-dim)  # −ρ² mean(ĝ ⊙ x)
         grad_unscaled = torch.mul(mixed, projection.unsqueeze(-1)).addcmul_(grad_output, gain)  # ∂L/∂x / ρ
         needs = ctx.needs_input_grad[6:]
-        grads, grad_score_weight, grad_norms = _mix_backward(
-            rows, score_weight, probabilities, inverse_norm, scores, dots, given, grad_unscaled, out_inverse_norm,
-            any(needs[:len(sources)]), scratch=product)
+        grads, grad_score_weight, grad_norms, grad_dots = _mix_backward(
+            rows, score_weight, probabilities, inverse_norm, scores, dots, given, given_dots, grad_unscaled,
+            out_inverse_norm, any(needs[:len(sources)]), scratch=product)
         grad_norm_weight, grad_query = _parameter_grads(ctx, norm_weight, query, grad_score_weight)
         return (grad_norm_weight, grad_query, None, grad_out_weight, None, None,
-                *_input_grads(grads, grad_norms, sources, given, needs))
+                *_input_grads(grads, grad_norms, grad_dots, sources, given, given_dots, needs))
 
 
-class _KeyInverseRMS(torch.autograd.Function):
-    """`r = (mean(v²) + ε)^{-1/2}` per token of one source (`[tokens]`, fp32 or wider). Backward:
-    `∂L/∂v = −∂L/∂r · r³ / d · v`, one pass for the gradients of every mix that used `r`."""
-
-    @staticmethod
-    def forward(ctx, source, eps):
-        inverse_norm = _inverse_rms(_wide(source.reshape(-1, source.shape[-1])), eps)
-        ctx.save_for_backward(source, inverse_norm)
-        return inverse_norm
+class _BlockKeys(torch.autograd.Function):
+    """For one block representation `v` and the score weights `γ_j ⊙ w_j` of the mixes that will
+    read it: `r = (mean(v²) + ε)^{-1/2}` (`[tokens]`) and each mix's dot `t_j = (γ_j ⊙ w_j)ᵀ v`
+    (one `[tokens, d] × [d, J]` product for all of them). Backward, once per block:
+    `∂L/∂v = Σ_j ∂L/∂t_j (γ_j ⊙ w_j) − ∂L/∂r · r³ / d · v` and `∂L/∂(γ_j ⊙ w_j) = vᵀ ∂L/∂t_j`."""
 
     @staticmethod
-    def backward(ctx, grad_inverse_norm):
-        source, inverse_norm = ctx.saved_tensors
+    def forward(ctx, source, eps, *parameters):
         row = _wide(source.reshape(-1, source.shape[-1]))
-        scale = _as(grad_inverse_norm, row.dtype) * inverse_norm.pow(3) / -row.shape[-1]
-        return _as((row * scale.unsqueeze(-1)).view(source.shape), source.dtype), None
+        inverse_norm = _inverse_rms(row, eps)
+        ctx.set_materialize_grads(False)
+        if not parameters:
+            ctx.save_for_backward(source, inverse_norm)
+            return inverse_norm
+        gains, queries = parameters[0::2], parameters[1::2]
+        dtype = torch.promote_types(row.dtype, _compute_dtype(gains[0], queries[0], [source]))
+        score_weights = torch.stack([_score_weight(gain, query, dtype) for gain, query in zip(gains, queries)])
+        dots = torch.mm(score_weights, _as(row, dtype).t())  # [J, tokens]: one row per mix
+        ctx.dtype = dtype
+        ctx.save_for_backward(source, inverse_norm, *parameters)
+        return (inverse_norm, *dots.unbind(0))
+
+    @staticmethod
+    def backward(ctx, grad_inverse_norm, *grad_dots):
+        source, inverse_norm, *parameters = ctx.saved_tensors
+        row = _wide(source.reshape(-1, source.shape[-1]))
+        grad = None
+        if grad_inverse_norm is not None:
+            scale = _as(grad_inverse_norm, row.dtype) * inverse_norm.pow(3) / -row.shape[-1]
+            grad = row * scale.unsqueeze(-1)
+        parameter_grads = [None] * len(parameters)
+        if parameters and any(g is not None for g in grad_dots):
+            dtype = ctx.dtype
+            gains, queries = parameters[0::2], parameters[1::2]
+            score_weights = torch.stack([_score_weight(gain, query, dtype) for gain, query in zip(gains, queries)])
+            grad_dots = torch.stack([torch.zeros_like(inverse_norm, dtype=dtype) if g is None else _as(g, dtype)
+                                     for g in grad_dots])  # [J, tokens]
+            from_dots = torch.mm(grad_dots.t(), score_weights)  # Σ_j ∂L/∂t_j (γ_j ⊙ w_j)
+            grad = _as(from_dots, row.dtype) if grad is None else grad.add_(from_dots)
+            grad_score_weights = torch.mm(grad_dots, _as(row, dtype))  # [J, d]
+            for j, (gain, query) in enumerate(zip(gains, queries)):
+                if ctx.needs_input_grad[2 + 2 * j]:
+                    parameter_grads[2 * j] = _as(grad_score_weights[j] * _wide(query).view(-1), gain.dtype)
+                if ctx.needs_input_grad[3 + 2 * j]:
+                    parameter_grads[2 * j + 1] = _as(grad_score_weights[j] * _wide(gain), query.dtype).view(query.shape)
+        source_grad = None if grad is None else _as(grad.view(source.shape), source.dtype)
+        return (source_grad, None, *parameter_grads)
 
 
 def _parameter_grads(ctx, norm_weight, query, grad_score_weight):
@@ -290,33 +331,48 @@ def _autocast_off(device: torch.device):
     return without_autocast(device) if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()
 
 
-def key_inverse_rms(source: torch.Tensor, eps: float) -> torch.Tensor:
-    """A source's inverse key norm `r` (`[tokens]`, fp32 or wider), computed once for a block
-    representation that many mixes read: pass it to them in `inverse_norms`, and the key norm's
-    backward runs once per block instead of once per mix."""
+def block_keys(
+    source: torch.Tensor, eps: float, consumers: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A block representation's inverse key norm `r` (`[tokens]`, fp32 or wider) and, for each
+    later mix `(norm_weight, query)` in `consumers`, its dot `(γ ⊙ w)ᵀ v` (`[tokens]`), computed
+    once when the block closes. Pass them to those mixes (`inverse_norms`, `dots`): a mix then
+    reads the block only for its weighted sum and its weights' gradient, and the gradients through
+    `r` and the dots (`[tokens]` vectors per mix, summed by autograd) reach the block in one pass."""
     with _autocast_off(source.device):
-        return _KeyInverseRMS.apply(source, eps)
+        outputs = _BlockKeys.apply(source, eps, *(t for pair in consumers for t in pair))
+    if not consumers:
+        return outputs, []
+    return outputs[0], list(outputs[1:])
 
 
-def _flat(sources: Sequence[torch.Tensor], inverse_norms) -> tuple[tuple, list]:
+def key_inverse_rms(source: torch.Tensor, eps: float) -> torch.Tensor:
+    """`block_keys(source, eps)[0]`: the inverse key norm alone."""
+    return block_keys(source, eps)[0]
+
+
+def _flat(sources: Sequence[torch.Tensor], inverse_norms, dots) -> tuple[tuple, list]:
     _check_sources(sources)
-    if inverse_norms is None:
-        return (False,) * len(sources), list(sources)
-    if len(inverse_norms) != len(sources):
-        raise ValueError(f"attn_res_mix got {len(inverse_norms)} inverse_norms for {len(sources)} sources")
-    given_mask = tuple(norm is not None for norm in inverse_norms)
-    return given_mask, [*sources, *(norm for norm in inverse_norms if norm is not None)]
+    count = len(sources)
+    inverse_norms = [None] * count if inverse_norms is None else list(inverse_norms)
+    dots = [None] * count if dots is None else list(dots)
+    if len(inverse_norms) != count or len(dots) != count:
+        raise ValueError(f"attn_res_mix got {len(inverse_norms)} inverse_norms and {len(dots)} dots "
+                         f"for {count} sources")
+    given_mask = tuple((norm is not None, dot is not None) for norm, dot in zip(inverse_norms, dots))
+    return given_mask, [*sources, *(n for n in inverse_norms if n is not None), *(t for t in dots if t is not None)]
 
 
 def attn_res_mix(
     sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
     inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    dots: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
     """Mix `sources` (all of one shape `[..., d]`) with depth attention; returns `[..., d]` in the
     first source's dtype. `query` holds `d` elements: `[d]`, or the `[1, d]` projection weight
-    itself (no indexing op, so no extra autograd node). `inverse_norms[i]`, where given, is
-    `key_inverse_rms(sources[i], eps)`."""
-    given_mask, tensors = _flat(sources, inverse_norms)
+    itself (no indexing op, so no extra autograd node). `inverse_norms[i]` and `dots[i]`, where
+    given, come from `block_keys(sources[i], eps, [..., (norm_weight, query), ...])`."""
+    given_mask, tensors = _flat(sources, inverse_norms, dots)
     with _autocast_off(sources[0].device):
         return _AttnResMix.apply(norm_weight, query, eps, given_mask, *tensors)
 
@@ -324,10 +380,11 @@ def attn_res_mix(
 def attn_res_mix_rmsnorm(
     sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
     out_weight: torch.Tensor, out_eps: float, inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    dots: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
     """`RMSNorm(attn_res_mix(sources, ...))` with gain `out_weight` (computed in fp32 or wider, cast
     back, as `k3train.model.norm.RMSNorm`); saves the sources, the mixed state and its per-token
     inverse norm, as much as a plain residual layer's RMSNorm saves."""
-    given_mask, tensors = _flat(sources, inverse_norms)
+    given_mask, tensors = _flat(sources, inverse_norms, dots)
     with _autocast_off(sources[0].device):
         return _AttnResMixRMSNorm.apply(norm_weight, query, eps, out_weight, out_eps, given_mask, *tensors)

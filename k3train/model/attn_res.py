@@ -9,14 +9,15 @@ and the sum restarts; the sublayer's output is added to `partial`. Mixing first 
 afterwards attends over the same sources in the same order as the reference, so one rule covers
 `block`, `full` and `none` (never mix, never push: `partial` is the plain residual).
 
-When a block closes, its key norm is computed once (`KeyNormedResidualState`) and every later
-mix reads it instead of normalising the block again.
+When a block closes, its keys are computed once (`KeyedResidualState`): its key norm, and its
+dot with the score weight of every later mix in the model chunk (one matrix product), which
+those mixes read instead of normalising and scoring the block again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -24,26 +25,33 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.contracts.param_roles import mark_adamw_only
 from k3train.contracts.stage_io import ResidualState
-from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_rmsnorm, key_inverse_rms
+from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_rmsnorm, block_keys
 from k3train.model.norm import RMSNorm
 
 
 @dataclass
-class KeyNormedResidualState(ResidualState):
-    """The residual state with each block's inverse key norm `(eps, r)`, computed once when the
-    block closes and read by every later mix (the key norm's backward then runs once per block,
-    not once per mix). Not stage I/O: a state rebuilt from received blocks has no entries, and a
-    mix computes the missing norms itself. `block_key_norms[i]` belongs to `blocks[i]`."""
+class KeyedResidualState(ResidualState):
+    """The residual state with each block's keys, computed once when the block closes (the
+    two-phase form: the scores against completed blocks need not be recomputed per mix):
+    `block_keys[i] = (eps, r, dots)` for `blocks[i]`, with `r` its inverse key norm and `dots`
+    `{id(mix): (γ ⊙ w)ᵀ v}` for every later mix of this model chunk. Not stage I/O: a state rebuilt
+    from received blocks has no entries, and a mix computes what is missing itself."""
 
-    block_key_norms: list = field(default_factory=list)
+    block_keys: list = field(default_factory=list)
 
 
-def source_key_norms(state: ResidualState, eps: float) -> list[Optional[torch.Tensor]]:
-    """For each of `state.sources()`, its cached inverse key norm for `eps`, or None."""
-    cached = getattr(state, "block_key_norms", [])
-    norms = [cached[i][1] if i < len(cached) and cached[i] is not None and cached[i][0] == eps else None
-             for i in range(len(state.blocks))]
-    return norms + ([None] if state.partial is not None else [])
+def source_keys(state: ResidualState, attn_res: "AttentionResidual") -> tuple[list, list]:
+    """For each of `state.sources()`, `attn_res`'s cached inverse key norm and dot, or None."""
+    entries = getattr(state, "block_keys", [])
+    eps, norms, dots = attn_res.norm.eps, [], []
+    for i in range(len(state.blocks)):
+        entry = entries[i] if i < len(entries) else None
+        norms.append(entry[1] if entry is not None and entry[0] == eps else None)
+        dots.append(entry[2].get(id(attn_res)) if entry is not None else None)
+    if state.partial is not None:
+        norms.append(None)
+        dots.append(None)
+    return norms, dots
 
 
 class AttentionResidual(nn.Module):
@@ -62,9 +70,10 @@ class AttentionResidual(nn.Module):
         self.recompute = recompute
 
     def normalized_input(self, sources: list[torch.Tensor], norm: nn.Module,
-                         inverse_norms: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
-        """`norm(mix(sources))`: the input of the sublayer's first projection. `inverse_norms`:
-        the sources' key norms where computed once already (`source_key_norms`)."""
+                         inverse_norms: Optional[list[Optional[torch.Tensor]]] = None,
+                         dots: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+        """`norm(mix(sources))`: the input of the sublayer's first projection. `inverse_norms`,
+        `dots`: the sources' keys where computed once already (`source_keys`)."""
         if len(sources) == 1:
             return norm(sources[0])  # softmax over one source is exactly 1
         if self.recompute and torch.is_grad_enabled() and isinstance(norm, RMSNorm):
@@ -73,12 +82,12 @@ class AttentionResidual(nn.Module):
             # mixed state and its inverse norm); backward recomputes the scores rather than
             # running the whole mix a second time.
             return attn_res_mix_rmsnorm(sources, self.norm.weight, self.proj.weight, self.norm.eps,
-                                        norm.weight, norm.eps, inverse_norms)
-        return norm(self.mix(sources, inverse_norms))
+                                        norm.weight, norm.eps, inverse_norms, dots)
+        return norm(self.mix(sources, inverse_norms, dots))
 
-    def mix(self, sources: list[torch.Tensor],
-            inverse_norms: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
-        return attn_res_mix(sources, self.norm.weight, self.proj.weight, self.norm.eps, inverse_norms)
+    def mix(self, sources: list[torch.Tensor], inverse_norms: Optional[list[Optional[torch.Tensor]]] = None,
+            dots: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+        return attn_res_mix(sources, self.norm.weight, self.proj.weight, self.norm.eps, inverse_norms, dots)
 
 
 def apply_sublayer(
@@ -88,11 +97,13 @@ def apply_sublayer(
     norm: nn.Module,
     sublayer: Callable[[torch.Tensor], torch.Tensor],
     recompute_sublayer: bool = False,
+    later: Sequence[AttentionResidual] = (),
 ) -> ResidualState:
     """Run one pre-norm sublayer on the residual state (see the module docstring for the rule).
 
     `recompute_sublayer` checkpoints the whole sublayer (mix, norm and `sublayer`), saving only
-    its inputs.
+    its inputs. `later`: the mixes after this one in the model chunk, which read a block closed
+    here; its keys for them are computed once, when it closes.
     """
     if attn_res is None:  # plain residual: x = x + f(norm(x))
         def plain(hidden: torch.Tensor) -> torch.Tensor:
@@ -102,22 +113,25 @@ def apply_sublayer(
         return ResidualState(state.partial + output, state.blocks)
 
     sources = state.sources()
-    eps = attn_res.norm.eps
-    inverse_norms = source_key_norms(state, eps)
-    given = [norm_ for norm_ in inverse_norms if norm_ is not None]
+    inverse_norms, dots = source_keys(state, attn_res)
+    given = [t for t in inverse_norms + dots if t is not None]
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
         supplied = iter(inputs[len(sources):])
-        norms = [next(supplied) if norm_ is not None else None for norm_ in inverse_norms]
-        return sublayer(attn_res.normalized_input(list(inputs[:len(sources)]), norm, norms))
+        norms_in = [next(supplied) if t is not None else None for t in inverse_norms]
+        dots_in = [next(supplied) if t is not None else None for t in dots]
+        return sublayer(attn_res.normalized_input(list(inputs[:len(sources)]), norm, norms_in, dots_in))
 
     if recompute_sublayer and torch.is_grad_enabled():
         output = checkpoint(run, *sources, *given, use_reentrant=False)
     else:
         output = run(*sources, *given)
     blocks, partial = state.blocks, state.partial
-    cached = list(getattr(state, "block_key_norms", []))
+    keys = list(getattr(state, "block_keys", []))
     if push_block:
-        cached = cached + [None] * (len(blocks) - len(cached)) + [(eps, key_inverse_rms(partial, eps))]
+        eps = attn_res.norm.eps
+        inverse_norm, block_dots = block_keys(partial, eps, [(mix.norm.weight, mix.proj.weight) for mix in later])
+        keys = keys + [None] * (len(blocks) - len(keys)) + [
+            (eps, inverse_norm, {id(mix): dot for mix, dot in zip(later, block_dots)})]
         blocks, partial = blocks + [partial], None
-    return KeyNormedResidualState(output if partial is None else partial + output, blocks, cached)
+    return KeyedResidualState(output if partial is None else partial + output, blocks, keys)

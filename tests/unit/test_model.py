@@ -300,7 +300,7 @@ def test_k3_preset_builds_on_meta_device():
 # ---------------------------------------------------------------------------- activation memory
 def saved_activation_bytes(config: ModelConfig, layer_index: int) -> int:
     """Bytes one layer saves for backward, each storage counted once, excluding parameters and
-    the block representations and their key norms (shared by every later layer, held once per
+    the block representations and their keys (shared by every later layer, held once per
     micro-batch)."""
     torch.manual_seed(0)
     model = K3Model(config)
@@ -323,9 +323,10 @@ def saved_activation_bytes(config: ModelConfig, layer_index: int) -> int:
 
         with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
             output = layer(state)
-        for entry in getattr(output, "block_key_norms", []):  # one [tokens] vector per block, like the blocks
+        for entry in getattr(output, "block_keys", []):  # [tokens] vectors per block, held like the blocks
             if entry is not None:
-                saved.pop(entry[1].untyped_storage().data_ptr(), None)
+                for key in (entry[1], *entry[2].values()):
+                    saved.pop(key.untyped_storage().data_ptr(), None)
         return sum(saved.values())
     raise AssertionError(f"no layer {layer_index}")
 
