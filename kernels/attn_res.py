@@ -18,10 +18,13 @@ Two forms of one definition:
   plain RMSNorm saves (the mixed state and its inverse norm) besides the sources, and backward
   recomputes the `[m, tokens]` scores (one matrix–vector product per source) instead of keeping
   them.
-- `key_inverse_rms`: `r_i` of one source, computed once when a block representation closes and
-  passed to every later mix (`inverse_norms`): a mix then neither reads the block for its norm
-  nor applies the norm's gradient term to it; `∂L/∂r_i` (a `[tokens]` vector per mix) sums in
-  autograd and the norm's backward applies it to the block once.
+- `block_keys`: the two-phase form. When a block representation closes, its `r_i` and its dots
+  `t_ij = (γ_j ⊙ w_j)ᵀ v_i` with the score weights of every later mix `j` are computed once (one
+  `[tokens, d] × [d, J]` product) and passed to those mixes (`inverse_norms`, `dots`): a mix then
+  reads a completed block only for its weighted sum and for `∂L/∂α`, adds no `r`- or
+  `(γ ⊙ w)`-term to its gradient, and returns `[tokens]` vectors `∂L/∂r_i`, `∂L/∂t_ij` instead;
+  autograd sums them and `block_keys`' backward applies them to the block (and to every `γ_j`,
+  `w_j`) once. `key_inverse_rms` is `r_i` alone.
 
 The backward, per token, with `t_i = (γ ⊙ w)ᵀ v_i`, `s_i = r_i t_i`, incoming gradient `g`:
 
