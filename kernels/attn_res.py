@@ -19,8 +19,8 @@ Two forms of one definition:
   recomputes the `[m, tokens]` scores (one matrix–vector product per source) instead of keeping
   them.
 - `block_keys`: the two-phase form. When a block representation closes, its `r_i` and its dots
-  `t_ij = (γ_j ⊙ w_j)ᵀ v_i` with the score weights of every later mix `j` are computed once (one
-  `[tokens, d] × [d, J]` product) and passed to those mixes (`inverse_norms`, `dots`): a mix then
+  `t_ij = (γ_j ⊙ w_j)ᵀ v_i` with the score weights of every later mix `j` are computed once and
+  passed to those mixes (`inverse_norms`, `dots`): a mix then
   reads a completed block only for its weighted sum and for `∂L/∂α`, adds no `r`- or
   `(γ ⊙ w)`-term to its gradient, and returns `[tokens]` vectors `∂L/∂r_i`, `∂L/∂t_ij` instead;
   autograd sums them and `block_keys`' backward applies them to the block (and to every `γ_j`,
@@ -266,7 +266,7 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
 class _BlockKeys(torch.autograd.Function):
     """For one block representation `v` and the score weights `γ_j ⊙ w_j` of the mixes that will
     read it: `r = (mean(v²) + ε)^{-1/2}` (`[tokens]`) and each mix's dot `t_j = (γ_j ⊙ w_j)ᵀ v`
-    (one `[tokens, d] × [d, J]` product for all of them). Backward, once per block:
+    (the same matrix–vector product a mix would run). Backward, once per block, two matrix products:
     `∂L/∂v = Σ_j ∂L/∂t_j (γ_j ⊙ w_j) − ∂L/∂r · r³ / d · v` and `∂L/∂(γ_j ⊙ w_j) = vᵀ ∂L/∂t_j`."""
 
     @staticmethod
@@ -280,7 +280,10 @@ class _BlockKeys(torch.autograd.Function):
         gains, queries = parameters[0::2], parameters[1::2]
         dtype = torch.promote_types(row.dtype, _compute_dtype(gains[0], queries[0], [source]))
         score_weights = torch.stack([_score_weight(gain, query, dtype) for gain, query in zip(gains, queries)])
-        dots = torch.mm(score_weights, _as(row, dtype).t())  # [J, tokens]: one row per mix
+        # One matrix–vector product per mix, not one [J, d] × [d, tokens] product: the same op a
+        # mix would run, so a score does not depend on whether its block's keys were cached.
+        row = _as(row, dtype)
+        dots = torch.stack([torch.mv(row, score_weight) for score_weight in score_weights])  # [J, tokens]
         ctx.dtype = dtype
         ctx.save_for_backward(source, inverse_norm, *parameters)
         return (inverse_norm, *dots.unbind(0))
