@@ -9,9 +9,9 @@ and the sum restarts; the sublayer's output is added to `partial`. Mixing first 
 afterwards attends over the same sources in the same order as the reference, so one rule covers
 `block`, `full` and `none` (never mix, never push: `partial` is the plain residual).
 
-When a block closes, its keys are computed once (`KeyedResidualState`): its key norm, and its
-dot with the score weight of every later mix in the model chunk, which
-those mixes read instead of normalising and scoring the block again.
+When a block closes, its keys are computed once (`KeyedResidualState`): its key norm, and its dot
+with the score weight of every later mix in the model chunk, which those mixes read instead of
+normalising and scoring the block again.
 """
 
 from __future__ import annotations
