@@ -4,7 +4,9 @@ One model per mode (same recipe, same seed, AdamW, `--micro-batches` forward+bac
 step), built in one process and stepped in alternation, so slow drifts of a shared machine hit
 every mode alike; the table reports median step times and their ratio to `none`. Times are this
 process's CPU seconds (`time.process_time`, one thread), which a loaded shared machine disturbs
-far less than wall-clock time; `--wall` times wall-clock instead. With
+far less than wall-clock time; `--wall` times wall-clock instead. Besides the ratio of medians the
+table gives the median of each round's ratio (robust to load that drifts between rounds) and the
+ratio of the fastest steps (closest to an unloaded machine). With
 `--with-before`, two more models run `block` and `full` as commit 3c49d31 did (the stacked
 reference mix, checkpointed together with the norm so that backward runs it twice), in the same
 alternation.
@@ -44,8 +46,10 @@ ISSUE_MODEL = [
 ]
 
 
-def stacked_checkpointed_input(self: AttentionResidual, sources: list[torch.Tensor], norm) -> torch.Tensor:
-    """`AttentionResidual.normalized_input` as of 3c49d31: stacked mix, checkpointed with the norm."""
+def stacked_checkpointed_input(self: AttentionResidual, sources: list[torch.Tensor], norm,
+                               inverse_norms=None) -> torch.Tensor:
+    """`AttentionResidual.normalized_input` as of 3c49d31: stacked mix, checkpointed with the norm
+    (every key normalised in the mix: `inverse_norms` is not read)."""
     if len(sources) == 1:
         return norm(sources[0])
 
@@ -95,13 +99,19 @@ def step_table(args: argparse.Namespace) -> None:
         for mode, (model, optimizer, _) in runs.items():
             times[mode].append(step(model, optimizer, batches, clock))
     medians = {mode: statistics.median(t) for mode, t in times.items()}
+    # Each round's ratio to that round's `none` step, then the median over rounds: a drift in the
+    # machine's load between rounds cancels; the fastest round's steps show the unloaded cost.
+    paired = {mode: statistics.median(t / base for t, base in zip(times[mode], times["none"])) for mode in times}
+    fastest = {mode: min(t) for mode, t in times.items()}
     print(f"\n{args.model} model (hidden {config.model.hidden_size}, {config.model.num_hidden_layers} layers, "
           f"{config.train.global_batch_size * config.data.seq_length} tokens/step, recompute={args.recompute}, "
-          f"block size {config.model.attn_res_block_size}), median of {args.repeats}, "
+          f"block size {config.model.attn_res_block_size}), {args.repeats} rounds, "
           f"{'wall-clock' if args.wall else 'process CPU'} seconds")
-    print("| attn_res | step (s) | / none |\n| --- | ---: | ---: |")
+    print("| attn_res | median step (s) | / none | median of round ratios | fastest step (s) | / none |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: |")
     for mode, seconds in medians.items():
-        print(f"| {mode} | {seconds:.3f} | {seconds / medians['none']:.3f} |", flush=True)
+        print(f"| {mode} | {seconds:.3f} | {seconds / medians['none']:.3f} | {paired[mode]:.3f} | "
+              f"{fastest[mode]:.3f} | {fastest[mode] / fastest['none']:.3f} |", flush=True)
 
 
 def main() -> None:

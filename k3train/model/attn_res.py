@@ -8,11 +8,16 @@ depth-attention mix over `[*blocks, partial]`; if a block closes here, `partial`
 and the sum restarts; the sublayer's output is added to `partial`. Mixing first and pushing
 afterwards attends over the same sources in the same order as the reference, so one rule covers
 `block`, `full` and `none` (never mix, never push: `partial` is the plain residual).
+
+When a block closes, its keys are computed once (`KeyedResidualState`): its key norm, and its dot
+with the score weight of every later mix in the model chunk, which those mixes read instead of
+normalising and scoring the block again.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -20,8 +25,33 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.contracts.param_roles import mark_adamw_only
 from k3train.contracts.stage_io import ResidualState
-from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_rmsnorm
+from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_rmsnorm, block_keys
 from k3train.model.norm import RMSNorm
+
+
+@dataclass
+class KeyedResidualState(ResidualState):
+    """The residual state with each block's keys, computed once when the block closes (the
+    two-phase form: the scores against completed blocks need not be recomputed per mix):
+    `block_keys[i] = (eps, r, dots)` for `blocks[i]`, with `r` its inverse key norm and `dots`
+    `{id(mix): (γ ⊙ w)ᵀ v}` for every later mix of this model chunk. Not stage I/O: a state rebuilt
+    from received blocks has no entries, and a mix computes what is missing itself."""
+
+    block_keys: list = field(default_factory=list)
+
+
+def source_keys(state: ResidualState, attn_res: "AttentionResidual") -> tuple[list, list]:
+    """For each of `state.sources()`, `attn_res`'s cached inverse key norm and dot, or None."""
+    entries = getattr(state, "block_keys", [])
+    eps, norms, dots = attn_res.norm.eps, [], []
+    for i in range(len(state.blocks)):
+        entry = entries[i] if i < len(entries) else None
+        norms.append(entry[1] if entry is not None and entry[0] == eps else None)
+        dots.append(entry[2].get(id(attn_res)) if entry is not None else None)
+    if state.partial is not None:
+        norms.append(None)
+        dots.append(None)
+    return norms, dots
 
 
 class AttentionResidual(nn.Module):
@@ -39,21 +69,25 @@ class AttentionResidual(nn.Module):
         mark_adamw_only(self.proj.weight)
         self.recompute = recompute
 
-    def normalized_input(self, sources: list[torch.Tensor], norm: nn.Module) -> torch.Tensor:
-        """`norm(mix(sources))`: the input of the sublayer's first projection."""
+    def normalized_input(self, sources: list[torch.Tensor], norm: nn.Module,
+                         inverse_norms: Optional[list[Optional[torch.Tensor]]] = None,
+                         dots: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+        """`norm(mix(sources))`: the input of the sublayer's first projection. `inverse_norms`,
+        `dots`: the sources' keys where computed once already (`source_keys`)."""
         if len(sources) == 1:
             return norm(sources[0])  # softmax over one source is exactly 1
         if self.recompute and torch.is_grad_enabled() and isinstance(norm, RMSNorm):
-            # Save only the sources (block tensors shared by every later layer, and this layer's
-            # partial sum, the size of the hidden state a plain residual layer saves) and
-            # per-token scalars; backward rebuilds the mixed hidden state from the saved weights
-            # (m multiply-adds) rather than running the mix a second time.
-            return attn_res_mix_rmsnorm(sources, self.norm.weight, self.proj.weight[0], self.norm.eps,
-                                        norm.weight, norm.eps)
-        return norm(self.mix(sources))
+            # Mix and norm in one function that saves the sources (block tensors shared by every
+            # later layer, and this layer's partial sum) plus what a plain RMSNorm saves (the
+            # mixed state and its inverse norm); backward recomputes the scores rather than
+            # running the whole mix a second time.
+            return attn_res_mix_rmsnorm(sources, self.norm.weight, self.proj.weight, self.norm.eps,
+                                        norm.weight, norm.eps, inverse_norms, dots)
+        return norm(self.mix(sources, inverse_norms, dots))
 
-    def mix(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        return attn_res_mix(sources, self.norm.weight, self.proj.weight[0], self.norm.eps)
+    def mix(self, sources: list[torch.Tensor], inverse_norms: Optional[list[Optional[torch.Tensor]]] = None,
+            dots: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+        return attn_res_mix(sources, self.norm.weight, self.proj.weight, self.norm.eps, inverse_norms, dots)
 
 
 def apply_sublayer(
@@ -63,26 +97,41 @@ def apply_sublayer(
     norm: nn.Module,
     sublayer: Callable[[torch.Tensor], torch.Tensor],
     recompute_sublayer: bool = False,
+    later: Sequence[AttentionResidual] = (),
 ) -> ResidualState:
     """Run one pre-norm sublayer on the residual state (see the module docstring for the rule).
 
     `recompute_sublayer` checkpoints the whole sublayer (mix, norm and `sublayer`), saving only
-    its inputs.
+    its inputs. `later`: the mixes after this one in the model chunk, which read a block closed
+    here; its keys for them are computed once, when it closes.
     """
-    sources = state.sources() if attn_res is not None else [state.partial]
+    if attn_res is None:  # plain residual: x = x + f(norm(x))
+        def plain(hidden: torch.Tensor) -> torch.Tensor:
+            return sublayer(norm(hidden))
+        output = (checkpoint(plain, state.partial, use_reentrant=False)
+                  if recompute_sublayer and torch.is_grad_enabled() else plain(state.partial))
+        return ResidualState(state.partial + output, state.blocks)
+
+    sources = state.sources()
+    inverse_norms, dots = source_keys(state, attn_res)
+    given = [t for t in inverse_norms + dots if t is not None]
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
-        if attn_res is None:
-            return sublayer(norm(inputs[0]))
-        return sublayer(attn_res.normalized_input(list(inputs), norm))
+        supplied = iter(inputs[len(sources):])
+        norms_in = [next(supplied) if t is not None else None for t in inverse_norms]
+        dots_in = [next(supplied) if t is not None else None for t in dots]
+        return sublayer(attn_res.normalized_input(list(inputs[:len(sources)]), norm, norms_in, dots_in))
 
     if recompute_sublayer and torch.is_grad_enabled():
-        output = checkpoint(run, *sources, use_reentrant=False)
+        output = checkpoint(run, *sources, *given, use_reentrant=False)
     else:
-        output = run(*sources)
-    if attn_res is None:  # plain residual: x = x + f(norm(x))
-        return ResidualState(state.partial + output, state.blocks)
+        output = run(*sources, *given)
     blocks, partial = state.blocks, state.partial
+    keys = list(getattr(state, "block_keys", []))
     if push_block:
+        eps = attn_res.norm.eps
+        inverse_norm, block_dots = block_keys(partial, eps, [(mix.norm.weight, mix.proj.weight) for mix in later])
+        keys = keys + [None] * (len(blocks) - len(keys)) + [
+            (eps, inverse_norm, {id(mix): dot for mix, dot in zip(later, block_dots)})]
         blocks, partial = blocks + [partial], None
-    return ResidualState(output if partial is None else partial + output, blocks)
+    return KeyedResidualState(output if partial is None else partial + output, blocks, keys)

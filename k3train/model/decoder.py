@@ -6,6 +6,8 @@ that follows it; with `recompute: sublayer` each whole sublayer is.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from torch import nn
 
 from k3train.contracts.stage_io import ResidualState, closes_block
@@ -59,8 +61,16 @@ class DecoderLayer(nn.Module):
     def pushes_block_before_ffn(self) -> bool:
         return closes_block(self.attn_res_mode, self.block_size, self.layer_index, "ffn")
 
-    def forward(self, state: ResidualState) -> ResidualState:
+    def attn_res_mixes(self) -> list[AttentionResidual]:
+        """This layer's AttnRes mixes in order (none with plain residuals)."""
+        return [mix for mix in (getattr(self, "self_attention_res", None), getattr(self, "mlp_res", None))
+                if mix is not None]
+
+    def forward(self, state: ResidualState, later: Sequence[AttentionResidual] = ()) -> ResidualState:
+        """`later`: the AttnRes mixes after this layer's in the model chunk (they read the blocks
+        this layer closes; their keys are computed once, at the close)."""
+        after_mixer = self.attn_res_mixes()[1:] + list(later)
         state = apply_sublayer(state, self.self_attention_res, self.pushes_block_before_mixer(),
-                               self.input_layernorm, self.self_attn, self.recompute_sublayers)
+                               self.input_layernorm, self.self_attn, self.recompute_sublayers, after_mixer)
         return apply_sublayer(state, self.mlp_res, self.pushes_block_before_ffn(),
-                              self.post_attention_layernorm, self.ffn, self.recompute_sublayers)
+                              self.post_attention_layernorm, self.ffn, self.recompute_sublayers, later)

@@ -18,7 +18,7 @@ from torch import nn
 
 from k3train.kernels.precision import upcast
 from k3train.contracts.stage_io import ResidualState
-from k3train.model.attn_res import AttentionResidual
+from k3train.model.attn_res import AttentionResidual, source_keys
 from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
 from k3train.model.initialization import TILE_ELEMENTS, TiledStream, draw_local, normal_fill, uniform_fill
@@ -99,15 +99,24 @@ class K3Model(nn.Module):
         return ResidualState(partial=self.embed_tokens(input_ids), blocks=[])
 
     def forward_layers(self, state: ResidualState) -> ResidualState:
-        for layer in self.layers.values():
-            state = layer(state)
+        layers = list(self.layers.values())
+        # The AttnRes mixes of this chunk in order: a block closed before mix k is read by mixes
+        # k+1.. (its keys for them are computed once, when it closes).
+        mixes = [mix for layer in layers for mix in layer.attn_res_mixes()]
+        if getattr(self, "output_attn_res", None) is not None:
+            mixes.append(self.output_attn_res)
+        done = 0
+        for layer in layers:
+            done += len(layer.attn_res_mixes())
+            state = layer(state, later=mixes[done:])
         return state
 
     def output_hidden(self, state: ResidualState) -> torch.Tensor:
         """The final aggregation over every block (and the last partial block), then the final norm."""
         if self.output_attn_res is None:
             return self.norm(state.partial)
-        return self.output_attn_res.normalized_input(state.sources(), self.norm)
+        return self.output_attn_res.normalized_input(state.sources(), self.norm,
+                                                     *source_keys(state, self.output_attn_res))
 
     def forward(self, input_ids: Optional[torch.Tensor] = None, state: Optional[ResidualState] = None):
         """Logits `[batch, seq, vocab / tp]` on a model with a head (this rank's vocabulary rows,
