@@ -511,10 +511,10 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o, grad_final_state):
-        with _flushing_denormals(ctx.on_cpu), without_autocast(ctx.saved_tensors[0].device):
-            grads = _chunk_kda_backward(
-                ctx.saved_tensors, ctx.meta, ctx.scale, grad_o, grad_final_state
-            )
+        # Read once: under activation checkpointing each saved tensor may be unpacked only once.
+        saved = ctx.saved_tensors
+        with _flushing_denormals(ctx.on_cpu), without_autocast(saved[0].device):
+            grads = _chunk_kda_backward(saved, ctx.meta, ctx.scale, grad_o, grad_final_state)
         dq, dk, dv, dg, dbeta, d_initial = grads
         q_dtype, k_dtype, v_dtype, g_dtype, beta_dtype = ctx.dtypes
         layout = ctx.meta["layout"]

@@ -97,6 +97,26 @@ def hand_case() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return inputs, initial_state
 
 
+def test_backward_under_activation_checkpointing():
+    """Inside `torch.utils.checkpoint` (non-reentrant, what `model.recompute` uses) the backward
+    unpacks each saved tensor once and gives the gradients of a plain run."""
+    from torch.utils.checkpoint import checkpoint
+
+    inputs, initial_state = make_inputs(40, gate="worst")
+    names = [*inputs, "initial_state"]
+    plain = {name: x.clone().requires_grad_() for name, x in {**inputs, "initial_state": initial_state}.items()}
+    recomputed = {name: x.detach().clone().requires_grad_() for name, x in plain.items()}
+
+    def run(*tensors):
+        o, state = chunk_kda(*tensors[:5], initial_state=tensors[5], output_final_state=True, chunk_size=16)
+        return o.sum() + state.square().sum()
+
+    run(*(plain[name] for name in names)).backward()
+    checkpoint(run, *(recomputed[name] for name in names), use_reentrant=False).backward()
+    for name in names:
+        assert max_error(recomputed[name].grad, plain[name].grad) < 1e-12, name
+
+
 @pytest.mark.parametrize("kernel", [naive_recurrent_kda, chunk_kda])
 def test_recurrence_matches_hand_arithmetic(kernel):
     # S0 = [4, 2]ᵀ (K = 2 rows, V = 1 column), scale = 1.
