@@ -17,6 +17,11 @@ a fast result always fails. What `ref ms` and `fast ms` time is in each check's 
 note. SKIP rows say why (no CUDA, fla-core missing, several GPUs needed). The exit code is 1 if
 any row FAILs, 0 otherwise.
 
+`fused_paths` holds each training fast path of the CPU work (written-out backwards of the KDA
+chunk kernel, short convolution, norms, decay gate, SiTU-GLU with routing weights, the fused
+AttnRes mix + norm; MLA attention with v padded to the q/k head dim) to its reference formula,
+since the same code runs on the GPU.
+
 Sizes: on CUDA without `--quick`, K3-like shapes (KDA heads of 128, 56 local experts of
 3584 x 3072, 8192 slots, ...), sized to finish in a few minutes on one H200. With `--quick` or
 on the CPU, small shapes that only exercise the logic.
@@ -64,7 +69,13 @@ import torch.nn.functional as F  # noqa: E402
 from k3train.kernels.attn_res import attn_res_mix  # noqa: E402
 from k3train.kernels.grouped_gemm import grouped_mm, grouped_mm_reference  # noqa: E402
 from k3train.kernels.kda import chunk_kda, fla_backend, naive_recurrent_kda  # noqa: E402
-from k3train.kernels.situ_glu import situ_glu  # noqa: E402
+from k3train.kernels.situ_glu import situ_glu, situ_glu_reference  # noqa: E402
+from k3train.kernels.attn_res import attn_res_mix_reference, attn_res_mix_rmsnorm  # noqa: E402
+from k3train.kernels.kda import kda_gate, kda_gate_reference  # noqa: E402
+from k3train.kernels.kda.chunk import chunk_kda_autograd_reference  # noqa: E402
+from k3train.kernels.norms import gated_rms_norm, gated_rms_norm_reference, l2_normalize, l2_normalize_reference  # noqa: E402
+from k3train.kernels.short_conv import short_conv_silu, short_conv_silu_reference  # noqa: E402
+from k3train.model.mla import causal_attention, causal_attention_reference  # noqa: E402
 from k3train.kernels import te as te_kernels  # noqa: E402
 from k3train.config import load_config  # noqa: E402
 from k3train.model.flops import training_flops_per_token  # noqa: E402
@@ -96,6 +107,9 @@ TOL = {
     "grouped_mm_speed": 2e-2,
     "attn_res_bf16": 1e-2,
     "situ_glu_bf16": 1e-2,
+    # The training fast paths (written-out backwards, fused layouts) in fp32 against their
+    # references in float64: fp32 rounding of the same formula, reductions over <= 4096 terms.
+    "fused_path_fp32": 1e-4,
     "newton_schulz_bf16": 5e-2,
     "model_loss_bf16": 1e-2,
     # Transformer Engine: bf16 GEMMs as torch's; FP8 E4M3 operands (3 mantissa bits, RMS rounding
@@ -565,6 +579,92 @@ def check_situ_glu(ctx: Context) -> Iterator[Row]:
     tol = TOL["situ_glu_bf16"]
     yield Row("situ_glu bf16", verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
               f"[{rows}, {inner}] vs fp64 CPU, fwd+bwd; worst {worst}; ref ms: fp32 inputs")
+
+
+def fused_path_cases(ctx: Context) -> dict[str, tuple[Callable, Callable, Callable[[int], list[torch.Tensor]]]]:
+    """name -> (fast, reference, inputs(seed)): each training fast path with a written-out
+    backward and the plain formula it replaces (the pairs the unit tests hold together in float64)."""
+    batch, seq, heads, dim = ctx.pick((2, 4096, 16, 128), (2, 40, 2, 16))
+    width, hidden = heads * dim, ctx.pick(7168, 64)
+
+    def normal(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        return ctx.randn(*shape, gen=ctx.generator(seed), scale=scale).requires_grad_()
+
+    def kda_inputs(seed: int) -> list[torch.Tensor]:
+        q, k = (F.normalize(normal(seed + i, batch, seq, heads, dim), dim=-1).detach().requires_grad_()
+                for i in range(2))
+        v = normal(seed + 2, batch, seq, heads, dim)
+        g = (-5 * torch.rand(batch, seq, heads, dim, generator=ctx.generator(seed + 3), device=ctx.device)).requires_grad_()
+        beta = torch.rand(batch, seq, heads, generator=ctx.generator(seed + 4), device=ctx.device).requires_grad_()
+        return [q, k, v, g, beta, normal(seed + 5, batch, heads, dim, dim, scale=0.1)]
+
+    def mix_inputs(seed: int) -> list[torch.Tensor]:
+        sources = [normal(seed + i, batch, seq, hidden, scale=1 + i / 2) for i in range(5)]
+        return [*sources, (1 + normal(seed + 9, hidden, scale=0.1)).detach().requires_grad_(),
+                normal(seed + 10, hidden, scale=hidden ** -0.5), (1 + normal(seed + 11, hidden, scale=0.1)).detach().requires_grad_()]
+
+    def mix_reference(*tensors):
+        *sources, norm_weight, query, out_weight = tensors
+        mixed = attn_res_mix_reference(sources, norm_weight, query, 1e-6).float()
+        return (mixed * torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + 1e-6) * out_weight).to(sources[0].dtype)
+
+    return {
+        "short_conv_silu": (lambda x, w, tail: short_conv_silu(x, w, tail)[0],
+                            lambda x, w, tail: short_conv_silu_reference(x, w, tail)[0],
+                            lambda seed: [normal(seed, batch, seq, width), normal(seed + 1, width, 1, 4, scale=0.5),
+                                          normal(seed + 2, batch, width, 3)]),
+        "l2_normalize": (l2_normalize, l2_normalize_reference, lambda seed: [normal(seed, batch, seq, heads, dim)]),
+        "gated_rms_norm": (lambda x, gate, w: gated_rms_norm(x, gate, w, 1e-5),
+                           lambda x, gate, w: gated_rms_norm_reference(x, gate, w, 1e-5),
+                           lambda seed: [normal(seed, batch, seq, heads, dim), normal(seed + 1, batch, seq, heads, dim),
+                                         (1 + normal(seed + 2, dim, scale=0.1)).detach().requires_grad_()]),
+        "kda_gate": (kda_gate, kda_gate_reference,
+                     lambda seed: [normal(seed, batch, seq, heads, dim), normal(seed + 1, heads, scale=0.5),
+                                   normal(seed + 2, heads * dim, scale=0.5)]),
+        "situ_glu_row_scale": (lambda gate, up, scale: situ_glu(gate, up, row_scale=scale),
+                               lambda gate, up, scale: situ_glu_reference(gate, up) * scale.unsqueeze(-1),
+                               lambda seed: [normal(seed, batch * seq, 4 * dim, scale=3.0),
+                                             normal(seed + 1, batch * seq, 4 * dim, scale=3.0),
+                                             torch.rand(batch * seq, generator=ctx.generator(seed + 2),
+                                                        device=ctx.device).requires_grad_()]),
+        "mla_padded_v_attention": (lambda q, k_nope, k_rope, v: causal_attention(q, k_nope, k_rope, v, 96 ** -0.5),
+                                   lambda q, k_nope, k_rope, v: causal_attention_reference(
+                                       q, torch.cat([k_nope, k_rope], dim=-1), v, 96 ** -0.5),
+                                   lambda seed: [normal(seed, batch, seq, heads, 96), normal(seed + 1, batch, seq, heads, 64),
+                                                 normal(seed + 2, batch, seq, heads, 32), normal(seed + 3, batch, seq, heads, 64)]),
+        "kda_chunk_backward": (lambda *t: chunk_kda(*t[:5], initial_state=t[5], output_final_state=True)[0],
+                               lambda *t: chunk_kda_autograd_reference(*t[:5], t[0].shape[-1] ** -0.5, t[5], True, 64)[0],
+                               kda_inputs),
+        "attn_res_mix_rmsnorm": (lambda *t: attn_res_mix_rmsnorm(list(t[:-3]), t[-3], t[-2], 1e-6, t[-1], 1e-6),
+                                 mix_reference, mix_inputs),
+    }
+
+
+def check_fused_paths(ctx: Context) -> Iterator[Row]:
+    """Each training fast path (written-out backwards, channels-last short convolution, padded-v
+    MLA attention, the fused AttnRes mix + norm) in fp32 on the device vs its reference formula
+    in float64 on the CPU: output and every input's gradient. ref ms: the reference formula
+    (autograd through its ops) in fp32 on the device; fast ms: the fast path, both fwd+bwd."""
+    for name, (fast, reference, make_inputs) in fused_path_cases(ctx).items():
+        def row(name=name, fast=fast, reference=reference, make_inputs=make_inputs) -> Row:
+            inputs = make_inputs(21)
+
+            def run(function, tensors, seed: int) -> dict[str, torch.Tensor]:
+                out = function(*tensors)
+                dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+                grads = torch.autograd.grad(out, tensors, dout.to(out.device, out.dtype))
+                return {"out": out, **{f"d{i}": grad for i, grad in enumerate(grads)}}
+
+            fast_result = run(fast, inputs, 5)
+            ref_result = run(reference, to_cpu64(*inputs), 5)
+            max_abs, rel, worst = compare({key: (fast_result[key], ref_result[key]) for key in ref_result})
+            ref_ms = ctx.time_ms(lambda: run(reference, inputs, 6))
+            fast_ms = ctx.time_ms(lambda: run(fast, inputs, 6))
+            tol = TOL["fused_path_fp32"]
+            shapes = " ".join(str(list(t.shape)) for t in inputs[:2])
+            return Row(f"fused_paths {name} fp32", verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
+                       f"{shapes} vs fp64 CPU reference, fwd+bwd; worst {worst}; ref ms: the reference formula")
+        yield guarded(ctx, f"fused_paths {name} fp32", row)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1210,6 +1310,7 @@ CHECKS: list[Check] = [
     Check("grouped_mm_speed", check_grouped_mm_speed),
     Check("attn_res", check_attn_res),
     Check("situ_glu", check_situ_glu),
+    Check("fused_paths", check_fused_paths),
     Check("newton_schulz", check_newton_schulz),
     Check("model_debug", check_model_debug),
     Check("model_large", check_model_large),
