@@ -120,13 +120,19 @@ def kernel_rows(rounds: int) -> list[list[str]]:
     return rows
 
 
+def reference_activation(gate, up, beta, linear_beta, row_scale=None, overwrite_inputs=False):
+    """`situ_glu_reference` with `situ_glu`'s signature (`overwrite_inputs` changes nothing)."""
+    out = situ_glu_reference(gate, up, beta, linear_beta)
+    return out if row_scale is None else (out * row_scale.unsqueeze(-1)).to(out.dtype)
+
+
 def use_references(model: torch.nn.Module) -> None:
     """Switch a model's SiTU-GLU and routed combine to their references (MLA's attention:
     `reference_attention`)."""
     for module in model.modules():
         if isinstance(module, (GLUMLP, LocalExperts)) and isinstance(module.activation, partial) \
                 and module.activation.func is situ_glu:
-            module.activation = partial(situ_glu_reference, **module.activation.keywords)
+            module.activation = partial(reference_activation, **module.activation.keywords)
         if isinstance(module, LocalExperts):
             module.forward = module.forward_reference
 

@@ -96,7 +96,10 @@ class LocalExperts(nn.Module):
             return gemm2(hidden, group_ends, w2)
         gate = grouped_mm(rows, w1.transpose(1, 2).to(rows.dtype), group_ends)
         up = grouped_mm(rows, w3.transpose(1, 2).to(rows.dtype), group_ends)
-        return grouped_mm(self.activation(gate, up, **scale), w2.transpose(1, 2).to(rows.dtype), group_ends)
+        # gate and up are this function's own GEMM outputs (their backward keeps only inputs):
+        # the activation may keep its saved tensors in their buffers
+        hidden = self.activation(gate, up, overwrite_inputs=True, **scale)
+        return grouped_mm(hidden, w2.transpose(1, 2).to(rows.dtype), group_ends)
 
     def grouped_forward(self, rows: torch.Tensor, ids: torch.Tensor, weights: ExpertStacks | None = None,
                         compute: str = "grouped") -> torch.Tensor:
@@ -148,7 +151,7 @@ class LocalExperts(nn.Module):
         # accumulating index_put_; the routing weights ride in the activation's last pass
         # instead of a weighted copy of every output slot (benchmarks/fused_paths.py)
         outputs = self.forward_sorted(latent.index_select(0, token_of_slot), group_ends,
-                                      row_scale=weights.reshape(-1)[slot_order])
+                                      row_scale=weights.reshape(-1).index_select(0, slot_order))
         combined = torch.zeros(latent.shape, dtype=accumulation_dtype(outputs.dtype), device=latent.device)
         return combined.index_add_(0, token_of_slot, upcast(outputs)).to(latent.dtype)
 
