@@ -265,7 +265,12 @@ class LatentMoE(nn.Module):
             routed = self.routed_expert_norm(routed)
         output = (self.routed_expert_up_proj(routed) if self.routed_expert_up_proj is not None else routed).view(shape)
         if self.shared_experts is not None:  # [batch, seq, hidden]: a TP region gathers the sequence
-            output = output + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if torch.is_grad_enabled() and shared.shape == output.shape and shared.dtype == output.dtype:
+                # the shared experts' fresh output (a projection's, nothing saves it) takes the
+                # sum: no new [tokens, hidden] tensor; the same values as `output + shared`
+                return shared.add_(output)
+            output = output + shared
         return output
 
     @torch.no_grad()

@@ -61,3 +61,45 @@ def test_situ_glu_leaves_its_inputs_alone_unless_told_and_survives_retain_graph(
     scratch_gate, scratch_up = gate * 1.0, up * 1.0
     situ_glu(scratch_gate, scratch_up, overwrite_inputs=True)
     assert not torch.equal(scratch_gate.detach(), gate0)  # told: its buffer now holds tanh(gate/β1)
+
+
+def _reference_activation(gate, up, beta, linear_beta, row_scale=None, overwrite_inputs=False):
+    return _reference(gate, up, row_scale, beta, linear_beta)
+
+
+def test_latent_moe_training_path_matches_the_plain_composition_in_float64():
+    """The layer's training forward (slot gather by index_select, routing weights inside the
+    activation, the in-place activation, the shared sum into the shared experts' output) against
+    the layer written out with the references: values, the input's and every parameter's gradient."""
+    import copy
+    import dataclasses
+    from functools import partial
+
+    from k3train.model.config import ModelConfig
+    from k3train.model.moe import LatentMoE
+
+    torch.manual_seed(0)
+    config = dataclasses.replace(ModelConfig(), num_experts=8, num_experts_per_token=3)
+    moe = LatentMoE(config).double().train()
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    moe.gate.e_score_correction_bias.copy_(torch.randn(8))
+    reference = copy.deepcopy(moe)
+    keywords = moe.experts.activation.keywords
+    reference.experts.activation = partial(_reference_activation, **keywords)
+    reference.shared_experts.activation = partial(_reference_activation, **keywords)
+    x = torch.randn(2, 7, config.hidden_size, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, 7, config.hidden_size, dtype=torch.float64)
+
+    out = moe(x)
+    grads = torch.autograd.grad(out, [x, *moe.parameters()], grad_out)
+    tokens = x.reshape(-1, config.hidden_size)
+    _, expert_ids, weights = reference.gate(tokens)
+    routed = reference.experts.forward_reference(reference.routed_expert_down_proj(tokens), expert_ids, weights)
+    expected = (reference.routed_expert_up_proj(reference.routed_expert_norm(routed)).view(x.shape)
+                + reference.shared_experts(x))
+    expected_grads = torch.autograd.grad(expected, [x, *reference.parameters()], grad_out)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert len(grads) == len(expected_grads)
+    for mine, theirs in zip(grads, expected_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
