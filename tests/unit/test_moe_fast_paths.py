@@ -69,12 +69,14 @@ def _reference_activation(gate, up, beta, linear_beta, row_scale=None, overwrite
 
 def test_latent_moe_training_path_matches_the_plain_composition_in_float64():
     """The layer's training forward (slot gather by index_select, routing weights inside the
-    activation, the in-place activation, the shared sum into the shared experts' output) against
+    activation, the in-place activation, the fused latent norm, the shared sum into the shared
+    experts' output) against
     the layer written out with the references: values, the input's and every parameter's gradient."""
     import copy
     import dataclasses
     from functools import partial
 
+    from k3train.kernels.rms_norm import rms_norm_reference
     from k3train.model.config import ModelConfig
     from k3train.model.moe import LatentMoE
 
@@ -96,10 +98,45 @@ def test_latent_moe_training_path_matches_the_plain_composition_in_float64():
     tokens = x.reshape(-1, config.hidden_size)
     _, expert_ids, weights = reference.gate(tokens)
     routed = reference.experts.forward_reference(reference.routed_expert_down_proj(tokens), expert_ids, weights)
-    expected = (reference.routed_expert_up_proj(reference.routed_expert_norm(routed)).view(x.shape)
+    norm = reference.routed_expert_norm
+    expected = (reference.routed_expert_up_proj(rms_norm_reference(routed, norm.weight, norm.eps)).view(x.shape)
                 + reference.shared_experts(x))
     expected_grads = torch.autograd.grad(expected, [x, *reference.parameters()], grad_out)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     assert len(grads) == len(expected_grads)
     for mine, theirs in zip(grads, expected_grads):
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_rms_norm_matches_the_reference_in_float64_and_bf16():
+    from k3train.kernels.rms_norm import rms_norm, rms_norm_reference
+    from k3train.model.norm import RMSNorm
+
+    generator = torch.Generator().manual_seed(12)
+    for shape in [(9, 16), (2, 5, 32)]:
+        x = (3 * torch.randn(shape, dtype=torch.float64, generator=generator)).requires_grad_()
+        weight = torch.randn(shape[-1], dtype=torch.float64, generator=generator).requires_grad_()
+        grad_out = torch.randn(shape, dtype=torch.float64, generator=generator)
+        fused = rms_norm(x, weight, 1e-6)
+        reference = rms_norm_reference(x, weight, 1e-6)
+        torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
+        for mine, theirs in zip(torch.autograd.grad(fused, (x, weight), grad_out),
+                                torch.autograd.grad(reference, (x, weight), grad_out)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+        (only_x,) = torch.autograd.grad(rms_norm(x, weight.detach(), 1e-6), (x,), grad_out)
+        (reference_x,) = torch.autograd.grad(rms_norm_reference(x, weight.detach(), 1e-6), (x,), grad_out)
+        torch.testing.assert_close(only_x, reference_x, rtol=1e-12, atol=1e-12)
+    small = torch.randn(3, 4, dtype=torch.float64, generator=generator).requires_grad_()
+    small_weight = torch.randn(4, dtype=torch.float64, generator=generator).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, w: rms_norm(a, w, 1e-5), (small, small_weight))
+    module = RMSNorm(32, 1e-5)  # the reference is the module's formula
+    module.weight.data.normal_(generator=generator)
+    plain = torch.randn(6, 32, generator=generator)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(plain, module.weight, 1e-5), module(plain))
+    bf16 = torch.randn(8, 32, generator=generator).bfloat16().requires_grad_()
+    out = rms_norm(bf16, module.weight, 1e-5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), module(bf16.detach()).float(), rtol=2**-7, atol=1e-2)
+    out.float().sum().backward()
+    assert bf16.grad.dtype == torch.bfloat16 and module.weight.grad.dtype == torch.float32
