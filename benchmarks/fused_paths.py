@@ -18,7 +18,8 @@ the same process, alternated, on a shared machine:
 Then the issue18 model's AdamW `train_step` (benchmarks/step_vs_dense.py's 512-wide model), two
 trainers built alike, one switched to the SiTU-GLU, routed-combine, latent-norm and attention
 references, steps alternated, and one profiled step of each split into step_vs_dense.py's parts.
-Times are this process's CPU seconds (`time.process_time`, one thread): a loaded machine disturbs them far less than wall-clock time.
+Times are this process's CPU seconds (`time.process_time`, one thread): a loaded machine disturbs
+them far less than wall-clock time.
 
     OMP_NUM_THREADS=1 nice python benchmarks/fused_paths.py               # ~2 min on a quiet machine
     OMP_NUM_THREADS=1 nice python benchmarks/fused_paths.py --no-step     # kernels only
