@@ -11,7 +11,11 @@ formula (`situ_glu_reference`) runs ~10 elementwise passes forward and ~12 backw
 `[tokens, intermediate]` tensors, and saves six fp32 intermediates. Here the scalar factors
 ride inside the products (`torch.addcmul` with a 0-dim input, values 'β1', 'β2'), new tensors
 are written in place, and the backward reuses the forward's transcendental results: 7 passes
-forward (3 of them tanh/sigmoid), 8 backward (none transcendental), four fp32 tensors saved.
+forward (3 of them tanh/sigmoid), four fp32 tensors saved; the backward writes the gradients
+into those saved buffers (8 passes, none transcendental, no new tensor). Passes that write a
+fresh tensor cost the training step about twice an in-place pass (its memory is cold), so the
+training callers, whose gate/up are fresh GEMM outputs, let the forward keep tanh(g/β1) and
+tanh(u/β2) in those buffers (`overwrite_inputs`): 3 new tensors instead of 5.
 """
 
 import torch
