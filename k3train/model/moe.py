@@ -48,15 +48,27 @@ class MoEGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`x [tokens, d]` → (scores [tokens, n] fp32, expert ids [tokens, k], weights [tokens, k] fp32)."""
+    def forward(self, x: torch.Tensor, with_cutoff: bool = False) -> tuple[torch.Tensor, ...]:
+        """`x [tokens, d]` → (scores [tokens, n] fp32, expert ids [tokens, k], weights [tokens, k] fp32),
+        and with `with_cutoff` also `α [tokens]`, the (k+1)-th largest biased score (the quantile
+        balancers' statistic), from the same top-(k+1) call that chooses the experts: one `topk`
+        per layer and micro-batch instead of two (the same experts as top-k unless the k-th and
+        (k+1)-th biased scores tie exactly, where either is a top-k)."""
         with without_autocast(x.device):  # the router stays fp32 under bf16 autocast
             scores = torch.sigmoid(F.linear(upcast(x), upcast(self.weight)))
+        cutoff = None
         with torch.no_grad():
-            expert_ids = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices
+            biased = scores + self.e_score_correction_bias
+            if with_cutoff:
+                top = biased.topk(self.top_k + 1, dim=-1)
+                expert_ids, cutoff = top.indices[:, :self.top_k].contiguous(), top.values[:, self.top_k]
+            else:
+                expert_ids = biased.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, expert_ids)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if with_cutoff:
+            return scores, expert_ids, weights * self.scaling, cutoff
         return scores, expert_ids, weights * self.scaling
 
 
@@ -248,11 +260,15 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        scores, expert_ids, weights = self.gate(tokens)
         collect = self.training and torch.is_grad_enabled() and not inside_backward()
+        cutoff = None
+        if collect and self.balancer.uses_cutoff:
+            scores, expert_ids, weights, cutoff = self.gate(tokens, with_cutoff=True)
+        else:
+            scores, expert_ids, weights = self.gate(tokens)
         if collect:
             with torch.no_grad():  # statistics for the next step's bias; never twice under recompute
-                self.balancer.observe(scores.detach(), self.gate.e_score_correction_bias)
+                self.balancer.observe(scores.detach(), self.gate.e_score_correction_bias, cutoff)
                 flat_ids = expert_ids.flatten()  # scatter_add, not bincount: no host sync on CUDA
                 self.step_expert_load.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         latent = self.routed_expert_down_proj(tokens) if self.routed_expert_down_proj is not None else tokens

@@ -140,3 +140,38 @@ def test_rms_norm_matches_the_reference_in_float64_and_bf16():
     torch.testing.assert_close(out.float(), module(bf16.detach()).float(), rtol=2**-7, atol=1e-2)
     out.float().sum().backward()
     assert bf16.grad.dtype == torch.bfloat16 and module.weight.grad.dtype == torch.float32
+
+
+def test_router_top_k_plus_one_gives_the_experts_and_the_balancers_cutoff():
+    """In training the router's one top-(k+1) gives both the experts (= top-k) and the quantile
+    balancers' `α`; their statistics equal those of `observe` computing `α` itself."""
+    import dataclasses
+
+    from k3train.model.balance import build_balancer
+    from k3train.model.config import ModelConfig
+    from k3train.model.moe import LatentMoE
+
+    torch.manual_seed(1)
+    for balancer in ("quantile", "quantile_histogram", "sign"):
+        config = dataclasses.replace(ModelConfig(), num_experts=8, num_experts_per_token=3, balancer=balancer)
+        moe = LatentMoE(config).double().train()
+        for param in moe.parameters():
+            torch.nn.init.normal_(param, std=0.1)
+        bias = moe.gate.e_score_correction_bias
+        bias.copy_(torch.randn(8) * 0.1)
+        x = torch.randn(2, 9, config.hidden_size, dtype=torch.float64, requires_grad=True)
+        moe(x).sum().backward()
+        tokens = x.detach().reshape(-1, config.hidden_size)
+        scores, expert_ids, weights = moe.gate(tokens)
+        with_cutoff = moe.gate(tokens, with_cutoff=True)
+        assert torch.equal(with_cutoff[1], expert_ids) and torch.equal(with_cutoff[2], weights)
+        torch.testing.assert_close(with_cutoff[3], (scores + bias).topk(4, dim=-1).values[:, -1], rtol=0, atol=0)
+        assert torch.equal(moe.step_expert_load, torch.bincount(expert_ids.flatten(), minlength=8))
+        expected = build_balancer(config)
+        expected.observe(scores, bias)
+        if balancer == "quantile":
+            assert torch.equal(torch.cat(moe.balancer.margins), torch.cat(expected.margins))
+        elif balancer == "quantile_histogram":
+            assert torch.equal(moe.balancer.counts, expected.counts)
+        else:
+            assert torch.equal(moe.balancer.loads, expected.loads)
