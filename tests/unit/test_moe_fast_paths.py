@@ -21,7 +21,10 @@ def _reference(gate, up, row_scale, beta, linear_beta):
     return out if row_scale is None else out * row_scale[:, None]
 
 
-def test_situ_glu_in_place_backward_matches_the_reference_for_every_requested_gradient():
+def test_situ_glu_in_place_backward_matches_the_reference_for_every_requested_gradient(monkeypatch):
+    import k3train.kernels.situ_glu as situ_module
+
+    monkeypatch.setattr(situ_module, "CPU_BLOCK_ELEMENTS", 60)  # blocks of 3 rows, the last one short
     generator = torch.Generator().manual_seed(10)
     for beta, linear_beta in [(4.0, 25.0), (1.5, 3.0)]:
         gate0, up0, scale0 = _inputs((33, 20), generator)
@@ -42,6 +45,27 @@ def test_situ_glu_in_place_backward_matches_the_reference_for_every_requested_gr
                 torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
                 for mine, theirs in zip(fused_grads, reference_grads):
                     torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_situ_glu_blocked_backward_takes_any_layout(monkeypatch):
+    """Row blocks over 3-d and non-contiguous inputs (a transposed view), row scale per [b, s]."""
+    import k3train.kernels.situ_glu as situ_module
+
+    monkeypatch.setattr(situ_module, "CPU_BLOCK_ELEMENTS", 40)
+    generator = torch.Generator().manual_seed(13)
+    gate = torch.randn(2, 11, 8, dtype=torch.float64, generator=generator).requires_grad_()
+    up = (10 * torch.randn(2, 8, 11, dtype=torch.float64, generator=generator)).requires_grad_()
+    row_scale = torch.rand(2, 11, dtype=torch.float64, generator=generator).requires_grad_()
+    grad_out = torch.randn(2, 11, 8, dtype=torch.float64, generator=generator)
+    for overwrite in (False, True):
+        inputs = (gate * 1.0, up.transpose(1, 2) * 1.0) if overwrite else (gate, up.transpose(1, 2))
+        fused = situ_glu(*inputs, row_scale=row_scale, overwrite_inputs=overwrite)
+        grads = torch.autograd.grad(fused, (gate, up, row_scale), grad_out)
+        reference = situ_glu_reference(gate, up.transpose(1, 2)) * row_scale.unsqueeze(-1)
+        expected = torch.autograd.grad(reference, (gate, up, row_scale), grad_out)
+        torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
+        for mine, theirs in zip(grads, expected):
+            torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
 
 
 def test_situ_glu_leaves_its_inputs_alone_unless_told_and_survives_retain_graph():
