@@ -12,7 +12,8 @@ formula (`situ_glu_reference`) runs ~10 elementwise passes forward and ~12 backw
 ride inside the products (`torch.addcmul` with a 0-dim input, values 'β1', 'β2'), new tensors
 are written in place, and the backward reuses the forward's transcendental results: 7 passes
 forward (3 of them tanh/sigmoid), four fp32 tensors saved; the backward writes the gradients
-into those saved buffers (8 passes, none transcendental, no new tensor). Passes that write a
+into those saved buffers (8 passes, none transcendental, no new tensor), on CPU in blocks of
+rows small enough that its passes stay in the core's cache. Passes that write a
 fresh tensor cost the training step about twice an in-place pass (its memory is cold), so the
 training callers, whose gate/up are fresh GEMM outputs, let the forward keep tanh(g/β1) and
 tanh(u/β2) in those buffers (`overwrite_inputs`): 3 new tensors instead of 5.
