@@ -9,13 +9,17 @@ the same process, alternated, on a shared machine:
   `index_add_`) vs `latent[token_of_slot]` (backward: an accumulating `index_put_`), and
   `LocalExperts.forward` (that gather, routing weights folded into the activation) vs
   `forward_reference` (weights applied to a copy of the expert outputs), GEMMs included;
+- the routed experts' SiTU-GLU as they run it (routing weights as the row scale, the GEMM
+  outputs overwritten by the saved tensors) vs the formula times the weights;
+- the latent MoE norm: `rms_norm` (closed-form backward) vs `rms_norm_reference`;
 - MLA attention: `causal_attention` (v zero-padded, SDPA's fused kernel) vs the unpadded call
   (SDPA's math path), 2 × 8 heads × 512 tokens, qk 96, v 64.
 
 Then the issue18 model's AdamW `train_step` (benchmarks/step_vs_dense.py's 512-wide model), two
-trainers built alike, one switched to the SiTU-GLU, routed-combine and attention references, steps alternated, and one profiled
-step of each split into step_vs_dense.py's parts. Times are this process's CPU seconds
-(`time.process_time`, one thread): a loaded machine disturbs them far less than wall-clock time.
+trainers built alike, one switched to the SiTU-GLU, routed-combine, latent-norm and attention
+references, steps alternated, and one profiled step of each split into step_vs_dense.py's parts.
+Times are this process's CPU seconds (`time.process_time`, one thread): a loaded machine disturbs
+them far less than wall-clock time.
 
     OMP_NUM_THREADS=1 nice python benchmarks/fused_paths.py               # ~2 min on a quiet machine
     OMP_NUM_THREADS=1 nice python benchmarks/fused_paths.py --no-step     # kernels only
@@ -42,7 +46,8 @@ from k3train.config import load_config  # noqa: E402
 from k3train.kernels.situ_glu import situ_glu, situ_glu_reference  # noqa: E402
 from k3train.model.config import ModelConfig  # noqa: E402
 from k3train.model.mlp import GLUMLP  # noqa: E402
-from k3train.model.moe import LocalExperts  # noqa: E402
+from k3train.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
+from k3train.model.moe import LatentRMSNorm, LocalExperts  # noqa: E402
 
 
 def cpu_ms(function, repeats: int) -> float:
@@ -88,7 +93,21 @@ def kernel_rows(rounds: int) -> list[list[str]]:
         inputs = [torch.randn(shape, generator=generator).requires_grad_() for _ in range(2)]
         add(f"SiTU-GLU {list(shape)}", situ_glu_reference, situ_glu, inputs, torch.randn(shape, generator=generator), 10)
 
+    # The routed experts' activation as LocalExperts runs it: routing weights as the row scale,
+    # the gate/up GEMM outputs (fresh copies here) overwritten by the saved tensors.
+    shape = (4096, 256)
+    gate, up = (torch.randn(shape, generator=generator).requires_grad_() for _ in range(2))
+    row_scale = torch.rand(shape[0], generator=generator).requires_grad_()
+    add(f"SiTU-GLU {list(shape)}, routed (row scale, GEMM outputs as scratch)",
+        lambda g, u, r: reference_activation(g * 1.0, u * 1.0, 4.0, 25.0, row_scale=r),
+        lambda g, u, r: situ_glu(g * 1.0, u * 1.0, 4.0, 25.0, row_scale=r, overwrite_inputs=True),
+        [gate, up, row_scale], torch.randn(shape, generator=generator), 10)
+
     tokens, top_k, experts, width = 1024, 4, 16, 256  # the routed slots of one issue18 MoE layer
+    routed = torch.randn(tokens, width, generator=generator).requires_grad_()
+    norm_weight = torch.randn(width, generator=generator).requires_grad_()
+    add(f"latent RMSNorm [{tokens}, {width}]", lambda x, w: rms_norm_reference(x, w, 1e-5),
+        lambda x, w: rms_norm(x, w, 1e-5), [routed, norm_weight], torch.randn(tokens, width, generator=generator), 20)
     token_of_slot = torch.argsort(torch.randint(0, experts, (tokens * top_k,), generator=generator), stable=True) // top_k
     latent = torch.randn(tokens, width, generator=generator).requires_grad_()
     add(f"routed slot gather [{tokens}, {width}] -> [{tokens * top_k}, {width}]",
@@ -120,15 +139,23 @@ def kernel_rows(rounds: int) -> list[list[str]]:
     return rows
 
 
+def reference_activation(gate, up, beta, linear_beta, row_scale=None, overwrite_inputs=False):
+    """`situ_glu_reference` with `situ_glu`'s signature (`overwrite_inputs` changes nothing)."""
+    out = situ_glu_reference(gate, up, beta, linear_beta)
+    return out if row_scale is None else (out * row_scale.unsqueeze(-1)).to(out.dtype)
+
+
 def use_references(model: torch.nn.Module) -> None:
-    """Switch a model's SiTU-GLU and routed combine to their references (MLA's attention:
-    `reference_attention`)."""
+    """Switch a model's SiTU-GLU, routed combine and latent MoE norm to their references (MLA's
+    attention: `reference_attention`)."""
     for module in model.modules():
         if isinstance(module, (GLUMLP, LocalExperts)) and isinstance(module.activation, partial) \
                 and module.activation.func is situ_glu:
-            module.activation = partial(situ_glu_reference, **module.activation.keywords)
+            module.activation = partial(reference_activation, **module.activation.keywords)
         if isinstance(module, LocalExperts):
             module.forward = module.forward_reference
+        if isinstance(module, LatentRMSNorm):
+            module.forward = partial(lambda x, norm: rms_norm_reference(x, norm.weight, norm.eps), norm=module)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,12 @@ formula (`situ_glu_reference`) runs ~10 elementwise passes forward and ~12 backw
 `[tokens, intermediate]` tensors, and saves six fp32 intermediates. Here the scalar factors
 ride inside the products (`torch.addcmul` with a 0-dim input, values 'β1', 'β2'), new tensors
 are written in place, and the backward reuses the forward's transcendental results: 7 passes
-forward (3 of them tanh/sigmoid), 8 backward (none transcendental), four fp32 tensors saved.
+forward (3 of them tanh/sigmoid), four fp32 tensors saved; the backward writes the gradients
+into those saved buffers (8 passes, none transcendental, no new tensor), on CPU in blocks of
+rows small enough that its passes stay in the core's cache. Passes that write a
+fresh tensor cost the training step about twice an in-place pass (its memory is cold), so the
+training callers, whose gate/up are fresh GEMM outputs, let the forward keep tanh(g/β1) and
+tanh(u/β2) in those buffers (`overwrite_inputs`): 3 new tensors instead of 5.
 """
 
 import torch
@@ -31,22 +36,30 @@ def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0,
 
 class SiTUGLUFunction(torch.autograd.Function):
     """`situ_glu` with its derivatives in closed form. With `a = tanh(g/β1)`, `σ = sigmoid(g)`,
-    `b = tanh(u/β2)` and `P = β1·a·σ` (the capped gate), the output is `P·β2·b` and
+    `b = tanh(u/β2)`, `P = β1·a·σ` (the capped gate), `r` the row scale (1 without one) and `G`
+    the output's gradient, the output is `r·P·β2·b` and
 
-        ∂/∂u = P·(1 − b²)
-        ∂/∂g = β2·b·[σ·(1 − a²) + P·(1 − σ)] = β2·b·[σ + P·(1 − σ − a/β1)]
+        ∂/∂u = r·G·P·(1 − b²)                       = r·(G·P − S·b),  S = G·P·b
+        ∂/∂g = r·G·β2·b·K,  K = σ·(1 − a²) + P·(1 − σ) = σ + P·(1 − σ − a/β1)
+        ∂/∂r = β2·Σ_j S_j
 
-    (`σ·a² = a·P/β1`), so the backward needs only the saved `a, σ, b, P`."""
+    (`σ·a² = a·P/β1`), so the backward needs only the saved `a, σ, b, P`. It writes the gradients
+    into those four saved buffers (they are dead afterwards): no new full-size tensor, 8 passes
+    (12 with a row scale's gradient) where a freshly allocating version took 10 (13) and three
+    allocations. Under `retain_graph=True` (gradcheck) it works on copies instead."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float,
-                row_scale: torch.Tensor | None = None) -> torch.Tensor:
+                row_scale: torch.Tensor | None = None, overwrite_inputs: bool = False) -> torch.Tensor:
         dtype = accumulation_dtype(gate.dtype)
         gate32, up32 = gate.to(dtype), up.to(dtype)
         zero = gate32.new_zeros(())  # 0-dim: `addcmul(zero, x, y, value=c)` is `c·x·y` in one pass
-        tanh_gate = torch.mul(gate32, 1.0 / beta).tanh_()
         sigmoid_gate = torch.sigmoid(gate32)
-        tanh_up = torch.mul(up32, 1.0 / linear_beta).tanh_()
+        # A cast made a private copy; otherwise only the caller may say the inputs are scratch.
+        tanh_gate = (gate32.mul_(1.0 / beta) if overwrite_inputs or gate32 is not gate
+                     else torch.mul(gate32, 1.0 / beta)).tanh_()
+        tanh_up = (up32.mul_(1.0 / linear_beta) if overwrite_inputs or up32 is not up
+                   else torch.mul(up32, 1.0 / linear_beta)).tanh_()
         capped_gate = torch.addcmul(zero, tanh_gate, sigmoid_gate, value=beta)
         out = torch.addcmul(zero, capped_gate, tanh_up, value=linear_beta)
         ctx.row_scale_dtype = None if row_scale is None else row_scale.dtype
@@ -60,39 +73,81 @@ class SiTUGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        tanh_gate, sigmoid_gate, tanh_up, capped_gate, row_scale = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        row_scale = saved[4]
+        buffers = saved[:4]  # tanh_gate, sigmoid_gate, tanh_up, capped_gate
+        if _graph_is_kept():  # the saved tensors must survive for the next backward
+            buffers = tuple(t.clone() for t in buffers)
         beta, linear_beta = ctx.betas
         gate_dtype, up_dtype = ctx.input_dtypes
-        grad = grad_out.to(tanh_gate.dtype)
-        zero, one = tanh_gate.new_zeros(()), tanh_gate.new_ones(())
-        grad_gate = grad_up = grad_row_scale = None
-        if row_scale is not None and ctx.needs_input_grad[4]:  # Σ_j grad_j · (P·β2·b)_j
-            unscaled = torch.addcmul(zero, capped_gate, tanh_up, value=linear_beta)
-            grad_row_scale = unscaled.mul_(grad).sum(-1).to(ctx.row_scale_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_up = torch.addcmul(one, tanh_up, tanh_up, value=-1.0)  # 1 − b²
-            grad_up.mul_(capped_gate).mul_(grad)
-            if row_scale is not None:
-                grad_up.mul_(row_scale)
-            grad_up = grad_up.to(up_dtype)
-        if ctx.needs_input_grad[0]:
-            grad_gate = torch.add(sigmoid_gate, tanh_gate, alpha=1.0 / beta)  # σ + a/β1
-            torch.addcmul(sigmoid_gate, capped_gate, grad_gate, value=-1.0, out=grad_gate)  # σ − P(σ + a/β1)
-            grad_gate.add_(capped_gate)
-            grad_gate.mul_(tanh_up)
-            torch.addcmul(zero, grad_gate, grad, value=linear_beta, out=grad_gate)
-            if row_scale is not None:
-                grad_gate.mul_(row_scale)
-            grad_gate = grad_gate.to(gate_dtype)
-        return grad_gate, grad_up, None, None, grad_row_scale
+        need_gate, need_up = ctx.needs_input_grad[:2]
+        need_scale = row_scale is not None and ctx.needs_input_grad[4]
+        shape, width = buffers[0].shape, buffers[0].shape[-1]
+        a, sigma, b, capped = (t.contiguous().view(-1, width) for t in buffers)
+        grad = grad_out.to(a.dtype).reshape(-1, width)
+        scale = None if row_scale is None else row_scale.reshape(-1, 1)
+        rows = a.shape[0]
+        sums = a.new_empty(rows) if need_scale else None
+        # On CPU, blocks of rows whose ~12 passes stay in the core's cache (the backward is
+        # memory-bound, unlike the forward's transcendentals); one block on accelerators.
+        block = rows if a.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // width)
+        for start in range(0, rows, block):
+            part = slice(start, start + block)
+            _backward_block(a[part], sigma[part], b[part], capped[part], grad[part],
+                            None if scale is None else scale[part], None if sums is None else sums[part],
+                            beta, linear_beta, need_gate, need_up)
+        grad_gate = a.view(shape).to(gate_dtype) if need_gate else None
+        grad_up = capped.view(shape).to(up_dtype) if need_up else None
+        grad_row_scale = (sums.mul_(linear_beta).view(row_scale.shape[:-1]).to(ctx.row_scale_dtype)
+                          if need_scale else None)
+        return grad_gate, grad_up, None, None, grad_row_scale, None
+
+
+CPU_BLOCK_ELEMENTS = 1 << 16  # 256 KiB of fp32 per tensor: six such blocks fit a 2 MiB L2
+
+
+def _backward_block(tanh_gate, sigmoid_gate, tanh_up, capped_gate, grad, row_scale, sums,
+                    beta, linear_beta, need_gate, need_up):
+    """`SiTUGLUFunction.backward` on rows: the gate's gradient into `tanh_gate`, the up's into
+    `capped_gate`, the row scale's `Σ_j G·P·b` (times β2 later) into `sums` when given."""
+    zero, one = tanh_gate.new_zeros(()), tanh_gate.new_ones(())
+    if need_gate:  # K into a's buffer
+        torch.add(sigmoid_gate, tanh_gate, alpha=1.0 / beta, out=tanh_gate)  # σ + a/β1
+        torch.addcmul(sigmoid_gate, capped_gate, tanh_gate, value=-1.0, out=tanh_gate)  # σ − P(σ + a/β1)
+        tanh_gate.add_(capped_gate)
+    if sums is not None:  # S = G·P·b into σ's buffer (σ is dead once K is made)
+        products = torch.mul(capped_gate, tanh_up, out=sigmoid_gate).mul_(grad)
+        torch.sum(products, -1, out=sums)
+    if need_gate:  # r·G·β2·b·K
+        tanh_gate.mul_(tanh_up)
+        torch.addcmul(zero, tanh_gate, grad, value=linear_beta, out=tanh_gate)
+        if row_scale is not None:
+            tanh_gate.mul_(row_scale)
+    if need_up:  # r·G·P·(1 − b²) into P's buffer (b is dead once the gate's gradient is made)
+        if sums is not None:
+            capped_gate.mul_(grad)
+            torch.addcmul(capped_gate, products, tanh_up, value=-1.0, out=capped_gate)  # G·P − S·b
+        else:
+            torch.addcmul(one, tanh_up, tanh_up, value=-1.0, out=tanh_up)  # 1 − b²
+            capped_gate.mul_(tanh_up).mul_(grad)
+        if row_scale is not None:
+            capped_gate.mul_(row_scale)
+
+
+def _graph_is_kept() -> bool:
+    """Whether the running backward was asked to keep the graph (`retain_graph=True`)."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep_graph is None else bool(keep_graph())
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
-             row_scale: torch.Tensor | None = None) -> torch.Tensor:
+             row_scale: torch.Tensor | None = None, overwrite_inputs: bool = False) -> torch.Tensor:
     """`β1·tanh(gate/β1)·sigmoid(gate) ⊙ β2·tanh(up/β2)`, in fp32, returned in the input dtype
     (`situ_glu_reference` with a closed-form backward). `row_scale` (`gate.shape[:-1]`, e.g. the
     routing weight of each expert row) multiplies each row of the product in fp32, in place on
-    it, with its gradient.
+    it, with its gradient. `overwrite_inputs=True`: `gate` and `up` are scratch that nothing else
+    reads (e.g. fresh GEMM outputs) and the training path keeps two of its saved tensors in
+    their buffers instead of allocating new ones; the values of `gate` and `up` are then lost.
 
     The plain formula runs instead (1) under `torch.compile`: inductor fuses it, and its
     derivative, into single kernels, which the pass-counting above cannot beat; (2) without
@@ -104,11 +159,13 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
     if torch.compiler.is_compiling() or not records:
         out = situ_glu_reference(gate, up, beta, linear_beta)
         return out if row_scale is None else _scale_rows(out, row_scale)
-    return SiTUGLUFunction.apply(gate, up, beta, linear_beta, row_scale)
+    return SiTUGLUFunction.apply(gate, up, beta, linear_beta, row_scale, overwrite_inputs)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`silu(gate) ⊙ up` (each row times `row_scale`, in fp32, when given)."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, row_scale: torch.Tensor | None = None,
+           overwrite_inputs: bool = False) -> torch.Tensor:
+    """`silu(gate) ⊙ up` (each row times `row_scale`, in fp32, when given; `overwrite_inputs` is
+    accepted for `situ_glu`'s signature and changes nothing here)."""
     out = torch.nn.functional.silu(gate) * up
     return out if row_scale is None else _scale_rows(out, row_scale)
 

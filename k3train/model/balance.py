@@ -31,13 +31,16 @@ class Balancer:
     """
 
     pooled = False
+    uses_cutoff = False  # whether `observe` reads `α` (the router can pass it from its own top-k)
 
     def summable_statistics(self) -> list[torch.Tensor]:
         """The step's statistics that ranks combine by an elementwise sum (reduced in place)."""
         return []
 
-    def observe(self, scores: torch.Tensor, bias: torch.Tensor) -> None:
-        """`scores [tokens, experts]` raw sigmoid scores (fp32); `bias` the bias used for this step."""
+    def observe(self, scores: torch.Tensor, bias: torch.Tensor, cutoff: torch.Tensor | None = None) -> None:
+        """`scores [tokens, experts]` raw sigmoid scores (fp32); `bias` the bias used for this step;
+        `cutoff [tokens]`: `kth_largest_cutoff(scores, bias, k)` where the caller has it already
+        (computed here when None)."""
 
     def next_bias(self, bias: torch.Tensor, group=None) -> torch.Tensor:
         """The bias for the next step; resets the statistics. `group` (a `k3train.parallel.comm.Group`
@@ -57,8 +60,12 @@ class ExactQuantileBalancer(Balancer):
         self.num_experts, self.top_k = num_experts, top_k
         self.margins: list[torch.Tensor] = []
 
-    def observe(self, scores, bias):
-        self.margins.append(kth_largest_cutoff(scores, bias, self.top_k)[:, None] - scores)
+    uses_cutoff = True
+
+    def observe(self, scores, bias, cutoff=None):
+        if cutoff is None:
+            cutoff = kth_largest_cutoff(scores, bias, self.top_k)
+        self.margins.append(cutoff[:, None] - scores)
 
     def next_bias(self, bias, group=None):
         if not self.margins:
@@ -83,9 +90,13 @@ class HistogramQuantileBalancer(Balancer):
     def margin_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return bias.min() - 1.0, bias.max() + 1.0
 
-    def observe(self, scores, bias):
+    uses_cutoff = True
+
+    def observe(self, scores, bias, cutoff=None):
         low, high = self.margin_range(bias)
-        margins = kth_largest_cutoff(scores, bias, self.top_k)[:, None] - scores
+        if cutoff is None:
+            cutoff = kth_largest_cutoff(scores, bias, self.top_k)
+        margins = cutoff[:, None] - scores
         bin_index = ((margins - low) / (high - low) * self.bins).long().clamp_(0, self.bins - 1)
         flat = (bin_index + torch.arange(self.num_experts, device=scores.device) * self.bins).flatten()
         counts = torch.bincount(flat, minlength=self.num_experts * self.bins).view(self.num_experts, self.bins)
@@ -131,7 +142,7 @@ class SignBalancer(Balancer):
         self.num_experts, self.top_k, self.rate = num_experts, top_k, rate
         self.loads: Optional[torch.Tensor] = None
 
-    def observe(self, scores, bias):
+    def observe(self, scores, bias, cutoff=None):
         chosen = (scores + bias).topk(self.top_k, dim=-1).indices.flatten()
         loads = torch.bincount(chosen, minlength=self.num_experts)
         self.loads = loads if self.loads is None else self.loads + loads

@@ -31,4 +31,7 @@ class GLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.tp.enter(x)
-        return self.tp.leave(self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x))))
+        # the projections' fresh outputs are scratch (a linear's backward keeps its input, not its
+        # output): SiTU-GLU keeps two of its saved tensors in their buffers
+        hidden = self.activation(self.gate_proj(x), self.up_proj(x), overwrite_inputs=True)
+        return self.tp.leave(self.down_proj(hidden))

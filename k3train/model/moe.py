@@ -23,6 +23,7 @@ from torch import nn
 
 from k3train.kernels.grouped_gemm import grouped_mm
 from k3train.kernels.precision import accumulation_dtype, upcast, without_autocast
+from k3train.kernels.rms_norm import rms_norm
 from k3train.model.balance import build_balancer
 from k3train.model.config import ModelConfig
 from k3train.model.mlp import GLUMLP, glu_activation
@@ -47,15 +48,27 @@ class MoEGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`x [tokens, d]` → (scores [tokens, n] fp32, expert ids [tokens, k], weights [tokens, k] fp32)."""
+    def forward(self, x: torch.Tensor, with_cutoff: bool = False) -> tuple[torch.Tensor, ...]:
+        """`x [tokens, d]` → (scores [tokens, n] fp32, expert ids [tokens, k], weights [tokens, k] fp32),
+        and with `with_cutoff` also `α [tokens]`, the (k+1)-th largest biased score (the quantile
+        balancers' statistic), from the same top-(k+1) call that chooses the experts: one `topk`
+        per layer and micro-batch instead of two (the same experts as top-k unless the k-th and
+        (k+1)-th biased scores tie exactly, where either is a top-k)."""
         with without_autocast(x.device):  # the router stays fp32 under bf16 autocast
             scores = torch.sigmoid(F.linear(upcast(x), upcast(self.weight)))
+        cutoff = None
         with torch.no_grad():
-            expert_ids = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices
+            biased = scores + self.e_score_correction_bias
+            if with_cutoff:
+                top = biased.topk(self.top_k + 1, dim=-1)
+                expert_ids, cutoff = top.indices[:, :self.top_k].contiguous(), top.values[:, self.top_k]
+            else:
+                expert_ids = biased.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, expert_ids)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if with_cutoff:
+            return scores, expert_ids, weights * self.scaling, cutoff
         return scores, expert_ids, weights * self.scaling
 
 
@@ -96,7 +109,10 @@ class LocalExperts(nn.Module):
             return gemm2(hidden, group_ends, w2)
         gate = grouped_mm(rows, w1.transpose(1, 2).to(rows.dtype), group_ends)
         up = grouped_mm(rows, w3.transpose(1, 2).to(rows.dtype), group_ends)
-        return grouped_mm(self.activation(gate, up, **scale), w2.transpose(1, 2).to(rows.dtype), group_ends)
+        # gate and up are this function's own GEMM outputs (their backward keeps only inputs):
+        # the activation may keep its saved tensors in their buffers
+        hidden = self.activation(gate, up, overwrite_inputs=True, **scale)
+        return grouped_mm(hidden, w2.transpose(1, 2).to(rows.dtype), group_ends)
 
     def grouped_forward(self, rows: torch.Tensor, ids: torch.Tensor, weights: ExpertStacks | None = None,
                         compute: str = "grouped") -> torch.Tensor:
@@ -148,7 +164,7 @@ class LocalExperts(nn.Module):
         # accumulating index_put_; the routing weights ride in the activation's last pass
         # instead of a weighted copy of every output slot (benchmarks/fused_paths.py)
         outputs = self.forward_sorted(latent.index_select(0, token_of_slot), group_ends,
-                                      row_scale=weights.reshape(-1)[slot_order])
+                                      row_scale=weights.reshape(-1).index_select(0, slot_order))
         combined = torch.zeros(latent.shape, dtype=accumulation_dtype(outputs.dtype), device=latent.device)
         return combined.index_add_(0, token_of_slot, upcast(outputs)).to(latent.dtype)
 
@@ -162,6 +178,14 @@ class LocalExperts(nn.Module):
         weighted = upcast(outputs) * weights.reshape(-1)[slot_order, None]
         combined = torch.zeros(latent.shape, dtype=weighted.dtype, device=latent.device)
         return combined.index_add_(0, token_of_slot, weighted).to(latent.dtype)
+
+
+class LatentRMSNorm(RMSNorm):
+    """The RMSNorm of the routed sum (`routed_expert_norm`): `model/norm.py`'s module (same
+    parameter, same formula) whose training path is `kernels.rms_norm`'s closed-form backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 @dataclass
@@ -215,7 +239,7 @@ class LatentMoE(nn.Module):
         if expert_parallel is not None:
             expert_parallel.mark_expert_params(self.experts)
         self.routed_expert_norm = (
-            RMSNorm(latent, config.rms_norm_eps) if config.latent_moe_use_norm and latent is not None else None
+            LatentRMSNorm(latent, config.rms_norm_eps) if config.latent_moe_use_norm and latent is not None else None
         )
         self.routed_expert_up_proj = tp.linear(latent, config.hidden_size) if latent is not None else None
         self.shared_experts = (
@@ -236,11 +260,15 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        scores, expert_ids, weights = self.gate(tokens)
         collect = self.training and torch.is_grad_enabled() and not inside_backward()
+        cutoff = None
+        if collect and self.balancer.uses_cutoff:
+            scores, expert_ids, weights, cutoff = self.gate(tokens, with_cutoff=True)
+        else:
+            scores, expert_ids, weights = self.gate(tokens)
         if collect:
             with torch.no_grad():  # statistics for the next step's bias; never twice under recompute
-                self.balancer.observe(scores.detach(), self.gate.e_score_correction_bias)
+                self.balancer.observe(scores.detach(), self.gate.e_score_correction_bias, cutoff)
                 flat_ids = expert_ids.flatten()  # scatter_add, not bincount: no host sync on CUDA
                 self.step_expert_load.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         latent = self.routed_expert_down_proj(tokens) if self.routed_expert_down_proj is not None else tokens
@@ -262,7 +290,12 @@ class LatentMoE(nn.Module):
             routed = self.routed_expert_norm(routed)
         output = (self.routed_expert_up_proj(routed) if self.routed_expert_up_proj is not None else routed).view(shape)
         if self.shared_experts is not None:  # [batch, seq, hidden]: a TP region gathers the sequence
-            output = output + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if torch.is_grad_enabled() and shared.shape == output.shape and shared.dtype == output.dtype:
+                # the shared experts' fresh output (a projection's, nothing saves it) takes the
+                # sum: no new [tokens, hidden] tensor; the same values as `output + shared`
+                return shared.add_(output)
+            output = output + shared
         return output
 
     @torch.no_grad()
