@@ -11,7 +11,7 @@ the same process, alternated, on a shared machine:
   `forward_reference` (weights applied to a copy of the expert outputs), GEMMs included;
 - the routed experts' SiTU-GLU as they run it (routing weights as the row scale, the GEMM
   outputs overwritten by the saved tensors) vs the formula times the weights;
-- the latent MoE norm: `rms_norm` (closed-form backward) vs `rms_norm_reference`;
+- RMSNorm (the model's norms): `rms_norm` (closed-form backward) vs `rms_norm_reference`;
 - MLA attention: `causal_attention` (v zero-padded, SDPA's fused kernel) vs the unpadded call
   (SDPA's math path), 2 × 8 heads × 512 tokens, qk 96, v 64.
 
@@ -47,7 +47,8 @@ from k3train.kernels.situ_glu import situ_glu, situ_glu_reference  # noqa: E402
 from k3train.model.config import ModelConfig  # noqa: E402
 from k3train.model.mlp import GLUMLP  # noqa: E402
 from k3train.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
-from k3train.model.moe import LatentRMSNorm, LocalExperts  # noqa: E402
+from k3train.model.moe import LocalExperts  # noqa: E402
+from k3train.model.norm import RMSNorm  # noqa: E402
 
 
 def cpu_ms(function, repeats: int) -> float:
@@ -146,7 +147,7 @@ def reference_activation(gate, up, beta, linear_beta, row_scale=None, overwrite_
 
 
 def use_references(model: torch.nn.Module) -> None:
-    """Switch a model's SiTU-GLU, routed combine and latent MoE norm to their references (MLA's
+    """Switch a model's SiTU-GLU, routed combine and RMSNorms to their references (MLA's
     attention: `reference_attention`)."""
     for module in model.modules():
         if isinstance(module, (GLUMLP, LocalExperts)) and isinstance(module.activation, partial) \
@@ -154,7 +155,7 @@ def use_references(model: torch.nn.Module) -> None:
             module.activation = partial(reference_activation, **module.activation.keywords)
         if isinstance(module, LocalExperts):
             module.forward = module.forward_reference
-        if isinstance(module, LatentRMSNorm):
+        if isinstance(module, RMSNorm):
             module.forward = partial(lambda x, norm: rms_norm_reference(x, norm.weight, norm.eps), norm=module)
 
 

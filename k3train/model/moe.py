@@ -23,7 +23,6 @@ from torch import nn
 
 from k3train.kernels.grouped_gemm import grouped_mm
 from k3train.kernels.precision import accumulation_dtype, upcast, without_autocast
-from k3train.kernels.rms_norm import rms_norm
 from k3train.model.balance import build_balancer
 from k3train.model.config import ModelConfig
 from k3train.model.mlp import GLUMLP, glu_activation
@@ -180,14 +179,6 @@ class LocalExperts(nn.Module):
         return combined.index_add_(0, token_of_slot, weighted).to(latent.dtype)
 
 
-class LatentRMSNorm(RMSNorm):
-    """The RMSNorm of the routed sum (`routed_expert_norm`): `model/norm.py`'s module (same
-    parameter, same formula) whose training path is `kernels.rms_norm`'s closed-form backward."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 @dataclass
 class MoEStepStats:
     """One MoE layer's routing over a step (all micro-batches), for the step line and metrics.jsonl."""
@@ -239,7 +230,7 @@ class LatentMoE(nn.Module):
         if expert_parallel is not None:
             expert_parallel.mark_expert_params(self.experts)
         self.routed_expert_norm = (
-            LatentRMSNorm(latent, config.rms_norm_eps) if config.latent_moe_use_norm and latent is not None else None
+            RMSNorm(latent, config.rms_norm_eps) if config.latent_moe_use_norm and latent is not None else None
         )
         self.routed_expert_up_proj = tp.linear(latent, config.hidden_size) if latent is not None else None
         self.shared_experts = (

@@ -1,9 +1,12 @@
-"""RMSNorm computed in fp32 or wider (the Hugging Face Kimi convention), cast back to the input dtype."""
+"""RMSNorm computed in fp32 or wider (the Hugging Face Kimi convention), cast back to the input dtype.
+
+In training it runs `kernels.rms_norm.rms_norm` (a closed-form backward: 6 passes instead of
+autograd's ~11); without autograd, the formula in the exported remote code's operation order."""
 
 import torch
 from torch import nn
 
-from k3train.kernels.precision import upcast
+from k3train.kernels.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +16,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = upcast(x)
-        normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (upcast(self.weight) * normalized).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
