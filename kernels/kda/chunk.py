@@ -441,12 +441,13 @@ class _ChunkLayout(NamedTuple):
             pieces.append((by_chunk[full:, :, :, :tail], tokens[:, full * chunk :].unsqueeze(0).permute(0, 1, 3, 2, 4)))
         return pieces
 
-    def to_chunks(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Contiguous `[N, B·H, C, D]` in `dtype`, in one pass. Zero padding makes the padded
-        tokens no-ops on the state: k = 0 and beta = 0 write nothing, g = 0 decays nothing;
-        their gradients are dropped."""
+    def to_chunks(self, x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Contiguous `[N, B·H, C, D]` in `dtype` (or written into `out`, any strides), in one
+        pass. Zero padding makes the padded tokens no-ops on the state: k = 0 and beta = 0 write
+        nothing, g = 0 decays nothing; their gradients are dropped."""
         batch, seq_len, heads, n_chunks, chunk = self
-        out = torch.empty(n_chunks, batch * heads, chunk, x.shape[-1], dtype=dtype, device=x.device)
+        if out is None:
+            out = torch.empty(n_chunks, batch * heads, chunk, x.shape[-1], dtype=dtype, device=x.device)
         if n_chunks * chunk > seq_len:
             out[-1].zero_()
         for destination, source in self._pieces(out, x):
@@ -535,10 +536,15 @@ class _ChunkKDA(torch.autograd.Function):
 
 
 def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size: int):
-    """`_ChunkKDA.forward`'s math: `(o, final_state, tensors to save, metadata)`. The operations
-    and their order are `_chunk_kda_chunks`'s, so the fp32 numbers are the same (the standalone
-    remote code of the HF export repeats them too); the extra work is keeping what the backward
-    reads (masked key Gram, the inverse, per-chunk states and `u`)."""
+    """`_ChunkKDA.forward`'s math: `(o, final_state, tensors to save, metadata)`.
+
+    The same chunkwise form as `_chunk_kda_chunks` (fp32 numbers agree to rounding, not bit for
+    bit), organised for speed: the chunk-local part runs in groups of about `_GROUP_MATRICES`
+    chunk-heads (each step's operands still in cache for the next), `W` and `u_base` come from one
+    matmul `T [k e^G | v]`, and the state pass is one matmul per chunk, `S' = F S + B` with the
+    transition `F = Diag(e^{G_C}) − (k e^{G_C−G})ᵀ W` and `B = (k e^{G_C−G})ᵀ u_base` formed for a
+    whole group at once (the backward reuses `F`). The outputs `o = P u_base + q_state S` and
+    `u = u_base − W S` are then batched matmuls over each group."""
     layout = _ChunkLayout.of(q, chunk_size)
     batch, seq_len, heads, n_chunks, chunk = layout
     key_dim, value_dim = q.shape[-1], v.shape[-1]
@@ -548,19 +554,67 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     lowest, highest = torch.aminmax(g.detach())
     max_decay = max(-float(lowest), float(highest))  # max |g|; highest ≤ 0 by contract
     tile = diagonal_tile_size(max_decay, chunk, dtype)
+
+    q_chunks, k_chunks = (layout.to_chunks(x, dtype) for x in (q, k))
+    # [k e^G | v] side by side, [N, BH, C, K + V]: the UT transform multiplies both in one matmul
+    # (k e^G is written into the left half per group below).
+    keys_values = torch.empty(n_chunks, bh, chunk, key_dim + value_dim, dtype=dtype, device=q.device)
+    layout.to_chunks(v, dtype, out=keys_values[..., key_dim:])
+    beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [N, BH, C, 1]
+    log_decay = layout.to_chunks(g, torch.float64).cumsum_(dim=-2)  # G (module docstring)
+
+    # states[n]: the state entering chunk n; states[N] leaves the last chunk. The group pass
+    # writes B into states[n + 1], the state pass adds F S in place.
+    states = torch.empty(n_chunks + 1, bh, key_dim, value_dim, dtype=dtype, device=q.device)
+    if initial_state is None:
+        states[0].zero_()
+    else:
+        states[0].copy_(initial_state.reshape(bh, key_dim, value_dim))
+    group = max(1, _GROUP_MATRICES // bh)
+    starts = range(0, n_chunks, group)
+    groups = [
+        _chunk_local_forward(q_chunks[s : s + group], k_chunks[s : s + group], keys_values[s : s + group],
+                             beta_chunks[s : s + group], log_decay[s : s + group], states[s + 1 : s + group + 1],
+                             tile=tile, scale=scale)
+        for s in starts
+    ]
+    for n in range(n_chunks):
+        transition = groups[n // group]["transition"][n % group]
+        torch.baddbmm(states[n + 1], transition, states[n], out=states[n + 1])
+
+    chunk_outputs = torch.empty(n_chunks, bh, chunk, value_dim, dtype=dtype, device=q.device)
+    for s, local in zip(starts, groups):
+        entering = states[:-1][s : s + group].flatten(0, 1)
+        outputs = chunk_outputs[s : s + group]
+        torch.baddbmm(local.pop("o_base").flatten(0, 1), local["q_state"].flatten(0, 1), entering,
+                      out=outputs.flatten(0, 1))
+        w = local.pop("w")
+        local["u"] = torch.baddbmm(local.pop("u_base").flatten(0, 1), w.flatten(0, 1), entering,
+                                   alpha=-1.0).view_as(outputs)
+    o = layout.from_chunks(chunk_outputs, v.dtype)
+    final_state = states[-1].view(batch, heads, key_dim, value_dim).clone()
+
+    names = list(groups[0])
+    saved = [states] + [local[name] for local in groups for name in names]
+    return o, final_state, saved, {"layout": layout, "tile": tile, "names": names, "group": group}
+
+
+def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay, next_states,
+                         tile: int, scale: float) -> dict[str, torch.Tensor]:
+    """The chunk-local part of `_chunk_kda_forward` for a group of chunks: the tiles, Gram
+    matrices, `(I + A)⁻¹`, `[W | u_base]`, `q_state`, the transition `F` (returned) and `B`
+    (written into `next_states`). Returns what the rest of the forward and the backward read."""
+    n_chunks, bh, chunk, key_dim = q_chunks.shape
     n_tiles = chunk // tile
+    dtype = q_chunks.dtype
 
     def tiled(x: torch.Tensor) -> torch.Tensor:
         return x.view(n_chunks, bh, n_tiles, tile, x.shape[-1])
 
-    q_chunks, k_chunks, v_chunks = (layout.to_chunks(x, dtype) for x in (q, k, v))
-    beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [N, BH, C, 1]
-    log_decay = layout.to_chunks(g, torch.float64).cumsum_(dim=-2)  # G (module docstring)
     decay = tile_decay(log_decay, tile, dtype)
-
-    # Rows of both Gram matrices stacked per row tile, [N, BH, n_tiles, 2·tile, K]: k e^{G − r},
+    # Rows of both Gram matrices stacked per row tile, [n, BH, n_tiles, 2·tile, K]: k e^{G − r},
     # then q e^{G − r} (written in place of a concatenation).
-    stacked_rows = torch.empty(n_chunks, bh, n_tiles, 2 * tile, key_dim, dtype=dtype, device=q.device)
+    stacked_rows = torch.empty(n_chunks, bh, n_tiles, 2 * tile, key_dim, dtype=dtype, device=q_chunks.device)
     k_rows = torch.mul(tiled(k_chunks), decay.to_reference, out=stacked_rows[..., :tile, :])
     q_rows = torch.mul(tiled(q_chunks), decay.to_reference, out=stacked_rows[..., tile:, :])
     key_columns = tiled(k_chunks) * decay.from_reference  # k e^{r − G}
@@ -570,118 +624,100 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so no mask pass there;
     # the backward's copy is masked (what lies on and above the diagonal is finite but no Gram).
     strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(n_chunks, bh, chunk, chunk)
-    masks = _causal_masks(chunk, tile, q.device)
+    masks = _causal_masks(chunk, tile, q_chunks.device)
     key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(n_chunks, bh, chunk, chunk)
     # P, scaled here (C×C per chunk: cheaper to scale than q); the mask drops j > i.
     query_gram = (query_gram * scale).masked_fill_(~masks[:, 1], 0.0).view(n_chunks, bh, chunk, chunk)
 
     # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
-    chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [N, BH, 1, 1, K]
+    chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [n, BH, 1, 1, K]
     reference_decay = decay.reference.to(dtype).exp()  # e^{r}
-    k_from_start = (k_rows * reference_decay).view_as(k_chunks)  # k e^{G}
-    q_from_start = (q_rows * reference_decay).view_as(q_chunks)  # q e^{G}
+    k_from_start = torch.mul(k_rows, reference_decay, out=tiled(keys_values[..., :key_dim]))  # k e^{G}
     to_end = (chunk_total - decay.reference).to(dtype).exp()  # e^{G_C − r}
-    k_to_end = (key_columns * to_end).view_as(k_chunks).transpose(-1, -2)  # k e^{G_C − G}, [N, BH, K, C]
-    chunk_decay = chunk_total.squeeze(-2).squeeze(-2).to(dtype).exp()  # e^{G_C}, [N, BH, K]
+    k_to_end = (key_columns * to_end).view(n_chunks, bh, chunk, key_dim).transpose(-1, -2)  # k e^{G_C − G}, [n, BH, K, C]
+    chunk_decay = chunk_total.squeeze(-2).squeeze(-2).to(dtype).exp()  # e^{G_C}, [n, BH, K]
 
     # UT transform: u = (I + A)⁻¹ Diag(β) (v − (k ⊙ e^G) S_0) = u_base − W S_0. The inverse is
     # formed once per chunk (C×C right-hand sides are cheaper than K + V of them) and kept.
-    identity = torch.eye(chunk, dtype=dtype, device=q.device)
+    identity = torch.eye(chunk, dtype=dtype, device=q_chunks.device)
     inverse = torch.linalg.solve_triangular(strict_key_gram, identity, upper=False, unitriangular=True)
     ut_transform = inverse * beta_chunks.transpose(-1, -2)
-    u_base = ut_transform @ v_chunks
-    w = ut_transform @ k_from_start
-    # o = o_base + q_state S_0, with o_base = P u_base and q_state = scale (q ⊙ e^G) − P W.
-    o_base = query_gram @ u_base
-    q_state = torch.baddbmm(
-        q_from_start.flatten(0, 1), query_gram.flatten(0, 1), w.flatten(0, 1), beta=scale, alpha=-1.0
-    ).view_as(q_chunks)
+    w_u_base = ut_transform @ keys_values  # [W | u_base]
+    w, u_base = w_u_base.split([key_dim, w_u_base.shape[-1] - key_dim], dim=-1)
+    # S' = F S + B: F = Diag(e^{G_C}) − (k e^{G_C−G})ᵀ W, B = (k e^{G_C−G})ᵀ u_base.
+    transition = torch.matmul(k_to_end, w).neg_()
+    transition.diagonal(dim1=-2, dim2=-1).add_(chunk_decay)
+    torch.bmm(k_to_end.flatten(0, 1), u_base.flatten(0, 1), out=next_states.flatten(0, 1))
+    # o = o_base + q_state S, with [P W | o_base] = P [W | u_base], q_state = scale (q ⊙ e^G) − P W.
+    p_w_o_base = query_gram @ w_u_base
+    q_state = (tiled(q_rows) * (reference_decay * scale)).view(n_chunks, bh, chunk, key_dim)
+    q_state.sub_(p_w_o_base[..., :key_dim])
 
-    # Across chunks: three small matmuls per chunk; the states entering each chunk and each
-    # chunk's u are kept for the backward.
-    state = (
-        q.new_zeros(bh, key_dim, value_dim, dtype=dtype)
-        if initial_state is None
-        else initial_state.to(dtype).reshape(bh, key_dim, value_dim)
-    )
-    # (Chunk-major layout: each chunk's slice is contiguous, so results go straight into place.)
-    states = torch.empty(n_chunks, bh, key_dim, value_dim, dtype=dtype, device=q.device)
-    corrections = torch.empty_like(v_chunks)
-    chunk_outputs = torch.empty_like(v_chunks)
-    states[0] = state
-    for n, (o_base_n, q_state_n, u_base_n, w_n, k_to_end_n, chunk_decay_n) in enumerate(zip(
-        *(x.unbind(0) for x in (o_base, q_state, u_base, w, k_to_end, chunk_decay.unsqueeze(-1)))
-    )):
-        state = states[n]
-        torch.baddbmm(o_base_n, q_state_n, state, out=chunk_outputs[n])
-        u = torch.baddbmm(u_base_n, w_n, state, alpha=-1.0, out=corrections[n])
-        next_state = states[n + 1] if n + 1 < n_chunks else None
-        state = torch.baddbmm(state * chunk_decay_n, k_to_end_n, u, out=next_state)
-    o = layout.from_chunks(chunk_outputs, v.dtype)
-    final_state = state.view(batch, heads, key_dim, value_dim)
-
-    saved = [stacked_rows, key_columns, keys_seen, decay.to_reference, decay.from_reference,
-             reference_decay, to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse,
-             beta_chunks, v_chunks, k_from_start, w, q_state, states, corrections]
+    local = {
+        "stacked_rows": stacked_rows, "key_columns": key_columns, "keys_seen": keys_seen,
+        "to_reference": decay.to_reference, "from_reference": decay.from_reference,
+        "reference_decay": reference_decay, "to_end": to_end, "k_to_end": k_to_end,
+        "chunk_decay": chunk_decay, "key_gram": key_gram, "query_gram": query_gram, "inverse": inverse,
+        "beta_chunks": beta_chunks, "v_chunks": keys_values[..., key_dim:],
+        "k_from_start": k_from_start.view(n_chunks, bh, chunk, key_dim), "q_state": q_state,
+        "transition": transition, "w": w, "u_base": u_base, "o_base": p_w_o_base[..., key_dim:],
+    }
     if bridge is not None:
-        saved.append(bridge)
-    return o, final_state, saved, {"layout": layout, "tile": tile}
+        local["bridge"] = bridge
+    return local
 
 
 def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     """`_ChunkKDA.backward`'s math: chunked `dq, dk, dv, dg, dbeta` and the initial state's
     gradient, `[B·H, K, V]`."""
-    (stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay, to_end,
-     k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks, k_from_start, w,
-     q_state, states, u, *bridge) = saved
-    layout, tile = meta["layout"], meta["tile"]
-    n_chunks, bh, n_tiles, _, key_dim = stacked_rows.shape
-    chunk = n_tiles * tile
-    value_dim = states.shape[-1]
-    dtype = stacked_rows.dtype
-    k_rows, q_rows = stacked_rows.split(tile, dim=-2)
-
-    def tiled(x: torch.Tensor) -> torch.Tensor:
-        return x.view(n_chunks, bh, n_tiles, tile, x.shape[-1])
-
-    def flat(x: torch.Tensor) -> torch.Tensor:
-        return x.flatten(0, 1)
+    states, *per_group = saved
+    layout, tile, names, group = meta["layout"], meta["tile"], meta["names"], meta["group"]
+    groups = [dict(zip(names, per_group[i : i + len(names)])) for i in range(0, len(per_group), len(names))]
+    n_chunks = states.shape[0] - 1
+    _, bh, key_dim, value_dim = states.shape
+    chunk = layout.chunk
+    dtype = states.dtype
+    device = states.device
 
     if grad_o is None:
         d_o = states.new_zeros(n_chunks, bh, chunk, value_dim)
     else:
         d_o = layout.to_chunks(grad_o, dtype)
-    d_state = (
-        states.new_zeros(bh, key_dim, value_dim)
-        if grad_final_state is None
-        else grad_final_state.reshape(bh, key_dim, value_dim).to(dtype)
-    )
-    # State gradients, back through the chunks: dS = Fᵀ dS' + q_stateᵀ do, with the chunk's
-    # transition S' = F S + (terms without S), F = Diag(e^{G_C}) − (k e^{G_C−G})ᵀ W.
-    transition_t = torch.matmul(w.transpose(-1, -2), k_to_end.transpose(-1, -2)).neg_()  # Fᵀ
-    transition_t.diagonal(dim1=-2, dim2=-1).add_(chunk_decay)
-    from_outputs = q_state.transpose(-1, -2) @ d_o  # [N, BH, K, V]
-    d_states_after = torch.empty_like(states)  # dS' of each chunk
-    d_states_after[-1] = d_state
+    # d_states[n]: the gradient of states[n] (d_states[N]: of the final state). Back through the
+    # chunks: dS = Fᵀ dS' + q_stateᵀ do, the second term for a whole group at once, in place.
+    d_states = torch.empty_like(states)
+    if grad_final_state is None:
+        d_states[-1].zero_()
+    else:
+        d_states[-1].copy_(grad_final_state.reshape(bh, key_dim, value_dim))
+    starts = range(0, n_chunks, group)
+    for s, local in zip(starts, groups):
+        torch.bmm(local["q_state"].flatten(0, 1).transpose(-1, -2), d_o[s : s + group].flatten(0, 1),
+                  out=d_states[:-1][s : s + group].flatten(0, 1))
     for n in range(n_chunks - 1, -1, -1):
-        previous = d_states_after[n - 1] if n > 0 else None
-        d_state = torch.baddbmm(from_outputs[n], transition_t[n], d_states_after[n], out=previous)
+        transition = groups[n // group]["transition"][n % group]
+        torch.baddbmm(d_states[n], transition.transpose(-1, -2), d_states[n + 1], out=d_states[n])
 
-    # The rest is chunk by chunk: done for groups of about `_GROUP_MATRICES` chunk-heads at a time,
-    # so that each step's operands are still in cache when the next one reads them.
-    dq, dk, dg = (torch.empty(n_chunks, bh, chunk, key_dim, dtype=dtype, device=d_o.device) for _ in range(3))
+    # The rest is chunk by chunk, in the forward's groups, so that each step's operands are still
+    # in cache when the next one reads them.
+    dq, dk, dg = (torch.empty(n_chunks, bh, chunk, key_dim, dtype=dtype, device=device) for _ in range(3))
     dv = torch.empty_like(d_o)
-    dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=d_o.device)
-    per_chunk = (stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay,
-                 to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks,
-                 k_from_start, states, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge)
-    group = max(1, _GROUP_MATRICES // bh)
-    for start in range(0, n_chunks, group):
-        _chunk_gradients(*(x[start : start + group] for x in per_chunk), tile=tile, scale=scale)
-    return dq, dk, dv, dg, dbeta, d_state
+    dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=device)
+    for s, local in zip(starts, groups):
+        window = slice(s, s + group)
+        _chunk_gradients(
+            local["stacked_rows"], local["key_columns"], local["keys_seen"], local["to_reference"],
+            local["from_reference"], local["reference_decay"], local["to_end"], local["k_to_end"],
+            local["chunk_decay"], local["key_gram"], local["query_gram"], local["inverse"],
+            local["beta_chunks"], local["v_chunks"], local["k_from_start"], states[:-1][window], local["u"],
+            d_o[window], d_states[s + 1 : s + group + 1], dq[window], dk[window], dv[window],
+            dg[window], dbeta[window], *([local["bridge"]] if "bridge" in local else []),
+            tile=tile, scale=scale,
+        )
+    return dq, dk, dv, dg, dbeta, d_states[0]
 
 
-_GROUP_MATRICES = 32  # chunk-heads per group of the backward's chunk-local part (≈ 0.5 MB per tensor)
+_GROUP_MATRICES = 32  # chunk-heads per group of the chunk-local parts (≈ 0.5 MB per tensor)
 
 
 def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay,

@@ -338,16 +338,19 @@ FP32_TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("gate", ["worst", "bounded", "unbounded", "none"])
-def test_fp32_chunk_matches_float64_reference(gate):
+@pytest.mark.parametrize("requires_grad", [False, True])  # the no-grad forward, and _ChunkKDA's
+def test_fp32_chunk_matches_float64_reference(gate, requires_grad):
     # g = −5 everywhere: e^{G} reaches e^{−320} across a 64-token chunk (docs/design.md §1.1).
     inputs, initial_state = make_inputs(192, batch=1, heads=2, key_dim=64, value_dim=64, gate=gate)
-    inputs32 = {name: x.float() for name, x in inputs.items()}
+    inputs32 = {name: x.float().requires_grad_(requires_grad) for name, x in inputs.items()}
     o_ref, state_ref = naive_recurrent_kda(
-        **{name: x.double() for name, x in inputs32.items()},
+        **{name: x.detach().double() for name, x in inputs32.items()},
         initial_state=initial_state,
         output_final_state=True,
     )
     o, state = chunk_kda(**inputs32, initial_state=initial_state.float(), output_final_state=True)
+    assert (o.grad_fn is not None) == requires_grad
+    o, state = o.detach(), state.detach()
     assert o.dtype == torch.float32 and state.dtype == torch.float32
     assert torch.isfinite(o).all() and torch.isfinite(state).all()
     assert max_error(o, o_ref) < FP32_TOLERANCE
@@ -398,7 +401,9 @@ def test_chunk_kda_under_bf16_autocast_keeps_its_own_precision():
     params = {name: x.clone().requires_grad_() for name, x in inputs.items()}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o, state = chunk_kda(**params, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
-    o_ref, state_ref = chunk_kda(**inputs, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
+    # (the same path without autocast: the forward that keeps what its backward needs)
+    reference = {name: x.clone().requires_grad_() for name, x in inputs.items()}
+    o_ref, state_ref = chunk_kda(**reference, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
     assert o.dtype == state.dtype == torch.float32
     assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
     (o.sum() + state.sum()).backward()
