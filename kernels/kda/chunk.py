@@ -190,20 +190,28 @@ def tiled_gram_matrices(
 
 
 def keys_seen_from_row_tiles(
-    key_columns: torch.Tensor, reference: torch.Tensor
+    key_columns: torch.Tensor, reference: torch.Tensor, exp_in_float64: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The keys of a chunk as each row tile sees them, `[..., n_tiles, C, K]`: key tile `b` times
     the bridge `e^{r_a − r_b}` to row tile `a` (0 for tiles after `a`), and the bridges
-    `[..., a, b, K]` (None for one tile per chunk, where the keys are seen as they are)."""
+    `[..., a, b, K]` (None for one tile per chunk, where the keys are seen as they are).
+
+    `exp_in_float64`: exponentiate the (float64) exponents as they are and round the bridges
+    once, instead of rounding the exponents first. Besides being closer, this is much faster on
+    CPU: PyTorch's vectorised fp32 exp leaves its fast path for arguments below ≈ −87 (results
+    subnormal or 0) and runs ~60× slower; the float64 exp has no such cliff here. The no-grad
+    path keeps the fp32 form (its numbers are the HF remote code's)."""
     *batch_shape, n_tiles, tile, dim = key_columns.shape
     if n_tiles == 1:
         return key_columns, None  # one tile per chunk: no bridges
     # Bridge e^{r_a − r_b} from key tile b to row tile a: exponent ≤ 0 for b ≤ a. Tiles after the
     # row tile are masked to −inf *before* exponentiating, so their positive exponent never is.
     reference = reference.squeeze(-2)
-    bridge_exponent = (reference.unsqueeze(-2) - reference.unsqueeze(-3)).to(key_columns.dtype)
+    bridge_exponent = reference.unsqueeze(-2) - reference.unsqueeze(-3)
+    if not exp_in_float64:
+        bridge_exponent = bridge_exponent.to(key_columns.dtype)
     later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1)
-    bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp()
+    bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp().to(key_columns.dtype)
     # [..., a, b, tile, K] -> [..., a, C, K].
     keys_seen = (bridge.unsqueeze(-2) * key_columns.unsqueeze(-4)).reshape(
         *batch_shape, n_tiles, n_tiles * tile, dim
@@ -441,6 +449,22 @@ class _ChunkLayout(NamedTuple):
             pieces.append((by_chunk[full:, :, :, :tail], tokens[:, full * chunk :].unsqueeze(0).permute(0, 1, 3, 2, 4)))
         return pieces
 
+    @property
+    def padded(self) -> bool:
+        return self.n_chunks * self.chunk != self.seq_len
+
+    def by_chunk(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`[N, B, H, C, D]` view of `[B, T, H, D]` tokens (no padding: `T` a multiple of `C`), so
+        an elementwise pass can read or write the token layout directly instead of a copy."""
+        return tokens.unflatten(1, (self.n_chunks, self.chunk)).permute(1, 0, 3, 2, 4)
+
+    def chunk_source(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`x` as `[N, B, H, C, D]` for reading: the token layout itself where it can be (no
+        padding, already `dtype`), else a padded copy."""
+        if not self.padded and x.dtype == dtype:
+            return self.by_chunk(x)
+        return self.to_chunks(x, dtype).unflatten(1, (self.batch, self.heads))
+
     def to_chunks(self, x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """Contiguous `[N, B·H, C, D]` in `dtype` (or written into `out`, any strides), in one
         pass. Zero padding makes the padded tokens no-ops on the state: k = 0 and beta = 0 write
@@ -555,7 +579,7 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     max_decay = max(-float(lowest), float(highest))  # max |g|; highest ≤ 0 by contract
     tile = diagonal_tile_size(max_decay, chunk, dtype)
 
-    q_chunks, k_chunks = (layout.to_chunks(x, dtype) for x in (q, k))
+    q_chunks, k_chunks = (layout.chunk_source(x, dtype) for x in (q, k))  # [N, B, H, C, K]
     # [k e^G | v] side by side, [N, BH, C, K + V]: the UT transform multiplies both in one matmul
     # (k e^G is written into the left half per group below).
     keys_values = torch.empty(n_chunks, bh, chunk, key_dim + value_dim, dtype=dtype, device=q.device)
@@ -570,7 +594,7 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
         states[0].zero_()
     else:
         states[0].copy_(initial_state.reshape(bh, key_dim, value_dim))
-    group = max(1, _GROUP_MATRICES // bh)
+    group = max(1, _FORWARD_GROUP_MATRICES // bh)
     starts = range(0, n_chunks, group)
     groups = [
         _chunk_local_forward(q_chunks[s : s + group], k_chunks[s : s + group], keys_values[s : s + group],
@@ -604,21 +628,29 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     """The chunk-local part of `_chunk_kda_forward` for a group of chunks: the tiles, Gram
     matrices, `(I + A)⁻¹`, `[W | u_base]`, `q_state`, the transition `F` (returned) and `B`
     (written into `next_states`). Returns what the rest of the forward and the backward read."""
-    n_chunks, bh, chunk, key_dim = q_chunks.shape
+    n_chunks, batch, heads, chunk, key_dim = q_chunks.shape
+    bh = batch * heads
     n_tiles = chunk // tile
-    dtype = q_chunks.dtype
+    dtype = keys_values.dtype
 
     def tiled(x: torch.Tensor) -> torch.Tensor:
         return x.view(n_chunks, bh, n_tiles, tile, x.shape[-1])
 
+    def by_head(x: torch.Tensor) -> torch.Tensor:  # [n, B·H, ...] -> [n, B, H, ...]
+        return x.unflatten(1, (batch, heads))
+
     decay = tile_decay(log_decay, tile, dtype)
     # Rows of both Gram matrices stacked per row tile, [n, BH, n_tiles, 2·tile, K]: k e^{G − r},
-    # then q e^{G − r} (written in place of a concatenation).
+    # then q e^{G − r} (written in place of a concatenation). q and k are read where they are
+    # ([n, B, H, C, K], possibly the caller's token layout).
     stacked_rows = torch.empty(n_chunks, bh, n_tiles, 2 * tile, key_dim, dtype=dtype, device=q_chunks.device)
-    k_rows = torch.mul(tiled(k_chunks), decay.to_reference, out=stacked_rows[..., :tile, :])
-    q_rows = torch.mul(tiled(q_chunks), decay.to_reference, out=stacked_rows[..., tile:, :])
-    key_columns = tiled(k_chunks) * decay.from_reference  # k e^{r − G}
-    keys_seen, bridge = keys_seen_from_row_tiles(key_columns, decay.reference)
+    k_rows, q_rows = stacked_rows[..., :tile, :], stacked_rows[..., tile:, :]
+    k_tiles, q_tiles = (x.unflatten(3, (n_tiles, tile)) for x in (k_chunks, q_chunks))
+    torch.mul(k_tiles, by_head(decay.to_reference), out=by_head(k_rows))
+    torch.mul(q_tiles, by_head(decay.to_reference), out=by_head(q_rows))
+    key_columns = torch.empty_like(decay.from_reference)  # k e^{r − G}
+    torch.mul(k_tiles, by_head(decay.from_reference), out=by_head(key_columns))
+    keys_seen, bridge = keys_seen_from_row_tiles(key_columns, decay.reference, exp_in_float64=True)
     grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, 2·tile, C]
     key_gram, query_gram = grams.split(tile, dim=-2)
     # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so no mask pass there;
@@ -631,11 +663,11 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
 
     # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
     chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [n, BH, 1, 1, K]
-    reference_decay = decay.reference.to(dtype).exp()  # e^{r}
+    reference_decay = decay.reference.exp().to(dtype)  # e^{r} (float64 exp: see keys_seen_from_row_tiles)
     k_from_start = torch.mul(k_rows, reference_decay, out=tiled(keys_values[..., :key_dim]))  # k e^{G}
-    to_end = (chunk_total - decay.reference).to(dtype).exp()  # e^{G_C − r}
+    to_end = (chunk_total - decay.reference).exp().to(dtype)  # e^{G_C − r}
     k_to_end = (key_columns * to_end).view(n_chunks, bh, chunk, key_dim).transpose(-1, -2)  # k e^{G_C − G}, [n, BH, K, C]
-    chunk_decay = chunk_total.squeeze(-2).squeeze(-2).to(dtype).exp()  # e^{G_C}, [n, BH, K]
+    chunk_decay = chunk_total.squeeze(-2).squeeze(-2).exp().to(dtype)  # e^{G_C}, [n, BH, K]
 
     # UT transform: u = (I + A)⁻¹ Diag(β) (v − (k ⊙ e^G) S_0) = u_base − W S_0. The inverse is
     # formed once per chunk (C×C right-hand sides are cheaper than K + V of them) and kept.
@@ -698,26 +730,33 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
         transition = groups[n // group]["transition"][n % group]
         torch.baddbmm(d_states[n], transition.transpose(-1, -2), d_states[n + 1], out=d_states[n])
 
-    # The rest is chunk by chunk, in the forward's groups, so that each step's operands are still
-    # in cache when the next one reads them.
+    # The rest is chunk by chunk: done for groups of about `_GROUP_MATRICES` chunk-heads at a time
+    # (slices of the forward's groups), so that each step's operands are still in cache when the
+    # next one reads them.
     dq, dk, dg = (torch.empty(n_chunks, bh, chunk, key_dim, dtype=dtype, device=device) for _ in range(3))
     dv = torch.empty_like(d_o)
     dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=device)
+    step = max(1, _GROUP_MATRICES // bh)
+    local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference", "from_reference",
+                   "reference_decay", "to_end", "k_to_end", "chunk_decay", "key_gram", "query_gram",
+                   "inverse", "beta_chunks", "v_chunks", "k_from_start")
     for s, local in zip(starts, groups):
-        window = slice(s, s + group)
-        _chunk_gradients(
-            local["stacked_rows"], local["key_columns"], local["keys_seen"], local["to_reference"],
-            local["from_reference"], local["reference_decay"], local["to_end"], local["k_to_end"],
-            local["chunk_decay"], local["key_gram"], local["query_gram"], local["inverse"],
-            local["beta_chunks"], local["v_chunks"], local["k_from_start"], states[:-1][window], local["u"],
-            d_o[window], d_states[s + 1 : s + group + 1], dq[window], dk[window], dv[window],
-            dg[window], dbeta[window], *([local["bridge"]] if "bridge" in local else []),
-            tile=tile, scale=scale,
-        )
+        for offset in range(0, min(group, n_chunks - s), step):
+            part = slice(offset, offset + step)
+            window = slice(s + offset, min(s + offset + step, s + group))
+            _chunk_gradients(
+                *(local[name][part] for name in local_names), states[:-1][window], local["u"][part],
+                d_o[window], d_states[1:][window], dq[window], dk[window], dv[window],
+                dg[window], dbeta[window], *([local["bridge"][part]] if "bridge" in local else []),
+                tile=tile, scale=scale,
+            )
     return dq, dk, dv, dg, dbeta, d_states[0]
 
 
-_GROUP_MATRICES = 32  # chunk-heads per group of the chunk-local parts (≈ 0.5 MB per tensor)
+_GROUP_MATRICES = 32  # chunk-heads per group of the backward's chunk-local part (≈ 0.5 MB per tensor)
+# Chunk-heads per group of the forward's chunk-local part: larger (its steps are fewer and cheaper,
+# so per-operation overhead weighs more than cache misses there).
+_FORWARD_GROUP_MATRICES = 128
 
 
 def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay,

@@ -172,13 +172,16 @@ def test_chunk_gradients_match_recurrent_float64(chunk_size, gate):
         (64, "none", 64, True),  # exactly one chunk: no state pass in between
     ],
 )
-@pytest.mark.parametrize("group_matrices", [1, 32])  # chunk by chunk, or all chunks in one group
+# Chunk-heads per group (backward, forward): chunk by chunk; forward groups of 2 chunks with a
+# partial last one (6 heads here), each sliced chunk by chunk in the backward; all in one group.
+@pytest.mark.parametrize("group_matrices", [(1, 1), (6, 12), (32, 128)])
 def test_hand_written_backward_matches_autograd_reference_float64(
     chunk_size, gate, seq_len, with_initial_state, group_matrices, monkeypatch
 ):
     """`chunk_kda`'s hand-written backward against autograd through the same chunkwise ops,
     for every input, the initial state, and a loss on both the output and the final state."""
-    monkeypatch.setattr(chunk_module, "_GROUP_MATRICES", group_matrices)
+    monkeypatch.setattr(chunk_module, "_GROUP_MATRICES", group_matrices[0])
+    monkeypatch.setattr(chunk_module, "_FORWARD_GROUP_MATRICES", group_matrices[1])
     inputs, initial_state = make_inputs(seq_len, heads=3, key_dim=16, value_dim=8, gate=gate)
     leaves = {**inputs, "initial_state": initial_state if with_initial_state else None}
     generator = torch.Generator().manual_seed(2)
