@@ -548,9 +548,9 @@ class _ChunkKDA(torch.autograd.Function):
             else d_initial.view(layout.batch, layout.heads, *d_initial.shape[-2:]).to(ctx.initial_state_dtype)
         )
         return (
-            layout.from_chunks(dq, q_dtype),
-            layout.from_chunks(dk, k_dtype),
-            layout.from_chunks(dv, v_dtype),
+            dq.to(q_dtype),
+            dk.to(k_dtype),
+            dv.to(v_dtype),
             layout.from_chunks(dg, g_dtype),
             layout.from_chunks(dbeta.unsqueeze(-1), beta_dtype).squeeze(-1),
             d_initial,
@@ -733,8 +733,17 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     # The rest is chunk by chunk: done for groups of about `_GROUP_MATRICES` chunk-heads at a time
     # (slices of the forward's groups), so that each step's operands are still in cache when the
     # next one reads them.
-    dq, dk, dg = (torch.empty(n_chunks, bh, chunk, key_dim, dtype=dtype, device=device) for _ in range(3))
-    dv = torch.empty_like(d_o)
+    # dq, dk, dv are written straight into the token layout [B, T, H, D] where there is no padding.
+    def token_gradient(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layout.padded:
+            chunked = torch.empty(n_chunks, bh, chunk, dim, dtype=dtype, device=device)
+            return chunked, chunked.unflatten(1, (layout.batch, layout.heads))
+        tokens = torch.empty(layout.batch, layout.seq_len, layout.heads, dim, dtype=dtype, device=device)
+        return tokens, layout.by_chunk(tokens)
+
+    (dq, dq_chunks), (dk, dk_chunks), (dv, dv_chunks) = (token_gradient(d) for d in (key_dim, key_dim, value_dim))
+    dg = torch.empty(n_chunks, bh, chunk, key_dim, dtype=dtype, device=device)
+    outside = ~_causal_masks(chunk, tile, device)
     dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=device)
     step = max(1, _GROUP_MATRICES // bh)
     local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference", "from_reference",
@@ -746,10 +755,12 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
             window = slice(s + offset, min(s + offset + step, s + group))
             _chunk_gradients(
                 *(local[name][part] for name in local_names), states[:-1][window], local["u"][part],
-                d_o[window], d_states[1:][window], dq[window], dk[window], dv[window],
+                d_o[window], d_states[1:][window], dq_chunks[window], dk_chunks[window], dv_chunks[window],
                 dg[window], dbeta[window], *([local["bridge"][part]] if "bridge" in local else []),
-                tile=tile, scale=scale,
+                tile=tile, scale=scale, outside=outside,
             )
+    if layout.padded:
+        dq, dk, dv = (layout.from_chunks(x, dtype) for x in (dq, dk, dv))
     return dq, dk, dv, dg, dbeta, d_states[0]
 
 
@@ -762,9 +773,11 @@ _FORWARD_GROUP_MATRICES = 128
 def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay,
                      to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks,
                      k_from_start, states, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge,
-                     tile: int, scale: float) -> None:
+                     tile: int, scale: float, outside: torch.Tensor) -> None:
     """The chunk-local part of `_chunk_kda_backward` for a group of chunks (all tensors sliced
-    alike along the chunk axis), writing into the group's slices of `dq, dk, dv, dg, dbeta`."""
+    alike along the chunk axis), writing into the group's slices of `dq, dk, dv, dg, dbeta` (the
+    first three `[n, B, H, C, D]`, possibly views of the token layout). `outside`: the complement
+    of `_causal_masks`."""
     n_chunks, bh, n_tiles, _, key_dim = stacked_rows.shape
     chunk = n_tiles * tile
     value_dim = states.shape[-1]
@@ -782,7 +795,12 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, from_re
         flat(k_to_end.transpose(-1, -2)) @ flat(d_states_after), flat(query_gram).transpose(-1, -2), flat(d_o)
     ).view_as(d_o)
     d_y = inverse.transpose(-1, -2) @ d_u
-    torch.mul(d_y, beta_chunks, out=dv)
+    batch, heads = dq.shape[1:3]
+
+    def by_head(x: torch.Tensor) -> torch.Tensor:  # [n, B·H, ...] -> [n, B, H, ...]
+        return x.unflatten(1, (batch, heads))
+
+    torch.mul(by_head(d_y), by_head(beta_chunks), out=dv)
     # (Accumulating matmuls are written `out=` their input, not `baddbmm_`: the same in-place
     # work, and FLOP counters that know `baddbmm` see it.)
     # β enters y = β z with z = v − (k e^G) S − (key Gram) u (from (I + A) u = β (v − (k e^G) S),
@@ -795,10 +813,9 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, from_re
     # (dA = −dy uᵀ, A = Diag(β) Gram), scale·do uᵀ the query Gram's (masked below), −dv Sᵀ that
     # of k e^G, scale·do Sᵀ that of q e^G.
     left = torch.empty(n_chunks, bh, n_tiles, 2, tile, value_dim, dtype=dtype, device=d_o.device)
-    torch.neg(tiled(dv), out=left[..., 0, :, :])
+    torch.neg(dv.unflatten(3, (n_tiles, tile)), out=by_head(left[..., 0, :, :]))
     torch.mul(tiled(d_o), scale, out=left[..., 1, :, :])
     left = left.view(n_chunks, bh, 2 * chunk, value_dim)
-    outside = ~_causal_masks(chunk, tile, d_o.device)
     d_grams = (left @ u.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2, tile, chunk).masked_fill_(outside, 0.0)
     d_grams = d_grams.view(n_chunks, bh, n_tiles, 2 * tile, chunk)
     with_state = (left @ states.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2 * tile, key_dim)
@@ -829,8 +846,9 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, from_re
     d_key_columns = tiled(d_key_columns)
     d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
 
-    torch.mul(d_q_rows, to_reference, out=tiled(dq))
-    torch.addcmul(d_k_rows * to_reference, d_key_columns, from_reference, out=tiled(dk))
+    torch.mul(by_head(d_q_rows), by_head(to_reference), out=dq.unflatten(3, (n_tiles, tile)))
+    torch.addcmul(by_head(d_k_rows * to_reference), by_head(d_key_columns), by_head(from_reference),
+                  out=dk.unflatten(3, (n_tiles, tile)))
     # ∂L/∂G: +x ∂L/∂x for the row-side factors e^{G−r}, −x ∂L/∂x for the column-side e^{r−G};
     # the chunk's last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
     d_log_decay = (k_rows * d_k_rows).addcmul_(q_rows, d_q_rows).addcmul_(key_columns, d_key_columns, value=-1.0)
