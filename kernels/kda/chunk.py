@@ -44,10 +44,19 @@ The mode is per thread: with several intra-op threads, the worker threads keep t
 
 The backward. Autograd through the many small operations above spends most of its time in their
 elementwise backward passes. `chunk_kda` (PyTorch path, when a gradient is wanted) runs
-`_ChunkKDA` instead: the same forward, plus a hand-written backward that recomputes nothing
-expensive and forms every gradient with batched matmuls and a few elementwise passes
-(`_ChunkKDA`'s docstring has the formulas). `chunk_kda_autograd_reference` keeps the
-differentiated-by-autograd form, which the tests hold the hand-written backward to in float64.
+`_ChunkKDA` instead: the same chunkwise form, reorganised for speed (its fp32 numbers agree
+with the no-grad path's to rounding, not bit for bit), plus a hand-written backward that
+recomputes nothing expensive and forms every gradient with batched matmuls and a few elementwise
+passes (`_ChunkKDA`'s docstring has the formulas). Without a gradient (evaluation, the HF export's
+checks) the plain operations above run, in the order the standalone HF remote code repeats.
+`chunk_kda_autograd_reference` keeps the differentiated-by-autograd form, which the tests hold
+`_ChunkKDA` to in float64 (values and gradients).
+
+Two CPU cliffs the `_ChunkKDA` forward avoids: PyTorch's vectorised fp32 `exp` leaves its fast
+path for arguments below ≈ −87 (results subnormal or 0) and runs ~60× slower, so the small
+chunk- and tile-level factors with wide exponents (`e^{r}`, `e^{G_C − r}`, `e^{G_C}`, bridges) are
+exponentiated in float64 and rounded once (closer, too); and it reads `q`, `k` from the caller's
+token layout and its backward writes `dq`, `dk`, `dv` into it, instead of chunked copies.
 """
 
 from __future__ import annotations
@@ -127,12 +136,13 @@ class TiledDecay(NamedTuple):
     """Cumulative log-decay `G` of each chunk, measured from one reference point per tile."""
 
     to_reference: torch.Tensor  # e^{G_i − r_a}, [..., n_tiles, tile, K], compute dtype
-    from_reference: torch.Tensor  # e^{r_a − G_i}, same shape
+    from_reference: torch.Tensor | None  # e^{r_a − G_i}, same shape (None if not asked for)
     reference: torch.Tensor  # r_a = G at the tile's middle token, [..., n_tiles, 1, K], float64
 
 
-def tile_decay(log_decay: torch.Tensor, tile: int, dtype: torch.dtype) -> TiledDecay:
-    """Split `G` (`[..., C, K]`, float64, non-increasing along C) into tiles around references."""
+def tile_decay(log_decay: torch.Tensor, tile: int, dtype: torch.dtype, inverse: bool = True) -> TiledDecay:
+    """Split `G` (`[..., C, K]`, float64, non-increasing along C) into tiles around references
+    (`inverse=False`: without `from_reference`, for callers that divide by `to_reference`)."""
     *batch_shape, chunk, dim = log_decay.shape
     tiled = log_decay.reshape(*batch_shape, chunk // tile, tile, dim)
     middle = tile // 2
@@ -143,7 +153,7 @@ def tile_decay(log_decay: torch.Tensor, tile: int, dtype: torch.dtype) -> TiledD
     else:  # the same numbers in fewer passes: G − r rounded into `dtype` as it is written
         to_reference = torch.sub(tiled, reference, out=torch.empty(tiled.shape, dtype=dtype, device=tiled.device))
         to_reference.exp_()
-    return TiledDecay(to_reference, to_reference.reciprocal(), reference)
+    return TiledDecay(to_reference, to_reference.reciprocal() if inverse else None, reference)
 
 
 def decayed_gram_matrices(
@@ -498,9 +508,10 @@ def _causal_masks(chunk: int, tile: int, device: torch.device) -> torch.Tensor:
 class _ChunkKDA(torch.autograd.Function):
     """The chunkwise form (module docstring) with a hand-written backward.
 
-    Forward: the operations of `_chunk_kda_chunks` in the same order (so the same fp32 numbers),
-    keeping per chunk the state `S` entering it and its `u = u_base − W S` (`W = T (k ⊙ e^G)`,
-    `u_base = T v`, `T = (I + A)⁻¹ Diag(β)`), besides the tiles, Gram matrices and `(I + A)⁻¹`.
+    Forward (`_chunk_kda_forward`): the form of `_chunk_kda_chunks`, reorganised (same fp32
+    numbers to rounding), keeping per chunk the state `S` entering it, the transition `F` and
+    `u = u_base − W S` (`W = T (k ⊙ e^G)`, `u_base = T v`, `T = (I + A)⁻¹ Diag(β)`), besides
+    the tiles, Gram matrices and `(I + A)⁻¹`.
 
     Backward, with `dS'` the gradient of the state leaving a chunk: the state gradients run back
     through `dS = Fᵀ dS' + q_stateᵀ do`, one matmul per chunk, where `S' = F S + (terms without
@@ -639,7 +650,7 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     def by_head(x: torch.Tensor) -> torch.Tensor:  # [n, B·H, ...] -> [n, B, H, ...]
         return x.unflatten(1, (batch, heads))
 
-    decay = tile_decay(log_decay, tile, dtype)
+    decay = tile_decay(log_decay, tile, dtype, inverse=False)
     # Rows of both Gram matrices stacked per row tile, [n, BH, n_tiles, 2·tile, K]: k e^{G − r},
     # then q e^{G − r} (written in place of a concatenation). q and k are read where they are
     # ([n, B, H, C, K], possibly the caller's token layout).
@@ -648,8 +659,8 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     k_tiles, q_tiles = (x.unflatten(3, (n_tiles, tile)) for x in (k_chunks, q_chunks))
     torch.mul(k_tiles, by_head(decay.to_reference), out=by_head(k_rows))
     torch.mul(q_tiles, by_head(decay.to_reference), out=by_head(q_rows))
-    key_columns = torch.empty_like(decay.from_reference)  # k e^{r − G}
-    torch.mul(k_tiles, by_head(decay.from_reference), out=by_head(key_columns))
+    key_columns = torch.empty_like(decay.to_reference)  # k e^{r − G}, as k / e^{G − r} (one pass)
+    torch.div(k_tiles, by_head(decay.to_reference), out=by_head(key_columns))
     keys_seen, bridge = keys_seen_from_row_tiles(key_columns, decay.reference, exp_in_float64=True)
     grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, 2·tile, C]
     key_gram, query_gram = grams.split(tile, dim=-2)
@@ -687,7 +698,7 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
 
     local = {
         "stacked_rows": stacked_rows, "key_columns": key_columns, "keys_seen": keys_seen,
-        "to_reference": decay.to_reference, "from_reference": decay.from_reference,
+        "to_reference": decay.to_reference,
         "reference_decay": reference_decay, "to_end": to_end, "k_to_end": k_to_end,
         "chunk_decay": chunk_decay, "key_gram": key_gram, "query_gram": query_gram, "inverse": inverse,
         "beta_chunks": beta_chunks, "v_chunks": keys_values[..., key_dim:],
@@ -746,7 +757,7 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     outside = ~_causal_masks(chunk, tile, device)
     dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=device)
     step = max(1, _GROUP_MATRICES // bh)
-    local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference", "from_reference",
+    local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference",
                    "reference_decay", "to_end", "k_to_end", "chunk_decay", "key_gram", "query_gram",
                    "inverse", "beta_chunks", "v_chunks", "k_from_start")
     for s, local in zip(starts, groups):
@@ -770,7 +781,7 @@ _GROUP_MATRICES = 32  # chunk-heads per group of the backward's chunk-local part
 _FORWARD_GROUP_MATRICES = 128
 
 
-def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, from_reference, reference_decay,
+def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, reference_decay,
                      to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks,
                      k_from_start, states, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge,
                      tile: int, scale: float, outside: torch.Tensor) -> None:
@@ -847,7 +858,7 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, from_re
     d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
 
     torch.mul(by_head(d_q_rows), by_head(to_reference), out=dq.unflatten(3, (n_tiles, tile)))
-    torch.addcmul(by_head(d_k_rows * to_reference), by_head(d_key_columns), by_head(from_reference),
+    torch.addcdiv(by_head(d_k_rows * to_reference), by_head(d_key_columns), by_head(to_reference),
                   out=dk.unflatten(3, (n_tiles, tile)))
     # ∂L/∂G: +x ∂L/∂x for the row-side factors e^{G−r}, −x ∂L/∂x for the column-side e^{r−G};
     # the chunk's last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
