@@ -497,6 +497,21 @@ class _ChunkLayout(NamedTuple):
         return out
 
 
+def _above_diagonal_in_tile(tile: int, device: torch.device) -> torch.Tensor:
+    """`[2, tile, tile, 1]`: inside a diagonal tile block, what lies outside the key Gram (on and
+    above the diagonal) and outside the query Gram (above it). With bridges, the blocks above the
+    diagonal blocks are exactly 0 already (their keys are seen through a bridge of 0), so these
+    are the only entries a mask has to clear (on `_diagonal_blocks`)."""
+    index = torch.arange(tile, device=device)
+    return torch.stack([index >= index.view(-1, 1), index > index.view(-1, 1)]).unsqueeze(-1)
+
+
+def _diagonal_blocks(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """`[n, BH, n_tiles, (2,) tile, C]` (row tile on axis 2) -> its diagonal tile blocks as a
+    view, `[n, BH, (2,) tile, tile, n_tiles]`."""
+    return x.unflatten(-1, (x.shape[-1] // tile, tile)).diagonal(dim1=2, dim2=-2)
+
+
 def _causal_masks(chunk: int, tile: int, device: torch.device) -> torch.Tensor:
     """`[n_tiles, 2, tile, C]`: per row tile, the strict lower triangle (the key Gram, which the
     unit-triangular solve reads below the diagonal only) and the lower triangle (the query Gram)."""
@@ -669,8 +684,10 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(n_chunks, bh, chunk, chunk)
     masks = _causal_masks(chunk, tile, q_chunks.device)
     key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(n_chunks, bh, chunk, chunk)
+    query_gram = query_gram * scale
     # P, scaled here (C×C per chunk: cheaper to scale than q); the mask drops j > i.
-    query_gram = (query_gram * scale).masked_fill_(~masks[:, 1], 0.0).view(n_chunks, bh, chunk, chunk)
+    _diagonal_blocks(query_gram, tile).masked_fill_(_above_diagonal_in_tile(tile, q_chunks.device)[1], 0.0)
+    query_gram = query_gram.view(n_chunks, bh, chunk, chunk)
 
     # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
     chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [n, BH, 1, 1, K]
@@ -754,7 +771,7 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
 
     (dq, dq_chunks), (dk, dk_chunks), (dv, dv_chunks) = (token_gradient(d) for d in (key_dim, key_dim, value_dim))
     dg = torch.empty(n_chunks, bh, chunk, key_dim, dtype=dtype, device=device)
-    outside = ~_causal_masks(chunk, tile, device)
+    outside = _above_diagonal_in_tile(tile, device)
     dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=device)
     step = max(1, _GROUP_MATRICES // bh)
     local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference",
@@ -787,8 +804,8 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, referen
                      tile: int, scale: float, outside: torch.Tensor) -> None:
     """The chunk-local part of `_chunk_kda_backward` for a group of chunks (all tensors sliced
     alike along the chunk axis), writing into the group's slices of `dq, dk, dv, dg, dbeta` (the
-    first three `[n, B, H, C, D]`, possibly views of the token layout). `outside`: the complement
-    of `_causal_masks`."""
+    first three `[n, B, H, C, D]`, possibly views of the token layout). `outside`:
+    `_above_diagonal_in_tile`."""
     n_chunks, bh, n_tiles, _, key_dim = stacked_rows.shape
     chunk = n_tiles * tile
     value_dim = states.shape[-1]
@@ -827,7 +844,10 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, referen
     torch.neg(dv.unflatten(3, (n_tiles, tile)), out=by_head(left[..., 0, :, :]))
     torch.mul(tiled(d_o), scale, out=left[..., 1, :, :])
     left = left.view(n_chunks, bh, 2 * chunk, value_dim)
-    d_grams = (left @ u.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2, tile, chunk).masked_fill_(outside, 0.0)
+    # (Masked in the diagonal tile blocks only: the blocks above them meet keys seen through a
+    # bridge of 0 below, and the key-column sum below reads only the columns up to the row tile.)
+    d_grams = (left @ u.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2, tile, chunk)
+    _diagonal_blocks(d_grams, tile).masked_fill_(outside, 0.0)
     d_grams = d_grams.view(n_chunks, bh, n_tiles, 2 * tile, chunk)
     with_state = (left @ states.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2 * tile, key_dim)
 
