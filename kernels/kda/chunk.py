@@ -589,8 +589,8 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     """`_ChunkKDA.forward`'s math: `(o, final_state, tensors to save, metadata)`.
 
     The same chunkwise form as `_chunk_kda_chunks` (fp32 numbers agree to rounding, not bit for
-    bit), organised for speed: the chunk-local part runs in groups of about `_GROUP_MATRICES`
-    chunk-heads (each step's operands still in cache for the next), `W` and `u_base` come from one
+    bit), organised for speed: the chunk-local part runs in groups of about
+    `_FORWARD_GROUP_MATRICES` chunk-heads (the backward slices them finer), `W` and `u_base` come from one
     matmul `T [k e^G | v]`, and the state pass is one matmul per chunk, `S' = F S + B` with the
     transition `F = Diag(e^{G_C}) − (k e^{G_C−G})ᵀ W` and `B = (k e^{G_C−G})ᵀ u_base` formed for a
     whole group at once (the backward reuses `F`). The outputs `o = P u_base + q_state S` and
@@ -684,8 +684,10 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(n_chunks, bh, chunk, chunk)
     masks = _causal_masks(chunk, tile, q_chunks.device)
     key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(n_chunks, bh, chunk, chunk)
+    # P, scaled here (C×C per chunk: cheaper to scale than q); the mask drops j > i (only inside
+    # the diagonal tile blocks: the blocks above them are exactly 0, their keys seen through a
+    # bridge of 0).
     query_gram = query_gram * scale
-    # P, scaled here (C×C per chunk: cheaper to scale than q); the mask drops j > i.
     _diagonal_blocks(query_gram, tile).masked_fill_(_above_diagonal_in_tile(tile, q_chunks.device)[1], 0.0)
     query_gram = query_gram.view(n_chunks, bh, chunk, chunk)
 
@@ -710,7 +712,7 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     torch.bmm(k_to_end.flatten(0, 1), u_base.flatten(0, 1), out=next_states.flatten(0, 1))
     # o = o_base + q_state S, with [P W | o_base] = P [W | u_base], q_state = scale (q ⊙ e^G) − P W.
     p_w_o_base = query_gram @ w_u_base
-    q_state = (tiled(q_rows) * (reference_decay * scale)).view(n_chunks, bh, chunk, key_dim)
+    q_state = (q_rows * (reference_decay * scale)).view(n_chunks, bh, chunk, key_dim)
     q_state.sub_(p_w_o_base[..., :key_dim])
 
     local = {
