@@ -532,7 +532,8 @@ class _ChunkKDA(torch.autograd.Function):
     through `dS = Fᵀ dS' + q_stateᵀ do`, one matmul per chunk, where `S' = F S + (terms without
     S)`, `F = Diag(e^{G_C}) − (k ⊙ e^{G_C − G})ᵀ W` and `q_state = scale (q ⊙ e^G) − P W`; then,
     for all chunks at once, `du = Pᵀ do + (k ⊙ e^{G_C−G}) dS'`, `dy = (I + A)⁻ᵀ du`, `dv = β dy`,
-    `dβ = Σ_v dy ⊙ (v − (k ⊙ e^G) S − (key Gram) u)`, and the Gram matrices' gradients
+    `dβ = Σ_v dy ⊙ (v − (k ⊙ e^G) S − (key Gram) u) = Σ_v dy ⊙ u / β` (the division unless a
+    β is below 1e-20), and the Gram matrices' gradients
     `−dv uᵀ` (strictly lower) and `scale · do uᵀ` (lower) go back through the same tiles as the
     forward, the key side summed over row tiles by Horner's rule along the bridges. The log-decay
     gradient uses that every decay factor is `e^{±G}` of its own token: `∂L/∂G = Σ_x ±x ⊙ ∂L/∂x`
@@ -620,12 +621,15 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
         states[0].zero_()
     else:
         states[0].copy_(initial_state.reshape(bh, key_dim, value_dim))
+    # dβ needs z = v − (k e^G) S − (key Gram) u, which is u / β (module docstring of `_ChunkKDA`):
+    # unless some β is (nearly) 0, the backward divides and the masked key Gram is not kept.
+    beta_divides = seq_len > 0 and float(beta.detach().amin()) >= _SMALLEST_BETA_TO_DIVIDE_BY
     group = max(1, _FORWARD_GROUP_MATRICES // bh)
     starts = range(0, n_chunks, group)
     groups = [
         _chunk_local_forward(q_chunks[s : s + group], k_chunks[s : s + group], keys_values[s : s + group],
                              beta_chunks[s : s + group], log_decay[s : s + group], states[s + 1 : s + group + 1],
-                             tile=tile, scale=scale)
+                             tile=tile, scale=scale, keep_key_gram=not beta_divides)
         for s in starts
     ]
     for n in range(n_chunks):
@@ -650,10 +654,11 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
 
 
 def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay, next_states,
-                         tile: int, scale: float) -> dict[str, torch.Tensor]:
+                         tile: int, scale: float, keep_key_gram: bool) -> dict[str, torch.Tensor]:
     """The chunk-local part of `_chunk_kda_forward` for a group of chunks: the tiles, Gram
     matrices, `(I + A)⁻¹`, `[W | u_base]`, `q_state`, the transition `F` (returned) and `B`
-    (written into `next_states`). Returns what the rest of the forward and the backward read."""
+    (written into `next_states`). Returns what the rest of the forward and the backward read
+    (the masked key Gram only if `keep_key_gram`)."""
     n_chunks, batch, heads, chunk, key_dim = q_chunks.shape
     bh = batch * heads
     n_tiles = chunk // tile
@@ -680,10 +685,12 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, 2·tile, C]
     key_gram, query_gram = grams.split(tile, dim=-2)
     # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so no mask pass there;
-    # the backward's copy is masked (what lies on and above the diagonal is finite but no Gram).
+    # the backward's copy, if it needs one, is masked (what lies on and above the diagonal is
+    # finite but no Gram).
     strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(n_chunks, bh, chunk, chunk)
-    masks = _causal_masks(chunk, tile, q_chunks.device)
-    key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(n_chunks, bh, chunk, chunk)
+    if keep_key_gram:
+        masks = _causal_masks(chunk, tile, q_chunks.device)
+        key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(n_chunks, bh, chunk, chunk)
     # P, scaled here (C×C per chunk: cheaper to scale than q); the mask drops j > i (only inside
     # the diagonal tile blocks: the blocks above them are exactly 0, their keys seen through a
     # bridge of 0).
@@ -719,13 +726,15 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
         "stacked_rows": stacked_rows, "key_columns": key_columns, "keys_seen": keys_seen,
         "to_reference": decay.to_reference,
         "reference_decay": reference_decay, "to_end": to_end, "k_to_end": k_to_end,
-        "chunk_decay": chunk_decay, "key_gram": key_gram, "query_gram": query_gram, "inverse": inverse,
+        "chunk_decay": chunk_decay, "query_gram": query_gram, "inverse": inverse,
         "beta_chunks": beta_chunks, "v_chunks": keys_values[..., key_dim:],
         "k_from_start": k_from_start.view(n_chunks, bh, chunk, key_dim), "q_state": q_state,
         "transition": transition, "w": w, "u_base": u_base, "o_base": p_w_o_base[..., key_dim:],
     }
     if bridge is not None:
         local["bridge"] = bridge
+    if keep_key_gram:
+        local["key_gram"] = key_gram
     return local
 
 
@@ -777,7 +786,7 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=device)
     step = max(1, _GROUP_MATRICES // bh)
     local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference",
-                   "reference_decay", "to_end", "k_to_end", "chunk_decay", "key_gram", "query_gram",
+                   "reference_decay", "to_end", "k_to_end", "chunk_decay", "query_gram",
                    "inverse", "beta_chunks", "v_chunks", "k_from_start")
     for s, local in zip(starts, groups):
         for offset in range(0, min(group, n_chunks - s), step):
@@ -788,6 +797,7 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
                 d_o[window], d_states[1:][window], dq_chunks[window], dk_chunks[window], dv_chunks[window],
                 dg[window], dbeta[window], *([local["bridge"][part]] if "bridge" in local else []),
                 tile=tile, scale=scale, outside=outside,
+                key_gram=local["key_gram"][part] if "key_gram" in local else None,
             )
     if layout.padded:
         dq, dk, dv = (layout.from_chunks(x, dtype) for x in (dq, dk, dv))
@@ -795,19 +805,22 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
 
 
 _GROUP_MATRICES = 32  # chunk-heads per group of the backward's chunk-local part (≈ 0.5 MB per tensor)
+# dβ divides u by β when every β of the call is at least this (below it, the products inside u
+# that carry a factor β may reach the flushed-to-zero range and lose their share of u / β).
+_SMALLEST_BETA_TO_DIVIDE_BY = 1e-20
 # Chunk-heads per group of the forward's chunk-local part: larger (its steps are fewer and cheaper,
 # so per-operation overhead weighs more than cache misses there).
 _FORWARD_GROUP_MATRICES = 128
 
 
 def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, reference_decay,
-                     to_end, k_to_end, chunk_decay, key_gram, query_gram, inverse, beta_chunks, v_chunks,
+                     to_end, k_to_end, chunk_decay, query_gram, inverse, beta_chunks, v_chunks,
                      k_from_start, states, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge,
-                     tile: int, scale: float, outside: torch.Tensor) -> None:
+                     tile: int, scale: float, outside: torch.Tensor, key_gram: torch.Tensor | None) -> None:
     """The chunk-local part of `_chunk_kda_backward` for a group of chunks (all tensors sliced
     alike along the chunk axis), writing into the group's slices of `dq, dk, dv, dg, dbeta` (the
     first three `[n, B, H, C, D]`, possibly views of the token layout). `outside`:
-    `_above_diagonal_in_tile`."""
+    `_above_diagonal_in_tile`. `key_gram`: the masked key Gram, or None for dβ through `u / β`."""
     n_chunks, bh, n_tiles, _, key_dim = stacked_rows.shape
     chunk = n_tiles * tile
     value_dim = states.shape[-1]
@@ -834,10 +847,16 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, referen
     # (Accumulating matmuls are written `out=` their input, not `baddbmm_`: the same in-place
     # work, and FLOP counters that know `baddbmm` see it.)
     # β enters y = β z with z = v − (k e^G) S − (key Gram) u (from (I + A) u = β (v − (k e^G) S),
-    # A = Diag(β) Gram): dβ = Σ_v dy ⊙ z.
-    z = torch.baddbmm(flat(v_chunks), flat(k_from_start), flat(states), alpha=-1.0)
-    torch.baddbmm(z, flat(key_gram), flat(u), alpha=-1.0, out=z)
-    torch.sum(z.view_as(d_y) * d_y, dim=-1, out=dbeta)
+    # A = Diag(β) Gram): dβ = Σ_v dy ⊙ z. The same equation reads u = β ⊙ z, so z = u / β: one
+    # division instead of two matmuls, where every β is far from 0 (the padded tokens' β = 0
+    # meet u = 0 and a clamped divisor: their dβ is 0, and dropped).
+    if key_gram is None:
+        torch.sum(u * d_y, dim=-1, out=dbeta)
+        dbeta.div_(beta_chunks.squeeze(-1).clamp_min(_SMALLEST_BETA_TO_DIVIDE_BY))
+    else:
+        z = torch.baddbmm(flat(v_chunks), flat(k_from_start), flat(states), alpha=-1.0)
+        torch.baddbmm(z, flat(key_gram), flat(u), alpha=-1.0, out=z)
+        torch.sum(z.view_as(d_y) * d_y, dim=-1, out=dbeta)
 
     # [−dv; scale·do] per row tile, against u and S: −dv uᵀ is the key Gram's gradient
     # (dA = −dy uᵀ, A = Diag(β) Gram), scale·do uᵀ the query Gram's (masked below), −dv Sᵀ that

@@ -219,6 +219,27 @@ def test_forward_is_the_reference_operations_bit_for_bit_in_fp32():
         assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
 
 
+@pytest.mark.parametrize("smallest_beta", [0.0, 1e-30])
+def test_hand_written_backward_with_a_vanishing_beta_float64(smallest_beta):
+    # dβ divides u by β unless some β is below 1e-20; then it forms v − (k e^G) S − (key Gram) u.
+    inputs, initial_state = make_inputs(100, gate="unbounded")
+    inputs["beta"][0, 7, 1] = smallest_beta
+    leaves = {**inputs, "initial_state": initial_state}
+
+    def gradients(kernel):
+        params = {name: x.clone().requires_grad_() for name, x in leaves.items()}
+        o, state = kernel(params)
+        loss = (o * o.detach().cos()).sum() + state.sum()
+        return dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+
+    scale = 0.25
+    grads = gradients(lambda p: chunk_kda(**p, scale=scale, output_final_state=True, chunk_size=32))
+    grads_ref = gradients(lambda p: chunk_kda_autograd_reference(
+        p["q"], p["k"], p["v"], p["g"], p["beta"], scale, p["initial_state"], True, 32))
+    for name in grads:
+        assert max_error(grads[name], grads_ref[name]) < 1e-12 * max(1.0, grads_ref[name].abs().max().item()), name
+
+
 def test_hand_written_backward_passes_gradcheck():
     # Finite differences in float64 on a small case: two chunks of 8 (tiles of 8 at g > -5),
     # a padded tail, an initial state, and both outputs.
