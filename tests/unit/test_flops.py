@@ -72,10 +72,10 @@ def test_kda_mixer_flops_match_executed_matmuls():
         KimiDeltaAttention(config)(torch.randn(BATCH, SEQ_LENGTH, config.hidden_size))
     assert forward_counter.get_total_flops() / (BATCH * SEQ_LENGTH) == analytic / 3
     # Exact forward; backward is not 2 × forward (flops.py docstring): chunk_kda's hand-written
-    # backward executes 1.53 × its forward's matmul FLOPs here (C = 64, K = V = 32: no solve, and
-    # the key Gram's gradient only for the causal tile blocks; autograd through the ops ran
-    # 1.94 ×). Net −5.5 % of the mixer's 3 × forward.
-    assert counted == pytest.approx(analytic, rel=0.07)
+    # path executes 2.38 × its forward's matmul FLOPs for forward and backward together here
+    # (C = 64, K = V = 32: no solve, the key Gram's gradient only for the causal tile blocks, dβ
+    # through u / β; autograd through the ops ran 2.94 ×). Net −8.5 % of the mixer's 3 × forward.
+    assert counted == pytest.approx(analytic, rel=0.10)
 
 
 @pytest.mark.parametrize("changes", [{}, {"q_lora_rank": None, "mla_use_output_gate": False}])

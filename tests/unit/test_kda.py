@@ -192,13 +192,16 @@ def test_chunk_gradients_match_recurrent_float64(chunk_size, gate):
         (64, "none", 64, True),  # exactly one chunk: no state pass in between
     ],
 )
-@pytest.mark.parametrize("group_matrices", [1, 32])  # chunk by chunk, or all chunks in one group
+# Chunk-heads per group (backward, forward): chunk by chunk; forward groups of 2 chunks with a
+# partial last one (6 heads here), each sliced chunk by chunk in the backward; all in one group.
+@pytest.mark.parametrize("group_matrices", [(1, 1), (6, 12), (32, 128)])
 def test_hand_written_backward_matches_autograd_reference_float64(
     chunk_size, gate, seq_len, with_initial_state, group_matrices, monkeypatch
 ):
     """`chunk_kda`'s hand-written backward against autograd through the same chunkwise ops,
     for every input, the initial state, and a loss on both the output and the final state."""
-    monkeypatch.setattr(chunk_module, "_GROUP_MATRICES", group_matrices)
+    monkeypatch.setattr(chunk_module, "_GROUP_MATRICES", group_matrices[0])
+    monkeypatch.setattr(chunk_module, "_FORWARD_GROUP_MATRICES", group_matrices[1])
     inputs, initial_state = make_inputs(seq_len, heads=3, key_dim=16, value_dim=8, gate=gate)
     leaves = {**inputs, "initial_state": initial_state if with_initial_state else None}
     generator = torch.Generator().manual_seed(2)
@@ -234,6 +237,27 @@ def test_forward_is_the_reference_operations_bit_for_bit_in_fp32():
         o, final = chunk_kda(**inputs, scale=0.125, initial_state=state, output_final_state=True)
         o_ref, final_ref = chunk_kda_autograd_reference(*inputs.values(), 0.125, state, True, 64)
         assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+
+
+@pytest.mark.parametrize("smallest_beta", [0.0, 1e-30])
+def test_hand_written_backward_with_a_vanishing_beta_float64(smallest_beta):
+    # dβ divides u by β unless some β is below 1e-20; then it forms v − (k e^G) S − (key Gram) u.
+    inputs, initial_state = make_inputs(100, gate="unbounded")
+    inputs["beta"][0, 7, 1] = smallest_beta
+    leaves = {**inputs, "initial_state": initial_state}
+
+    def gradients(kernel):
+        params = {name: x.clone().requires_grad_() for name, x in leaves.items()}
+        o, state = kernel(params)
+        loss = (o * o.detach().cos()).sum() + state.sum()
+        return dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+
+    scale = 0.25
+    grads = gradients(lambda p: chunk_kda(**p, scale=scale, output_final_state=True, chunk_size=32))
+    grads_ref = gradients(lambda p: chunk_kda_autograd_reference(
+        p["q"], p["k"], p["v"], p["g"], p["beta"], scale, p["initial_state"], True, 32))
+    for name in grads:
+        assert max_error(grads[name], grads_ref[name]) < 1e-12 * max(1.0, grads_ref[name].abs().max().item()), name
 
 
 def test_hand_written_backward_passes_gradcheck():
@@ -358,16 +382,19 @@ FP32_TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("gate", ["worst", "bounded", "unbounded", "none"])
-def test_fp32_chunk_matches_float64_reference(gate):
+@pytest.mark.parametrize("requires_grad", [False, True])  # the no-grad forward, and _ChunkKDA's
+def test_fp32_chunk_matches_float64_reference(gate, requires_grad):
     # g = −5 everywhere: e^{G} reaches e^{−320} across a 64-token chunk (docs/design.md §1.1).
     inputs, initial_state = make_inputs(192, batch=1, heads=2, key_dim=64, value_dim=64, gate=gate)
-    inputs32 = {name: x.float() for name, x in inputs.items()}
+    inputs32 = {name: x.float().requires_grad_(requires_grad) for name, x in inputs.items()}
     o_ref, state_ref = naive_recurrent_kda(
-        **{name: x.double() for name, x in inputs32.items()},
+        **{name: x.detach().double() for name, x in inputs32.items()},
         initial_state=initial_state,
         output_final_state=True,
     )
     o, state = chunk_kda(**inputs32, initial_state=initial_state.float(), output_final_state=True)
+    assert (o.grad_fn is not None) == requires_grad
+    o, state = o.detach(), state.detach()
     assert o.dtype == torch.float32 and state.dtype == torch.float32
     assert torch.isfinite(o).all() and torch.isfinite(state).all()
     assert max_error(o, o_ref) < FP32_TOLERANCE
@@ -418,7 +445,9 @@ def test_chunk_kda_under_bf16_autocast_keeps_its_own_precision():
     params = {name: x.clone().requires_grad_() for name, x in inputs.items()}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o, state = chunk_kda(**params, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
-    o_ref, state_ref = chunk_kda(**inputs, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
+    # (the same path without autocast: the forward that keeps what its backward needs)
+    reference = {name: x.clone().requires_grad_() for name, x in inputs.items()}
+    o_ref, state_ref = chunk_kda(**reference, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
     assert o.dtype == state.dtype == torch.float32
     assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
     (o.sum() + state.sum()).backward()
