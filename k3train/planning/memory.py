@@ -50,43 +50,47 @@ class ActivationShape:
 
 
 def kda_elements_per_token(cfg: ModelConfig, tp: int) -> float:
-    """KDA on the PyTorch chunk path, per token: its input (h); ~29 head-width tensors (the q/k/v
-    projections and short convolutions, the normalised q/k, the decay gate, the chunked copies,
-    decays, rows and columns, u, w, q_state, outputs, the gated output norm); five `C×C` matrices
-    per head (key and query grams, A, the UT transform, P); 14 per-head scalars (beta, norms);
-    about 1.5 `d×d` states per head and chunk. Chunks of one diagonal tile (small decays, the
-    common case); larger decays split a chunk into tiles and add about 3·(C/tile)·W."""
+    """KDA on the PyTorch chunk path (its written-out backward), per token: its input (h); about
+    22.5 head-width tensors (the q/k/v/gate projections and short convolutions' outputs, the
+    normalised q/k, the decay gate, the kernel's chunked inputs, tile factors, u and outputs, the
+    gated output norm); two `C×C` matrices per head (the UT transform and the query Gram); two
+    `d×d` per head and chunk (the entering states and the chunk transitions) and `d` per token.
+    Fitted to `saved_tensors_hooks` counts while varying one dimension at a time (within 1%);
+    chunks of one diagonal tile (small decays, the common case)."""
     lac = cfg.linear_attn_config
     heads = lac.num_heads // tp
     width = heads * lac.head_dim
-    return (cfg.hidden_size + 29 * width + 5 * heads * lac.chunk_size + 14 * heads
-            + 1.5 * heads * lac.head_dim ** 2 / lac.chunk_size)
+    return (cfg.hidden_size + 22.5 * width + 2 * heads * lac.chunk_size
+            + 2 * heads * lac.head_dim ** 2 / lac.chunk_size + lac.head_dim)
 
 
 def mla_elements_per_token(cfg: ModelConfig, tp: int, seq_length: int, kernel: AttentionKernel) -> float:
-    """Gated MLA, per token: its input (h), the latent projections and their norms (twice each),
-    per head q and k (2·qk), kv before and after the split (2·(nope + v)) and the attention
-    output (v); the math SDPA path (CPU) saves the `T×T` attention weights (T per head and
-    token), a flash kernel the output and log-sum-exp (counted as 2 per head)."""
+    """Gated MLA, per token: its input (h), the low-rank latents and their norms' outputs
+    (2·(q_lora + kv_lora)); per head q and k (2·qk), v zero-padded to the q/k head dim and the
+    padded attention output (2·qk: training takes SDPA's fused kernel that way), the gate's
+    sigmoid and the gated output (2·v) and the log-sum-exp (1); the math SDPA path (`kernel`
+    "math", no longer taken in training) would save the `T×T` attention weights as well."""
     heads = cfg.num_attention_heads // tp
-    latent = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    per_head = 2 * cfg.qk_head_dim + 2 * (cfg.qk_nope_head_dim + cfg.v_head_dim) + cfg.v_head_dim
-    scores = heads * seq_length if kernel == "math" else 2 * heads
+    latent = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank
+    per_head = 3 * cfg.qk_head_dim + max(cfg.qk_head_dim, cfg.v_head_dim) + 2 * cfg.v_head_dim + 1
+    scores = heads * seq_length if kernel == "math" else 0
     return cfg.hidden_size + 2 * latent + heads * per_head + scores
 
 
 def glu_elements_per_token(hidden: int, intermediate: float) -> float:
-    """A GLU MLP: its input and 7 intermediate-width tensors (gate, up, SiTU's pieces, down input)."""
-    return hidden + 7 * intermediate
+    """A GLU MLP: its input and 5 intermediate-width tensors (SiTU-GLU's saved factors, which
+    overwrite the gate/up outputs, and the down projection's input)."""
+    return hidden + 5 * intermediate
 
 
 def moe_elements_per_token(cfg: ModelConfig, tp: int) -> tuple[float, float]:
     """(routed part on this rank's tokens, shared experts inside the TP region) of a LatentMoE:
-    router scores and weights (2E), per slot the gathered latent, expert hidden and weighted
-    output (k·(4l + 7·I)); the shared experts a GLU of width `n_shared·I` (its input, h, is
-    the region's)."""
+    router scores (E); the latent input and the normalised routed sum (2l); per slot the
+    gathered latent and the expert output (2l), SiTU-GLU's factors and the down projection's
+    input (5·I) and the routing weight, index and order scalars (8); the shared experts a GLU of
+    width `n_shared·I` (its input, h, is the region's)."""
     k, latent, inner = cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-    routed = 2 * cfg.num_experts + k * (4 * latent + 7 * inner)
+    routed = cfg.num_experts + 2 * latent + k * (2 * latent + 5 * inner + 8)
     shared = (glu_elements_per_token(cfg.hidden_size, cfg.num_shared_experts * inner / tp)
               if cfg.num_shared_experts else 0)
     return routed, shared
