@@ -282,9 +282,12 @@ class LatentMoE(nn.Module):
         output = (self.routed_expert_up_proj(routed) if self.routed_expert_up_proj is not None else routed).view(shape)
         if self.shared_experts is not None:  # [batch, seq, hidden]: a TP region gathers the sequence
             shared = self.shared_experts(x)
-            if torch.is_grad_enabled() and shared.shape == output.shape and shared.dtype == output.dtype:
+            if (torch.is_grad_enabled() and shared.shape == output.shape and shared.dtype == output.dtype
+                    and not shared._is_view()):
                 # the shared experts' fresh output (a projection's, nothing saves it) takes the
-                # sum: no new [tokens, hidden] tensor; the same values as `output + shared`
+                # sum: no new [tokens, hidden] tensor; the same values as `output + shared`. Not
+                # when it is a view (a tensor-parallel region's reduce-scatter returns one, and
+                # autograd forbids writing into a custom function's view output).
                 return shared.add_(output)
             output = output + shared
         return output
