@@ -21,14 +21,10 @@ from k3train.kernels.kda import (
     kda_gate_unbounded,
     naive_recurrent_kda,
 )
-from k3train.kernels.kda import chunk as chunk_module
+from k3train.kernels.kda import chunk_training
 from k3train.kernels.kda import fla_backend
-from k3train.kernels.kda.chunk import (
-    chunk_kda_autograd_reference,
-    decayed_gram_matrices,
-    diagonal_tile_size,
-    tile_decay,
-)
+from k3train.kernels.kda.chunk import chunk_kda_autograd_reference
+from k3train.kernels.kda.tiles import decayed_gram_matrices, diagonal_tile_size, tile_decay
 
 F64 = torch.float64
 
@@ -200,8 +196,8 @@ def test_hand_written_backward_matches_autograd_reference_float64(
 ):
     """`chunk_kda`'s hand-written backward against autograd through the same chunkwise ops,
     for every input, the initial state, and a loss on both the output and the final state."""
-    monkeypatch.setattr(chunk_module, "_GROUP_MATRICES", group_matrices[0])
-    monkeypatch.setattr(chunk_module, "_FORWARD_GROUP_MATRICES", group_matrices[1])
+    monkeypatch.setattr(chunk_training, "_GROUP_MATRICES", group_matrices[0])
+    monkeypatch.setattr(chunk_training, "_FORWARD_GROUP_MATRICES", group_matrices[1])
     inputs, initial_state = make_inputs(seq_len, heads=3, key_dim=16, value_dim=8, gate=gate)
     leaves = {**inputs, "initial_state": initial_state if with_initial_state else None}
     generator = torch.Generator().manual_seed(2)
@@ -382,7 +378,7 @@ FP32_TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("gate", ["worst", "bounded", "unbounded", "none"])
-@pytest.mark.parametrize("requires_grad", [False, True])  # the no-grad forward, and _ChunkKDA's
+@pytest.mark.parametrize("requires_grad", [False, True])  # the no-grad forward, and ChunkKDA's
 def test_fp32_chunk_matches_float64_reference(gate, requires_grad):
     # g = −5 everywhere: e^{G} reaches e^{−320} across a 64-token chunk (docs/design.md §1.1).
     inputs, initial_state = make_inputs(192, batch=1, heads=2, key_dim=64, value_dim=64, gate=gate)
@@ -582,7 +578,7 @@ def test_input_shapes_are_checked():
 def test_chunk_kda_restores_the_callers_denormal_mode(caller_flushes):
     """The PyTorch path runs in flush-to-zero mode on CPU (subnormal decay products otherwise
     stall the matmuls) and hands the caller's mode back after forward and after backward."""
-    from k3train.kernels.kda.chunk import _flushes_denormals
+    from k3train.kernels.kda.tiles import flushes_denormals as _flushes_denormals
 
     generator = torch.Generator().manual_seed(0)
     shape = (1, 40, 2, 8)
