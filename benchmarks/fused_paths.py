@@ -46,7 +46,7 @@ from k3train.config import load_config  # noqa: E402
 from k3train.kernels.situ_glu import situ_glu, situ_glu_reference  # noqa: E402
 from k3train.model.config import ModelConfig  # noqa: E402
 from k3train.model.mlp import GLUMLP  # noqa: E402
-from k3train.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
+from k3train.kernels.norms import rms_norm, rms_norm_reference  # noqa: E402
 from k3train.model.moe import LocalExperts  # noqa: E402
 from k3train.model.norm import RMSNorm  # noqa: E402
 

@@ -1,5 +1,6 @@
 """Normalisations over the last dim with written-out backwards: the L2 normalisation of KDA's
-queries and keys, and the gated RMSNorm of its output.
+queries and keys, the gated RMSNorm of its output, and the RMSNorm of every `RMSNorm` module
+(`k3train/model/norm.py`: pre-norms, latent norms, the final norm).
 
 Each has its definition in plain PyTorch (`*_reference`, differentiated by autograd) and a
 training path (an `autograd.Function`) that saves the normalised values and the per-row inverse
@@ -115,3 +116,52 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         raise ValueError(f"gated RMSNorm needs gate of x's shape {tuple(x.shape)} and weight [{x.shape[-1]}], "
                          f"got gate {tuple(gate.shape)} and weight {tuple(weight.shape)}")
     return _GatedRMSNorm.apply(x, gate, weight, eps)
+
+
+# RMSNorm with a gain: `w ⊙ x · r`, r = (mean(x²) + eps)^{-1/2}. Its backward, with `P = G·n`
+# (which gives `∂w = Σ_rows P` and the row dot `Σ_j P·w` by a matrix-vector product), is
+# `∂x = r·(G·w − n·Σ_j(P·w)/d)`, written into P's buffer: 6 passes, one new tensor (autograd over
+# the formula: ~11 passes).
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The definition, differentiated by autograd (`model/norm.py`'s `RMSNorm.forward`)."""
+    x32 = upcast(x)
+    normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (upcast(weight) * normalized).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = accumulation_dtype(x.dtype)
+        x32, weight32 = x.to(dtype), weight.to(dtype)
+        normalized, rstd = _normalize(x32, eps, mean=True)
+        ctx.save_for_backward(normalized, rstd, weight32)
+        ctx.dtypes = x.dtype, weight.dtype
+        return (normalized * weight32).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        normalized, rstd, weight32 = ctx.saved_tensors
+        x_dtype, weight_dtype = ctx.dtypes
+        grad = grad_out.to(normalized.dtype)
+        products = grad * normalized  # P = G·n
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = products.reshape(-1, products.shape[-1]).sum(0).to(weight_dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # Σ_j G·w·n / d per row; then P's buffer takes G·w − n·that, times r
+            row_dot = (products.reshape(-1, products.shape[-1]).mv(weight32) / products.shape[-1])
+            grad_x = torch.mul(grad, weight32, out=products)
+            torch.addcmul(grad_x, normalized, row_dot.view(rstd.shape), value=-1.0, out=grad_x)
+            grad_x = grad_x.mul_(rstd).to(x_dtype)
+        return grad_x, grad_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_reference` with a closed-form backward where autograd records; the formula itself
+    (its operation order: the exported remote code's) without autograd or under `torch.compile`."""
+    records = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if torch.compiler.is_compiling() or not records:
+        return rms_norm_reference(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps)

@@ -1,12 +1,12 @@
 """RMSNorm computed in fp32 or wider (the Hugging Face Kimi convention), cast back to the input dtype.
 
-In training it runs `kernels.rms_norm.rms_norm` (a closed-form backward: 6 passes instead of
+In training it runs `kernels.norms.rms_norm` (a closed-form backward: 6 passes instead of
 autograd's ~11); without autograd, the formula in the exported remote code's operation order."""
 
 import torch
 from torch import nn
 
-from k3train.kernels.rms_norm import rms_norm
+from k3train.kernels.norms import rms_norm
 
 
 class RMSNorm(nn.Module):

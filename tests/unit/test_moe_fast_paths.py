@@ -100,7 +100,7 @@ def test_latent_moe_training_path_matches_the_plain_composition_in_float64():
     import dataclasses
     from functools import partial
 
-    from k3train.kernels.rms_norm import rms_norm_reference
+    from k3train.kernels.norms import rms_norm_reference
     from k3train.model.config import ModelConfig
     from k3train.model.moe import LatentMoE
 
@@ -133,7 +133,7 @@ def test_latent_moe_training_path_matches_the_plain_composition_in_float64():
 
 
 def test_rms_norm_matches_the_reference_in_float64_and_bf16():
-    from k3train.kernels.rms_norm import rms_norm, rms_norm_reference
+    from k3train.kernels.norms import rms_norm, rms_norm_reference
     from k3train.model.norm import RMSNorm
 
     generator = torch.Generator().manual_seed(12)
