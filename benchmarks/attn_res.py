@@ -47,9 +47,9 @@ ISSUE_MODEL = [
 
 
 def stacked_checkpointed_input(self: AttentionResidual, sources: list[torch.Tensor], norm,
-                               inverse_norms=None) -> torch.Tensor:
+                               inverse_norms=None, dots=None) -> torch.Tensor:
     """`AttentionResidual.normalized_input` as of 3c49d31: stacked mix, checkpointed with the norm
-    (every key normalised in the mix: `inverse_norms` is not read)."""
+    (every key normalised and scored in the mix: `inverse_norms` and `dots` are not read)."""
     if len(sources) == 1:
         return norm(sources[0])
 
