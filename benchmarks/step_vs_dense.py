@@ -21,8 +21,17 @@ optimizer step); a backward op goes to the part of the forward op that made its 
 (matched by sequence number); what no range covers (Python, the autograd engine, the loss,
 norms, embedding, head, clipping) is "other".
 
+On a GPU (`--device cuda`, normally with `--precision bf16`) the same comparison runs there:
+both contenders in bf16 autocast over fp32 weights, KDA on fla's kernel when fla-core imports,
+step times over `torch.cuda.synchronize`, the matmul rate that of a large GEMM in the compute
+dtype, and the profiled parts in device (kernel) time, the rest of the wall time being what the
+GPU waited for the host ("other"). `--override KEY=VALUE` changes both contenders' recipe (the
+dense peer is re-sized to the new FLOPs per token), e.g. a larger batch for a GPU.
+
     OMP_NUM_THREADS=1 nice python benchmarks/step_vs_dense.py                    # both models, ~6 min
     OMP_NUM_THREADS=1 nice python benchmarks/step_vs_dense.py --models debug --steps 3
+    python benchmarks/step_vs_dense.py --device cuda --precision bf16 --models issue18 --steps 10 \
+        --override train.global_batch_size=32 --override train.micro_batch_size=8
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from k3train.data import build_data  # noqa: E402
 from k3train.model.flops import training_flops_per_token  # noqa: E402
 from k3train.parallel.state import ParallelState  # noqa: E402
 from k3train.training.build import build_rank  # noqa: E402
-from k3train.training.loop import Trainer  # noqa: E402
+from k3train.training.loop import Trainer, precision_context  # noqa: E402
 from k3train.training.throughput import PeakFlops, measure_cpu_matmul_tflops, muon_step_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,11 +141,13 @@ class DenseJob:
     optimizer: torch.optim.Optimizer
     batches: Callable[[], list[torch.Tensor]]
     clip: float
+    precision: Callable[[], contextlib.AbstractContextManager]  # k3train's own (bf16 autocast or none)
 
     def step(self) -> float:
         micro_batches = self.batches()
         for tokens in micro_batches:
-            logits = self.model(tokens[:, :-1])
+            with self.precision():
+                logits = self.model(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
             (loss / len(micro_batches)).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -145,9 +156,9 @@ class DenseJob:
         return loss.item()
 
 
-def dense_job(config: JobConfig, width: int, mlp: int) -> DenseJob:
+def dense_job(config: JobConfig, width: int, mlp: int, device: torch.device = torch.device("cpu")) -> DenseJob:
     torch.manual_seed(config.train.seed)
-    model = DenseTransformer(config.model.vocab_size, config.model.num_hidden_layers, width, mlp)
+    model = DenseTransformer(config.model.vocab_size, config.model.num_hidden_layers, width, mlp).to(device)
     # The same AdamW kernel as k3train's (`optimizer.adamw_fused`), so the ratio compares models.
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr,
                                   weight_decay=config.optimizer.weight_decay, fused=config.optimizer.adamw_fused)
@@ -157,19 +168,19 @@ def dense_job(config: JobConfig, width: int, mlp: int) -> DenseJob:
 
     def batches() -> list[torch.Tensor]:
         count = train.global_batch_size // train.micro_batch_size
-        return [torch.randint(0, config.model.vocab_size, shape, generator=generator) for _ in range(count)]
+        return [torch.randint(0, config.model.vocab_size, shape, generator=generator).to(device) for _ in range(count)]
 
-    return DenseJob(model, optimizer, batches, config.optimizer.clip_grad)
+    return DenseJob(model, optimizer, batches, config.optimizer.clip_grad,
+                    precision_context(config.train.precision, device))
 
 
 # ---------------------------------------------------------------------------------------------
 # k3train's step
 
 
-def k3_trainer(config: JobConfig) -> Trainer:
+def k3_trainer(config: JobConfig, device: torch.device = torch.device("cpu")) -> Trainer:
     """The job's own objects (`build_rank`) in one process, on the default corpus."""
     parallel = ParallelState.single()
-    device = torch.device("cpu")
     torch.manual_seed(config.train.seed)
     job = build_rank(config, parallel, device)
     data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
@@ -261,14 +272,20 @@ def _part_of(event, labels: set[str], by_sequence: dict[int, str]) -> str | None
     return None
 
 
-def profile_parts(trainer: Trainer) -> tuple[dict[str, float], float]:
-    """Seconds per part of one profiled `train_step`, and the step's wall time."""
+def profile_parts(trainer: Trainer, device: torch.device = torch.device("cpu")) -> tuple[dict[str, float], float]:
+    """Seconds per part of one profiled `train_step`, and the step's wall time: CPU time of the
+    ops on a CPU; on a GPU, the device time of the kernels each op launched (what the GPU waited
+    for the host shows in "other")."""
     handles = _label_modules(trainer.model)
+    on_gpu = device.type == "cuda"
     try:
         activities = [torch.profiler.ProfilerActivity.CPU]
+        if on_gpu:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
         with _labelled_functions(trainer), torch.profiler.profile(activities=activities) as prof:
             started = time.perf_counter()
             trainer.train_step()
+            synchronize(device)
             wall = time.perf_counter() - started
     finally:
         for handle in handles:
@@ -287,7 +304,7 @@ def profile_parts(trainer: Trainer) -> tuple[dict[str, float], float]:
     for event in events:
         part = _part_of(event, labels, by_sequence)
         if part is not None and part != "other":
-            seconds[part] += event.self_cpu_time_total / 1e6
+            seconds[part] += (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e6
     seconds["other"] = max(0.0, wall - sum(seconds.values()))
     return seconds, wall
 
@@ -305,7 +322,51 @@ def table(headers: list[str], rows: list[list[str]], title: str) -> None:
         print("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
 
 
-def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, with_compile: bool, profile: bool) -> None:
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_tflops(device: torch.device, precision: str) -> float:
+    """The rate the step's matmuls are held to: on a CPU the fp32 1024² rate of this process's
+    threads (`measure_cpu_matmul_tflops`, one trial); on a GPU an 8192² GEMM in the compute
+    dtype (bf16 under `precision=bf16`, else fp32 as the GPU runs it), median of 5 timed runs."""
+    if device.type != "cuda":
+        return measure_cpu_matmul_tflops(trials=1)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    size = 8192
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    rates = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            a @ b
+        end.record()
+        end.synchronize()
+        rates.append(5 * 2 * size**3 / (start.elapsed_time(end) / 1e3) / 1e12)
+    return statistics.median(rates[1:])
+
+
+@dataclass
+class Comparison:
+    """What `compare` measured: median step seconds per contender, tokens per step, and the
+    AdamW step's tokens/s over the dense peer's (the issue's number)."""
+
+    step_seconds: dict[str, float]
+    tokens: int
+    adamw_vs_dense: float
+    final_losses: dict[str, float]
+
+
+DENSE = "dense peer (SDPA + SwiGLU, AdamW)"
+ADAMW = "k3train, AdamW"
+MUON = "k3train, Per-Head Muon"
+
+
+def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, with_compile: bool, profile: bool,
+            device: torch.device = torch.device("cpu"), precision: str = "fp32") -> Comparison:
+    overrides = [*overrides, f"train.precision={precision}"]
     base = load_config(str(DEBUG_RECIPE), [*overrides, f"train.steps={steps + 2}", "logging.jsonl=false"])
     seq, vocab = base.data.seq_length, base.model.vocab_size
     k3_flops = training_flops_per_token(base.model, seq).total
@@ -317,33 +378,38 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
           f"({100 * (dense_flops / k3_flops - 1):+.1f}%)")
 
     contenders: dict[str, Callable[[], object]] = {}
-    muon = k3_trainer(base)
-    contenders["k3train, Per-Head Muon"] = muon.train_step
-    contenders["k3train, AdamW"] = k3_trainer(load_config(str(DEBUG_RECIPE), [
-        *overrides, f"train.steps={steps + 2}", "optimizer.name=adamw"])).train_step
+    muon = k3_trainer(base, device)
+    contenders[MUON] = lambda: muon.train_step()["loss"]
+    adamw = k3_trainer(load_config(str(DEBUG_RECIPE), [
+        *overrides, f"train.steps={steps + 2}", "logging.jsonl=false", "optimizer.name=adamw"]), device)
+    contenders[ADAMW] = lambda: adamw.train_step()["loss"]
     if with_compile:
-        contenders["k3train, AdamW, train.compile=true"] = k3_trainer(load_config(str(DEBUG_RECIPE), [
-            *overrides, f"train.steps={steps + 2}", "optimizer.name=adamw", "train.compile=true"])).train_step
-    dense = dense_job(base, width, mlp)
-    contenders["dense peer (SDPA + SwiGLU, AdamW)"] = dense.step
+        compiled = k3_trainer(load_config(str(DEBUG_RECIPE), [
+            *overrides, f"train.steps={steps + 2}", "logging.jsonl=false", "optimizer.name=adamw",
+            "train.compile=true"]), device)
+        contenders["k3train, AdamW, train.compile=true"] = lambda: compiled.train_step()["loss"]
+    contenders[DENSE] = dense_job(base, width, mlp, device).step
 
     times: dict[str, list[float]] = {label: [] for label in contenders}
+    losses: dict[str, float] = {}
     newton_schulz: list[tuple[float, float]] = []
     matmul_rates = [peak_tflops]
     for round_index in range(steps + 1):  # round 0 warms up (and compiles)
         # The matmul rate is sampled between the steps too: a busy machine moves the denominator
         # of "FLOP/s over the matmul rate" as much as the steps.
-        matmul_rates.append(measure_cpu_matmul_tflops(trials=1))
+        matmul_rates.append(measure_matmul_tflops(device, precision))
         for label, step in contenders.items():
+            synchronize(device)
             started = time.perf_counter()
-            step()
+            losses[label] = float(step())
+            synchronize(device)
             if round_index:
                 times[label].append(time.perf_counter() - started)
-            if label.endswith("Muon") and round_index:
+            if label == MUON and round_index:
                 stats = muon_step_stats(muon.optimizer)
                 newton_schulz.append((stats.ns_seconds, stats.ns_flops))
     peak_tflops = statistics.median(matmul_rates)
-    dense = times["dense peer (SDPA + SwiGLU, AdamW)"]
+    dense = times[DENSE]
     rows = []
     for label, samples in times.items():
         step_s, best_s = statistics.median(samples), min(samples)
@@ -354,17 +420,21 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
     # The best step is the one a busy machine slowed least: on a shared machine, compare both.
     table(["", "step (median)", "step (best)", "tokens/s", "tokens/s vs dense (median / best)",
            "model FLOP/s over matmul rate"], rows,
-          f"{name}: {steps} alternated steps each; matmul rate {1e3 * peak_tflops:.1f} GFLOP/s (median of "
+          f"{name}: {steps} alternated steps each on {device.type}, {precision}; matmul rate {1e3 * peak_tflops:,.1f} GFLOP/s (median of "
           f"{len(matmul_rates)} samples taken between the steps)")
     ns_s = statistics.median(s for s, _ in newton_schulz)
-    muon_s = statistics.median(times["k3train, Per-Head Muon"])
+    muon_s = statistics.median(times[MUON])
     print(f"Per-Head Muon: Newton–Schulz {newton_schulz[0][1] / 1e9:.1f} GFLOP and {ns_s:.3f} s per step "
           f"({100 * ns_s / muon_s:.0f}% of the step; model work {k3_flops * tokens / 1e9:.1f} GFLOP)")
     if profile:
-        seconds, wall = profile_parts(muon)
+        seconds, wall = profile_parts(muon, device)
+        clock = "kernel time on the GPU" if device.type == "cuda" else "CPU time"
         table(["part", "seconds", "share of the step"],
               [[part, f"{seconds[part]:.3f}", f"{100 * seconds[part] / wall:.1f}%"] for part in PARTS],
-              f"{name}: where one profiled k3train step (Per-Head Muon) goes ({wall:.2f} s under the profiler)")
+              f"{name}: where one profiled k3train step (Per-Head Muon) goes ({wall:.2f} s under the profiler; "
+              f"{clock})")
+    medians = {label: statistics.median(samples) for label, samples in times.items()}
+    return Comparison(medians, tokens, medians[DENSE] / medians[ADAMW], losses)
 
 
 def main() -> None:
@@ -373,12 +443,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per contender (after one warm-up)")
     parser.add_argument("--compile", action="store_true", help="also time train.compile=true (AdamW)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="train.precision of both contenders (bf16: autocast over fp32 weights)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for both contenders (repeatable), e.g. train.micro_batch_size=8")
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-    peak = measure_cpu_matmul_tflops()
-    print(f"threads {torch.get_num_threads()}; fp32 matmul rate {1e3 * peak:.1f} GFLOP/s (median of 7 trials)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        peak = measure_cpu_matmul_tflops()
+        print(f"threads {torch.get_num_threads()}; fp32 matmul rate {1e3 * peak:.1f} GFLOP/s (median of 7 trials)")
+    else:
+        peak = measure_matmul_tflops(device, args.precision)
+        print(f"{torch.cuda.get_device_name(device)}; {args.precision} 8192² GEMM rate {peak:.0f} TFLOP/s")
     for name in args.models:
-        compare(name, MODELS[name], args.steps, peak, args.compile, not args.no_profile)
+        compare(name, MODELS[name] + args.override, args.steps, peak, args.compile, not args.no_profile,
+                device, args.precision)
 
 
 if __name__ == "__main__":
