@@ -2,6 +2,7 @@
 table has a row for every registered check (SKIP only where a check needs CUDA, fla or several
 GPUs); and the fla-only rows' logic, with the PyTorch path standing in for fla's kernel."""
 
+import importlib
 import importlib.util
 import os
 import pathlib
@@ -24,6 +25,12 @@ def load_gpu_check():
     finally:
         del sys.modules["gpu_check"]
     return module
+
+
+def check_module(name: str):
+    """tools/gpu_checks/<name>.py as the script imported it (loading the script puts tools/ on
+    sys.path): stand-ins are patched there, where the checks look them up."""
+    return importlib.import_module(f"gpu_checks.{name}")
 
 
 def table_rows(stdout: str) -> list[list[str]]:
@@ -56,10 +63,11 @@ def test_fla_rows_with_a_stand_in_kernel(monkeypatch, capsys):
     # No CUDA here: backend="fla" is served by the PyTorch path, so kda_fla and kda_speed run
     # their comparison and timing code instead of printing SKIP.
     gpu_check = load_gpu_check()
-    chunk_kda = gpu_check.chunk_kda
-    monkeypatch.setattr(gpu_check, "chunk_kda",
+    kda_checks = check_module("kda")
+    chunk_kda = kda_checks.chunk_kda
+    monkeypatch.setattr(kda_checks, "chunk_kda",
                         lambda *args, backend, **kwargs: chunk_kda(*args, backend="torch", **kwargs))
-    monkeypatch.setattr(gpu_check, "fla_unavailable_reason", lambda ctx: None)
+    monkeypatch.setattr(kda_checks, "fla_unavailable_reason", lambda ctx: None)
     assert gpu_check.main(["--device", "cpu", "--quick", "--only", "kda_fla", "--only", "kda_speed"]) == 0
     rows = table_rows(capsys.readouterr().out)
     assert [(cells[0], cells[4]) for cells in rows] == [
@@ -77,8 +85,10 @@ def test_transformer_engine_and_k3_1gpu_rows_with_a_stand_in(monkeypatch, capsys
 
     gpu_check = load_gpu_check()
     te = make_stand_in()
-    monkeypatch.setattr(gpu_check, "te_unavailable_reason", lambda ctx: (te, None))
-    monkeypatch.setattr(gpu_check, "fp8_recipes_here", lambda ctx: ["delayed", "current"])
+    # The k3_1gpu check asks the transformer_engine module too, so one patch serves both checks.
+    te_checks = check_module("transformer_engine")
+    monkeypatch.setattr(te_checks, "te_unavailable_reason", lambda ctx: (te, None))
+    monkeypatch.setattr(te_checks, "fp8_recipes_here", lambda ctx: ["delayed", "current"])
     monkeypatch.setattr(te_kernels, "import_transformer_engine", lambda: (te, ""))
     json_path = tmp_path / "gpu_check.json"
     code = gpu_check.main(["--device", "cpu", "--quick", "--only", "transformer_engine", "--only", "k3_1gpu",
@@ -99,7 +109,8 @@ def test_transformer_engine_and_k3_1gpu_rows_with_a_stand_in(monkeypatch, capsys
 
 
 def test_loss_curve_comparison():
-    gpu_check = load_gpu_check()
-    worst, tail = gpu_check.compare_loss_curves([10.0, 8.0, 6.0, 4.0], [10.0, 8.8, 6.0, 4.2], tail=2)
+    load_gpu_check()
+    k3_1gpu = check_module("k3_1gpu")
+    worst, tail = k3_1gpu.compare_loss_curves([10.0, 8.0, 6.0, 4.0], [10.0, 8.8, 6.0, 4.2], tail=2)
     assert abs(worst - 0.1) < 1e-12 and abs(tail - 0.025) < 1e-12
-    assert gpu_check.compare_loss_curves([1.0, 2.0], [1.0]) == (float("inf"), float("inf"))
+    assert k3_1gpu.compare_loss_curves([1.0, 2.0], [1.0]) == (float("inf"), float("inf"))

@@ -74,8 +74,9 @@ def test_newton_schulz_compute_dtype():
 
 
 NS_BF16_REL_TOL = 5e-2
-"""bf16 vs fp32 Newton–Schulz, norm-wise relative: `tools/gpu_check.py`'s `newton_schulz_bf16`
-tolerance (five bf16 steps through NS's steep slope; Muon only needs the singular-value band)."""
+"""bf16 vs fp32 Newton–Schulz, norm-wise relative: the `newton_schulz_bf16` tolerance of
+`tools/gpu_check.py` (in `tools/gpu_checks/common.py`; five bf16 steps through NS's steep slope;
+Muon only needs the singular-value band)."""
 
 
 def test_newton_schulz_dtype_setting():

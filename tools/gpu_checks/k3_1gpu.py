@@ -1,0 +1,273 @@
+"""recipes/k3-1gpu.yaml on one GPU: 50 training steps in bf16 and in fp8 from the same weights
+and batches, the loss curves compared, and the throughput table (tokens/s, TFLOP/s, MFU, peak
+memory) with Block AttnRes and without."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from k3train.config import load_config
+from k3train.kernels import te as te_kernels
+from k3train.model.flops import training_flops_per_token
+from k3train.model.k3 import K3Model
+from k3train.optim.builder import build_optimizer
+from k3train.planning.hardware import load_profile
+from k3train.training.build import forward_precision_context, fp8_excluded_layers
+from k3train.training.throughput import peak_flops
+
+from . import transformer_engine as te_checks
+from .common import TOL, Context, Row, describe, release, skip, verdict
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+class DeviceInitModel(K3Model):
+    """K3Model initialised on its own device with the rules of `K3Model.init_weights` (norms 1,
+    AttnRes queries 0, convolutions uniform, KDA gates from their streams, the rest normal), from a
+    device generator: seconds instead of a minute of CPU draws for 6B parameters. Timing runs only:
+    the values are not the seeded layout-independent ones."""
+
+    def init_weights(self, seed: int, tile_elements: int = 0) -> None:
+        params = list(self.named_parameters())
+        if not params or params[0][1].is_meta:
+            return
+        gen = torch.Generator(device=params[0][1].device).manual_seed(seed)
+        with torch.no_grad():
+            for name, param in params:
+                if name.endswith(("A_log", "dt_bias")):
+                    continue
+                if name.endswith("_res.proj.weight"):
+                    param.zero_()
+                elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith("conv1d.weight"):
+                    bound = 1.0 / math.sqrt(param.shape[-1])
+                    param.uniform_(-bound, bound, generator=gen)
+                else:
+                    param.normal_(0.0, self.config.init_std, generator=gen)
+        for name, module in self.named_modules():
+            if hasattr(module, "reset_gate_parameters"):
+                module.reset_gate_parameters(seed, name)
+
+
+@dataclasses.dataclass
+class TrainRun:
+    precision: str
+    attn_res: str
+    backend: str
+    losses: list[float]
+    step_ms: float
+    tokens_per_step: int
+    flops_per_token: float
+    peak_gib: Optional[float]  # CUDA allocator peak; None on the CPU
+    micro_batch: int
+
+    def table_row(self, peak_tflops: float) -> dict:
+        tokens_per_s = self.tokens_per_step / self.step_ms * 1e3
+        tflops = tokens_per_s * self.flops_per_token / 1e12
+        return {"precision": self.precision, "attn_res": self.attn_res, "linear_backend": self.backend,
+                "micro_batch": self.micro_batch, "step_ms": round(self.step_ms, 2),
+                "tokens_per_s": round(tokens_per_s), "tflops": round(tflops, 1), "mfu": round(tflops / peak_tflops, 4),
+                "peak_memory_gib": None if self.peak_gib is None else round(self.peak_gib, 2)}
+
+
+def k3_1gpu_config(ctx: Context):
+    """recipes/k3-1gpu.yaml on CUDA (fewer layers with --quick); a tiny K3-shaped stand-in on the CPU."""
+    job = load_config(str(CHECKOUT / "recipes" / "k3-1gpu.yaml"))
+    if ctx.cuda and not ctx.quick:
+        return job
+    model = job.model.replace(hidden_size=64, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=32,
+                              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                              linear_attn_config=dataclasses.replace(job.model.linear_attn_config, num_heads=2, head_dim=16),
+                              intermediate_size=128, num_experts=8, num_experts_per_token=2,
+                              moe_intermediate_size=32, routed_expert_hidden_size=32, attn_res_block_size=2,
+                              vocab_size=512)
+    if ctx.cuda:  # --quick on a GPU: the recipe's widths, 8 layers
+        model = job.model.replace(num_hidden_layers=8, attn_res_block_size=2)
+    return dataclasses.replace(job, model=model, data=dataclasses.replace(job.data, seq_length=ctx.pick(4096, 64)),
+                               train=dataclasses.replace(job.train, micro_batch_size=ctx.pick(2, 2)))
+
+
+def markov_batches(vocab: int, steps: int, batch: int, seq: int, device: torch.device
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Learnable tokens, one (tokens, labels) batch per step: walks on a fixed random chain over
+    min(vocab, 4096) tokens where each token is followed by one of 4 successors (loss floor
+    ln 4 ≈ 1.39). All walks advance together, one position at a time."""
+    states = min(vocab, 4096)
+    gen = torch.Generator().manual_seed(7)
+    table = torch.randint(0, states, (states, 4), generator=gen)
+    choices = torch.randint(0, 4, (steps * batch, seq + 1), generator=gen)
+    tokens = torch.empty(steps * batch, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, states, (steps * batch,), generator=gen)
+    for t in range(1, seq + 1):
+        tokens[:, t] = table[tokens[:, t - 1], choices[:, t]]
+    tokens = tokens.to(device).view(steps, batch, seq + 1)
+    return [(tokens[step, :, :-1], tokens[step, :, 1:]) for step in range(steps)]
+
+
+def train_k3_1gpu(ctx: Context, job, precision: str, attn_res: str, steps: int, batches: list) -> TrainRun:
+    """`steps` optimizer steps of one micro-batch each (Per-Head Muon, the recipe's optimizer, constant
+    lr), the forward under training.build's precision context; the step time is the median after
+    warm-up (CUDA events), peak memory the allocator's."""
+    job = dataclasses.replace(job, model=job.model.replace(attn_res=attn_res),
+                              train=dataclasses.replace(job.train, precision=precision))
+    model_config = job.model
+    backend = te_kernels.resolve_linear_backend("te" if precision == "fp8" else model_config.linear_backend, ctx.device)
+    factory = te_kernels.linear_factory_for(backend, ctx.device, job.train.fp8_recipe)
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    with torch.device(ctx.device):
+        model = DeviceInitModel(model_config, seed=0, linear_factory=factory)
+    if backend == "te":
+        te_kernels.keep_modules_out_of_fp8([model.layers[str(i)] for i in fp8_excluded_layers(model_config, None)])
+    optimizer = build_optimizer(model, job.optimizer)
+    context = forward_precision_context(job, ctx.device)
+    losses, times = [], []
+    for step in range(steps):
+        tokens, labels = batches[step]
+        start = time.perf_counter()
+        if ctx.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        optimizer.zero_grad(set_to_none=True)
+        with context():
+            logits = model(tokens)
+        loss = model.loss(logits, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.optimizer.clip_grad)
+        optimizer.step()
+        model.update_routing_biases()
+        losses.append(loss.detach())
+        if ctx.cuda:
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            times.append(1e3 * (time.perf_counter() - start))
+    warm = times[min(5, len(times) - 1):]
+    tokens_per_step = batches[0][0].numel()
+    peak = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.cuda else None
+    run = TrainRun(precision, attn_res, backend, [float(x) for x in losses], statistics.median(warm), tokens_per_step,
+                   training_flops_per_token(model_config, tokens.shape[1]).total, peak, tokens.shape[0])
+    del model, optimizer, logits, loss
+    return run
+
+
+def gpu_peak_tflops(ctx: Context) -> tuple[float, str]:
+    """The GPU's dense bf16 peak: its tools/hardware profile (H100/H200/B200/GB200), else the
+    throughput table; on a CPU the measured fp32 matmul rate."""
+    if ctx.cuda:
+        name = torch.cuda.get_device_name(ctx.device)
+        for profile in ("gb200", "b200", "h200", "h100"):
+            if profile.upper() in name.upper().replace(" ", ""):
+                return load_profile(profile).bf16_tflops, f"tools/hardware/{profile}.yaml"
+    peak = peak_flops(ctx.device)
+    return peak.tflops, peak.label
+
+
+def compare_loss_curves(reference: list[float], other: list[float], tail: int = 10) -> tuple[float, float]:
+    """(max over all steps, mean over the last `tail` steps) of |other − reference| / reference."""
+    rel = [abs(b - a) / abs(a) if a else math.inf for a, b in zip(reference, other)]
+    if len(reference) != len(other) or not rel:
+        return math.inf, math.inf
+    return max(rel), statistics.fmean(rel[-tail:])
+
+
+def check_k3_1gpu(ctx: Context) -> Iterator[Row]:
+    """recipes/k3-1gpu.yaml (every K3 feature, ~1.1B active, sized for a 141 GB H200) trained 50
+    steps from the same weights and batches in bf16 and in fp8 (Transformer Engine, the recipe's
+    FP8 recipe, first and last layers bf16): both loss curves finite, fp8 within the stated
+    tolerance of bf16 over the last 10 steps (`k3_1gpu_loss_fp8`: 3e-2 relative); then tokens/s,
+    TFLOP/s, MFU (model FLOPs against the GPU's dense bf16 peak) and peak memory for bf16 and fp8,
+    with Block AttnRes and without (plain residuals, to show AttnRes's overhead). On the CPU a
+    tiny stand-in runs the bf16 path (fp8 rows SKIP). The table also goes into --json."""
+    job = k3_1gpu_config(ctx)
+    te, why = te_checks.te_unavailable_reason(ctx)
+    steps, timing_steps = (50, 15) if ctx.cuda and not ctx.quick else (10, 6) if ctx.cuda else (4, 3)
+    seq = job.data.seq_length
+    peak_tflops, peak_source = gpu_peak_tflops(ctx)
+    precisions = ["bf16", "fp8"] if te is not None else ["bf16"]
+    # The recipe's micro-batch first; if any run runs out of memory, every run again at 1 (the
+    # bf16 and fp8 curves must see the same batches).
+    for batch in dict.fromkeys([job.train.micro_batch_size, 1]):
+        batches = markov_batches(job.model.vocab_size, steps, batch, seq, ctx.device)
+        runs: dict[tuple[str, str], TrainRun] = {}
+        failures: list[Row] = []
+        out_of_memory = False
+        for attn_res in ("block", "none"):
+            for precision in precisions:
+                name = f"k3_1gpu {precision} attn_res={attn_res}"
+                try:
+                    runs[(precision, attn_res)] = train_k3_1gpu(
+                        ctx, job, precision, attn_res, steps if attn_res == "block" else timing_steps, batches)
+                except torch.cuda.OutOfMemoryError as exc:
+                    out_of_memory = True
+                    failures.append(Row(name, "FAIL", note=f"out of memory at micro-batch {batch} x {seq}: {describe(exc)}"))
+                except Exception as exc:  # noqa: BLE001 - a row, the run goes on
+                    traceback.print_exc(file=sys.stderr)
+                    failures.append(Row(name, "FAIL", note=describe(exc)))
+                finally:
+                    release(ctx)
+                if out_of_memory:
+                    break
+            if out_of_memory:
+                break
+        if not out_of_memory or batch == 1:
+            break
+        print(f"  k3_1gpu: out of memory at micro-batch {batch} x {seq}; every run again at 1", flush=True)
+    yield from failures
+    if ("bf16", "block") in runs and ("fp8", "block") in runs:
+        bf16, fp8 = runs[("bf16", "block")].losses, runs[("fp8", "block")].losses
+        worst, tail = compare_loss_curves(bf16, fp8)
+        finite = all(math.isfinite(x) for x in bf16 + fp8)
+        tol = TOL["k3_1gpu_loss_fp8"]
+        yield Row("k3_1gpu loss fp8-vs-bf16", verdict(tail, tol, finite), None, tail, tol, None, None,
+                  f"{len(bf16)} steps, B={batch} T={seq}; loss bf16 {bf16[0]:.3f} -> {bf16[-1]:.3f}, fp8 "
+                  f"{fp8[0]:.3f} -> {fp8[-1]:.3f}; rel diff mean of last 10 {tail:.2e}, max {worst:.2e} (not gated)")
+    else:
+        yield skip("k3_1gpu loss fp8-vs-bf16", why or "a training run failed")
+    table = []
+    for attn_res in ("block", "none"):
+        for precision in ("bf16", "fp8"):
+            run = runs.get((precision, attn_res))
+            name = f"k3_1gpu speed {precision} attn_res={attn_res}"
+            if run is None:
+                if precision == "fp8" and te is None:
+                    yield skip(name, why)
+                continue
+            row = run.table_row(peak_tflops)
+            table.append(row)
+            finite = all(math.isfinite(x) for x in run.losses)
+            plain = runs.get((precision, "none"))
+            overhead = (f"; AttnRes overhead {run.step_ms / plain.step_ms:.3f}x" if attn_res == "block" and plain else "")
+            yield Row(name, "PASS" if finite else "FAIL", None, None, None, None, run.step_ms,
+                      f"{row['tokens_per_s']:,} tok/s, {row['tflops']} TFLOP/s, MFU {row['mfu']:.1%} (peak "
+                      f"{peak_tflops:g} TFLOP/s bf16, {peak_source}), peak {row['peak_memory_gib']} GiB, "
+                      f"{run.backend} linears, B={run.micro_batch} T={seq}{overhead}")
+    ctx.results["k3_1gpu"] = {
+        "recipe": "recipes/k3-1gpu.yaml" if ctx.cuda and not ctx.quick else "k3-1gpu stand-in (small)",
+        "peak_bf16_tflops": peak_tflops, "peak_source": peak_source, "throughput": table,
+        "loss_curves": {f"{p}/{a}": run.losses for (p, a), run in runs.items()},
+        "loss_tolerance": TOL["k3_1gpu_loss_fp8"],
+    }
+    print_throughput_table(table)
+
+
+def print_throughput_table(table: list[dict]) -> None:
+    if not table:
+        return
+    keys = ["precision", "attn_res", "linear_backend", "micro_batch", "step_ms", "tokens_per_s", "tflops", "mfu",
+            "peak_memory_gib"]
+    print("  | " + " | ".join(keys) + " |")
+    print("  |" + "---|" * len(keys))
+    for row in table:
+        print("  | " + " | ".join(f"{row[k]:.1%}" if k == "mfu" else str(row[k]) for k in keys) + " |")

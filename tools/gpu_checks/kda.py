@@ -1,0 +1,139 @@
+"""Kimi Delta Attention checks: chunk_kda's PyTorch path and fla's Triton kernel against the
+float64 token-by-token recurrence, and fla against the PyTorch path at training lengths."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from k3train.kernels.kda import chunk_kda, fla_backend, naive_recurrent_kda
+
+from .common import BF16, F32, TOL, Context, Row, compare, guarded, skip, to_cpu64, verdict
+
+
+KDA_TENSORS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def fla_unavailable_reason(ctx: Context) -> Optional[str]:
+    """None when fla's kernel can run here; otherwise why not (fla is only imported on CUDA)."""
+    if not ctx.cuda:
+        return "needs CUDA (fla's Triton kernels)"
+    if fla_backend.load_fla_chunk_kda() is None:
+        return "fla-core does not import here: carry its wheel (pip extra 'gpu')"
+    return None
+
+
+def kda_inputs(ctx: Context, batch: int, seq: int, heads: int, dim: int, dtype: torch.dtype,
+               seed: int) -> dict[str, torch.Tensor]:
+    """Inputs as the model makes them: q, k L2-normalised and v in `dtype`; g in K3's bounded gate
+    range (−5, 0) and beta in (0, 1), both fp32; an fp32 initial state. All require grad."""
+    gen = ctx.generator(seed)
+    shape = (batch, seq, heads, dim)
+    inputs = {
+        "q": F.normalize(ctx.randn(*shape, gen=gen), dim=-1).to(dtype),
+        "k": F.normalize(ctx.randn(*shape, gen=gen), dim=-1).to(dtype),
+        "v": ctx.randn(*shape, gen=gen, dtype=dtype),
+        "g": -5.0 * torch.sigmoid(ctx.randn(*shape, gen=gen) - 1.0),
+        "beta": torch.sigmoid(ctx.randn(batch, seq, heads, gen=gen)),
+        "initial_state": ctx.randn(batch, heads, dim, dim, gen=gen, scale=0.5),
+    }
+    return {name: t.requires_grad_() for name, t in inputs.items()}
+
+
+def kda_cotangents(ctx: Context, inputs: dict[str, torch.Tensor], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random output gradients: `do` in v's dtype, `dS` in fp32."""
+    gen = ctx.generator(seed)
+    v, state = inputs["v"], inputs["initial_state"]
+    return ctx.randn(*v.shape, gen=gen, dtype=v.dtype), ctx.randn(*state.shape, gen=gen)
+
+
+def kda_forward_backward(kernel: Callable, inputs: dict[str, torch.Tensor],
+                         cotangents: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Output, final state and the gradients of every input under the given cotangents."""
+    o, state = kernel(**inputs, output_final_state=True)
+    do, dstate = cotangents
+    grads = torch.autograd.grad((o, state), [inputs[n] for n in KDA_TENSORS],
+                                (do.to(o.dtype), dstate.to(state.dtype)))
+    return {"o": o, "final_state": state, **{f"d{n}": g for n, g in zip(KDA_TENSORS, grads)}}
+
+
+def kda_reference(inputs: dict[str, torch.Tensor], cotangents: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """The token-by-token recurrence in float64 on the CPU, on exactly the same inputs."""
+    inputs64 = dict(zip(inputs, to_cpu64(*inputs.values())))
+    return kda_forward_backward(naive_recurrent_kda, inputs64, tuple(to_cpu64(*cotangents)))
+
+
+def kda_accuracy_row(ctx: Context, name: str, kernel: Callable, ref_kernel: Callable, dtype: torch.dtype,
+                     tol: float, note: str) -> Row:
+    # T not a multiple of 64; on CUDA the heads of kda_speed, so fla's autotuner sees one shape.
+    batch, seq, heads, dim = ctx.pick((1, 150, 16, 128), (1, 100, 2, 32))
+    inputs = kda_inputs(ctx, batch, seq, heads, dim, dtype, seed=1)
+    cotangents = kda_cotangents(ctx, inputs, seed=2)
+    first_ms = ctx.wall_ms(lambda: kda_forward_backward(kernel, inputs, cotangents))
+    fast = kda_forward_backward(kernel, inputs, cotangents)
+    ref = kda_reference(inputs, cotangents)
+    max_abs, rel, worst = compare({key: (fast[key], ref[key]) for key in ref})
+    ref_ms = ctx.time_ms(lambda: kda_forward_backward(ref_kernel, inputs, cotangents), reps=ctx.pick(5, 1),
+                         warmup=ctx.pick(2, 0))
+    fast_ms = ctx.time_ms(lambda: kda_forward_backward(kernel, inputs, cotangents))
+    return Row(name, verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
+               f"B={batch} T={seq} H={heads} K=V={dim} fwd+bwd, h0; worst {worst}; {note}; "
+               f"first call {first_ms:.0f} ms")
+
+
+def check_kda_chunk(ctx: Context) -> Iterator[Row]:
+    """chunk_kda's PyTorch path vs the float64 recurrence: output, final state, all six gradients.
+    ref ms: naive_recurrent_kda on the device; fast ms: chunk_kda(backend="torch")."""
+    torch_chunk = lambda **kw: chunk_kda(**kw, backend="torch")  # noqa: E731
+    for dtype, tol in ((F32, TOL["kda_torch_fp32"]), (BF16, TOL["kda_torch_bf16"])):
+        name = f"kda_chunk {'fp32' if dtype == F32 else 'bf16'}"
+        yield guarded(ctx, name, lambda: kda_accuracy_row(
+            ctx, name, torch_chunk, naive_recurrent_kda, dtype, tol, "ref ms: naive recurrence"))
+
+
+def check_kda_fla(ctx: Context) -> Iterator[Row]:
+    """fla's Triton chunk_kda vs the float64 recurrence (as check_kda_chunk).
+    ref ms: chunk_kda(backend="torch"); fast ms: chunk_kda(backend="fla")."""
+    reason = fla_unavailable_reason(ctx)
+    for dtype, tol in ((F32, TOL["kda_fla_fp32"]), (BF16, TOL["kda_fla_bf16"])):
+        name = f"kda_fla {'fp32' if dtype == F32 else 'bf16'}"
+        if reason:
+            yield skip(name, reason)
+            continue
+        yield guarded(ctx, name, lambda: kda_accuracy_row(
+            ctx, name, lambda **kw: chunk_kda(**kw, backend="fla"), lambda **kw: chunk_kda(**kw, backend="torch"),
+            dtype, tol, "ref ms: torch chunk path"))
+
+
+def check_kda_speed(ctx: Context) -> Iterator[Row]:
+    """fla vs the PyTorch chunk path at training lengths, bf16 q/k/v (fp32 g, beta, state), fwd+bwd.
+    The error is fla's output and gradients against the PyTorch path's. Without fla the PyTorch
+    path is still timed (a SKIP row with its ref ms).
+    ref ms: chunk_kda(backend="torch"); fast ms: chunk_kda(backend="fla")."""
+    reason = fla_unavailable_reason(ctx)
+    for seq in ctx.pick((4096, 16384), (128,)):
+        name = f"kda_speed T={seq}"
+        yield guarded(ctx, name, lambda: kda_speed_row(ctx, name, seq, reason))
+
+
+def kda_speed_row(ctx: Context, name: str, seq: int, fla_missing: Optional[str]) -> Row:
+    heads, dim = ctx.pick((16, 128), (2, 32))
+    shape = f"B=1 H={heads} K=V={dim} bf16 fwd+bwd"
+    inputs = kda_inputs(ctx, 1, seq, heads, dim, BF16, seed=3)
+    cotangents = kda_cotangents(ctx, inputs, seed=4)
+
+    def run(backend: str) -> dict[str, torch.Tensor]:
+        return kda_forward_backward(lambda **kw: chunk_kda(**kw, backend=backend), inputs, cotangents)
+
+    ref_ms = ctx.time_ms(lambda: run("torch"), reps=ctx.pick(5, 1))
+    if fla_missing:
+        return skip(name, f"{fla_missing}; {shape}, torch chunk path timed", ref_ms=ref_ms)
+    first_ms = ctx.wall_ms(lambda: run("fla"))
+    fast_ms = ctx.time_ms(lambda: run("fla"))
+    fast, ref = run("fla"), run("torch")
+    max_abs, rel, worst = compare({key: (fast[key], ref[key]) for key in ref})
+    tol = TOL["kda_fla_vs_torch"]
+    return Row(name, verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
+               f"{shape}; fla vs torch path, worst {worst}; fla first call {first_ms:.0f} ms")
