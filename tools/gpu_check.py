@@ -35,7 +35,10 @@ it the `transformer_engine` rows and the fp8 runs of `k3_1gpu` SKIP.
 bf16 and in fp8 from the same weights and batches, compares the loss curves, and prints a table
 of tokens/s, TFLOP/s, MFU (against the GPU's dense bf16 peak from tools/hardware/) and peak
 memory for bf16 and fp8, with Block AttnRes and without; `--json PATH` writes the rows, that
-table and the loss curves. The whole script is sized for under 8 minutes on one H200.
+table and the loss curves. `step_vs_dense` times k3train's whole step against a dense transformer
+of equal FLOPs per token (`benchmarks/step_vs_dense.py`) in bf16, at 2,048 and 16,384 tokens per
+step, and prints where one profiled step's kernel time goes. The whole script is sized for under
+8 minutes on one H200.
 
 This file is the driver: the registry of checks (it fixes the order of the table), the CLI and
 the table. The checks live beside it in tools/gpu_checks/, one module per subject; its common
@@ -69,7 +72,7 @@ sys.path.insert(0, str(CHECKOUT))
 import torch  # noqa: E402
 
 from gpu_checks import (  # noqa: E402
-    fused_paths, grouped_gemm, k3_1gpu, kda, model, newton_schulz, transformer_engine)
+    fused_paths, grouped_gemm, k3_1gpu, kda, model, newton_schulz, step_vs_dense, transformer_engine)
 from gpu_checks.common import Context, Row, describe, release  # noqa: E402
 
 
@@ -109,6 +112,7 @@ CHECKS: list[Check] = [
     Check("expert_dispatch", grouped_gemm.check_expert_dispatch),
     Check("transformer_engine", transformer_engine.check_transformer_engine),
     Check("k3_1gpu", k3_1gpu.check_k3_1gpu),
+    Check("step_vs_dense", step_vs_dense.check_step_vs_dense),
 ]
 
 
