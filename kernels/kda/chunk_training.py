@@ -10,7 +10,7 @@ import torch
 
 from ..precision import without_autocast
 from .naive import compute_dtype_for
-from .tiles import diagonal_tile_size, flushing_denormals, keys_seen_from_row_tiles, tile_decay
+from .tiles import causal_keys_seen, causal_keys_seen_of_tile, diagonal_tile_size, flushing_denormals, tile_decay
 
 class _ChunkLayout(NamedTuple):
     """`[B, T, H, D]` <-> chunk-major `[N, B·H, C, D]` (chunks of `C` tokens, the last one
@@ -262,19 +262,36 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     torch.mul(q_tiles, by_head(decay.to_reference), out=by_head(q_rows))
     key_columns = torch.empty_like(decay.to_reference)  # k e^{r − G}, as k / e^{G − r} (one pass)
     torch.div(k_tiles, by_head(decay.to_reference), out=by_head(key_columns))
-    keys_seen, bridge = keys_seen_from_row_tiles(key_columns, decay.reference, exp_in_float64=True)
-    grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, 2·tile, C]
-    key_gram, query_gram = grams.split(tile, dim=-2)
-    # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so no mask pass there;
-    # the backward's copy, if it needs one, is masked (what lies on and above the diagonal is
-    # finite but no Gram).
-    strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(n_chunks, bh, chunk, chunk)
-    if keep_key_gram:
-        masks = _causal_masks(chunk, tile, q_chunks.device)
-        key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(n_chunks, bh, chunk, chunk)
-    # P, scaled and masked (j > i dropped) in one multiply (C×C per chunk: cheaper to scale than q).
-    query_gram = query_gram * _causal_multipliers(chunk, tile, dtype, q_chunks.device, scale)[:, 1]
-    query_gram = query_gram.view(n_chunks, bh, chunk, chunk)
+    # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so β is not masked; the
+    # backward's copy of the key Gram, if it needs one, is. P is scaled and masked (j > i dropped)
+    # in the same multiply (C×C per chunk: cheaper to scale than q). What the masks clear is finite.
+    multipliers = _causal_multipliers(chunk, tile, dtype, q_chunks.device, scale)
+    if n_tiles == 1:
+        keys_seen, bridge = key_columns, None  # one tile per chunk: the keys as they are
+        key_gram, query_gram = (stacked_rows @ key_columns.transpose(-1, -2)).split(tile, dim=-2)
+        strict_key_gram = (key_gram * tiled(beta_chunks)).view(n_chunks, bh, chunk, chunk)
+        if keep_key_gram:
+            key_gram = (key_gram * multipliers[:, 0]).view(n_chunks, bh, chunk, chunk)
+        query_gram = (query_gram * multipliers[:, 1]).view(n_chunks, bh, chunk, chunk)
+    else:
+        # Row tile a meets key tiles b ≤ a only (the later ones through a bridge of 0): one
+        # matmul per row tile over its (a + 1)·tile keys, written into zeroed Gram matrices.
+        keys_seen, bridge = causal_keys_seen(key_columns, decay.reference)
+        strict_key_gram, query_gram, key_gram = (
+            torch.zeros(n_chunks, bh, n_tiles, tile, chunk, dtype=dtype, device=q_chunks.device)
+            if needed else None for needed in (True, True, keep_key_gram)
+        )
+        for a in range(n_tiles):
+            width = (a + 1) * tile
+            grams = torch.matmul(stacked_rows[..., a, :, :], causal_keys_seen_of_tile(keys_seen, a, tile).transpose(-1, -2))
+            torch.mul(grams[..., :tile, :], beta_chunks.view(n_chunks, bh, n_tiles, tile, 1)[..., a, :, :],
+                      out=strict_key_gram[..., a, :, :width])
+            torch.mul(grams[..., tile:, :], multipliers[a, 1, :, :width], out=query_gram[..., a, :, :width])
+            if keep_key_gram:
+                torch.mul(grams[..., :tile, :], multipliers[a, 0, :, :width], out=key_gram[..., a, :, :width])
+        strict_key_gram, query_gram = (x.view(n_chunks, bh, chunk, chunk) for x in (strict_key_gram, query_gram))
+        if keep_key_gram:
+            key_gram = key_gram.view(n_chunks, bh, chunk, chunk)
 
     # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
     chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [n, BH, 1, 1, K]
@@ -452,8 +469,13 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, referen
     # Gradients of the tiled row inputs k e^{G−r}, q e^{G−r}: through the Gram matrices and
     # through k e^G = (k e^{G−r}) e^r, q e^G likewise.
     d_rows = with_state.mul_(reference_decay)
-    rows_flat = d_rows.flatten(0, 2)
-    torch.baddbmm(rows_flat, d_grams.flatten(0, 2), keys_seen.flatten(0, 2), out=rows_flat)
+    if bridge:  # row tile a against its (a + 1)·tile keys (`causal_keys_seen`)
+        for a in range(n_tiles):
+            seen = causal_keys_seen_of_tile(keys_seen, a, tile)
+            d_rows[..., a, :, :].add_(torch.matmul(d_grams[..., a, :, : seen.shape[-2]], seen))
+    else:
+        rows_flat = d_rows.flatten(0, 2)
+        torch.baddbmm(rows_flat, d_grams.flatten(0, 2), keys_seen.flatten(0, 2), out=rows_flat)
     d_k_rows, d_q_rows = d_rows.split(tile, dim=-2)
     # Gradients of the key columns k e^{r−G}: through the Gram matrices (summed over the row
     # tiles through their bridges) and through k e^{G_C−G} = (k e^{r−G}) e^{G_C−r}.

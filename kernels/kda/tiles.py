@@ -107,19 +107,48 @@ def keys_seen_from_row_tiles(
     *batch_shape, n_tiles, tile, dim = key_columns.shape
     if n_tiles == 1:
         return key_columns, None  # one tile per chunk: no bridges
-    # Bridge e^{r_a − r_b} from key tile b to row tile a: exponent ≤ 0 for b ≤ a. Tiles after the
-    # row tile are masked to −inf *before* exponentiating, so their positive exponent never is.
-    reference = reference.squeeze(-2)
-    bridge_exponent = reference.unsqueeze(-2) - reference.unsqueeze(-3)
-    if not exp_in_float64:
-        bridge_exponent = bridge_exponent.to(key_columns.dtype)
-    later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1)
-    bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp().to(key_columns.dtype)
+    bridge = _bridges(reference, key_columns.dtype, exp_in_float64)
     # [..., a, b, tile, K] -> [..., a, C, K].
     keys_seen = (bridge.unsqueeze(-2) * key_columns.unsqueeze(-4)).reshape(
         *batch_shape, n_tiles, n_tiles * tile, dim
     )
     return keys_seen, bridge
+
+
+def _bridges(reference: torch.Tensor, dtype: torch.dtype, exp_in_float64: bool) -> torch.Tensor:
+    """The bridges `e^{r_a − r_b}`, `[..., a, b, K]` in `dtype` (0 for b > a), from the tile
+    references `[..., n_tiles, 1, K]` (float64)."""
+    n_tiles = reference.shape[-3]
+    # Bridge e^{r_a − r_b} from key tile b to row tile a: exponent ≤ 0 for b ≤ a. Tiles after the
+    # row tile are masked to −inf *before* exponentiating, so their positive exponent never is.
+    reference = reference.squeeze(-2)
+    bridge_exponent = reference.unsqueeze(-2) - reference.unsqueeze(-3)
+    if not exp_in_float64:
+        bridge_exponent = bridge_exponent.to(dtype)
+    later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1)
+    return bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp().to(dtype)
+
+
+def causal_keys_seen(key_columns: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keys_seen_from_row_tiles(..., exp_in_float64=True)` for several tiles per chunk without
+    the key tiles a row tile does not reach (b > a, seen through a bridge of 0): row tile `a`'s
+    `(a + 1)·tile` keys, packed one row tile after another along the key axis,
+    `[..., (1 + 2 + … + n_tiles)·tile, K]` (`causal_keys_seen_of_tile` slices it), and the bridges.
+    The same numbers; ~40% less to write and to multiply by with four tiles."""
+    *batch_shape, n_tiles, tile, dim = key_columns.shape
+    bridge = _bridges(reference, key_columns.dtype, exp_in_float64=True)
+    packed = torch.empty(*batch_shape, n_tiles * (n_tiles + 1) // 2 * tile, dim,
+                         dtype=key_columns.dtype, device=key_columns.device)
+    for a in range(n_tiles):
+        torch.mul(bridge[..., a, : a + 1, :].unsqueeze(-2), key_columns[..., : a + 1, :, :],
+                  out=causal_keys_seen_of_tile(packed, a, tile).unflatten(-2, (a + 1, tile)))
+    return packed, bridge
+
+
+def causal_keys_seen_of_tile(packed: torch.Tensor, a: int, tile: int) -> torch.Tensor:
+    """Row tile `a`'s keys in `causal_keys_seen`'s packing, `[..., (a + 1)·tile, K]` (a view)."""
+    start = a * (a + 1) // 2 * tile
+    return packed[..., start : start + (a + 1) * tile, :]
 
 
 def flushes_denormals() -> bool:
