@@ -119,7 +119,7 @@ class ChunkKDA(torch.autograd.Function):
     forward, the key side summed over row tiles by Horner's rule along the bridges. The log-decay
     gradient uses that every decay factor is `e^{±G}` of its own token: `∂L/∂G = Σ_x ±x ⊙ ∂L/∂x`
     over the factors' inputs (`+` where `G` is the row's, `−` where it is the column's, plus the
-    `e^{G_C}` terms on the chunk's last token), and `dg` is its suffix sum inside the chunk.
+    `e^{G_C}` terms on the chunk's last token, which add up to `Σ_v S' ⊙ dS'`), and `dg` is its suffix sum inside the chunk.
     Everything is a few large batched matmuls and elementwise passes per call; tested against
     autograd through `_chunk_kda_chunks` in float64 (tests/unit/test_kda.py).
     """
@@ -312,19 +312,21 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     transition = torch.matmul(k_to_end, w).neg_()
     transition.diagonal(dim1=-2, dim2=-1).add_(chunk_decay)
     torch.bmm(k_to_end.flatten(0, 1), u_base.flatten(0, 1), out=next_states.flatten(0, 1))
-    # o = o_base + q_state S, with [P W | o_base] = P [W | u_base], q_state = scale (q ⊙ e^G) − P W.
-    p_w_o_base = query_gram @ w_u_base
+    # o = o_base + q_state S, with o_base = P u_base, q_state = scale (q ⊙ e^G) − P W (accumulated
+    # by the matmul: one pass less than a subtraction).
     q_state = (q_rows * (reference_decay * scale)).view(n_chunks, bh, chunk, key_dim)
-    q_state.sub_(p_w_o_base[..., :key_dim])
+    torch.baddbmm(q_state.flatten(0, 1), query_gram.flatten(0, 1), w.flatten(0, 1), alpha=-1.0,
+                  out=q_state.flatten(0, 1))
+    o_base = query_gram @ u_base
 
     local = {
         "stacked_rows": stacked_rows, "key_columns": key_columns, "keys_seen": keys_seen,
         "to_reference": decay.to_reference,
         "reference_decay": reference_decay, "to_end": to_end, "k_to_end": k_to_end,
-        "chunk_decay": chunk_decay, "query_gram": query_gram, "inverse": inverse,
+        "query_gram": query_gram, "inverse": inverse,
         "beta_chunks": beta_chunks, "v_chunks": keys_values[..., key_dim:],
         "k_from_start": k_from_start.view(n_chunks, bh, chunk, key_dim), "q_state": q_state,
-        "transition": transition, "w": w, "u_base": u_base, "o_base": p_w_o_base[..., key_dim:],
+        "transition": transition, "w": w, "u_base": u_base, "o_base": o_base,
     }
     if bridge is not None:
         local["bridge"] = bridge
@@ -381,14 +383,14 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=device)
     step = max(1, _GROUP_MATRICES // bh)
     local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference",
-                   "reference_decay", "to_end", "k_to_end", "chunk_decay", "query_gram",
+                   "reference_decay", "to_end", "k_to_end", "query_gram",
                    "inverse", "beta_chunks", "v_chunks", "k_from_start")
     for s, local in zip(starts, groups):
         for offset in range(0, min(group, n_chunks - s), step):
             part = slice(offset, offset + step)
             window = slice(s + offset, min(s + offset + step, s + group))
             _chunk_gradients(
-                *(local[name][part] for name in local_names), states[:-1][window], local["u"][part],
+                *(local[name][part] for name in local_names), states[:-1][window], states[1:][window], local["u"][part],
                 d_o[window], d_states[1:][window], dq_chunks[window], dk_chunks[window], dv_chunks[window],
                 dg[window], dbeta[window], *([local["bridge"][part]] if "bridge" in local else []),
                 tile=tile, scale=scale, causal=causal,
@@ -409,8 +411,8 @@ _FORWARD_GROUP_MATRICES = 128
 
 
 def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, reference_decay,
-                     to_end, k_to_end, chunk_decay, query_gram, inverse, beta_chunks, v_chunks,
-                     k_from_start, states, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge,
+                     to_end, k_to_end, query_gram, inverse, beta_chunks, v_chunks, k_from_start,
+                     states, states_after, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge,
                      tile: int, scale: float, causal: torch.Tensor, key_gram: torch.Tensor | None) -> None:
     """The chunk-local part of `_chunk_kda_backward` for a group of chunks (all tensors sliced
     alike along the chunk axis), writing into the group's slices of `dq, dk, dv, dg, dbeta` (the
@@ -504,9 +506,10 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, referen
     # the chunk's last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
     d_log_decay = (k_rows * d_k_rows).addcmul_(q_rows, d_q_rows).addcmul_(key_columns, d_key_columns, value=-1.0)
     d_log_decay = d_log_decay.view(n_chunks, bh, chunk, key_dim)
-    d_log_decay[..., -1, :] += (k_to_end.transpose(-1, -2) * d_k_to_end).sum(-2) + chunk_decay * (
-        states * d_states_after
-    ).sum(-1)
+    # Every term of the state leaving the chunk, S' = e^{G_C} S + Σ_j e^{G_C − G_j} k_j u_jᵀ, carries
+    # e^{G_C} once per key channel, so G_C's share (u held fixed) is Σ_v S' ⊙ dS': one [K, V]
+    # product instead of one per factor.
+    d_log_decay[..., -1, :] += (states_after * d_states_after).sum(-1)
     # dg_s = Σ_{i ≥ s} dG_i, as one matmul with the upper-triangular ones (no flips).
     suffix_sum = torch.ones(chunk, chunk, dtype=dtype, device=d_o.device).triu()
     torch.matmul(suffix_sum, d_log_decay, out=dg)
