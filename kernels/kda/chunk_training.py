@@ -213,9 +213,11 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
                              tile=tile, scale=scale, keep_key_gram=not beta_divides)
         for s in starts
     ]
-    for n in range(n_chunks):
-        transition = groups[n // group]["transition"][n % group]
-        torch.baddbmm(states[n + 1], transition, states[n], out=states[n + 1])
+    # (Per-chunk views made once by unbind: the loops below then index Python lists.)
+    state_views = states.unbind(0)
+    transitions = [transition for local in groups for transition in local["transition"].unbind(0)]
+    for n, transition in enumerate(transitions):
+        torch.baddbmm(state_views[n + 1], transition, state_views[n], out=state_views[n + 1])
 
     chunk_outputs = torch.empty(n_chunks, bh, chunk, value_dim, dtype=dtype, device=q.device)
     for s, local in zip(starts, groups):
@@ -324,14 +326,14 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
         "to_reference": decay.to_reference,
         "reference_decay": reference_decay, "to_end": to_end, "k_to_end": k_to_end,
         "query_gram": query_gram, "inverse": inverse,
-        "beta_chunks": beta_chunks, "v_chunks": keys_values[..., key_dim:],
-        "k_from_start": k_from_start.view(n_chunks, bh, chunk, key_dim), "q_state": q_state,
+        "beta_chunks": beta_chunks, "q_state": q_state,
         "transition": transition, "w": w, "u_base": u_base, "o_base": o_base,
     }
     if bridge is not None:
         local["bridge"] = bridge
-    if keep_key_gram:
-        local["key_gram"] = key_gram
+    if keep_key_gram:  # (else v and k e^G are not kept: less memory held into the backward)
+        local.update(key_gram=key_gram, v_chunks=keys_values[..., key_dim:],
+                     k_from_start=k_from_start.view(n_chunks, bh, chunk, key_dim))
     return local
 
 
@@ -362,9 +364,10 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     for s, local in zip(starts, groups):
         torch.bmm(local["q_state"].flatten(0, 1).transpose(-1, -2), d_o[s : s + group].flatten(0, 1),
                   out=d_states[:-1][s : s + group].flatten(0, 1))
+    d_state_views = d_states.unbind(0)
+    transitions = [transition for local in groups for transition in local["transition"].transpose(-1, -2).unbind(0)]
     for n in range(n_chunks - 1, -1, -1):
-        transition = groups[n // group]["transition"][n % group]
-        torch.baddbmm(d_states[n], transition.transpose(-1, -2), d_states[n + 1], out=d_states[n])
+        torch.baddbmm(d_state_views[n], transitions[n], d_state_views[n + 1], out=d_state_views[n])
 
     # The rest is chunk by chunk: done for groups of about `_GROUP_MATRICES` chunk-heads at a time
     # (slices of the forward's groups), so that each step's operands are still in cache when the
@@ -384,17 +387,20 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     step = max(1, _GROUP_MATRICES // bh)
     local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference",
                    "reference_decay", "to_end", "k_to_end", "query_gram",
-                   "inverse", "beta_chunks", "v_chunks", "k_from_start")
+                   "inverse", "beta_chunks", "v_chunks", "k_from_start")  # the last two if kept
+    per_chunk = (states[:-1], states[1:], d_o, d_states[1:], dq_chunks, dk_chunks, dv_chunks, dg, dbeta)
     for s, local in zip(starts, groups):
-        for offset in range(0, min(group, n_chunks - s), step):
-            part = slice(offset, offset + step)
-            window = slice(s + offset, min(s + offset + step, s + group))
+        # Every argument's parts at once (one split per tensor, not one slice per part).
+        u_parts = local["u"].split(step)
+        local_parts = [local[name].split(step) if name in local else [None] * len(u_parts) for name in local_names]
+        entering, leaving, d_o_parts, d_leaving, *outputs = (x[s : s + group].split(step) for x in per_chunk)
+        bridges = local["bridge"].split(step) if "bridge" in local else None
+        key_grams = local["key_gram"].split(step) if "key_gram" in local else None
+        for i, local_part in enumerate(zip(*local_parts)):
             _chunk_gradients(
-                *(local[name][part] for name in local_names), states[:-1][window], states[1:][window], local["u"][part],
-                d_o[window], d_states[1:][window], dq_chunks[window], dk_chunks[window], dv_chunks[window],
-                dg[window], dbeta[window], *([local["bridge"][part]] if "bridge" in local else []),
-                tile=tile, scale=scale, causal=causal,
-                key_gram=local["key_gram"][part] if "key_gram" in local else None,
+                *local_part, entering[i], leaving[i], u_parts[i],
+                d_o_parts[i], d_leaving[i], *(x[i] for x in outputs), *([bridges[i]] if bridges else []),
+                tile=tile, scale=scale, causal=causal, key_gram=key_grams[i] if key_grams else None,
             )
     if layout.padded:
         dq, dk, dv = (layout.from_chunks(x, dtype) for x in (dq, dk, dv))
