@@ -176,7 +176,7 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     matmul `T [k e^G | v]`, and the state pass is one matmul per chunk, `S' = F S + B` with the
     transition `F = Diag(e^{G_C}) − (k e^{G_C−G})ᵀ W` and `B = (k e^{G_C−G})ᵀ u_base` formed for a
     whole group at once (the backward reuses `F`). The outputs `o = P u_base + q_state S` and
-    `u = u_base − W S` are then batched matmuls over each group."""
+    `u = u_base − W S` are then batched matmuls over the group, before the next group starts."""
     layout = _ChunkLayout.of(q, chunk_size)
     batch, seq_len, heads, n_chunks, chunk = layout
     key_dim, value_dim = q.shape[-1], v.shape[-1]
@@ -206,21 +206,20 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     # unless some β is (nearly) 0, the backward divides and the masked key Gram is not kept.
     beta_divides = seq_len > 0 and float(beta.detach().amin()) >= _SMALLEST_BETA_TO_DIVIDE_BY
     group = max(1, _FORWARD_GROUP_MATRICES // bh)
-    starts = range(0, n_chunks, group)
-    groups = [
-        _chunk_local_forward(q_chunks[s : s + group], k_chunks[s : s + group], keys_values[s : s + group],
-                             beta_chunks[s : s + group], log_decay[s : s + group], states[s + 1 : s + group + 1],
-                             tile=tile, scale=scale, keep_key_gram=not beta_divides)
-        for s in starts
-    ]
-    # (Per-chunk views made once by unbind: the loops below then index Python lists.)
-    state_views = states.unbind(0)
-    transitions = [transition for local in groups for transition in local["transition"].unbind(0)]
-    for n, transition in enumerate(transitions):
-        torch.baddbmm(state_views[n + 1], transition, state_views[n], out=state_views[n + 1])
-
+    # Group by group: the chunk-local part, the state pass through the group's chunks (it needs
+    # only the state entering the group), then the group's outputs, while its tensors are still in
+    # cache; what only the outputs need (W, u_base, o_base) is freed before the next group.
+    state_views = states.unbind(0)  # (per-chunk views made once)
     chunk_outputs = torch.empty(n_chunks, bh, chunk, value_dim, dtype=dtype, device=q.device)
-    for s, local in zip(starts, groups):
+    groups = []
+    for s in range(0, n_chunks, group):
+        local = _chunk_local_forward(
+            q_chunks[s : s + group], k_chunks[s : s + group], keys_values[s : s + group],
+            beta_chunks[s : s + group], log_decay[s : s + group], states[s + 1 : s + group + 1],
+            tile=tile, scale=scale, keep_key_gram=not beta_divides,
+        )
+        for n, transition in enumerate(local["transition"].unbind(0), start=s):
+            torch.baddbmm(state_views[n + 1], transition, state_views[n], out=state_views[n + 1])
         entering = states[:-1][s : s + group].flatten(0, 1)
         outputs = chunk_outputs[s : s + group]
         torch.baddbmm(local.pop("o_base").flatten(0, 1), local["q_state"].flatten(0, 1), entering,
@@ -228,6 +227,7 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
         w = local.pop("w")
         local["u"] = torch.baddbmm(local.pop("u_base").flatten(0, 1), w.flatten(0, 1), entering,
                                    alpha=-1.0).view_as(outputs)
+        groups.append(local)
     o = layout.from_chunks(chunk_outputs, v.dtype)
     final_state = states[-1].view(batch, heads, key_dim, value_dim).clone()
 
