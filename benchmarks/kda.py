@@ -160,8 +160,11 @@ def main() -> None:
             matmul_times: list[float] = []
             for kernel in kernels.values():  # warm-up, not timed
                 time_once(kernel, inputs, backward, clock)
-            for _ in range(args.repeats):
-                for name, kernel in kernels.items():  # interleaved: drifts hit all alike
+            for repeat in range(args.repeats):
+                # Interleaved, so drifts hit all alike; in reversed order every other repeat, so no
+                # kernel always runs first (after the matmul) or last (on the previous one's freed heap).
+                order = list(kernels.items())
+                for name, kernel in order if repeat % 2 == 0 else order[::-1]:
                     times[name].append(time_once(kernel, inputs, backward, clock))
                 if args.rate:
                     matmul_times.append(time_matmul(clock))
