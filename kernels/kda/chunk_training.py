@@ -187,13 +187,10 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     max_decay = max(-float(lowest), float(highest))  # max |g|; highest ≤ 0 by contract
     tile = diagonal_tile_size(max_decay, chunk, dtype)
 
-    q_chunks, k_chunks = (layout.chunk_source(x, dtype) for x in (q, k))  # [N, B, H, C, K]
-    # [k e^G | v] side by side, [N, BH, C, K + V]: the UT transform multiplies both in one matmul
-    # (k e^G is written into the left half per group below).
-    keys_values = torch.empty(n_chunks, bh, chunk, key_dim + value_dim, dtype=dtype, device=q.device)
-    layout.to_chunks(v, dtype, out=keys_values[..., key_dim:])
+    # [N, B, H, C, D] views of the token layout where they can be (else padded copies).
+    q_chunks, k_chunks, v_chunks = (layout.chunk_source(x, dtype) for x in (q, k, v))
+    g_chunks = layout.chunk_source(g, g.dtype)
     beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [N, BH, C, 1]
-    log_decay = layout.to_chunks(g, torch.float64).cumsum_(dim=-2)  # G (module docstring)
 
     # states[n]: the state entering chunk n; states[N] leaves the last chunk. The group pass
     # writes B into states[n + 1], the state pass adds F S in place.
@@ -213,9 +210,17 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     chunk_outputs = torch.empty(n_chunks, bh, chunk, value_dim, dtype=dtype, device=q.device)
     groups = []
     for s in range(0, n_chunks, group):
+        n_group = min(group, n_chunks - s)
+        # Per group (not for the whole call: less fresh memory at once): [k e^G | v] side by side,
+        # [n, BH, C, K + V], for the UT transform's one matmul (k e^G is written into the left half
+        # by the local part), and G (module docstring), cumulated in float64.
+        keys_values = torch.empty(n_group, bh, chunk, key_dim + value_dim, dtype=dtype, device=q.device)
+        keys_values[..., key_dim:].unflatten(1, (batch, heads)).copy_(v_chunks[s : s + group])
+        log_decay = torch.empty(n_group, bh, chunk, key_dim, dtype=torch.float64, device=q.device)
+        log_decay.unflatten(1, (batch, heads)).copy_(g_chunks[s : s + group])
         local = _chunk_local_forward(
-            q_chunks[s : s + group], k_chunks[s : s + group], keys_values[s : s + group],
-            beta_chunks[s : s + group], log_decay[s : s + group], states[s + 1 : s + group + 1],
+            q_chunks[s : s + group], k_chunks[s : s + group], keys_values,
+            beta_chunks[s : s + group], log_decay.cumsum_(dim=-2), states[s + 1 : s + group + 1],
             tile=tile, scale=scale, keep_key_gram=not beta_divides,
         )
         for n, transition in enumerate(local["transition"].unbind(0), start=s):
