@@ -354,10 +354,8 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     dtype = states.dtype
     device = states.device
 
-    if grad_o is None:
-        d_o = states.new_zeros(n_chunks, bh, chunk, value_dim)
-    else:
-        d_o = layout.to_chunks(grad_o, dtype)
+    # grad_o as [N, B, H, C, V] (a view of the token layout where it can be), copied per group.
+    d_o_source = None if grad_o is None else layout.chunk_source(grad_o, dtype)
     # d_states[n]: the gradient of states[n] (d_states[N]: of the final state). Back through the
     # chunks: dS = Fᵀ dS' + q_stateᵀ do, the second term for a whole group at once, in place.
     d_states = torch.empty_like(states)
@@ -365,18 +363,8 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
         d_states[-1].zero_()
     else:
         d_states[-1].copy_(grad_final_state.reshape(bh, key_dim, value_dim))
-    starts = range(0, n_chunks, group)
-    for s, local in zip(starts, groups):
-        torch.bmm(local["q_state"].flatten(0, 1).transpose(-1, -2), d_o[s : s + group].flatten(0, 1),
-                  out=d_states[:-1][s : s + group].flatten(0, 1))
-    d_state_views = d_states.unbind(0)
-    transitions = [transition for local in groups for transition in local["transition"].transpose(-1, -2).unbind(0)]
-    for n in range(n_chunks - 1, -1, -1):
-        torch.baddbmm(d_state_views[n], transitions[n], d_state_views[n + 1], out=d_state_views[n])
+    d_state_views = d_states.unbind(0)  # (per-chunk views made once)
 
-    # The rest is chunk by chunk: done for groups of about `_GROUP_MATRICES` chunk-heads at a time
-    # (slices of the forward's groups), so that each step's operands are still in cache when the
-    # next one reads them.
     # dq, dk, dv are written straight into the token layout [B, T, H, D] where there is no padding.
     def token_gradient(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layout.padded:
@@ -393,12 +381,28 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference",
                    "reference_decay", "to_end", "k_to_end", "query_gram",
                    "inverse", "beta_chunks", "v_chunks", "k_from_start")  # the last two if kept
-    per_chunk = (states[:-1], states[1:], d_o, d_states[1:], dq_chunks, dk_chunks, dv_chunks, dg, dbeta)
-    for s, local in zip(starts, groups):
+    per_chunk = (states[:-1], states[1:], d_states[1:], dq_chunks, dk_chunks, dv_chunks, dg, dbeta)
+    # The forward's groups from the last: each one's state gradients (they need only the state
+    # gradient leaving the group), then its chunk-local part, chunk by chunk in slices of about
+    # `_GROUP_MATRICES` chunk-heads, so that each step's operands are still in cache when the next
+    # one reads them.
+    for s, local in reversed(list(zip(range(0, n_chunks, group), groups))):
+        n_group = local["u"].shape[0]
+        d_o = torch.empty(n_group, bh, chunk, value_dim, dtype=dtype, device=device)
+        if d_o_source is None:
+            d_o.zero_()
+        else:
+            d_o.unflatten(1, (layout.batch, layout.heads)).copy_(d_o_source[s : s + group])
+        torch.bmm(local["q_state"].flatten(0, 1).transpose(-1, -2), d_o.flatten(0, 1),
+                  out=d_states[s : s + n_group].flatten(0, 1))
+        transitions = local["transition"].transpose(-1, -2).unbind(0)
+        for n in range(s + n_group - 1, s - 1, -1):
+            torch.baddbmm(d_state_views[n], transitions[n - s], d_state_views[n + 1], out=d_state_views[n])
+
         # Every argument's parts at once (one split per tensor, not one slice per part).
-        u_parts = local["u"].split(step)
+        u_parts, d_o_parts = local["u"].split(step), d_o.split(step)
         local_parts = [local[name].split(step) if name in local else [None] * len(u_parts) for name in local_names]
-        entering, leaving, d_o_parts, d_leaving, *outputs = (x[s : s + group].split(step) for x in per_chunk)
+        entering, leaving, d_leaving, *outputs = (x[s : s + group].split(step) for x in per_chunk)
         bridges = local["bridge"].split(step) if "bridge" in local else None
         key_grams = local["key_gram"].split(step) if "key_gram" in local else None
         for i, local_part in enumerate(zip(*local_parts)):
