@@ -84,9 +84,10 @@ def _causal_multipliers(chunk: int, tile: int, dtype: torch.dtype, device: torch
                         query_scale: float = 1.0) -> torch.Tensor:
     """`[n_tiles, 2, tile, C]` in `dtype`: per row tile, 1 on the key Gram's strict lower triangle,
     `query_scale` on the query Gram's lower triangle, 0 elsewhere. Multiplying by it masks (and
-    scales) in one pass; what it clears is finite (garbage inside the diagonal tile blocks, exact
-    0 beyond them), so the product is exactly 0 there. (A multiply, not `masked_fill_`: with a
-    broadcast mask that runs ~10x slower on CPU.)"""
+    scales) in one pass; what it clears is finite (the Gram matrices' entries above the diagonal
+    are bounded by the tile span, their gradients are plain products), so the product there is
+    exactly 0. (A multiply, not `masked_fill_`: with a broadcast mask that runs ~10x slower on
+    CPU.)"""
     masks = _causal_masks(chunk, tile, device)
     multipliers = masks.to(dtype)
     multipliers[:, 1].mul_(query_scale)
@@ -119,7 +120,8 @@ class ChunkKDA(torch.autograd.Function):
     forward, the key side summed over row tiles by Horner's rule along the bridges. The log-decay
     gradient uses that every decay factor is `e^{±G}` of its own token: `∂L/∂G = Σ_x ±x ⊙ ∂L/∂x`
     over the factors' inputs (`+` where `G` is the row's, `−` where it is the column's, plus the
-    `e^{G_C}` terms on the chunk's last token, which add up to `Σ_v S' ⊙ dS'`), and `dg` is its suffix sum inside the chunk.
+    `e^{G_C}` terms on the chunk's last token, which add up to `Σ_v S' ⊙ dS'`), and `dg` is its
+    suffix sum inside the chunk.
     Everything is a few large batched matmuls and elementwise passes per call; tested against
     autograd through `_chunk_kda_chunks` in float64 (tests/unit/test_kda.py).
     """
@@ -290,9 +292,9 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
         )
         for a in range(n_tiles):
             width = (a + 1) * tile
-            grams = torch.matmul(stacked_rows[..., a, :, :], causal_keys_seen_of_tile(keys_seen, a, tile).transpose(-1, -2))
-            torch.mul(grams[..., :tile, :], beta_chunks.view(n_chunks, bh, n_tiles, tile, 1)[..., a, :, :],
-                      out=strict_key_gram[..., a, :, :width])
+            seen = causal_keys_seen_of_tile(keys_seen, a, tile)
+            grams = torch.matmul(stacked_rows[..., a, :, :], seen.transpose(-1, -2))  # [n, BH, 2·tile, width]
+            torch.mul(grams[..., :tile, :], tiled(beta_chunks)[..., a, :, :], out=strict_key_gram[..., a, :, :width])
             torch.mul(grams[..., tile:, :], multipliers[a, 1, :, :width], out=query_gram[..., a, :, :width])
             if keep_key_gram:
                 torch.mul(grams[..., :tile, :], multipliers[a, 0, :, :width], out=key_gram[..., a, :, :width])
