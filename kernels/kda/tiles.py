@@ -132,7 +132,7 @@ def causal_keys_seen(key_columns: torch.Tensor, reference: torch.Tensor) -> tupl
     # The bridges of `keys_seen_from_row_tiles(..., exp_in_float64=True)`, bit for bit, in fewer
     # passes: −inf added to the later tiles' exponents in place (a broadcast masked_fill is slower).
     reference = reference.squeeze(-2)
-    later_tile = torch.ones(n_tiles, n_tiles, 1, dtype=torch.bool, device=reference.device).triu(1)
+    later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1).unsqueeze(-1)
     exponent_mask = torch.zeros(later_tile.shape, dtype=reference.dtype, device=reference.device)
     exponent_mask.masked_fill_(later_tile, float("-inf"))
     bridge = (reference.unsqueeze(-2) - reference.unsqueeze(-3)).add_(exponent_mask).exp_().to(key_columns.dtype)
