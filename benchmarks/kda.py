@@ -11,6 +11,10 @@ as its own column, timed in the same alternation.
     OMP_NUM_THREADS=1 python benchmarks/kda.py --threads 1 --repeats 5 --chunk-sizes 16 64
     OMP_NUM_THREADS=1 nice python benchmarks/kda.py --no-recurrent --rate --chunk-sizes 64 \
         --lengths 512 4096 --head-dim 64 --before /tmp/old_chunk.py
+
+With `--before-siblings`, the old `chunk.py` imports old versions of its sibling modules too
+(`git show REV:kernels/kda/tiles.py > /tmp/old_tiles.py`, likewise `chunk_training.py`, then
+`--before /tmp/old_chunk.py --before-siblings /tmp/old_tiles.py /tmp/old_chunk_training.py`).
 """
 
 from __future__ import annotations
@@ -32,15 +36,29 @@ from k3train.kernels.kda import chunk_kda, naive_recurrent_kda  # noqa: E402
 from k3train.model.flops import kda_chunk_flops_per_chunk  # noqa: E402
 
 
-def load_chunk_module(path: str):
+def load_chunk_module(path: str, siblings: list[str] = ()):
     """Another version of `kernels/kda/chunk.py`, imported inside the `kda` package so its
-    relative imports resolve."""
+    relative imports resolve. `siblings`: other versions of the modules it imports (e.g.
+    `tiles.py`, then `chunk_training.py`), which its relative imports then bind to instead of the
+    checkout's (each stands in under its module name only while the next ones load)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("k3train.kernels.kda._chunk_before", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    def load(name: str, file: str):
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    replaced = {}
+    try:
+        for file in siblings:
+            name = f"k3train.kernels.kda.{Path(file).stem}"
+            replaced.setdefault(name, sys.modules.get(name))
+            sys.modules[name] = load(name, file)
+        return load("k3train.kernels.kda._chunk_before", path)
+    finally:
+        for name, module in replaced.items():
+            sys.modules[name] = module
 
 
 def time_matmul(clock: Callable[[], float], size: int = 1024) -> float:
@@ -51,16 +69,17 @@ def time_matmul(clock: Callable[[], float], size: int = 1024) -> float:
 
 
 def make_inputs(
-    seq_len: int, heads: int, head_dim: int, requires_grad: bool, seed: int = 0, batch: int = 1
+    seq_len: int, heads: int, head_dim: int, requires_grad: bool, seed: int = 0, batch: int = 1,
+    gate_scale: float = 5.0,
 ) -> dict[str, torch.Tensor]:
-    """fp32 inputs with K3's bounded gate range (g in (−5, 0)) and normalised q, k."""
+    """fp32 inputs with normalised q, k and g in (−gate_scale, 0) (5: K3's bounded gate range)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (batch, seq_len, heads, head_dim)
     tensors = {
         "q": F.normalize(torch.randn(shape, generator=generator), dim=-1),
         "k": F.normalize(torch.randn(shape, generator=generator), dim=-1),
         "v": torch.randn(shape, generator=generator),
-        "g": -5.0 * torch.sigmoid(torch.randn(shape, generator=generator)),
+        "g": -gate_scale * torch.sigmoid(torch.randn(shape, generator=generator)),
         "beta": torch.sigmoid(torch.randn(shape[:3], generator=generator)),
     }
     for tensor in tensors.values():
@@ -98,6 +117,11 @@ def main() -> None:
     parser.add_argument("--no-recurrent", action="store_true", help="leave out the (slow) recurrence")
     parser.add_argument("--rate", action="store_true", help="FLOP rate as a share of a dense matmul")
     parser.add_argument("--before", help="another chunk.py to time alongside (a column per chunk size)")
+    parser.add_argument("--before-siblings", nargs="+", default=[], metavar="FILE",
+                        help="other versions of the modules --before imports, in import order "
+                        "(e.g. its tiles.py, then chunk_training.py); default: the checkout's")
+    parser.add_argument("--gate-scale", type=float, default=5.0,
+                        help="g in (-gate-scale, 0): 5 gives 16-token tiles at C=64, 1.2 one tile per chunk")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time this process's CPU seconds (robust to a loaded machine), not wall-clock")
     args = parser.parse_args()
@@ -105,7 +129,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     kernels: dict[str, Callable] = {} if args.no_recurrent else {"recurrent": naive_recurrent_kda}
-    before = load_chunk_module(args.before) if args.before else None
+    before = load_chunk_module(args.before, args.before_siblings) if args.before else None
     for chunk_size in args.chunk_sizes:
         if before is not None:
             kernels[f"before C={chunk_size}"] = functools.partial(
@@ -116,7 +140,7 @@ def main() -> None:
         )
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), B={args.batch} H={args.heads} "
-        f"K=V={args.head_dim}, fp32, g in (-5, 0), median of {args.repeats} "
+        f"K=V={args.head_dim}, fp32, g in (-{args.gate_scale:g}, 0), median of {args.repeats} "
         f"({'process CPU' if args.cpu_time else 'wall-clock'} time)\n"
     )
     chunked_names = [name for name in kernels if name != "recurrent"]
@@ -130,13 +154,17 @@ def main() -> None:
     print("| " + " | ".join(["---:", "---"] + ["---:"] * (len(header) - 2)) + " |")
     for seq_len in args.lengths:
         for backward in (False, True):
-            inputs = make_inputs(seq_len, args.heads, args.head_dim, requires_grad=backward, batch=args.batch)
+            inputs = make_inputs(seq_len, args.heads, args.head_dim, requires_grad=backward, batch=args.batch,
+                                 gate_scale=args.gate_scale)
             times: dict[str, list[float]] = {name: [] for name in kernels}
             matmul_times: list[float] = []
             for kernel in kernels.values():  # warm-up, not timed
                 time_once(kernel, inputs, backward, clock)
-            for _ in range(args.repeats):
-                for name, kernel in kernels.items():  # interleaved: drifts hit all alike
+            for repeat in range(args.repeats):
+                # Interleaved, so drifts hit all alike; in reversed order every other repeat, so no
+                # kernel always runs first (after the matmul) or last (on the previous one's freed heap).
+                order = list(kernels.items())
+                for name, kernel in order if repeat % 2 == 0 else order[::-1]:
                     times[name].append(time_once(kernel, inputs, backward, clock))
                 if args.rate:
                     matmul_times.append(time_matmul(clock))

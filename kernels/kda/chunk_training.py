@@ -10,7 +10,7 @@ import torch
 
 from ..precision import without_autocast
 from .naive import compute_dtype_for
-from .tiles import diagonal_tile_size, flushing_denormals, keys_seen_from_row_tiles, tile_decay
+from .tiles import causal_keys_seen, causal_keys_seen_of_tile, diagonal_tile_size, flushing_denormals, tile_decay
 
 class _ChunkLayout(NamedTuple):
     """`[B, T, H, D]` <-> chunk-major `[N, B·H, C, D]` (chunks of `C` tokens, the last one
@@ -80,19 +80,18 @@ class _ChunkLayout(NamedTuple):
         return out
 
 
-def _above_diagonal_in_tile(tile: int, device: torch.device) -> torch.Tensor:
-    """`[2, tile, tile, 1]`: inside a diagonal tile block, what lies outside the key Gram (on and
-    above the diagonal) and outside the query Gram (above it). With bridges, the blocks above the
-    diagonal blocks are exactly 0 already (their keys are seen through a bridge of 0), so these
-    are the only entries a mask has to clear (on `_diagonal_blocks`)."""
-    index = torch.arange(tile, device=device)
-    return torch.stack([index >= index.view(-1, 1), index > index.view(-1, 1)]).unsqueeze(-1)
-
-
-def _diagonal_blocks(x: torch.Tensor, tile: int) -> torch.Tensor:
-    """`[n, BH, n_tiles, (2,) tile, C]` (row tile on axis 2) -> its diagonal tile blocks as a
-    view, `[n, BH, (2,) tile, tile, n_tiles]`."""
-    return x.unflatten(-1, (x.shape[-1] // tile, tile)).diagonal(dim1=2, dim2=-2)
+def _causal_multipliers(chunk: int, tile: int, dtype: torch.dtype, device: torch.device,
+                        query_scale: float = 1.0) -> torch.Tensor:
+    """`[n_tiles, 2, tile, C]` in `dtype`: per row tile, 1 on the key Gram's strict lower triangle,
+    `query_scale` on the query Gram's lower triangle, 0 elsewhere. Multiplying by it masks (and
+    scales) in one pass; what it clears is finite (the Gram matrices' entries above the diagonal
+    are bounded by the tile span, their gradients are plain products), so the product there is
+    exactly 0. (A multiply, not `masked_fill_`: with a broadcast mask that runs ~10x slower on
+    CPU.)"""
+    masks = _causal_masks(chunk, tile, device)
+    multipliers = masks.to(dtype)
+    multipliers[:, 1].mul_(query_scale)
+    return multipliers
 
 
 def _causal_masks(chunk: int, tile: int, device: torch.device) -> torch.Tensor:
@@ -121,7 +120,8 @@ class ChunkKDA(torch.autograd.Function):
     forward, the key side summed over row tiles by Horner's rule along the bridges. The log-decay
     gradient uses that every decay factor is `e^{±G}` of its own token: `∂L/∂G = Σ_x ±x ⊙ ∂L/∂x`
     over the factors' inputs (`+` where `G` is the row's, `−` where it is the column's, plus the
-    `e^{G_C}` terms on the chunk's last token), and `dg` is its suffix sum inside the chunk.
+    `e^{G_C}` terms on the chunk's last token, which add up to `Σ_v S' ⊙ dS'`), and `dg` is its
+    suffix sum inside the chunk.
     Everything is a few large batched matmuls and elementwise passes per call; tested against
     autograd through `_chunk_kda_chunks` in float64 (tests/unit/test_kda.py).
     """
@@ -178,7 +178,7 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     matmul `T [k e^G | v]`, and the state pass is one matmul per chunk, `S' = F S + B` with the
     transition `F = Diag(e^{G_C}) − (k e^{G_C−G})ᵀ W` and `B = (k e^{G_C−G})ᵀ u_base` formed for a
     whole group at once (the backward reuses `F`). The outputs `o = P u_base + q_state S` and
-    `u = u_base − W S` are then batched matmuls over each group."""
+    `u = u_base − W S` are then batched matmuls over the group, before the next group starts."""
     layout = _ChunkLayout.of(q, chunk_size)
     batch, seq_len, heads, n_chunks, chunk = layout
     key_dim, value_dim = q.shape[-1], v.shape[-1]
@@ -189,13 +189,10 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     max_decay = max(-float(lowest), float(highest))  # max |g|; highest ≤ 0 by contract
     tile = diagonal_tile_size(max_decay, chunk, dtype)
 
-    q_chunks, k_chunks = (layout.chunk_source(x, dtype) for x in (q, k))  # [N, B, H, C, K]
-    # [k e^G | v] side by side, [N, BH, C, K + V]: the UT transform multiplies both in one matmul
-    # (k e^G is written into the left half per group below).
-    keys_values = torch.empty(n_chunks, bh, chunk, key_dim + value_dim, dtype=dtype, device=q.device)
-    layout.to_chunks(v, dtype, out=keys_values[..., key_dim:])
+    # [N, B, H, C, D] views of the token layout where they can be (else padded copies).
+    q_chunks, k_chunks, v_chunks = (layout.chunk_source(x, dtype) for x in (q, k, v))
+    g_chunks = layout.chunk_source(g, g.dtype)
     beta_chunks = layout.to_chunks(beta.unsqueeze(-1), dtype)  # [N, BH, C, 1]
-    log_decay = layout.to_chunks(g, torch.float64).cumsum_(dim=-2)  # G (module docstring)
 
     # states[n]: the state entering chunk n; states[N] leaves the last chunk. The group pass
     # writes B into states[n + 1], the state pass adds F S in place.
@@ -208,19 +205,28 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     # unless some β is (nearly) 0, the backward divides and the masked key Gram is not kept.
     beta_divides = seq_len > 0 and float(beta.detach().amin()) >= _SMALLEST_BETA_TO_DIVIDE_BY
     group = max(1, _FORWARD_GROUP_MATRICES // bh)
-    starts = range(0, n_chunks, group)
-    groups = [
-        _chunk_local_forward(q_chunks[s : s + group], k_chunks[s : s + group], keys_values[s : s + group],
-                             beta_chunks[s : s + group], log_decay[s : s + group], states[s + 1 : s + group + 1],
-                             tile=tile, scale=scale, keep_key_gram=not beta_divides)
-        for s in starts
-    ]
-    for n in range(n_chunks):
-        transition = groups[n // group]["transition"][n % group]
-        torch.baddbmm(states[n + 1], transition, states[n], out=states[n + 1])
-
+    # Group by group: the chunk-local part, the state pass through the group's chunks (it needs
+    # only the state entering the group), then the group's outputs, while its tensors are still in
+    # cache; what only the outputs need (W, u_base, o_base) is freed before the next group.
+    state_views = states.unbind(0)  # (per-chunk views made once)
     chunk_outputs = torch.empty(n_chunks, bh, chunk, value_dim, dtype=dtype, device=q.device)
-    for s, local in zip(starts, groups):
+    groups = []
+    for s in range(0, n_chunks, group):
+        n_group = min(group, n_chunks - s)
+        # Per group (not for the whole call: less fresh memory at once): [k e^G | v] side by side,
+        # [n, BH, C, K + V], for the UT transform's one matmul (k e^G is written into the left half
+        # by the local part), and G (module docstring), cumulated in float64.
+        keys_values = torch.empty(n_group, bh, chunk, key_dim + value_dim, dtype=dtype, device=q.device)
+        keys_values[..., key_dim:].unflatten(1, (batch, heads)).copy_(v_chunks[s : s + group])
+        log_decay = torch.empty(n_group, bh, chunk, key_dim, dtype=torch.float64, device=q.device)
+        log_decay.unflatten(1, (batch, heads)).copy_(g_chunks[s : s + group])
+        local = _chunk_local_forward(
+            q_chunks[s : s + group], k_chunks[s : s + group], keys_values,
+            beta_chunks[s : s + group], log_decay.cumsum_(dim=-2), states[s + 1 : s + group + 1],
+            tile=tile, scale=scale, keep_key_gram=not beta_divides,
+        )
+        for n, transition in enumerate(local["transition"].unbind(0), start=s):
+            torch.baddbmm(state_views[n + 1], transition, state_views[n], out=state_views[n + 1])
         entering = states[:-1][s : s + group].flatten(0, 1)
         outputs = chunk_outputs[s : s + group]
         torch.baddbmm(local.pop("o_base").flatten(0, 1), local["q_state"].flatten(0, 1), entering,
@@ -228,6 +234,7 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
         w = local.pop("w")
         local["u"] = torch.baddbmm(local.pop("u_base").flatten(0, 1), w.flatten(0, 1), entering,
                                    alpha=-1.0).view_as(outputs)
+        groups.append(local)
     o = layout.from_chunks(chunk_outputs, v.dtype)
     final_state = states[-1].view(batch, heads, key_dim, value_dim).clone()
 
@@ -264,22 +271,36 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     torch.mul(q_tiles, by_head(decay.to_reference), out=by_head(q_rows))
     key_columns = torch.empty_like(decay.to_reference)  # k e^{r − G}, as k / e^{G − r} (one pass)
     torch.div(k_tiles, by_head(decay.to_reference), out=by_head(key_columns))
-    keys_seen, bridge = keys_seen_from_row_tiles(key_columns, decay.reference, exp_in_float64=True)
-    grams = stacked_rows @ keys_seen.transpose(-1, -2)  # [..., n_tiles, 2·tile, C]
-    key_gram, query_gram = grams.split(tile, dim=-2)
-    # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so no mask pass there;
-    # the backward's copy, if it needs one, is masked (what lies on and above the diagonal is
-    # finite but no Gram).
-    strict_key_gram = (key_gram * tiled(beta_chunks)).reshape(n_chunks, bh, chunk, chunk)
-    if keep_key_gram:
-        masks = _causal_masks(chunk, tile, q_chunks.device)
-        key_gram = torch.where(masks[:, 0], key_gram, 0.0).view(n_chunks, bh, chunk, chunk)
-    # P, scaled here (C×C per chunk: cheaper to scale than q); the mask drops j > i (only inside
-    # the diagonal tile blocks: the blocks above them are exactly 0, their keys seen through a
-    # bridge of 0).
-    query_gram = query_gram * scale
-    _diagonal_blocks(query_gram, tile).masked_fill_(_above_diagonal_in_tile(tile, q_chunks.device)[1], 0.0)
-    query_gram = query_gram.view(n_chunks, bh, chunk, chunk)
+    # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so β is not masked; the
+    # backward's copy of the key Gram, if it needs one, is. P is scaled and masked (j > i dropped)
+    # in the same multiply (C×C per chunk: cheaper to scale than q). What the masks clear is finite.
+    multipliers = _causal_multipliers(chunk, tile, dtype, q_chunks.device, scale)
+    if n_tiles == 1:
+        keys_seen, bridge = key_columns, None  # one tile per chunk: the keys as they are
+        key_gram, query_gram = (stacked_rows @ key_columns.transpose(-1, -2)).split(tile, dim=-2)
+        strict_key_gram = (key_gram * tiled(beta_chunks)).view(n_chunks, bh, chunk, chunk)
+        if keep_key_gram:
+            key_gram = (key_gram * multipliers[:, 0]).view(n_chunks, bh, chunk, chunk)
+        query_gram = (query_gram * multipliers[:, 1]).view(n_chunks, bh, chunk, chunk)
+    else:
+        # Row tile a meets key tiles b ≤ a only (the later ones through a bridge of 0): one
+        # matmul per row tile over its (a + 1)·tile keys, written into zeroed Gram matrices.
+        keys_seen, bridge = causal_keys_seen(key_columns, decay.reference)
+        strict_key_gram, query_gram, key_gram = (
+            torch.zeros(n_chunks, bh, n_tiles, tile, chunk, dtype=dtype, device=q_chunks.device)
+            if needed else None for needed in (True, True, keep_key_gram)
+        )
+        for a in range(n_tiles):
+            width = (a + 1) * tile
+            seen = causal_keys_seen_of_tile(keys_seen, a, tile)
+            grams = torch.matmul(stacked_rows[..., a, :, :], seen.transpose(-1, -2))  # [n, BH, 2·tile, width]
+            torch.mul(grams[..., :tile, :], tiled(beta_chunks)[..., a, :, :], out=strict_key_gram[..., a, :, :width])
+            torch.mul(grams[..., tile:, :], multipliers[a, 1, :, :width], out=query_gram[..., a, :, :width])
+            if keep_key_gram:
+                torch.mul(grams[..., :tile, :], multipliers[a, 0, :, :width], out=key_gram[..., a, :, :width])
+        strict_key_gram, query_gram = (x.view(n_chunks, bh, chunk, chunk) for x in (strict_key_gram, query_gram))
+        if keep_key_gram:
+            key_gram = key_gram.view(n_chunks, bh, chunk, chunk)
 
     # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
     chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C, [n, BH, 1, 1, K]
@@ -300,24 +321,26 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     transition = torch.matmul(k_to_end, w).neg_()
     transition.diagonal(dim1=-2, dim2=-1).add_(chunk_decay)
     torch.bmm(k_to_end.flatten(0, 1), u_base.flatten(0, 1), out=next_states.flatten(0, 1))
-    # o = o_base + q_state S, with [P W | o_base] = P [W | u_base], q_state = scale (q ⊙ e^G) − P W.
-    p_w_o_base = query_gram @ w_u_base
+    # o = o_base + q_state S, with o_base = P u_base, q_state = scale (q ⊙ e^G) − P W (accumulated
+    # by the matmul: one pass less than a subtraction).
     q_state = (q_rows * (reference_decay * scale)).view(n_chunks, bh, chunk, key_dim)
-    q_state.sub_(p_w_o_base[..., :key_dim])
+    torch.baddbmm(q_state.flatten(0, 1), query_gram.flatten(0, 1), w.flatten(0, 1), alpha=-1.0,
+                  out=q_state.flatten(0, 1))
+    o_base = query_gram @ u_base
 
     local = {
         "stacked_rows": stacked_rows, "key_columns": key_columns, "keys_seen": keys_seen,
         "to_reference": decay.to_reference,
         "reference_decay": reference_decay, "to_end": to_end, "k_to_end": k_to_end,
-        "chunk_decay": chunk_decay, "query_gram": query_gram, "inverse": inverse,
-        "beta_chunks": beta_chunks, "v_chunks": keys_values[..., key_dim:],
-        "k_from_start": k_from_start.view(n_chunks, bh, chunk, key_dim), "q_state": q_state,
-        "transition": transition, "w": w, "u_base": u_base, "o_base": p_w_o_base[..., key_dim:],
+        "query_gram": query_gram, "inverse": inverse,
+        "beta_chunks": beta_chunks, "q_state": q_state,
+        "transition": transition, "w": w, "u_base": u_base, "o_base": o_base,
     }
     if bridge is not None:
         local["bridge"] = bridge
-    if keep_key_gram:
-        local["key_gram"] = key_gram
+    if keep_key_gram:  # (else v and k e^G are not kept: less memory held into the backward)
+        local.update(key_gram=key_gram, v_chunks=keys_values[..., key_dim:],
+                     k_from_start=k_from_start.view(n_chunks, bh, chunk, key_dim))
     return local
 
 
@@ -333,10 +356,8 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     dtype = states.dtype
     device = states.device
 
-    if grad_o is None:
-        d_o = states.new_zeros(n_chunks, bh, chunk, value_dim)
-    else:
-        d_o = layout.to_chunks(grad_o, dtype)
+    # grad_o as [N, B, H, C, V] (a view of the token layout where it can be), copied per group.
+    d_o_source = None if grad_o is None else layout.chunk_source(grad_o, dtype)
     # d_states[n]: the gradient of states[n] (d_states[N]: of the final state). Back through the
     # chunks: dS = Fᵀ dS' + q_stateᵀ do, the second term for a whole group at once, in place.
     d_states = torch.empty_like(states)
@@ -344,17 +365,8 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
         d_states[-1].zero_()
     else:
         d_states[-1].copy_(grad_final_state.reshape(bh, key_dim, value_dim))
-    starts = range(0, n_chunks, group)
-    for s, local in zip(starts, groups):
-        torch.bmm(local["q_state"].flatten(0, 1).transpose(-1, -2), d_o[s : s + group].flatten(0, 1),
-                  out=d_states[:-1][s : s + group].flatten(0, 1))
-    for n in range(n_chunks - 1, -1, -1):
-        transition = groups[n // group]["transition"][n % group]
-        torch.baddbmm(d_states[n], transition.transpose(-1, -2), d_states[n + 1], out=d_states[n])
+    d_state_views = d_states.unbind(0)  # (per-chunk views made once)
 
-    # The rest is chunk by chunk: done for groups of about `_GROUP_MATRICES` chunk-heads at a time
-    # (slices of the forward's groups), so that each step's operands are still in cache when the
-    # next one reads them.
     # dq, dk, dv are written straight into the token layout [B, T, H, D] where there is no padding.
     def token_gradient(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layout.padded:
@@ -365,22 +377,41 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
 
     (dq, dq_chunks), (dk, dk_chunks), (dv, dv_chunks) = (token_gradient(d) for d in (key_dim, key_dim, value_dim))
     dg = torch.empty(n_chunks, bh, chunk, key_dim, dtype=dtype, device=device)
-    outside = _above_diagonal_in_tile(tile, device)
+    causal = _causal_multipliers(chunk, tile, dtype, device)
     dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=device)
     step = max(1, _GROUP_MATRICES // bh)
     local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference",
-                   "reference_decay", "to_end", "k_to_end", "chunk_decay", "query_gram",
-                   "inverse", "beta_chunks", "v_chunks", "k_from_start")
-    for s, local in zip(starts, groups):
-        for offset in range(0, min(group, n_chunks - s), step):
-            part = slice(offset, offset + step)
-            window = slice(s + offset, min(s + offset + step, s + group))
+                   "reference_decay", "to_end", "k_to_end", "query_gram",
+                   "inverse", "beta_chunks", "v_chunks", "k_from_start")  # the last two if kept
+    per_chunk = (states[:-1], states[1:], d_states[1:], dq_chunks, dk_chunks, dv_chunks, dg, dbeta)
+    # The forward's groups from the last: each one's state gradients (they need only the state
+    # gradient leaving the group), then its chunk-local part, chunk by chunk in slices of about
+    # `_GROUP_MATRICES` chunk-heads, so that each step's operands are still in cache when the next
+    # one reads them.
+    for s, local in reversed(list(zip(range(0, n_chunks, group), groups))):
+        n_group = local["u"].shape[0]
+        d_o = torch.empty(n_group, bh, chunk, value_dim, dtype=dtype, device=device)
+        if d_o_source is None:
+            d_o.zero_()
+        else:
+            d_o.unflatten(1, (layout.batch, layout.heads)).copy_(d_o_source[s : s + group])
+        torch.bmm(local["q_state"].flatten(0, 1).transpose(-1, -2), d_o.flatten(0, 1),
+                  out=d_states[s : s + n_group].flatten(0, 1))
+        transitions = local["transition"].transpose(-1, -2).unbind(0)
+        for n in range(s + n_group - 1, s - 1, -1):
+            torch.baddbmm(d_state_views[n], transitions[n - s], d_state_views[n + 1], out=d_state_views[n])
+
+        # Every argument's parts at once (one split per tensor, not one slice per part).
+        u_parts, d_o_parts = local["u"].split(step), d_o.split(step)
+        local_parts = [local[name].split(step) if name in local else [None] * len(u_parts) for name in local_names]
+        entering, leaving, d_leaving, *outputs = (x[s : s + group].split(step) for x in per_chunk)
+        bridges = local["bridge"].split(step) if "bridge" in local else None
+        key_grams = local["key_gram"].split(step) if "key_gram" in local else None
+        for i, local_part in enumerate(zip(*local_parts)):
             _chunk_gradients(
-                *(local[name][part] for name in local_names), states[:-1][window], local["u"][part],
-                d_o[window], d_states[1:][window], dq_chunks[window], dk_chunks[window], dv_chunks[window],
-                dg[window], dbeta[window], *([local["bridge"][part]] if "bridge" in local else []),
-                tile=tile, scale=scale, outside=outside,
-                key_gram=local["key_gram"][part] if "key_gram" in local else None,
+                *local_part, entering[i], leaving[i], u_parts[i],
+                d_o_parts[i], d_leaving[i], *(x[i] for x in outputs), *([bridges[i]] if bridges else []),
+                tile=tile, scale=scale, causal=causal, key_gram=key_grams[i] if key_grams else None,
             )
     if layout.padded:
         dq, dk, dv = (layout.from_chunks(x, dtype) for x in (dq, dk, dv))
@@ -397,13 +428,13 @@ _FORWARD_GROUP_MATRICES = 128
 
 
 def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, reference_decay,
-                     to_end, k_to_end, chunk_decay, query_gram, inverse, beta_chunks, v_chunks,
-                     k_from_start, states, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge,
-                     tile: int, scale: float, outside: torch.Tensor, key_gram: torch.Tensor | None) -> None:
+                     to_end, k_to_end, query_gram, inverse, beta_chunks, v_chunks, k_from_start,
+                     states, states_after, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge,
+                     tile: int, scale: float, causal: torch.Tensor, key_gram: torch.Tensor | None) -> None:
     """The chunk-local part of `_chunk_kda_backward` for a group of chunks (all tensors sliced
     alike along the chunk axis), writing into the group's slices of `dq, dk, dv, dg, dbeta` (the
-    first three `[n, B, H, C, D]`, possibly views of the token layout). `outside`:
-    `_above_diagonal_in_tile`. `key_gram`: the masked key Gram, or None for dβ through `u / β`."""
+    first three `[n, B, H, C, D]`, possibly views of the token layout). `causal`:
+    `_causal_multipliers`. `key_gram`: the masked key Gram, or None for dβ through `u / β`."""
     n_chunks, bh, n_tiles, _, key_dim = stacked_rows.shape
     chunk = n_tiles * tile
     value_dim = states.shape[-1]
@@ -448,18 +479,22 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, referen
     torch.neg(dv.unflatten(3, (n_tiles, tile)), out=by_head(left[..., 0, :, :]))
     torch.mul(tiled(d_o), scale, out=left[..., 1, :, :])
     left = left.view(n_chunks, bh, 2 * chunk, value_dim)
-    # (Masked in the diagonal tile blocks only: the blocks above them meet keys seen through a
-    # bridge of 0 below, and the key-column sum below reads only the columns up to the row tile.)
+    # (Masked by one multiply over the whole row tile: cheaper than a masked_fill_ of the diagonal
+    # blocks alone.)
     d_grams = (left @ u.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2, tile, chunk)
-    _diagonal_blocks(d_grams, tile).masked_fill_(outside, 0.0)
-    d_grams = d_grams.view(n_chunks, bh, n_tiles, 2 * tile, chunk)
+    d_grams = d_grams.mul_(causal).view(n_chunks, bh, n_tiles, 2 * tile, chunk)
     with_state = (left @ states.transpose(-1, -2)).view(n_chunks, bh, n_tiles, 2 * tile, key_dim)
 
     # Gradients of the tiled row inputs k e^{G−r}, q e^{G−r}: through the Gram matrices and
     # through k e^G = (k e^{G−r}) e^r, q e^G likewise.
     d_rows = with_state.mul_(reference_decay)
-    rows_flat = d_rows.flatten(0, 2)
-    torch.baddbmm(rows_flat, d_grams.flatten(0, 2), keys_seen.flatten(0, 2), out=rows_flat)
+    if bridge:  # row tile a against its (a + 1)·tile keys (`causal_keys_seen`)
+        for a in range(n_tiles):
+            seen = causal_keys_seen_of_tile(keys_seen, a, tile)
+            d_rows[..., a, :, :].add_(torch.matmul(d_grams[..., a, :, : seen.shape[-2]], seen))
+    else:
+        rows_flat = d_rows.flatten(0, 2)
+        torch.baddbmm(rows_flat, d_grams.flatten(0, 2), keys_seen.flatten(0, 2), out=rows_flat)
     d_k_rows, d_q_rows = d_rows.split(tile, dim=-2)
     # Gradients of the key columns k e^{r−G}: through the Gram matrices (summed over the row
     # tiles through their bridges) and through k e^{G_C−G} = (k e^{r−G}) e^{G_C−r}.
@@ -488,9 +523,10 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, referen
     # the chunk's last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
     d_log_decay = (k_rows * d_k_rows).addcmul_(q_rows, d_q_rows).addcmul_(key_columns, d_key_columns, value=-1.0)
     d_log_decay = d_log_decay.view(n_chunks, bh, chunk, key_dim)
-    d_log_decay[..., -1, :] += (k_to_end.transpose(-1, -2) * d_k_to_end).sum(-2) + chunk_decay * (
-        states * d_states_after
-    ).sum(-1)
+    # Every term of the state leaving the chunk, S' = e^{G_C} S + Σ_j e^{G_C − G_j} k_j u_jᵀ, carries
+    # e^{G_C} once per key channel, so G_C's share (u held fixed) is Σ_v S' ⊙ dS': one [K, V]
+    # product instead of one per factor.
+    d_log_decay[..., -1, :] += (states_after * d_states_after).sum(-1)
     # dg_s = Σ_{i ≥ s} dG_i, as one matmul with the upper-triangular ones (no flips).
     suffix_sum = torch.ones(chunk, chunk, dtype=dtype, device=d_o.device).triu()
     torch.matmul(suffix_sum, d_log_decay, out=dg)

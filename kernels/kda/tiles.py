@@ -122,6 +122,34 @@ def keys_seen_from_row_tiles(
     return keys_seen, bridge
 
 
+def causal_keys_seen(key_columns: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keys_seen_from_row_tiles(..., exp_in_float64=True)` for several tiles per chunk without
+    the key tiles a row tile does not reach (b > a, seen through a bridge of 0): row tile `a`'s
+    `(a + 1)·tile` keys, packed one row tile after another along the key axis,
+    `[..., (1 + 2 + … + n_tiles)·tile, K]` (`causal_keys_seen_of_tile` slices it), and the bridges.
+    The same numbers; ~40% less to write and to multiply by with four tiles."""
+    *batch_shape, n_tiles, tile, dim = key_columns.shape
+    # The bridges of `keys_seen_from_row_tiles(..., exp_in_float64=True)`, bit for bit, in fewer
+    # passes: −inf added to the later tiles' exponents in place (a broadcast masked_fill is slower).
+    reference = reference.squeeze(-2)
+    later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1).unsqueeze(-1)
+    exponent_mask = torch.zeros(later_tile.shape, dtype=reference.dtype, device=reference.device)
+    exponent_mask.masked_fill_(later_tile, float("-inf"))
+    bridge = (reference.unsqueeze(-2) - reference.unsqueeze(-3)).add_(exponent_mask).exp_().to(key_columns.dtype)
+    packed = torch.empty(*batch_shape, n_tiles * (n_tiles + 1) // 2 * tile, dim,
+                         dtype=key_columns.dtype, device=key_columns.device)
+    for a in range(n_tiles):
+        torch.mul(bridge[..., a, : a + 1, :].unsqueeze(-2), key_columns[..., : a + 1, :, :],
+                  out=causal_keys_seen_of_tile(packed, a, tile).unflatten(-2, (a + 1, tile)))
+    return packed, bridge
+
+
+def causal_keys_seen_of_tile(packed: torch.Tensor, a: int, tile: int) -> torch.Tensor:
+    """Row tile `a`'s keys in `causal_keys_seen`'s packing, `[..., (a + 1)·tile, K]` (a view)."""
+    start = a * (a + 1) // 2 * tile
+    return packed[..., start : start + (a + 1) * tile, :]
+
+
 def flushes_denormals() -> bool:
     """Whether this thread's CPU flushes subnormal floats to zero (a subnormal times 2 reads 0)."""
     return bool((torch.tensor([1e-40], dtype=torch.float32) * 2).item() == 0.0)

@@ -24,7 +24,14 @@ from k3train.kernels.kda import (
 from k3train.kernels.kda import chunk_training
 from k3train.kernels.kda import fla_backend
 from k3train.kernels.kda.chunk import chunk_kda_autograd_reference
-from k3train.kernels.kda.tiles import decayed_gram_matrices, diagonal_tile_size, tile_decay
+from k3train.kernels.kda.tiles import (
+    causal_keys_seen,
+    causal_keys_seen_of_tile,
+    decayed_gram_matrices,
+    diagonal_tile_size,
+    keys_seen_from_row_tiles,
+    tile_decay,
+)
 
 F64 = torch.float64
 
@@ -357,6 +364,24 @@ def test_decayed_gram_matrices_match_pairwise_definition():
             [tiled(x) * decay.to_reference], tiled(keys) * decay.from_reference, decay.reference
         )
         assert max_error(gram, expected) < 1e-12, tile
+
+
+def test_causal_keys_seen_are_the_reached_part_of_keys_seen_from_row_tiles():
+    # The training path's packed keys: row tile a's first (a + 1) key tiles, bit for bit, and the
+    # same bridges (0 for the later tiles); what it leaves out is exactly 0 in the full form.
+    generator = torch.Generator().manual_seed(0)
+    chunk, dim = 32, 8
+    log_decay = (-5.0 * torch.rand(3, chunk, dim, generator=generator, dtype=F64)).cumsum(dim=-2)
+    for tile in [1, 4, 8, 16]:
+        decay = tile_decay(log_decay, tile, torch.float32)
+        key_columns = torch.randn(3, chunk // tile, tile, dim, generator=generator) * decay.from_reference
+        full, bridge = keys_seen_from_row_tiles(key_columns, decay.reference, exp_in_float64=True)
+        packed, packed_bridge = causal_keys_seen(key_columns, decay.reference)
+        assert torch.equal(packed_bridge, bridge), tile
+        for a in range(chunk // tile):
+            reached = (a + 1) * tile
+            assert torch.equal(causal_keys_seen_of_tile(packed, a, tile), full[..., a, :reached, :]), (tile, a)
+            assert not full[..., a, reached:, :].any(), (tile, a)
 
 
 def test_diagonal_tile_size_follows_the_decay_range():
