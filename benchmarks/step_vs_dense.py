@@ -14,6 +14,8 @@ step), in one process and with steps alternated (a busy machine slows every cont
 
 It prints each contender's median step time, model FLOP/s over the measured fp32 matmul rate of
 this machine (`measure_cpu_matmul_tflops`, median of trials), tokens/s against the dense peer,
+the aten operations of one step (counted by a dispatch mode on one more, untimed step: those that
+run a kernel, about one launch each on a GPU, and views),
 and, for the Muon step, Newton–Schulz's GFLOP and time (optimizer FLOPs, outside MFU). Then one
 profiled k3train step (Per-Head Muon) attributed to parts: `torch.profiler` ranges opened by
 forward hooks on the model's modules (and around the KDA kernel, the grouped GEMMs and the
@@ -48,6 +50,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -322,6 +325,33 @@ def table(headers: list[str], rows: list[list[str]], title: str) -> None:
         print("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
 
 
+class OperationCounter(TorchDispatchMode):
+    """Counts the aten operations that reach the kernels while it is active (forward, the
+    autograd engine's backward, the optimizer): `compute` those that run a kernel (on a GPU, about
+    one launch each), `views` those that only make a view. The dense peer's and k3train's counts
+    say how much of the gap is per-operation overhead, whatever the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.compute = 0
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.is_view:
+            self.views += 1
+        else:
+            self.compute += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_operations(step: Callable[[], object]) -> OperationCounter:
+    """One more `step()` under an `OperationCounter` (not timed: the counting slows it)."""
+    counter = OperationCounter()
+    with counter:
+        step()
+    return counter
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -357,6 +387,7 @@ class Comparison:
     tokens: int
     adamw_vs_dense: float
     final_losses: dict[str, float]
+    operations: dict[str, tuple[int, int]]  # (compute, view) aten operations of one step
 
 
 DENSE = "dense peer (SDPA + SwiGLU, AdamW)"
@@ -409,6 +440,10 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
                 stats = muon_step_stats(muon.optimizer)
                 newton_schulz.append((stats.ns_seconds, stats.ns_flops))
     peak_tflops = statistics.median(matmul_rates)
+    operations = {}
+    for label, step in contenders.items():
+        counter = count_operations(step)
+        operations[label] = (counter.compute, counter.views)
     dense = times[DENSE]
     rows = []
     for label, samples in times.items():
@@ -418,8 +453,10 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
                      f"{statistics.median(dense) / step_s:.2f} / {min(dense) / best_s:.2f}",
                      f"{100 * flops / step_s / 1e12 / peak_tflops:.0f}%"])
     # The best step is the one a busy machine slowed least: on a shared machine, compare both.
+    for row, label in zip(rows, times):
+        row.append(f"{operations[label][0]:,} / {operations[label][1]:,}")
     table(["", "step (median)", "step (best)", "tokens/s", "tokens/s vs dense (median / best)",
-           "model FLOP/s over matmul rate"], rows,
+           "model FLOP/s over matmul rate", "aten ops per step (compute / view)"], rows,
           f"{name}: {steps} alternated steps each on {device.type}, {precision}; matmul rate {1e3 * peak_tflops:,.1f} GFLOP/s (median of "
           f"{len(matmul_rates)} samples taken between the steps)")
     ns_s = statistics.median(s for s, _ in newton_schulz)
@@ -434,7 +471,7 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
               f"{name}: where one profiled k3train step (Per-Head Muon) goes ({wall:.2f} s under the profiler; "
               f"{clock})")
     medians = {label: statistics.median(samples) for label, samples in times.items()}
-    return Comparison(medians, tokens, medians[DENSE] / medians[ADAMW], losses)
+    return Comparison(medians, tokens, medians[DENSE] / medians[ADAMW], losses, operations)
 
 
 def main() -> None:

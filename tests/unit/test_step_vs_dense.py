@@ -1,6 +1,7 @@
 """benchmarks/step_vs_dense.py's pieces that a wrong number would hide in: the dense peer sized to
 k3train's FLOPs per token, and one comparison end to end on the CPU in bf16 autocast with the
-profiled parts (the path `--device cuda --precision bf16` takes, minus the device)."""
+profiled parts and the operation counts (the path `--device cuda --precision bf16` takes, minus
+the device)."""
 
 import math
 
@@ -44,5 +45,9 @@ def test_compare_in_bf16_with_profiled_parts(capsys):
     assert result.tokens == 1024
     assert result.adamw_vs_dense == pytest.approx(result.step_seconds[DENSE] / result.step_seconds[ADAMW])
     assert "on cpu, bf16" in out
+    # Every contender's step was counted; k3train's machinery runs many more operations.
+    assert set(result.operations) == set(result.step_seconds)
+    assert all(compute > 0 and views > 0 for compute, views in result.operations.values())
+    assert result.operations[ADAMW][0] > 2 * result.operations[DENSE][0]
     for part in PARTS:  # the profiled step's table has every part
         assert f"| {part} " in out

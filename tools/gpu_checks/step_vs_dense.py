@@ -40,5 +40,7 @@ def check_step_vs_dense(ctx: Context) -> Iterator[Row]:
             return Row(name, "PASS" if finite else "FAIL", ref_ms=1e3 * seconds[DENSE], fast_ms=1e3 * seconds[ADAMW],
                        note=f"{result.tokens} tokens/step; tokens/s vs the dense peer: AdamW "
                             f"{result.adamw_vs_dense:.2f}x (target 0.9x), Per-Head Muon "
-                            f"{seconds[DENSE] / seconds[MUON]:.2f}x; losses finite: {finite}")
+                            f"{seconds[DENSE] / seconds[MUON]:.2f}x; aten compute ops per step: AdamW "
+                            f"{result.operations[ADAMW][0]:,}, dense {result.operations[DENSE][0]:,}; "
+                            f"losses finite: {finite}")
         yield guarded(ctx, name, row)
