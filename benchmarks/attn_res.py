@@ -13,6 +13,7 @@ alternation.
 
     OMP_NUM_THREADS=1 nice python benchmarks/attn_res.py --model debug --repeats 5
     OMP_NUM_THREADS=1 nice python benchmarks/attn_res.py --model issue --repeats 3
+    OMP_NUM_THREADS=1 nice python benchmarks/attn_res.py --model debug --repeats 5 --compile
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from k3train.kernels.attn_res import attn_res_mix_reference  # noqa: E402
 from k3train.model.attn_res import AttentionResidual  # noqa: E402
 from k3train.model.k3 import K3Model  # noqa: E402
 from k3train.recipe import load_recipe  # noqa: E402
+from k3train.training.compile import compile_elementwise  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"
 # A K3-shaped model of hidden 512, 4 layers (3 KDA + 1 MLA), 2,048 tokens per step.
@@ -60,11 +62,15 @@ def stacked_checkpointed_input(self: AttentionResidual, sources: list[torch.Tens
     return mix_and_normalize(*sources)
 
 
-def build(model_overrides: list[str], mode: str) -> tuple[K3Model, torch.optim.Optimizer, JobConfig]:
-    """`mode`: an `attn_res` value, or `<value>@3c49d31` for the earlier mix."""
+def build(model_overrides: list[str], mode: str, compiled: bool = False
+          ) -> tuple[K3Model, torch.optim.Optimizer, JobConfig]:
+    """`mode`: an `attn_res` value, or `<value>@3c49d31` for the earlier mix. `compiled`: what
+    `train.compile=true` compiles (`compile_elementwise`), the AttnRes mixes among it."""
     attn_res, _, before = mode.partition("@")
     config = load_recipe(JobConfig, str(RECIPE), model_overrides + [f"model.attn_res={attn_res}"])
     model = K3Model(config.model, seed=0)
+    if compiled:
+        compile_elementwise(model)
     if before:
         for module in model.modules():
             if isinstance(module, AttentionResidual):
@@ -85,7 +91,7 @@ def step_table(args: argparse.Namespace) -> None:
     overrides = ISSUE_MODEL if args.model == "issue" else []
     overrides = overrides + [f"model.recompute={args.recompute}"]
     modes = ["none", "block", "full"] + (["block@3c49d31", "full@3c49d31"] if args.with_before else [])
-    runs = {mode: build(overrides, mode) for mode in modes}
+    runs = {mode: build(overrides, mode, args.compile) for mode in modes}
     config = runs["none"][2]
     generator = torch.Generator().manual_seed(0)
     micro = config.train.micro_batch_size
@@ -105,7 +111,8 @@ def step_table(args: argparse.Namespace) -> None:
     fastest = {mode: min(t) for mode, t in times.items()}
     print(f"\n{args.model} model (hidden {config.model.hidden_size}, {config.model.num_hidden_layers} layers, "
           f"{config.train.global_batch_size * config.data.seq_length} tokens/step, recompute={args.recompute}, "
-          f"block size {config.model.attn_res_block_size}), {args.repeats} rounds, "
+          f"block size {config.model.attn_res_block_size}{', train.compile=true' if args.compile else ''}), "
+          f"{args.repeats} rounds, "
           f"{'wall-clock' if args.wall else 'process CPU'} seconds")
     print("| attn_res | median step (s) | / none | median of round ratios | fastest step (s) | / none |\n"
           "| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -122,6 +129,8 @@ def main() -> None:
     parser.add_argument("--wall", action="store_true", help="wall-clock instead of process CPU time")
     parser.add_argument("--with-before", action="store_true", help="also the 3c49d31 mix (see above)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile", action="store_true",
+                        help="every model as train.compile=true runs it (the AttnRes mixes compiled; the warm-up compiles)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -18,6 +18,8 @@ Two forms of one definition:
   plain RMSNorm saves (the mixed state and its inverse norm) besides the sources, and backward
   recomputes the `[m, tokens]` scores (one matrix–vector product per source) instead of keeping
   them.
+- `attn_res_mix_plain`: the definition per source with the keys given where they are, for
+  `torch.compile` to fuse (`train.compile=true`).
 - `block_keys`: the two-phase form. When a block representation closes, its `r_i` and its dots
   `t_ij = (γ_j ⊙ w_j)ᵀ v_i` with the score weights of every later mix `j` are computed once and
   passed to those mixes (`inverse_norms`, `dots`): a mix then
@@ -58,6 +60,32 @@ def attn_res_mix_reference(
         score_weight = upcast(norm_weight) * upcast(query).reshape(-1)
         probabilities = (keys * score_weight).sum(-1).softmax(-1)  # [..., sources]
         mixed = (probabilities.unsqueeze(-2) @ values).squeeze(-2)
+    return mixed.to(sources[0].dtype)
+
+
+def attn_res_mix_plain(
+    sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
+    inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    dots: Optional[Sequence[Optional[torch.Tensor]]] = None,
+) -> torch.Tensor:
+    """The definition per source, differentiated by autograd, reading `inverse_norms[i]` and
+    `dots[i]` where given (`block_keys`): what `torch.compile` traces for `train.compile=true`
+    (inductor fuses it into a few loops; no `[..., m, d]` stack). Arguments as `attn_res_mix`."""
+    count = len(sources)
+    inverse_norms = [None] * count if inverse_norms is None else inverse_norms
+    dots = [None] * count if dots is None else dots
+    with without_autocast(sources[0].device):
+        values = [upcast(source) for source in sources]
+        score_weight = upcast(norm_weight) * upcast(query).reshape(-1)
+        scores = []
+        for value, inverse_norm, dot in zip(values, inverse_norms, dots):
+            if inverse_norm is None:
+                inverse_norm = torch.rsqrt(value.pow(2).mean(-1) + eps)
+            if dot is None:
+                dot = (value * score_weight).sum(-1)
+            scores.append(dot.view(value.shape[:-1]) * inverse_norm.view(value.shape[:-1]))
+        probabilities = torch.stack(scores, dim=-1).softmax(-1)  # [..., sources]
+        mixed = sum(probabilities[..., i, None] * value for i, value in enumerate(values))
     return mixed.to(sources[0].dtype)
 
 

@@ -68,6 +68,9 @@ class AttentionResidual(nn.Module):
         nn.init.zeros_(self.proj.weight)
         mark_adamw_only(self.proj.weight)
         self.recompute = recompute
+        # `train.compile=true` (k3train/training/compile.py) sets a compiled `norm(mix(sources))`
+        # of the plain formula here (it reads the block keys too).
+        self.compiled_mix_norm: Optional[Callable] = None
 
     def normalized_input(self, sources: list[torch.Tensor], norm: nn.Module,
                          inverse_norms: Optional[list[Optional[torch.Tensor]]] = None,
@@ -76,6 +79,9 @@ class AttentionResidual(nn.Module):
         `dots`: the sources' keys where computed once already (`source_keys`)."""
         if len(sources) == 1:
             return norm(sources[0])  # softmax over one source is exactly 1
+        if self.compiled_mix_norm is not None and isinstance(norm, RMSNorm):
+            return self.compiled_mix_norm(sources, self.norm.weight, self.proj.weight, self.norm.eps,
+                                          norm.weight, norm.eps, inverse_norms, dots)
         if self.recompute and torch.is_grad_enabled() and isinstance(norm, RMSNorm):
             # Mix and norm in one function that saves the sources (block tensors shared by every
             # later layer, and this layer's partial sum) plus what a plain RMSNorm saves (the

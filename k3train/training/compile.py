@@ -6,13 +6,17 @@ MoE norm) and KDA's gated output norm (`model.kda.GatedRMSNorm`), each with its 
 compiled code), and the GLU activation (SiTU-GLU or SwiGLU) of every dense MLP, shared expert and
 routed expert stack, one compiled function per distinct activation. These are chains of
 pointwise ops and one reduction that eager PyTorch runs as a dozen kernels with a materialised
-fp32 intermediate each; inductor fuses them into one loop forward and one backward.
+fp32 intermediate each; inductor fuses them into one loop forward and one backward. And the
+AttnRes mix with the sublayer's input RMSNorm (`norm(mix(sources))`, the plain formula of
+`kernels.attn_res.attn_res_mix_plain`, reading the keys `block_keys` computed once per block),
+one compiled function per number of sources and pattern of given keys, shared by every mix of the
+model: about a hundred small ops per mix become a few loops (`docs/performance.md`).
 
 Not compiled: the matmuls and the chunkwise KDA kernel (already library kernels), the routing
-(data-dependent shapes, host reads), the AttnRes mix (a list of a varying number of sources) and
-anything that communicates (collectives never sit inside a compiled region: the TP/SP regions,
-the expert dispatch and the gradient hooks stay eager). The elementwise maths is unchanged
-(inductor may reorder fp32 reductions: losses match eager to ~1e-7 in fp32).
+(data-dependent shapes, host reads) and anything that communicates (collectives never sit inside
+a compiled region: the TP/SP regions, the expert dispatch and the gradient hooks stay eager). The
+elementwise maths is unchanged (inductor may reorder fp32 reductions: losses match eager to
+~1e-7 in fp32).
 """
 
 from __future__ import annotations
@@ -22,18 +26,26 @@ from typing import Callable
 import torch
 from torch import nn
 
+from k3train.kernels.attn_res import attn_res_mix_plain
+from k3train.kernels.norms import rms_norm
+
 
 def compile_elementwise(model: nn.Module) -> dict[str, int]:
     """Compile `model`'s norms and GLU activations in place; returns how many of each."""
+    from k3train.model.attn_res import AttentionResidual
     from k3train.model.kda import GatedRMSNorm
     from k3train.model.mlp import GLUMLP
     from k3train.model.moe import LocalExperts
     from k3train.model.norm import RMSNorm
 
     compiled_activations: dict[object, Callable] = {}
-    counts = {"norms": 0, "activations": 0}
+    counts = {"norms": 0, "activations": 0, "attn_res_mixes": 0}
+    mix_norm = CompiledMixNorm()
     for module in model.modules():
-        if isinstance(module, (RMSNorm, GatedRMSNorm)):
+        if isinstance(module, AttentionResidual):
+            module.compiled_mix_norm = mix_norm
+            counts["attn_res_mixes"] += 1
+        elif isinstance(module, (RMSNorm, GatedRMSNorm)):
             module.compile()
             counts["norms"] += 1
         elif isinstance(module, (GLUMLP, LocalExperts)):
@@ -44,6 +56,33 @@ def compile_elementwise(model: nn.Module) -> dict[str, int]:
             module.activation = compiled_activations[key]
             counts["activations"] += 1
     return counts
+
+
+class CompiledMixNorm:
+    """`rms_norm(attn_res_mix_plain(sources, ..., inverse_norms, dots), out_weight, out_eps)`,
+    compiled once per number of sources and pattern of given keys (each its own `torch.compile`,
+    so a model with many distinct counts, as `attn_res: full` has, never meets dynamo's recompile
+    limit)."""
+
+    def __init__(self):
+        self.compiled: dict[tuple, Callable] = {}
+
+    def __call__(self, sources: list[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
+                 out_weight: torch.Tensor, out_eps: float, inverse_norms: list | None = None,
+                 dots: list | None = None) -> torch.Tensor:
+        count = len(sources)
+        inverse_norms = [None] * count if inverse_norms is None else list(inverse_norms)
+        dots = [None] * count if dots is None else list(dots)
+        key = (count, tuple(n is not None for n in inverse_norms), tuple(t is not None for t in dots))
+        function = self.compiled.get(key)
+        if function is None:
+            function = self.compiled[key] = torch.compile(_mix_norm)
+        return function(sources, norm_weight, query, eps, out_weight, out_eps, inverse_norms, dots)
+
+
+def _mix_norm(sources: list[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
+              out_weight: torch.Tensor, out_eps: float, inverse_norms: list, dots: list) -> torch.Tensor:
+    return rms_norm(attn_res_mix_plain(sources, norm_weight, query, eps, inverse_norms, dots), out_weight, out_eps)
 
 
 def _activation_key(activation: Callable) -> object:

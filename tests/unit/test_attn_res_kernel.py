@@ -5,8 +5,9 @@ against the stacked definition, float64: values and every gradient."""
 import pytest
 import torch
 
-from k3train.kernels.attn_res import (attn_res_mix, attn_res_mix_reference, attn_res_mix_rmsnorm, block_keys,
-                                      key_inverse_rms)
+from k3train.kernels.attn_res import (attn_res_mix, attn_res_mix_plain, attn_res_mix_reference, attn_res_mix_rmsnorm,
+                                      block_keys, key_inverse_rms)
+from k3train.kernels.norms import rms_norm
 from k3train.model.norm import RMSNorm
 
 
@@ -21,11 +22,13 @@ def case(count: int, seed: int = 5, shape=(2, 5, 12)):
     return leaves, gains, queries
 
 
-def two_mixes(leaves, gains, queries, fused: bool, cached: str):
+def two_mixes(leaves, gains, queries, fused: bool, cached: str, plain: bool = False):
     """Two mixes sharing the blocks `leaves[:-1]` (as two sublayers of one block do), the second
     also reading the first's output as its partial; the sum of both, so every gradient meets
     contributions from both mixes. `cached`: "none", "norms" (`key_inverse_rms` per block) or
-    "keys" (`block_keys` per block: norms and both mixes' dots)."""
+    "keys" (`block_keys` per block: norms and both mixes' dots). `plain`: `attn_res_mix_plain`
+    (what `train.compile=true` compiles; with the fused norm, `rms_norm` of it) instead of the
+    written-out mixes."""
     blocks, partial = leaves[:-1], leaves[-1]
     norms, dots = None, [None, None]
     if cached == "norms":
@@ -37,6 +40,9 @@ def two_mixes(leaves, gains, queries, fused: bool, cached: str):
     out_gain = gains[2]
 
     def mix(sources, gain, query, inverse_norms, given_dots):
+        if plain:
+            mixed = attn_res_mix_plain(sources, gain, query, 1e-6, inverse_norms=inverse_norms, dots=given_dots)
+            return rms_norm(mixed, out_gain, 1e-5) if fused else mixed
         if fused:
             return attn_res_mix_rmsnorm(sources, gain, query, 1e-6, out_gain, 1e-5, inverse_norms=inverse_norms,
                                         dots=given_dots)
@@ -62,13 +68,14 @@ def two_mixes_reference(leaves, gains, queries, fused: bool):
     return first + second, norm.weight
 
 
+@pytest.mark.parametrize("plain", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("cached", ["none", "norms", "keys"])
 @pytest.mark.parametrize("count", [2, 4])
-def test_mix_with_per_block_key_norms_matches_the_reference(fused, cached, count):
+def test_mix_with_per_block_key_norms_matches_the_reference(fused, cached, count, plain):
     leaves, gains, queries = case(count)
     cotangent = torch.randn(leaves[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
-    fast = two_mixes(leaves, gains, queries, fused, cached)
+    fast = two_mixes(leaves, gains, queries, fused, cached, plain)
     reference, reference_gain = two_mixes_reference(leaves, gains, queries, fused)
     assert (fast - reference).abs().max() < 1e-12
     inputs = [*leaves, gains[0], gains[1], *queries]

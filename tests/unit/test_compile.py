@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from k3train.model.attn_res import AttentionResidual
 from k3train.model.config import LinearAttnConfig, ModelConfig
 from k3train.model.k3 import K3Model, lm_loss
 from k3train.training.compile import compile_elementwise
@@ -31,7 +32,7 @@ def _losses(compiled: bool) -> tuple[list[float], list[str]]:
     model = K3Model(TINY, seed=0)
     if compiled:
         counts = compile_elementwise(model)
-        assert counts["norms"] > 0 and counts["activations"] > 0, counts
+        assert counts["norms"] > 0 and counts["activations"] > 0 and counts["attn_res_mixes"] > 0, counts
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(0)
     losses = []
@@ -42,6 +43,9 @@ def _losses(compiled: bool) -> tuple[list[float], list[str]]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    if compiled:  # the AttnRes mixes ran compiled (one function per number of sources)
+        mixes = [m for m in model.modules() if isinstance(m, AttentionResidual)]
+        assert mixes and len(mixes[0].compiled_mix_norm.compiled) > 1
     return losses, list(model.state_dict())
 
 
