@@ -5,7 +5,8 @@ step), in one process and with steps alternated (a busy machine slows every cont
 
 - k3train's real step (`k3train.training.build.build_rank` + `Trainer.train_step`: pipeline
   schedule with gradient accumulation, clipping, optimizer, balancer update) with Per-Head Muon,
-  with AdamW, and, with `--compile`, with `train.compile=true`;
+  with AdamW, and, with `--compile`, with `train.compile=true` (every region, and the AttnRes
+  mixes alone: `train.compile_regions=[attn_res]`);
 - a dense peer written here (pre-norm, causal SDPA, SwiGLU, untied head, AdamW through the same
   kernel as k3train's (`optimizer.adamw_fused`), the same micro-batching and clipping) whose
   width and MLP size are solved so that its training FLOPs per token (`dense_flops_per_token`,
@@ -414,11 +415,13 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
     adamw = k3_trainer(load_config(str(DEBUG_RECIPE), [
         *overrides, f"train.steps={steps + 2}", "logging.jsonl=false", "optimizer.name=adamw"]), device)
     contenders[ADAMW] = lambda: adamw.train_step()["loss"]
-    if with_compile:
-        compiled = k3_trainer(load_config(str(DEBUG_RECIPE), [
-            *overrides, f"train.steps={steps + 2}", "logging.jsonl=false", "optimizer.name=adamw",
-            "train.compile=true"]), device)
-        contenders["k3train, AdamW, train.compile=true"] = lambda: compiled.train_step()["loss"]
+    if with_compile:  # every region, and the AttnRes mixes alone (what pays on a CPU)
+        for label, regions in (("train.compile=true", "norms,activations,attn_res"),
+                               ("compile_regions=[attn_res]", "attn_res")):
+            compiled = k3_trainer(load_config(str(DEBUG_RECIPE), [
+                *overrides, f"train.steps={steps + 2}", "logging.jsonl=false", "optimizer.name=adamw",
+                "train.compile=true", f"train.compile_regions=[{regions}]"]), device)
+            contenders[f"k3train, AdamW, {label}"] = lambda trainer=compiled: trainer.train_step()["loss"]
     contenders[DENSE] = dense_job(base, width, mlp, device).step
 
     times: dict[str, list[float]] = {label: [] for label in contenders}
@@ -478,7 +481,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["debug", "issue18"])
     parser.add_argument("--steps", type=int, default=3, help="measured steps per contender (after one warm-up)")
-    parser.add_argument("--compile", action="store_true", help="also time train.compile=true (AdamW)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time train.compile=true (AdamW): every region, and compile_regions=[attn_res]")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",

@@ -189,7 +189,7 @@ def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device,
     model = build_model(config.model, plan, parallel, expert_parallel, seed=config.train.seed, device=device,
                         dtype=dtype, fp8_recipe=config.train.fp8_recipe, fp8_excluded=config.train.fp8_excluded_layers)
     if config.train.compile and device.type != "meta":
-        compile_elementwise(model)  # in place: the parameters, their names and hooks are unchanged
+        compile_elementwise(model, config.train.compile_regions)  # in place: parameters, names and hooks unchanged
     optimizer = _build_optimizer(model, config, parallel, bucket_bytes)
     # Under ZeRO-1 the gradients are reduce-scattered to their owners (the optimizer's plan).
     reducer = GradientReducer(model, parallel, bucket_bytes=bucket_bytes, overlap=overlap,

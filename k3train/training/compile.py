@@ -1,4 +1,5 @@
-"""`train.compile=true`: `torch.compile` of the per-layer elementwise chains, nothing else.
+"""`train.compile=true`: `torch.compile` of the per-layer elementwise chains, nothing else; which
+of them is `train.compile_regions` (`norms`, `activations`, `attn_res`, below in that order).
 
 Compiled: every RMSNorm (`model.norm.RMSNorm`: the pre-norms, the AttnRes key norms, the latent
 MoE norm) and KDA's gated output norm (`model.kda.GatedRMSNorm`), each with its own
@@ -21,7 +22,7 @@ elementwise maths is unchanged (inductor may reorder fp32 reductions: losses mat
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -30,8 +31,15 @@ from k3train.kernels.attn_res import attn_res_mix_plain
 from k3train.kernels.norms import rms_norm
 
 
-def compile_elementwise(model: nn.Module) -> dict[str, int]:
-    """Compile `model`'s norms and GLU activations in place; returns how many of each."""
+REGIONS = ("norms", "activations", "attn_res")
+
+
+def compile_elementwise(model: nn.Module, regions: Sequence[str] = REGIONS) -> dict[str, int]:
+    """Compile `model`'s norms, GLU activations and AttnRes mixes (those of `regions`, names as
+    `train.compile_regions`) in place; returns how many of each."""
+    unknown = set(regions) - set(REGIONS)
+    if unknown:
+        raise ValueError(f"unknown compile regions {sorted(unknown)}: choose from {list(REGIONS)}")
     from k3train.model.attn_res import AttentionResidual
     from k3train.model.kda import GatedRMSNorm
     from k3train.model.mlp import GLUMLP
@@ -43,12 +51,14 @@ def compile_elementwise(model: nn.Module) -> dict[str, int]:
     mix_norm = CompiledMixNorm()
     for module in model.modules():
         if isinstance(module, AttentionResidual):
-            module.compiled_mix_norm = mix_norm
-            counts["attn_res_mixes"] += 1
+            if "attn_res" in regions:
+                module.compiled_mix_norm = mix_norm
+                counts["attn_res_mixes"] += 1
         elif isinstance(module, (RMSNorm, GatedRMSNorm)):
-            module.compile()
-            counts["norms"] += 1
-        elif isinstance(module, (GLUMLP, LocalExperts)):
+            if "norms" in regions:
+                module.compile()
+                counts["norms"] += 1
+        elif isinstance(module, (GLUMLP, LocalExperts)) and "activations" in regions:
             activation = module.activation
             key = _activation_key(activation)
             if key not in compiled_activations:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from k3train.recipe import ConfigError, check
@@ -53,10 +53,18 @@ class TrainConfig:
     """Intra-op CPU threads per process; 0 means OMP_NUM_THREADS when set, else the cores this
     process may use that the machine's load leaves free, divided among the ranks on its machine."""
     compile: bool = False
-    """torch.compile the per-layer elementwise chains (RMSNorms, KDA's gated norm, the GLU
-    activations; never matmuls, routing or collectives): on the CPU 1.03-1.08x per step of the
-    512-wide K3-shaped model but 0.84x on the debug model, after a one-off compile of minutes,
-    so off by default (docs/performance.md)."""
+    """torch.compile the per-layer elementwise chains named by `train.compile_regions` (never
+    matmuls, routing or collectives). Off by default: the first compile takes tens of seconds to
+    minutes on a CPU, longer than a short debug run, and on the CPU only the `attn_res` region
+    pays (docs/performance.md)."""
+    compile_regions: list[Literal["norms", "activations", "attn_res"]] = field(
+        default_factory=lambda: ["norms", "activations", "attn_res"])
+    """What `train.compile=true` compiles: `norms` (every RMSNorm and KDA's gated output norm),
+    `activations` (the GLU of every dense MLP, shared expert and routed-expert stack), `attn_res`
+    (every AttnRes mix with its sublayer's input norm). On the CPU, `[attn_res]` alone is the
+    fastest: 1.03x per step of the 512-wide K3-shaped model and 1.06x of the debug model against
+    eager, while `norms` and `activations` trace plain formulas that run slower than the eager
+    written-out backwards (all three: 0.98x)."""
     stop_grace_s: float = 60.0
     """After SIGTERM/SIGINT, seconds the step in progress may take before the process exits without
     saving (status 4): a rank blocked on a collective whose peer stopped answering cannot finish
@@ -81,6 +89,9 @@ class TrainConfig:
              f"train.num_threads must be 0 (automatic) or positive, got {self.num_threads}"),
             (math.isfinite(self.stop_grace_s) and self.stop_grace_s > 0,
              f"train.stop_grace_s must be a positive number of seconds, got {self.stop_grace_s}"),
+            (not self.compile or bool(self.compile_regions),
+             "train.compile_regions is empty while train.compile=true: name a region "
+             "(norms, activations, attn_res) or set train.compile=false"),
         ])
 
     def micro_batches_per_rank(self, dp: int) -> int:

@@ -15,7 +15,7 @@ import torch
 from k3train.model.attn_res import AttentionResidual
 from k3train.model.config import LinearAttnConfig, ModelConfig
 from k3train.model.k3 import K3Model, lm_loss
-from k3train.training.compile import compile_elementwise
+from k3train.training.compile import REGIONS, compile_elementwise
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="inductor on the CPU needs a C++ compiler")
@@ -28,11 +28,12 @@ TINY = ModelConfig(
 )
 
 
-def _losses(compiled: bool) -> tuple[list[float], list[str]]:
+def _losses(compiled: bool, regions=REGIONS) -> tuple[list[float], list[str]]:
     model = K3Model(TINY, seed=0)
     if compiled:
-        counts = compile_elementwise(model)
-        assert counts["norms"] > 0 and counts["activations"] > 0 and counts["attn_res_mixes"] > 0, counts
+        counts = compile_elementwise(model, regions)
+        expected = {"norms": "norms", "activations": "activations", "attn_res_mixes": "attn_res"}
+        assert all((counts[name] > 0) == (region in regions) for name, region in expected.items()), counts
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(0)
     losses = []
@@ -43,7 +44,7 @@ def _losses(compiled: bool) -> tuple[list[float], list[str]]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    if compiled:  # the AttnRes mixes ran compiled (one function per number of sources)
+    if compiled and "attn_res" in regions:  # the AttnRes mixes ran compiled (one function per source count)
         mixes = [m for m in model.modules() if isinstance(m, AttentionResidual)]
         assert mixes and len(mixes[0].compiled_mix_norm.compiled) > 1
     return losses, list(model.state_dict())
@@ -55,3 +56,21 @@ def test_compiled_model_matches_eager():
     assert compiled_names == eager_names
     assert max(abs(a - b) for a, b in zip(eager, compiled)) <= 1e-6, (eager, compiled)
     assert eager[0] != eager[1]  # the second step saw the first update (backward ran through the compiled parts)
+
+
+def test_only_the_attn_res_region_matches_eager():
+    # `train.compile_regions=[attn_res]` (what pays on a CPU): the mixes compiled, the norms and
+    # activations eager, the same losses.
+    eager, _ = _losses(compiled=False)
+    compiled, _ = _losses(compiled=True, regions=["attn_res"])
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) <= 1e-6, (eager, compiled)
+
+
+def test_unknown_or_empty_regions_are_refused():
+    with pytest.raises(ValueError, match="unknown compile regions"):
+        compile_elementwise(K3Model(TINY, seed=0), ["attn_res", "everything"])
+    from k3train.recipe import ConfigError
+    from k3train.training.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="train.compile_regions is empty"):
+        TrainConfig(compile=True, compile_regions=[]).validate()
