@@ -445,8 +445,9 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
     peak_tflops = statistics.median(matmul_rates)
     operations = {}
     for label, step in contenders.items():
-        counter = count_operations(step)
-        operations[label] = (counter.compute, counter.views)
+        if "compile" not in label:  # (a dispatch mode sees a compiled region's eager fallback, not its kernels)
+            counter = count_operations(step)
+            operations[label] = (counter.compute, counter.views)
     dense = times[DENSE]
     rows = []
     for label, samples in times.items():
@@ -457,7 +458,7 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
                      f"{100 * flops / step_s / 1e12 / peak_tflops:.0f}%"])
     # The best step is the one a busy machine slowed least: on a shared machine, compare both.
     for row, label in zip(rows, times):
-        row.append(f"{operations[label][0]:,} / {operations[label][1]:,}")
+        row.append(f"{operations[label][0]:,} / {operations[label][1]:,}" if label in operations else "-")
     table(["", "step (median)", "step (best)", "tokens/s", "tokens/s vs dense (median / best)",
            "model FLOP/s over matmul rate", "aten ops per step (compute / view)"], rows,
           f"{name}: {steps} alternated steps each on {device.type}, {precision}; matmul rate {1e3 * peak_tflops:,.1f} GFLOP/s (median of "
