@@ -399,7 +399,9 @@ MUON = "k3train, Per-Head Muon"
 def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, with_compile: bool, profile: bool,
             device: torch.device = torch.device("cpu"), precision: str = "fp32") -> Comparison:
     overrides = [*overrides, f"train.precision={precision}"]
-    base = load_config(str(DEBUG_RECIPE), [*overrides, f"train.steps={steps + 2}", "logging.jsonl=false"])
+    # train.steps covers every step a contender takes: the warm-up, `steps`, the counted one and
+    # the profiled one (the learning-rate schedule stays inside its range).
+    base = load_config(str(DEBUG_RECIPE), [*overrides, f"train.steps={steps + 4}", "logging.jsonl=false"])
     seq, vocab = base.data.seq_length, base.model.vocab_size
     k3_flops = training_flops_per_token(base.model, seq).total
     width, mlp = size_dense_peer(k3_flops, base.model.num_hidden_layers, vocab, seq)
@@ -413,13 +415,13 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
     muon = k3_trainer(base, device)
     contenders[MUON] = lambda: muon.train_step()["loss"]
     adamw = k3_trainer(load_config(str(DEBUG_RECIPE), [
-        *overrides, f"train.steps={steps + 2}", "logging.jsonl=false", "optimizer.name=adamw"]), device)
+        *overrides, f"train.steps={steps + 4}", "logging.jsonl=false", "optimizer.name=adamw"]), device)
     contenders[ADAMW] = lambda: adamw.train_step()["loss"]
     if with_compile:  # every region, and the AttnRes mixes alone (what pays on a CPU)
         for label, regions in (("train.compile=true", "norms,activations,attn_res"),
                                ("compile_regions=[attn_res]", "attn_res")):
             compiled = k3_trainer(load_config(str(DEBUG_RECIPE), [
-                *overrides, f"train.steps={steps + 2}", "logging.jsonl=false", "optimizer.name=adamw",
+                *overrides, f"train.steps={steps + 4}", "logging.jsonl=false", "optimizer.name=adamw",
                 "train.compile=true", f"train.compile_regions=[{regions}]"]), device)
             contenders[f"k3train, AdamW, {label}"] = lambda trainer=compiled: trainer.train_step()["loss"]
     contenders[DENSE] = dense_job(base, width, mlp, device).step
