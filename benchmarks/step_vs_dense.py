@@ -46,7 +46,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -394,10 +394,18 @@ class Comparison:
 DENSE = "dense peer (SDPA + SwiGLU, AdamW)"
 ADAMW = "k3train, AdamW"
 MUON = "k3train, Per-Head Muon"
+COMPILED_ALL = "k3train, AdamW, train.compile=true"
+COMPILED = {  # `--compile`'s contenders (AdamW): label -> train.compile_regions
+    COMPILED_ALL: "norms,activations,attn_res",
+    "k3train, AdamW, compile_regions=[attn_res]": "attn_res",
+}
 
 
 def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, with_compile: bool, profile: bool,
-            device: torch.device = torch.device("cpu"), precision: str = "fp32") -> Comparison:
+            device: torch.device = torch.device("cpu"), precision: str = "fp32",
+            compiled: Sequence[str] = tuple(COMPILED)) -> Comparison:
+    """One comparison (tables printed); `with_compile` adds the `compiled` contenders (labels of
+    `COMPILED`)."""
     overrides = [*overrides, f"train.precision={precision}"]
     # train.steps covers every step a contender takes: the warm-up, `steps`, the counted one and
     # the profiled one (the learning-rate schedule stays inside its range).
@@ -418,12 +426,12 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
         *overrides, f"train.steps={steps + 4}", "logging.jsonl=false", "optimizer.name=adamw"]), device)
     contenders[ADAMW] = lambda: adamw.train_step()["loss"]
     if with_compile:  # every region, and the AttnRes mixes alone (what pays on a CPU)
-        for label, regions in (("train.compile=true", "norms,activations,attn_res"),
-                               ("compile_regions=[attn_res]", "attn_res")):
+        for label in compiled:
+            regions = COMPILED[label]
             compiled = k3_trainer(load_config(str(DEBUG_RECIPE), [
                 *overrides, f"train.steps={steps + 4}", "logging.jsonl=false", "optimizer.name=adamw",
                 "train.compile=true", f"train.compile_regions=[{regions}]"]), device)
-            contenders[f"k3train, AdamW, {label}"] = lambda trainer=compiled: trainer.train_step()["loss"]
+            contenders[label] = lambda trainer=compiled: trainer.train_step()["loss"]
     contenders[DENSE] = dense_job(base, width, mlp, device).step
 
     times: dict[str, list[float]] = {label: [] for label in contenders}

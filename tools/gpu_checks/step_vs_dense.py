@@ -14,32 +14,39 @@ def check_step_vs_dense(ctx: Context) -> Iterator[Row]:
     (the benchmark prints its tables above the rows). On CUDA the 512-wide K3-shaped model in bf16
     at 2,048 tokens per step and, at full size, 16,384, each with the parts of one profiled step
     in kernel time (what the GPU waits for the host shows as "other": how launch-bound the step
-    is); on the CPU the debug model in fp32, one step each (the logic only). PASS when every
-    contender's loss is finite: the ratio is reported (`ref ms` the dense step, `fast ms` the
-    AdamW step, `speed-up` their ratio, the issue's 0.9× target for AdamW), not gated."""
-    from benchmarks.step_vs_dense import ADAMW, DENSE, MODELS, MUON, compare, measure_matmul_tflops
+    is); on the CPU the debug model in fp32, one step each (the logic only). On CUDA without
+    `--quick`, the 2,048-token case also times `train.compile=true` (every region: inductor's
+    fused Triton kernels for the norms, activations and AttnRes mixes, the fused kernels the CPU
+    lacks). PASS when every contender's loss is finite: the ratio is reported (`ref ms` the
+    dense step, `fast ms` the AdamW step, `speed-up` their ratio, the issue's 0.9× target for
+    AdamW), not gated."""
+    from benchmarks.step_vs_dense import ADAMW, COMPILED, COMPILED_ALL, DENSE, MODELS, MUON, compare, measure_matmul_tflops
 
     if ctx.cuda:
         precision, steps = "bf16", ctx.pick(8, 2)
-        cases = [("issue18 2k tokens", MODELS["issue18"])]
+        cases = [("issue18 2k tokens", MODELS["issue18"], not ctx.small)]
         if not ctx.small:
             cases.append(("issue18 16k tokens", MODELS["issue18"] + [
-                "train.global_batch_size=32", "train.micro_batch_size=8"]))
+                "train.global_batch_size=32", "train.micro_batch_size=8"], False))
     else:
         precision, steps = "fp32", 1
-        cases = [("debug", MODELS["debug"])]
-    for label, overrides in cases:
+        cases = [("debug", MODELS["debug"], False)]
+    for label, overrides, with_compile in cases:
         name = f"step_vs_dense {label} {precision}"
 
-        def row(label: str = label, overrides: list[str] = overrides, name: str = name) -> Row:
+        def row(label: str = label, overrides: list[str] = overrides, name: str = name,
+                with_compile: bool = with_compile) -> Row:
             peak = measure_matmul_tflops(ctx.device, precision)
-            result = compare(label, overrides, steps, peak, with_compile=False, profile=ctx.cuda,
-                             device=ctx.device, precision=precision)
+            result = compare(label, overrides, steps, peak, with_compile=with_compile, profile=ctx.cuda,
+                             device=ctx.device, precision=precision, compiled=[COMPILED_ALL])
             finite = all(math.isfinite(loss) for loss in result.final_losses.values())
             seconds = result.step_seconds
+            compiled = "".join(f"; {contender.removeprefix('k3train, AdamW, ')}: "
+                               f"{seconds[DENSE] / seconds[contender]:.2f}x"
+                               for contender in COMPILED if contender in seconds)
             return Row(name, "PASS" if finite else "FAIL", ref_ms=1e3 * seconds[DENSE], fast_ms=1e3 * seconds[ADAMW],
                        note=f"{result.tokens} tokens/step; tokens/s vs the dense peer: AdamW "
-                            f"{result.adamw_vs_dense:.2f}x (target 0.9x), Per-Head Muon "
+                            f"{result.adamw_vs_dense:.2f}x (target 0.9x){compiled}, Per-Head Muon "
                             f"{seconds[DENSE] / seconds[MUON]:.2f}x; aten compute ops per step: AdamW "
                             f"{result.operations[ADAMW][0]:,}, dense {result.operations[DENSE][0]:,}; "
                             f"losses finite: {finite}")
