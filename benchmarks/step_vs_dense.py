@@ -239,7 +239,8 @@ def _label_modules(model: nn.Module) -> list:
 @contextlib.contextmanager
 def _labelled_functions(trainer: Trainer):
     """The KDA kernel, the grouped GEMMs and the optimizer step inside their own ranges."""
-    import k3train.model.kda as kda_module
+    import k3train.kernels.kda.fla_backend as fla_module
+    import k3train.kernels.kda.raw_inputs as kda_module
     import k3train.model.moe as moe_module
 
     def wrap(function, label):
@@ -250,8 +251,11 @@ def _labelled_functions(trainer: Trainer):
 
     from k3train.model.attn_res import AttentionResidual
 
-    saved = (kda_module.chunk_kda, moe_module.grouped_mm, trainer.optimizer.step, AttentionResidual.normalized_input)
+    saved = (kda_module.chunk_kda, moe_module.grouped_mm, trainer.optimizer.step, AttentionResidual.normalized_input,
+             fla_module.run_fla_chunk_kda_from_raw)
     kda_module.chunk_kda = wrap(saved[0], "KDA kernel")
+    # fla's kernel on raw inputs (CUDA): the normalisations and gates it fuses count as the kernel
+    fla_module.run_fla_chunk_kda_from_raw = wrap(saved[4], "KDA kernel")
     moe_module.grouped_mm = wrap(saved[1], "routed experts")
     trainer.optimizer.step = wrap(saved[2], "optimizer")
     # AttnRes runs through this method, not `forward` (the mix and the sublayer's input norm).
@@ -260,6 +264,7 @@ def _labelled_functions(trainer: Trainer):
         yield
     finally:
         kda_module.chunk_kda, moe_module.grouped_mm, AttentionResidual.normalized_input = saved[0], saved[1], saved[3]
+        fla_module.run_fla_chunk_kda_from_raw = saved[4]
         del trainer.optimizer.step  # the instance attribute; the method shows through again
 
 

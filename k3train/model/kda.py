@@ -15,9 +15,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from k3train.kernels.kda import chunk_kda, kda_gate, kda_gate_unbounded
-from k3train.kernels.norms import gated_rms_norm, l2_normalize
-from k3train.kernels.precision import upcast
+from k3train.kernels.kda.raw_inputs import chunk_kda_from_raw, prepare_kda_inputs
+from k3train.kernels.norms import gated_rms_norm
 from k3train.kernels.short_conv import short_conv_silu
 from k3train.model.config import ModelConfig
 from k3train.contracts.param_roles import mark_adamw_only, mark_head_blocks
@@ -168,22 +167,18 @@ class KimiDeltaAttention(nn.Module):
         q, q_tail = self.q_conv1d(q_in, tails[0])
         k, k_tail = self.k_conv1d(k_in, tails[1])
         v, v_tail = self.v_conv1d(v_in, tails[2])
-        q = l2_normalize(q.view(batch, seq, heads, head_dim))
-        k = l2_normalize(k.view(batch, seq, heads, head_dim))
-        v = v.view(batch, seq, heads, head_dim)
-
+        q, k, v = (t.view(batch, seq, heads, head_dim) for t in (q, k, v))
         gate_input = self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, head_dim)
-        if self.gate_lower_bound is not None:
-            g = kda_gate(gate_input, self.A_log, self.dt_bias, lower_bound=self.gate_lower_bound)
-        else:
-            g = kda_gate_unbounded(gate_input, self.A_log, self.dt_bias)
-        beta = torch.sigmoid(upcast(self.b_proj(x)))
-
+        beta_logits = self.b_proj(x)
+        # q and k are L2-normalised, the gate applied and β = sigmoid(logits) next to the kernel
+        # (`chunk_kda_from_raw`): on CUDA with fla-core, inside its kernel.
+        gate = (self.A_log, self.dt_bias, self.gate_lower_bound)
         if cp is not None:  # the recurrent state crosses the pieces (parallel/context.py)
+            q, k, g, beta = prepare_kda_inputs(q, k, gate_input, beta_logits, *gate)
             output, final_state = cp.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size), None
         else:
-            output, final_state = chunk_kda(
-                q, k, v, g, beta,
+            output, final_state = chunk_kda_from_raw(
+                q, k, v, gate_input, beta_logits, *gate,
                 initial_state=cache.recurrent_state if cache is not None else None,
                 output_final_state=return_cache,
                 chunk_size=self.chunk_size,

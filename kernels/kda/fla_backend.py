@@ -5,6 +5,12 @@ v `[B, T, H, V]`, beta `[B, T, H]`, state `[B, H, K, V]` (its default `state_v_f
 wants the initial state in fp32. Importing `fla.ops` pulls in triton, which CPU machines may lack
 and which cannot launch there anyway, so the import is only ever attempted for CUDA tensors and
 any failure to import falls back to the PyTorch path.
+
+`run_fla_chunk_kda_from_raw` hands fla the raw inputs instead (`raw_inputs.chunk_kda_from_raw`):
+its kernel then L2-normalises q and k, applies the decay gate and takes the sigmoid of β itself,
+forward and backward, instead of five separate elementwise functions around it (fewer launches
+and passes over `[B, T, H, K]` tensors). The bounded gate runs as fla's `safe_gate`, which takes
+lower bounds in [−5, 0) (`FLA_SAFE_GATE_RANGE`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ BACKENDS = ("auto", "torch", "fla")
 # fla's Triton kernels handle half and single precision and head dims up to 256.
 _FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLA_MAX_HEAD_DIM = 256
+# fla's bounded gate (`safe_gate=True`) takes lower bounds in [-5, 0): its tiles are sized for it.
+FLA_SAFE_GATE_RANGE = (-5.0, 0.0)
 
 
 @functools.cache
@@ -83,4 +91,53 @@ def run_fla_chunk_kda(
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
+    )
+
+
+def fla_takes_lower_bound(lower_bound: float | None) -> bool:
+    """Whether fla's in-kernel gate computes this gate: unbounded (None), or bounded within
+    `FLA_SAFE_GATE_RANGE`."""
+    low, high = FLA_SAFE_GATE_RANGE
+    return lower_bound is None or low <= lower_bound < high
+
+
+def run_fla_chunk_kda_from_raw(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate_input: torch.Tensor,
+    beta_logits: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's `chunk_kda` on raw inputs (arguments as `raw_inputs.chunk_kda_from_raw`): q and k
+    before their L2 normalisation, the gate's input before the gate, β's logits."""
+    fla_chunk_kda = load_fla_chunk_kda()
+    if fla_chunk_kda is None:
+        raise RuntimeError("fla.ops.kda does not import")
+    if not fla_takes_lower_bound(lower_bound):
+        raise ValueError(f"fla's bounded gate takes lower bounds in [{FLA_SAFE_GATE_RANGE[0]}, "
+                         f"{FLA_SAFE_GATE_RANGE[1]}), got {lower_bound}")
+    if initial_state is not None:
+        initial_state = initial_state.float()
+    return fla_chunk_kda(
+        q,
+        k,
+        v,
+        gate_input,
+        beta_logits,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        safe_gate=False,
+        lower_bound=lower_bound,
+        A_log=A_log,
+        dt_bias=dt_bias,
     )

@@ -200,6 +200,7 @@ def test_gates_fp32_out_of_low_precision_input():
 def test_mixer_equals_mixer_on_references(monkeypatch):
     """KimiDeltaAttention (both gates, with and without a cache) gives the same output and
     parameter gradients as the same module computed with the reference kernels."""
+    from k3train.kernels.kda import raw_inputs
     from k3train.model import kda as kda_module
     from k3train.model.config import ModelConfig
 
@@ -227,10 +228,11 @@ def test_mixer_equals_mixer_on_references(monkeypatch):
             fast = run(module, x, cache_split)
             with monkeypatch.context() as patch:
                 patch.setattr(kda_module, "short_conv_silu", short_conv_silu_reference)
-                patch.setattr(kda_module, "l2_normalize", l2_normalize_reference)
                 patch.setattr(kda_module, "gated_rms_norm", gated_rms_norm_reference)
-                patch.setattr(kda_module, "kda_gate", kda_gate_reference)
-                patch.setattr(kda_module, "kda_gate_unbounded", kda_gate_unbounded_reference)
+                # q/k normalisation and the gates run next to the kernel (`chunk_kda_from_raw`)
+                patch.setattr(raw_inputs, "l2_normalize", l2_normalize_reference)
+                patch.setattr(raw_inputs, "kda_gate", kda_gate_reference)
+                patch.setattr(raw_inputs, "kda_gate_unbounded", kda_gate_unbounded_reference)
                 reference = run(module, x, cache_split)
             assert (fast[0] - reference[0]).abs().max() < 1e-10
             for name, grad in reference[1].items():
