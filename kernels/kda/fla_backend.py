@@ -136,7 +136,7 @@ def run_fla_chunk_kda_from_raw(
         use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True,
         use_beta_sigmoid_in_kernel=True,
-        safe_gate=False,
+        safe_gate=lower_bound is not None,  # the bounded gate's fast path (M=16 tiles on tensor cores)
         lower_bound=lower_bound,
         A_log=A_log,
         dt_bias=dt_bias,
