@@ -101,6 +101,7 @@ CHECKS: list[Check] = [
     Check("kda_chunk", kda.check_kda_chunk),
     Check("kda_fla", kda.check_kda_fla),
     Check("kda_speed", kda.check_kda_speed),
+    Check("kda_fla_raw", kda.check_kda_fla_raw),
     Check("grouped_mm", grouped_gemm.check_grouped_mm),
     Check("grouped_mm_speed", grouped_gemm.check_grouped_mm_speed),
     Check("attn_res", fused_paths.check_attn_res),

@@ -3,4 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_env.sh
+# triton and fla-core for the test that runs fla's KDA kernels under Triton's CPU interpreter
+# (tests/unit/test_kda_fla_interpreter.py), in a directory of their own that only that test's
+# worker puts on its path: in this Python, k3train and transformers never see them (transformers'
+# Kimi Linear takes fla's kernels whenever fla imports, even for CPU tensors where they cannot run).
+INTERPRETER_PACKAGES=".cache/triton-interpreter"
+if ! PYTHONPATH="$INTERPRETER_PACKAGES" python -c "import triton, fla" 2>/dev/null; then
+    python -m pip install --quiet --target "$INTERPRETER_PACKAGES" triton fla-core
+fi
 exec python -m pytest tests "$@"

@@ -620,3 +620,85 @@ def test_chunk_kda_restores_the_callers_denormal_mode(caller_flushes):
         assert all(torch.isfinite(x.grad).all() for x in (q, k, v, g, beta))
     finally:
         torch.set_flush_denormal(False)
+
+
+# ---------------------------------------------------------------------- KDA from raw inputs
+def _raw_inputs(seq_len: int, dtype=F64, seed: int = 3):
+    generator = torch.Generator().manual_seed(seed)
+    batch, heads, key_dim, value_dim = 2, 2, 16, 8
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator, dtype=dtype)
+
+    shape = (batch, seq_len, heads, key_dim)
+    return dict(q=randn(*shape), k=randn(*shape), v=randn(batch, seq_len, heads, value_dim), gate_input=randn(*shape),
+                beta_logits=randn(batch, seq_len, heads), A_log=0.5 * randn(heads), dt_bias=randn(heads * key_dim),
+                initial_state=randn(batch, heads, key_dim, value_dim))
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_chunk_kda_from_raw_is_the_definition_on_raw_inputs(lower_bound):
+    """The PyTorch path of `chunk_kda_from_raw` against the token-by-token recurrence on the
+    definitions of its steps (FLA's l2norm, the gate, β's sigmoid), values and every gradient, in
+    float64 (the chunkwise form against the recurrence: 1e-12 elsewhere in this file)."""
+    from k3train.kernels.kda import kda_gate_reference, kda_gate_unbounded_reference
+    from k3train.kernels.kda.raw_inputs import chunk_kda_from_raw
+    from k3train.kernels.norms import l2_normalize_reference
+
+    inputs = {name: x.requires_grad_() for name, x in _raw_inputs(37).items()}
+    q, k, v, z, b, a_log, dt_bias, state = inputs.values()
+
+    def definition():
+        g = (kda_gate_reference(z, a_log, dt_bias, lower_bound) if lower_bound is not None
+             else kda_gate_unbounded_reference(z, a_log, dt_bias))
+        return naive_recurrent_kda(l2_normalize_reference(q), l2_normalize_reference(k), v, g, torch.sigmoid(b),
+                                   initial_state=state, output_final_state=True)
+
+    def fast():
+        return chunk_kda_from_raw(q, k, v, z, b, a_log, dt_bias, lower_bound, initial_state=state,
+                                  output_final_state=True, chunk_size=16, backend="torch")
+
+    def values_and_grads(run):
+        o, final = run()
+        loss = (o * torch.linspace(-1, 1, o.numel(), dtype=F64).view(o.shape)).sum() + final.square().sum()
+        return [o, final, *torch.autograd.grad(loss, list(inputs.values()))]
+
+    for got, want in zip(values_and_grads(fast), values_and_grads(definition)):
+        assert (got - want).abs().max() < 1e-11 * max(1.0, want.abs().max().item())
+
+
+def test_chunk_kda_from_raw_dispatch(monkeypatch):
+    """On CPU tensors, "auto" and "torch" compute the steps and then `chunk_kda`; where fla would
+    run, "auto" hands it the raw inputs with every fused step switched on, unless fla's bounded
+    gate does not take the lower bound (then the steps run here and fla gets the plain kernel)."""
+    from k3train.kernels.kda import raw_inputs
+
+    inputs = _raw_inputs(8, dtype=torch.float32)
+    fused_calls, plain_calls = [], []
+
+    def fake_fla_chunk_kda(q, k, v, g, beta, **kwargs):
+        (fused_calls if kwargs.get("use_gate_in_kernel") else plain_calls).append(((q, k, v, g, beta), kwargs))
+        return v.clone(), None
+
+    values = list(inputs.values())
+    torch_path = raw_inputs.chunk_kda_from_raw(*values[:7], -5.0)  # CPU: the PyTorch path
+    monkeypatch.setattr(fla_backend, "load_fla_chunk_kda", lambda: fake_fla_chunk_kda)
+    monkeypatch.setattr(fla_backend, "use_fla_backend", lambda backend, *tensors: backend != "torch")
+    raw_inputs.chunk_kda_from_raw(*values[:7], -5.0, scale=0.5, initial_state=values[7], output_final_state=True)
+    (positional, kwargs), = fused_calls
+    assert all(a is b for a, b in zip(positional, values[:5]))  # q, k, v, gate input, β logits as given
+    assert kwargs["use_qk_l2norm_in_kernel"] and kwargs["use_gate_in_kernel"] and kwargs["use_beta_sigmoid_in_kernel"]
+    assert kwargs["safe_gate"] is True and kwargs["lower_bound"] == -5.0 and kwargs["scale"] == 0.5
+    assert kwargs["A_log"] is values[5] and kwargs["dt_bias"] is values[6]
+    assert kwargs["initial_state"].dtype == torch.float32 and kwargs["output_final_state"] is True
+    raw_inputs.chunk_kda_from_raw(*values[:7], None)  # the unbounded gate: fused too, no safe_gate
+    assert fused_calls[-1][1]["safe_gate"] is False and fused_calls[-1][1]["lower_bound"] is None
+    raw_inputs.chunk_kda_from_raw(*values[:7], -8.0)  # outside [-5, 0): normalised and gated here
+    (positional, kwargs), = plain_calls
+    assert "use_gate_in_kernel" not in kwargs
+    assert torch.allclose(positional[3], kda_gate(values[3], values[5], values[6], lower_bound=-8.0))
+    assert len(fused_calls) == 2
+    o, _ = raw_inputs.chunk_kda_from_raw(*values[:7], -5.0, backend="torch")
+    assert len(fused_calls) == 2 and torch.equal(o, torch_path[0])
+    with pytest.raises(ValueError, match=r"\[-5.0, 0.0\)"):
+        fla_backend.run_fla_chunk_kda_from_raw(*values[:7], -8.0, 0.5, None, False)

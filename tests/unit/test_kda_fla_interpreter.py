@@ -11,8 +11,11 @@ fp32 with different association orders (fla's tiles against our chunk matmuls; g
 missing normalisation gives deviations of order 1.
 
 The worker runs in its own process: the interpreter must be chosen before triton is imported,
-and it adapts fla's kernels to the interpreter (tests/unit/fla_interpreter_worker.py). Skipped
-where triton or fla-core is not installed (the test set-up installs both).
+it adapts fla's kernels to the interpreter (tests/unit/fla_interpreter_worker.py), and it finds
+triton and fla-core in a directory of their own (`tools/setup_and_test.sh` installs them into
+`.cache/triton-interpreter`; `K3TRAIN_INTERPRETER_PACKAGES` names another), which nothing else
+in the suite sees: transformers' Kimi Linear would take fla's kernels for CPU tensors. Skipped
+where neither that directory nor this Python has both.
 """
 
 import importlib.util
@@ -25,16 +28,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = Path(os.environ.get("K3TRAIN_INTERPRETER_PACKAGES", ROOT / ".cache" / "triton-interpreter"))
 TOLERANCE = 1e-4
 
+
+def _installed(name: str) -> bool:
+    return (PACKAGES / name).is_dir() or importlib.util.find_spec(name) is not None
+
+
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or importlib.util.find_spec("fla") is None,
-    reason="needs triton and fla-core (pip install triton fla-core)")
+    not (_installed("triton") and _installed("fla")),
+    reason=f"needs triton and fla-core: pip install --target {PACKAGES} triton fla-core (tools/setup_and_test.sh does)")
 
 
 @pytest.mark.timeout(900)
 def test_fla_kernels_under_the_interpreter_match_the_pytorch_path():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    path = os.pathsep.join(p for p in (str(PACKAGES), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": path}
     result = subprocess.run([sys.executable, "-m", "tests.unit.fla_interpreter_worker"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=840)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -137,3 +137,66 @@ def kda_speed_row(ctx: Context, name: str, seq: int, fla_missing: Optional[str])
     tol = TOL["kda_fla_vs_torch"]
     return Row(name, verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
                f"{shape}; fla vs torch path, worst {worst}; fla first call {first_ms:.0f} ms")
+
+
+RAW_TENSORS = ("q", "k", "v", "gate_input", "beta_logits", "A_log", "dt_bias", "initial_state")
+
+
+def check_kda_fla_raw(ctx: Context) -> Iterator[Row]:
+    """fla's kernel on raw inputs (`chunk_kda_from_raw`: q/k normalisation, the gate and β's
+    sigmoid fused into fla's launches, the model's CUDA path) against the PyTorch path on the same
+    raw inputs, both gates, bf16 q/k/v, fwd+bwd with every gradient (A_log, dt_bias included).
+    ref ms: the same steps unfused (k3train's normalisation/gate/sigmoid functions, then fla's
+    plain kernel); fast ms: fla on raw inputs."""
+    from k3train.kernels.kda.raw_inputs import chunk_kda_from_raw, prepare_kda_inputs
+
+    reason = fla_unavailable_reason(ctx)
+    for lower_bound in (-5.0, None):
+        name = f"kda_fla_raw {'bounded' if lower_bound is not None else 'unbounded'} gate"
+        if reason:
+            yield skip(name, reason)
+            continue
+        yield guarded(ctx, name, lambda: kda_raw_row(ctx, name, lower_bound, chunk_kda_from_raw, prepare_kda_inputs))
+
+
+def kda_raw_row(ctx: Context, name: str, lower_bound: Optional[float], chunk_kda_from_raw: Callable,
+                prepare_kda_inputs: Callable) -> Row:
+    batch, seq, heads, dim = ctx.pick((1, 4096, 16, 128), (1, 100, 2, 32))
+    gen = ctx.generator(5)
+    shape = (batch, seq, heads, dim)
+    values = [ctx.randn(*shape, gen=gen, dtype=BF16), ctx.randn(*shape, gen=gen, dtype=BF16),
+              ctx.randn(*shape, gen=gen, dtype=BF16), ctx.randn(*shape, gen=gen, dtype=BF16),
+              ctx.randn(batch, seq, heads, gen=gen, dtype=BF16), ctx.randn(heads, gen=gen, scale=0.5),
+              ctx.randn(heads * dim, gen=gen), ctx.randn(batch, heads, dim, dim, gen=gen, scale=0.5)]
+    inputs = [t.requires_grad_() for t in values]
+    do = ctx.randn(batch, seq, heads, dim, gen=gen, dtype=BF16)
+    d_state = ctx.randn(batch, heads, dim, dim, gen=gen)
+
+    def run(kernel: Callable) -> dict[str, torch.Tensor]:
+        o, state = kernel()
+        grads = torch.autograd.grad((o, state), inputs, (do.to(o.dtype), d_state))
+        return {"o": o, "final_state": state, **{f"d{n}": g for n, g in zip(RAW_TENSORS, grads)}}
+
+    q, k, v, gate_input, beta_logits, a_log, dt_bias, state = inputs
+
+    def fused():
+        return chunk_kda_from_raw(q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound,
+                                  initial_state=state, output_final_state=True, backend="fla")
+
+    def unfused():
+        q_hat, k_hat, g, beta = prepare_kda_inputs(q, k, gate_input, beta_logits, a_log, dt_bias, lower_bound)
+        return chunk_kda(q_hat, k_hat, v, g, beta, initial_state=state, output_final_state=True, backend="fla")
+
+    def torch_path():
+        return chunk_kda_from_raw(q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound,
+                                  initial_state=state, output_final_state=True, backend="torch")
+
+    first_ms = ctx.wall_ms(lambda: run(fused))
+    ref_ms = ctx.time_ms(lambda: run(unfused))
+    fast_ms = ctx.time_ms(lambda: run(fused))
+    fast, ref = run(fused), run(torch_path)
+    max_abs, rel, worst = compare({key: (fast[key], ref[key]) for key in ref})
+    tol = TOL["kda_fla_vs_torch"]
+    return Row(name, verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
+               f"B={batch} T={seq} H={heads} K=V={dim} bf16 fwd+bwd, h0; against the torch path, worst {worst}; "
+               f"ref ms: unfused steps + fla's plain kernel; first call {first_ms:.0f} ms")
