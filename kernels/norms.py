@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from k3train.kernels.kda import fla_backend
 from k3train.kernels.precision import accumulation_dtype, upcast
 
 
@@ -110,11 +111,18 @@ class _GatedRMSNorm(torch.autograd.Function):
         return grad_x, grad_gate, grad_weight, None
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The training path of `gated_rms_norm_reference` (same arguments, same result)."""
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   backend: str = "auto") -> torch.Tensor:
+    """The training path of `gated_rms_norm_reference` (same arguments, same result). On CUDA
+    with fla-core, fla's fused kernel (`kda.fla_backend.run_fla_gated_rms_norm`: one launch
+    forward, one backward) unless `backend="torch"`."""
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"gated_rms_norm backend must be 'auto' or 'torch', got {backend!r}")
     if gate.shape != x.shape or weight.shape != x.shape[-1:]:
         raise ValueError(f"gated RMSNorm needs gate of x's shape {tuple(x.shape)} and weight [{x.shape[-1]}], "
                          f"got gate {tuple(gate.shape)} and weight {tuple(weight.shape)}")
+    if backend == "auto" and fla_backend.use_fla_gated_norm(x):
+        return fla_backend.run_fla_gated_rms_norm(x, gate, weight, eps)
     return _GatedRMSNorm.apply(x, gate, weight, eps)
 
 

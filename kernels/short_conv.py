@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from k3train.kernels.kda import fla_backend
 from k3train.kernels.precision import accumulation_dtype
 
 
@@ -147,21 +148,29 @@ class _ShortConvSiLU(torch.autograd.Function):
 
 
 def short_conv_silu(
-    x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None
+    x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training path of `short_conv_silu_reference` (same arguments, same results).
+    """The training path of `short_conv_silu_reference` (same arguments, same results). On CUDA
+    with fla-core and no tail (whole sequences), fla's causal convolution with its SiLU runs
+    instead (`kda.fla_backend.run_fla_short_conv_silu`: one launch forward, one backward);
+    `backend="torch"` keeps the PyTorch path there too.
 
     Without autograd (inference, scoring) the reference runs instead: there is no backward to
     save, and its output keeps the channels-first layout whose downstream reductions (the
     q/k L2 norms) and matmuls round exactly as the exported Hugging Face remote code does, so
     `tools/score.py` and the export agree bit for bit. With autograd the output is
     channels-last; values agree with the reference's to fp32 rounding of those reductions."""
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"short_conv_silu backend must be 'auto' or 'torch', got {backend!r}")
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, tail))):
         return short_conv_silu_reference(x, weight, tail)
     taps = _check(x, weight, tail)
     seq = x.shape[1]
-    tail_last = None if tail is None else tail.to(x.dtype).transpose(1, 2)  # [B, W − 1, C], a view
-    output = _ShortConvSiLU.apply(x, weight, tail_last)
+    if backend == "auto" and fla_backend.use_fla_short_conv(x, tail):  # CUDA, whole sequences: fla's kernels
+        output = fla_backend.run_fla_short_conv_silu(x, weight)
+    else:
+        tail_last = None if tail is None else tail.to(x.dtype).transpose(1, 2)  # [B, W − 1, C], a view
+        output = _ShortConvSiLU.apply(x, weight, tail_last)
     if seq >= taps - 1:
         new_tail = x[:, seq - (taps - 1):].transpose(1, 2)
     else:  # a piece shorter than the tail keeps part of the tail before it

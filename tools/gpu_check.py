@@ -27,7 +27,10 @@ Sizes: on CUDA without `--quick`, K3-like shapes (KDA heads of 128, 56 local exp
 on the CPU, small shapes that only exercise the logic.
 
 On the device machine fla-core is not preinstalled: carry its wheel (pure Python, needs einops,
-which is there) or the `kda_fla` rows SKIP and the model runs KDA on the PyTorch path. The same
+which is there) or the `kda_fla`, `kda_speed`, `kda_fla_raw`, `short_conv_fla` and `gated_norm_fla` rows SKIP and the model runs KDA
+on the PyTorch path. `kda_fla_raw` checks fla's kernel on raw inputs (q/k normalisation, decay
+gate and β's sigmoid inside fla's launches: the model's CUDA path) against the PyTorch path and
+times it against the unfused steps. The same
 holds for transformer-engine (`pip install transformer-engine[pytorch]`, a CUDA build): without
 it the `transformer_engine` rows and the fp8 runs of `k3_1gpu` SKIP.
 
@@ -37,7 +40,8 @@ of tokens/s, TFLOP/s, MFU (against the GPU's dense bf16 peak from tools/hardware
 memory for bf16 and fp8, with Block AttnRes and without; `--json PATH` writes the rows, that
 table and the loss curves. `step_vs_dense` times k3train's whole step against a dense transformer
 of equal FLOPs per token (`benchmarks/step_vs_dense.py`) in bf16, at 2,048 and 16,384 tokens per
-step, and prints where one profiled step's kernel time goes. The whole script is sized for under
+step (at 2,048 also with `train.compile=true`), and prints where one profiled step's kernel time
+goes. The whole script is sized for under
 8 minutes on one H200.
 
 This file is the driver: the registry of checks (it fixes the order of the table), the CLI and
@@ -102,6 +106,8 @@ CHECKS: list[Check] = [
     Check("kda_fla", kda.check_kda_fla),
     Check("kda_speed", kda.check_kda_speed),
     Check("kda_fla_raw", kda.check_kda_fla_raw),
+    Check("short_conv_fla", kda.check_short_conv_fla),
+    Check("gated_norm_fla", kda.check_gated_norm_fla),
     Check("grouped_mm", grouped_gemm.check_grouped_mm),
     Check("grouped_mm_speed", grouped_gemm.check_grouped_mm_speed),
     Check("attn_res", fused_paths.check_attn_res),

@@ -42,6 +42,59 @@ def load_fla_chunk_kda() -> Callable | None:
     return fla_chunk_kda
 
 
+@functools.cache
+def load_fla_causal_conv1d() -> Callable | None:
+    """`fla.modules.causal_conv1d.causal_conv1d` (Triton), or None when it does not import."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except Exception:
+        return None
+    return causal_conv1d
+
+
+def use_fla_short_conv(x: torch.Tensor, tail: torch.Tensor | None) -> bool:
+    """Whether `short_conv_silu` runs on fla's causal convolution: a CUDA input of a dtype fla
+    takes, no tail (whole sequences, as training runs them), and fla importing."""
+    return (x.is_cuda and x.dtype in _FLA_DTYPES and tail is None
+            and load_fla_causal_conv1d() is not None)
+
+
+def run_fla_short_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`silu(causal depthwise conv(x))` by fla's Triton kernel: `x [B, T, C]`, `weight [C, 1, W]`,
+    zeros before the first token; forward and backward one launch each (fla computes in fp32 and
+    returns x's dtype)."""
+    causal_conv1d = load_fla_causal_conv1d()
+    if causal_conv1d is None:
+        raise RuntimeError("fla.modules.causal_conv1d does not import")
+    output, _ = causal_conv1d(x, weight.view(weight.shape[0], weight.shape[-1]), activation="silu")
+    return output
+
+
+@functools.cache
+def load_fla_rms_norm_gated() -> Callable | None:
+    """`fla.modules.fused_norm_gate.rms_norm_gated` (Triton), or None when it does not import."""
+    try:
+        from fla.modules.fused_norm_gate import rms_norm_gated
+    except Exception:
+        return None
+    return rms_norm_gated
+
+
+def use_fla_gated_norm(x: torch.Tensor) -> bool:
+    """Whether `gated_rms_norm` runs on fla's fused kernel: a CUDA input of a dtype fla takes and
+    fla importing."""
+    return x.is_cuda and x.dtype in _FLA_DTYPES and load_fla_rms_norm_gated() is not None
+
+
+def run_fla_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm(x) · weight · sigmoid(gate)` over the last dim by fla's fused kernel (one launch
+    forward, one backward; fp32 inside, x's dtype out)."""
+    rms_norm_gated = load_fla_rms_norm_gated()
+    if rms_norm_gated is None:
+        raise RuntimeError("fla.modules.fused_norm_gate does not import")
+    return rms_norm_gated(x, gate, weight, None, activation="sigmoid", eps=eps)
+
+
 def use_fla_backend(backend: str, *tensors: torch.Tensor | None) -> bool:
     """Decide whether `chunk_kda` runs on fla for these tensors (None entries are skipped).
 

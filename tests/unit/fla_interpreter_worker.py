@@ -1,4 +1,4 @@
-"""Runs fla-core's KDA kernels under Triton's CPU interpreter against k3train's PyTorch path and
+"""Runs fla-core's KDA kernels (and its causal convolution and gated RMSNorm) under Triton's CPU interpreter against k3train's PyTorch path and
 prints, per case, the largest deviation of every output and gradient over the reference's largest
 magnitude, as JSON (run by tests/unit/test_kda_fla_interpreter.py in a subprocess with
 `TRITON_INTERPRET=1`, which must be set before triton is imported).
@@ -154,10 +154,53 @@ def raw_case(batch, seq, heads, key_dim, value_dim, lower_bound, seed):
                                         "dA_log", "d_dt_bias", "d_initial_state"])
 
 
+def short_conv_case(batch, seq, channels, taps, seed):
+    """`run_fla_short_conv_silu` (fla's causal convolution with SiLU) against `short_conv_silu`'s
+    PyTorch path, no tail (what runs on fla)."""
+    from k3train.kernels.kda import fla_backend
+    from k3train.kernels.short_conv import short_conv_silu
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, channels, generator=generator).requires_grad_()
+    weight = torch.randn(channels, 1, taps, generator=generator).requires_grad_()
+    grad_output = torch.randn(batch, seq, channels, generator=generator)
+
+    def run(conv):
+        output = conv()
+        return [output, *torch.autograd.grad((output * grad_output).sum(), [x, weight])]
+
+    fast = run(lambda: fla_backend.run_fla_short_conv_silu(x, weight))
+    reference = run(lambda: short_conv_silu(x, weight)[0])
+    return deviations(fast, reference, ["y", "dx", "dweight"])
+
+
+def gated_norm_case(batch, seq, heads, head_dim, seed):
+    """`run_fla_gated_rms_norm` (fla's fused gated RMSNorm) against `gated_rms_norm`'s PyTorch
+    path: KDA's output norm, per head."""
+    from k3train.kernels.kda import fla_backend
+    from k3train.kernels.norms import gated_rms_norm
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, heads, head_dim, generator=generator).requires_grad_()
+    gate = torch.randn(batch, seq, heads, head_dim, generator=generator).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(head_dim, generator=generator)).requires_grad_()
+    grad_output = torch.randn(batch, seq, heads, head_dim, generator=generator)
+
+    def run(norm):
+        output = norm()
+        return [output, *torch.autograd.grad((output * grad_output).sum(), [x, gate, weight])]
+
+    fast = run(lambda: fla_backend.run_fla_gated_rms_norm(x, gate, weight, 1e-5))
+    reference = run(lambda: gated_rms_norm(x, gate, weight, 1e-5, backend="torch"))
+    return deviations(fast, reference, ["y", "dx", "dgate", "dweight"])
+
+
 CASES = {
     "plain, T=80 (padded)": lambda: plain_case(2, 80, 2, 32, 16, seed=0),
     "raw inputs, bounded gate (-5)": lambda: raw_case(2, 80, 2, 32, 16, lower_bound=-5.0, seed=1),
     "raw inputs, unbounded gate": lambda: raw_case(1, 64, 2, 32, 16, lower_bound=None, seed=2),
+    "short conv + SiLU, T=37": lambda: short_conv_case(2, 37, 24, 4, seed=4),
+    "gated RMSNorm": lambda: gated_norm_case(2, 37, 3, 32, seed=5),
 }
 
 

@@ -12,7 +12,7 @@ import sys
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = CHECKOUT / "tools" / "gpu_check.py"
 # Checks that cannot run on a CPU: their rows may SKIP; every other row must PASS.
-CUDA_ONLY = {"kda_fla", "kda_speed", "kda_fla_raw", "model_large", "expert_dispatch", "transformer_engine", "k3_1gpu"}
+CUDA_ONLY = {"kda_fla", "kda_speed", "kda_fla_raw", "short_conv_fla", "gated_norm_fla", "model_large", "expert_dispatch", "transformer_engine", "k3_1gpu"}
 
 
 def load_gpu_check():

@@ -2,7 +2,9 @@
 Triton's CPU interpreter (`TRITON_INTERPRET=1`) against k3train's PyTorch path: outputs, final
 states and every gradient, in fp32, T padded to whole chunks, with an initial state; for the raw
 inputs, both gates (fla's `safe_gate` for K3's bounded one) with the gradients of `A_log` and
-`dt_bias`. This is what holds our calling convention (layouts, scale, log-space gates, the fp32
+`dt_bias`; fla's causal convolution with SiLU (the q/k/v short convolutions on CUDA) against
+`short_conv_silu`'s PyTorch path; and fla's fused gated RMSNorm (KDA's output norm on CUDA)
+against `gated_rms_norm`'s. This is what holds our calling convention (layouts, scale, log-space gates, the fp32
 state, which step fla fuses) to fla's kernels on a machine without a GPU.
 
 Tolerance: every deviation under 1e-4 of the reference's largest magnitude. Both sides compute in
@@ -50,8 +52,9 @@ def test_fla_kernels_under_the_interpreter_match_the_pytorch_path():
                             capture_output=True, text=True, timeout=840)
     assert result.returncode == 0, result.stderr[-4000:]
     cases = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(cases) == {"plain, T=80 (padded)", "raw inputs, bounded gate (-5)", "raw inputs, unbounded gate"}
+    assert set(cases) == {"plain, T=80 (padded)", "raw inputs, bounded gate (-5)", "raw inputs, unbounded gate",
+                          "short conv + SiLU, T=37", "gated RMSNorm"}
     failures = {f"{case}: {name}": deviation for case, deviations in cases.items()
                 for name, deviation in deviations.items() if not deviation < TOLERANCE}
     assert not failures, f"fla deviates from the PyTorch path (relative to the largest value): {failures}"
-    assert all(len(deviations) >= 8 for deviations in cases.values())
+    assert all(len(deviations) >= 3 for deviations in cases.values())

@@ -133,6 +133,70 @@ def norm_inputs(dtype=torch.float64):
     return x, gate, weight
 
 
+def test_short_conv_dispatches_to_fla_on_whole_sequences_only(monkeypatch):
+    """Where fla's causal convolution can run, a training call without a tail goes to it (the
+    weight as `[C, W]`, SiLU fused, zeros before the first token) and still returns the tail of
+    its own input; with a tail, or without autograd, the PyTorch paths run. (fla's kernel
+    itself is held to the PyTorch path under Triton's interpreter: test_kda_fla_interpreter.py.)"""
+    from k3train.kernels.kda import fla_backend
+
+    calls = []
+
+    def fake_causal_conv1d(x, weight, activation=None, **kwargs):
+        calls.append((x, weight, activation, kwargs))
+        return short_conv_silu_reference(x, weight.unsqueeze(1))[0], None
+
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 9, 6, generator=generator, requires_grad=True)
+    weight = torch.randn(6, 1, 4, generator=generator, requires_grad=True)
+    tail = torch.randn(2, 6, 3, generator=generator)
+    assert not fla_backend.use_fla_short_conv(x, None)  # CPU tensors
+    monkeypatch.setattr(fla_backend, "load_fla_causal_conv1d", lambda: fake_causal_conv1d)
+    monkeypatch.setattr(fla_backend, "use_fla_short_conv", lambda x, tail: tail is None)
+    output, new_tail = short_conv_silu(x, weight)
+    (called_x, called_weight, activation, kwargs), = calls
+    assert called_x is x and called_weight.shape == (6, 4) and activation == "silu" and not kwargs
+    assert torch.equal(called_weight, weight[:, 0])
+    assert torch.equal(new_tail, x[:, -3:].transpose(1, 2))
+    assert torch.allclose(output, short_conv_silu_reference(x, weight)[0])
+    short_conv_silu(x, weight, tail)  # a tail: the written-out PyTorch path
+    short_conv_silu(x, weight, backend="torch")
+    with pytest.raises(ValueError, match="backend"):
+        short_conv_silu(x, weight, backend="fla")
+    with torch.no_grad():
+        short_conv_silu(x, weight)  # no autograd: the reference
+    assert len(calls) == 1
+
+
+def test_gated_rms_norm_dispatches_to_fla_where_it_runs(monkeypatch):
+    """Where fla's fused gated RMSNorm can run, `gated_rms_norm` calls it with KDA's sigmoid gate
+    and no bias; `backend="torch"` keeps the written-out path. (fla's kernel itself is held to
+    the PyTorch path under Triton's interpreter: test_kda_fla_interpreter.py.)"""
+    from k3train.kernels.kda import fla_backend
+
+    calls = []
+
+    def fake_rms_norm_gated(x, gate, weight, bias, activation=None, eps=None, **kwargs):
+        calls.append((x, gate, weight, bias, activation, eps, kwargs))
+        return gated_rms_norm_reference(x, gate, weight, eps)
+
+    generator = torch.Generator().manual_seed(8)
+    x, gate = (torch.randn(2, 5, 3, 8, generator=generator, requires_grad=True) for _ in range(2))
+    weight = torch.rand(8, generator=generator, requires_grad=True)
+    assert not fla_backend.use_fla_gated_norm(x)  # CPU tensors
+    monkeypatch.setattr(fla_backend, "load_fla_rms_norm_gated", lambda: fake_rms_norm_gated)
+    monkeypatch.setattr(fla_backend, "use_fla_gated_norm", lambda x: True)
+    output = gated_rms_norm(x, gate, weight, 1e-5)
+    (called_x, called_gate, called_weight, bias, activation, eps, kwargs), = calls
+    assert called_x is x and called_gate is gate and called_weight is weight and bias is None and not kwargs
+    assert activation == "sigmoid" and eps == 1e-5
+    assert torch.allclose(output, gated_rms_norm_reference(x, gate, weight, 1e-5))
+    assert torch.allclose(gated_rms_norm(x, gate, weight, 1e-5, backend="torch"), output)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="backend"):
+        gated_rms_norm(x, gate, weight, 1e-5, backend="fla")
+
+
 def test_l2_normalize_matches_reference():
     x, _, _ = norm_inputs()
     x[0, 0, 0] *= 1e-4  # a row near the eps floor

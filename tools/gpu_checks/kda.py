@@ -200,3 +200,73 @@ def kda_raw_row(ctx: Context, name: str, lower_bound: Optional[float], chunk_kda
     return Row(name, verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
                f"B={batch} T={seq} H={heads} K=V={dim} bf16 fwd+bwd, h0; against the torch path, worst {worst}; "
                f"ref ms: unfused steps + fla's plain kernel; first call {first_ms:.0f} ms")
+
+
+def fla_module_row(ctx: Context, name: str, inputs: dict[str, torch.Tensor], grad_output: torch.Tensor,
+                   forward: Callable[[str], torch.Tensor], note: str) -> Row:
+    """One of fla's fused modules against k3train's PyTorch path: `forward(backend)` with backend
+    "auto" (fla on CUDA) and "torch"; output and every input's gradient; times of both."""
+
+    def run(backend: str) -> dict[str, torch.Tensor]:
+        output = forward(backend)
+        grads = torch.autograd.grad(output, list(inputs.values()), grad_output)
+        return {"y": output, **{f"d{key}": grad for key, grad in zip(inputs, grads)}}
+
+    first_ms = ctx.wall_ms(lambda: run("auto"))
+    ref_ms, fast_ms = ctx.time_ms(lambda: run("torch")), ctx.time_ms(lambda: run("auto"))
+    fast, ref = run("auto"), run("torch")
+    max_abs, rel, worst = compare({key: (fast[key], ref[key]) for key in ref})
+    tol = TOL["kda_fla_vs_torch"]
+    return Row(name, verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
+               f"{note} fwd+bwd; against the torch path, worst {worst}; first call {first_ms:.0f} ms")
+
+
+def check_short_conv_fla(ctx: Context) -> Iterator[Row]:
+    """fla's causal convolution with SiLU (the q/k/v short convolutions of a KDA layer on CUDA)
+    against `short_conv_silu`'s PyTorch path, bf16 input and fp32 weight as under autocast.
+    ref ms: `short_conv_silu(backend="torch")`; fast ms: the default, fla's kernel."""
+    from k3train.kernels.short_conv import short_conv_silu
+
+    name = "short_conv_fla"
+    reason = fla_unavailable_reason(ctx)
+    if reason or fla_backend.load_fla_causal_conv1d() is None:
+        yield skip(name, reason or "fla.modules.causal_conv1d does not import")
+        return
+
+    def row() -> Row:
+        batch, seq, channels = ctx.pick((1, 4096, 2048), (2, 100, 64))
+        gen = ctx.generator(6)
+        inputs = {"x": ctx.randn(batch, seq, channels, gen=gen, dtype=BF16).requires_grad_(),
+                  "weight": ctx.randn(channels, 1, 4, gen=gen, scale=0.5).requires_grad_()}
+        grad_output = ctx.randn(batch, seq, channels, gen=gen, dtype=BF16)
+        return fla_module_row(ctx, name, inputs, grad_output,
+                              lambda backend: short_conv_silu(*inputs.values(), backend=backend)[0],
+                              f"B={batch} T={seq} C={channels} W=4 bf16")
+
+    yield guarded(ctx, name, row)
+
+
+def check_gated_norm_fla(ctx: Context) -> Iterator[Row]:
+    """fla's fused gated RMSNorm (KDA's output norm on CUDA: RMSNorm per head times
+    sigmoid(gate)) against `gated_rms_norm`'s PyTorch path, bf16 x and gate, fp32 weight.
+    ref ms: `gated_rms_norm(backend="torch")`; fast ms: the default, fla's kernel."""
+    from k3train.kernels.norms import gated_rms_norm
+
+    name = "gated_norm_fla"
+    reason = fla_unavailable_reason(ctx)
+    if reason or fla_backend.load_fla_rms_norm_gated() is None:
+        yield skip(name, reason or "fla.modules.fused_norm_gate does not import")
+        return
+
+    def row() -> Row:
+        batch, seq, heads, dim = ctx.pick((1, 4096, 16, 128), (2, 100, 2, 32))
+        gen = ctx.generator(7)
+        inputs = {"x": ctx.randn(batch, seq, heads, dim, gen=gen, dtype=BF16).requires_grad_(),
+                  "gate": ctx.randn(batch, seq, heads, dim, gen=gen, dtype=BF16).requires_grad_(),
+                  "weight": (1 + ctx.randn(dim, gen=gen, scale=0.1)).requires_grad_()}
+        grad_output = ctx.randn(batch, seq, heads, dim, gen=gen, dtype=BF16)
+        return fla_module_row(ctx, name, inputs, grad_output,
+                              lambda backend: gated_rms_norm(*inputs.values(), 1e-5, backend=backend),
+                              f"B={batch} T={seq} H={heads} D={dim} bf16")
+
+    yield guarded(ctx, name, row)
