@@ -86,6 +86,15 @@ def deviations(fast, reference, names) -> dict[str, float]:
             for name, a, b in zip(names, fast, reference)}
 
 
+def kda_values_and_grads(inputs, kda) -> list:
+    """`kda()`'s output and final state, and every input's gradient under fixed random weights."""
+    o, state = kda()
+    weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(99)),
+               torch.randn(state.shape, generator=torch.Generator().manual_seed(98))]
+    grads = torch.autograd.grad((o * weights[0]).sum() + (state * weights[1]).sum(), inputs)
+    return [o, state, *grads]
+
+
 def plain_case(batch, seq, heads, key_dim, value_dim, seed):
     """`run_fla_chunk_kda` against `chunk_kda(backend="torch")`: g in (−5, 0), an initial state."""
     from k3train.kernels.kda import chunk_kda, fla_backend
@@ -103,15 +112,8 @@ def plain_case(batch, seq, heads, key_dim, value_dim, seed):
     inputs = [x.requires_grad_() for x in inputs]
     scale = key_dim ** -0.5
 
-    def run(kda):
-        o, state = kda()
-        weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(99)),
-                   torch.randn(state.shape, generator=torch.Generator().manual_seed(98))]
-        grads = torch.autograd.grad((o * weights[0]).sum() + (state * weights[1]).sum(), inputs)
-        return [o, state, *grads]
-
-    fast = run(lambda: fla_backend.run_fla_chunk_kda(*inputs[:5], scale, inputs[5], True))
-    reference = run(lambda: chunk_kda(*inputs[:5], scale=scale, initial_state=inputs[5], output_final_state=True,
+    fast = kda_values_and_grads(inputs, lambda: fla_backend.run_fla_chunk_kda(*inputs[:5], scale, inputs[5], True))
+    reference = kda_values_and_grads(inputs, lambda: chunk_kda(*inputs[:5], scale=scale, initial_state=inputs[5], output_final_state=True,
                                       backend="torch"))
     return deviations(fast, reference, ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "d_initial_state"])
 
@@ -137,17 +139,10 @@ def raw_case(batch, seq, heads, key_dim, value_dim, lower_bound, seed):
     inputs = [x.requires_grad_() for x in inputs]
     scale = key_dim ** -0.5
 
-    def run(kda):
-        o, state = kda()
-        weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(99)),
-                   torch.randn(state.shape, generator=torch.Generator().manual_seed(98))]
-        grads = torch.autograd.grad((o * weights[0]).sum() + (state * weights[1]).sum(), inputs)
-        return [o, state, *grads]
-
     q, k, v, gate_input, beta_logits, a_log, dt_bias, state = inputs
-    fast = run(lambda: fla_backend.run_fla_chunk_kda_from_raw(
+    fast = kda_values_and_grads(inputs, lambda: fla_backend.run_fla_chunk_kda_from_raw(
         q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound, scale, state, True))
-    reference = run(lambda: chunk_kda_from_raw(
+    reference = kda_values_and_grads(inputs, lambda: chunk_kda_from_raw(
         q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound, scale=scale, initial_state=state,
         output_final_state=True, backend="torch"))
     return deviations(fast, reference, ["o", "final_state", "dq", "dk", "dv", "d_gate_input", "d_beta_logits",

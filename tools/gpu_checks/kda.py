@@ -202,6 +202,11 @@ def kda_raw_row(ctx: Context, name: str, lower_bound: Optional[float], chunk_kda
                f"ref ms: unfused steps + fla's plain kernel; first call {first_ms:.0f} ms")
 
 
+def fla_module_unavailable_reason(ctx: Context, load: Callable, module: str) -> Optional[str]:
+    """As `fla_unavailable_reason`, for one of fla's modules (`load` its guarded loader)."""
+    return fla_unavailable_reason(ctx) or (None if load() is not None else f"fla.modules.{module} does not import")
+
+
 def fla_module_row(ctx: Context, name: str, inputs: dict[str, torch.Tensor], grad_output: torch.Tensor,
                    forward: Callable[[str], torch.Tensor], note: str) -> Row:
     """One of fla's fused modules against k3train's PyTorch path: `forward(backend)` with backend
@@ -228,9 +233,9 @@ def check_short_conv_fla(ctx: Context) -> Iterator[Row]:
     from k3train.kernels.short_conv import short_conv_silu
 
     name = "short_conv_fla"
-    reason = fla_unavailable_reason(ctx)
-    if reason or fla_backend.load_fla_causal_conv1d() is None:
-        yield skip(name, reason or "fla.modules.causal_conv1d does not import")
+    reason = fla_module_unavailable_reason(ctx, fla_backend.load_fla_causal_conv1d, "causal_conv1d")
+    if reason:
+        yield skip(name, reason)
         return
 
     def row() -> Row:
@@ -253,9 +258,9 @@ def check_gated_norm_fla(ctx: Context) -> Iterator[Row]:
     from k3train.kernels.norms import gated_rms_norm
 
     name = "gated_norm_fla"
-    reason = fla_unavailable_reason(ctx)
-    if reason or fla_backend.load_fla_rms_norm_gated() is None:
-        yield skip(name, reason or "fla.modules.fused_norm_gate does not import")
+    reason = fla_module_unavailable_reason(ctx, fla_backend.load_fla_rms_norm_gated, "fused_norm_gate")
+    if reason:
+        yield skip(name, reason)
         return
 
     def row() -> Row:
