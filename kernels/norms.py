@@ -115,13 +115,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
                    backend: str = "auto") -> torch.Tensor:
     """The training path of `gated_rms_norm_reference` (same arguments, same result). On CUDA
     with fla-core, fla's fused kernel (`kda.fla_backend.run_fla_gated_rms_norm`: one launch
-    forward, one backward) unless `backend="torch"`."""
+    forward, one backward) unless `backend="torch"` or inside `torch.compile`."""
     if backend not in ("auto", "torch"):
         raise ValueError(f"gated_rms_norm backend must be 'auto' or 'torch', got {backend!r}")
     if gate.shape != x.shape or weight.shape != x.shape[-1:]:
         raise ValueError(f"gated RMSNorm needs gate of x's shape {tuple(x.shape)} and weight [{x.shape[-1]}], "
                          f"got gate {tuple(gate.shape)} and weight {tuple(weight.shape)}")
-    if backend == "auto" and fla_backend.use_fla_gated_norm(x):
+    # (Under `torch.compile`, `train.compile`'s norms region, inductor fuses the PyTorch path.)
+    if backend == "auto" and not torch.compiler.is_compiling() and fla_backend.use_fla_gated_norm(x):
         return fla_backend.run_fla_gated_rms_norm(x, gate, weight, eps)
     return _GatedRMSNorm.apply(x, gate, weight, eps)
 
