@@ -37,6 +37,7 @@ from k3train.config import load_config  # noqa: E402
 from k3train.kernels.kda import kda_gate_reference, kda_gate_unbounded_reference  # noqa: E402
 from k3train.kernels.norms import gated_rms_norm_reference, l2_normalize_reference  # noqa: E402
 from k3train.kernels.short_conv import short_conv_silu_reference  # noqa: E402
+from k3train.kernels.kda import raw_inputs  # noqa: E402
 from k3train.model import kda as kda_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,16 +56,23 @@ def stand_in_kernel(q, k, v, g, beta, **_):
     return (q + k + v + g) * beta.unsqueeze(-1), None
 
 
+def _home(name: str):
+    """The module whose global `name` the mixer's path looks up: the short convolution and the
+    output norm are called by the mixer, the normalisation, gates and kernel next to the kernel
+    (`kernels/kda/raw_inputs.py`)."""
+    return kda_module if name in ("short_conv_silu", "gated_rms_norm") else raw_inputs
+
+
 @contextlib.contextmanager
 def patched(names: dict[str, object]):
-    saved = {name: getattr(kda_module, name) for name in names}
+    saved = {name: getattr(_home(name), name) for name in names}
     for name, value in names.items():
-        setattr(kda_module, name, value)
+        setattr(_home(name), name, value)
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(kda_module, name, value)
+            setattr(_home(name), name, value)
 
 
 def time_step(mixer: torch.nn.Module, x: torch.Tensor, probe: torch.Tensor, swaps: dict[str, object]) -> float:
