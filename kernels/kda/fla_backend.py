@@ -16,6 +16,7 @@ lower bounds in [−5, 0) (`FLA_SAFE_GATE_RANGE`).
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 import torch
@@ -147,6 +148,26 @@ def run_fla_chunk_kda(
     )
 
 
+# The keywords `run_fla_chunk_kda_from_raw` relies on. fla's `chunk_kda` takes `**kwargs`, so a
+# release without one of them would ignore it silently (q and k left unnormalised, the gate not
+# applied): such a release gets the unfused steps instead.
+FLA_RAW_INPUT_KEYWORDS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                          "safe_gate", "lower_bound")
+
+
+@functools.cache
+def fla_takes_raw_inputs() -> bool:
+    """Whether the installed fla's `chunk_kda` names every keyword of `FLA_RAW_INPUT_KEYWORDS`."""
+    fla_chunk_kda = load_fla_chunk_kda()
+    if fla_chunk_kda is None:
+        return False
+    try:
+        parameters = inspect.signature(fla_chunk_kda).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in parameters for name in FLA_RAW_INPUT_KEYWORDS)
+
+
 def fla_takes_lower_bound(lower_bound: float | None) -> bool:
     """Whether fla's in-kernel gate computes this gate: unbounded (None), or bounded within
     `FLA_SAFE_GATE_RANGE`."""
@@ -172,6 +193,9 @@ def run_fla_chunk_kda_from_raw(
     fla_chunk_kda = load_fla_chunk_kda()
     if fla_chunk_kda is None:
         raise RuntimeError("fla.ops.kda does not import")
+    if not fla_takes_raw_inputs():
+        raise RuntimeError(f"this fla-core's chunk_kda lacks some of {FLA_RAW_INPUT_KEYWORDS}: upgrade fla-core "
+                           f"(0.6.0 has them) or use the unfused steps")
     if not fla_takes_lower_bound(lower_bound):
         raise ValueError(f"fla's bounded gate takes lower bounds in [{FLA_SAFE_GATE_RANGE[0]}, "
                          f"{FLA_SAFE_GATE_RANGE[1]}), got {lower_bound}")

@@ -54,11 +54,12 @@ def chunk_kda_from_raw(
     """`chunk_kda(*prepare_kda_inputs(...))`: q, k `[B, T, H, K]` before normalisation, v
     `[B, T, H, V]`, the gate's input `[B, T, H, K]`, β's logits `[B, T, H]`, `A_log` `[H]`,
     `dt_bias` `[H·K]`, the gate's `lower_bound` (None: the unbounded gate); the rest as
-    `chunk_kda`. `backend`: "auto" runs fla's fused kernel where `chunk_kda` would run fla and
-    fla computes this gate (`fla_backend.fla_takes_lower_bound`), else the steps above; "torch"
+    `chunk_kda`. `backend`: "auto" runs fla's fused kernel where `chunk_kda` would run fla, fla
+    computes this gate (`fla_backend.fla_takes_lower_bound`) and the installed fla takes raw
+    inputs (`fla_backend.fla_takes_raw_inputs`), else the steps above; "torch"
     always the steps above; "fla" always fla (an error where it cannot run)."""
     fused = fla_backend.use_fla_backend(backend, q, k, v, gate_input, initial_state) and (
-        backend == "fla" or fla_backend.fla_takes_lower_bound(lower_bound))
+        backend == "fla" or (fla_backend.fla_takes_lower_bound(lower_bound) and fla_backend.fla_takes_raw_inputs()))
     if fused:
         if scale is None:
             scale = q.shape[-1] ** -0.5

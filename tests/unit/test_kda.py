@@ -682,7 +682,9 @@ def test_chunk_kda_from_raw_dispatch(monkeypatch):
 
     values = list(inputs.values())
     torch_path = raw_inputs.chunk_kda_from_raw(*values[:7], -5.0)  # CPU: the PyTorch path
+    fla_backend.fla_takes_raw_inputs.cache_clear()
     monkeypatch.setattr(fla_backend, "load_fla_chunk_kda", lambda: fake_fla_chunk_kda)
+    monkeypatch.setattr(fla_backend, "fla_takes_raw_inputs", lambda: True)
     monkeypatch.setattr(fla_backend, "use_fla_backend", lambda backend, *tensors: backend != "torch")
     raw_inputs.chunk_kda_from_raw(*values[:7], -5.0, scale=0.5, initial_state=values[7], output_final_state=True)
     (positional, kwargs), = fused_calls
@@ -702,3 +704,35 @@ def test_chunk_kda_from_raw_dispatch(monkeypatch):
     assert len(fused_calls) == 2 and torch.equal(o, torch_path[0])
     with pytest.raises(ValueError, match=r"\[-5.0, 0.0\)"):
         fla_backend.run_fla_chunk_kda_from_raw(*values[:7], -8.0, 0.5, None, False)
+
+
+def test_an_fla_without_the_raw_input_keywords_gets_the_unfused_steps(monkeypatch):
+    """fla's `chunk_kda` takes `**kwargs`: a release that does not name the raw-input keywords
+    would ignore them silently, so it is recognised by its signature and given the normalised
+    inputs instead."""
+    from k3train.kernels.kda import raw_inputs
+
+    calls = []
+
+    def old_fla_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **kwargs):
+        calls.append(kwargs)
+        return v.clone(), None
+
+    def new_fla_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                          use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                          safe_gate=False, lower_bound=None, **kwargs):
+        return v.clone(), None
+
+    values = list(_raw_inputs(8, dtype=torch.float32).values())
+    monkeypatch.setattr(fla_backend, "use_fla_backend", lambda backend, *tensors: backend != "torch")
+    for fla, takes in ((old_fla_chunk_kda, False), (new_fla_chunk_kda, True)):
+        fla_backend.fla_takes_raw_inputs.cache_clear()
+        monkeypatch.setattr(fla_backend, "load_fla_chunk_kda", lambda fla=fla: fla)
+        assert fla_backend.fla_takes_raw_inputs() is takes
+    fla_backend.fla_takes_raw_inputs.cache_clear()
+    monkeypatch.setattr(fla_backend, "load_fla_chunk_kda", lambda: old_fla_chunk_kda)
+    raw_inputs.chunk_kda_from_raw(*values[:7], -5.0)
+    assert calls == [{}]  # the plain kernel, on normalised and gated inputs
+    with pytest.raises(RuntimeError, match="upgrade fla-core"):
+        fla_backend.run_fla_chunk_kda_from_raw(*values[:7], -5.0, 0.5, None, False)
+    fla_backend.fla_takes_raw_inputs.cache_clear()
