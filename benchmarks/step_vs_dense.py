@@ -432,11 +432,10 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
     contenders[ADAMW] = lambda: adamw.train_step()["loss"]
     if with_compile:  # every region, and the AttnRes mixes alone (what pays on a CPU)
         for label in compiled:
-            regions = COMPILED[label]
-            compiled = k3_trainer(load_config(str(DEBUG_RECIPE), [
+            compiled_trainer = k3_trainer(load_config(str(DEBUG_RECIPE), [
                 *overrides, f"train.steps={steps + 4}", "logging.jsonl=false", "optimizer.name=adamw",
-                "train.compile=true", f"train.compile_regions=[{regions}]"]), device)
-            contenders[label] = lambda trainer=compiled: trainer.train_step()["loss"]
+                "train.compile=true", f"train.compile_regions=[{COMPILED[label]}]"]), device)
+            contenders[label] = lambda trainer=compiled_trainer: trainer.train_step()["loss"]
     contenders[DENSE] = dense_job(base, width, mlp, device).step
 
     times: dict[str, list[float]] = {label: [] for label in contenders}

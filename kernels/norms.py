@@ -122,7 +122,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         raise ValueError(f"gated RMSNorm needs gate of x's shape {tuple(x.shape)} and weight [{x.shape[-1]}], "
                          f"got gate {tuple(gate.shape)} and weight {tuple(weight.shape)}")
     # (Under `torch.compile`, `train.compile`'s norms region, inductor fuses the PyTorch path.)
-    if backend == "auto" and not torch.compiler.is_compiling() and fla_backend.use_fla_gated_norm(x):
+    if backend == "auto" and not torch.compiler.is_compiling() and fla_backend.use_fla_gated_norm(x, gate):
         return fla_backend.run_fla_gated_rms_norm(x, gate, weight, eps)
     return _GatedRMSNorm.apply(x, gate, weight, eps)
 

@@ -9,8 +9,9 @@ source tools/setup_env.sh
 # Kimi Linear takes fla's kernels whenever fla imports, even for CPU tensors where they cannot run).
 INTERPRETER_PACKAGES=".cache/triton-interpreter"
 # Optional: without them (no network, no wheel for this platform) that one test skips.
-if ! PYTHONPATH="$INTERPRETER_PACKAGES" python -c "import triton, fla" 2>/dev/null; then
-    python -m pip install --quiet --target "$INTERPRETER_PACKAGES" triton fla-core \
+if ! PYTHONPATH="$INTERPRETER_PACKAGES" python -c "import triton, fla; assert triton.__version__ == '3.9.0' and fla.__version__ == '0.6.0'" 2>/dev/null; then
+    # pinned: the test's worker adapts these releases' internals to the interpreter
+    python -m pip install --quiet --target "$INTERPRETER_PACKAGES" triton==3.9.0 fla-core==0.6.0 \
         || echo "setup_and_test: triton/fla-core not installed; tests/unit/test_kda_fla_interpreter.py will skip" >&2
 fi
 exec python -m pytest tests "$@"

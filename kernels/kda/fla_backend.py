@@ -9,14 +9,18 @@ any failure to import falls back to the PyTorch path.
 `run_fla_chunk_kda_from_raw` hands fla the raw inputs instead (`raw_inputs.chunk_kda_from_raw`):
 its kernel then L2-normalises q and k, applies the decay gate and takes the sigmoid of β itself,
 forward and backward, instead of five separate elementwise functions around it (fewer launches
-and passes over `[B, T, H, K]` tensors). The bounded gate runs as fla's `safe_gate`, which takes
-lower bounds in [−5, 0) (`FLA_SAFE_GATE_RANGE`).
+and passes over `[B, T, H, K]` tensors). It takes the bounded gate through `lower_bound`, on the
+same chunk kernels as precomputed gates. fla's `safe_gate=True` (tensor-core sub-chunks for gates
+in [−5, 0), `FLA_SAFE_GATE_RANGE`; TF32 and bf16x3 products where the default path keeps fp32)
+is opt-in, until `tools/gpu_check.py`'s `kda_fla_raw` rows have measured its accuracy on a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
+import itertools
 from typing import Callable
 
 import torch
@@ -25,8 +29,11 @@ BACKENDS = ("auto", "torch", "fla")
 # fla's Triton kernels handle half and single precision and head dims up to 256.
 _FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLA_MAX_HEAD_DIM = 256
-# fla's bounded gate (`safe_gate=True`) takes lower bounds in [-5, 0): its tiles are sized for it.
+# fla's `safe_gate=True` takes lower bounds in [-5, 0): its tiles are sized for them.
 FLA_SAFE_GATE_RANGE = (-5.0, 0.0)
+# The first fla-core release whose `chunk_kda` takes raw inputs as `run_fla_chunk_kda_from_raw`
+# passes them (`A_log` and `dt_bias` travel through its `**kwargs`, which no signature shows).
+FLA_RAW_INPUT_VERSION = (0, 6, 0)
 
 
 @functools.cache
@@ -81,10 +88,11 @@ def load_fla_rms_norm_gated() -> Callable | None:
     return rms_norm_gated
 
 
-def use_fla_gated_norm(x: torch.Tensor) -> bool:
-    """Whether `gated_rms_norm` runs on fla's fused kernel: a CUDA input of a dtype fla takes and
-    fla importing."""
-    return x.is_cuda and x.dtype in _FLA_DTYPES and load_fla_rms_norm_gated() is not None
+def use_fla_gated_norm(x: torch.Tensor, gate: torch.Tensor) -> bool:
+    """Whether `gated_rms_norm` runs on fla's fused kernel: CUDA inputs of one dtype fla takes (it
+    returns the gate's gradient in x's dtype) and fla importing."""
+    return (x.is_cuda and x.dtype in _FLA_DTYPES and gate.dtype == x.dtype
+            and load_fla_rms_norm_gated() is not None)
 
 
 def run_fla_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,9 +163,19 @@ FLA_RAW_INPUT_KEYWORDS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_
                           "safe_gate", "lower_bound")
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """`"0.6.0"` → `(0, 6, 0)`; the numeric prefix of each part (`"1rc2"` → 1)."""
+    parts = []
+    for part in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
 @functools.cache
 def fla_takes_raw_inputs() -> bool:
-    """Whether the installed fla's `chunk_kda` names every keyword of `FLA_RAW_INPUT_KEYWORDS`."""
+    """Whether the installed fla's `chunk_kda` names every keyword of `FLA_RAW_INPUT_KEYWORDS`
+    and fla-core is at least `FLA_RAW_INPUT_VERSION`."""
     fla_chunk_kda = load_fla_chunk_kda()
     if fla_chunk_kda is None:
         return False
@@ -165,14 +183,23 @@ def fla_takes_raw_inputs() -> bool:
         parameters = inspect.signature(fla_chunk_kda).parameters
     except (TypeError, ValueError):
         return False
-    return all(name in parameters for name in FLA_RAW_INPUT_KEYWORDS)
+    version = installed_fla_version()
+    return (all(name in parameters for name in FLA_RAW_INPUT_KEYWORDS)
+            and version is not None and _release(version) >= FLA_RAW_INPUT_VERSION)
 
 
-def fla_takes_lower_bound(lower_bound: float | None) -> bool:
-    """Whether fla's in-kernel gate computes this gate: unbounded (None), or bounded within
-    `FLA_SAFE_GATE_RANGE`."""
+def installed_fla_version() -> str | None:
+    """fla-core's version as installed (its distribution metadata), or None."""
+    try:
+        return importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def fla_takes_safe_gate(lower_bound: float | None) -> bool:
+    """Whether fla's `safe_gate` can run this gate: bounded, within `FLA_SAFE_GATE_RANGE`."""
     low, high = FLA_SAFE_GATE_RANGE
-    return lower_bound is None or low <= lower_bound < high
+    return lower_bound is not None and low <= lower_bound < high
 
 
 def run_fla_chunk_kda_from_raw(
@@ -187,17 +214,19 @@ def run_fla_chunk_kda_from_raw(
     scale: float,
     initial_state: torch.Tensor | None,
     output_final_state: bool,
+    safe_gate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's `chunk_kda` on raw inputs (arguments as `raw_inputs.chunk_kda_from_raw`): q and k
-    before their L2 normalisation, the gate's input before the gate, β's logits."""
+    before their L2 normalisation, the gate's input before the gate, β's logits. `safe_gate`:
+    fla's tensor-core path for bounded gates in `FLA_SAFE_GATE_RANGE` (module docstring)."""
     fla_chunk_kda = load_fla_chunk_kda()
     if fla_chunk_kda is None:
         raise RuntimeError("fla.ops.kda does not import")
     if not fla_takes_raw_inputs():
-        raise RuntimeError(f"this fla-core's chunk_kda lacks some of {FLA_RAW_INPUT_KEYWORDS}: upgrade fla-core "
-                           f"(0.6.0 has them) or use the unfused steps")
-    if not fla_takes_lower_bound(lower_bound):
-        raise ValueError(f"fla's bounded gate takes lower bounds in [{FLA_SAFE_GATE_RANGE[0]}, "
+        raise RuntimeError(f"this fla-core's chunk_kda lacks some of {FLA_RAW_INPUT_KEYWORDS} or predates "
+                           f"{'.'.join(map(str, FLA_RAW_INPUT_VERSION))}: upgrade fla-core or use the unfused steps")
+    if safe_gate and not fla_takes_safe_gate(lower_bound):
+        raise ValueError(f"fla's safe_gate takes lower bounds in [{FLA_SAFE_GATE_RANGE[0]}, "
                          f"{FLA_SAFE_GATE_RANGE[1]}), got {lower_bound}")
     if initial_state is not None:
         initial_state = initial_state.float()
@@ -213,8 +242,8 @@ def run_fla_chunk_kda_from_raw(
         use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True,
         use_beta_sigmoid_in_kernel=True,
-        safe_gate=lower_bound is not None,  # the bounded gate's fast path (M=16 tiles on tensor cores)
-        lower_bound=lower_bound,
+        safe_gate=safe_gate,
+        lower_bound=lower_bound,  # the bounded gate, with or without safe_gate
         A_log=A_log,
         dt_bias=dt_bias,
     )

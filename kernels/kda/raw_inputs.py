@@ -50,21 +50,24 @@ def chunk_kda_from_raw(
     output_final_state: bool = False,
     chunk_size: int = 64,
     backend: str = "auto",
+    fla_safe_gate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`chunk_kda(*prepare_kda_inputs(...))`: q, k `[B, T, H, K]` before normalisation, v
     `[B, T, H, V]`, the gate's input `[B, T, H, K]`, β's logits `[B, T, H]`, `A_log` `[H]`,
     `dt_bias` `[H·K]`, the gate's `lower_bound` (None: the unbounded gate); the rest as
-    `chunk_kda`. `backend`: "auto" runs fla's fused kernel where `chunk_kda` would run fla, fla
-    computes this gate (`fla_backend.fla_takes_lower_bound`) and the installed fla takes raw
-    inputs (`fla_backend.fla_takes_raw_inputs`), else the steps above; "torch"
-    always the steps above; "fla" always fla (an error where it cannot run)."""
+    `chunk_kda`. `backend`: "auto" runs fla's fused kernel where `chunk_kda` would run fla and
+    the installed fla takes raw inputs (`fla_backend.fla_takes_raw_inputs`), else the steps above;
+    "torch" always the steps above; "fla" always fla (an error where it cannot run).
+    `fla_safe_gate`: fla's tensor-core path for bounded gates in [−5, 0) (off by default:
+    `fla_backend`'s docstring)."""
     fused = fla_backend.use_fla_backend(backend, q, k, v, gate_input, initial_state) and (
-        backend == "fla" or (fla_backend.fla_takes_lower_bound(lower_bound) and fla_backend.fla_takes_raw_inputs()))
+        backend == "fla" or fla_backend.fla_takes_raw_inputs())
     if fused:
         if scale is None:
             scale = q.shape[-1] ** -0.5
         return fla_backend.run_fla_chunk_kda_from_raw(q, k, v, gate_input, beta_logits, A_log, dt_bias,
-                                                      lower_bound, scale, initial_state, output_final_state)
+                                                      lower_bound, scale, initial_state, output_final_state,
+                                                      safe_gate=fla_safe_gate)
     q, k, g, beta = prepare_kda_inputs(q, k, gate_input, beta_logits, A_log, dt_bias, lower_bound)
     return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, chunk_size=chunk_size,

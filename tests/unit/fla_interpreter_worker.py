@@ -118,7 +118,7 @@ def plain_case(batch, seq, heads, key_dim, value_dim, seed):
     return deviations(fast, reference, ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "d_initial_state"])
 
 
-def raw_case(batch, seq, heads, key_dim, value_dim, lower_bound, seed):
+def raw_case(batch, seq, heads, key_dim, value_dim, lower_bound, seed, safe_gate=False):
     """`run_fla_chunk_kda_from_raw` (normalisation, gate and sigmoid in fla's kernel) against
     `chunk_kda_from_raw(backend="torch")`."""
     from k3train.kernels.kda import fla_backend
@@ -141,7 +141,7 @@ def raw_case(batch, seq, heads, key_dim, value_dim, lower_bound, seed):
 
     q, k, v, gate_input, beta_logits, a_log, dt_bias, state = inputs
     fast = kda_values_and_grads(inputs, lambda: fla_backend.run_fla_chunk_kda_from_raw(
-        q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound, scale, state, True))
+        q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound, scale, state, True, safe_gate=safe_gate))
     reference = kda_values_and_grads(inputs, lambda: chunk_kda_from_raw(
         q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound, scale=scale, initial_state=state,
         output_final_state=True, backend="torch"))
@@ -194,6 +194,8 @@ CASES = {
     "plain, T=80 (padded)": lambda: plain_case(2, 80, 2, 32, 16, seed=0),
     "raw inputs, bounded gate (-5)": lambda: raw_case(2, 80, 2, 32, 16, lower_bound=-5.0, seed=1),
     "raw inputs, unbounded gate": lambda: raw_case(1, 64, 2, 32, 16, lower_bound=None, seed=2),
+    "raw inputs, bounded gate, safe_gate": lambda: raw_case(1, 80, 2, 32, 16, lower_bound=-5.0, seed=3,
+                                                            safe_gate=True),
     "short conv + SiLU, T=37": lambda: short_conv_case(2, 37, 24, 4, seed=4),
     "gated RMSNorm": lambda: gated_norm_case(2, 37, 3, 32, seed=5),
 }

@@ -690,26 +690,34 @@ def test_chunk_kda_from_raw_dispatch(monkeypatch):
     (positional, kwargs), = fused_calls
     assert all(a is b for a, b in zip(positional, values[:5]))  # q, k, v, gate input, β logits as given
     assert kwargs["use_qk_l2norm_in_kernel"] and kwargs["use_gate_in_kernel"] and kwargs["use_beta_sigmoid_in_kernel"]
-    assert kwargs["safe_gate"] is True and kwargs["lower_bound"] == -5.0 and kwargs["scale"] == 0.5
+    assert kwargs["safe_gate"] is False and kwargs["lower_bound"] == -5.0 and kwargs["scale"] == 0.5
     assert kwargs["A_log"] is values[5] and kwargs["dt_bias"] is values[6]
     assert kwargs["initial_state"].dtype == torch.float32 and kwargs["output_final_state"] is True
-    raw_inputs.chunk_kda_from_raw(*values[:7], None)  # the unbounded gate: fused too, no safe_gate
+    raw_inputs.chunk_kda_from_raw(*values[:7], None)  # the unbounded gate: fused too
     assert fused_calls[-1][1]["safe_gate"] is False and fused_calls[-1][1]["lower_bound"] is None
-    raw_inputs.chunk_kda_from_raw(*values[:7], -8.0)  # outside [-5, 0): normalised and gated here
+    raw_inputs.chunk_kda_from_raw(*values[:7], -8.0)  # any bound without safe_gate
+    assert fused_calls[-1][1]["lower_bound"] == -8.0
+    raw_inputs.chunk_kda_from_raw(*values[:7], -5.0, fla_safe_gate=True)  # opt-in
+    assert fused_calls[-1][1]["safe_gate"] is True and fused_calls[-1][1]["lower_bound"] == -5.0
+    with pytest.raises(ValueError, match=r"\[-5.0, 0.0\)"):
+        raw_inputs.chunk_kda_from_raw(*values[:7], -8.0, fla_safe_gate=True)
+    with pytest.raises(ValueError, match=r"\[-5.0, 0.0\)"):
+        raw_inputs.chunk_kda_from_raw(*values[:7], None, fla_safe_gate=True)
+    assert len(fused_calls) == 4 and not plain_calls
+    o, _ = raw_inputs.chunk_kda_from_raw(*values[:7], -5.0, backend="torch")
+    assert len(fused_calls) == 4 and torch.equal(o, torch_path[0])
+    monkeypatch.setattr(fla_backend, "fla_takes_raw_inputs", lambda: False)  # an older fla: steps here
+    raw_inputs.chunk_kda_from_raw(*values[:7], -8.0)
     (positional, kwargs), = plain_calls
     assert "use_gate_in_kernel" not in kwargs
     assert torch.allclose(positional[3], kda_gate(values[3], values[5], values[6], lower_bound=-8.0))
-    assert len(fused_calls) == 2
-    o, _ = raw_inputs.chunk_kda_from_raw(*values[:7], -5.0, backend="torch")
-    assert len(fused_calls) == 2 and torch.equal(o, torch_path[0])
-    with pytest.raises(ValueError, match=r"\[-5.0, 0.0\)"):
-        fla_backend.run_fla_chunk_kda_from_raw(*values[:7], -8.0, 0.5, None, False)
 
 
 def test_an_fla_without_the_raw_input_keywords_gets_the_unfused_steps(monkeypatch):
     """fla's `chunk_kda` takes `**kwargs`: a release that does not name the raw-input keywords
-    would ignore them silently, so it is recognised by its signature and given the normalised
-    inputs instead."""
+    would ignore them silently, so it is recognised by its signature (and a release before 0.6.0,
+    whose `A_log`/`dt_bias` no signature shows, by its version) and given the normalised inputs
+    instead."""
     from k3train.kernels.kda import raw_inputs
 
     calls = []
@@ -725,10 +733,13 @@ def test_an_fla_without_the_raw_input_keywords_gets_the_unfused_steps(monkeypatc
 
     values = list(_raw_inputs(8, dtype=torch.float32).values())
     monkeypatch.setattr(fla_backend, "use_fla_backend", lambda backend, *tensors: backend != "torch")
-    for fla, takes in ((old_fla_chunk_kda, False), (new_fla_chunk_kda, True)):
+    for fla, version, takes in ((old_fla_chunk_kda, "0.6.0", False), (new_fla_chunk_kda, "0.6.0", True),
+                                (new_fla_chunk_kda, "0.10.1", True), (new_fla_chunk_kda, "0.5.9", False),
+                                (new_fla_chunk_kda, None, False)):
         fla_backend.fla_takes_raw_inputs.cache_clear()
         monkeypatch.setattr(fla_backend, "load_fla_chunk_kda", lambda fla=fla: fla)
-        assert fla_backend.fla_takes_raw_inputs() is takes
+        monkeypatch.setattr(fla_backend, "installed_fla_version", lambda version=version: version)
+        assert fla_backend.fla_takes_raw_inputs() is takes, (fla.__name__, version)
     fla_backend.fla_takes_raw_inputs.cache_clear()
     monkeypatch.setattr(fla_backend, "load_fla_chunk_kda", lambda: old_fla_chunk_kda)
     raw_inputs.chunk_kda_from_raw(*values[:7], -5.0)

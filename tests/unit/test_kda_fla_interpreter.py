@@ -1,7 +1,7 @@
 """fla-core's KDA kernels (the CUDA path of `chunk_kda` and `chunk_kda_from_raw`) run under
 Triton's CPU interpreter (`TRITON_INTERPRET=1`) against k3train's PyTorch path: outputs, final
 states and every gradient, in fp32, T padded to whole chunks, with an initial state; for the raw
-inputs, both gates (fla's `safe_gate` for K3's bounded one) with the gradients of `A_log` and
+inputs, both gates (K3's bounded one also through fla's `safe_gate`) with the gradients of `A_log` and
 `dt_bias`; fla's causal convolution with SiLU (the q/k/v short convolutions on CUDA) against
 `short_conv_silu`'s PyTorch path; and fla's fused gated RMSNorm (KDA's output norm on CUDA)
 against `gated_rms_norm`'s. This is what holds our calling convention (layouts, scale, log-space gates, the fp32
@@ -53,6 +53,7 @@ def test_fla_kernels_under_the_interpreter_match_the_pytorch_path():
     assert result.returncode == 0, result.stderr[-4000:]
     cases = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(cases) == {"plain, T=80 (padded)", "raw inputs, bounded gate (-5)", "raw inputs, unbounded gate",
+                          "raw inputs, bounded gate, safe_gate",
                           "short conv + SiLU, T=37", "gated RMSNorm"}
     failures = {f"{case}: {name}": deviation for case, deviations in cases.items()
                 for name, deviation in deviations.items() if not deviation < TOLERANCE}

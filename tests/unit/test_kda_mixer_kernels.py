@@ -183,9 +183,9 @@ def test_gated_rms_norm_dispatches_to_fla_where_it_runs(monkeypatch):
     generator = torch.Generator().manual_seed(8)
     x, gate = (torch.randn(2, 5, 3, 8, generator=generator, requires_grad=True) for _ in range(2))
     weight = torch.rand(8, generator=generator, requires_grad=True)
-    assert not fla_backend.use_fla_gated_norm(x)  # CPU tensors
+    assert not fla_backend.use_fla_gated_norm(x, gate)  # CPU tensors
     monkeypatch.setattr(fla_backend, "load_fla_rms_norm_gated", lambda: fake_rms_norm_gated)
-    monkeypatch.setattr(fla_backend, "use_fla_gated_norm", lambda x: True)
+    monkeypatch.setattr(fla_backend, "use_fla_gated_norm", lambda x, gate: True)
     output = gated_rms_norm(x, gate, weight, 1e-5)
     (called_x, called_gate, called_weight, bias, activation, eps, kwargs), = calls
     assert called_x is x and called_gate is gate and called_weight is weight and bias is None and not kwargs

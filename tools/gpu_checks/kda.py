@@ -145,23 +145,32 @@ RAW_TENSORS = ("q", "k", "v", "gate_input", "beta_logits", "A_log", "dt_bias", "
 def check_kda_fla_raw(ctx: Context) -> Iterator[Row]:
     """fla's kernel on raw inputs (`chunk_kda_from_raw`: q/k normalisation, the gate and β's
     sigmoid fused into fla's launches, the model's CUDA path) against the PyTorch path on the same
-    raw inputs, both gates, bf16 q/k/v, fwd+bwd with every gradient (A_log, dt_bias included).
+    raw inputs (fp32 products), both gates, bf16 q/k/v, fwd+bwd with every gradient (A_log,
+    dt_bias included); and, at 16k tokens, fla's opt-in `safe_gate` beside the default path (the
+    error that decides whether it may become the default).
     ref ms: the same steps unfused (k3train's normalisation/gate/sigmoid functions, then fla's
     plain kernel); fast ms: fla on raw inputs."""
     from k3train.kernels.kda.raw_inputs import chunk_kda_from_raw, prepare_kda_inputs
 
     reason = fla_unavailable_reason(ctx)
-    for lower_bound in (-5.0, None):
-        name = f"kda_fla_raw {'bounded' if lower_bound is not None else 'unbounded'} gate"
+    # (gate, fla's safe_gate, tokens): the default path for both gates; then the opt-in safe_gate
+    # (TF32/bf16x3 products) and the default path at a long sequence, where rounding grows.
+    cases = [(-5.0, False, None), (None, False, None), (-5.0, True, ctx.pick(16384, 100)),
+             (-5.0, False, ctx.pick(16384, 100))]
+    for lower_bound, safe_gate, seq in cases:
+        name = (f"kda_fla_raw {'bounded' if lower_bound is not None else 'unbounded'} gate"
+                f"{', safe_gate' if safe_gate else ''}{f' T={seq}' if seq else ''}")
         if reason:
             yield skip(name, reason)
             continue
-        yield guarded(ctx, name, lambda: kda_raw_row(ctx, name, lower_bound, chunk_kda_from_raw, prepare_kda_inputs))
+        yield guarded(ctx, name, lambda: kda_raw_row(ctx, name, lower_bound, chunk_kda_from_raw, prepare_kda_inputs,
+                                                     safe_gate, seq))
 
 
 def kda_raw_row(ctx: Context, name: str, lower_bound: Optional[float], chunk_kda_from_raw: Callable,
-                prepare_kda_inputs: Callable) -> Row:
-    batch, seq, heads, dim = ctx.pick((1, 4096, 16, 128), (1, 100, 2, 32))
+                prepare_kda_inputs: Callable, safe_gate: bool = False, seq: Optional[int] = None) -> Row:
+    batch, default_seq, heads, dim = ctx.pick((1, 4096, 16, 128), (1, 100, 2, 32))
+    seq = seq or default_seq
     gen = ctx.generator(5)
     shape = (batch, seq, heads, dim)
     values = [ctx.randn(*shape, gen=gen, dtype=BF16), ctx.randn(*shape, gen=gen, dtype=BF16),
@@ -181,7 +190,7 @@ def kda_raw_row(ctx: Context, name: str, lower_bound: Optional[float], chunk_kda
 
     def fused():
         return chunk_kda_from_raw(q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound,
-                                  initial_state=state, output_final_state=True, backend="fla")
+                                  initial_state=state, output_final_state=True, backend="fla", fla_safe_gate=safe_gate)
 
     def unfused():
         q_hat, k_hat, g, beta = prepare_kda_inputs(q, k, gate_input, beta_logits, a_log, dt_bias, lower_bound)
