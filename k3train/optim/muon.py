@@ -123,10 +123,10 @@ def orthogonalized_update(
     by one batched Newton–Schulz call and scaled by its own `layout.scale(update_rms)`.
 
     Pure: no state, no parameters touched. Returned in parameter shape, in NS's compute dtype
-    (`resolve_ns_dtype(ns_dtype, momentum_input)`).
+    (`resolve_ns_dtype(ns_dtype, blocks)`: it depends on the blocks' sizes on a CPU).
     """
-    blocks = newton_schulz(layout.to_blocks(momentum_input), ns_steps, ns_coefficients, ns_eps,
-                           compute_dtype=resolve_ns_dtype(ns_dtype, momentum_input))
+    blocks = layout.to_blocks(momentum_input)
+    blocks = newton_schulz(blocks, ns_steps, ns_coefficients, ns_eps, compute_dtype=resolve_ns_dtype(ns_dtype, blocks))
     return layout.from_blocks(blocks * layout.scale(update_rms), momentum_input.shape)
 
 

@@ -38,7 +38,7 @@ def check_newton_schulz(ctx: Context) -> Iterator[Row]:
     """newton_schulz with bf16 iterations (its CUDA compute dtype, also forced on the CPU) vs
     the same iteration in float64: relative difference of the update, and every singular value of
     the bf16 result in [0.5, 1.5] (on well-conditioned blocks); on CUDA, ns_compute_dtype must
-    pick bf16. Timed on random fp32 momenta.
+    pick bf16 (a CPU's pick, by its AMX and the call's size, is reported). Timed on random fp32 momenta.
     ref ms: compute_dtype=fp32 on the device; fast ms: bf16."""
     cases = {
         "heads": (ctx.pick((96, 128, 7168), (6, 16, 96)), ctx.pick(8, 3)),  # per-head blocks of a projection
@@ -51,8 +51,9 @@ def check_newton_schulz(ctx: Context) -> Iterator[Row]:
 
 def newton_schulz_row(ctx: Context, name: str, shape: tuple[int, int, int], check_batch: int) -> Row:
     batch, rows, cols = shape
-    default_dtype = ns_compute_dtype(torch.zeros(1, 1, device=ctx.device))
-    default_ok = default_dtype == (BF16 if ctx.cuda else F32)
+    # The default for this case's blocks: bf16 on CUDA (required); on a CPU the size rule's pick.
+    default_dtype = ns_compute_dtype(torch.empty(batch, rows, cols, device=ctx.device))
+    default_ok = default_dtype == BF16 if ctx.cuda else True
     x = conditioned_matrices(ctx, check_batch, rows, cols, seed=15)
     fast = newton_schulz(x, compute_dtype=BF16)
     ref = newton_schulz(x.to(F64))
