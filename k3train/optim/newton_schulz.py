@@ -4,6 +4,7 @@ Pure tensor functions with no knowledge of models or optimizers, so they can be 
 distributed Muon (one owner rank per block), benchmarked alone, and tested against an SVD.
 """
 
+import functools
 from typing import Literal, Optional
 
 import torch
@@ -19,6 +20,7 @@ NS_EPS: float = 1e-7
 """Added to the Frobenius norm before dividing, so a zero gradient stays zero."""
 
 
+@functools.cache
 def cpu_has_bf16_matrix_units() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles): oneDNN's bf16 matmuls
     then run 5-8x faster than fp32 on one core (Sapphire Rapids: 818 against 173 GFLOP/s at

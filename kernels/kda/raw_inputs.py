@@ -70,5 +70,4 @@ def chunk_kda_from_raw(
                                                       safe_gate=fla_safe_gate)
     q, k, g, beta = prepare_kda_inputs(q, k, gate_input, beta_logits, A_log, dt_bias, lower_bound)
     return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, chunk_size=chunk_size,
-                     backend="torch" if backend == "torch" else "auto")
+                     output_final_state=output_final_state, chunk_size=chunk_size, backend=backend)
