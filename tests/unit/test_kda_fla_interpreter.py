@@ -15,7 +15,7 @@ missing normalisation gives deviations of order 1.
 The worker runs in its own process: the interpreter must be chosen before triton is imported,
 it adapts fla's kernels to the interpreter (tests/unit/fla_interpreter_worker.py), and it finds
 triton and fla-core in a directory of their own (`tools/setup_and_test.sh` installs them into
-`.cache/triton-interpreter`; `K3TRAIN_INTERPRETER_PACKAGES` names another), which nothing else
+`triton-interpreter` of k3train's cache directory; `K3TRAIN_INTERPRETER_PACKAGES` names another), which nothing else
 in the suite sees: transformers' Kimi Linear would take fla's kernels for CPU tensors. Skipped
 where neither that directory nor this Python has both.
 """
@@ -29,8 +29,10 @@ from pathlib import Path
 
 import pytest
 
+from k3train.training.throughput import cache_dir
+
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = Path(os.environ.get("K3TRAIN_INTERPRETER_PACKAGES", ROOT / ".cache" / "triton-interpreter"))
+PACKAGES = Path(os.environ.get("K3TRAIN_INTERPRETER_PACKAGES") or cache_dir() / "triton-interpreter")
 TOLERANCE = 1e-4
 
 

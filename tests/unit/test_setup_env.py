@@ -11,6 +11,7 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 
 STUB_PYTHON = """#!/bin/bash
 echo "python $*" >> "$STUB_LOG"
+case "$*" in *python-check*) exit "${PYTHON_CHECK_RC:-0}";; esac
 if [ "$1" = "-c" ]; then exit "${TORCH_IMPORT_RC:-0}"; fi
 case "$*" in *"torch==2.13.0+cpu"*) exit "${LOCAL_WHEEL_RC:-0}";; esac
 exit 0
@@ -96,3 +97,47 @@ def test_a_failed_install_stops_a_caller_under_set_e(stub_env):
     assert result.returncode != 0 and "reached" not in result.stdout
     interactive = run_bash("set +e; source tools/setup_env.sh; echo \"status $?\"", env)
     assert "status 1" in interactive.stdout
+
+
+STUB_PYTHON3_VENV = """#!/bin/bash
+echo "python3 $*" >> "$STUB_LOG"
+case "$*" in *python-check*) exit 0;; esac
+if [ "$1 $2" = "-m venv" ]; then
+    mkdir -p "$3/bin"
+    printf '#!/bin/bash\\necho "venv-python $*" >> "$STUB_LOG"\\nexit 0\\n' > "$3/bin/python"
+    chmod +x "$3/bin/python"
+    printf 'export VIRTUAL_ENV="%s"\\nexport PATH="%s/bin:$PATH"\\n' "$3" "$3" > "$3/bin/activate"
+fi
+"""
+
+
+def test_a_python_that_refuses_installs_gets_a_virtual_environment(stub_env, tmp_path):
+    """PEP 668 (Debian's system Python): `.venv` is created once from python3 and activated in the
+    caller's shell, and the installs go into it."""
+    bin_dir, env = stub_env
+    (bin_dir / "python3").write_text(STUB_PYTHON3_VENV)
+    (bin_dir / "python3").chmod(0o755)
+    env.update(PYTHON_CHECK_RC="3", K3TRAIN_VENV=str(tmp_path / "venv"))
+    result = run_bash("source tools/setup_env.sh; echo \"python=$(command -v python) [${__k3train_venv:-}]\"", env)
+    assert result.returncode == 0, result.stderr
+    assert f"python={tmp_path / 'venv' / 'bin' / 'python'} []" in result.stdout
+    assert "creating the virtual environment" in result.stderr
+    assert "python3 -m venv" in pathlib.Path(env["STUB_LOG"]).read_text()
+    again = run_bash("source tools/setup_env.sh; command -v python", env)  # reused, not created again
+    assert again.stdout.strip() == str(tmp_path / "venv" / "bin" / "python") and "creating" not in again.stderr
+
+
+def test_no_python_at_all_is_one_line_naming_the_fix(tmp_path):
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path), "K3TRAIN_VENV": str(tmp_path / "venv")}
+    result = subprocess.run(["/bin/bash", "-c", "source tools/setup_env.sh"], cwd=CHECKOUT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        "setup_env: no python or python3 on PATH; install Python 3.11+ (Debian: apt-get install python3 python3-venv)"]
+
+
+def test_an_old_python_is_refused_with_its_version(stub_env):
+    _, env = stub_env
+    env["PYTHON_CHECK_RC"] = "4"
+    result = run_bash("source tools/setup_env.sh", env)
+    assert result.returncode != 0 and "k3train needs Python 3.11+" in result.stderr
