@@ -50,11 +50,19 @@ def _losses(compiled: bool, regions=REGIONS) -> tuple[list[float], list[str]]:
     return losses, list(model.state_dict())
 
 
+def rounding_bound(losses: list[float]) -> float:
+    """Compiled regions fuse and reorder fp32 elementwise work (norms, activations, mixes), each op
+    rounding once instead of per pass: over a token's path through the layers a few dozen such
+    ops change their rounding, so the losses may differ by up to 64 units of fp32 rounding (2^-24)
+    of the loss; a wrong compiled region changes them by orders of magnitude more."""
+    return 64 * 2.0**-24 * max(abs(loss) for loss in losses)
+
+
 def test_compiled_model_matches_eager():
     eager, eager_names = _losses(compiled=False)
     compiled, compiled_names = _losses(compiled=True)
     assert compiled_names == eager_names
-    assert max(abs(a - b) for a, b in zip(eager, compiled)) <= 1e-6, (eager, compiled)
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) <= rounding_bound(eager), (eager, compiled)
     assert eager[0] != eager[1]  # the second step saw the first update (backward ran through the compiled parts)
 
 
@@ -63,7 +71,7 @@ def test_only_the_attn_res_region_matches_eager():
     # activations eager, the same losses.
     eager, _ = _losses(compiled=False)
     compiled, _ = _losses(compiled=True, regions=["attn_res"])
-    assert max(abs(a - b) for a, b in zip(eager, compiled)) <= 1e-6, (eager, compiled)
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) <= rounding_bound(eager), (eager, compiled)
 
 
 def test_unknown_or_empty_regions_are_refused():
