@@ -3,10 +3,27 @@
 The checkout keeps `parallel/` and `kernels/` beside `k3train/` (the layout Megatron users
 expect); `k3train/parallel` and `k3train/kernels` are symbolic links to them, so they import as
 `k3train.parallel` and `k3train.kernels` through the ordinary import system, and IDEs and type
-checkers resolve them the same way. Nothing named `kernels` or `parallel` reaches the top level
-of `sys.modules` (the two folders have no `__init__.py`, so a regular package of that name, such
-as Hugging Face's `kernels`, always wins over them), and installed wheels carry both inside
-`k3train/`.
+checkers resolve them the same way; installed wheels carry both inside `k3train/`. Each file has
+one module name: `parallel/__init__.py` refuses the top-level name `parallel`, and `kernels/` has
+no `__init__.py` so that a regular package of that name (Hugging Face's `kernels`) always wins
+over it. A checkout whose links did not survive (git's `core.symlinks=false` writes them as small
+text files) is refused here with one line, rather than letting another installation's k3train
+answer the import.
 """
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+
+def _check_sibling_folders() -> None:
+    package = Path(__file__).resolve().parent
+    for name in ("parallel", "kernels"):
+        if not (package / name).is_dir():
+            raise ImportError(
+                f"{package / name} is not a folder: in a checkout it must be the link to ../{name} "
+                f"(git config core.symlinks true, then git checkout -- k3train/{name})"
+            )
+
+
+_check_sibling_folders()

@@ -33,9 +33,37 @@ def test_sibling_folders_resolve_statically_under_k3train():
         inside = CHECKOUT / "k3train" / name
         assert inside.is_dir(), f"k3train/{name} is missing"
         assert inside.resolve() == (CHECKOUT / name).resolve()
-        assert not (CHECKOUT / name / "__init__.py").exists(), f"{name}/__init__.py would shadow a top-level package"
+    assert not (CHECKOUT / "kernels" / "__init__.py").exists(), "kernels/__init__.py would shadow Hugging Face's kernels"
     init = (CHECKOUT / "k3train" / "__init__.py").read_text()
     assert "sys.modules[" not in init, "k3train/__init__.py must not mount packages at run time"
+
+
+def test_each_file_has_one_module_name(tmp_path):
+    """`parallel.state` (the folder reached from the checkout as a top-level name) is refused with
+    one line naming the right import; `k3train.parallel.state` is the only name."""
+    code = "import parallel.state"
+    env = dict(os.environ, PYTHONPATH=str(CHECKOUT))
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        "ImportError: import k3train.parallel, not parallel: parallel/ is part of the k3train package")
+
+
+def test_a_checkout_without_its_links_is_refused_in_one_line(tmp_path):
+    """git with core.symlinks=false writes each link as a text file holding its target: importing
+    k3train says so and how to fix it, instead of finding k3train.parallel somewhere else."""
+    copy = tmp_path / "checkout"
+    (copy / "k3train").mkdir(parents=True)
+    (copy / "k3train" / "__init__.py").write_text((CHECKOUT / "k3train" / "__init__.py").read_text())
+    (copy / "k3train" / "parallel").write_text("../parallel")
+    (copy / "k3train" / "kernels").write_text("../kernels")
+    env = dict(os.environ, PYTHONPATH=str(copy))
+    result = subprocess.run([sys.executable, "-c", "import k3train"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: ") and "k3train/parallel is not a folder" in last and "core.symlinks" in last
 
 
 def _imported_modules(path: pathlib.Path) -> set[str]:
