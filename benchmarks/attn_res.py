@@ -12,7 +12,7 @@ reference mix, checkpointed together with the norm so that backward runs it twic
 alternation.
 
     OMP_NUM_THREADS=1 nice python benchmarks/attn_res.py --model debug --repeats 5
-    OMP_NUM_THREADS=1 nice python benchmarks/attn_res.py --model issue --repeats 3
+    OMP_NUM_THREADS=1 nice python benchmarks/attn_res.py --model wide512 --repeats 3
     OMP_NUM_THREADS=1 nice python benchmarks/attn_res.py --model debug --repeats 5 --compile
 """
 
@@ -39,7 +39,7 @@ from k3train.training.compile import compile_elementwise  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"
 # A K3-shaped model of hidden 512, 4 layers (3 KDA + 1 MLA), 2,048 tokens per step.
-ISSUE_MODEL = [
+WIDE_MODEL = [
     "model.hidden_size=512", "model.num_hidden_layers=4", "model.num_attention_heads=8", "model.q_lora_rank=256",
     "model.kv_lora_rank=128", "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
     "model.linear_attn_config.num_heads=8", "model.linear_attn_config.head_dim=64", "model.intermediate_size=1408",
@@ -88,7 +88,7 @@ def step(model: K3Model, optimizer: torch.optim.Optimizer, batches: list[torch.T
 
 
 def step_table(args: argparse.Namespace) -> None:
-    overrides = ISSUE_MODEL if args.model == "issue" else []
+    overrides = WIDE_MODEL if args.model == "wide512" else []
     overrides = overrides + [f"model.recompute={args.recompute}"]
     modes = ["none", "block", "full"] + (["block@3c49d31", "full@3c49d31"] if args.with_before else [])
     runs = {mode: build(overrides, mode, args.compile) for mode in modes}
@@ -123,7 +123,7 @@ def step_table(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["debug", "issue"], default="debug")
+    parser.add_argument("--model", choices=["debug", "wide512"], default="debug")
     parser.add_argument("--recompute", choices=["none", "attn_res", "sublayer"], default="attn_res")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--wall", action="store_true", help="wall-clock instead of process CPU time")

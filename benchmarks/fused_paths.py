@@ -15,7 +15,7 @@ the same process, alternated, on a shared machine:
 - MLA attention: `causal_attention` (v zero-padded, SDPA's fused kernel) vs the unpadded call
   (SDPA's math path), 2 × 8 heads × 512 tokens, qk 96, v 64.
 
-Then the issue18 model's AdamW `train_step` (benchmarks/step_vs_dense.py's 512-wide model), two
+Then the wide512 model's AdamW `train_step` (benchmarks/step_vs_dense.py's 512-wide model), two
 trainers built alike, one switched to the SiTU-GLU, routed-combine, latent-norm and attention
 references, steps alternated, and one profiled step of each split into step_vs_dense.py's parts.
 Times are this process's CPU seconds (`time.process_time`, one thread): a loaded machine disturbs
@@ -104,7 +104,7 @@ def kernel_rows(rounds: int) -> list[list[str]]:
         lambda g, u, r: situ_glu(g * 1.0, u * 1.0, 4.0, 25.0, row_scale=r, overwrite_inputs=True),
         [gate, up, row_scale], torch.randn(shape, generator=generator), 10)
 
-    tokens, top_k, experts, width = 1024, 4, 16, 256  # the routed slots of one issue18 MoE layer
+    tokens, top_k, experts, width = 1024, 4, 16, 256  # the routed slots of one wide512 MoE layer
     routed = torch.randn(tokens, width, generator=generator).requires_grad_()
     norm_weight = torch.randn(width, generator=generator).requires_grad_()
     add(f"latent RMSNorm [{tokens}, {width}]", lambda x, w: rms_norm_reference(x, w, 1e-5),
@@ -170,7 +170,7 @@ def reference_attention():
 
 
 def step_tables(steps: int, profiled: int) -> None:
-    config = load_config(str(step_bench.DEBUG_RECIPE), [*step_bench.ISSUE_MODEL, f"train.steps={2 * (steps + profiled) + 4}",
+    config = load_config(str(step_bench.DEBUG_RECIPE), [*step_bench.WIDE_MODEL, f"train.steps={2 * (steps + profiled) + 4}",
                                                         "optimizer.name=adamw", "logging.jsonl=false"])
     after = step_bench.k3_trainer(config)
     before = step_bench.k3_trainer(config)
@@ -181,7 +181,7 @@ def step_tables(steps: int, profiled: int) -> None:
             before.train_step()
 
     times = alternate({"before": before_step, "after": after.train_step}, steps, 1)
-    print(f"\nissue18 AdamW train_step, {steps} alternated steps each, median CPU s: before (references) "
+    print(f"\nwide512 AdamW train_step, {steps} alternated steps each, median CPU s: before (references) "
           f"{times['before'] / 1e3:.3f} s, after {times['after'] / 1e3:.3f} s "
           f"({times['before'] / times['after']:.2f}x)")
     profiles = {"before": [], "after": []}

@@ -6,13 +6,13 @@ closed-form gates of `kernels/kda/gate.py`); "reference" swaps in their `*_refer
 definitions (channels-first `F.conv1d` + SiLU, autograd through the norms and gates). Two
 rows: the whole mixer with the chunkwise KDA kernel, and the mixer around it, with `chunk_kda`
 replaced by a cheap stand-in (`(q + k + v + g) · β`, the same in both columns, so the
-difference is the projections side alone). The shapes are the issue18 model's of
+difference is the projections side alone). The shapes are the wide512 model's of
 `benchmarks/step_vs_dense.py` (hidden 512, 8 heads × 64, micro-batch 2 × 512 tokens, fp32).
 Each repeat times every contender once, in alternation; the table gives medians of this
 process's CPU time (robust to other load on the machine) and their ratio.
 
 With `--step`, also the whole training step of that model (`benchmarks/step_vs_dense.py`'s
-issue18 model and AdamW trainer: 3 KDA layers, 2 micro-batches), the mixers on the reference
+wide512 model and AdamW trainer: 3 KDA layers, 2 micro-batches), the mixers on the reference
 kernels against the fast ones, alternated step by step in the same process; the difference is
 what the fast kernels save per step.
 
@@ -41,7 +41,7 @@ from k3train.kernels.kda import raw_inputs  # noqa: E402
 from k3train.model import kda as kda_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ISSUE_MODEL = [
+WIDE_MODEL = [
     "model.hidden_size=512", "model.linear_attn_config.num_heads=8", "model.linear_attn_config.head_dim=64",
 ]
 REFERENCES = {
@@ -91,11 +91,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--step", action="store_true", help="also time the issue18 model's AdamW training step")
+    parser.add_argument("--step", action="store_true", help="also time the wide512 model's AdamW training step")
     parser.add_argument("--step-repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = load_config(str(ROOT / "recipes" / "debug.yaml"), ISSUE_MODEL).model
+    config = load_config(str(ROOT / "recipes" / "debug.yaml"), WIDE_MODEL).model
     torch.manual_seed(0)
     mixer = kda_module.KimiDeltaAttention(config)
     x = torch.randn(args.batch, args.seq, config.hidden_size, requires_grad=True)
@@ -166,13 +166,13 @@ def time_kernels(batch: int, seq: int, hidden: int, heads: int, head_dim: int, r
 
 
 def time_training_step(repeats: int) -> None:
-    """The issue18 model's AdamW step (`step_vs_dense.k3_trainer`) with its KDA mixers on the
+    """The wide512 model's AdamW step (`step_vs_dense.k3_trainer`) with its KDA mixers on the
     reference kernels and on the fast ones, alternated."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import step_vs_dense
 
     config = load_config(str(step_vs_dense.DEBUG_RECIPE), [
-        *step_vs_dense.ISSUE_MODEL, f"train.steps={2 * repeats + 4}", "logging.jsonl=false", "optimizer.name=adamw"])
+        *step_vs_dense.WIDE_MODEL, f"train.steps={2 * repeats + 4}", "logging.jsonl=false", "optimizer.name=adamw"])
     trainer = step_vs_dense.k3_trainer(config)
     contenders = {"reference": REFERENCES, "fast": {}}
     times = {name: [] for name in contenders}
@@ -186,7 +186,7 @@ def time_training_step(repeats: int) -> None:
                 trainer.train_step()
                 times[name].append(time.process_time() - start)
     reference, fast = (statistics.median(times[name]) for name in ("reference", "fast"))
-    print(f"\nissue18 training step (AdamW, {config.train.global_batch_size // config.train.micro_batch_size} "
+    print(f"\nwide512 training step (AdamW, {config.train.global_batch_size // config.train.micro_batch_size} "
           f"micro-batches of {config.train.micro_batch_size}x{config.data.seq_length}), median of {repeats} "
           f"(process CPU time): reference kernels {reference:.3f} s, fast kernels {fast:.3f} s, "
           f"saved {(reference - fast) * 1e3:.0f} ms per step ({reference / fast:.3f}x)")

@@ -330,7 +330,7 @@ def dense_mm(x, weights, group_ends):
 
 def table_e(args: argparse.Namespace) -> None:
     rows_out = []
-    for label, tokens, width, inner in (("debug", 256, 64, 64), ("issue", 1024, 256, 256)):
+    for label, tokens, width, inner in (("debug", 256, 64, 64), ("wide512", 1024, 256, 256)):
         config = dataclasses.replace(ModelConfig(), routed_expert_hidden_size=width, moe_intermediate_size=inner,
                                      num_experts=args.glu_experts, num_experts_per_token=args.glu_top_k)
         experts = LocalExperts(config, args.glu_experts)

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from benchmarks.step_vs_dense import DEBUG_RECIPE, ISSUE_MODEL  # noqa: E402
+from benchmarks.step_vs_dense import DEBUG_RECIPE, WIDE_MODEL  # noqa: E402
 from k3train.config import load_config  # noqa: E402
 from k3train.parallel.state import Layout, ParallelState  # noqa: E402
 from k3train.training.build import build_rank  # noqa: E402
@@ -36,7 +36,7 @@ STEPS = 4  # per case; the first is a warm-up
 def optimizer_times(cases: dict[str, list[str]], parallel: ParallelState) -> dict[str, dict[str, float]]:
     """Each case's median Newton–Schulz and exchange seconds and its NS GFLOP on this rank; the
     cases' steps alternate, so a machine that gets busier slows them alike."""
-    jobs = {label: build_rank(load_config(str(DEBUG_RECIPE), [*ISSUE_MODEL, *overrides]), parallel,
+    jobs = {label: build_rank(load_config(str(DEBUG_RECIPE), [*WIDE_MODEL, *overrides]), parallel,
                               torch.device("cpu")) for label, overrides in cases.items()}
     samples: dict[str, list[tuple[float, float, int]]] = {label: [] for label in cases}
     for step in range(STEPS):

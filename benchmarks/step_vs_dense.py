@@ -33,7 +33,7 @@ dense peer is re-sized to the new FLOPs per token), e.g. a larger batch for a GP
 
     OMP_NUM_THREADS=1 nice python benchmarks/step_vs_dense.py                    # both models, ~6 min
     OMP_NUM_THREADS=1 nice python benchmarks/step_vs_dense.py --models debug --steps 3
-    python benchmarks/step_vs_dense.py --device cuda --precision bf16 --models issue18 --steps 10 \
+    python benchmarks/step_vs_dense.py --device cuda --precision bf16 --models wide512 --steps 10 \
         --override train.global_batch_size=32 --override train.micro_batch_size=8
 """
 
@@ -65,14 +65,14 @@ from k3train.training.throughput import PeakFlops, measure_cpu_matmul_tflops, mu
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_RECIPE = ROOT / "recipes" / "debug.yaml"
-ISSUE_MODEL = [  # the 512-wide K3-shaped model: hidden 512, 3 KDA + 1 MLA, 2,048 tokens per step
+WIDE_MODEL = [  # the 512-wide K3-shaped model: hidden 512, 3 KDA + 1 MLA, 2,048 tokens per step
     "model.hidden_size=512", "model.num_hidden_layers=4", "model.num_attention_heads=8", "model.q_lora_rank=256",
     "model.kv_lora_rank=128", "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
     "model.linear_attn_config.num_heads=8", "model.linear_attn_config.head_dim=64", "model.intermediate_size=1408",
     "model.moe_intermediate_size=256", "model.routed_expert_hidden_size=256", "data.seq_length=512",
     "train.global_batch_size=4", "train.micro_batch_size=2",
 ]
-MODELS = {"debug": [], "issue18": ISSUE_MODEL}
+MODELS = {"debug": [], "wide512": WIDE_MODEL}
 PARTS = ("KDA kernel", "KDA projections", "MLA", "routed experts", "dispatch", "shared experts", "AttnRes",
          "optimizer", "other")
 
@@ -387,7 +387,7 @@ def measure_matmul_tflops(device: torch.device, precision: str) -> float:
 @dataclass
 class Comparison:
     """What `compare` measured: median step seconds per contender, tokens per step, and the
-    AdamW step's tokens/s over the dense peer's (the issue's number)."""
+    AdamW step's tokens/s over the dense peer's (the ratio the README's status states)."""
 
     step_seconds: dict[str, float]
     tokens: int
@@ -494,7 +494,7 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["debug", "issue18"])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["debug", "wide512"])
     parser.add_argument("--steps", type=int, default=3, help="measured steps per contender (after one warm-up)")
     parser.add_argument("--compile", action="store_true",
                         help="also time train.compile=true (AdamW): every region, and compile_regions=[attn_res]")

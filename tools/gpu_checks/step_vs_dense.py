@@ -18,15 +18,15 @@ def check_step_vs_dense(ctx: Context) -> Iterator[Row]:
     `--quick`, the 2,048-token case also times `train.compile=true` (every region: inductor's
     fused Triton kernels for the norms, activations and AttnRes mixes, the fused kernels the CPU
     lacks). PASS when every contender's loss is finite: the ratio is reported (`ref ms` the
-    dense step, `fast ms` the AdamW step, `speed-up` their ratio, the issue's 0.9× target for
+    dense step, `fast ms` the AdamW step, `speed-up` their ratio, the 0.9× goal for
     AdamW), not gated."""
     from benchmarks.step_vs_dense import ADAMW, COMPILED, COMPILED_ALL, DENSE, MODELS, MUON, compare, measure_matmul_tflops
 
     if ctx.cuda:
         precision, steps = "bf16", ctx.pick(8, 2)
-        cases = [("issue18 2k tokens", MODELS["issue18"], not ctx.small)]
+        cases = [("wide512 2k tokens", MODELS["wide512"], not ctx.small)]
         if not ctx.small:
-            cases.append(("issue18 16k tokens", MODELS["issue18"] + [
+            cases.append(("wide512 16k tokens", MODELS["wide512"] + [
                 "train.global_batch_size=32", "train.micro_batch_size=8"], False))
     else:
         precision, steps = "fp32", 1
