@@ -13,8 +13,10 @@ command-line options add to it or replace it (`--variant` adds variants, `--grid
 fields, `--seeds`/`--match`/`--baseline` replace; overrides after `--` apply to every run). Each run
 is one `pretrain_k3.py` process in `OUT/[SIZE/]VARIANT/seedK`; `--parallel N` runs N at once with
 `cores / N` threads each; `--nproc N` runs each under torchrun with N ranks (a sweep file may give a
-variant its own: `tp2: {overrides: [parallel.tp=2], nproc: 2}`). Rerunning the same
-command skips finished runs and resumes the others from their checkpoints. The report is
+variant its own: `tp2: {overrides: [parallel.tp=2], nproc: 2}`). While runs train, every
+`--progress` seconds one line per running job shows its step, planned steps and last loss.
+Rerunning the same command skips finished runs and resumes the others from their checkpoints
+(its first line says how many of each). The report is
 `OUT/report.md` with PNG plots beside it; `--report-only` rewrites it from the runs on disk.
 """
 
@@ -47,7 +49,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="a variant: its name, then its section.field=value overrides")
     parser.add_argument("--grid", action="append", default=[], metavar="FIELD=V1,V2",
                         help="a field swept over values, crossed with every variant")
-    parser.add_argument("--seeds", type=int, help="seeds per variant (train.seed and data.seed = base_seed + k)")
+    parser.add_argument("--seeds", type=int, help="seeds per variant (train.seed and data.seed = base_seed + k); the report "
+                        "claims a difference only from 3 or more")
     parser.add_argument("--baseline", help="the variant differences are taken against (default: the first)")
     parser.add_argument("--match", choices=MATCH_MODES,
                         help="give every variant the baseline's training FLOPs or tokens (steps adjusted)")
@@ -59,6 +62,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--launcher", help="a full launcher instead of --nproc (e.g. 'torchrun --nnodes 2 ...')")
     parser.add_argument("--threads", type=int, help="threads per rank (default: cores / (parallel × nproc))")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs on this machine, split among parallel runs")
+    parser.add_argument("--progress", type=float, default=30.0, metavar="SECONDS",
+                        help="seconds between progress lines (step, loss) of the running jobs; 0: every poll")
     parser.add_argument("--wandb-group", help="also log every run to wandb, in this group")
     parser.add_argument("--window", type=int, default=10, help="steps averaged for the final training loss")
     parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight of the past for plotted curves, [0, 1)")
@@ -70,6 +75,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("give --sweep FILE, --recipe RECIPE or --ladder RECIPE...")
     if args.parallel < 1 or args.nproc < 1:
         parser.error("--parallel and --nproc must be at least 1")
+    if args.progress < 0:
+        parser.error(f"--progress must be at least 0 seconds, got {args.progress}")
     if not 0.0 <= args.smooth < 1.0:
         parser.error(f"--smooth must lie in [0, 1), got {args.smooth}")
     return args, shared
@@ -119,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.report_only:
             options = LaunchOptions(parallel=args.parallel, nproc=args.nproc, launcher=args.launcher,
                                     threads=args.threads, cores=available_cores(), gpus=args.gpus,
-                                    wandb_group=args.wandb_group)
+                                    wandb_group=args.wandb_group, progress_s=args.progress)
             print(f"{len(runs)} runs, {args.parallel} at a time, {options.threads_per_rank()} thread(s) per rank; "
                   f"logs in {out}/<run>/train.log", flush=True)
-            outcomes = run_sweep(runs, out, options)
+            outcomes = run_sweep(runs, out, options, say=lambda line: print(line, flush=True))
             failed = [o for o in outcomes if o.status == "failed"]
             if any(o.status in ("stopped", "not started") for o in outcomes):
                 print("sweep stopped by a signal (running jobs saved checkpoints); rerun the same command to resume",

@@ -12,7 +12,7 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 STEP_FIELDS = ("loss", "grad_norm", "tokens_per_s", "expert_load_max_over_mean", "dropped_tokens")
 
@@ -101,6 +101,8 @@ class Band:
     mean: list[float]
     low: list[float]
     high: list[float]
+    seeds: int = 1
+    """Series the band is taken over: with one there is no band (low = mean = high)."""
 
 
 def band(per_seed: Sequence[tuple[Sequence[float], Sequence[Optional[float]]]]) -> Optional[Band]:
@@ -114,4 +116,16 @@ def band(per_seed: Sequence[tuple[Sequence[float], Sequence[Optional[float]]]]) 
         return None
     columns = [[m[x] for m in maps] for x in common]
     return Band(x=list(common), mean=[math.fsum(c) / len(c) for c in columns],
-                low=[min(c) for c in columns], high=[max(c) for c in columns])
+                low=[min(c) for c in columns], high=[max(c) for c in columns], seeds=len(per_seed))
+
+
+def band_caption(seed_counts: Iterable[int]) -> str:
+    """How to read the shading of a figure (or table) whose arms have these numbers of seeds: a
+    single seed has no spread to shade, and saying "min–max" over it would claim one."""
+    counts = sorted(set(seed_counts))
+    if not counts or counts == [1]:
+        return "1 seed: no band"
+    if counts[0] == 1:
+        return "band: min–max over seeds (arms with 1 seed: no band)"
+    seeds = f"{counts[0]} seeds" if len(counts) == 1 else "seeds"
+    return f"band: min–max over {seeds}"

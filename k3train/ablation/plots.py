@@ -1,13 +1,14 @@
 """The report's PNG plots (matplotlib, an optional dependency: `pip install matplotlib` or the
 `ablate` extra). Every figure puts one arm per colour: its mean over seeds as a line and the
-min–max over seeds as a band, against training tokens."""
+min–max over seeds as a band, against training tokens. An arm of one seed has no band: its legend
+entry and the figure's title say so rather than promise a spread that is not there."""
 
 from __future__ import annotations
 
 import pathlib
 from typing import Callable, Optional, Sequence
 
-from k3train.ablation.curves import Band, band, ema
+from k3train.ablation.curves import Band, band, band_caption, ema
 from k3train.ablation.ladder import PowerLaw
 from k3train.ablation.results import RunResult
 
@@ -69,11 +70,20 @@ def difference_bands(results: Sequence[RunResult], series: Series, baselines: di
     return {arm: b for arm, b in bands.items() if b is not None}
 
 
+def legend_label(arm: str, b: Band) -> str:
+    return f"{arm} (1 seed: no band)" if b.seeds < 2 else arm
+
+
 def _draw(axis, bands: dict[str, Band], colours: dict[str, str]) -> None:
     for arm, b in bands.items():
-        axis.plot(b.x, b.mean, label=arm, color=colours[arm], linewidth=1.2)
-        if any(lo != hi for lo, hi in zip(b.low, b.high)):
+        axis.plot(b.x, b.mean, label=legend_label(arm, b), color=colours[arm], linewidth=1.2)
+        if b.seeds >= 2 and any(lo != hi for lo, hi in zip(b.low, b.high)):
             axis.fill_between(b.x, b.low, b.high, color=colours[arm], alpha=0.2, linewidth=0)
+
+
+def figure_title(subject: str, panels: list[tuple[str, dict[str, Band]]]) -> str:
+    """`subject (…, band: …)` from the seeds of the bands actually drawn."""
+    return f"{subject} ({band_caption(b.seeds for _, bands in panels for b in bands.values())})"
 
 
 def _figure(plt, panels: list[tuple[str, dict[str, Band]]], colours, path: pathlib.Path, title: str,
@@ -110,21 +120,23 @@ def plot_size(results: Sequence[RunResult], baselines: dict[str, str], out: path
     colours = {arm: palette[i % len(palette)] for i, arm in enumerate(arms)}
     smoothed = f" (EMA {smoothing:g})" if smoothing else ""
     train = step_series("loss", smoothing)
+    loss = [(f"train loss{smoothed}", arm_bands(results, train)),
+            ("validation loss", arm_bands(results, validation_series))]
+    difference = [(f"Δ train loss{smoothed}", difference_bands(results, train, baselines)),
+                  ("Δ validation loss", difference_bands(results, validation_series, baselines))]
+    experts = [("expert load max/mean", arm_bands(results, step_series("expert_load_max_over_mean", smoothing))),
+               ("dropped slots per step", arm_bands(results, step_series("dropped_tokens")))]
+    gradients = [(f"grad norm{smoothed}", arm_bands(results, step_series("grad_norm", smoothing))),
+                 ("tokens/s", arm_bands(results, step_series("tokens_per_s")))]
+    baseline_names = ", ".join(sorted(set(baselines.values())))
     written = [
-        _figure(plt, [(f"train loss{smoothed}", arm_bands(results, train)),
-                      ("validation loss", arm_bands(results, validation_series))],
-                colours, out / f"{prefix}loss.png", "loss (mean over seeds, band: min–max)"),
-        _figure(plt, [(f"Δ train loss{smoothed}", difference_bands(results, train, baselines)),
-                      ("Δ validation loss", difference_bands(results, validation_series, baselines))],
-                colours, out / f"{prefix}loss_difference.png", "difference to " + ", ".join(sorted(set(baselines.values()))) + " (same seed; < 0 is better)",
-                zero_line=True),
-        _figure(plt, [("expert load max/mean", arm_bands(results, step_series("expert_load_max_over_mean", smoothing))),
-                      ("dropped slots per step", arm_bands(results, step_series("dropped_tokens")))],
-                colours, out / f"{prefix}experts.png", "routing: the busiest expert over the mean (max over MoE layers)"),
-        _figure(plt, [(f"grad norm{smoothed}", arm_bands(results, step_series("grad_norm", smoothing))),
-                      ("tokens/s", arm_bands(results, step_series("tokens_per_s")))],
-                colours, out / f"{prefix}grad_norm_throughput.png", "gradient norm (before clipping) and throughput",
-                log_y=False),
+        _figure(plt, loss, colours, out / f"{prefix}loss.png", figure_title("loss, mean over seeds", loss)),
+        _figure(plt, difference, colours, out / f"{prefix}loss_difference.png",
+                figure_title(f"difference to {baseline_names}, same seed; < 0 is better", difference), zero_line=True),
+        _figure(plt, experts, colours, out / f"{prefix}experts.png",
+                figure_title("routing: the busiest expert over the mean, max over MoE layers", experts)),
+        _figure(plt, gradients, colours, out / f"{prefix}grad_norm_throughput.png",
+                figure_title("gradient norm (before clipping) and throughput", gradients), log_y=False),
     ]
     return [path for path in written if path is not None]
 

@@ -12,9 +12,10 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from k3train.ablation.curves import band_caption
 from k3train.ablation.ladder import PowerLaw, compute_multiplier
 from k3train.ablation.results import ArmSummary
-from k3train.ablation.stats import Interval
+from k3train.ablation.stats import MIN_SEEDS, Interval
 
 SI_PREFIXES = ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
@@ -51,16 +52,39 @@ def format_interval(interval: Optional[Interval]) -> str:
     if interval is None:
         return "(baseline)"
     if interval.low is None:
-        return f"{format_signed(interval.estimate)} (no interval: {interval.method})"
+        return f"{format_signed(interval.estimate)} (no interval)"
     return f"{format_signed(interval.estimate)} [{format_signed(interval.low)}, {format_signed(interval.high)}]"
+
+
+def format_test(interval: Optional[Interval]) -> str:
+    """The test of the interval and its degrees of freedom (fractional for Welch's)."""
+    if interval is None or interval.dof is None:
+        return "–"
+    dof = f"{interval.dof:.0f}" if float(interval.dof).is_integer() else f"{interval.dof:.1f}"
+    return f"{interval.method}, ν = {dof}"
+
+
+def reading(interval: Optional[Interval]) -> str:
+    """What the interval says, decided on the bounds as printed: a bound that prints as ±0.0000
+    does not exclude 0, so the words never contradict the numbers beside them."""
+    if interval is None:
+        return "–"
+    if interval.low is None:
+        return interval.method
+    low, high = float(format_signed(interval.low)), float(format_signed(interval.high))
+    if low > 0:
+        return "higher: interval excludes 0"
+    if high < 0:
+        return "lower: interval excludes 0"
+    return "not distinguishable from seed noise"
 
 
 def summary_table(summaries: Sequence[ArmSummary], metric: str, confidence: float) -> str:
     name = "val loss" if metric == "validation" else "train loss"
     header = ["variant", "seeds", "steps", "tokens", f"final {name} (mean ± std)",
-              f"Δ vs baseline [{confidence:.0%} CI]", "tok/s", "params", "active params",
+              f"Δ vs baseline [{confidence:.0%} CI]", "test", "reading", "tok/s", "params", "active params",
               "train FLOPs/token", "train FLOPs"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * 5 + ["---"] * 2 + ["---:"] * 5) + "|"]
     for s in summaries:
         if len(s.final) >= 2:
             final = f"{format_loss(s.mean)} ± {format_loss(s.std)}"
@@ -68,10 +92,30 @@ def summary_table(summaries: Sequence[ArmSummary], metric: str, confidence: floa
             final = f"{format_loss(s.mean)} (1 seed)" if s.final else "–"
         lines.append("| " + " | ".join([
             s.arm, str(len(s.final)), f"{s.steps:,}", format_count(s.tokens), final, format_interval(s.difference),
+            format_test(s.difference), reading(s.difference),
             format_rate(s.throughput), format_count(s.parameters), format_count(s.active_parameters),
             format_count(s.flops_per_token), format_count(s.trained_flops),
         ]) + " |")
     return "\n".join(lines)
+
+
+def reading_rule(confidence: float) -> list[str]:
+    """The report's statement of the test behind Δ and its reading (k3train/ablation/stats.py)."""
+    alpha = 1 - confidence
+    return [
+        f"- Δ: mean(variant) − mean(baseline) ± t_(1−α/2, ν) · SE, a {confidence:.0%} Student-t interval (α = {alpha:.2g}). "
+        "Paired when both ran the same seeds k (same data order and initialisation streams): over "
+        "d_k = variant_k − baseline_k, SE = s_d / √n, ν = n − 1. Welch's otherwise: "
+        "SE = √(s_v²/n_v + s_b²/n_b), ν = (s_v²/n_v + s_b²/n_b)² / ((s_v²/n_v)²/(n_v − 1) + (s_b²/n_b)²/(n_b − 1)). "
+        "The *test* column names which, with its ν (paired differences without spread fall back to Welch's).",
+        "- Reading: with no true difference, t = Δ / SE follows Student's t with ν degrees of freedom, so "
+        f"|t| > t_(1−α/2, ν) happens with probability α; |Δ| > t_(1−α/2, ν) · SE is the same as the interval "
+        f"excluding 0. So an interval that excludes 0 (as printed) is the two-sided t-test rejecting \"no "
+        f"difference\" at level {alpha:.2g}: seed noise alone gives a difference that large less than {alpha:.0%} of "
+        f"the time. The *reading* column says *higher* or *lower* only then. With fewer than {MIN_SEEDS} seeds per arm "
+        "no claim is made: two seeds leave s one degree of freedom, and two per-seed differences that happen to "
+        "coincide give s = 0, a zero-width interval that excludes 0 by accident.",
+    ]
 
 
 def per_seed_table(summaries: Sequence[ArmSummary]) -> str:
@@ -142,9 +186,7 @@ class Report:
                     else f"the mean training loss of the last {self.window} steps (not every run evaluated its final step)")
         lines = [f"# {self.title}", "", "```", self.command, "```", "", *[f"- {d}" for d in self.description],
                  f"- Compared: {compared}; mean ± sample standard deviation over seeds.",
-                 f"- Δ: variant − baseline with a {self.confidence:.0%} Student-t confidence interval, paired over "
-                 "seeds when both ran the same seeds (same data order and initialisation streams), Welch's otherwise. "
-                 "An interval that excludes 0 is a difference the seeds' noise does not explain.",
+                 *reading_rule(self.confidence),
                  "- tok/s: median per run after 3 warm-up steps, mean over seeds (runs that shared the machine "
                  "measure each other's load too). FLOPs: model FLOPs of forward + backward "
                  "(`k3train/model/flops.py`).", ""]
@@ -153,6 +195,9 @@ class Report:
                 lines += [f"## Size `{size}`", ""]
             lines += [summary_table(summaries, self.metric, self.confidence), "",
                       "<details><summary>per seed</summary>", "", per_seed_table(summaries), "", "</details>", ""]
+            if self.plots.get(size):
+                seeds = [len(s.final_train) for s in summaries]
+                lines += [f"Plots: lines are the mean over seeds; {band_caption(seeds)}.", ""]
             for plot in self.plots.get(size, []):
                 lines += [f"![{pathlib.Path(plot).stem}]({plot})", ""]
         if self.ladder is not None:

@@ -5,7 +5,9 @@ Every run lives in `OUT/<run>/` with its `train.log`, its `metrics.jsonl` and ch
 invocation a run whose status is `done` with the same recipe and overrides is skipped; any other
 run is started again with `checkpoint.resume=auto`, so the job continues from its newest
 checkpoint (the training job's own resume). A run directory made by different overrides is an
-error, never silently reused.
+error, never silently reused. A rerun says how many runs it skips and how many continue from a
+checkpoint; while jobs train, every `progress_s` one line per running job gives its step, planned
+steps and last loss (followed from its metrics.jsonl, `k3train/ablation/progress.py`).
 
 Threads: `N` runs at once share the cores, each process gets `cores // (N · nproc)` intra-op
 threads (`train.num_threads`, and `OMP_NUM_THREADS` for anything torch starts before reading it).
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from k3train.ablation.grid import RunSpec
+from k3train.ablation.progress import MetricsFollower, RunProgress, format_elapsed, planned_steps
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 RUN_FILE = "ablate_run.json"
@@ -52,6 +55,8 @@ class LaunchOptions:
     gpus: int = 0
     wandb_group: Optional[str] = None
     poll_s: float = 0.5
+    progress_s: Optional[float] = 30.0
+    """Seconds between progress lines (one per running job); None: only start and end lines."""
     trainer: Sequence[str] = (str(CHECKOUT / "pretrain_k3.py"),)
     """The training entry point (a script path, run with this Python or under the launcher)."""
 
@@ -103,6 +108,25 @@ def is_done(run_dir: pathlib.Path, spec: RunSpec) -> bool:
     return record.get("status") == "done"
 
 
+def has_checkpoint(run_dir: pathlib.Path) -> bool:
+    """Whether the run saved a checkpoint (RESUME_OVERRIDES keep them in `run_dir/checkpoints`)."""
+    checkpoints = run_dir / "checkpoints"
+    return checkpoints.is_dir() and any(checkpoints.iterdir())
+
+
+def resume_summary(finished: int, continuing: int, restarting: int, fresh: int) -> Optional[str]:
+    """The line a rerun starts with; None for a sweep none of whose runs started before."""
+    if not (finished or continuing or restarting):
+        return None
+    parts = [f"{finished} run{'s' if finished != 1 else ''} finished (skipped)",
+             f"{continuing} continue{'s' if continuing == 1 else ''} from {'its' if continuing == 1 else 'their'} checkpoint{'s' if continuing != 1 else ''}"]
+    if restarting:
+        parts.append(f"{restarting} restart{'s' if restarting == 1 else ''} from step 0 (no checkpoint saved)")
+    if fresh:
+        parts.append(f"{fresh} not started before")
+    return "resuming: " + ", ".join(parts)
+
+
 def command_for(spec: RunSpec, run_dir: pathlib.Path, options: LaunchOptions) -> list[str]:
     nproc = spec.nproc or options.nproc
     if options.launcher:
@@ -132,6 +156,15 @@ STOPPED = 3
 """pretrain_k3.py's exit status after a signal it answered with a checkpoint."""
 
 
+def progress_lines(runs: Sequence[RunSpec], running: dict, followers: dict[int, MetricsFollower]) -> list[str]:
+    """One line per running job, in slot order, names padded so parallel jobs' columns align."""
+    by_slot = sorted(running.items(), key=lambda item: item[1][1])
+    width = max((len(runs[index].relative_dir) for index, _ in by_slot), default=0)
+    now = time.monotonic()
+    return [f"  {runs[index].relative_dir:<{width}}  {followers[index].progress.summary()}  "
+            f"({format_elapsed(now - started)})" for index, (_process, _slot, started, _log) in by_slot]
+
+
 def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions,
               say: Callable[[str], None] = print) -> list[RunOutcome]:
     """Run every run not already done, `options.parallel` at a time; returns one outcome per run
@@ -146,16 +179,23 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
         raise SweepError(f"--parallel {options.parallel} × {widest} ranks per run needs "
                          f"{options.parallel * widest} GPUs, --gpus says {options.gpus}")
     outcomes: dict[int, RunOutcome] = {}
-    pending = []
+    pending: list[int] = []
     for index, spec in enumerate(runs):
         run_dir = out / spec.relative_dir
         if is_done(run_dir, spec):
             outcomes[index] = RunOutcome(spec, run_dir, "skipped")
         else:
             pending.append(index)
-    if len(pending) < len(runs):
-        say(f"{len(runs) - len(pending)} of {len(runs)} runs finished before; running the other {len(pending)}")
+    continuing = {index for index in pending if has_checkpoint(out / runs[index].relative_dir)}
+    restarting = {index for index in pending
+                  if index not in continuing and read_record(out / runs[index].relative_dir) is not None}
+    summary = resume_summary(len(runs) - len(pending), len(continuing), len(restarting),
+                             len(pending) - len(continuing) - len(restarting))
+    if summary:
+        say(summary)
     running: dict[int, tuple[subprocess.Popen, int, float, object]] = {}
+    followers: dict[int, MetricsFollower] = {}
+    last_progress = time.monotonic()
     free_slots = list(range(options.parallel))
     stop_signals: list[int] = []
 
@@ -176,13 +216,22 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
                 run_dir = out / spec.relative_dir
                 write_record(run_dir, spec, "running")
                 log = open(run_dir / "train.log", "a")
-                say(f"start {spec.relative_dir}: {' '.join(spec.overrides)}")
+                verb = "continue" if index in continuing else "start"
+                say(f"{verb} {spec.relative_dir}: {' '.join(spec.overrides)}")
+                followers[index] = MetricsFollower(run_dir / "metrics.jsonl", RunProgress(planned_steps(spec)))
                 process = subprocess.Popen(command_for(spec, run_dir, options), stdout=log,
                                            stderr=subprocess.STDOUT, env=environment_for(spec, slot, options))
                 running[index] = (process, slot, time.monotonic(), log)
             if stop_signals and not running:
                 break
             time.sleep(options.poll_s)
+            for follower in followers.values():
+                follower.poll()
+            # before finished jobs are reaped, so even a job shorter than progress_s is shown once it ends
+            if options.progress_s is not None and time.monotonic() - last_progress >= options.progress_s:
+                last_progress = time.monotonic()
+                for line in progress_lines(runs, running, followers):
+                    say(line)
             for index in [i for i, (process, *_rest) in running.items() if process.poll() is not None]:
                 process, slot, started, log = running.pop(index)
                 log.close()
@@ -197,8 +246,9 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
                     status = "failed"
                 write_record(run_dir, spec, status, returncode=process.returncode, seconds=round(seconds, 1))
                 outcomes[index] = RunOutcome(spec, run_dir, status, process.returncode, seconds)
+                progress = followers.pop(index).progress
                 tail = "" if status == "done" else f" (exit {process.returncode}; see {run_dir / 'train.log'})"
-                say(f"{status} {spec.relative_dir} in {seconds:.0f} s{tail}")
+                say(f"{status} {spec.relative_dir} in {format_elapsed(seconds)}: {progress.summary()}{tail}")
     except KeyboardInterrupt:
         for process, *_rest in running.values():
             try:

@@ -7,10 +7,22 @@ avoids a scipy dependency for one function, works for any `ν` (Welch's interval
 degrees of freedom, which a printed table cannot serve), and is checked against published values
 (`t_{0.975}(1) = 12.7062`, `t_{0.975}(2) = 4.3027`, `t_{0.975}(10) = 2.2281`) in the tests.
 
-Differences to the baseline: when both arms ran the same seeds (the same data order and
-initialisation streams), the interval is the paired one — the t interval of the per-seed
-differences, `n − 1` degrees of freedom — which removes the noise the seeds share. Otherwise it is
-Welch's interval with the Welch–Satterthwaite degrees of freedom.
+Differences to the baseline, and the test behind the report's reading rule. Under "no difference"
+the statistic `t = Δ / SE` follows Student's t with `ν` degrees of freedom, so
+`P(|t| > t_{1−α/2, ν}) = α`; `|Δ| > t_{1−α/2, ν} · SE` is the same as 0 lying outside
+`Δ ± t_{1−α/2, ν} · SE`. An interval that excludes 0 is therefore exactly a two-sided t-test
+rejecting "no difference" at level α.
+
+- Paired (both arms ran the same seeds: the same data order and initialisation streams): over
+  `d_k = variant_k − baseline_k`, `SE = s_d / √n`, `ν = n − 1`. It removes the noise the seeds share.
+- Welch's otherwise: `SE = √(s_v²/n_v + s_b²/n_b)`, `ν` by Welch–Satterthwaite,
+  `(s_v²/n_v + s_b²/n_b)² / ((s_v²/n_v)²/(n_v − 1) + (s_b²/n_b)²/(n_b − 1))`.
+
+Below `MIN_SEEDS` seeds per arm there is no interval at all: with two seeds `s` rests on one
+degree of freedom, and two paired differences that happen to coincide give `s_d = 0`, a
+zero-width interval that "excludes" 0 by accident. Paired differences with no spread at three
+seeds or more fall back to Welch's interval (each arm's own spread), and no spread there either
+gives no interval.
 """
 
 from __future__ import annotations
@@ -91,42 +103,60 @@ def student_t_quantile(probability: float, dof: float) -> float:
     return 0.5 * (low + high)
 
 
+MIN_SEEDS = 3
+"""Seeds per arm below which a difference gets no interval (see the module docstring)."""
+
+
 @dataclass(frozen=True)
 class Interval:
-    """A difference (or mean) with its two-sided confidence interval."""
+    """A difference (or mean) with its two-sided confidence interval and the test it came from."""
 
     estimate: float
     low: Optional[float]
     high: Optional[float]
-    """None when there are too few seeds for an interval (one per arm)."""
+    """None when there is no interval (too few seeds, no spread): `method` says why."""
     method: str
+    """'t', 'paired t' or 'Welch t' (with `dof`), else the reason there is no interval."""
+    dof: Optional[float] = None
+    """Degrees of freedom of the t quantile; None without an interval."""
+    seeds: int = 0
+    """Seeds per arm the interval rests on (the smaller arm's for Welch's)."""
 
 
 def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
     centre = mean(values)
     if len(values) < 2:
-        return Interval(centre, None, None, "single value")
-    half = student_t_quantile(0.5 + confidence / 2, len(values) - 1) * sample_std(values) / math.sqrt(len(values))
-    return Interval(centre, centre - half, centre + half, f"t, {len(values) - 1} dof")
+        return Interval(centre, None, None, "single value", seeds=len(values))
+    dof = len(values) - 1
+    half = student_t_quantile(0.5 + confidence / 2, dof) * sample_std(values) / math.sqrt(len(values))
+    return Interval(centre, centre - half, centre + half, "t", dof=dof, seeds=len(values))
+
+
+def too_few_seeds(seeds: int) -> str:
+    return f"too few seeds to tell (n={seeds}; need ≥ {MIN_SEEDS})"
 
 
 def difference_interval(variant: dict[int, float], baseline: dict[int, float], confidence: float = 0.95) -> Interval:
     """`mean(variant) − mean(baseline)` with its interval; both map a seed index to a value.
 
-    Paired over the seeds both have when they have the same seeds (at least two); Welch's
-    unequal-variance interval otherwise."""
-    if variant and set(variant) == set(baseline) and len(variant) >= 2:
-        differences = [variant[seed] - baseline[seed] for seed in sorted(variant)]
-        interval = mean_interval(differences, confidence)
-        return Interval(interval.estimate, interval.low, interval.high, f"paired t, {len(differences) - 1} dof")
+    Paired when both have the same seeds, Welch's otherwise; no interval under `MIN_SEEDS` seeds
+    in either arm."""
     a, b = list(variant.values()), list(baseline.values())
     estimate = mean(a) - mean(b)
-    if len(a) < 2 or len(b) < 2:
-        return Interval(estimate, None, None, "too few seeds")
+    seeds = min(len(a), len(b))
+    if seeds < MIN_SEEDS:
+        return Interval(estimate, None, None, too_few_seeds(seeds), seeds=seeds)
+    method = "Welch t"
+    if set(variant) == set(baseline):
+        differences = [variant[seed] - baseline[seed] for seed in sorted(variant)]
+        paired = mean_interval(differences, confidence)
+        if paired.high != paired.low:
+            return Interval(estimate, paired.low, paired.high, "paired t", dof=paired.dof, seeds=seeds)
+        method = "Welch t (paired differences without spread)"
     va, vb = sample_std(a) ** 2 / len(a), sample_std(b) ** 2 / len(b)
     spread = math.sqrt(va + vb)
     if spread == 0.0:
-        return Interval(estimate, estimate, estimate, "Welch t, no spread")
+        return Interval(estimate, None, None, "no spread over seeds: cannot tell", seeds=seeds)
     dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     half = student_t_quantile(0.5 + confidence / 2, dof) * spread
-    return Interval(estimate, estimate - half, estimate + half, f"Welch t, {dof:.1f} dof")
+    return Interval(estimate, estimate - half, estimate + half, method, dof=dof, seeds=seeds)

@@ -47,8 +47,9 @@ def describe(sweep: Sweep, runs: Sequence[RunSpec]) -> list[str]:
     for arm in sweep.arms():
         lines.append(f"Variant `{arm.name}`: `{' '.join(arm.overrides) or '(recipe as is)'}`")
     if sweep.match:
-        lines.append(f"Matched {sweep.match}: each variant's `train.steps` (and `train.eval_interval`) set so it "
-                     f"trains the baseline's {sweep.match}; the table's last column shows the realised FLOPs")
+        lines.append(f"Matched {sweep.match}: each variant's `train.steps` set so it trains the baseline's "
+                     f"{sweep.match} to within one step, and its `train.eval_interval` to a divisor of those steps "
+                     f"(the final step is evaluated); the table's last column shows the realised FLOPs")
     return lines
 
 

@@ -9,11 +9,20 @@ import pathlib
 import pytest
 
 from k3train.ablation import stats
-from k3train.ablation.curves import band, ema, read_curves
+from k3train.ablation.curves import band, band_caption, ema, read_curves
 from k3train.ablation.grid import Sweep, Variant, expand, load_sweep_file, parse_grid_option
 from k3train.ablation.ladder import PowerLaw, compute_multiplier, fit_power_law
-from k3train.ablation.matching import apply_match, match_overrides, matched_steps, run_cost
-from k3train.ablation.report import format_count, format_interval, format_rate, summary_table
+from k3train.ablation.matching import MatchedSteps, apply_match, match_overrides, matched_steps, run_cost
+from k3train.ablation.plots import figure_title, legend_label
+from k3train.ablation.report import (
+    format_count,
+    format_interval,
+    format_rate,
+    format_test,
+    reading,
+    reading_rule,
+    summary_table,
+)
 from k3train.ablation.results import ArmSummary
 from k3train.recipe import ConfigError
 
@@ -116,11 +125,50 @@ def test_confidence_intervals_paired_and_welch():
     assert stats.difference_interval({0: 1.0}, {0: 2.0}).low is None  # one seed: no interval
 
 
+def test_no_claim_below_three_seeds_and_the_reading_follows_the_printed_interval():
+    # the reported case: 2 seeds whose paired differences coincide (zero spread, a zero-width
+    # interval that "excluded" 0); no interval and no claim now
+    two = stats.difference_interval({0: 2.05, 1: 2.10}, {0: 2.04, 1: 2.09})
+    assert two.low is None and two.method == "too few seeds to tell (n=2; need ≥ 3)"
+    assert reading(two) == two.method and "(no interval)" in format_interval(two)
+    welch_two = stats.difference_interval({0: 2.0, 1: 2.1}, {5: 1.9, 6: 2.2})
+    assert welch_two.low is None and "n=2" in welch_two.method
+    # 3 seeds whose paired differences coincide: each arm's own spread (Welch's), never zero width
+    three = stats.difference_interval({0: 2.01, 1: 2.11, 2: 2.21}, {0: 2.0, 1: 2.1, 2: 2.2})
+    assert three.method.startswith("Welch") and three.low < 0 < three.high and reading(three).startswith("not")
+    paired = stats.difference_interval({0: 2.02, 1: 2.121, 2: 2.219}, {0: 2.0, 1: 2.1, 2: 2.2})
+    assert paired.method == "paired t" and paired.dof == 2 and format_test(paired) == "paired t, ν = 2"
+    assert reading(paired) == "higher: interval excludes 0" and paired.low > 0
+    # decided on the bounds as printed: a low bound that prints as +0.0000 does not exclude 0
+    assert reading(stats.Interval(0.01, 0.00002, 0.02, "paired t", dof=2, seeds=3)) == "not distinguishable from seed noise"
+    assert reading(stats.Interval(-0.02, -0.03, -0.01, "paired t", dof=2, seeds=3)) == "lower: interval excludes 0"
+    rule = " ".join(reading_rule(0.95))
+    assert "two-sided t-test" in rule and "fewer than 3 seeds" in rule and "Welch" in rule
+
+
+def test_one_seed_has_no_band_in_plots_or_captions():
+    single = band([([1, 2], [3.0, 2.0])])
+    assert single.seeds == 1 and legend_label("a", single) == "a (1 seed: no band)"
+    assert band_caption([1, 1]) == "1 seed: no band"
+    assert band_caption([3, 3]) == "band: min–max over 3 seeds"
+    assert band_caption([1, 3]) == "band: min–max over seeds (arms with 1 seed: no band)"
+    three = band([([1, 2], [3.0, 2.0]), ([1, 2], [3.5, 2.5]), ([1, 2], [2.5, 1.5])])
+    assert figure_title("loss", [("train", {"a": single, "b": single})]) == "loss (1 seed: no band)"
+    assert figure_title("loss", [("train", {"a": three})]) == "loss (band: min–max over 3 seeds)"
+
+
 # ------------------------------------------------------------------ FLOP matching
-def test_matched_steps_keep_the_final_step_evaluated():
-    assert matched_steps(1000.0, 10.0, 0) == (100, 0)
-    steps, interval = matched_steps(1000.0, 3.3, 6)  # exact 303.03 steps, 6 evaluations
-    assert (steps, interval) == (306, 51)  # 303.03 / 6 = 50.5 evaluations apart, rounded: off by < 6 / 2 steps
+def test_matched_steps_are_within_one_step_and_keep_the_final_step_evaluated():
+    assert matched_steps(1000.0, 10.0, 0) == MatchedSteps(100, 0)
+    assert matched_steps(1000.0, 10.0, 25.0) == MatchedSteps(100, 25)  # the baseline itself: unchanged
+    matched = matched_steps(1000.0, 3.3, 50.5)  # exact 303.03 steps, evaluated about every 50.5
+    assert abs(matched.steps - 1000.0 / 3.3) < 1 and matched.steps % matched.eval_interval == 0
+    # a short run: 20 baseline steps evaluated every 5, a variant costing 1.1× per step. Whole
+    # intervals of 5 rounded 18.2 steps back to 20 (no match at all).
+    matched = matched_steps(20.0, 1.1, 5.0 / 1.1)
+    assert matched.steps == 18 and matched.steps % matched.eval_interval == 0
+    # 101 steps is prime (every step or only the last): 100 = 10 · 10 keeps the spacing near 10
+    assert matched_steps(100.6, 1.0, 10.0) == MatchedSteps(100, 10)
 
 
 def test_flop_matching_gives_every_arm_the_baselines_flops():
@@ -130,13 +178,26 @@ def test_flop_matching_gives_every_arm_the_baselines_flops():
     base = run_cost(TINY, ("model.attn_res=none",))
     for spec in matched:
         cost = run_cost(spec.recipe, spec.overrides)
-        assert abs(cost.flops - base.flops) / base.flops < 0.02, spec.arm
-        assert cost.steps % cost.eval_interval == 0 and cost.steps // cost.eval_interval == base.steps // base.eval_interval
+        per_step = cost.tokens_per_step * cost.flops_per_token
+        assert abs(cost.flops - base.flops) < per_step, spec.arm  # within one of its own steps
+        assert cost.steps % cost.eval_interval == 0, spec.arm  # the final step is evaluated
     full = run_cost(TINY, next(s for s in matched if s.arm == "full").overrides)
     assert full.flops_per_token > base.flops_per_token and full.steps < base.steps  # full AttnRes costs more per token
     # tokens: the half-length sequences get twice the steps
     tokens = match_overrides("tokens", base, run_cost(TINY, ("data.seq_length=32",)))
     assert tokens[0] == f"train.steps={2 * base.steps}"
+
+
+def test_flop_matching_changes_a_short_run():
+    """100 steps evaluated every 10: full AttnRes's 1.8 % more FLOPs per token cost it 2 steps
+    (whole intervals of 10 left it at 100), and its final step is still evaluated."""
+    sweep = Sweep(recipes=[TINY], variants=[Variant("none", ("model.attn_res=none",)), Variant("full", ("model.attn_res=full",))],
+                  overrides=("train.steps=100", "train.eval_interval=10"))
+    base, full = (run_cost(s.recipe, s.overrides) for s in apply_match(expand(sweep), "flops", sweep.baseline_arms()))
+    assert (base.steps, base.eval_interval) == (100, 10)
+    exact = base.flops / (full.tokens_per_step * full.flops_per_token)
+    assert 97.5 < exact < 98.5 and full.steps == 98 and full.steps % full.eval_interval == 0
+    assert 5 <= full.steps // full.eval_interval <= 20  # about the baseline's 10 evaluations
 
 
 # ------------------------------------------------------------------ ladder
@@ -173,9 +234,10 @@ def test_number_formats_are_fixed_per_kind():
     assert format_rate(968.5134) == "969" and format_rate(1234.0) == "1,234"
     row = ArmSummary(size=None, arm="full", final={0: 2.0, 1: 2.2}, final_train={}, steps=1200, tokens=614_400,
                      trained_flops=1.1e12, throughput=968.6, parameters=781_000, active_parameters=274_000,
-                     flops_per_token=1.9e6, difference=stats.Interval(-0.01, -0.03, 0.01, "paired"))
+                     flops_per_token=1.9e6, difference=stats.Interval(-0.01, -0.03, 0.01, "Welch t", dof=3.47, seeds=3))
     table = summary_table([row], "validation", 0.95)
-    assert "| full | 2 | 1,200 | 614 k | 2.1000 ± 0.1414 | -0.0100 [-0.0300, +0.0100] | 969 | 781 k | 274 k | 1.90 M | 1.10 T |" in table
+    assert ("| full | 2 | 1,200 | 614 k | 2.1000 ± 0.1414 | -0.0100 [-0.0300, +0.0100] | Welch t, ν = 3.5 "
+            "| not distinguishable from seed noise | 969 | 781 k | 274 k | 1.90 M | 1.10 T |") in table
     assert format_interval(None) == "(baseline)"
 
 

@@ -18,7 +18,8 @@ import pytest
 
 from k3train.ablation.curves import read_curves
 from k3train.ablation.grid import Sweep, Variant, expand
-from k3train.ablation.runner import RUN_FILE, LaunchOptions, SweepError, command_for, run_sweep
+from k3train.ablation.progress import MetricsFollower, RunProgress
+from k3train.ablation.runner import RUN_FILE, LaunchOptions, SweepError, command_for, resume_summary, run_sweep
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(CHECKOUT / "recipes" / "ladder" / "cpu-tiny.yaml")
@@ -63,17 +64,26 @@ def test_interrupted_sweep_skips_finished_runs_and_resumes_the_others(tmp_path):
                   overrides=("train.steps=6",))
     runs = expand(sweep)
     out = tmp_path / "out"
-    options = LaunchOptions(parallel=2, cores=4, poll_s=0.05, trainer=(str(trainer),))
+    options = LaunchOptions(parallel=2, cores=4, poll_s=0.05, progress_s=0.0, trainer=(str(trainer),))
     crashing = out / "b" / "seed1"
     crashing.mkdir(parents=True)
     (crashing / "crash_at").write_text("5")  # dies after step 5; its newest checkpoint is step 4
 
-    first = run_sweep(runs, out, options, say=lambda line: None)
+    said: list[str] = []
+    first = run_sweep(runs, out, options, say=said.append)
     assert [o.status for o in first] == ["done", "done", "done", "failed"]
     assert json.loads((crashing / RUN_FILE).read_text())["status"] == "failed"
+    assert not any(line.startswith("resuming") for line in said)  # a fresh sweep resumes nothing
+    # progress_s=0: a line per running job at every poll; every job is polled at least once after
+    # its last step (progress is printed before finished jobs are reaped)
+    assert any(line.split()[:3] == ["a/seed0", "step", "6/6"] and "loss 16.7400" in line for line in said), said
+    assert any(line.startswith("done a/seed0") and "step 6/6" in line for line in said)
 
-    second = run_sweep(runs, out, options, say=lambda line: None)
+    said.clear()
+    second = run_sweep(runs, out, options, say=said.append)
     assert [o.status for o in second] == ["skipped", "skipped", "skipped", "done"]
+    assert said[0] == "resuming: 3 runs finished (skipped), 1 continues from its checkpoint"
+    assert any(line.startswith("continue b/seed1") for line in said)
     # the finished runs started once; the crashed one again, from its checkpoint at step 4
     assert (out / "a" / "seed0" / "starts.txt").read_text() == "0 threads=2 omp=2\n"
     assert [line.split()[0] for line in (crashing / "starts.txt").read_text().splitlines()] == ["0", "4"]
@@ -120,6 +130,26 @@ def test_sigterm_stops_the_sweep_with_checkpoints_and_the_same_sweep_resumes(tmp
     assert read_curves(metrics).steps == list(range(1, 401))
 
 
+def test_resume_line_counts_finished_continuing_restarting_and_new_runs():
+    assert resume_summary(0, 0, 0, 4) is None
+    assert resume_summary(3, 2, 0, 0) == "resuming: 3 runs finished (skipped), 2 continue from their checkpoints"
+    assert resume_summary(1, 0, 1, 2) == ("resuming: 1 run finished (skipped), 0 continue from their checkpoints, "
+                                          "1 restarts from step 0 (no checkpoint saved), 2 not started before")
+
+
+def test_metrics_follower_reads_only_complete_appended_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    follower = MetricsFollower(path, RunProgress(planned_steps=10))
+    assert follower.poll().summary() == "step 0/10 (0%)"  # no file yet
+    path.write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n" + '{"step": 2, "lo')
+    assert follower.poll().step == 1  # the half-written line waits
+    with open(path, "a") as metrics:
+        metrics.write('ss": 4.5}\n' + json.dumps({"step": 2, "validation_loss": 4.75}) + "\n")
+    assert follower.poll().summary() == "step 2/10 (20%), loss 4.5000, val 4.7500"
+    path.write_text(json.dumps({"step": 1, "loss": 6.0}) + "\n")  # replaced by a shorter file: reread
+    assert follower.poll().loss == 6.0
+
+
 def test_commands_threads_and_gpus_per_slot(tmp_path):
     spec = expand(Sweep(recipes=[TINY], variants=[Variant("a", ("train.steps=3",))]))[0]
     options = LaunchOptions(parallel=2, nproc=2, cores=16)
@@ -152,12 +182,13 @@ def test_a_real_two_step_sweep_writes_its_report_and_resumes_as_a_no_op(tmp_path
     assert ablate.main(argv) == 0
     report = (tmp_path / "report.md").read_text()
     assert "| none | 1 | 2 | 1.02 k |" in report and "(1 seed) | (baseline)" in report  # 2 steps of 512 tokens
-    assert "no interval: too few seeds" in report
+    assert "(no interval) | – | too few seeds to tell (n=1; need ≥ 3) |" in report
+    assert "1 seed: no band" in report and "band: min–max" not in report
     for plot in ("loss.png", "loss_difference.png", "experts.png", "grad_norm_throughput.png"):
         assert (tmp_path / plot).stat().st_size > 0 and f"({plot})" in report
     logs = {p: p.stat().st_mtime for p in tmp_path.glob("*/seed*/train.log")}
     assert len(logs) == 2
     capsys.readouterr()
     assert ablate.main(argv) == 0  # everything finished: nothing runs, the report is rewritten
-    assert "2 of 2 runs finished before" in capsys.readouterr().out
+    assert "resuming: 2 runs finished (skipped), 0 continue from their checkpoints" in capsys.readouterr().out
     assert {p: p.stat().st_mtime for p in logs} == logs
