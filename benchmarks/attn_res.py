@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import types
 from pathlib import Path
@@ -28,14 +27,12 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from k3train.config import JobConfig  # noqa: E402
-from k3train.kernels.attn_res import attn_res_mix_reference  # noqa: E402
-from k3train.model.attn_res import AttentionResidual  # noqa: E402
-from k3train.model.k3 import K3Model  # noqa: E402
-from k3train.recipe import load_recipe  # noqa: E402
-from k3train.training.compile import compile_elementwise  # noqa: E402
+from k3train.config import JobConfig
+from k3train.kernels.attn_res import attn_res_mix_reference
+from k3train.model.attn_res import AttentionResidual
+from k3train.model.k3 import K3Model
+from k3train.recipe import load_recipe
+from k3train.training.compile import compile_elementwise
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"
 # A K3-shaped model of hidden 512, 4 layers (3 KDA + 1 MLA), 2,048 tokens per step.

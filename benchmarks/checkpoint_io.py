@@ -16,20 +16,17 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-import k3train.checkpoint.checkpointer as checkpointer_module  # noqa: E402
-import k3train.checkpoint.writing as writing_module  # noqa: E402
-from k3train.checkpoint import Checkpointer  # noqa: E402
-from k3train.checkpoint.verify import verify_checkpoint  # noqa: E402
+import k3train.checkpoint.checkpointer as checkpointer_module
+import k3train.checkpoint.writing as writing_module
+from k3train.checkpoint import Checkpointer
+from k3train.checkpoint.verify import verify_checkpoint
 
 
 def debug_model_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
@@ -149,7 +146,7 @@ def main() -> None:
         io_costs("debug model", lambda: {"model": model, "optimizer": optimizer, **extras}, root / "debug", args.repeats)
         big = big_state(args.gb)
         io_costs(f"{args.gb:g} GB state", lambda: big, root / "big", args.repeats)
-        del big
+        big = None  # free the state before the stall test (the lambda reads the name, not the value)
         stall(root / "stall", args.steps)
     finally:
         shutil.rmtree(root, ignore_errors=True)

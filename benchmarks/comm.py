@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
 LAYOUTS = [
     dict(name="DP2", dp=2, zero1=False),
     dict(name="DP2 ZeRO-1", dp=2, zero1=True),
@@ -80,7 +78,7 @@ def main() -> int:
     unknown = set(args.layouts or []) - {l["name"] for l in layouts}
     if unknown:
         parser.error(f"unknown layouts {sorted(unknown)}; choose from {[l['name'] for l in LAYOUTS]}")
-    from k3train.planning.traffic import describe_terms, TrafficTerm
+    from k3train.planning.traffic import TrafficTerm, describe_terms
     from tests.distributed.harness import run_workers
 
     payload = dict(recipe=args.recipe, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,

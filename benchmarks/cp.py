@@ -31,14 +31,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from k3train.kernels.kda import chunk_kda  # noqa: E402
+from k3train.kernels.kda import chunk_kda
 
 # K3 (recipes/k3.yaml): hidden 7168, 96 KDA heads of 128, MLA latent 512 + 64 rope, 96 MLA heads
 # with qk_head_dim 192 and v_head_dim 128, short convolutions of 4 taps.

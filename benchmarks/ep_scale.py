@@ -38,10 +38,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout
+from k3train.parallel import expert_plan as plan
 
-from k3train.parallel import expert_plan as plan  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_old_module(revision: str, path: str = "parallel/expert.py"):

@@ -31,24 +31,20 @@ import argparse
 import contextlib
 import dataclasses
 import statistics
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-import benchmarks.step_vs_dense as step_bench  # noqa: E402
-import k3train.model.mla as mla_module  # noqa: E402
-from k3train.config import load_config  # noqa: E402
-from k3train.kernels.situ_glu import situ_glu, situ_glu_reference  # noqa: E402
-from k3train.model.config import ModelConfig  # noqa: E402
-from k3train.model.mlp import GLUMLP  # noqa: E402
-from k3train.kernels.norms import rms_norm, rms_norm_reference  # noqa: E402
-from k3train.model.moe import LocalExperts  # noqa: E402
-from k3train.model.norm import RMSNorm  # noqa: E402
+import k3train.benchmarking.step_comparison as step_bench
+import k3train.model.mla as mla_module
+from k3train.config import load_config
+from k3train.kernels.norms import rms_norm, rms_norm_reference
+from k3train.kernels.situ_glu import situ_glu, situ_glu_reference
+from k3train.model.config import ModelConfig
+from k3train.model.mlp import GLUMLP
+from k3train.model.moe import LocalExperts
+from k3train.model.norm import RMSNorm
 
 
 def cpu_ms(function, repeats: int) -> float:

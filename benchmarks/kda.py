@@ -30,10 +30,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from k3train.kernels.kda import chunk_kda, naive_recurrent_kda  # noqa: E402
-from k3train.model.flops import kda_chunk_flops_per_chunk  # noqa: E402
+from k3train.kernels.kda import chunk_kda, naive_recurrent_kda
+from k3train.model.flops import kda_chunk_flops_per_chunk
 
 
 def load_chunk_module(path: str, siblings: list[str] = ()):

@@ -25,20 +25,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from k3train.config import load_config  # noqa: E402
-from k3train.kernels.kda import kda_gate_reference, kda_gate_unbounded_reference  # noqa: E402
-from k3train.kernels.norms import gated_rms_norm_reference, l2_normalize_reference  # noqa: E402
-from k3train.kernels.short_conv import short_conv_silu_reference  # noqa: E402
-from k3train.kernels.kda import raw_inputs  # noqa: E402
-from k3train.model import kda as kda_module  # noqa: E402
+from k3train.config import load_config
+from k3train.kernels.kda import kda_gate_reference, kda_gate_unbounded_reference, raw_inputs
+from k3train.kernels.norms import gated_rms_norm_reference, l2_normalize_reference
+from k3train.kernels.short_conv import short_conv_silu_reference
+from k3train.model import kda as kda_module
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDE_MODEL = [
@@ -146,7 +142,7 @@ def time_kernels(batch: int, seq: int, hidden: int, heads: int, head_dim: int, r
         "decay gate (bounded)": (lambda: kda_gate_reference(gate_z, a_log, dt_bias),
                                  lambda: kda_gate(gate_z, a_log, dt_bias)),
     }
-    print(f"\n| kernel, forward + backward | reference (ms) | fast (ms) | reference / fast |")
+    print("\n| kernel, forward + backward | reference (ms) | fast (ms) | reference / fast |")
     print("|---|---:|---:|---:|")
     for name, (reference, fast) in cases.items():
         times: dict[str, list[float]] = {"reference": [], "fast": []}
@@ -168,8 +164,7 @@ def time_kernels(batch: int, seq: int, hidden: int, heads: int, head_dim: int, r
 def time_training_step(repeats: int) -> None:
     """The wide512 model's AdamW step (`step_vs_dense.k3_trainer`) with its KDA mixers on the
     reference kernels and on the fast ones, alternated."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import step_vs_dense
+    from k3train.benchmarking import step_comparison as step_vs_dense
 
     config = load_config(str(step_vs_dense.DEBUG_RECIPE), [
         *step_vs_dense.WIDE_MODEL, f"train.steps={2 * repeats + 4}", "logging.jsonl=false", "optimizer.name=adamw"])

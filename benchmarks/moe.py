@@ -30,24 +30,31 @@ import argparse
 import dataclasses
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from k3train.model.balance import (  # noqa: E402
-    Balancer, ExactQuantileBalancer, HistogramQuantileBalancer, SignBalancer, histogram_quantile, kth_largest_cutoff,
+from k3train.kernels.grouped_gemm import grouped_mm, grouped_mm_reference
+from k3train.model.balance import (
+    Balancer,
+    ExactQuantileBalancer,
+    HistogramQuantileBalancer,
+    SignBalancer,
+    histogram_quantile,
+    kth_largest_cutoff,
 )
-from k3train.kernels.grouped_gemm import grouped_mm, grouped_mm_reference  # noqa: E402
-from k3train.model.config import ModelConfig  # noqa: E402
-from k3train.model.moe import LocalExperts  # noqa: E402
-from k3train.parallel.comm import Group, TrafficCounter  # noqa: E402
-from k3train.parallel.expert import ExpertParallel  # noqa: E402
-from k3train.parallel.expert_plan import (  # noqa: E402
-    capacity_per_destination, capacity_per_pair, destination_room, home_route, pack_slots, pair_slots, plan_replicas,
+from k3train.model.config import ModelConfig
+from k3train.model.moe import LocalExperts
+from k3train.parallel.comm import Group, TrafficCounter
+from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.expert_plan import (
+    capacity_per_destination,
+    capacity_per_pair,
+    destination_room,
+    home_route,
+    pack_slots,
+    pair_slots,
+    plan_replicas,
     replica_route,
 )
 

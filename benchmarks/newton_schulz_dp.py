@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -22,22 +21,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from k3train.benchmarking.step_comparison import DEBUG_RECIPE, WIDE_MODEL
+from k3train.config import load_config
+from k3train.parallel.state import Layout, ParallelState
+from k3train.training.build import build_rank
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout
-
-from benchmarks.step_vs_dense import DEBUG_RECIPE, WIDE_MODEL  # noqa: E402
-from k3train.config import load_config  # noqa: E402
-from k3train.parallel.state import Layout, ParallelState  # noqa: E402
-from k3train.training.build import build_rank  # noqa: E402
-
 STEPS = 4  # per case; the first is a warm-up
 
 
 def optimizer_times(cases: dict[str, list[str]], parallel: ParallelState) -> dict[str, dict[str, float]]:
     """Each case's median Newton–Schulz and exchange seconds and its NS GFLOP on this rank; the
     cases' steps alternate, so a machine that gets busier slows them alike."""
-    jobs = {label: build_rank(load_config(str(DEBUG_RECIPE), [*WIDE_MODEL, *overrides]), parallel,
-                              torch.device("cpu")) for label, overrides in cases.items()}
+    jobs = {
+        label: build_rank(load_config(str(DEBUG_RECIPE), [*WIDE_MODEL, *overrides]), parallel, torch.device("cpu"))
+        for label, overrides in cases.items()
+    }
     samples: dict[str, list[tuple[float, float, int]]] = {label: [] for label in cases}
     for step in range(STEPS):
         for label, job in jobs.items():
@@ -48,15 +47,21 @@ def optimizer_times(cases: dict[str, list[str]], parallel: ParallelState) -> dic
             stats = job.optimizer.optimizer.step_stats
             if step:
                 samples[label].append((stats.ns_seconds, stats.exchange_seconds, stats.ns_flops))
-    return {label: {"ns_s": statistics.median(s for s, _, _ in rows),
-                    "exchange_s": statistics.median(e for _, e, _ in rows),
-                    "gflop": rows[-1][2] / 1e9} for label, rows in samples.items()}
+    return {
+        label: {
+            "ns_s": statistics.median(s for s, _, _ in rows),
+            "exchange_s": statistics.median(e for _, e, _ in rows),
+            "gflop": rows[-1][2] / 1e9,
+        }
+        for label, rows in samples.items()
+    }
 
 
 def _rank(rank: int, store: str, cases: dict[str, list[str]], queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
+    )
     try:
         parallel = ParallelState(Layout(2, tp=1, pp=1, dp=2, ep=1), rank)
         queue.put((rank, optimizer_times(cases, parallel)))
@@ -76,8 +81,10 @@ def main() -> None:
     queue = context.Queue()
     with tempfile.TemporaryDirectory() as directory:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        processes = [context.Process(target=_rank, args=(rank, os.path.join(directory, "store"), cases, queue))
-                     for rank in range(2)]
+        processes = [
+            context.Process(target=_rank, args=(rank, os.path.join(directory, "store"), cases, queue))
+            for rank in range(2)
+        ]
         for process in processes:
             process.start()
         results = dict(queue.get(timeout=900) for _ in processes)
@@ -90,8 +97,10 @@ def main() -> None:
     for label in cases:
         for rank in range(2):
             row = results[rank][label]
-            print(f"| {label} | {rank} | {row['gflop']:.1f} | {row['ns_s']:.3f} | {row['ns_s'] / single['ns_s']:.2f} "
-                  f"| {row['ns_s'] / results[rank][unsplit]['ns_s']:.2f} | {row['exchange_s']:.3f} |")
+            print(
+                f"| {label} | {rank} | {row['gflop']:.1f} | {row['ns_s']:.3f} | {row['ns_s'] / single['ns_s']:.2f} "
+                f"| {row['ns_s'] / results[rank][unsplit]['ns_s']:.2f} | {row['exchange_s']:.3f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -23,15 +23,11 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from k3train.parallel.pipeline_schedule import PROTOCOLS, PipelinePlan, bubble_formula, simulate  # noqa: E402
+from k3train.parallel.pipeline_schedule import PROTOCOLS, PipelinePlan, bubble_formula, simulate
 
 PLAN_SETTINGS = [  # (P, V, layers, block size)
     (2, 1, 8, 2),

@@ -73,6 +73,13 @@ sys.exit(3 if managed and sys.prefix == sys.base_prefix else 0)'
                 || python -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu
         fi
     fi
+    # k3train itself, editable (the checkout is the source), so the scripts in tools/ and
+    # benchmarks/ import it from any directory; re-pointed when another checkout held the name.
+    checkout="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    if ! (cd / && python -c "import sys, k3train; sys.exit(k3train.__file__ != sys.argv[1])" "$checkout/k3train/__init__.py") 2>/dev/null; then
+        echo "setup_env: installing k3train from $checkout (editable)" >&2
+        python -m pip install --quiet --no-deps --no-build-isolation -e "$checkout"
+    fi
     # transformers is pinned: the HF tests compare against its Kimi Linear and loading code.
     if ! python -c "import numpy, yaml, tqdm, safetensors, tokenizers, pytest, pytest_timeout, matplotlib, transformers
 assert transformers.__version__ == '5.23.0'" 2>/dev/null; then

@@ -8,8 +8,17 @@ import math
 import pytest
 import torch
 
-from benchmarks.step_vs_dense import (ADAMW, DEBUG_RECIPE, DENSE, MODELS, MUON, PARTS, compare,
-                                      dense_flops_per_token, size_dense_peer)
+from k3train.benchmarking.step_comparison import (
+    ADAMW,
+    DEBUG_RECIPE,
+    DENSE,
+    MODELS,
+    MUON,
+    PARTS,
+    compare,
+    dense_flops_per_token,
+    size_dense_peer,
+)
 from k3train.config import load_config
 from k3train.model.flops import training_flops_per_token
 

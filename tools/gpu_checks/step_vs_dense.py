@@ -20,7 +20,16 @@ def check_step_vs_dense(ctx: Context) -> Iterator[Row]:
     lacks). PASS when every contender's loss is finite: the ratio is reported (`ref ms` the
     dense step, `fast ms` the AdamW step, `speed-up` their ratio, the 0.9× goal for
     AdamW), not gated."""
-    from benchmarks.step_vs_dense import ADAMW, COMPILED, COMPILED_ALL, DENSE, MODELS, MUON, compare, measure_matmul_tflops
+    from k3train.benchmarking.step_comparison import (
+        ADAMW,
+        COMPILED,
+        COMPILED_ALL,
+        DENSE,
+        MODELS,
+        MUON,
+        compare,
+        measure_matmul_tflops,
+    )
 
     if ctx.cuda:
         precision, steps = "bf16", ctx.pick(8, 2)

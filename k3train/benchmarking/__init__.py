@@ -1,0 +1,1 @@
+"""Code the benchmarks, the GPU check and the tests share (the scripts stay in benchmarks/)."""
