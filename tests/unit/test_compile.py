@@ -58,6 +58,7 @@ def rounding_bound(losses: list[float]) -> float:
     return 64 * 2.0**-24 * max(abs(loss) for loss in losses)
 
 
+@pytest.mark.slow
 def test_compiled_model_matches_eager():
     eager, eager_names = _losses(compiled=False)
     compiled, compiled_names = _losses(compiled=True)
@@ -66,6 +67,7 @@ def test_compiled_model_matches_eager():
     assert eager[0] != eager[1]  # the second step saw the first update (backward ran through the compiled parts)
 
 
+@pytest.mark.slow
 def test_only_the_attn_res_region_matches_eager():
     # `train.compile_regions=[attn_res]` (what pays on a CPU): the mixes compiled, the norms and
     # activations eager, the same losses.

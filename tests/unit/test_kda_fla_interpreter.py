@@ -45,6 +45,7 @@ pytestmark = pytest.mark.skipif(
     reason=f"needs triton and fla-core: pip install --target {PACKAGES} triton fla-core (tools/setup_and_test.sh does)")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fla_kernels_under_the_interpreter_match_the_pytorch_path():
     path = os.pathsep.join(p for p in (str(PACKAGES), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)

@@ -44,6 +44,7 @@ def test_dense_flops_per_token_counts_matmuls():
     assert dense_flops_per_token(1, 64, 128, 100, 3) == expected
 
 
+@pytest.mark.slow
 def test_compare_in_bf16_with_profiled_parts(capsys):
     torch.set_num_threads(1)
     result = compare("debug", MODELS["debug"], steps=1, peak_tflops=0.1, with_compile=False, profile=True,
