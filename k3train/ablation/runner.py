@@ -6,7 +6,7 @@ invocation a run whose status is `done` with the same recipe and overrides is sk
 run is started again with `checkpoint.resume=auto`, so the job continues from its newest
 checkpoint (the training job's own resume). A run directory made by different overrides is an
 error, never silently reused. A rerun says how many runs it skips and how many continue from a
-checkpoint; while jobs train, every `progress_s` one line per running job gives its step, planned
+checkpoint, and each continued run's start line names the checkpoint's step; while jobs train, every `progress_s` one line per running job gives its step, planned
 steps and last loss (followed from its metrics.jsonl, `k3train/ablation/progress.py`).
 
 Threads: `N` runs at once share the cores, each process gets `cores // (N · nproc)` intra-op
@@ -108,18 +108,35 @@ def is_done(run_dir: pathlib.Path, spec: RunSpec) -> bool:
     return record.get("status") == "done"
 
 
-def has_checkpoint(run_dir: pathlib.Path) -> bool:
-    """Whether the run saved a checkpoint (RESUME_OVERRIDES keep them in `run_dir/checkpoints`)."""
-    checkpoints = run_dir / "checkpoints"
-    return checkpoints.is_dir() and any(checkpoints.iterdir())
+def checkpoint_step(run_dir: pathlib.Path) -> Optional[int]:
+    """The step of the run's newest complete checkpoint (the one `checkpoint.resume=auto` starts
+    from; RESUME_OVERRIDES keep them in `run_dir/checkpoints`), None without one. Half-written
+    (`.tmp_`) and damaged directories do not count: the job would not resume from them."""
+    from k3train.checkpoint.manifest import complete_checkpoints  # imports torch: only when a sweep runs
+
+    found = complete_checkpoints(run_dir / "checkpoints")
+    return found[-1][0] if found else None
 
 
-def resume_summary(finished: int, continuing: int, restarting: int, fresh: int) -> Optional[str]:
-    """The line a rerun starts with; None for a sweep none of whose runs started before."""
+def at_steps(steps: Sequence[int]) -> str:
+    """'at step 4', 'at steps 2, 4', 'at steps 2–40' (a range past three distinct steps)."""
+    distinct = sorted(set(steps))
+    if len(distinct) == 1:
+        return f"at step {distinct[0]}"
+    if len(distinct) <= 3:
+        return "at steps " + ", ".join(str(step) for step in distinct)
+    return f"at steps {distinct[0]}–{distinct[-1]}"
+
+
+def resume_summary(finished: int, continuing: Sequence[int], restarting: int, fresh: int) -> Optional[str]:
+    """The line a rerun starts with (`continuing`: the checkpoint step of each run that continues);
+    None for a sweep none of whose runs started before."""
     if not (finished or continuing or restarting):
         return None
+    count = len(continuing)
     parts = [f"{finished} run{'s' if finished != 1 else ''} finished (skipped)",
-             f"{continuing} continue{'s' if continuing == 1 else ''} from {'its' if continuing == 1 else 'their'} checkpoint{'s' if continuing != 1 else ''}"]
+             f"{count} continue{'s' if count == 1 else ''} from {'its' if count == 1 else 'their'} "
+             f"checkpoint{'s' if count != 1 else ''}" + (f" ({at_steps(continuing)})" if continuing else "")]
     if restarting:
         parts.append(f"{restarting} restart{'s' if restarting == 1 else ''} from step 0 (no checkpoint saved)")
     if fresh:
@@ -186,10 +203,11 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
             outcomes[index] = RunOutcome(spec, run_dir, "skipped")
         else:
             pending.append(index)
-    continuing = {index for index in pending if has_checkpoint(out / runs[index].relative_dir)}
+    continuing = {index: step for index in pending
+                  if (step := checkpoint_step(out / runs[index].relative_dir)) is not None}
     restarting = {index for index in pending
                   if index not in continuing and read_record(out / runs[index].relative_dir) is not None}
-    summary = resume_summary(len(runs) - len(pending), len(continuing), len(restarting),
+    summary = resume_summary(len(runs) - len(pending), list(continuing.values()), len(restarting),
                              len(pending) - len(continuing) - len(restarting))
     if summary:
         say(summary)
@@ -216,8 +234,9 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
                 run_dir = out / spec.relative_dir
                 write_record(run_dir, spec, "running")
                 log = open(run_dir / "train.log", "a")
-                verb = "continue" if index in continuing else "start"
-                say(f"{verb} {spec.relative_dir}: {' '.join(spec.overrides)}")
+                how = (f"continue {spec.relative_dir} from its checkpoint at step {continuing[index]}"
+                       if index in continuing else f"start {spec.relative_dir}")
+                say(f"{how}: {' '.join(spec.overrides)}")
                 followers[index] = MetricsFollower(run_dir / "metrics.jsonl", RunProgress(planned_steps(spec)))
                 process = subprocess.Popen(command_for(spec, run_dir, options), stdout=log,
                                            stderr=subprocess.STDOUT, env=environment_for(spec, slot, options))

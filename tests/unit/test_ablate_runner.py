@@ -1,7 +1,8 @@
 """k3train/ablation/runner.py: parallel runs, resume of an interrupted sweep, and one real sweep.
 
 The resume test drives the runner with a stand-in trainer (a few lines of Python that write
-metrics and a step-counter checkpoint the way pretrain_k3.py does, and can be told to crash), so
+metrics and checkpoint directories (empty, but in the layout and with the completeness marks
+of k3train/checkpoint/manifest.py) the way pretrain_k3.py does, and can be told to crash), so
 it checks the runner's bookkeeping in a second; the last test runs pretrain_k3.py itself for two
 steps per run to check the whole path (tools/ablate.py → runs → report)."""
 
@@ -32,8 +33,16 @@ FAKE_TRAINER = textwrap.dedent('''
     run_dir = pathlib.Path(args[args.index("--run-dir") + 1])
     overrides = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("--"))
     steps = int(overrides["train.steps"])
-    checkpoint = run_dir / "checkpoints" / "step"
-    start = int(checkpoint.read_text()) if overrides.get("checkpoint.resume") == "auto" and checkpoint.exists() else 0
+    checkpoints = run_dir / "checkpoints"
+
+    def save(step):
+        saved = checkpoints / f"step_{step:08d}"
+        saved.mkdir(parents=True, exist_ok=True)
+        (saved / ".metadata").write_text("")
+        (saved / "k3train.json").write_text(json.dumps({"step": step, "complete": True}))
+
+    complete = sorted(int(d.name[5:]) for d in checkpoints.glob("step_*") if (d / "k3train.json").exists())
+    start = complete[-1] if overrides.get("checkpoint.resume") == "auto" and complete else 0
     with open(run_dir / "starts.txt", "a") as starts:
         starts.write(f"{start} threads={overrides['train.num_threads']} omp={os.environ['OMP_NUM_THREADS']}\\n")
     crash_at = run_dir / "crash_at"
@@ -43,15 +52,13 @@ FAKE_TRAINER = textwrap.dedent('''
             metrics.write(json.dumps({"step": step, "loss": loss, "tokens_per_s": 100.0}) + "\\n")
             metrics.flush()
             if step % 2 == 0:
-                checkpoint.parent.mkdir(exist_ok=True)
-                checkpoint.write_text(str(step))
+                save(step)
             if crash_at.exists() and step == int(crash_at.read_text()):
                 crash_at.unlink()
                 sys.exit(1)
             time.sleep(float(os.environ.get("FAKE_STEP_S", "0")))
             if stop:  # as pretrain_k3.py: finish the step, save, exit 3
-                checkpoint.parent.mkdir(exist_ok=True)
-                checkpoint.write_text(str(step))
+                save(step)
                 sys.exit(3)
         metrics.write(json.dumps({"step": steps, "validation_loss": loss}) + "\\n")
 ''')
@@ -82,8 +89,8 @@ def test_interrupted_sweep_skips_finished_runs_and_resumes_the_others(tmp_path):
     said.clear()
     second = run_sweep(runs, out, options, say=said.append)
     assert [o.status for o in second] == ["skipped", "skipped", "skipped", "done"]
-    assert said[0] == "resuming: 3 runs finished (skipped), 1 continues from its checkpoint"
-    assert any(line.startswith("continue b/seed1") for line in said)
+    assert said[0] == "resuming: 3 runs finished (skipped), 1 continues from its checkpoint (at step 4)"
+    assert any(line.startswith("continue b/seed1 from its checkpoint at step 4: ") for line in said), said
     # the finished runs started once; the crashed one again, from its checkpoint at step 4
     assert (out / "a" / "seed0" / "starts.txt").read_text() == "0 threads=2 omp=2\n"
     assert [line.split()[0] for line in (crashing / "starts.txt").read_text().splitlines()] == ["0", "4"]
@@ -120,7 +127,7 @@ def test_sigterm_stops_the_sweep_with_checkpoints_and_the_same_sweep_resumes(tmp
     assert process.returncode == 0 and stdout.split() == ["stopped", "not", "started"]
     record = json.loads((out / "a" / "seed0" / RUN_FILE).read_text())
     assert record["status"] == "stopped" and record["returncode"] == 3
-    saved = int((out / "a" / "seed0" / "checkpoints" / "step").read_text())
+    saved = max(int(d.name[5:]) for d in (out / "a" / "seed0" / "checkpoints").glob("step_*"))
     assert 3 <= saved < 400 and not (out / "b").exists()
 
     runs = expand(Sweep(recipes=[TINY], variants=[Variant("a"), Variant("b")], overrides=("train.steps=400",)))
@@ -131,10 +138,29 @@ def test_sigterm_stops_the_sweep_with_checkpoints_and_the_same_sweep_resumes(tmp
 
 
 def test_resume_line_counts_finished_continuing_restarting_and_new_runs():
-    assert resume_summary(0, 0, 0, 4) is None
-    assert resume_summary(3, 2, 0, 0) == "resuming: 3 runs finished (skipped), 2 continue from their checkpoints"
-    assert resume_summary(1, 0, 1, 2) == ("resuming: 1 run finished (skipped), 0 continue from their checkpoints, "
-                                          "1 restarts from step 0 (no checkpoint saved), 2 not started before")
+    assert resume_summary(0, [], 0, 4) is None
+    assert resume_summary(3, [40, 20], 0, 0) == ("resuming: 3 runs finished (skipped), "
+                                                 "2 continue from their checkpoints (at steps 20, 40)")
+    assert resume_summary(0, [10, 20, 30, 40], 0, 0).endswith("4 continue from their checkpoints (at steps 10–40)")
+    assert resume_summary(1, [], 1, 2) == ("resuming: 1 run finished (skipped), 0 continue from their checkpoints, "
+                                           "1 restarts from step 0 (no checkpoint saved), 2 not started before")
+
+
+def test_only_a_complete_checkpoint_counts_for_resuming(tmp_path):
+    """A half-written or damaged checkpoint directory is not one the job resumes from."""
+    from k3train.ablation.runner import checkpoint_step
+
+    checkpoints = tmp_path / "checkpoints"
+    assert checkpoint_step(tmp_path) is None
+    (checkpoints / ".tmp_step_00000008").mkdir(parents=True)
+    (checkpoints / "step_00000006.damaged-checksum").mkdir()
+    (checkpoints / "step_00000004").mkdir()  # no .metadata, no manifest: cut short
+    assert checkpoint_step(tmp_path) is None
+    for step in (2, 4):
+        (checkpoints / f"step_{step:08d}").mkdir(exist_ok=True)
+        (checkpoints / f"step_{step:08d}" / ".metadata").write_text("")
+        (checkpoints / f"step_{step:08d}" / "k3train.json").write_text(json.dumps({"step": step, "complete": True}))
+    assert checkpoint_step(tmp_path) == 4
 
 
 def test_metrics_follower_reads_only_complete_appended_lines(tmp_path):
