@@ -2,7 +2,9 @@
 """Plan a run without hardware: check a recipe's parallel layout and print, per pipeline rank,
 the layers, parameters and memory (weights, gradients, optimizer state, activations, AttnRes
 cache, EP buffers), the bytes per process group of one step, and with --hardware the step time,
-tokens/s and MFU; --search lists the fastest layouts of a world size that fit.
+tokens/s and MFU; a "fits:" or "does not fit:" line compares the fullest rank with the limit
+that --search uses; --search lists the fastest layouts of a world size that fit (a progress bar
+on a terminal's stderr; --budget SECONDS stops it and says how many layouts it left out).
 
     python tools/plan.py --recipe recipes/k3.yaml --world-size 1024 --hardware h200
     python tools/plan.py --recipe recipes/k3.yaml --world-size 4096 --hardware b200 --search
@@ -22,24 +24,31 @@ from pathlib import Path
 # Run from the checkout, as pretrain_k3.py is (see k3train/__init__.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from k3train.config import ConfigError, load_config  # noqa: E402
-from k3train.model.flops import parameter_counts, training_flops_per_token  # noqa: E402
-from k3train.model.k3 import K3Stage  # noqa: E402
-from k3train.optim.builder import route_parameters  # noqa: E402
-from k3train.parallel.expert import ExpertParallel  # noqa: E402
-from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan  # noqa: E402
-from k3train.parallel.state import LayoutError, resolve_layout  # noqa: E402
-from k3train.planning.hardware import load_profile  # noqa: E402
-from k3train.planning.layout_traffic import data_parallel_wire_bytes, layout_step_bytes  # noqa: E402
-from k3train.planning.memory import GIB as _GIB, MEMORY_HEADER, rank_memory  # noqa: E402
-from k3train.planning.search import describe_candidates, nearest_fitting_world_sizes, search_layouts  # noqa: E402
-from k3train.planning.time import estimate_step_time  # noqa: E402
-from k3train.planning.traffic import predicted_job_traffic  # noqa: E402
-from k3train.training.build import build_model, build_planning_rank, planning_parallel_state  # noqa: E402
+from k3train.config import ConfigError, load_config
+from k3train.model.flops import parameter_counts, training_flops_per_token
+from k3train.model.k3 import K3Stage
+from k3train.optim.builder import route_parameters
+from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan
+from k3train.parallel.state import LayoutError, resolve_layout
+from k3train.planning.fit import memory_verdict
+from k3train.planning.hardware import load_profile
+from k3train.planning.layout_traffic import data_parallel_wire_bytes, layout_step_bytes
+from k3train.planning.memory import GIB as _GIB
+from k3train.planning.memory import MEMORY_HEADER, rank_memory
+from k3train.planning.search import LayoutSearch, SearchOutcome, describe_candidates
+from k3train.planning.search_budget import SearchBudget
+from k3train.planning.time import estimate_step_time
+from k3train.planning.traffic import predicted_job_traffic
+from k3train.training.build import build_model, build_planning_rank, planning_parallel_state
 
 GIB = 2**30
+EXIT_STATUS = """exit status: 0 when a plan or a list of layouts was computed, whether or not the plan's
+layout fits (its "fits:" / "does not fit:" line says which); 1 when --search finds no layout of
+the world size that fits (the nearest sizes that have one are listed); 2 for a usage error or a
+layout the recipe refuses."""
 DATA_GROUPS = ("dp", "data_tensor", "expert_dp")
 """The groups whose step time uses ring wire bytes (gradient buckets and the ZeRO-1 exchange)."""
 
@@ -62,33 +71,72 @@ def memory_estimate(stage: K3Stage, config, dp: int) -> tuple[int, float]:
     return parameters, (parameters * 8 + state_elements * 4) / GIB
 
 
+def search_hint(args, world: int) -> str:
+    """The command that lists this world size's layouts that fit (the same recipe and options)."""
+    words = ["python tools/plan.py --recipe", args.recipe, "--world-size", str(world),
+             "--hardware", args.hardware or "h200", "--search"]
+    if args.memory_limit is not None:
+        words += ["--memory-limit", f"{args.memory_limit:g}"]
+    if args.gpus_per_node:
+        words += ["--gpus-per-node", str(args.gpus_per_node)]
+    return "to list the layouts of this world size that fit: " + " ".join(words + list(args.overrides))
+
+
+def budget_note(outcome: SearchOutcome, budget: SearchBudget) -> str:
+    """What `--budget` left out of one world size's search."""
+    if not outcome.evaluated:
+        return (f"search stopped by --budget {budget.seconds:g} s before any of the {outcome.layouts:,} layouts "
+                f"of world {outcome.world_size} was evaluated")
+    return (f"search stopped by --budget {budget.seconds:g} s: {outcome.unevaluated:,} of {outcome.layouts:,} "
+            f"layouts of world {outcome.world_size} not evaluated (the list is the best of the "
+            f"{outcome.evaluated:,} evaluated)")
+
+
 def search(args) -> int:
-    """`--search`: the best layouts of `--world-size`, or the nearest world sizes that have one."""
+    """`--search`: the best layouts of `--world-size`, or the nearest world sizes that have one.
+    0: a list was printed; 1: no layout of the world size fits (or none among the layouts the
+    budget allowed); 2: usage error."""
     if not args.world_size:
         print("error: --search needs --world-size", file=sys.stderr)
         return 2
     hardware = load_profile(args.hardware or "h200")
-    options = dict(memory_limit_gib=args.memory_limit, gpus_per_node=args.gpus_per_node,
-                   efficiency=args.efficiency, overrides=args.overrides)
-    found = search_layouts(args.recipe, args.world_size, hardware, top=args.top, **options)
-    if found:
+    # The bar goes to a terminal only: a log or a test's pipe would get a line per refresh.
+    budget = SearchBudget(args.budget, show_progress=sys.stderr.isatty())
+    searcher = LayoutSearch(args.recipe, hardware, memory_limit_gib=args.memory_limit,
+                            gpus_per_node=args.gpus_per_node, efficiency=args.efficiency, overrides=args.overrides,
+                            budget=budget)
+    outcome = searcher.run(args.world_size, top=args.top)
+    if outcome.candidates:
         print(f"fastest layouts of {args.world_size} {hardware.name} GPUs that fit (predicted, "
               f"{args.efficiency:.0%} of the dense peak):")
-        print(describe_candidates(found))
-        print("\nrun the first with: " + " ".join(found[0].overrides()))
+        print(describe_candidates(list(outcome.candidates)))
+        if outcome.out_of_budget:
+            print(budget_note(outcome, budget))
+        print("\nrun the first with: " + " ".join(outcome.candidates[0].overrides()))
         return 0
-    sizes = nearest_fitting_world_sizes(args.recipe, args.world_size, hardware,
-                                        step=args.gpus_per_node or hardware.gpus_per_node, **options)
+    if outcome.out_of_budget:
+        print(f"no fitting layout of {args.world_size} GPUs found; " + budget_note(outcome, budget)
+              + "; nearest world sizes not searched")
+        return 1
+    nearest = searcher.nearest_fitting_world_sizes(args.world_size,
+                                                   step=args.gpus_per_node or hardware.gpus_per_node)
     print(f"no layout of {args.world_size} GPUs fits; nearest world sizes with one: "
-          + ", ".join(map(str, sizes)))
-    for size in sizes:
+          + (", ".join(map(str, nearest.sizes)) or "none found")
+          + (f" (search stopped by --budget {budget.seconds:g} s before two were found)"
+             if nearest.out_of_budget else ""))
+    for size in nearest.sizes:
         print(f"\nworld size {size}:")
-        print(describe_candidates(search_layouts(args.recipe, size, hardware, top=args.top, **options)))
+        found = searcher.run(size, top=args.top)
+        if found.candidates:
+            print(describe_candidates(list(found.candidates)))
+        if found.out_of_budget:
+            print(budget_note(found, budget))
     return 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXIT_STATUS,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes in the job (default: tp*pp*dp with dp from the recipe, at least 1)")
@@ -98,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="list the fastest layouts of --world-size that the recipe accepts and that fit "
                              "(also done when the recipe's own layout is refused and --hardware is given)")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware profile's")
-    parser.add_argument("--memory-limit", type=float, default=None, help="GiB per GPU (default: 90%% of the HBM)")
+    parser.add_argument("--memory-limit", type=float, default=None, help="GiB per GPU, for --search and the plan's fits line (default: 90%% of the HBM)")
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="stop searching after this much wall time and rank what was evaluated, saying how "
+                             "many layouts were not (default: no limit)")
     parser.add_argument("overrides", nargs="*", help="section.field=value, as for pretrain_k3.py")
     args = parser.parse_intermixed_args(argv)
     if args.search:
@@ -150,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     step_bytes: dict[str, float] = {}
     wire: dict[str, float] = {}
     zero1_wire = (0.0, 0.0)  # (now, with every gradient bucket all-reduced), network groups, fullest stage
+    ranks = []
     for pp_rank in range(layout.pp):
         job = build_planning_rank(config, layout, layout.rank_of(0, 0, pp_rank))
         if pp_rank == 0:
             first_job = job
-        print("| " + " | ".join(rank_memory(job, layout, micro_batches).row()) + " |")
+        ranks.append(rank_memory(job, layout, micro_batches))
+        print("| " + " | ".join(ranks[-1].row()) + " |")
         for group, nbytes in layout_step_bytes(job, micro_batches).items():
             step_bytes[group] = max(step_bytes.get(group, 0.0), nbytes)
         now = data_parallel_wire_bytes(job)
@@ -163,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         before = data_parallel_wire_bytes(job, all_reduced=True)
         totals = (sum(v for g, v in now.items() if g in DATA_GROUPS), sum(v for g, v in before.items() if g in DATA_GROUPS))
         zero1_wire = max(zero1_wire, totals)
+    # The search's limit (`--memory-limit`, else 90% of the HBM of --hardware, H200 by default).
+    verdict = memory_verdict(ranks, load_profile(args.hardware or "h200"), args.memory_limit)
+    print()
+    print(verdict.line(search_hint(args, world)))
     print()
     print("bytes per rank and step (largest stage, counted as parallel/comm.py counts them): "
           + "; ".join(f"{group} {nbytes / _GIB:,.2f} GiB" for group, nbytes in sorted(step_bytes.items())))

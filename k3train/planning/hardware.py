@@ -11,6 +11,9 @@ from pathlib import Path
 import yaml
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "tools" / "hardware"
+MEMORY_LIMIT_SHARE = 0.9
+"""Of the HBM, what a rank may plan to use: the rest goes to the allocator's fragmentation, the
+CUDA context and the communication libraries' buffers."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,11 @@ class HardwareProfile:
             return self.fp8_tflops * 1e12
         return self.bf16_tflops * 1e12 / (2 if precision == "fp32" else 1)
 
+    def memory_limit_gib(self) -> float:
+        """The default per-rank limit of the search and of the plan's verdict, in GiB
+        (`memory_gib` holds the datasheet's decimal GB)."""
+        return self.memory_gib * MEMORY_LIMIT_SHARE * 1e9 / 2**30
+
 
 def available_profiles() -> list[str]:
     return sorted(path.stem for path in PROFILE_DIR.glob("*.yaml"))
@@ -49,4 +57,4 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     return HardwareProfile(**data)
 
 
-__all__ = ["HardwareProfile", "load_profile", "available_profiles", "PROFILE_DIR"]
+__all__ = ["HardwareProfile", "load_profile", "available_profiles", "PROFILE_DIR", "MEMORY_LIMIT_SHARE"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Optional
 
 import torch
 
@@ -21,7 +20,7 @@ from k3train.training.build import RankJob
 
 
 def expert_layer_traffic(ep, cfg, tokens: int, activation: int, weight: int, replica_matrices: int = 0,
-                         recompute: bool = False) -> tuple[tuple[int, int], Optional[tuple[int, int]]]:
+                         recompute: bool = False) -> tuple[tuple[int, int], tuple[int, int] | None]:
     """One MoE layer's expert traffic on one rank, (bytes, messages): per micro-batch of `tokens`
     local tokens (dispatch + combine `[R, C, l]` and their adjoints, the int32 slot ids `[R, C]`,
     and in `balanced` mode the all-gather of the `[1, E]` int64 loads the routing plan is made

@@ -25,9 +25,9 @@ from k3train.config import JobConfig
 from k3train.model.config import ModelConfig
 from k3train.optim.builder import route_parameters
 from k3train.parallel.pipeline import theoretical_peak_blocks
-from k3train.planning.context import context_extra_activation_bytes
 from k3train.parallel.pipeline_schedule import PipelinePlan, schedule_steps
 from k3train.parallel.state import Layout
+from k3train.planning.context import context_extra_activation_bytes
 from k3train.training.build import RankJob
 
 GIB = 2**30

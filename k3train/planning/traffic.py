@@ -177,7 +177,7 @@ def job_traffic_terms(job: RankJob, micro_batches: int, dtype_bytes: int = 4,
                 continue
             tensors = sum(len(b.params) for b in scattered)
             padded = sum(b.scatter_group.size * b.segment - b.numel - len(b.params) for b in scattered)
-            add(group_name, f"gradient buckets, ZeRO-1 reduce-scatter to owners"
+            add(group_name, "gradient buckets, ZeRO-1 reduce-scatter to owners"
                 + (" (TP-partial gradients)" if partial else "") + f": {tensors} tensors, "
                 f"{sum(b.numel for b in scattered)} elements (+flags, +{padded} padding) in "
                 f"{group_name}-size per-owner segments", sum(b.nbytes for b in scattered), len(scattered))
