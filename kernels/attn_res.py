@@ -86,6 +86,7 @@ def attn_res_mix_plain(
             scores.append(dot.view(value.shape[:-1]) * inverse_norm.view(value.shape[:-1]))
         probabilities = torch.stack(scores, dim=-1).softmax(-1)  # [..., sources]
         mixed = sum(probabilities[..., i, None] * value for i, value in enumerate(values))
+    assert isinstance(mixed, torch.Tensor)  # sources is not empty: never the start value 0
     return mixed.to(sources[0].dtype)
 
 
@@ -173,7 +174,7 @@ def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, dots,
     for i in own_dots:
         grad_score_weight.addmv_(rows[i].t(), weights[i])
     own_norms = [i for i, norm in enumerate(given) if norm is None]
-    grad_norms = [None] * count
+    grad_norms: list[torch.Tensor | None] = [None] * count
     if len(own_norms) < count:  # ∂L/∂r_i = ∂L/∂s_i t_i, one op for all sources
         grad_norms = [None if norm is None else _as(grad, norm.dtype)
                       for grad, norm in zip((grad_scores * dots).unbind(0), given)]

@@ -121,6 +121,7 @@ class _ShortConvSiLU(torch.autograd.Function):
         # one contiguous buffer: the per-tap products, then ∂x
         scratch = grad_pre.new_empty(grad_pre.shape) if need_x or need_weight else None
         if need_weight:
+            assert scratch is not None  # allocated above whenever need_weight
             x_compute = x.to(pre.dtype)
             tail_compute = None if tail is None else tail.to(pre.dtype)
             grad_filters = filters.new_zeros(filters.shape)

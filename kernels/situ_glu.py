@@ -98,8 +98,10 @@ class SiTUGLUFunction(torch.autograd.Function):
                             beta, linear_beta, need_gate, need_up)
         grad_gate = a.view(shape).to(gate_dtype) if need_gate else None
         grad_up = capped.view(shape).to(up_dtype) if need_up else None
-        grad_row_scale = (sums.mul_(linear_beta).view(row_scale.shape[:-1]).to(ctx.row_scale_dtype)
-                          if need_scale else None)
+        grad_row_scale = None
+        if need_scale:
+            assert sums is not None  # allocated above whenever need_scale
+            grad_row_scale = sums.mul_(linear_beta).view(row_scale.shape[:-1]).to(ctx.row_scale_dtype)
         return grad_gate, grad_up, None, None, grad_row_scale, None
 
 

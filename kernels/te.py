@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -213,14 +213,15 @@ class FP8StateMixin:
     fp8_num_gemms: int = 1
 
     def get_extra_state(self) -> torch.Tensor:
-        return fp8_state_tensor(self)
+        return fp8_state_tensor(cast(nn.Module, self))  # always mixed into a TE module
 
     def set_extra_state(self, state: Any) -> None:
         if not isinstance(state, torch.Tensor) or state.numel() == 0:
             self.__dict__["pending_fp8_state"] = None  # a bf16 checkpoint: keep the fresh state
             return
         parts = parse_fp8_state(state)
-        self.__dict__["pending_fp8_state"] = None if restore_fp8_state(self, parts) else parts
+        restored = restore_fp8_state(cast(nn.Module, self), parts)  # always mixed into a TE module
+        self.__dict__["pending_fp8_state"] = None if restored else parts
 
     def _fp8_region(self):
         """The FP8 context this module's GEMMs run in: switched off when it is kept out of FP8."""
@@ -340,7 +341,8 @@ class GroupedExpertGEMM(nn.Module):
 
     def __init__(self, grouped_linear: nn.Module, fp8_rows: int):
         super().__init__()
-        self.gemm = grouped_linear
+        # a `te_grouped_linear_class` instance: its class is built at run time, per TE namespace
+        self.gemm: Any = grouped_linear
         self.fp8_rows = fp8_rows
 
     def forward(self, rows: torch.Tensor, group_ends: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:

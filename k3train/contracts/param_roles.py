@@ -21,14 +21,22 @@ class HeadBlocks:
     num_heads: int
 
 
-def mark_head_blocks(param: torch.nn.Parameter, dim: int, num_heads: int) -> None:
+def mark_head_blocks(param: torch.Tensor, dim: int, num_heads: int) -> None:
     if param.shape[dim] % num_heads:
         raise ValueError(f"dimension {dim} of shape {tuple(param.shape)} does not split into {num_heads} heads")
     setattr(param, "head_blocks", HeadBlocks(dim, num_heads))  # an attribute torch does not declare
 
 
-def mark_adamw_only(param: torch.nn.Parameter) -> None:
+def mark_adamw_only(param: torch.Tensor) -> None:
     setattr(param, "adamw_only", True)
+
+
+def linear_weight(linear: torch.nn.Module) -> torch.nn.Parameter:
+    """The `weight [out, in]` parameter of a linear factory's module (`nn.Linear` or a TE linear,
+    `k3train/kernels/te.py`): typed as such, for modules the factories return as `nn.Module`."""
+    weight = linear.weight
+    assert isinstance(weight, torch.nn.Parameter), f"{type(linear).__name__}.weight is not a parameter"
+    return weight
 
 
 def head_blocks_of(param: torch.Tensor) -> Optional[HeadBlocks]:

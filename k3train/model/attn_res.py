@@ -112,6 +112,7 @@ def apply_sublayer(
     here; its keys for them are computed once, when it closes.
     """
     if attn_res is None:  # plain residual: x = x + f(norm(x))
+        assert state.partial is not None  # with plain residuals `partial` is the hidden state
         def plain(hidden: torch.Tensor) -> torch.Tensor:
             return sublayer(norm(hidden))
         output = (checkpoint(plain, state.partial, use_reentrant=False)
@@ -135,6 +136,7 @@ def apply_sublayer(
     blocks, partial = state.blocks, state.partial
     keys = list(getattr(state, "block_keys", []))
     if push_block:
+        assert partial is not None  # a block closes over a running partial sum (the embedding first)
         eps = attn_res.norm.eps
         inverse_norm, block_dots = block_keys(partial, eps, [(mix.norm.weight, mix.proj.weight) for mix in later])
         keys = keys + [None] * (len(blocks) - len(keys)) + [

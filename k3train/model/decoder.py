@@ -42,8 +42,10 @@ class DecoderLayer(nn.Module):
             self.mlp = GLUMLP(config, config.hidden_size, config.intermediate_size, tp)
         if config.attn_res != "none":
             recompute_mix = config.recompute != "none"
-            self.self_attention_res = AttentionResidual(config.hidden_size, config.rms_norm_eps, recompute_mix)
-            self.mlp_res = AttentionResidual(config.hidden_size, config.rms_norm_eps, recompute_mix)
+            self.self_attention_res: AttentionResidual | None = AttentionResidual(
+                config.hidden_size, config.rms_norm_eps, recompute_mix)
+            self.mlp_res: AttentionResidual | None = AttentionResidual(
+                config.hidden_size, config.rms_norm_eps, recompute_mix)
         else:
             self.self_attention_res = self.mlp_res = None
         if tp.sequence_parallel:  # norms and AttnRes see only this rank's tokens

@@ -433,10 +433,10 @@ def summary_table(config: ModelConfig, seq_length: int, attention: AttentionCoun
               f"  {'active per token':<22}{params.active:>16,}  ({_human(params.active)})", "",
               f"{'training FLOPs / token':<24}{'FLOPs':>16}{'share':>9}   (T={seq_length}, "
               f"3 × forward, MLA attention {attention})"]
-    for name, value in flops.as_dict().items():
+    for name, part_flops in flops.as_dict().items():
         if name == "total":
             continue
-        lines.append(f"  {name:<22}{_human(value):>16}{100 * value / flops.total:8.2f}%")
+        lines.append(f"  {name:<22}{_human(part_flops):>16}{100 * part_flops / flops.total:8.2f}%")
     lines += [f"  {'total':<22}{_human(flops.total):>16}",
               f"  {'6 × active params':<22}{_human(6 * params.non_embedding_active):>16}"
               "  (non-embedding, for comparison)"]

@@ -10,7 +10,7 @@ slice and the head only on the last: a pipeline stage runs `forward_layers` on t
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -98,13 +98,18 @@ class K3Model(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> ResidualState:
         return ResidualState(partial=self.embed_tokens(input_ids), blocks=[])
 
+    def _decoder_layers(self) -> list[DecoderLayer]:
+        """`self.layers` in order, typed: the ModuleDict holds DecoderLayers only."""
+        return [cast(DecoderLayer, layer) for layer in self.layers.values()]
+
     def forward_layers(self, state: ResidualState) -> ResidualState:
-        layers = list(self.layers.values())
+        layers = self._decoder_layers()
         # The AttnRes mixes of this chunk in order: a block closed before mix k is read by mixes
         # k+1.. (its keys for them are computed once, when it closes).
         mixes = [mix for layer in layers for mix in layer.attn_res_mixes()]
-        if getattr(self, "output_attn_res", None) is not None:
-            mixes.append(self.output_attn_res)
+        output_attn_res = getattr(self, "output_attn_res", None)  # only a chunk with the head has one
+        if output_attn_res is not None:
+            mixes.append(output_attn_res)
         done = 0
         for layer in layers:
             done += len(layer.attn_res_mixes())
@@ -122,6 +127,7 @@ class K3Model(nn.Module):
         """Logits `[batch, seq, vocab / tp]` on a model with a head (this rank's vocabulary rows,
         every token); otherwise the outgoing `ResidualState`."""
         if state is None:
+            assert input_ids is not None, "K3Model.forward needs input_ids or a state"
             state = self.embed(self.cp.shard_sequence(input_ids))  # this rank's pieces under cp
         state = self.forward_layers(state)
         if not self.with_head:
@@ -140,7 +146,7 @@ class K3Model(nn.Module):
 
     # ------------------------------------------------------------------ MoE hooks
     def moe_layers(self) -> list[LatentMoE]:
-        return [layer.block_sparse_moe for layer in self.layers.values() if layer.is_moe]
+        return [layer.block_sparse_moe for layer in self._decoder_layers() if layer.is_moe]
 
     def update_routing_biases(self, group=None) -> None:
         """After the optimizer step: every MoE layer replaces its bias for the next step

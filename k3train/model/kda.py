@@ -19,8 +19,9 @@ from k3train.kernels.kda.raw_inputs import chunk_kda_from_raw, prepare_kda_input
 from k3train.kernels.norms import gated_rms_norm
 from k3train.kernels.short_conv import short_conv_silu
 from k3train.model.config import ModelConfig
-from k3train.contracts.param_roles import mark_adamw_only, mark_head_blocks
+from k3train.contracts.param_roles import linear_weight, mark_adamw_only, mark_head_blocks
 from k3train.model.initialization import TILE_ELEMENTS, TiledStream, TileFill, draw_local
+from k3train.parallel.context import ContextParallel
 from k3train.parallel.tensor import TensorParallel
 
 
@@ -87,14 +88,14 @@ class KimiDeltaAttention(nn.Module):
         self.num_heads, self.head_dim = lac.num_heads // tp.size, lac.head_dim  # heads on this rank
         self.gate_lower_bound = lac.gate_lower_bound
         self.chunk_size = lac.chunk_size
-        self.context_parallel = None  # a parallel.context.ContextParallel, set by K3Model when cp > 1
+        self.context_parallel: ContextParallel | None = None  # set by K3Model when cp > 1
         hidden, heads, width = config.hidden_size, lac.num_heads, lac.num_heads * lac.head_dim
         local_width = width // tp.size
 
-        def column(in_features: int, out_features: int, per_head: bool = True) -> nn.Linear:
+        def column(in_features: int, out_features: int, per_head: bool = True) -> nn.Module:
             linear = tp.linear(in_features, out_features)
             if per_head:
-                mark_head_blocks(linear.weight, 0, heads)
+                mark_head_blocks(linear_weight(linear), 0, heads)
             return tp.shard_linear(linear, partition_dim=0)
 
         self.q_proj, self.k_proj, self.v_proj = (column(hidden, width) for _ in range(3))
@@ -116,16 +117,16 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = column(output_rank, width, per_head=False)
         self.o_norm = GatedRMSNorm(lac.head_dim, config.rms_norm_eps)
         o_proj = tp.linear(width, hidden)
-        mark_head_blocks(o_proj.weight, 1, heads)
+        mark_head_blocks(linear_weight(o_proj), 1, heads)
         self.o_proj = tp.shard_linear(o_proj, partition_dim=1)
 
         for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
             tp.mark_sharded(conv.weight, 0, (width, 1, lac.short_conv_kernel_size))
         tp.mark_sharded(self.A_log, 0, (heads,))
         tp.mark_sharded(self.dt_bias, 0, (width,))
-        replicated = [self.f_a_proj.weight, self.o_norm.weight]
+        replicated = [linear_weight(self.f_a_proj), self.o_norm.weight]
         if output_rank is not None:
-            replicated.append(self.g_a_proj.weight)
+            replicated.append(linear_weight(self.g_a_proj))
         tp.mark_partial_grad(replicated)
         self.reset_gate_parameters(seed=0, key="")  # K3Model.init_weights redraws it from its name
 
@@ -189,5 +190,8 @@ class KimiDeltaAttention(nn.Module):
         if cp is not None:
             output = cp.merge_pieces(output)
         output = self.tp.leave(output)
-        new_cache = KDACache(final_state, (q_tail, k_tail, v_tail)) if return_cache else None
+        new_cache = None
+        if return_cache:
+            assert final_state is not None  # asked for: output_final_state=return_cache
+            new_cache = KDACache(final_state, (q_tail, k_tail, v_tail))
         return output, new_cache

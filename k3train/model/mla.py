@@ -13,8 +13,8 @@ from torch.utils import flop_counter
 
 from k3train.model.config import ModelConfig
 from k3train.model.norm import RMSNorm
-from k3train.contracts.param_roles import mark_head_blocks
-from k3train.parallel.context import context_attention
+from k3train.contracts.param_roles import linear_weight, mark_head_blocks
+from k3train.parallel.context import ContextParallel, context_attention
 from k3train.parallel.tensor import TensorParallel
 
 LATENT_NORM_EPS = 1e-6  # q_a/kv_a layernorms use 1e-6, not rms_norm_eps
@@ -84,27 +84,27 @@ class GatedMLA(nn.Module):
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
-        self.context_parallel = None  # a parallel.context.ContextParallel, set by K3Model when cp > 1
+        self.context_parallel: ContextParallel | None = None  # set by K3Model when cp > 1
         heads, hidden, qk_head_dim = config.num_attention_heads, config.hidden_size, config.qk_head_dim
 
         if config.q_lora_rank is None:
             self.q_proj = self.tp.linear(hidden, heads * qk_head_dim)
-            mark_head_blocks(self.q_proj.weight, 0, heads)
+            mark_head_blocks(linear_weight(self.q_proj), 0, heads)
         else:
             self.q_a_proj = self.tp.linear(hidden, config.q_lora_rank)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = self.tp.linear(config.q_lora_rank, heads * qk_head_dim)
-            mark_head_blocks(self.q_b_proj.weight, 0, heads)
+            mark_head_blocks(linear_weight(self.q_b_proj), 0, heads)
         self.kv_a_proj_with_mqa = self.tp.linear(hidden, config.kv_lora_rank + config.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = self.tp.linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim))
-        mark_head_blocks(self.kv_b_proj.weight, 0, heads)
+        mark_head_blocks(linear_weight(self.kv_b_proj), 0, heads)
         self.use_output_gate = config.mla_use_output_gate
         if self.use_output_gate:
             self.g_proj = self.tp.linear(hidden, heads * config.v_head_dim)
-            mark_head_blocks(self.g_proj.weight, 0, heads)
+            mark_head_blocks(linear_weight(self.g_proj), 0, heads)
         self.o_proj = self.tp.linear(heads * config.v_head_dim, hidden)
-        mark_head_blocks(self.o_proj.weight, 1, heads)
+        mark_head_blocks(linear_weight(self.o_proj), 1, heads)
         self.softmax_scale = qk_head_dim**-0.5
         self._shard_heads()
 
@@ -114,9 +114,9 @@ class GatedMLA(nn.Module):
             if hasattr(self, name):
                 setattr(self, name, tp.shard_linear(getattr(self, name), partition_dim=0))
         self.o_proj = tp.shard_linear(self.o_proj, partition_dim=1)
-        replicated = [self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight]
+        replicated = [linear_weight(self.kv_a_proj_with_mqa), self.kv_a_layernorm.weight]
         if hasattr(self, "q_a_proj"):
-            replicated += [self.q_a_proj.weight, self.q_a_layernorm.weight]
+            replicated += [linear_weight(self.q_a_proj), self.q_a_layernorm.weight]
         tp.mark_partial_grad(replicated)  # each rank back-propagates only its own heads into them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from k3train.model.balance import build_balancer
 from k3train.model.config import ModelConfig
 from k3train.model.mlp import GLUMLP, glu_activation
 from k3train.model.norm import RMSNorm
-from k3train.parallel.expert import ExpertStacks
+from k3train.parallel.expert import DispatchInfo, ExpertStacks
 from k3train.parallel.tensor import TensorParallel
 
 
@@ -38,6 +38,8 @@ def inside_backward() -> bool:
 
 class MoEGate(nn.Module):
     """Sigmoid router with the balancing bias `e_score_correction_bias` (HF names)."""
+
+    e_score_correction_bias: torch.Tensor  # a buffer
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -67,6 +69,7 @@ class MoEGate(nn.Module):
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         if with_cutoff:
+            assert cutoff is not None  # set by the top-(k+1) branch above
             return scores, expert_ids, weights * self.scaling, cutoff
         return scores, expert_ids, weights * self.scaling
 
@@ -217,6 +220,9 @@ class LatentMoE(nn.Module):
     with their `expert_offset`) and the routed experts run through its fixed-size dispatch.
     """
 
+    step_expert_load: torch.Tensor  # buffers
+    step_dispatch_counts: torch.Tensor
+
     def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None, expert_parallel=None):
         super().__init__()
         self.config = config
@@ -246,7 +252,7 @@ class LatentMoE(nn.Module):
         # [routed slots, dropped slots, replica placements, micro-batches, EP token bytes, EP replica bytes].
         self.register_buffer("step_expert_load", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("step_dispatch_counts", torch.zeros(6, dtype=torch.int64), persistent=False)
-        self.last_dispatch = None  # the latest ExpertParallel DispatchInfo (diagnostics, tests)
+        self.last_dispatch: DispatchInfo | None = None  # the latest ExpertParallel DispatchInfo (diagnostics, tests)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -273,6 +279,7 @@ class LatentMoE(nn.Module):
                 counts[0] += expert_ids.numel()
                 counts[3] += 1
                 if self.expert_parallel is not None:
+                    assert self.last_dispatch is not None  # set by the expert-parallel call above
                     counts[1] += self.last_dispatch.dropped
                     counts[2] += self.last_dispatch.replicas
                     counts[4] += self.last_dispatch.wire_bytes

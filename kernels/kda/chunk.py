@@ -139,7 +139,9 @@ def chunk_kda_autograd_reference(
     if bracket:
         inputs = list(FlushDenormalsInBackward.apply(False, mode, *inputs))
     with flushing_denormals(on_cpu):
-        o, final_state = _chunk_kda_chunks(*inputs[:5], scale, inputs[5] if initial_state is not None else None,
+        q_in, k_in, v_in, g_in, beta_in = inputs[:5]
+        o, final_state = _chunk_kda_chunks(q_in, k_in, v_in, g_in, beta_in, scale,
+                                           inputs[5] if initial_state is not None else None,
                                            output_final_state, chunk_size)
     if bracket:
         if final_state is None:
@@ -203,6 +205,7 @@ def _chunk_kda_chunks(
 
     k_rows = tiled(k_chunks) * decay.to_reference  # k_i e^{G_i − r}
     q_rows = tiled(q_chunks) * decay.to_reference  # q_i e^{G_i − r}
+    assert decay.from_reference is not None  # tile_decay's default inverse=True computes it
     k_columns = tiled(k_chunks) * decay.from_reference  # k_j e^{r − G_j}
     key_gram, query_gram = tiled_gram_matrices([k_rows, q_rows], k_columns, decay.reference)
     # A = β ⊙ (key Gram) below the diagonal. What lies on and above it is finite and never read:

@@ -290,6 +290,7 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
             torch.zeros(n_chunks, bh, n_tiles, tile, chunk, dtype=dtype, device=q_chunks.device)
             if needed else None for needed in (True, True, keep_key_gram)
         )
+        assert strict_key_gram is not None and query_gram is not None  # both always needed
         for a in range(n_tiles):
             width = (a + 1) * tile
             seen = causal_keys_seen_of_tile(keys_seen, a, tile)
@@ -297,9 +298,11 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
             torch.mul(grams[..., :tile, :], tiled(beta_chunks)[..., a, :, :], out=strict_key_gram[..., a, :, :width])
             torch.mul(grams[..., tile:, :], multipliers[a, 1, :, :width], out=query_gram[..., a, :, :width])
             if keep_key_gram:
+                assert key_gram is not None  # allocated above whenever keep_key_gram
                 torch.mul(grams[..., :tile, :], multipliers[a, 0, :, :width], out=key_gram[..., a, :, :width])
         strict_key_gram, query_gram = (x.view(n_chunks, bh, chunk, chunk) for x in (strict_key_gram, query_gram))
         if keep_key_gram:
+            assert key_gram is not None  # allocated above whenever keep_key_gram
             key_gram = key_gram.view(n_chunks, bh, chunk, chunk)
 
     # Chunk-level decays from the tile factors times small factors with exponents ≤ 0.
