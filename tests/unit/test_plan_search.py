@@ -95,3 +95,81 @@ def test_search_terms_match_the_built_ranks(recipe, world_size, overrides):
         measured = max(wire.get(group, 0.0) + (wire.get("data_tensor", 0.0) if group == "dp" else 0.0)
                        for wire in wires)
         assert analytic.get(group, 0.0) * 0.99 <= measured <= 1.6 * analytic.get(group, 0.0), (group, analytic, wires)
+
+
+def reference_search(recipe: str, world_size: int, hardware, limit_gib: float, options) -> list:
+    """The search without its cache, screen or budget: every option checked and every recompute
+    setting priced from scratch, as the planner did before they were added."""
+    import dataclasses
+
+    from k3train.planning.search import RECOMPUTE, Candidate, accepted, estimate
+
+    base = load_config(recipe)
+    found = []
+    for option in options:
+        checked = accepted(base, option.overrides(), world_size)
+        if checked is None:
+            continue
+        config, layout, plan = checked
+        for recompute in RECOMPUTE:
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, recompute=recompute))
+            memory, time = estimate(config, layout, plan, hardware, 0.45)
+            if memory <= limit_gib:
+                found.append(Candidate(option.tp, option.pp, option.virtual_stages, option.ep, option.dp, recompute,
+                                       option.micro_batch_size, option.expert_dispatch, memory, time))
+    return sorted(found, key=lambda c: (round(c.time.step_s, 6), c.memory_gib))
+
+
+def test_cache_and_screen_keep_the_search_s_answer():
+    """With a limit that the weights of some layouts already exceed (so the screen drops them
+    unpriced), the search returns exactly the reference's candidates, numbers included."""
+    from k3train.planning.search import LayoutSearch
+
+    hardware = load_profile("h100")
+    search = LayoutSearch(DEBUG, hardware)
+    options = search.options(8)
+    screens = [search.screen(8, option) for option in options]
+    statics = sorted({screen.static_gib for screen in screens if not screen.refused})
+    limit = (statics[0] + statics[-1]) / 2  # weights alone exceed it on some layouts, not on others
+    assert any(s > limit for s in statics) and any(s <= limit for s in statics)
+    outcome = LayoutSearch(DEBUG, hardware, memory_limit_gib=limit).run(8, top=10_000)
+    assert outcome.candidates and outcome.evaluated == outcome.layouts and not outcome.out_of_budget
+    assert list(outcome.candidates) == reference_search(DEBUG, 8, hardware, limit, options)
+
+
+def test_budget_stops_the_search_cleanly():
+    """A budget that runs out part-way returns the best of the layouts evaluated so far and
+    counts the rest; a spent budget stops the nearest-size probing too."""
+    import itertools
+
+    from k3train.planning.search import LayoutSearch
+    from k3train.planning.search_budget import SearchBudget
+
+    hardware = load_profile("h100")
+    ticks = itertools.count()
+    budget = SearchBudget(seconds=40, clock=lambda: float(next(ticks)))  # one tick per option checked
+    search = LayoutSearch(DEBUG, hardware, budget=budget)
+    outcome = search.run(8, top=3)
+    assert outcome.out_of_budget and 0 < outcome.evaluated < outcome.layouts
+    assert outcome.unevaluated == outcome.layouts - outcome.evaluated
+    evaluated_options = search.options(8)[:outcome.evaluated // 3]
+    assert list(outcome.candidates) == reference_search(DEBUG, 8, hardware, hardware.memory_limit_gib(),
+                                                        evaluated_options)[:3]
+    nearest = search.nearest_fitting_world_sizes(6, step=8)
+    assert nearest.out_of_budget and nearest.sizes == ()
+
+
+def test_one_rank_state_per_layout(monkeypatch):
+    """Building a rank-0 `ParallelState` walks every group of the world; at K3 × 1,024 building
+    one per pipeline rank of every layout was about 85% of the search's CPU time (cProfile). The
+    search builds one per distinct layout."""
+    from k3train.planning import search_cache
+    from k3train.planning.search import LayoutSearch
+
+    calls = []
+    original = search_cache.planning_parallel_state
+    monkeypatch.setattr(search_cache, "planning_parallel_state", lambda *a: calls.append(a) or original(*a))
+    search = LayoutSearch(DEBUG, load_profile("h100"))
+    assert search.run(8).candidates
+    layouts = {(o.tp, o.pp, o.dp, o.ep, o.virtual_stages) for o in search.options(8)}
+    assert 0 < len(calls) <= len(layouts)

@@ -1,9 +1,12 @@
-"""tools/plan.py: exact per-rank parameter counts from meta-device stages, clear layout errors."""
+"""tools/plan.py: exact per-rank parameter counts from meta-device stages, clear layout errors, the
+verdict on memory, the search's budget and progress."""
 
 import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -43,3 +46,78 @@ def test_k3_plan_prints_memory_traffic_bubble_and_step_time():
     assert all(f"{group} " in counted for group in ("tp", "dp", "pp", "ep"))
     assert "ZeRO-1 exchange on the wire" in out and "gradients all-reduced instead" in out
     assert "| pipeline bubble |" in out and "MFU" in out and "step " in out
+    # The recipe's own layout does not fit an H200 by the planner's model (its fullest rank is pp1).
+    assert verdict_line(out).startswith(f"does not fit: largest rank {largest_rank_gib(out):.1f} GiB (pp1) > 118.2 GiB "
+                                        "(limit: 90% of the 141 GB HBM of one H200 SXM); ")
+    assert "--world-size 1024 --hardware h200 --search" in verdict_line(out)
+
+
+def verdict_line(stdout: str) -> str:
+    lines = [line for line in stdout.splitlines() if line.startswith(("fits:", "does not fit:"))]
+    assert len(lines) == 1, stdout
+    return lines[0]
+
+
+def largest_rank_gib(stdout: str) -> float:
+    return max(float(row.split("|")[-3].replace(",", "")) for row in stdout.splitlines()
+               if re.match(r"\| pp\d+ \|", row))
+
+
+def test_a_plan_that_fits_says_so():
+    """The debug model on one H100: the verdict names the fullest rank and the search's default
+    limit (90% of 80 GB), and the plan exits 0."""
+    result = plan("--recipe", "recipes/debug.yaml", "--world-size", "2", "--hardware", "h100", "parallel.pp=2")
+    assert result.returncode == 0, result.stderr
+    line = verdict_line(result.stdout)
+    found = re.fullmatch(r"fits: largest rank ([\d.]+) GiB \(pp(\d)\) <= ([\d.]+) GiB \(limit: 90% of the 80 GB HBM "
+                         r"of one H100 SXM\)", line)
+    assert found, line
+    assert float(found.group(1)) == pytest.approx(largest_rank_gib(result.stdout), abs=0.051)
+    assert float(found.group(3)) == pytest.approx(80e9 * 0.9 / 2**30, abs=0.05)
+
+
+def test_a_plan_that_does_not_fit_says_so_and_how_to_find_one_that_does():
+    """Below the fullest rank's total, `--memory-limit` turns the verdict (the plan was computed:
+    exit 0) and the line names the search command with the same limit."""
+    result = plan("--recipe", "recipes/debug.yaml", "--world-size", "2", "--memory-limit", "0.01", "parallel.pp=2")
+    assert result.returncode == 0, result.stderr
+    line = verdict_line(result.stdout)
+    found = re.match(r"does not fit: largest rank ([\d.]+) GiB \(pp\d\) > 0.01 GiB \(limit: --memory-limit\); ", line)
+    assert found, line
+    assert float(found.group(1)) == pytest.approx(largest_rank_gib(result.stdout), abs=0.051)
+    assert ("python tools/plan.py --recipe recipes/debug.yaml --world-size 2 --hardware h200 --search "
+            "--memory-limit 0.01 parallel.pp=2") in line
+
+
+def test_search_budget_stops_with_a_message():
+    """`--budget 0` stops before the first layout: the search says how many it left out and, having
+    found nothing, exits 1 without claiming that nothing fits."""
+    result = plan("--recipe", "recipes/debug.yaml", "--world-size", "8", "--hardware", "h100", "--search",
+                  "--budget", "0")
+    assert result.returncode == 1, result.stderr
+    assert re.search(r"search stopped by --budget 0 s before any of the [\d,]+ layouts of world 8 was evaluated",
+                     result.stdout), result.stdout
+    assert "nearest world sizes not searched" in result.stdout
+
+
+def test_search_draws_progress_on_a_terminal(monkeypatch):
+    """On a terminal's stderr the search draws a tqdm bar over the layouts; stdout keeps the table."""
+    import contextlib
+    import importlib.util
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    spec = importlib.util.spec_from_file_location("plan_cli_progress", CHECKOUT / "tools" / "plan.py")
+    plan_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_cli)
+    stdout, stderr = io.StringIO(), Terminal()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    with contextlib.redirect_stdout(stdout):
+        code = plan_cli.main(["--recipe", str(CHECKOUT / "recipes" / "debug.yaml"), "--world-size", "4",
+                              "--hardware", "h100", "--search"])
+    assert code == 0
+    assert "| tp |" in stdout.getvalue() and "world 4:" not in stdout.getvalue()
+    assert re.search(r"world 4: 100%.*layout", stderr.getvalue()), stderr.getvalue()[-500:]
