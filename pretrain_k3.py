@@ -4,24 +4,30 @@
     python pretrain_k3.py --recipe recipes/debug.yaml [--run-dir DIR] [section.field=value ...]
     python pretrain_k3.py --help-config        # every recipe field, its default and meaning
 
-The job, top to bottom: recipe → config → parallel state → this rank's model (stages and
-experts), gradient reducer, optimizer and pipeline schedule → data → checkpoint resume →
-training loop → checkpoints.
+The job, top to bottom: recipe → config and the files it names → parallel state → this rank's
+model (stages and experts), gradient reducer, optimizer and pipeline schedule → data →
+checkpoint resume → training loop → checkpoints.
 
 Exit status (every failure is one line on stderr, `error: ...`, no traceback):
-    0  done: train.steps reached ("done: step N, ...")
+    0  done: train.steps reached ("done: step N, loss A (step 1) → B (step N)")
     2  a recipe, layout, data, checkpoint or training error (rank 0 prints it)
     3  stopped by SIGTERM/SIGINT after saving a checkpoint ("stopped at step N (SIGTERM)")
     4  stopped by a signal it could not honour within train.stop_grace_s (a rank blocked on a
-       collective) or signalled twice: no checkpoint written, the newest complete one is kept
+       collective), signalled twice, or signalled outside the training loop (start-up): no
+       checkpoint written, the newest complete one is kept
     5  a collective failed: a peer rank died or stopped answering within
        parallel.collective_timeout_s (every surviving rank prints which group and operation)
+
+These are each rank's statuses. Plain torchrun reports any non-zero one with its own traceback
+and summary and exits 1; `python tools/launch.py` (torchrun's arguments and agent) exits with
+them and adds nothing to the rank's line (docs/failures.md, "Under torchrun").
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import sys
 import time
 from typing import TYPE_CHECKING, NoReturn
@@ -29,9 +35,14 @@ from typing import TYPE_CHECKING, NoReturn
 # k3train runs from its checkout, as Megatron-LM does (see k3train/__init__.py).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-# Only the config here: `--help` and recipe errors answer before torch and the model are imported.
-from k3train.command_line import parse_job_args_or_exit  # noqa: E402
-from k3train.config import save_config  # noqa: E402
+# Only torch-free modules here: `--help`, recipe errors and missing files answer before torch and
+# the model are imported, and a signal during the imports already ends in one line.
+from k3train.checkpoint.signals import StoppedOutsideTheLoop, exit_unsaved, stop_signals_raise
+from k3train.command_line import parse_job_args_or_exit
+from k3train.config import save_config
+from k3train.data.indexed_dataset import DataError
+from k3train.job_ending import exit_same_on_every_rank, write_torchrun_error_file
+from k3train.preflight import check_input_files
 
 if TYPE_CHECKING:
     import torch
@@ -43,10 +54,9 @@ PEER_LOST = 5
 
 def fail(message: str) -> NoReturn:
     """One line on stderr and exit code 2. The errors raised here (recipe, layout, batch sizes,
-    non-finite steps) are the same on every rank, so under torchrun only rank 0 prints them."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(ERROR)
+    non-finite steps) are the same on every rank, so under torchrun only rank 0 prints them, and
+    ends first (k3train/job_ending.py)."""
+    exit_same_on_every_rank(f"error: {message}", ERROR)
 
 
 def exit_on_collective_failure(error: BaseException, parallel=None, timeout_s: float | None = None) -> None:
@@ -61,8 +71,10 @@ def exit_on_collective_failure(error: BaseException, parallel=None, timeout_s: f
     if message is None:
         return
     rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-    print(f"error: rank {rank} of {world_size}: {message}; exiting, the newest complete checkpoint "
-          f"is kept (resume with checkpoint.resume=auto)", file=sys.stderr, flush=True)
+    line = (f"error: rank {rank} of {world_size}: {message}; exiting, the newest complete checkpoint "
+            f"is kept (resume with checkpoint.resume=auto)")
+    print(line, file=sys.stderr, flush=True)
+    write_torchrun_error_file(line)
     sys.stdout.flush()
     os._exit(PEER_LOST)
 
@@ -91,8 +103,30 @@ def shared_run_dir(requested: str | None) -> pathlib.Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # 1. Recipe → config; then torch and the model code.
-    config, run_dir_arg = parse_job_args_or_exit(argv)
+    stop_signals_raise()  # SIGTERM/SIGINT outside the training loop: one line and status 4
+    try:
+        # 1. Recipe → config and the files it names (seconds, not the minutes of a model build);
+        #    then torch and the model code.
+        config, run_dir_arg = parse_job_args_or_exit(argv)
+        try:
+            check_input_files(config, run_dir_arg)
+        except DataError as error:
+            fail(str(error))
+        return start_job(config, run_dir_arg)
+    except StoppedOutsideTheLoop as stop:  # every rank got it (torchrun forwards to all): rank 0 prints
+        exit_unsaved(stop.signum, "it arrived outside the training loop", print_line=int(os.environ.get("RANK", "0")) == 0)
+        raise  # not reached: exit_unsaved ends the process
+    finally:
+        # The status is decided. torchrun's agent SIGTERMs the other ranks as soon as one ends, and
+        # Python's shutdown resets its handlers to the default: a SIGTERM then would turn this
+        # rank's status (2, 3, 0) into -15. SIG_IGN survives the shutdown; SIGKILL still ends a
+        # process that hangs in it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def start_job(config, run_dir_arg: str | None) -> int:
+    """Steps 2-6 of the job: the parallel state, then `run_job`; a collective that fails on the
+    way means a dead or frozen peer (status 5)."""
     from k3train.parallel.config import collective_timeout_seconds
     from k3train.parallel.state import LayoutError, ParallelState
 
@@ -123,16 +157,23 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     """Steps 2-6 of the job on this rank (after the parallel state is up)."""
     import torch
 
-    from k3train.checkpoint import CheckpointError, Checkpointer, GracefulExit, PerRank, RNGState, read_manifest
-    from k3train.checkpoint.signals import STOPPED, exit_unsaved, signal_name
+    from k3train.cache import locate_cache
+    from k3train.checkpoint import Checkpointer, CheckpointError, GracefulExit, PerRank, RNGState, read_manifest
+    from k3train.checkpoint.signals import STOPPED, signal_name
     from k3train.data import DataError, build_data
     from k3train.model.flops import parameter_counts, training_flops_per_token
-    from k3train.optim.builder import describe_param_groups
+    from k3train.optim.builder import describe_param_groups, summarize_param_groups
     from k3train.parallel.pipeline import PipelineConfigError
     from k3train.training.build import build_rank
     from k3train.training.loop import Trainer, TrainingError
     from k3train.training.metrics import MetricsLogger, SinkError, require_sinks
-    from k3train.training.threads import available_cores, choose_num_threads, machine_busy_fraction
+    from k3train.training.summary import done_line
+    from k3train.training.threads import (
+        available_cores,
+        choose_num_threads,
+        launcher_environment,
+        machine_busy_fraction,
+    )
     from k3train.training.throughput import peak_flops
 
     is_logging_rank = parallel.rank == 0
@@ -145,9 +186,12 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
           f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
           f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}")
     threads, threads_line = choose_num_threads(config.train.num_threads, os.environ, available_cores(),
-                                                 machine_busy_fraction())
+                                               machine_busy_fraction(), launcher_environment(os.environ))
     torch.set_num_threads(threads)  # torch's default, every core in every rank, oversubscribes
     print(threads_line)
+    cache = locate_cache()
+    if cache.deprecation and is_logging_rank:
+        print(cache.deprecation, file=sys.stderr)
     torch.manual_seed(config.train.seed)
 
     # 3. What this rank runs (k3train/training/build.py): its pipeline chunks with their TP shards
@@ -164,7 +208,8 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     print(f"model: {counts.total / 1e6:.2f}M parameters ({counts.active / 1e6:.2f}M active per token), "
           f"{config.model.num_hidden_layers} layers, attn_res={config.model.attn_res}, balancer={config.model.balancer}; "
           f"this rank holds layers {job.plan.layer_ranges(parallel.pp_rank)}")
-    print(describe_param_groups(model, config.optimizer))
+    describe_optimizer = describe_param_groups if config.logging.optimizer_table else summarize_param_groups
+    print(describe_optimizer(model, config.optimizer))
 
     # 4. Data: samples of seq_length + 1 tokens, deterministic and resumable; the LR schedule is a
     #    pure function of the step.
@@ -223,6 +268,7 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
                 print(f"resumed from {resume_from} at step {trainer.progress.step}")
     except (CheckpointError, DataError) as error:
         fail(str(error))
+    resumed_at = trainer.progress.step  # 0 for a fresh start (a model-only checkpoint too)
 
     # Everything checked: the resolved config goes next to what the run writes (a failed start
     # leaves an earlier run's config.yaml untouched).
@@ -255,6 +301,8 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
                           on_unanswered=lambda signum, reason: exit_unsaved(signum, reason, trainer.progress.step)) as stop:
             history = trainer.run(stop.requested, save_checkpoint)  # any rank signalled: all stop
             checkpointer.wait()  # the last asynchronous write, complete (renamed, checksummed) before exit
+    except KeyboardInterrupt:  # a second SIGINT (GracefulExit raises it): every rank got it, rank 0 prints
+        exit_unsaved(signal.SIGINT, "SIGINT received twice", trainer.progress.step, print_line=is_logging_rank)
     except TrainingError as error:
         fail(str(error))
     except CheckpointError as error:
@@ -270,11 +318,14 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         torch.distributed.destroy_process_group()
     if trainer.stopped_at_step is not None:
         how = signal_name(stop.received) if stop.received is not None else "a signal to another rank"
-        print(f"stopped at step {trainer.stopped_at_step} ({how}): checkpoint saved; "
-              f"rerun with checkpoint.resume=auto to continue", flush=True)
+        line = (f"stopped at step {trainer.stopped_at_step} ({how}): checkpoint saved; "
+                f"rerun with checkpoint.resume=auto to continue")
+        print(line, flush=True)
+        write_torchrun_error_file(line)  # status 3 is a "failure" to torchrun: its summary shows this line
         return STOPPED
-    if history:
-        print(f"done: step {trainer.progress.step}, loss {history[0]['loss']:.4f} → {history[-1]['loss']:.4f}")
+    if history and is_logging_rank:  # the run's first loss is read back from metrics.jsonl after a resume
+        metrics_path = run_dir / "metrics.jsonl" if config.logging.jsonl else None
+        print(done_line(history, resumed_at, metrics_path))
     return 0
 
 

@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional, Sequence
 
 from k3train.config import ConfigError, JobConfig, load_config
 from k3train.config_docs import config_reference_markdown
+from k3train.job_ending import exit_same_on_every_rank
 
 __all__ = ["parse_job_args", "parse_job_args_or_exit"]
 
@@ -53,7 +53,5 @@ def parse_job_args_or_exit(argv: Optional[Sequence[str]] = None) -> tuple[JobCon
     """`parse_job_args` for a script's main(): a ConfigError becomes one line on stderr and exit 2."""
     try:
         return parse_job_args(argv)
-    except ConfigError as error:
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank fails alike: print once
-            print(f"pretrain_k3.py: config error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except ConfigError as error:  # under torchrun every rank fails alike: rank 0 prints, once
+        exit_same_on_every_rank(f"pretrain_k3.py: config error: {error}", 2)

@@ -38,6 +38,20 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 if str(CHECKOUT) not in sys.path:
     sys.path.insert(0, str(CHECKOUT))
 
+from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing  # noqa: E402  (stdlib only)
+
+PATH_ARGUMENTS = (
+    PathArgument("--load", "pass a checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX), a checkpoints/ directory or a run directory", subcommand="to-hf"),
+    PathArgument("--config", "pass the run's config.yaml, or leave --config out to use RUN_DIR/config.yaml",
+                 subcommand="to-hf"),
+    PathArgument("--load", "pass a Hugging Face model directory (config.json + safetensors)", subcommand="from-hf",
+                 contains="config.json"),
+    PathArgument("--recipe", "pass a recipe YAML (e.g. recipes/k3.yaml), or leave --recipe out for the defaults",
+                 subcommand="from-hf"),
+)
+if __name__ == "__main__":  # before torch loads (seconds; far more on a cold disk): a wrong path answers at once
+    exit_if_a_path_is_missing(sys.argv[1:], PATH_ARGUMENTS)
+
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 

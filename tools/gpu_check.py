@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Check every GPU fast path against its reference and time it, in one run.
 
-    python tools/gpu_check.py                         # every check, on CUDA when there is one
+    python tools/gpu_check.py                         # every check, on CUDA (without a GPU: one line, exit 2)
     python tools/gpu_check.py --device cpu --quick    # the logic at small sizes (tests/unit runs this)
     python tools/gpu_check.py --only kda_fla --only grouped_mm --json /tmp/rows.json
 
@@ -15,7 +15,8 @@ after warm-up, CUDA events on the GPU). One table row per case:
 (outputs, final states and gradients; the note names it), `tol` the bound on it. A NaN or Inf in
 a fast result always fails. What `ref ms` and `fast ms` time is in each check's docstring and the
 note. SKIP rows say why (no CUDA, fla-core missing, several GPUs needed). The exit code is 1 if
-any row FAILs, 0 otherwise.
+any row FAILs, 0 otherwise; 2, after one line, when there is no CUDA device and `--device cpu`
+was not given.
 
 `fused_paths` holds each training fast path of the CPU work (written-out backwards of the KDA
 chunk kernel, short convolution, norms, decay gate, SiTU-GLU with routing weights, the fused
@@ -78,6 +79,10 @@ import torch  # noqa: E402
 from gpu_checks import (  # noqa: E402
     fused_paths, grouped_gemm, k3_1gpu, kda, model, newton_schulz, step_vs_dense, transformer_engine)
 from gpu_checks.common import Context, Row, describe, release  # noqa: E402
+
+
+NO_GPU = 2
+"""Exit status when CUDA is wanted (the default) and torch sees no device."""
 
 
 def package_version(module: str, distribution: str) -> str:
@@ -188,19 +193,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="checks: " + ", ".join(names))
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cuda (default; without a CUDA device the script says so and exits 2) or cpu: "
+                             "the checks' logic at small sizes")
     parser.add_argument("--quick", action="store_true", help="small sizes only")
     parser.add_argument("--only", action="append", choices=names, metavar="NAME",
                         help="run only this check (repeatable): " + ", ".join(names))
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device (use --device cpu)")
-    return args
+    return parser.parse_args(argv)
+
+
+def no_gpu_reason() -> str:
+    """Why torch sees no CUDA device: a CPU build of torch, or no device visible to a CUDA one."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        # Without CUDA the full run would take minutes on the CPU and check nothing of the GPU.
+        print(f"gpu_check: no GPU: {no_gpu_reason()}; run it on a machine with one, or pass --device cpu "
+              f"(--quick) to check the logic on the CPU", file=sys.stderr)
+        return NO_GPU
     ctx = Context(torch.device(args.device), args.quick)
     if not ctx.cuda:
         torch.set_num_threads(min(torch.get_num_threads(), 2))

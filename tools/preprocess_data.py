@@ -28,6 +28,15 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 if str(CHECKOUT) not in sys.path:
     sys.path.insert(0, str(CHECKOUT))
 
+from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing  # noqa: E402  (stdlib only)
+
+PATH_ARGUMENTS = (
+    PathArgument("--input", "pass existing .txt or .jsonl files", several=True),
+    PathArgument("--tokenizer", "pass 'byte' or the path of a tokenizer.json", not_paths=frozenset({"byte"})),
+)
+if __name__ == "__main__":  # before numpy and the tokenizer load: a wrong path answers at once
+    exit_if_a_path_is_missing(sys.argv[1:], PATH_ARGUMENTS, prefix="preprocess_data: ")
+
 from tqdm import tqdm  # noqa: E402
 
 from k3train.data.indexed_dataset import DataError, IndexedDatasetWriter  # noqa: E402
@@ -92,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        tokenizer = build_tokenizer(args.tokenizer, eos_token=args.eos_token)
         for path in args.input:
             if not path.is_file():
-                raise DataError(f"input {path} not found")
+                raise DataError(f"--input {path} does not exist; pass existing .txt or .jsonl files")
+        tokenizer = build_tokenizer(args.tokenizer, eos_token=args.eos_token)
         total_bytes = sum(path.stat().st_size for path in args.input)
         progress = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenising",
                         disable=args.quiet, file=sys.stderr)

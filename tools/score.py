@@ -29,6 +29,17 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 if str(CHECKOUT) not in sys.path:
     sys.path.insert(0, str(CHECKOUT))
 
+from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing  # noqa: E402  (stdlib only)
+
+PATH_ARGUMENTS = (
+    PathArgument("--load", "pass a k3train checkpoint (a step_XXXXXXXX, checkpoints/ or run directory) "
+                           "or a Hugging Face directory (config.json + safetensors)"),
+    PathArgument("--tokens-file", "pass a JSON file holding a list of equal-length token-id lists"),
+    PathArgument("--config", "pass the run's config.yaml, or leave --config out to use RUN_DIR/config.yaml"),
+)
+if __name__ == "__main__":  # before torch loads (seconds; far more on a cold disk): a wrong path answers at once
+    exit_if_a_path_is_missing(sys.argv[1:], PATH_ARGUMENTS)
+
 import torch  # noqa: E402
 
 from k3train.checkpoint import CheckpointError, Checkpointer  # noqa: E402

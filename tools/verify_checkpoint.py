@@ -22,6 +22,12 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 if str(CHECKOUT) not in sys.path:
     sys.path.insert(0, str(CHECKOUT))
 
+from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing  # noqa: E402  (stdlib only)
+
+PATH_ARGUMENTS = (PathArgument("", "pass a checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX), a checkpoints/ directory or a run directory"),)
+if __name__ == "__main__":  # before torch loads (seconds; far more on a cold disk): a wrong path answers at once
+    exit_if_a_path_is_missing(sys.argv[1:], PATH_ARGUMENTS)
+
 from k3train.checkpoint.manifest import METADATA, MANIFEST, damaged_checkpoints, step_of  # noqa: E402
 from k3train.checkpoint.verify import checkpoint_problems  # noqa: E402
 

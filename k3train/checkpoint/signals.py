@@ -12,7 +12,6 @@ signal more than a second after the first means "now": the watchdog calls `on_un
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -22,12 +21,11 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Optional
 
-import torch
-import torch.distributed as dist
+from k3train.job_ending import write_torchrun_error_file
 
-from k3train.checkpoint.process_group import distributed_active
+# torch is imported where the stop flag is agreed (`GracefulExit.requested`), not here: the job
+# installs `stop_signals_raise` before torch loads, so a Ctrl-C during the imports is one line too.
 
-logger = logging.getLogger(__name__)
 
 STOPPED = 3
 """Exit status of a run stopped by SIGTERM/SIGINT after saving a checkpoint at the step it printed."""
@@ -46,12 +44,50 @@ def signal_name(signum: Optional[int]) -> str:
         return f"signal {signum}"
 
 
-def exit_unsaved(signum: int, reason: str, step: Optional[int] = None) -> None:
-    """One line on stderr and `os._exit(STOPPED_UNSAVED)` (the main thread may be blocked for good)."""
+def exit_unsaved(signum: int, reason: str, step: Optional[int] = None, print_line: bool = True) -> None:
+    """One line on stderr (unless `print_line` is False: another rank prints it) and
+    `os._exit(STOPPED_UNSAVED)` (the main thread may be blocked for good)."""
     where = f"stopped at step {step} ({signal_name(signum)})" if step is not None else f"stopped by {signal_name(signum)}"
-    print(f"error: {where} without saving a checkpoint: {reason}; "
-          f"the newest complete checkpoint is kept (resume with checkpoint.resume=auto)", file=sys.stderr, flush=True)
+    line = (f"error: {where} without saving a checkpoint: {reason}; "
+            f"the newest complete checkpoint is kept (resume with checkpoint.resume=auto)")
+    if print_line:
+        print(line, file=sys.stderr, flush=True)
+    write_torchrun_error_file(line)
+    sys.stdout.flush()
     os._exit(STOPPED_UNSAVED)
+
+
+class StoppedOutsideTheLoop(BaseException):
+    """SIGTERM/SIGINT while no `GracefulExit` is active (start-up: imports, the model build, a
+    resume): nothing is trained yet that a save could keep, so the process ends at once with
+    status 4 and one line. A BaseException, as KeyboardInterrupt is: `except Exception` blocks
+    on the way up must not swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+
+def stop_signals_raise() -> None:
+    """Make SIGTERM and SIGINT raise `StoppedOutsideTheLoop` in the main thread (torch's default
+    for SIGTERM is to die silently with -15 and SIGINT a KeyboardInterrupt traceback).
+    `GracefulExit` replaces these handlers while the loop runs and puts them back after it."""
+
+    def handle(signum: int, frame: Any) -> None:
+        raise StoppedOutsideTheLoop(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handle)
+
+
+def _say_at_once(line: str) -> None:
+    """`line` on this process's stdout from a signal handler: os.write, because print() there can
+    re-enter stdout's buffer the main thread is writing. A rank whose stdout is silenced (the job
+    prints from rank 0) writes to its os.devnull."""
+    try:
+        os.write(sys.stdout.fileno(), line.encode())
+    except (AttributeError, OSError, ValueError):  # a stdout without a file (a test's capture)
+        pass
 
 
 class GracefulExit:
@@ -92,10 +128,7 @@ class GracefulExit:
             raise KeyboardInterrupt
         self.should_stop = True
         self.received = signum
-        logger.warning(
-            "received %s: finishing the step, saving a checkpoint and exiting",
-            signal.Signals(signum).name,
-        )
+        _say_at_once(f"received {signal_name(signum)}: finishing the step, saving a checkpoint and exiting\n")
 
     # ------------------------------------------------------------------ the watchdog
     def _watch(self, reader: socket.socket) -> None:
@@ -179,6 +212,11 @@ class GracefulExit:
     def requested(self, process_group: Any = None) -> bool:
         """`should_stop` agreed over the process group (True if any rank got a signal). True
         acknowledges the request: the watchdog then leaves the save to the loop."""
+        import torch
+        import torch.distributed as dist
+
+        from k3train.checkpoint.process_group import distributed_active
+
         if not distributed_active():
             stop = self.should_stop
         else:

@@ -28,7 +28,8 @@ class DataConfig:
     max_epochs: int = 1
     """How many passes over the data a run may make before it is refused as too small."""
     cache_dir: Optional[str] = None
-    """Where the embedded default corpus is built and kept; null means $K3TRAIN_CACHE, else ~/.cache/k3train."""
+    """Where the embedded default corpus is built and kept; null means k3train's cache: $K3TRAIN_CACHE_DIR, else
+    $XDG_CACHE_HOME/k3train, else ~/.cache/k3train."""
     corpus_max_bytes: int = 8_000_000
     """Size cap in bytes of the embedded default corpus (Python standard-library sources; used when paths is empty)."""
 

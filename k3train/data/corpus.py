@@ -20,12 +20,14 @@ import os
 import shutil
 import sys
 import sysconfig
+import time
 import uuid
 from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
 
+from k3train.cache import cache_dir as shared_cache_dir
 from k3train.data.indexed_dataset import DataError, IndexedDataset, IndexedDatasetWriter
 from k3train.data.tokenizers import ByteTokenizer
 
@@ -40,12 +42,8 @@ CORPUS_FORMAT = 1
 
 
 def resolve_cache_dir(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
-    """`data.cache_dir` if set, else `$K3TRAIN_CACHE`, else `~/.cache/k3train`."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    if os.environ.get("K3TRAIN_CACHE"):
-        return Path(os.environ["K3TRAIN_CACHE"]).expanduser()
-    return Path.home() / ".cache" / "k3train"
+    """`data.cache_dir` if set, else k3train's cache (`$K3TRAIN_CACHE_DIR`, ...: k3train/cache.py)."""
+    return shared_cache_dir(cache_dir)
 
 
 def stdlib_source_files(max_bytes: int, root: Optional[Path] = None) -> list[tuple[Path, int]]:
@@ -101,8 +99,14 @@ def default_corpus_prefix(cache_dir: Optional[Union[str, os.PathLike]] = None,
     root.mkdir(parents=True, exist_ok=True)
     scratch = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     scratch.mkdir()
+    # A first run spends seconds here (longer on a slow disk) before any other output: say so.
+    started = time.perf_counter()
+    print(f"building the default corpus (first use): {len(files)} standard-library files, "
+          f"{sum(size for _, size in files) / 1e6:.1f} MB, into {final}", flush=True)
     try:
-        _write_corpus(scratch, stdlib, files)
+        documents, tokens = _write_corpus(scratch, stdlib, files)
+        print(f"built the default corpus in {time.perf_counter() - started:.1f} s: {documents:,} documents, "
+              f"{tokens:,} tokens (reused by later runs)", flush=True)
         try:
             os.rename(scratch, final)
         except OSError:
@@ -115,8 +119,9 @@ def default_corpus_prefix(cache_dir: Optional[Union[str, os.PathLike]] = None,
     return str(final / "corpus")
 
 
-def _write_corpus(directory: Path, stdlib: Path, files: list[tuple[Path, int]]) -> None:
-    """Tokenise `files` (one document each, eos appended) into `directory/corpus.{bin,idx}`."""
+def _write_corpus(directory: Path, stdlib: Path, files: list[tuple[Path, int]]) -> tuple[int, int]:
+    """Tokenise `files` (one document each, eos appended) into `directory/corpus.{bin,idx}`;
+    returns the documents and tokens written."""
     tokenizer = ByteTokenizer()
     eos = np.array([tokenizer.eos_id], dtype=np.uint16)
     with IndexedDatasetWriter(directory / "corpus", vocab_size=tokenizer.vocab_size) as writer:
@@ -134,6 +139,7 @@ def _write_corpus(directory: Path, stdlib: Path, files: list[tuple[Path, int]]) 
         "files": [path.relative_to(stdlib).as_posix() for path, _ in files],
     }
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    return writer.num_documents, writer.num_tokens
 
 
 def _is_complete(directory: Path) -> bool:

@@ -32,6 +32,7 @@ import os
 import struct
 import uuid
 from array import array
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Optional, Sequence, Union
@@ -240,6 +241,82 @@ def write_indexed_dataset(
 _REGENERATE = "regenerate it with tools/preprocess_data.py or fix data.paths"
 
 
+@dataclass(frozen=True)
+class IndexHeader:
+    """What a `.idx` header says, checked against the two files' sizes (not yet the arrays)."""
+
+    bin_path: Path
+    idx_path: Path
+    dtype: np.dtype
+    sequence_count: int
+    document_count: int
+    idx_size: int
+    arrays_end: int
+    """Bytes of header + lengths + pointers + document indices (an int8 mode per sequence may follow)."""
+
+
+def read_index_header(prefix: PathLike) -> IndexHeader:
+    """Check that `PREFIX.bin` and `PREFIX.idx` exist and that the index header is megatron's
+    MMIDIDX with sizes that fit the file, without reading the arrays (what the job checks before
+    it builds the model; `IndexedDataset` then checks the arrays and the `.bin` size)."""
+    bin_path, idx_path = dataset_paths(prefix)
+    prefix_text = str(bin_path)[:-4]
+    for path in (idx_path, bin_path):
+        if not path.is_file():
+            raise DataError(
+                f"{path} not found: the indexed dataset {prefix_text!r} needs both "
+                f"{bin_path.name} and {idx_path.name}; {_REGENERATE}"
+            )
+    idx_size = idx_path.stat().st_size
+    with open(idx_path, "rb") as stream:
+        header = stream.read(HEADER_BYTES)
+    if len(header) < 9 and MAGIC.startswith(header):
+        raise DataError(
+            f"{idx_path} is truncated: {len(header)} bytes, shorter than the "
+            f"{HEADER_BYTES}-byte header; the write was interrupted, {_REGENERATE}"
+        )
+    if header[:9] != MAGIC:
+        raise DataError(
+            f"{idx_path} is not a megatron MMIDIDX index (first bytes {header[:9]!r}, "
+            f"expected {MAGIC!r}); {_REGENERATE}"
+        )
+    if len(header) < HEADER_BYTES:
+        raise DataError(
+            f"{idx_path} is truncated: {len(header)} bytes, shorter than the "
+            f"{HEADER_BYTES}-byte header; the write was interrupted, {_REGENERATE}"
+        )
+    (version,) = struct.unpack_from("<Q", header, 9)
+    if version != VERSION:
+        raise DataError(
+            f"{idx_path} has index version {version}; only version {VERSION} "
+            f"(megatron-core's MMIDIDX) is supported, {_REGENERATE}"
+        )
+    code = header[17]
+    if code not in DTYPE_CODES:
+        raise DataError(
+            f"{idx_path} has unknown dtype code {code} (known: "
+            f"{', '.join(f'{c} {d}' for c, d in DTYPE_CODES.items())}); the file is corrupt, "
+            f"{_REGENERATE}"
+        )
+    dtype = DTYPE_CODES[code]
+    sequence_count, document_count = struct.unpack_from("<QQ", header, 18)
+    expected = HEADER_BYTES + 12 * sequence_count + 8 * document_count
+    if idx_size < expected:
+        raise DataError(
+            f"{idx_path} is truncated: {idx_size} bytes, but {sequence_count} sequences "
+            f"and {document_count} document indices need {expected}; the write was "
+            f"interrupted, {_REGENERATE}"
+        )
+    if idx_size not in (expected, expected + sequence_count):
+        raise DataError(
+            f"{idx_path} has {idx_size - expected} unexpected bytes after the document "
+            f"indices (only an optional int8 mode per sequence may follow); {_REGENERATE}"
+        )
+    if document_count < 1:
+        raise DataError(f"{idx_path} has no document indices (needs at least [0]); {_REGENERATE}")
+    return IndexHeader(bin_path, idx_path, dtype, sequence_count, document_count, idx_size, expected)
+
+
 class IndexedDataset:
     """Read-only view of `PREFIX.bin` / `PREFIX.idx` (numpy memmaps, nothing loaded eagerly).
 
@@ -249,61 +326,12 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: PathLike) -> None:
-        self.bin_path, self.idx_path = dataset_paths(prefix)
+        header = read_index_header(prefix)
+        self.bin_path, self.idx_path = header.bin_path, header.idx_path
         self.prefix = str(self.bin_path)[:-4]
-        for path in (self.idx_path, self.bin_path):
-            if not path.is_file():
-                raise DataError(
-                    f"{path} not found: the indexed dataset {self.prefix!r} needs both "
-                    f"{self.bin_path.name} and {self.idx_path.name}; {_REGENERATE}"
-                )
-        idx_size = self.idx_path.stat().st_size
-        with open(self.idx_path, "rb") as stream:
-            header = stream.read(HEADER_BYTES)
-        if len(header) < 9 and MAGIC.startswith(header):
-            raise DataError(
-                f"{self.idx_path} is truncated: {len(header)} bytes, shorter than the "
-                f"{HEADER_BYTES}-byte header; the write was interrupted, {_REGENERATE}"
-            )
-        if header[:9] != MAGIC:
-            raise DataError(
-                f"{self.idx_path} is not a megatron MMIDIDX index (first bytes {header[:9]!r}, "
-                f"expected {MAGIC!r}); {_REGENERATE}"
-            )
-        if len(header) < HEADER_BYTES:
-            raise DataError(
-                f"{self.idx_path} is truncated: {len(header)} bytes, shorter than the "
-                f"{HEADER_BYTES}-byte header; the write was interrupted, {_REGENERATE}"
-            )
-        (version,) = struct.unpack_from("<Q", header, 9)
-        if version != VERSION:
-            raise DataError(
-                f"{self.idx_path} has index version {version}; only version {VERSION} "
-                f"(megatron-core's MMIDIDX) is supported, {_REGENERATE}"
-            )
-        code = header[17]
-        if code not in DTYPE_CODES:
-            raise DataError(
-                f"{self.idx_path} has unknown dtype code {code} (known: "
-                f"{', '.join(f'{c} {d}' for c, d in DTYPE_CODES.items())}); the file is corrupt, "
-                f"{_REGENERATE}"
-            )
-        self.dtype: np.dtype = DTYPE_CODES[code]
-        sequence_count, document_count = struct.unpack_from("<QQ", header, 18)
-        expected = HEADER_BYTES + 12 * sequence_count + 8 * document_count
-        if idx_size < expected:
-            raise DataError(
-                f"{self.idx_path} is truncated: {idx_size} bytes, but {sequence_count} sequences "
-                f"and {document_count} document indices need {expected}; the write was "
-                f"interrupted, {_REGENERATE}"
-            )
-        if idx_size not in (expected, expected + sequence_count):
-            raise DataError(
-                f"{self.idx_path} has {idx_size - expected} unexpected bytes after the document "
-                f"indices (only an optional int8 mode per sequence may follow); {_REGENERATE}"
-            )
-        if document_count < 1:
-            raise DataError(f"{self.idx_path} has no document indices (needs at least [0]); {_REGENERATE}")
+        self.dtype: np.dtype = header.dtype
+        sequence_count, document_count = header.sequence_count, header.document_count
+        idx_size, expected = header.idx_size, header.arrays_end
 
         idx_map = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
         offset = HEADER_BYTES

@@ -130,10 +130,8 @@ def _import_hf_tokenizers():
     return hf_tokenizers
 
 
-def build_tokenizer(spec: str, eos_token: Optional[str] = None) -> Union[ByteTokenizer, HuggingFaceTokenizer]:
-    """`"byte"` gives the byte tokenizer; anything else is read as the path of a tokenizer.json."""
-    if spec == "byte":
-        return ByteTokenizer()
+def tokenizer_file(spec: str) -> Path:
+    """The tokenizer.json that `spec` (not "byte") names: the file, or one in the directory."""
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
@@ -141,4 +139,11 @@ def build_tokenizer(spec: str, eos_token: Optional[str] = None) -> Union[ByteTok
         raise DataError(
             f"data.tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json file"
         )
-    return HuggingFaceTokenizer(path, eos_token=eos_token)
+    return path
+
+
+def build_tokenizer(spec: str, eos_token: Optional[str] = None) -> Union[ByteTokenizer, HuggingFaceTokenizer]:
+    """`"byte"` gives the byte tokenizer; anything else is read as the path of a tokenizer.json."""
+    if spec == "byte":
+        return ByteTokenizer()
+    return HuggingFaceTokenizer(tokenizer_file(spec), eos_token=eos_token)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # static tools and IDEs see the real imports
         param_groups,
         parameter_costs,
         route_parameters,
+        summarize_param_groups,
     )
     from k3train.optim.clip import NormShare, clip_grad_norm_, grad_squared_norm
     from k3train.optim.config import OptimizerConfig, ScheduleConfig
@@ -54,6 +55,7 @@ _SUBMODULE_OF = {
     "parameter_costs": "k3train.optim.builder",
     "route_parameters": "k3train.optim.builder",
     "set_lr": "k3train.optim.schedules",
+    "summarize_param_groups": "k3train.optim.builder",
 }
 
 __all__ = [
@@ -79,6 +81,7 @@ __all__ = [
     "parameter_costs",
     "route_parameters",
     "set_lr",
+    "summarize_param_groups",
 ]
 
 

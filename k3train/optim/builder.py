@@ -85,7 +85,7 @@ def param_groups(model: nn.Module, config: OptimizerConfig) -> list[dict]:
     by_route: dict[str, list[tuple[str, nn.Parameter]]] = defaultdict(list)
     for r in route_parameters(model, config):
         by_route[r.route].append((r.name, r.param))
-    overrides = {
+    overrides: dict[str, dict[str, object]] = {
         "muon": {"algorithm": "muon"},
         "adamw": {"algorithm": "adamw"},
         "adamw_no_decay": {"algorithm": "adamw", "weight_decay": 0.0},
@@ -146,10 +146,9 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def describe_param_groups(model: nn.Module, config: OptimizerConfig) -> str:
-    """A compact table of the routing: one row per (route, name pattern) with tensor count,
-    elements and, for Muon, the block layout (e.g. `per-head 4×[32,128]`), for AdamW the
-    shapes and the reason. Printed by the training job at start-up."""
+def _routing_rows(model: nn.Module, config: OptimizerConfig) -> dict[tuple[str, str], _TableRow]:
+    """One row per (route, name pattern): tensor count, elements and the block layouts (Muon) or
+    shapes and reason (AdamW)."""
     rows: dict[tuple[str, str], _TableRow] = {}
     for r in route_parameters(model, config):
         row = rows.setdefault((r.route, name_pattern(r.name)), _TableRow())
@@ -159,7 +158,35 @@ def describe_param_groups(model: nn.Module, config: OptimizerConfig) -> str:
             row.details[block_layout(r.param, config.muon_per_head).describe()] = None
         else:
             row.details[f"[{','.join(map(str, r.param.shape))}] {r.reason}"] = None
+    return rows
 
+
+def summarize_param_groups(model: nn.Module, config: OptimizerConfig) -> str:
+    """The optimizer's settings and one line per route (Muon, AdamW, AdamW without decay): its
+    groups of parameters (name patterns, layers collapsed), tensors and parameters. What the job
+    prints at start-up; `describe_param_groups` is the full table (`logging.optimizer_table`)."""
+    rows = _routing_rows(model, config)
+    totals = {route: [0, 0, 0] for route in _ROUTE_LABELS}  # groups, tensors, elements
+    for (route, _), row in rows.items():
+        totals[route][0] += 1
+        totals[route][1] += row.tensors
+        totals[route][2] += row.numel
+    all_numel = sum(numel for _, _, numel in totals.values()) or 1
+    shown = [(route, counts) for route, counts in totals.items() if counts[1]]
+    label_width = max(len(_ROUTE_LABELS[route]) for route, _ in shown) if shown else 0
+    lines = [_header(config)]
+    for route, (groups, tensors, numel) in shown:
+        lines.append(f"  {_ROUTE_LABELS[route]:<{label_width}}  {groups:>3} group{'s' if groups != 1 else ' '} "
+                     f"{tensors:>5} tensors {_count(numel):>7} parameters ({100 * numel / all_numel:.1f}%)")
+    lines.append("  (logging.optimizer_table=true prints every group)")
+    return "\n".join(lines)
+
+
+def describe_param_groups(model: nn.Module, config: OptimizerConfig) -> str:
+    """A compact table of the routing: one row per (route, name pattern) with tensor count,
+    elements and, for Muon, the block layout (e.g. `per-head 4×[32,128]`), for AdamW the
+    shapes and the reason. Printed by the training job at start-up with `logging.optimizer_table`."""
+    rows = _routing_rows(model, config)
     table = [("optimizer", "parameters", "tensors", "elements", "blocks / shape")]
     totals = {route: _TableRow() for route in _ROUTE_LABELS}
     for route in _ROUTE_LABELS:  # Muon rows first, then AdamW, then AdamW without decay

@@ -50,8 +50,9 @@ class TrainConfig:
     max_nonfinite_steps: int = 3
     """Stop after this many consecutive steps with a NaN/Inf loss or gradient norm (each is skipped)."""
     num_threads: int = 0
-    """Intra-op CPU threads per process; 0 means OMP_NUM_THREADS when set, else the cores this
-    process may use that the machine's load leaves free, divided among the ranks on its machine."""
+    """Intra-op CPU threads per process; 0 means OMP_NUM_THREADS when the user set it (the 1 torchrun
+    sets when it is unset does not count), else the cores this process may use that the machine's
+    load leaves free, divided among the ranks on its machine."""
     compile: bool = False
     """torch.compile the per-layer elementwise chains named by `train.compile_regions` (never
     matmuls, routing or collectives). Off by default: the first compile takes tens of seconds to
@@ -131,6 +132,9 @@ class LoggingConfig:
     """W&B mode; 'offline' writes locally for a later `wandb sync`."""
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s per device used for MFU; null looks it up from the device name."""
+    optimizer_table: bool = False
+    """Print the optimizer's table at start-up: one row per parameter group (route, name pattern,
+    tensors, elements, block layout or shape). Off: a summary of one line per optimizer."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""

@@ -7,7 +7,8 @@ with this process's thread count, and the line says so ("MFU(cpu-matmul)"). The 
 the median of several trials of half a second, each timed by the process's CPU time over its
 threads where that is shorter than the wall clock (so load from other processes does not depress
 it), and is cached per machine
-(`~/.cache/k3train/cpu_matmul_peak.json`, keyed by CPU model, thread count and torch version), so
+(`cpu_matmul_peak.json` in k3train's cache, `$K3TRAIN_CACHE_DIR` or `~/.cache/k3train`: see
+k3train/cache.py; keyed by CPU model, thread count and torch version), so
 a run that starts while the machine is busy reuses the rate measured earlier instead of a
 depressed one. `logging.peak_tflops` pins the peak instead. Newton–Schulz FLOPs are optimizer
 FLOPs: reported beside MFU (`muon_step_stats`), never counted in it.
@@ -29,6 +30,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from k3train.cache import cache_dir
+
 # Dense (non-sparse) bf16 tensor-core peaks in TFLOP/s, by a substring of the device name.
 GPU_PEAK_BF16_TFLOPS = (
     ("B200", 2250.0),
@@ -42,7 +45,6 @@ GPU_PEAK_BF16_TFLOPS = (
 )
 
 CPU_PEAK_CACHE_FILE = "cpu_matmul_peak.json"
-CACHE_DIR_ENV = "K3TRAIN_CACHE_DIR"
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,6 @@ def cpu_peak_key(threads: int) -> str:
     # "cpu-time": rates measured over the process's CPU time (entries of the earlier wall-clock
     # measurement, depressed by load, are not reused).
     return f"{cpu_model_name()} | {threads} thread(s) | torch {torch.__version__} | cpu-time"
-
-
-def cache_dir() -> Path:
-    """`$K3TRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/k3train`, else `~/.cache/k3train`."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "k3train"
 
 
 def cached_cpu_peak(threads: Optional[int] = None, directory: Optional[Path] = None,

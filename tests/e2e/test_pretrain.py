@@ -54,6 +54,34 @@ def test_resume_continues_bit_identically(tmp_path):
     assert original[20] < original[1]
 
 
+def done_line(stdout: str) -> str:
+    lines = [line for line in stdout.splitlines() if line.startswith("done:")]
+    assert len(lines) == 1, stdout[-2000:]
+    return lines[0]
+
+
+def test_done_line_gives_the_runs_first_loss_after_a_resume(tmp_path):
+    """The last line names the run's first loss, read back from metrics.jsonl after a resume in
+    the same run directory; resumed into another directory it says where it resumed."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    result = run_pretrain("--run-dir", str(run_dir), "train.steps=3", "checkpoint.interval=3", *SMALL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    first = losses(run_dir)
+    assert done_line(result.stdout) == f"done: step 3, loss {first[1]:.4f} (step 1) → {first[3]:.4f} (step 3)"
+
+    result = run_pretrain("--run-dir", str(run_dir), "train.steps=5", *SMALL)  # resumes from step 3
+    assert result.returncode == 0 and "resumed from" in result.stdout, result.stderr[-2000:]
+    both = losses(run_dir)
+    assert done_line(result.stdout) == f"done: step 5, loss {first[1]:.4f} (step 1) → {both[5]:.4f} (step 5)"
+
+    result = run_pretrain("--run-dir", str(elsewhere), "train.steps=5",
+                          f"checkpoint.resume={run_dir / 'checkpoints' / 'step_00000003'}", *SMALL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    moved = losses(elsewhere)
+    assert done_line(result.stdout) == (f"done: step 5, loss {moved[4]:.4f} (step 4, since resume at step 3) → "
+                                        f"{moved[5]:.4f} (step 5)")
+
+
 def test_misspelt_recipe_key_is_one_line_error(tmp_path):
     result = run_pretrain("--run-dir", str(tmp_path), "optimizer.lrr=1e-3", timeout=120)
     assert result.returncode == 2

@@ -124,6 +124,12 @@ def torchrun(run_dir: pathlib.Path, *overrides: str) -> Launch:
                   run_dir.parent / "logs", f"{run_dir.name}.torchrun")
 
 
+def launched(run_dir: pathlib.Path, *overrides: str) -> Launch:
+    """Two ranks under tools/launch.py (torchrun's agent with the job's exit statuses)."""
+    return launch([str(CHECKOUT / "tools/launch.py"), "--standalone", "--nproc_per_node", "2",
+                   *job_args(run_dir, *overrides)], run_dir.parent / "logs", f"{run_dir.name}.launch")
+
+
 def finish_all(launches: list[Launch], timeout_s: float = LAUNCH_TIMEOUT_S) -> list[int]:
     try:
         return [launch_.finish(timeout_s) for launch_ in launches]

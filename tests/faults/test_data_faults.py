@@ -56,3 +56,28 @@ def test_every_cut_of_the_index_is_refused_with_the_file_named(tmp_path, corpus)
         prefix = truncated_copy(corpus, ".idx", keep, f"idx{keep}")
         with pytest.raises(DataError, match=str(prefix.with_suffix(".idx")).replace(".", r"\.")):
             IndexedDataset(prefix)
+
+
+@pytest.mark.parametrize("case", ["missing", "no .bin", "not an index", "tokenizer", "resume"])
+def test_named_files_are_checked_before_torch_and_the_model(tmp_path, corpus, case):
+    """A wrong path is one line within the second the job starts: before the parallel state
+    (the first stdout line needs torch) and the model build."""
+    prefix = tmp_path / "data"
+    overrides = [f"data.paths=[{prefix}]"]
+    if case == "no .bin":
+        prefix.with_suffix(".idx").write_bytes(corpus.with_suffix(".idx").read_bytes())
+    elif case == "not an index":
+        prefix.with_suffix(".bin").write_bytes(corpus.with_suffix(".bin").read_bytes())
+        prefix.with_suffix(".idx").write_text("not an index")
+    elif case == "tokenizer":
+        overrides = [f"data.tokenizer={tmp_path / 'tokenizer.json'}"]
+    elif case == "resume":
+        overrides = [f"checkpoint.resume={tmp_path / 'step_00000004'}"]
+    expected = {"missing": f"{prefix}.idx not found", "no .bin": f"{prefix}.bin not found",
+                "not an index": "is not a megatron MMIDIDX index", "tokenizer": "data.tokenizer",
+                "resume": "checkpoint.resume="}[case]
+    job = single(tmp_path / "run", *overrides)
+    assert job.finish() == 2, job.stderr[-3000:]
+    lines = [line for line in job.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], job.stderr[-3000:]
+    assert job.stdout == "", job.stdout[-2000:]  # nothing of the parallel state, the model or the data

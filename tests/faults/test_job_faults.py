@@ -100,6 +100,19 @@ def test_sigterm_stops_with_the_stopped_status(tmp_path):
     assert complete_checkpoints(run_dir) == [int(stopped[0].split()[3])]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_during_start_up_is_one_line_and_the_unsaved_status(tmp_path, signum):
+    """Before the loop there is nothing to save: status 4 and one line, not SIGTERM's silent
+    death (-15) or Ctrl-C's KeyboardInterrupt traceback."""
+    job = single(tmp_path / "early")
+    job.wait_for(r"run directory:")  # torch is loaded, the model not built yet
+    job.signal(signum)
+    assert job.finish() == STOPPED_UNSAVED, job.stderr[-3000:]
+    line = assert_one_error_line(job.stderr, f"stopped by {signal.Signals(signum).name} without saving",
+                                 "outside the training loop")
+    assert "step 1/" not in job.stdout, line
+
+
 def test_nan_gradients_on_one_rank_skip_then_stop_on_every_rank(tmp_path, reference_two):
     """Rank 1's gradients are NaN in steps 3 and 4: both ranks skip both steps together, and the
     second skip in a row (train.max_nonfinite_steps=2) ends the run with one line; the step-2

@@ -240,6 +240,8 @@ def test_config_and_command_line_do_not_import_torch():
     code = (
         "import sys\n"
         "import k3train.command_line, k3train.config, k3train.config_docs, k3train.training.threads\n"
+        "import k3train.cache, k3train.checkpoint.signals, k3train.data.indexed_dataset, k3train.job_ending\n"
+        "import k3train.path_arguments, k3train.preflight\n"
         "from k3train.data.config import DataConfig\n"
         "from k3train.optim.config import OptimizerConfig\n"
         "from k3train.checkpoint.config import CheckpointConfig\n"

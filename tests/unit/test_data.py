@@ -361,14 +361,19 @@ def test_vocabulary_checks_name_the_setting(tmp_path):
 # -- the default corpus and the preprocessing tool ------------------------------------------
 
 
-def test_default_corpus_builds_once_and_is_reused(tmp_path):
+def test_default_corpus_builds_once_and_is_reused(tmp_path, capsys):
     prefix = default_corpus_prefix(tmp_path, max_bytes=200_000)
+    # The first build says what it does and how long it took (seconds of silence otherwise).
+    before, after = capsys.readouterr().out.splitlines()
+    assert before.startswith("building the default corpus (first use): ") and str(tmp_path) in before
+    assert after.startswith("built the default corpus in ") and " s: " in after and "tokens" in after
     ds = IndexedDataset(prefix)
     assert ds.num_documents > 5 and ds.num_tokens <= 200_000 + ds.num_documents
     assert ds.dtype == np.uint16 and int(ds.tokens.max()) == EOS
     stamp = os.stat(prefix + ".bin").st_mtime_ns
     assert default_corpus_prefix(tmp_path, max_bytes=200_000) == prefix
     assert os.stat(prefix + ".bin").st_mtime_ns == stamp
+    assert capsys.readouterr().out == ""  # reused: nothing to say
     assert not [p for p in (tmp_path / "corpus").iterdir() if p.name.startswith(".")]
 
     config = DataConfig(cache_dir=str(tmp_path), corpus_max_bytes=200_000)

@@ -114,3 +114,15 @@ def test_loss_curve_comparison():
     worst, tail = k3_1gpu.compare_loss_curves([10.0, 8.0, 6.0, 4.0], [10.0, 8.8, 6.0, 4.2], tail=2)
     assert abs(worst - 0.1) < 1e-12 and abs(tail - 0.025) < 1e-12
     assert k3_1gpu.compare_loss_curves([1.0, 2.0], [1.0]) == (float("inf"), float("inf"))
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
+    """The default is CUDA: on a machine without it the script answers at once (it used to run
+    every check on the CPU at full sizes for minutes)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    for args in ([], ["--device", "cuda", "--only", "kda_chunk"]):
+        result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                                timeout=120, env=env, cwd=CHECKOUT)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:] + result.stderr[-2000:]
+        assert len(lines) == 1 and lines[0].startswith("gpu_check: no GPU:") and "--device cpu" in lines[0], lines

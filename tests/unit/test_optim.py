@@ -23,6 +23,7 @@ from k3train.optim import (
     parameter_costs,
     route_parameters,
     set_lr,
+    summarize_param_groups,
 )
 from k3train.optim.newton_schulz import newton_schulz, ns_flops, resolve_ns_dtype
 
@@ -399,6 +400,25 @@ def test_routing_and_description():
     set_lr(optimizer, 0.0)
     optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_start_up_summary_is_a_few_lines_per_optimizer():
+    """What the job prints by default (the table is behind logging.optimizer_table): the settings,
+    then one line per route with its groups, tensors and parameters, adding up to the table's."""
+    model = TinyModel()
+    config = OptimizerConfig()
+    summary = summarize_param_groups(model, config).splitlines()
+    table = describe_param_groups(model, config).splitlines()
+    assert summary[0] == table[0] and len(summary) == 5 < len(table), summary
+    routes = {line.split()[0] + (" wd=0" if "wd=0" in line else ""): line for line in summary[1:4]}
+    assert set(routes) == {"Muon", "AdamW", "AdamW wd=0"}, summary
+    table_rows = [line for line in table[2:-1]]
+    for label, line in routes.items():
+        rows = [row for row in table_rows if row.split("  ")[1].strip() == label]
+        assert f"{len(rows)} groups" in line or f"{len(rows)} group " in line, (line, rows)
+    assert "logging.optimizer_table=true" in summary[-1]
+    assert [line.split()[0] for line in summarize_param_groups(model, OptimizerConfig(name="adamw")).splitlines()[1:3]] \
+        == ["AdamW", "AdamW"]
 
 
 def test_routing_adamw_everywhere():

@@ -46,3 +46,80 @@ def test_machine_busy_fraction_is_a_fraction():
     from k3train.training.threads import machine_busy_fraction
 
     assert 0.0 <= machine_busy_fraction() <= 1.0
+
+
+# torchrun puts OMP_NUM_THREADS=1 in its ranks' environment when the user left it unset (and
+# nproc_per_node > 1): the agent's own start-up environment tells the two apart.
+TORCHRUN_RANK = {"TORCHELASTIC_RUN_ID": "run", "LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}
+
+
+def test_torchrun_default_omp_is_not_taken_for_the_users_choice():
+    threads, line = choose_num_threads(None, TORCHRUN_RANK, 16, launcher_variables={"PATH", "HOME"})
+    assert threads == 4
+    assert "16 cores / 4 local ranks" in line and "torchrun's default OMP_NUM_THREADS=1 not used" in line
+
+
+def test_omp_the_user_gave_torchrun_is_respected():
+    threads, line = choose_num_threads(None, TORCHRUN_RANK, 16, launcher_variables={"PATH", "OMP_NUM_THREADS"})
+    assert threads == 1 and line == "threads: 1 per rank (OMP_NUM_THREADS=1)"
+
+
+def test_unknown_origin_under_torchrun_keeps_one_and_says_why():
+    threads, line = choose_num_threads(None, TORCHRUN_RANK, 16, launcher_variables=None)
+    assert threads == 1 and "torchrun also sets" in line and "train.num_threads" in line
+
+
+def test_omp_other_than_torchruns_default_is_always_the_users():
+    environ = dict(TORCHRUN_RANK, OMP_NUM_THREADS="3")
+    assert choose_num_threads(None, environ, 16, launcher_variables=set())[0] == 3
+
+
+def test_launcher_environment_reads_the_start_up_environment_of_the_parent():
+    import os
+    import subprocess
+    import sys
+
+    from k3train.training.threads import launcher_environment
+
+    assert launcher_environment({}) is None  # not a torchrun rank
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    with subprocess.Popen([sys.executable, "-c", "import os, time; os.environ['OMP_NUM_THREADS'] = '1'; "
+                           "print(flush=True); time.sleep(30)"], env=env, stdout=subprocess.PIPE) as agent:
+        try:
+            agent.stdout.readline()  # the variable is set in its os.environ by now, as torchrun does
+            names = launcher_environment({"TORCHELASTIC_RUN_ID": "x"}, parent_pid=agent.pid)
+        finally:
+            agent.kill()
+    if names is None:
+        pytest.skip("no /proc/<pid>/environ on this platform")
+    assert "PATH" in names and "OMP_NUM_THREADS" not in names
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("user_omp", [None, "1"])
+def test_under_torchrun_ranks_tell_its_default_from_the_users(tmp_path, user_omp):
+    """Two ranks under the real torchrun: unset, the cores are divided (the ranks only print
+    their choice, so OMP_NUM_THREADS may stay unset here); set to 1 by the user, it is kept."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    checkout = pathlib.Path(__file__).resolve().parents[2]
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(checkout)!r})\n"
+        "from k3train.training.threads import choose_num_threads, launcher_environment\n"
+        "print('LINE', choose_num_threads(None, os.environ, 8, 0.0, launcher_environment(os.environ))[1], flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if user_omp:
+        env["OMP_NUM_THREADS"] = user_omp
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(probe)], capture_output=True, text=True, timeout=150, env=env)
+    lines = [line[5:] for line in result.stdout.splitlines() if line.startswith("LINE ")]
+    assert result.returncode == 0 and len(lines) == 2, result.stdout + result.stderr[-3000:]
+    if user_omp:
+        assert all(line == "threads: 1 per rank (OMP_NUM_THREADS=1)" for line in lines), lines
+    else:
+        assert all(line.startswith("threads: 4 per rank (8 cores / 2 local ranks; torchrun's default") for line in lines), lines
