@@ -71,8 +71,10 @@ def exit_on_collective_failure(error: BaseException, parallel=None, timeout_s: f
     if message is None:
         return
     rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-    line = (f"error: rank {rank} of {world_size}: {message}; exiting, the newest complete checkpoint "
-            f"is kept (resume with checkpoint.resume=auto)")
+    line = (
+        f"error: rank {rank} of {world_size}: {message}; exiting, the newest complete checkpoint "
+        f"is kept (resume with checkpoint.resume=auto)"
+    )
     print(line, file=sys.stderr, flush=True)
     write_torchrun_error_file(line)
     sys.stdout.flush()
@@ -114,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             fail(str(error))
         return start_job(config, run_dir_arg)
     except StoppedOutsideTheLoop as stop:  # every rank got it (torchrun forwards to all): rank 0 prints
-        exit_unsaved(stop.signum, "it arrived outside the training loop", print_line=int(os.environ.get("RANK", "0")) == 0)
+        exit_unsaved(
+            stop.signum, "it arrived outside the training loop", print_line=int(os.environ.get("RANK", "0")) == 0
+        )
         raise  # not reached: exit_unsaved ends the process
     finally:
         # The status is decided. torchrun's agent SIGTERMs the other ranks as soon as one ends, and
@@ -143,8 +147,12 @@ def start_job(config, run_dir_arg: str | None) -> int:
     except LayoutError as error:
         fail(str(error))
     except Exception as error:  # a peer that never joined or died while the groups were built
-        exit_on_collective_failure(error, timeout_s=collective_timeout_seconds(
-            config.parallel.collective_timeout_s, "nccl" if device.type == "cuda" else "gloo"))
+        exit_on_collective_failure(
+            error,
+            timeout_s=collective_timeout_seconds(
+                config.parallel.collective_timeout_s, "nccl" if device.type == "cuda" else "gloo"
+            ),
+        )
         raise
     try:
         return run_job(config, run_dir_arg, parallel, device)
@@ -182,11 +190,18 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     run_dir = shared_run_dir(run_dir_arg)
     print(f"run directory: {run_dir}")
     layout = parallel.layout
-    print(f"parallel: world {layout.world_size} = tp {layout.tp} × cp {layout.cp} × dp {layout.data_parallel} × pp {layout.pp} "
-          f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
-          f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}")
-    threads, threads_line = choose_num_threads(config.train.num_threads, os.environ, available_cores(),
-                                               machine_busy_fraction(), launcher_environment(os.environ))
+    print(
+        f"parallel: world {layout.world_size} = tp {layout.tp} × cp {layout.cp} × dp {layout.data_parallel} × pp {layout.pp} "
+        f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
+        f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}"
+    )
+    threads, threads_line = choose_num_threads(
+        config.train.num_threads,
+        os.environ,
+        available_cores(),
+        machine_busy_fraction(),
+        launcher_environment(os.environ),
+    )
     torch.set_num_threads(threads)  # torch's default, every core in every rank, oversubscribes
     print(threads_line)
     cache = locate_cache()
@@ -205,9 +220,11 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         fail(str(error))
     model, optimizer = job.model, job.optimizer
     counts = parameter_counts(config.model)
-    print(f"model: {counts.total / 1e6:.2f}M parameters ({counts.active / 1e6:.2f}M active per token), "
-          f"{config.model.num_hidden_layers} layers, attn_res={config.model.attn_res}, balancer={config.model.balancer}; "
-          f"this rank holds layers {job.plan.layer_ranges(parallel.pp_rank)}")
+    print(
+        f"model: {counts.total / 1e6:.2f}M parameters ({counts.active / 1e6:.2f}M active per token), "
+        f"{config.model.num_hidden_layers} layers, attn_res={config.model.attn_res}, balancer={config.model.balancer}; "
+        f"this rank holds layers {job.plan.layer_ranges(parallel.pp_rank)}"
+    )
     describe_optimizer = describe_param_groups if config.logging.optimizer_table else summarize_param_groups
     print(describe_optimizer(model, config.optimizer))
 
@@ -231,26 +248,40 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
         logger = MetricsLogger(config, run_dir, peak.label) if is_logging_rank else None
     except OSError as error:
-        fail(f"run directory {run_dir} cannot be created or written ({error.strerror or error}); "
-             f"pass a writable --run-dir")
+        fail(
+            f"run directory {run_dir} cannot be created or written ({error.strerror or error}); "
+            f"pass a writable --run-dir"
+        )
     try:
-        trainer = Trainer(config, model, optimizer, data, device,
-                          training_flops_per_token(config.model, config.data.seq_length).total, peak,
-                          logger, parallel, job.reducer, job.schedule)
+        trainer = Trainer(
+            config,
+            model,
+            optimizer,
+            data,
+            device,
+            training_flops_per_token(config.model, config.data.seq_length).total,
+            peak,
+            logger,
+            parallel,
+            job.reducer,
+            job.schedule,
+        )
     except TrainingError as error:
         fail(str(error))
     checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
     try:
-        checkpointer = Checkpointer(checkpoint_dir, keep_last=config.checkpoint.keep_last,
-                                    async_save=config.checkpoint.async_save)
+        checkpointer = Checkpointer(
+            checkpoint_dir, keep_last=config.checkpoint.keep_last, async_save=config.checkpoint.async_save
+        )
     except OSError as error:
-        fail(f"checkpoint directory {checkpoint_dir} cannot be created or read ({error.strerror or error}); "
-             f"set checkpoint.dir to a writable directory")
+        fail(
+            f"checkpoint directory {checkpoint_dir} cannot be created or read ({error.strerror or error}); "
+            f"set checkpoint.dir to a writable directory"
+        )
 
     def app_state() -> dict:
         # The QB biases are model buffers; the LR schedule is a pure function of the step.
-        state = {"model": model, "optimizer": optimizer, "data": data, "progress": trainer.progress,
-                 "rng": RNGState()}
+        state = {"model": model, "optimizer": optimizer, "data": data, "progress": trainer.progress, "rng": RNGState()}
         if job.expert_parallel is not None:  # the next step's replica placements (per EP group, so per rank)
             state["expert_replicas"] = PerRank(job.expert_parallel)
         return state
@@ -282,8 +313,10 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         try:
             path = checkpointer.save(step, app_state())
         except OSError as error:  # e.g. the checkpoint directory vanished or became a file
-            raise CheckpointError(f"saving the checkpoint of step {step} in {checkpointer.directory} failed "
-                                  f"({error.strerror or error}{': ' + str(error.filename) if error.filename else ''})") from error
+            raise CheckpointError(
+                f"saving the checkpoint of step {step} in {checkpointer.directory} failed "
+                f"({error.strerror or error}{': ' + str(error.filename) if error.filename else ''})"
+            ) from error
         # An asynchronous save returns once the state is copied; the write finishes in the background.
         print(f"checkpoint {'started' if config.checkpoint.async_save else 'saved'}: {path}", flush=True)
 
@@ -297,8 +330,10 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     # 6. Train. A signal stops after the step in progress (saved); one the loop cannot answer
     #    within train.stop_grace_s (blocked on a collective) ends the process unsaved.
     try:
-        with GracefulExit(grace_s=config.train.stop_grace_s,
-                          on_unanswered=lambda signum, reason: exit_unsaved(signum, reason, trainer.progress.step)) as stop:
+        with GracefulExit(
+            grace_s=config.train.stop_grace_s,
+            on_unanswered=lambda signum, reason: exit_unsaved(signum, reason, trainer.progress.step),
+        ) as stop:
             history = trainer.run(stop.requested, save_checkpoint)  # any rank signalled: all stop
             checkpointer.wait()  # the last asynchronous write, complete (renamed, checksummed) before exit
     except KeyboardInterrupt:  # a second SIGINT (GracefulExit raises it): every rank got it, rank 0 prints
@@ -318,8 +353,10 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         torch.distributed.destroy_process_group()
     if trainer.stopped_at_step is not None:
         how = signal_name(stop.received) if stop.received is not None else "a signal to another rank"
-        line = (f"stopped at step {trainer.stopped_at_step} ({how}): checkpoint saved; "
-                f"rerun with checkpoint.resume=auto to continue")
+        line = (
+            f"stopped at step {trainer.stopped_at_step} ({how}): checkpoint saved; "
+            f"rerun with checkpoint.resume=auto to continue"
+        )
         print(line, flush=True)
         write_torchrun_error_file(line)  # status 3 is a "failure" to torchrun: its summary shows this line
         return STOPPED

@@ -37,16 +37,28 @@ from k3train.training.compile import compile_elementwise
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"
 # A K3-shaped model of hidden 512, 4 layers (3 KDA + 1 MLA), 2,048 tokens per step.
 WIDE_MODEL = [
-    "model.hidden_size=512", "model.num_hidden_layers=4", "model.num_attention_heads=8", "model.q_lora_rank=256",
-    "model.kv_lora_rank=128", "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
-    "model.linear_attn_config.num_heads=8", "model.linear_attn_config.head_dim=64", "model.intermediate_size=1408",
-    "model.moe_intermediate_size=256", "model.routed_expert_hidden_size=256", "data.seq_length=512",
-    "train.global_batch_size=4", "train.micro_batch_size=2",
+    "model.hidden_size=512",
+    "model.num_hidden_layers=4",
+    "model.num_attention_heads=8",
+    "model.q_lora_rank=256",
+    "model.kv_lora_rank=128",
+    "model.qk_nope_head_dim=64",
+    "model.qk_rope_head_dim=32",
+    "model.v_head_dim=64",
+    "model.linear_attn_config.num_heads=8",
+    "model.linear_attn_config.head_dim=64",
+    "model.intermediate_size=1408",
+    "model.moe_intermediate_size=256",
+    "model.routed_expert_hidden_size=256",
+    "data.seq_length=512",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
 ]
 
 
-def stacked_checkpointed_input(self: AttentionResidual, sources: list[torch.Tensor], norm,
-                               inverse_norms=None, dots=None) -> torch.Tensor:
+def stacked_checkpointed_input(
+    self: AttentionResidual, sources: list[torch.Tensor], norm, inverse_norms=None, dots=None
+) -> torch.Tensor:
     """`AttentionResidual.normalized_input` as of 3c49d31: stacked mix, checkpointed with the norm
     (every key normalised and scored in the mix: `inverse_norms` and `dots` are not read)."""
     if len(sources) == 1:
@@ -54,13 +66,15 @@ def stacked_checkpointed_input(self: AttentionResidual, sources: list[torch.Tens
 
     def mix_and_normalize(*inputs: torch.Tensor) -> torch.Tensor:
         return norm(attn_res_mix_reference(list(inputs), self.norm.weight, self.proj.weight[0], self.norm.eps))
+
     if self.recompute and torch.is_grad_enabled():
         return checkpoint(mix_and_normalize, *sources, use_reentrant=False)
     return mix_and_normalize(*sources)
 
 
-def build(model_overrides: list[str], mode: str, compiled: bool = False
-          ) -> tuple[K3Model, torch.optim.Optimizer, JobConfig]:
+def build(
+    model_overrides: list[str], mode: str, compiled: bool = False
+) -> tuple[K3Model, torch.optim.Optimizer, JobConfig]:
     """`mode`: an `attn_res` value, or `<value>@3c49d31` for the earlier mix. `compiled`: what
     `train.compile=true` compiles (`compile_elementwise`), the AttnRes mixes among it."""
     attn_res, _, before = mode.partition("@")
@@ -92,11 +106,13 @@ def step_table(args: argparse.Namespace) -> None:
     config = runs["none"][2]
     generator = torch.Generator().manual_seed(0)
     micro = config.train.micro_batch_size
-    batches = [torch.randint(0, config.model.vocab_size, (micro, config.data.seq_length + 1), generator=generator)
-               for _ in range(config.train.global_batch_size // micro)]
+    batches = [
+        torch.randint(0, config.model.vocab_size, (micro, config.data.seq_length + 1), generator=generator)
+        for _ in range(config.train.global_batch_size // micro)
+    ]
     clock = time.perf_counter if args.wall else time.process_time
     times: dict[str, list[float]] = {mode: [] for mode in runs}
-    for mode, (model, optimizer, _) in runs.items():  # warm-up, not timed
+    for model, optimizer, _ in runs.values():  # warm-up, not timed
         step(model, optimizer, batches, clock)
     for _ in range(args.repeats):
         for mode, (model, optimizer, _) in runs.items():
@@ -106,16 +122,23 @@ def step_table(args: argparse.Namespace) -> None:
     # machine's load between rounds cancels; the fastest round's steps show the unloaded cost.
     paired = {mode: statistics.median(t / base for t, base in zip(times[mode], times["none"])) for mode in times}
     fastest = {mode: min(t) for mode, t in times.items()}
-    print(f"\n{args.model} model (hidden {config.model.hidden_size}, {config.model.num_hidden_layers} layers, "
-          f"{config.train.global_batch_size * config.data.seq_length} tokens/step, recompute={args.recompute}, "
-          f"block size {config.model.attn_res_block_size}{', train.compile=true' if args.compile else ''}), "
-          f"{args.repeats} rounds, "
-          f"{'wall-clock' if args.wall else 'process CPU'} seconds")
-    print("| attn_res | median step (s) | / none | median of round ratios | fastest step (s) | / none |\n"
-          "| --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        f"\n{args.model} model (hidden {config.model.hidden_size}, {config.model.num_hidden_layers} layers, "
+        f"{config.train.global_batch_size * config.data.seq_length} tokens/step, recompute={args.recompute}, "
+        f"block size {config.model.attn_res_block_size}{', train.compile=true' if args.compile else ''}), "
+        f"{args.repeats} rounds, "
+        f"{'wall-clock' if args.wall else 'process CPU'} seconds"
+    )
+    print(
+        "| attn_res | median step (s) | / none | median of round ratios | fastest step (s) | / none |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: |"
+    )
     for mode, seconds in medians.items():
-        print(f"| {mode} | {seconds:.3f} | {seconds / medians['none']:.3f} | {paired[mode]:.3f} | "
-              f"{fastest[mode]:.3f} | {fastest[mode] / fastest['none']:.3f} |", flush=True)
+        print(
+            f"| {mode} | {seconds:.3f} | {seconds / medians['none']:.3f} | {paired[mode]:.3f} | "
+            f"{fastest[mode]:.3f} | {fastest[mode] / fastest['none']:.3f} |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -126,8 +149,11 @@ def main() -> None:
     parser.add_argument("--wall", action="store_true", help="wall-clock instead of process CPU time")
     parser.add_argument("--with-before", action="store_true", help="also the 3c49d31 mix (see above)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--compile", action="store_true",
-                        help="every model as train.compile=true runs it (the AttnRes mixes compiled; the warm-up compiles)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="every model as train.compile=true runs it (the AttnRes mixes compiled; the warm-up compiles)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

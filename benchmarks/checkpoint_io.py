@@ -18,8 +18,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -89,6 +90,7 @@ class _Patched:
                 return fn()
             finally:
                 setattr(self.module, self.name, original)
+
         return run
 
 
@@ -103,13 +105,16 @@ def io_costs(name: str, app_state: Callable[[], dict[str, Any]], root: Path, rep
     crc_only = timed(lambda: writing_module.checksum_files(path, names), repeats)
     size = sum((path / n).stat().st_size for n in names)
     load = lambda: ck.load(path, app_state())  # noqa: E731
-    unverified = _Patched(checkpointer_module, "verify_checkpoint",
-                          lambda p, share=(0, 1): verify_checkpoint(p, checksums=False))(load)
+    unverified = _Patched(
+        checkpointer_module, "verify_checkpoint", lambda p, share=(0, 1): verify_checkpoint(p, checksums=False)
+    )(load)
     load_with, load_without = paired(load, unverified, repeats)
-    print(f"{name:<14} {size / 1e6:8.1f} MB | save {without:6.3f}s → {with_sums:6.3f}s with checksums "
-          f"(×{with_sums / without:.2f}) | load {load_without:6.3f}s → {load_with:6.3f}s verified "
-          f"(×{load_with / load_without:.2f}) | CRC-32 alone {crc_only:6.3f}s ({size / crc_only / 1e9:.2f} GB/s, "
-          f"{crc_only / without * 100:.0f}% of a save, {crc_only / load_without * 100:.0f}% of a load)")
+    print(
+        f"{name:<14} {size / 1e6:8.1f} MB | save {without:6.3f}s → {with_sums:6.3f}s with checksums "
+        f"(×{with_sums / without:.2f}) | load {load_without:6.3f}s → {load_with:6.3f}s verified "
+        f"(×{load_with / load_without:.2f}) | CRC-32 alone {crc_only:6.3f}s ({size / crc_only / 1e9:.2f} GB/s, "
+        f"{crc_only / without * 100:.0f}% of a save, {crc_only / load_without * 100:.0f}% of a load)"
+    )
 
 
 def stall(root: Path, steps: int) -> None:
@@ -127,9 +132,11 @@ def stall(root: Path, steps: int) -> None:
         start = time.perf_counter()
         ck.wait()
         waited = time.perf_counter() - start
-        print(f"debug model, {'async' if async_save else 'sync ':<5} save: training waits {in_save * 1e3:8.1f} ms in "
-              f"save() (+{waited * 1e3:.1f} ms at wait()); next {steps} steps {statistics.mean(after) * 1e3:.1f} ms "
-              f"each (without a save: {plain * 1e3:.1f} ms)")
+        print(
+            f"debug model, {'async' if async_save else 'sync ':<5} save: training waits {in_save * 1e3:8.1f} ms in "
+            f"save() (+{waited * 1e3:.1f} ms at wait()); next {steps} steps {statistics.mean(after) * 1e3:.1f} ms "
+            f"each (without a save: {plain * 1e3:.1f} ms)"
+        )
 
 
 def main() -> None:
@@ -143,7 +150,9 @@ def main() -> None:
     try:
         model, optimizer, _ = debug_model_state()
         extras = {"progress": {"step": 1}, "data": {"consumed_samples": 8, "taken_per_dataset": [8]}}
-        io_costs("debug model", lambda: {"model": model, "optimizer": optimizer, **extras}, root / "debug", args.repeats)
+        io_costs(
+            "debug model", lambda: {"model": model, "optimizer": optimizer, **extras}, root / "debug", args.repeats
+        )
         big = big_state(args.gb)
         io_costs(f"{args.gb:g} GB state", lambda: big, root / "big", args.repeats)
         big = None  # free the state before the stall test (the lambda reads the name, not the value)

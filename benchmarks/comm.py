@@ -36,16 +36,20 @@ LAYOUTS = [
     dict(name="TP2+SP recompute=sublayer", tp=2, sequence_parallel=True, overrides=["model.recompute=sublayer"]),
 ]
 
-NOT_COUNTED = ("Not counted by comm.py (outside its groups): the step line's per-rank memory all-gather "
-               "(one float64 per rank on the default group) and, between steps in `Trainer.run`, the "
-               "stop-flag all-reduce (one int32).")
+NOT_COUNTED = (
+    "Not counted by comm.py (outside its groups): the step line's per-rank memory all-gather "
+    "(one float64 per rank on the default group) and, between steps in `Trainer.run`, the "
+    "stop-flag all-reduce (one int32)."
+)
 
 
 def table(layouts: list[dict], results: list[list[dict]]) -> tuple[str, bool]:
     """Markdown rows (layout, group, ranks, measured/predicted bytes, ratio, messages) and whether
     every rank's every group matched its prediction."""
-    lines = ["| layout | group | ranks | measured bytes | predicted bytes | ratio | measured msgs | predicted msgs |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| layout | group | ranks | measured bytes | predicted bytes | ratio | measured msgs | predicted msgs |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     all_match = True
     for index, layout in enumerate(layouts):
         per_rank = [rank_results[index] for rank_results in results if rank_results[index]["member"]]
@@ -58,8 +62,10 @@ def table(layouts: list[dict], results: list[list[dict]]) -> tuple[str, bool]:
             for ((m_bytes, m_msgs), (p_bytes, p_msgs)), ranks in rows.items():
                 all_match &= (m_bytes, m_msgs) == (p_bytes, p_msgs)
                 ratio = f"{m_bytes / p_bytes:.3f}" if p_bytes else ("—" if not m_bytes else "inf")
-                lines.append(f"| {layout['name']} | {group} | {','.join(map(str, ranks))} | {m_bytes:,} | "
-                             f"{p_bytes:,} | {ratio} | {m_msgs} | {p_msgs} |")
+                lines.append(
+                    f"| {layout['name']} | {group} | {','.join(map(str, ranks))} | {m_bytes:,} | "
+                    f"{p_bytes:,} | {ratio} | {m_msgs} | {p_msgs} |"
+                )
     return "\n".join(lines), all_match
 
 
@@ -74,24 +80,33 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the workers are killed")
     args = parser.parse_args()
 
-    layouts = LAYOUTS if args.layouts is None else [l for l in LAYOUTS if l["name"] in args.layouts]
-    unknown = set(args.layouts or []) - {l["name"] for l in layouts}
+    layouts = LAYOUTS if args.layouts is None else [layout for layout in LAYOUTS if layout["name"] in args.layouts]
+    unknown = set(args.layouts or []) - {layout["name"] for layout in layouts}
     if unknown:
-        parser.error(f"unknown layouts {sorted(unknown)}; choose from {[l['name'] for l in LAYOUTS]}")
+        parser.error(f"unknown layouts {sorted(unknown)}; choose from {[layout['name'] for layout in LAYOUTS]}")
     from k3train.planning.traffic import TrafficTerm, describe_terms
     from tests.distributed.harness import run_workers
 
-    payload = dict(recipe=args.recipe, micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches,
-                   seq_length=args.seq_length, layouts=layouts)
+    payload = dict(
+        recipe=args.recipe,
+        micro_batch_size=args.micro_batch_size,
+        micro_batches=args.micro_batches,
+        seq_length=args.seq_length,
+        layouts=layouts,
+    )
     started = time.perf_counter()
     results = run_workers(4, "tests.distributed.workers_comm:run_layouts", payload, timeout_s=args.timeout)
     seconds = time.perf_counter() - started
-    print(f"# One training step of {Path(args.recipe).name} per layout: micro-batch {args.micro_batch_size} × "
-          f"seq {args.seq_length}, {args.micro_batches} micro-batches per DP rank, fp32, gloo\n")
+    print(
+        f"# One training step of {Path(args.recipe).name} per layout: micro-batch {args.micro_batch_size} × "
+        f"seq {args.seq_length}, {args.micro_batches} micro-batches per DP rank, fp32, gloo\n"
+    )
     text, all_match = table(layouts, results)
     print(text)
-    print(f"\n{'every rank matches its prediction (bytes and messages)' if all_match else 'MISMATCH: see the rows'}; "
-          f"{len(layouts)} layouts in {seconds:.1f} s (one 4-rank launch)")
+    print(
+        f"\n{'every rank matches its prediction (bytes and messages)' if all_match else 'MISMATCH: see the rows'}; "
+        f"{len(layouts)} layouts in {seconds:.1f} s (one 4-rank launch)"
+    )
     print(NOT_COUNTED)
     if args.terms:
         for index, layout in enumerate(layouts):

@@ -39,8 +39,17 @@ from k3train.kernels.kda import chunk_kda
 
 # K3 (recipes/k3.yaml): hidden 7168, 96 KDA heads of 128, MLA latent 512 + 64 rope, 96 MLA heads
 # with qk_head_dim 192 and v_head_dim 128, short convolutions of 4 taps.
-K3 = dict(hidden=7168, kda_heads=96, head_dim=128, kv_lora_rank=512, rope=64, mla_heads=96, qk_head_dim=192,
-          v_head_dim=128, conv_kernel=4)
+K3 = dict(
+    hidden=7168,
+    kda_heads=96,
+    head_dim=128,
+    kv_lora_rank=512,
+    rope=64,
+    mla_heads=96,
+    qk_head_dim=192,
+    v_head_dim=128,
+    conv_kernel=4,
+)
 FP32, BF16 = 4, 2
 
 
@@ -61,8 +70,9 @@ def exchange_bytes(seq_length: int, cp: int, tp: int = 1, shapes: dict = K3) -> 
     mla_gather = 2 * others * latent
     mla_ring = 2 * others * (shapes["mla_heads"] // tp) * (shapes["qk_head_dim"] + shapes["v_head_dim"]) * BF16
     activation = 2 * piece * shapes["hidden"] * BF16
-    return dict(kda_gather=kda_gather, kda_handoff=kda_handoff, mla_gather=mla_gather, mla_ring=mla_ring,
-                activation=activation)
+    return dict(
+        kda_gather=kda_gather, kda_handoff=kda_handoff, mla_gather=mla_gather, mla_ring=mla_ring, activation=activation
+    )
 
 
 def mib(value: float) -> str:
@@ -71,12 +81,16 @@ def mib(value: float) -> str:
 
 def print_bytes_table(seq_length: int, tp: int) -> None:
     print(f"bytes per layer and sequence of {seq_length} tokens, one rank, forward + backward (MiB), tp={tp}")
-    print(f"{'C':>3} {'tokens/rank':>11} {'KDA gather':>11} {'KDA handoff':>12} {'MLA latent':>11} "
-          f"{'MLA ring':>10} {'layer input':>12}")
+    print(
+        f"{'C':>3} {'tokens/rank':>11} {'KDA gather':>11} {'KDA handoff':>12} {'MLA latent':>11} "
+        f"{'MLA ring':>10} {'layer input':>12}"
+    )
     for cp in (2, 4, 8, 16):
         row = exchange_bytes(seq_length, cp, tp)
-        print(f"{cp:>3} {seq_length // cp:>11} {mib(row['kda_gather']):>11} {mib(row['kda_handoff']):>12} "
-              f"{mib(row['mla_gather']):>11} {mib(row['mla_ring']):>10} {mib(row['activation']):>12}")
+        print(
+            f"{cp:>3} {seq_length // cp:>11} {mib(row['kda_gather']):>11} {mib(row['kda_handoff']):>12} "
+            f"{mib(row['mla_gather']):>11} {mib(row['mla_ring']):>10} {mib(row['activation']):>12}"
+        )
 
 
 def kda_inputs(piece: int, heads: int, key: int, value: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -94,8 +108,9 @@ def kda_inputs(piece: int, heads: int, key: int, value: int, seed: int = 0) -> d
 
 def time_kda(inputs: dict[str, torch.Tensor], initial_state: torch.Tensor, chunk_size: int) -> float:
     started = time.perf_counter()
-    o, state = chunk_kda(**inputs, initial_state=initial_state, output_final_state=True, chunk_size=chunk_size,
-                         backend="torch")
+    o, state = chunk_kda(
+        **inputs, initial_state=initial_state, output_final_state=True, chunk_size=chunk_size, backend="torch"
+    )
     (o.sum() + state.sum()).backward()
     return time.perf_counter() - started
 
@@ -136,11 +151,15 @@ def measure(piece: int, heads: int, chunk_size: int, repeats: int, cps: list[int
             folds[cp].append(time_fold(2 * cp, heads, key, value))
     t_plain, t_extended = statistics.median(times["plain"]), statistics.median(times["extended"])
     t_chain = statistics.median(times["chain"])
-    print(f"\nKDA piece of {piece} tokens, {heads} heads of {key}, chunk {chunk_size}, fp32 fwd+bwd on CPU "
-          f"({torch.get_num_threads()} threads), medians of {repeats}:")
+    print(
+        f"\nKDA piece of {piece} tokens, {heads} heads of {key}, chunk {chunk_size}, fp32 fwd+bwd on CPU "
+        f"({torch.get_num_threads()} threads), medians of {repeats}:"
+    )
     print(f"  t(V)   = {t_plain * 1e3:8.1f} ms   (a piece whose entering state is known)")
-    print(f"  t(V+K) = {t_extended * 1e3:8.1f} ms   (the extended run: o, and the maps A, B, M) "
-          f"= {t_extended / t_plain:.2f} x t(V)")
+    print(
+        f"  t(V+K) = {t_extended * 1e3:8.1f} ms   (the extended run: o, and the maps A, B, M) "
+        f"= {t_extended / t_plain:.2f} x t(V)"
+    )
     print(f"  chain step = {t_chain * 1e3:6.2f} ms   (S_out = A S_in + B, fwd+bwd)")
     print("critical path of one KDA layer, compute only (ms):")
     print(f"{'C':>3} {'state first':>12} {'handoff':>9} {'gather':>9} {'state first / handoff':>22}")

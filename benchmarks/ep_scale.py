@@ -45,8 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def load_old_module(revision: str, path: str = "parallel/expert.py"):
     """`path` as it was at `revision`, imported as a temporary module."""
-    source = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{revision}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
     name = f"old_{revision}_{Path(path).stem}"
     file = Path(tempfile.mkdtemp()) / f"{name}.py"
     file.write_text(source)
@@ -63,7 +64,7 @@ def routing(args, ranks: int, regime: str, step: int):
     experts, tokens, top_k = args.experts, args.tokens, args.top_k
     biases = torch.Generator().manual_seed(1000 + ranks)
     global_bias = torch.randn(experts, generator=biases) * args.global_skew
-    own_hot = [torch.randperm(experts, generator=biases)[:args.hot] for _ in range(ranks)]
+    own_hot = [torch.randperm(experts, generator=biases)[: args.hot] for _ in range(ranks)]
     noise = torch.Generator().manual_seed(10 * ranks + step)
     ids = torch.empty(ranks, tokens, top_k, dtype=torch.int64)
     weights = torch.empty(ranks, tokens, top_k)
@@ -102,8 +103,9 @@ def new_code(args, ranks, ids, weights, counts, previous_load):
     """This tree's default: `balanced` with the `relay` transport (two fixed-shape hops)."""
     slots = args.tokens * args.top_k
     placement = step_placement(plan, args, ranks, previous_load)
-    replica_plan = plan.apply_placement(counts, placement, plan.capacity_per_destination(
-        args.tokens, args.top_k, ranks, args.capacity_factor))
+    replica_plan = plan.apply_placement(
+        counts, placement, plan.capacity_per_destination(args.tokens, args.top_k, ranks, args.capacity_factor)
+    )
     shares = plan.proportional_shares(counts, replica_plan)
     pairs = plan.proportional_pairs(counts, replica_plan, shares)
     capacity = plan.relay_capacity(args.tokens, args.top_k, ranks, args.capacity_factor)
@@ -115,10 +117,15 @@ def new_code(args, ranks, ids, weights, counts, previous_load):
         dropped += int((~plan.relay_route(dest, position, source, relay_plan)[1]).sum())
     assert dropped == int(relay_plan.dropped.sum())
     rows = ranks * capacity.rows  # every rank, each all-to-all direction
-    return {"dropped": dropped / (ranks * slots), "over": int((pairs - capacity.first).max()),
-            "capacity": f"{capacity.first}+{capacity.second}", "token_rows": 4 * rows,
-            "token_ids": rows, "replica_matrices_step": replica_traffic(args, ranks, placement),
-            "replicas": placement.num_replicas}
+    return {
+        "dropped": dropped / (ranks * slots),
+        "over": int((pairs - capacity.first).max()),
+        "capacity": f"{capacity.first}+{capacity.second}",
+        "token_rows": 4 * rows,
+        "token_ids": rows,
+        "replica_matrices_step": replica_traffic(args, ranks, placement),
+        "replicas": placement.num_replicas,
+    }
 
 
 def previous_code(args, previous, ranks, ids, weights, counts, previous_load, transport):
@@ -140,9 +147,15 @@ def previous_code(args, previous, ranks, ids, weights, counts, previous_load, tr
     else:
         sent, returned = room.sum(1), room.sum(0)
         rows, ids_sent = int((2 * (sent + returned)).max()), int(sent.max())
-    return {"dropped": dropped / (ranks * slots), "over": int((replica_plan.rank_load - capacity).max()),
-            "capacity": capacity, "token_rows": rows, "token_ids": ids_sent,
-            "replica_matrices_step": replica_traffic(args, ranks, placement), "replicas": placement.num_replicas}
+    return {
+        "dropped": dropped / (ranks * slots),
+        "over": int((replica_plan.rank_load - capacity).max()),
+        "capacity": capacity,
+        "token_rows": rows,
+        "token_ids": ids_sent,
+        "replica_matrices_step": replica_traffic(args, ranks, placement),
+        "replicas": placement.num_replicas,
+    }
 
 
 def old_code(args, old, ranks, ids, weights, counts):
@@ -155,15 +168,26 @@ def old_code(args, old, ranks, ids, weights, counts):
         _, keep = old.pack_slots(dest, weights[source].flatten(), ranks, capacity)
         dropped += int((~keep).sum())
         largest = max(largest, int(torch.bincount(dest, minlength=ranks).max()))
-    return {"dropped": dropped / (ranks * slots), "over": largest - capacity, "capacity": capacity,
-            "token_rows": 4 * ranks * capacity, "token_ids": ranks * capacity,
-            "replica_matrices_micro_batch": 2 * ranks * args.max_replicas, "replicas": int(plan.num_replicas)}
+    return {
+        "dropped": dropped / (ranks * slots),
+        "over": largest - capacity,
+        "capacity": capacity,
+        "token_rows": 4 * ranks * capacity,
+        "token_ids": ranks * capacity,
+        "replica_matrices_micro_batch": 2 * ranks * args.max_replicas,
+        "replicas": int(plan.num_replicas),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 224],
-                        help="EP sizes; each must divide --experts (896 = 2^7·7: 256 does not, 224 and 448 do)")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        nargs="*",
+        default=[8, 64, 224],
+        help="EP sizes; each must divide --experts (896 = 2^7·7: 256 does not, 224 and 448 do)",
+    )
     parser.add_argument("--regimes", nargs="*", default=["global", "per_source"])
     parser.add_argument("--experts", type=int, default=896)
     parser.add_argument("--top-k", type=int, default=16)
@@ -174,36 +198,59 @@ def main() -> None:
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--tolerance", type=float, default=0.05, help="planner: relieve ranks above (1+t)·mean")
     parser.add_argument("--no-spares", action="store_true", help="do not fill free replica slots")
-    parser.add_argument("--micro-batches", type=int, default=16,
-                        help="micro-batches per step (recipes/k3.yaml: 16.8M tokens over 512 routing ranks "
-                             "= 32K tokens per rank and step = 16 micro-batches of 2048)")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=16,
+        help="micro-batches per step (recipes/k3.yaml: 16.8M tokens over 512 routing ranks "
+        "= 32K tokens per rank and step = 16 micro-batches of 2048)",
+    )
     parser.add_argument("--global-skew", type=float, default=0.1)
     parser.add_argument("--hot", type=int, default=8, help="per_source: each source's own hot experts")
     parser.add_argument("--boost", type=float, default=0.8, help="per_source: logit boost of the own hot experts")
-    parser.add_argument("--old-revision", default="222b10e",
-                        help="git revision of the code the issue measured (per-pair buffers, replicas per "
-                             "micro-batch); '' to skip")
-    parser.add_argument("--previous-revision", default="3c49d31",
-                        help="git revision before the relay transport (destination buffers, padded/splits); '' to skip")
+    parser.add_argument(
+        "--old-revision",
+        default="222b10e",
+        help="git revision of the code the issue measured (per-pair buffers, replicas per micro-batch); '' to skip",
+    )
+    parser.add_argument(
+        "--previous-revision",
+        default="3c49d31",
+        help="git revision before the relay transport (destination buffers, padded/splits); '' to skip",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for ranks in args.ranks:
         if args.experts % ranks:
-            parser.error(f"--ranks {ranks} does not divide --experts {args.experts}: experts are split evenly "
-                         f"over the EP ranks")
+            parser.error(
+                f"--ranks {ranks} does not divide --experts {args.experts}: experts are split evenly over the EP ranks"
+            )
     old = load_old_module(args.old_revision) if args.old_revision else None
-    previous = (load_old_module(args.previous_revision, "parallel/expert_plan.py")
-                if args.previous_revision else None)
+    previous = load_old_module(args.previous_revision, "parallel/expert_plan.py") if args.previous_revision else None
     element, micro = 2, args.micro_batches
     matrix = 3 * args.inner * args.latent * element
     minimum = 4 * args.tokens * args.top_k * args.latent * element * micro  # bytes/rank/step, unpadded
-    print(f"K3 shapes: {args.experts} experts, top-{args.top_k}, latent {args.latent}, I {args.inner}, "
-          f"{args.tokens} tokens/rank/micro-batch, {micro} micro-batches/step, max {args.max_replicas} replicas/rank, "
-          f"capacity_factor {args.capacity_factor}; bytes per rank per step (busiest rank), bf16; "
-          f"token minimum {minimum / 2**30:.2f} GiB")
-    header = ("R", "routing", "code", "skew", "dropped", "over cap", "cap", "replicas", "token GiB", "×min",
-              "replica GiB", "replica/token")
+    print(
+        f"K3 shapes: {args.experts} experts, top-{args.top_k}, latent {args.latent}, I {args.inner}, "
+        f"{args.tokens} tokens/rank/micro-batch, {micro} micro-batches/step, max {args.max_replicas} replicas/rank, "
+        f"capacity_factor {args.capacity_factor}; bytes per rank per step (busiest rank), bf16; "
+        f"token minimum {minimum / 2**30:.2f} GiB"
+    )
+    header = (
+        "R",
+        "routing",
+        "code",
+        "skew",
+        "dropped",
+        "over cap",
+        "cap",
+        "replicas",
+        "token GiB",
+        "×min",
+        "replica GiB",
+        "replica/token",
+    )
     print(" | ".join(f"{h:>11}" for h in header))
     for ranks in args.ranks:
         for regime in args.regimes:
@@ -218,8 +265,12 @@ def main() -> None:
                 rows.append((args.old_revision, old_code(args, old, ranks, ids, weights, counts)))
             if previous is not None:
                 for transport in ("padded", "splits"):
-                    rows.append((f"{args.previous_revision} {transport}", previous_code(
-                        args, previous, ranks, ids, weights, counts, previous_load.sum(0), transport)))
+                    rows.append(
+                        (
+                            f"{args.previous_revision} {transport}",
+                            previous_code(args, previous, ranks, ids, weights, counts, previous_load.sum(0), transport),
+                        )
+                    )
             rows.append(("new relay", new_code(args, ranks, ids, weights, counts, previous_load.sum(0))))
             for label, result in rows:
                 token_bytes = (result["token_rows"] * args.latent * element + result["token_ids"] * 4) * micro
@@ -227,19 +278,33 @@ def main() -> None:
                     replica_bytes = result["replica_matrices_step"] * matrix
                 else:
                     replica_bytes = result["replica_matrices_micro_batch"] * matrix * micro
-                cells = (ranks, regime, label, skew, f"{100 * result['dropped']:.3f}%", result["over"],
-                         result["capacity"], result["replicas"], f"{token_bytes / 2**30:.2f}",
-                         f"{token_bytes / minimum:.3f}", f"{replica_bytes / 2**30:.3f}",
-                         f"{100 * replica_bytes / token_bytes:.1f}%")
+                cells = (
+                    ranks,
+                    regime,
+                    label,
+                    skew,
+                    f"{100 * result['dropped']:.3f}%",
+                    result["over"],
+                    result["capacity"],
+                    result["replicas"],
+                    f"{token_bytes / 2**30:.2f}",
+                    f"{token_bytes / minimum:.3f}",
+                    f"{replica_bytes / 2**30:.3f}",
+                    f"{100 * replica_bytes / token_bytes:.1f}%",
+                )
                 print(" | ".join(f"{str(c):>11}" for c in cells))
             print(f"{'':>11}   ({time.perf_counter() - started:.0f} s)", flush=True)
     print("skew: expert load max/mean over the group / each source's top-`hot` experts over its mean per expert.")
-    print(f"over cap: {args.old_revision} = largest (source, destination) pair minus C_pair (> 0: drops); "
-          f"{args.previous_revision} = largest planned destination minus C_dest (> 0: drops); new relay = largest "
-          "pair minus its hop-1 rows (the excess is relayed through other ranks; drops only past hop 2's "
-          "bound). cap: C_pair, C_dest, or hop-1 + hop-2 rows per pair.")
-    print(f"token bytes: {args.previous_revision} splits reads split sizes on the host (a device sync per "
-          "dispatch); padded and relay are fixed shapes with nothing read on the host.")
+    print(
+        f"over cap: {args.old_revision} = largest (source, destination) pair minus C_pair (> 0: drops); "
+        f"{args.previous_revision} = largest planned destination minus C_dest (> 0: drops); new relay = largest "
+        "pair minus its hop-1 rows (the excess is relayed through other ranks; drops only past hop 2's "
+        "bound). cap: C_pair, C_dest, or hop-1 + hop-2 rows per pair."
+    )
+    print(
+        f"token bytes: {args.previous_revision} splits reads split sizes on the host (a device sync per "
+        "dispatch); padded and relay are fixed shapes with nothing read on the host."
+    )
 
 
 if __name__ == "__main__":

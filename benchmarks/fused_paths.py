@@ -70,6 +70,7 @@ def forward_backward(function, inputs, grad_out):
         for tensor in inputs:
             tensor.grad = None
         function(*inputs).backward(grad_out)
+
     return run
 
 
@@ -82,44 +83,78 @@ def kernel_rows(rounds: int) -> list[list[str]]:
     rows = []
 
     def add(label: str, before, after, inputs, grad_out, repeats: int):
-        times = alternate({"before": forward_backward(before, inputs, grad_out),
-                           "after": forward_backward(after, inputs, grad_out)}, rounds, repeats)
-        rows.append([label, f"{times['before']:.2f}", f"{times['after']:.2f}", f"{times['before'] / times['after']:.2f}x"])
+        times = alternate(
+            {"before": forward_backward(before, inputs, grad_out), "after": forward_backward(after, inputs, grad_out)},
+            rounds,
+            repeats,
+        )
+        rows.append(
+            [label, f"{times['before']:.2f}", f"{times['after']:.2f}", f"{times['before'] / times['after']:.2f}x"]
+        )
 
     for shape in [(4096, 256), (2, 512, 1408)]:
         inputs = [torch.randn(shape, generator=generator).requires_grad_() for _ in range(2)]
-        add(f"SiTU-GLU {list(shape)}", situ_glu_reference, situ_glu, inputs, torch.randn(shape, generator=generator), 10)
+        add(
+            f"SiTU-GLU {list(shape)}", situ_glu_reference, situ_glu, inputs, torch.randn(shape, generator=generator), 10
+        )
 
     # The routed experts' activation as LocalExperts runs it: routing weights as the row scale,
     # the gate/up GEMM outputs (fresh copies here) overwritten by the saved tensors.
     shape = (4096, 256)
     gate, up = (torch.randn(shape, generator=generator).requires_grad_() for _ in range(2))
     row_scale = torch.rand(shape[0], generator=generator).requires_grad_()
-    add(f"SiTU-GLU {list(shape)}, routed (row scale, GEMM outputs as scratch)",
+    add(
+        f"SiTU-GLU {list(shape)}, routed (row scale, GEMM outputs as scratch)",
         lambda g, u, r: reference_activation(g * 1.0, u * 1.0, 4.0, 25.0, row_scale=r),
         lambda g, u, r: situ_glu(g * 1.0, u * 1.0, 4.0, 25.0, row_scale=r, overwrite_inputs=True),
-        [gate, up, row_scale], torch.randn(shape, generator=generator), 10)
+        [gate, up, row_scale],
+        torch.randn(shape, generator=generator),
+        10,
+    )
 
     tokens, top_k, experts, width = 1024, 4, 16, 256  # the routed slots of one wide512 MoE layer
     routed = torch.randn(tokens, width, generator=generator).requires_grad_()
     norm_weight = torch.randn(width, generator=generator).requires_grad_()
-    add(f"latent RMSNorm [{tokens}, {width}]", lambda x, w: rms_norm_reference(x, w, 1e-5),
-        lambda x, w: rms_norm(x, w, 1e-5), [routed, norm_weight], torch.randn(tokens, width, generator=generator), 20)
-    token_of_slot = torch.argsort(torch.randint(0, experts, (tokens * top_k,), generator=generator), stable=True) // top_k
+    add(
+        f"latent RMSNorm [{tokens}, {width}]",
+        lambda x, w: rms_norm_reference(x, w, 1e-5),
+        lambda x, w: rms_norm(x, w, 1e-5),
+        [routed, norm_weight],
+        torch.randn(tokens, width, generator=generator),
+        20,
+    )
+    token_of_slot = (
+        torch.argsort(torch.randint(0, experts, (tokens * top_k,), generator=generator), stable=True) // top_k
+    )
     latent = torch.randn(tokens, width, generator=generator).requires_grad_()
-    add(f"routed slot gather [{tokens}, {width}] -> [{tokens * top_k}, {width}]",
-        lambda x: x[token_of_slot], lambda x: x.index_select(0, token_of_slot), [latent],
-        torch.randn(tokens * top_k, width, generator=generator), 20)
-    config = dataclasses.replace(ModelConfig(), num_experts=experts, num_experts_per_token=top_k,
-                                 moe_intermediate_size=256, routed_expert_hidden_size=width)
+    add(
+        f"routed slot gather [{tokens}, {width}] -> [{tokens * top_k}, {width}]",
+        lambda x: x[token_of_slot],
+        lambda x: x.index_select(0, token_of_slot),
+        [latent],
+        torch.randn(tokens * top_k, width, generator=generator),
+        20,
+    )
+    config = dataclasses.replace(
+        ModelConfig(),
+        num_experts=experts,
+        num_experts_per_token=top_k,
+        moe_intermediate_size=256,
+        routed_expert_hidden_size=width,
+    )
     local = LocalExperts(config, experts)
     for stack in local.stacks():
         torch.nn.init.normal_(stack, std=0.05)
     expert_ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=generator).requires_grad_()
-    add(f"routed experts, grouped GEMMs included ({tokens} tokens x top-{top_k})",
-        lambda x, w: local.forward_reference(x, expert_ids, w), lambda x, w: local(x, expert_ids, w),
-        [latent, weights], torch.randn(tokens, width, generator=generator), 5)
+    add(
+        f"routed experts, grouped GEMMs included ({tokens} tokens x top-{top_k})",
+        lambda x, w: local.forward_reference(x, expert_ids, w),
+        lambda x, w: local(x, expert_ids, w),
+        [latent, weights],
+        torch.randn(tokens, width, generator=generator),
+        5,
+    )
 
     batch, seq, heads = 2, 512, 8
     q = torch.randn(batch, seq, heads, 96, generator=generator).requires_grad_()
@@ -130,9 +165,14 @@ def kernel_rows(rounds: int) -> list[list[str]]:
     def attention(function):
         return lambda q, k_nope, k_rope, v: function(q, k_nope, k_rope.expand(-1, -1, heads, -1), v, 96**-0.5)
 
-    add(f"MLA attention B={batch} H={heads} T={seq}", attention(unpadded_attention),
-        attention(mla_module.causal_attention), [q, k_nope, k_rope, v],
-        torch.randn(batch, seq, heads, 64, generator=generator), 2)
+    add(
+        f"MLA attention B={batch} H={heads} T={seq}",
+        attention(unpadded_attention),
+        attention(mla_module.causal_attention),
+        [q, k_nope, k_rope, v],
+        torch.randn(batch, seq, heads, 64, generator=generator),
+        2,
+    )
     return rows
 
 
@@ -146,8 +186,11 @@ def use_references(model: torch.nn.Module) -> None:
     """Switch a model's SiTU-GLU, routed combine and RMSNorms to their references (MLA's
     attention: `reference_attention`)."""
     for module in model.modules():
-        if isinstance(module, (GLUMLP, LocalExperts)) and isinstance(module.activation, partial) \
-                and module.activation.func is situ_glu:
+        if (
+            isinstance(module, (GLUMLP, LocalExperts))
+            and isinstance(module.activation, partial)
+            and module.activation.func is situ_glu
+        ):
             module.activation = partial(reference_activation, **module.activation.keywords)
         if isinstance(module, LocalExperts):
             module.forward = module.forward_reference
@@ -166,8 +209,15 @@ def reference_attention():
 
 
 def step_tables(steps: int, profiled: int) -> None:
-    config = load_config(str(step_bench.DEBUG_RECIPE), [*step_bench.WIDE_MODEL, f"train.steps={2 * (steps + profiled) + 4}",
-                                                        "optimizer.name=adamw", "logging.jsonl=false"])
+    config = load_config(
+        str(step_bench.DEBUG_RECIPE),
+        [
+            *step_bench.WIDE_MODEL,
+            f"train.steps={2 * (steps + profiled) + 4}",
+            "optimizer.name=adamw",
+            "logging.jsonl=false",
+        ],
+    )
     after = step_bench.k3_trainer(config)
     before = step_bench.k3_trainer(config)
     use_references(before.model)
@@ -177,9 +227,11 @@ def step_tables(steps: int, profiled: int) -> None:
             before.train_step()
 
     times = alternate({"before": before_step, "after": after.train_step}, steps, 1)
-    print(f"\nwide512 AdamW train_step, {steps} alternated steps each, median CPU s: before (references) "
-          f"{times['before'] / 1e3:.3f} s, after {times['after'] / 1e3:.3f} s "
-          f"({times['before'] / times['after']:.2f}x)")
+    print(
+        f"\nwide512 AdamW train_step, {steps} alternated steps each, median CPU s: before (references) "
+        f"{times['before'] / 1e3:.3f} s, after {times['after'] / 1e3:.3f} s "
+        f"({times['before'] / times['after']:.2f}x)"
+    )
     profiles = {"before": [], "after": []}
 
     def profile_before():
@@ -191,16 +243,18 @@ def step_tables(steps: int, profiled: int) -> None:
 
     # Alternated, the order swapped every round; the profiler's times are wall-clock: medians.
     for round_index in range(profiled):
-        for profile in (profile_after, profile_before)[::1 if round_index % 2 else -1]:
+        for profile in (profile_after, profile_before)[:: 1 if round_index % 2 else -1]:
             profile()
 
     def median(name, part=None):
         return statistics.median(wall if part is None else seconds[part] for seconds, wall in profiles[name])
 
-    step_bench.table(["part", "before (s)", "after (s)"],
-                     [[part, f"{median('before', part):.3f}", f"{median('after', part):.3f}"] for part in step_bench.PARTS]
-                     + [["step under the profiler", f"{median('before'):.3f}", f"{median('after'):.3f}"]],
-                     f"profiled AdamW steps, split into step_vs_dense.py's parts (median of {profiled} each)")
+    step_bench.table(
+        ["part", "before (s)", "after (s)"],
+        [[part, f"{median('before', part):.3f}", f"{median('after', part):.3f}"] for part in step_bench.PARTS]
+        + [["step under the profiler", f"{median('before'):.3f}", f"{median('after'):.3f}"]],
+        f"profiled AdamW steps, split into step_vs_dense.py's parts (median of {profiled} each)",
+    )
 
 
 def main() -> None:
@@ -210,8 +264,11 @@ def main() -> None:
     parser.add_argument("--profiled", type=int, default=3, help="profiled train steps per trainer")
     parser.add_argument("--no-step", action="store_true", help="kernels only")
     args = parser.parse_args()
-    step_bench.table(["path, fwd+bwd", "before (ms)", "after (ms)", "speed-up"], kernel_rows(args.rounds),
-                     f"kernels, median CPU ms per call over {args.rounds} alternated rounds")
+    step_bench.table(
+        ["path, fwd+bwd", "before (ms)", "after (ms)", "speed-up"],
+        kernel_rows(args.rounds),
+        f"kernels, median CPU ms per call over {args.rounds} alternated rounds",
+    )
     if not args.no_step:
         step_tables(args.steps, args.profiled)
 

@@ -24,8 +24,8 @@ import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,12 @@ def time_matmul(clock: Callable[[], float], size: int = 1024) -> float:
 
 
 def make_inputs(
-    seq_len: int, heads: int, head_dim: int, requires_grad: bool, seed: int = 0, batch: int = 1,
+    seq_len: int,
+    heads: int,
+    head_dim: int,
+    requires_grad: bool,
+    seed: int = 0,
+    batch: int = 1,
     gate_scale: float = 5.0,
 ) -> dict[str, torch.Tensor]:
     """fp32 inputs with normalised q, k and g in (−gate_scale, 0) (5: K3's bounded gate range)."""
@@ -85,8 +90,9 @@ def make_inputs(
     return tensors
 
 
-def time_once(kernel: Callable, inputs: dict[str, torch.Tensor], backward: bool,
-              clock: Callable[[], float] = time.perf_counter) -> float:
+def time_once(
+    kernel: Callable, inputs: dict[str, torch.Tensor], backward: bool, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Seconds for one forward (under no_grad) or one forward + backward."""
     start = clock()
     if backward:
@@ -109,19 +115,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64, help="K = V")
-    parser.add_argument(
-        "--chunk-sizes", type=int, nargs="+", default=[16, 64], help="one column per chunk size"
-    )
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[16, 64], help="one column per chunk size")
     parser.add_argument("--no-recurrent", action="store_true", help="leave out the (slow) recurrence")
     parser.add_argument("--rate", action="store_true", help="FLOP rate as a share of a dense matmul")
     parser.add_argument("--before", help="another chunk.py to time alongside (a column per chunk size)")
-    parser.add_argument("--before-siblings", nargs="+", default=[], metavar="FILE",
-                        help="other versions of the modules --before imports, in import order "
-                        "(e.g. its tiles.py, then chunk_training.py); default: the checkout's")
-    parser.add_argument("--gate-scale", type=float, default=5.0,
-                        help="g in (-gate-scale, 0): 5 gives 16-token tiles at C=64, 1.2 one tile per chunk")
-    parser.add_argument("--cpu-time", action="store_true",
-                        help="time this process's CPU seconds (robust to a loaded machine), not wall-clock")
+    parser.add_argument(
+        "--before-siblings",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="other versions of the modules --before imports, in import order "
+        "(e.g. its tiles.py, then chunk_training.py); default: the checkout's",
+    )
+    parser.add_argument(
+        "--gate-scale",
+        type=float,
+        default=5.0,
+        help="g in (-gate-scale, 0): 5 gives 16-token tiles at C=64, 1.2 one tile per chunk",
+    )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time this process's CPU seconds (robust to a loaded machine), not wall-clock",
+    )
     args = parser.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
@@ -133,9 +149,7 @@ def main() -> None:
             kernels[f"before C={chunk_size}"] = functools.partial(
                 before.chunk_kda, chunk_size=chunk_size, backend="torch"
             )
-        kernels[f"chunked C={chunk_size}"] = functools.partial(
-            chunk_kda, chunk_size=chunk_size, backend="torch"
-        )
+        kernels[f"chunked C={chunk_size}"] = functools.partial(chunk_kda, chunk_size=chunk_size, backend="torch")
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), B={args.batch} H={args.heads} "
         f"K=V={args.head_dim}, fp32, g in (-{args.gate_scale:g}, 0), median of {args.repeats} "
@@ -152,8 +166,9 @@ def main() -> None:
     print("| " + " | ".join(["---:", "---"] + ["---:"] * (len(header) - 2)) + " |")
     for seq_len in args.lengths:
         for backward in (False, True):
-            inputs = make_inputs(seq_len, args.heads, args.head_dim, requires_grad=backward, batch=args.batch,
-                                 gate_scale=args.gate_scale)
+            inputs = make_inputs(
+                seq_len, args.heads, args.head_dim, requires_grad=backward, batch=args.batch, gate_scale=args.gate_scale
+            )
             times: dict[str, list[float]] = {name: [] for name in kernels}
             matmul_times: list[float] = []
             for kernel in kernels.values():  # warm-up, not timed
@@ -175,8 +190,13 @@ def main() -> None:
                 row += [] if args.no_recurrent else [f"{medians['recurrent'] / medians[name]:.1f}x"]
                 if args.rate:
                     chunk_size = int(name.split("C=")[1])
-                    flops = (3 if backward else 1) * args.batch * args.heads * -(-seq_len // chunk_size) * \
-                        kda_chunk_flops_per_chunk(chunk_size, args.head_dim, args.head_dim)
+                    flops = (
+                        (3 if backward else 1)
+                        * args.batch
+                        * args.heads
+                        * -(-seq_len // chunk_size)
+                        * kda_chunk_flops_per_chunk(chunk_size, args.head_dim, args.head_dim)
+                    )
                     rate = flops / (medians[name] / 1e3) / 1e9
                     row += [f"{rate:.1f}", f"{rate / matmul_rate:.0%}"]
             row += [f"{matmul_rate:.1f}"] if args.rate else []

@@ -38,11 +38,15 @@ from k3train.model import kda as kda_module
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDE_MODEL = [
-    "model.hidden_size=512", "model.linear_attn_config.num_heads=8", "model.linear_attn_config.head_dim=64",
+    "model.hidden_size=512",
+    "model.linear_attn_config.num_heads=8",
+    "model.linear_attn_config.head_dim=64",
 ]
 REFERENCES = {
-    "short_conv_silu": short_conv_silu_reference, "l2_normalize": l2_normalize_reference,
-    "gated_rms_norm": gated_rms_norm_reference, "kda_gate": kda_gate_reference,
+    "short_conv_silu": short_conv_silu_reference,
+    "l2_normalize": l2_normalize_reference,
+    "gated_rms_norm": gated_rms_norm_reference,
+    "kda_gate": kda_gate_reference,
     "kda_gate_unbounded": kda_gate_unbounded_reference,
 }
 
@@ -97,9 +101,11 @@ def main() -> None:
     x = torch.randn(args.batch, args.seq, config.hidden_size, requires_grad=True)
     probe = torch.randn(args.batch, args.seq, config.hidden_size)
     lac = config.linear_attn_config
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); KimiDeltaAttention hidden "
-          f"{config.hidden_size}, {lac.num_heads} heads x {lac.head_dim}, B={args.batch} T={args.seq}, fp32; "
-          f"forward + backward, median of {args.repeats} (process CPU time)\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); KimiDeltaAttention hidden "
+        f"{config.hidden_size}, {lac.num_heads} heads x {lac.head_dim}, B={args.batch} T={args.seq}, fp32; "
+        f"forward + backward, median of {args.repeats} (process CPU time)\n"
+    )
     rows = {"mixer with chunk_kda": {}, "mixer around chunk_kda (stand-in kernel)": {"chunk_kda": stand_in_kernel}}
     print("| | reference kernels (ms) | fast kernels (ms) | reference / fast |")
     print("|---|---:|---:|---:|")
@@ -131,16 +137,26 @@ def time_kernels(batch: int, seq: int, hidden: int, heads: int, head_dim: int, r
         return torch.randn(*shape, generator=generator).requires_grad_()
 
     conv_x, conv_w = tensor(batch, seq, width), tensor(width, 1, 4)
-    norm_x, norm_gate, norm_w = tensor(batch, seq, heads, head_dim), tensor(batch, seq, heads, head_dim), tensor(head_dim)
+    norm_x, norm_gate, norm_w = (
+        tensor(batch, seq, heads, head_dim),
+        tensor(batch, seq, heads, head_dim),
+        tensor(head_dim),
+    )
     gate_z, a_log, dt_bias = tensor(batch, seq, heads, head_dim), tensor(heads), tensor(width)
     cases = {
-        "short conv + SiLU (one of q/k/v)": (lambda: short_conv_silu_reference(conv_x, conv_w)[0],
-                                             lambda: short_conv_silu(conv_x, conv_w)[0]),
+        "short conv + SiLU (one of q/k/v)": (
+            lambda: short_conv_silu_reference(conv_x, conv_w)[0],
+            lambda: short_conv_silu(conv_x, conv_w)[0],
+        ),
         "l2 normalise (one of q/k)": (lambda: l2_normalize_reference(norm_x), lambda: l2_normalize(norm_x)),
-        "gated RMSNorm": (lambda: gated_rms_norm_reference(norm_x, norm_gate, norm_w, 1e-5),
-                          lambda: gated_rms_norm(norm_x, norm_gate, norm_w, 1e-5)),
-        "decay gate (bounded)": (lambda: kda_gate_reference(gate_z, a_log, dt_bias),
-                                 lambda: kda_gate(gate_z, a_log, dt_bias)),
+        "gated RMSNorm": (
+            lambda: gated_rms_norm_reference(norm_x, norm_gate, norm_w, 1e-5),
+            lambda: gated_rms_norm(norm_x, norm_gate, norm_w, 1e-5),
+        ),
+        "decay gate (bounded)": (
+            lambda: kda_gate_reference(gate_z, a_log, dt_bias),
+            lambda: kda_gate(gate_z, a_log, dt_bias),
+        ),
     }
     print("\n| kernel, forward + backward | reference (ms) | fast (ms) | reference / fast |")
     print("|---|---:|---:|---:|")
@@ -166,8 +182,10 @@ def time_training_step(repeats: int) -> None:
     reference kernels and on the fast ones, alternated."""
     from k3train.benchmarking import step_comparison as step_vs_dense
 
-    config = load_config(str(step_vs_dense.DEBUG_RECIPE), [
-        *step_vs_dense.WIDE_MODEL, f"train.steps={2 * repeats + 4}", "logging.jsonl=false", "optimizer.name=adamw"])
+    config = load_config(
+        str(step_vs_dense.DEBUG_RECIPE),
+        [*step_vs_dense.WIDE_MODEL, f"train.steps={2 * repeats + 4}", "logging.jsonl=false", "optimizer.name=adamw"],
+    )
     trainer = step_vs_dense.k3_trainer(config)
     contenders = {"reference": REFERENCES, "fast": {}}
     times = {name: [] for name in contenders}
@@ -181,10 +199,12 @@ def time_training_step(repeats: int) -> None:
                 trainer.train_step()
                 times[name].append(time.process_time() - start)
     reference, fast = (statistics.median(times[name]) for name in ("reference", "fast"))
-    print(f"\nwide512 training step (AdamW, {config.train.global_batch_size // config.train.micro_batch_size} "
-          f"micro-batches of {config.train.micro_batch_size}x{config.data.seq_length}), median of {repeats} "
-          f"(process CPU time): reference kernels {reference:.3f} s, fast kernels {fast:.3f} s, "
-          f"saved {(reference - fast) * 1e3:.0f} ms per step ({reference / fast:.3f}x)")
+    print(
+        f"\nwide512 training step (AdamW, {config.train.global_batch_size // config.train.micro_batch_size} "
+        f"micro-batches of {config.train.micro_batch_size}x{config.data.seq_length}), median of {repeats} "
+        f"(process CPU time): reference kernels {reference:.3f} s, fast kernels {fast:.3f} s, "
+        f"saved {(reference - fast) * 1e3:.0f} ms per step ({reference / fast:.3f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ from k3train.parallel.expert_plan import (
 
 
 def table(headers: list[str], rows: list[list], title: str) -> None:
-    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c:.4g}" if isinstance(c, float) else str(c)
-                                            for c in row] for row in rows]
+    cells = [[str(h) for h in headers]] + [
+        [c if isinstance(c, str) else f"{c:.4g}" if isinstance(c, float) else str(c) for c in row] for row in rows
+    ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     print(f"\n{title}")
     for index, row in enumerate(cells):
@@ -93,8 +94,16 @@ def meta_experts(config: ModelConfig, count: int, latent: int, dtype) -> LocalEx
         return LocalExperts(dataclasses.replace(config, routed_expert_hidden_size=latent), count).to(dtype)
 
 
-def dispatch_bytes(config: ModelConfig, width: int, ep: int, tokens: int, mode: str, capacity_factor: float,
-                   max_replicas: int, dtype=torch.bfloat16) -> dict[str, int]:
+def dispatch_bytes(
+    config: ModelConfig,
+    width: int,
+    ep: int,
+    tokens: int,
+    mode: str,
+    capacity_factor: float,
+    max_replicas: int,
+    dtype=torch.bfloat16,
+) -> dict[str, int]:
     """Bytes one EP rank sends per micro-batch and MoE layer, forward + backward, by buffer."""
     counter = TrafficCounter()
     group = LoopbackGroup("ep", tuple(range(ep)), 0, None, counter)
@@ -120,7 +129,7 @@ def dispatch_bytes(config: ModelConfig, width: int, ep: int, tokens: int, mode: 
     if "slot_counts" in shapes:
         kind_of[shapes["slot_counts"]] = "slot counts"
     kinds = {"tokens": 0, "ids": 0, "slot counts": 0, "replica weights": 0}
-    for shape, dtype_, nbytes in recorded:
+    for shape, _dtype, nbytes in recorded:
         kinds[kind_of.get(shape, "replica weights")] += nbytes
     kinds["capacity"] = capacity
     return kinds
@@ -128,33 +137,56 @@ def dispatch_bytes(config: ModelConfig, width: int, ep: int, tokens: int, mode: 
 
 def table_a(args) -> None:
     config = ModelConfig.preset("k3")
-    d, l, k = config.hidden_size, config.routed_expert_hidden_size, config.num_experts_per_token
+    d, latent, k = config.hidden_size, config.routed_expert_hidden_size, config.num_experts_per_token
     rows = []
     for mode in ("capacity", "balanced"):
-        for width, label in ((l, f"latent {l}"), (d, f"full {d}")):
+        for width, label in ((latent, f"latent {latent}"), (d, f"full {d}")):
             counted = dispatch_bytes(config, width, args.ep, args.tokens, mode, args.capacity_factor, args.max_replicas)
             per_token = {key: value / args.tokens for key, value in counted.items() if key != "capacity"}
-            rows.append([mode, label, counted["capacity"], per_token["tokens"], per_token["ids"],
-                         per_token["slot counts"], per_token["replica weights"],
-                         per_token["tokens"] + per_token["ids"] + per_token["slot counts"]])
+            rows.append(
+                [
+                    mode,
+                    label,
+                    counted["capacity"],
+                    per_token["tokens"],
+                    per_token["ids"],
+                    per_token["slot counts"],
+                    per_token["replica weights"],
+                    per_token["tokens"] + per_token["ids"] + per_token["slot counts"],
+                ]
+            )
     for index in range(0, len(rows), 2):
         latent_row, full_row = rows[index], rows[index + 1]
         ratio_tokens = latent_row[3] / full_row[3]
         ratio_all = latent_row[7] / full_row[7]
         latent_row.append(f"{ratio_tokens:.4f} / {ratio_all:.4f}")
         full_row.append("1 / 1")
-    ideal = 4 * k * args.capacity_factor * l * 2  # 4 all-to-alls (fwd dispatch+combine, bwd both), bf16
-    table(["mode", "width", "C_pair", "token bufs B/tok", "ids B/tok", "slot counts B/tok", "replica weights B/tok",
-           "dispatch+combine B/tok", "latent/full (tokens / all)"], rows,
-          f"(a) bytes one EP rank sends per token and MoE layer, forward + backward: K3 (d={d}, l={l}, k={k}, "
-          f"E={config.num_experts}), ep={args.ep}, s={args.tokens} tokens/rank, "
-          f"capacity_factor={args.capacity_factor}, "
-          f"bf16; counted through the dispatch code on the meta device. Formula for the token buffers: "
-          f"4·k·cf·l·2 B = {ideal:.0f} B/token (latent).")
-    print("  Balanced mode with the default `padded` transport (the gloo reference with static shapes) sends every "
-          "(source, destination) pair at s·k rows, ep× the token bytes; `transport=splits` sends only the rows that "
-          "exist (1.02-1.04× the minimum, benchmarks/ep_scale.py). Replica weights move once per step "
-          "(`ExpertParallel.step_replicas`), not per micro-batch: the column above is the fetch counted in this one call.")
+    ideal = 4 * k * args.capacity_factor * latent * 2  # 4 all-to-alls (fwd dispatch+combine, bwd both), bf16
+    table(
+        [
+            "mode",
+            "width",
+            "C_pair",
+            "token bufs B/tok",
+            "ids B/tok",
+            "slot counts B/tok",
+            "replica weights B/tok",
+            "dispatch+combine B/tok",
+            "latent/full (tokens / all)",
+        ],
+        rows,
+        f"(a) bytes one EP rank sends per token and MoE layer, forward + backward: K3 (d={d}, l={latent}, k={k}, "
+        f"E={config.num_experts}), ep={args.ep}, s={args.tokens} tokens/rank, "
+        f"capacity_factor={args.capacity_factor}, "
+        f"bf16; counted through the dispatch code on the meta device. Formula for the token buffers: "
+        f"4·k·cf·l·2 B = {ideal:.0f} B/token (latent).",
+    )
+    print(
+        "  Balanced mode with the default `padded` transport (the gloo reference with static shapes) sends every "
+        "(source, destination) pair at s·k rows, ep× the token bytes; `transport=splits` sends only the rows that "
+        "exist (1.02-1.04× the minimum, benchmarks/ep_scale.py). Replica weights move once per step "
+        "(`ExpertParallel.step_replicas`), not per micro-batch: the column above is the fetch counted in this one call."
+    )
 
 
 # ---------------------------------------------------------------------------------------------- (b)
@@ -214,13 +246,16 @@ def table_b(args) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     marks = [s for s in (1, 2, 3, 5, 10, 20, 50, 100, 200) if s <= args.steps]
     rows = []
     for name, values in history.items():
-        tail = values[min(10, len(values) - 1):]
+        tail = values[min(10, len(values) - 1) :]
         rows.append([name] + [values[m - 1] for m in marks] + [sum(tail) / len(tail), max(tail)])
     q = args.router_tokens * k / experts
-    table(["balancer"] + [f"step {m}" for m in marks] + ["mean steps>10", "max steps>10"], rows,
-          f"(b) max/mean expert load per step: 896 experts, top-16, {args.router_tokens} tokens/step "
-          f"(q = {q:.0f} slots/expert), scores drifting with period {router.period:.0f} steps; bias from step t "
-          f"applied at t+1 ({time.perf_counter() - started:.0f} s)")
+    table(
+        ["balancer"] + [f"step {m}" for m in marks] + ["mean steps>10", "max steps>10"],
+        rows,
+        f"(b) max/mean expert load per step: 896 experts, top-16, {args.router_tokens} tokens/step "
+        f"(q = {q:.0f} slots/expert), scores drifting with period {router.period:.0f} steps; bias from step t "
+        f"applied at t+1 ({time.perf_counter() - started:.0f} s)",
+    )
     return kept_scores, kept_biases
 
 
@@ -251,17 +286,41 @@ def table_c(args, scores_list=None, biases=None) -> None:
             load = torch.bincount(chosen, minlength=experts).double()
             chosen_exact = (scores + exact_bias.float()).topk(k, -1).indices.flatten()
             load_exact = torch.bincount(chosen_exact, minlength=experts).double()
-            rows.append([f"batch {case + 1}", bins, width, cdf_error.max().item() / width, error.max().item(),
-                         error.mean().item(), error.max().item() / width, (new_bias - exact_bias).abs().max().item(),
-                         (load.max() / load.mean()).item(), (load_exact.max() / load_exact.mean()).item(),
-                         bins * experts * 8])
-    table(["margins", "bins", "bin width", "max err vs inverse cdf / bin", "max |err| vs torch.quantile",
-           "mean |err|", "max err / bin", "max bias diff",
-           "max/mean load (hist bias)", "max/mean load (exact bias)", "all-reduce bytes (int64)"], rows,
-          f"(c) histogram quantile vs exact (torch.quantile) per expert, 896 experts, top-16, "
-          f"{args.router_tokens} tokens; 'inverse cdf' is the ceil(m·k/n)-th smallest margin, the sample the "
-          f"histogram's cumulative counts cross at (bounded by one bin); torch.quantile interpolates between neighbouring samples, "
-          f"whose gaps in the sparse tail exceed a bin at 10000 bins; loads: the same batch routed with each bias")
+            rows.append(
+                [
+                    f"batch {case + 1}",
+                    bins,
+                    width,
+                    cdf_error.max().item() / width,
+                    error.max().item(),
+                    error.mean().item(),
+                    error.max().item() / width,
+                    (new_bias - exact_bias).abs().max().item(),
+                    (load.max() / load.mean()).item(),
+                    (load_exact.max() / load_exact.mean()).item(),
+                    bins * experts * 8,
+                ]
+            )
+    table(
+        [
+            "margins",
+            "bins",
+            "bin width",
+            "max err vs inverse cdf / bin",
+            "max |err| vs torch.quantile",
+            "mean |err|",
+            "max err / bin",
+            "max bias diff",
+            "max/mean load (hist bias)",
+            "max/mean load (exact bias)",
+            "all-reduce bytes (int64)",
+        ],
+        rows,
+        f"(c) histogram quantile vs exact (torch.quantile) per expert, 896 experts, top-16, "
+        f"{args.router_tokens} tokens; 'inverse cdf' is the ceil(m·k/n)-th smallest margin, the sample the "
+        f"histogram's cumulative counts cross at (bounded by one bin); torch.quantile interpolates between neighbouring samples, "
+        f"whose gaps in the sparse tail exceed a bin at 10000 bins; loads: the same batch routed with each bias",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- (d)
@@ -300,13 +359,33 @@ def table_d(args) -> None:
                 dest = replica_route(flat, counts, source, plan)[0]  # per-destination receive capacity
                 dropped["balanced"] += int((~pack_slots(dest, w, ep, room[source])[1]).sum())
             total = ep * tokens * k
-            rows.append([label, factor, capacity, (rank_load.max() / rank_load.mean()).item(),
-                         (plan.rank_load.max().double() / plan.rank_load.double().mean()).item(),
-                         int(plan.num_replicas), dropped["capacity"] / total, dropped["balanced"] / total])
-    table(["routing", "capacity_factor", "C_pair", "rank load max/mean (home)", "planned max/mean",
-           "replicas", "dropped (capacity)", "dropped (balanced)"], rows,
-          f"(d) dropped slots of the fixed-size dispatch: 896 experts, top-16, ep={ep}, {tokens} tokens/rank, "
-          f"max_replicas_per_rank={replicas}; real planner and drop policy")
+            rows.append(
+                [
+                    label,
+                    factor,
+                    capacity,
+                    (rank_load.max() / rank_load.mean()).item(),
+                    (plan.rank_load.max().double() / plan.rank_load.double().mean()).item(),
+                    int(plan.num_replicas),
+                    dropped["capacity"] / total,
+                    dropped["balanced"] / total,
+                ]
+            )
+    table(
+        [
+            "routing",
+            "capacity_factor",
+            "C_pair",
+            "rank load max/mean (home)",
+            "planned max/mean",
+            "replicas",
+            "dropped (capacity)",
+            "dropped (balanced)",
+        ],
+        rows,
+        f"(d) dropped slots of the fixed-size dispatch: 896 experts, top-16, ep={ep}, {tokens} tokens/rank, "
+        f"max_replicas_per_rank={replicas}; real planner and drop policy",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- (e)
@@ -338,8 +417,13 @@ def dense_mm(x, weights, group_ends):
 def table_e(args: argparse.Namespace) -> None:
     rows_out = []
     for label, tokens, width, inner in (("debug", 256, 64, 64), ("wide512", 1024, 256, 256)):
-        config = dataclasses.replace(ModelConfig(), routed_expert_hidden_size=width, moe_intermediate_size=inner,
-                                     num_experts=args.glu_experts, num_experts_per_token=args.glu_top_k)
+        config = dataclasses.replace(
+            ModelConfig(),
+            routed_expert_hidden_size=width,
+            moe_intermediate_size=inner,
+            num_experts=args.glu_experts,
+            num_experts_per_token=args.glu_top_k,
+        )
         experts = LocalExperts(config, args.glu_experts)
         generator = torch.Generator().manual_seed(0)
         stacks = [torch.randn(p.shape, generator=generator).mul_(0.05).requires_grad_() for p in experts.stacks()]
@@ -354,19 +438,26 @@ def table_e(args: argparse.Namespace) -> None:
         times = {name: [] for name in kernels}
 
         def run(name: str) -> float:
-            return expert_glu_pass(rows, dense_stacks if name == "dense" else stacks, group_ends,
-                                   experts.activation, kernels[name])
+            return expert_glu_pass(
+                rows, dense_stacks if name == "dense" else stacks, group_ends, experts.activation, kernels[name]
+            )
+
         for name in kernels:  # warm-up
             run(name)
         for _ in range(args.repeats):
             for name in kernels:
                 times[name].append(run(name))
         medians = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-        rows_out.append([f"{label}: {rows.shape[0]} rows, {width}->{inner}->{width}"]
-                        + [f"{medians[name]:.2f} ({medians[name] / medians['dense']:.2f}x)" for name in kernels])
-    table(["case", *[f"{name} ms (/dense)" for name in kernels]], rows_out,
-          f"(e) expert GLU forward+backward, {args.glu_experts} experts top-{args.glu_top_k}, fp32, "
-          f"{torch.get_num_threads()} thread(s), median of {args.repeats}")
+        rows_out.append(
+            [f"{label}: {rows.shape[0]} rows, {width}->{inner}->{width}"]
+            + [f"{medians[name]:.2f} ({medians[name] / medians['dense']:.2f}x)" for name in kernels]
+        )
+    table(
+        ["case", *[f"{name} ms (/dense)" for name in kernels]],
+        rows_out,
+        f"(e) expert GLU forward+backward, {args.glu_experts} experts top-{args.glu_top_k}, fp32, "
+        f"{torch.get_num_threads()} thread(s), median of {args.repeats}",
+    )
 
 
 def main() -> None:

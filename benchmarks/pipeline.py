@@ -44,15 +44,19 @@ PLAN_SETTINGS = [  # (P, V, layers, block size)
 
 
 def plan_table() -> str:
-    rows = [f"{'P':>2} {'V':>2} {'layers':>6} {'S':>3} | {'naive':>6} {'paper':>6} {'exact':>6} | "
-            f"{'exact/naive':>11} | tensors per micro-batch fwd (with partial sums) naive/paper/exact"]
+    rows = [
+        f"{'P':>2} {'V':>2} {'layers':>6} {'S':>3} | {'naive':>6} {'paper':>6} {'exact':>6} | "
+        f"{'exact/naive':>11} | tensors per micro-batch fwd (with partial sums) naive/paper/exact"
+    ]
     for pp, v, layers, size in PLAN_SETTINGS:
         plan = PipelinePlan.build(layers, pp, v, "block", size)
         blocks = {p: plan.blocks_per_micro_batch(p) for p in PROTOCOLS}
         tensors = "/".join(str(plan.tensors_per_micro_batch(p)) for p in PROTOCOLS)
         ratio = blocks["exact"] / blocks["naive"] if blocks["naive"] else 1.0
-        rows.append(f"{pp:>2} {v:>2} {layers:>6} {size:>3} | {blocks['naive']:>6} {blocks['paper']:>6} "
-                    f"{blocks['exact']:>6} | {ratio:>11.2f} | {tensors}")
+        rows.append(
+            f"{pp:>2} {v:>2} {layers:>6} {size:>3} | {blocks['naive']:>6} {blocks['paper']:>6} "
+            f"{blocks['exact']:>6} | {ratio:>11.2f} | {tensors}"
+        )
     return "\n".join(rows)
 
 
@@ -83,11 +87,29 @@ def bench_worker(env, payload) -> list[dict]:
     out = []
     layer_s = payload["layer_ms"] / 1000.0
     for pp, v, micro_batches, layers, size in payload["settings"]:
-        config = ModelConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_experts=4,
-                             num_experts_per_token=2, moe_intermediate_size=16, routed_expert_hidden_size=16,
-                             attn_res_block_size=size)
-        layout = resolve_layout(env.world_size, 1, pp, 0, 1, v, config.num_attention_heads,
-                                config.linear_attn_config.num_heads, config.vocab_size, config.num_experts, layers)
+        config = ModelConfig(
+            num_hidden_layers=layers,
+            hidden_size=32,
+            intermediate_size=64,
+            num_experts=4,
+            num_experts_per_token=2,
+            moe_intermediate_size=16,
+            routed_expert_hidden_size=16,
+            attn_res_block_size=size,
+        )
+        layout = resolve_layout(
+            env.world_size,
+            1,
+            pp,
+            0,
+            1,
+            v,
+            config.num_attention_heads,
+            config.linear_attn_config.num_heads,
+            config.vocab_size,
+            config.num_experts,
+            layers,
+        )
         state = ParallelState(layout, env.rank)
         plan = PipelinePlan.build(layers, pp, v, "block", size)
         chunks = build_model(config, plan, state, seed=1).chunks
@@ -100,8 +122,9 @@ def bench_worker(env, payload) -> list[dict]:
             for layer in chunk.layers.values():
                 layer.register_forward_pre_hook(sleepy)
         seq, mb = 16, 1
-        tokens = torch.randint(0, config.vocab_size, (micro_batches * mb, seq + 1),
-                               generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(
+            0, config.vocab_size, (micro_batches * mb, seq + 1), generator=torch.Generator().manual_seed(0)
+        )
         schedule = PipelineSchedule(plan, state.pp, residual_shape(mb, seq, config.hidden_size))
         bubbles, waits = [], []
         for repeat in range(payload["repeats"] + 1):
@@ -118,19 +141,29 @@ def bench_worker(env, payload) -> list[dict]:
                 chunk.zero_grad(set_to_none=True)
         sent = state.counter.bytes.get("pp.forward", 0) + state.counter.bytes.get("pp.backward", 0)
         tensor_bytes = math.prod(residual_shape(mb, seq, config.hidden_size)) * 4
-        out.append({"setting": (pp, v, micro_batches, layers, size), "bubble": statistics.mean(bubbles),
-                    "recv_wait": statistics.mean(waits), "sent": sent,
-                    "expected": {p: plan.step_bytes(tensor_bytes, micro_batches, p) for p in PROTOCOLS}})
+        out.append(
+            {
+                "setting": (pp, v, micro_batches, layers, size),
+                "bubble": statistics.mean(bubbles),
+                "recv_wait": statistics.mean(waits),
+                "sent": sent,
+                "expected": {p: plan.step_bytes(tensor_bytes, micro_batches, p) for p in PROTOCOLS},
+            }
+        )
     return out
 
 
 def measured_table(layer_ms: float, repeats: int) -> str:
     from tests.distributed.harness import run_workers
 
-    groups = {2: [(2, 1, 4, 8, 3), (2, 2, 4, 8, 3), (2, 2, 8, 8, 3)],
-              4: [(4, 1, 8, 8, 3), (4, 2, 8, 8, 3), (4, 2, 4, 8, 2)]}
-    rows = [f"{'P':>2} {'V':>2} {'M':>2} {'L':>2} {'S':>2} | {'bytes sent':>10} {'exact':>10} {'paper':>10} "
-            f"{'naive':>10} | {'bubble':>7} {'formula':>7} {'ideal sim':>9} | recv-wait share"]
+    groups = {
+        2: [(2, 1, 4, 8, 3), (2, 2, 4, 8, 3), (2, 2, 8, 8, 3)],
+        4: [(4, 1, 8, 8, 3), (4, 2, 8, 8, 3), (4, 2, 4, 8, 2)],
+    }
+    rows = [
+        f"{'P':>2} {'V':>2} {'M':>2} {'L':>2} {'S':>2} | {'bytes sent':>10} {'exact':>10} {'paper':>10} "
+        f"{'naive':>10} | {'bubble':>7} {'formula':>7} {'ideal sim':>9} | recv-wait share"
+    ]
     for world, settings in groups.items():
         payload = {"settings": settings, "layer_ms": layer_ms, "repeats": repeats}
         per_rank = run_workers(world, "benchmarks.pipeline:bench_worker", payload, timeout_s=600)
@@ -142,9 +175,11 @@ def measured_table(layer_ms: float, repeats: int) -> str:
             bubble = statistics.mean(r["bubble"] for r in results)
             wait = statistics.mean(r["recv_wait"] for r in results)
             ideal = simulate(pp, v, m).bubble_fraction
-            rows.append(f"{pp:>2} {v:>2} {m:>2} {layers:>2} {size:>2} | {sent:>10} {expected['exact']:>10} "
-                        f"{expected['paper']:>10} {expected['naive']:>10} | {bubble:>7.3f} "
-                        f"{bubble_formula(pp, v, m):>7.3f} {ideal:>9.3f} | {wait:.3f}")
+            rows.append(
+                f"{pp:>2} {v:>2} {m:>2} {layers:>2} {size:>2} | {sent:>10} {expected['exact']:>10} "
+                f"{expected['paper']:>10} {expected['naive']:>10} | {bubble:>7.3f} "
+                f"{bubble_formula(pp, v, m):>7.3f} {ideal:>9.3f} | {wait:.3f}"
+            )
     return "\n".join(rows)
 
 
@@ -158,8 +193,10 @@ def main() -> None:
     print(plan_table())
     if args.plan_only:
         return
-    print(f"\nMeasured on gloo/CPU (bytes of one step, forward + backward, all ranks; sleep {args.layer_ms} ms "
-          f"per layer forward, {2 * args.layer_ms} ms backward):")
+    print(
+        f"\nMeasured on gloo/CPU (bytes of one step, forward + backward, all ranks; sleep {args.layer_ms} ms "
+        f"per layer forward, {2 * args.layer_ms} ms backward):"
+    )
     print(measured_table(args.layer_ms, args.repeats))
 
 

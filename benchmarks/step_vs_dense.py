@@ -51,14 +51,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["debug", "wide512"])
     parser.add_argument("--steps", type=int, default=3, help="measured steps per contender (after one warm-up)")
-    parser.add_argument("--compile", action="store_true",
-                        help="also time train.compile=true (AdamW): every region, and compile_regions=[attn_res]")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time train.compile=true (AdamW): every region, and compile_regions=[attn_res]",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                        help="train.precision of both contenders (bf16: autocast over fp32 weights)")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe override for both contenders (repeatable), e.g. train.micro_batch_size=8")
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="train.precision of both contenders (bf16: autocast over fp32 weights)",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for both contenders (repeatable), e.g. train.micro_batch_size=8",
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
@@ -70,8 +82,16 @@ def main() -> None:
         peak = measure_matmul_tflops(device, args.precision)
         print(f"{torch.cuda.get_device_name(device)}; {args.precision} 8192² GEMM rate {peak:.0f} TFLOP/s")
     for name in args.models:
-        compare(name, MODELS[name] + args.override, args.steps, peak, args.compile, not args.no_profile,
-                device, args.precision)
+        compare(
+            name,
+            MODELS[name] + args.override,
+            args.steps,
+            peak,
+            args.compile,
+            not args.no_profile,
+            device,
+            args.precision,
+        )
 
 
 if __name__ == "__main__":

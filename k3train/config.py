@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from k3train import recipe
 from k3train.checkpoint.config import CheckpointConfig
@@ -77,11 +77,22 @@ class JobConfig:
                 raise ConfigError(str(error)) from None
         model, parallel = self.model, self.parallel
         self.train.micro_batches_per_rank(parallel.dp or 1)
-        check_model_split(parallel.tp, parallel.ep, model.num_attention_heads, model.linear_attn_config.num_heads,
-                          model.vocab_size, model.num_experts)
+        check_model_split(
+            parallel.tp,
+            parallel.ep,
+            model.num_attention_heads,
+            model.linear_attn_config.num_heads,
+            model.vocab_size,
+            model.num_experts,
+        )
         partition_layers(model.num_hidden_layers, parallel.pp, parallel.virtual_stages, parallel.pipeline_layers)
-        check_context_split(parallel.cp, self.data.seq_length, model.linear_attn_config.short_conv_kernel_size,
-                            parallel.tp, parallel.sequence_parallel)
+        check_context_split(
+            parallel.cp,
+            self.data.seq_length,
+            model.linear_attn_config.short_conv_kernel_size,
+            parallel.tp,
+            parallel.sequence_parallel,
+        )
 
 
 def check_finite_numbers(obj: Any, prefix: str = "") -> None:
@@ -97,7 +108,7 @@ def check_finite_numbers(obj: Any, prefix: str = "") -> None:
             raise ConfigError(f"{dotted} must hold finite numbers, got {value}")
 
 
-def load_config(recipe_path: Optional[str], overrides: Sequence[str] = ()) -> JobConfig:
+def load_config(recipe_path: str | None, overrides: Sequence[str] = ()) -> JobConfig:
     """Defaults, then the recipe (if any), then the overrides in order; validated.
 
     Raises ConfigError for a missing or malformed recipe, an unknown key, a value of the wrong

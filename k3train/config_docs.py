@@ -69,4 +69,3 @@ def config_reference_markdown() -> str:
             "",
         ]
     return "\n".join(lines)
-

@@ -16,12 +16,21 @@ import dataclasses
 import difflib
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
-from typing import Any, Optional, Sequence, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import yaml
 
-from k3train.typed_fields import FieldMismatch, coerce, field_types, leaf_keys, nested_dataclass, plain, type_name, union_args
+from k3train.typed_fields import (
+    FieldMismatch,
+    coerce,
+    field_types,
+    leaf_keys,
+    nested_dataclass,
+    plain,
+    type_name,
+    union_args,
+)
 
 __all__ = ["ConfigError", "check", "from_mapping", "load_recipe", "save_recipe", "to_mapping", "with_overrides"]
 
@@ -69,13 +78,15 @@ def _unknown_key_message(root: type, dotted: str, where: str) -> str:
         depth = next((i for i in range(len(parts)) if ".".join(parts[: i + 1]) not in all_keys), len(parts) - 1)
         level = ".".join(parts[:depth])
         names = [k.rpartition(".")[2] for k in all_keys if k.rpartition(".")[0] == level]
-        fix = (f"valid keys{' under ' + level if level else ''}: {', '.join(names)}" if names
-               else f"{level} is a field, not a section")
+        fix = (
+            f"valid keys{' under ' + level if level else ''}: {', '.join(names)}"
+            if names
+            else f"{level} is a field, not a section"
+        )
     return f"{where}: unknown key '{dotted}'; {fix}"
 
 
-def _resolve_value(root: type, current: Any, tp: Any, value: Any, dotted: str, where: str,
-                   raw: Optional[str]) -> Any:
+def _resolve_value(root: type, current: Any, tp: Any, value: Any, dotted: str, where: str, raw: str | None) -> Any:
     """The new value of a field: a mapping onto a nested dataclass merges into its current value
     (so a recipe need only name the fields it changes); anything else is coerced to the type."""
     nested = nested_dataclass(tp)
@@ -85,8 +96,10 @@ def _resolve_value(root: type, current: Any, tp: Any, value: Any, dotted: str, w
         base = current if isinstance(current, nested) else nested()
         return _apply_mapping(root, base, value, dotted, where)
     if nested is not None and value is not None:
-        raise ConfigError(f"{where}: {dotted} is a section; give a mapping of its fields "
-                          f"(e.g. {leaf_keys(nested, dotted + '.')[0]}=...)")
+        raise ConfigError(
+            f"{where}: {dotted} is a section; give a mapping of its fields "
+            f"(e.g. {leaf_keys(nested, dotted + '.')[0]}=...)"
+        )
     try:
         return coerce(value, tp, dotted, raw)
     except FieldMismatch as mismatch:
@@ -117,7 +130,8 @@ class _StrictLoader(yaml.SafeLoader):
             if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
                 if key_node.value in seen:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key '{key_node.value}'", key_node.start_mark)
+                        None, None, f"duplicate key '{key_node.value}'", key_node.start_mark
+                    )
                 seen.add(key_node.value)
         return super().construct_mapping(node, deep)
 
@@ -144,8 +158,10 @@ def _read_recipe(root: type, path: str) -> Mapping:
     if data is None:
         return {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: a recipe must be a mapping of sections ({', '.join(field_types(root))}), "
-                          f"got {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: a recipe must be a mapping of sections ({', '.join(field_types(root))}), "
+            f"got {type(data).__name__}"
+        )
     return data
 
 
@@ -189,7 +205,7 @@ def _validated(config: Config, source: str) -> Config:
 # ---------------------------------------------------------------- the public operations
 
 
-def load_recipe(root: type[Config], recipe_path: Optional[str], overrides: Sequence[str] = ()) -> Config:
+def load_recipe(root: type[Config], recipe_path: str | None, overrides: Sequence[str] = ()) -> Config:
     """`root()`'s defaults, then the recipe (if any), then the overrides in order; validated.
 
     Raises ConfigError for a missing or malformed recipe, an unknown key, a value of the wrong
@@ -228,7 +244,8 @@ class _RecipeDumper(yaml.SafeDumper):
 
 
 _RecipeDumper.add_representer(
-    list, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True))
+    list, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
+)
 
 
 def save_recipe(config: Any, path: str, header: str = "") -> None:

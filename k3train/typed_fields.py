@@ -16,7 +16,7 @@ import textwrap
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 __all__ = [
     "FieldMismatch",
@@ -46,14 +46,14 @@ def field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
 
-def union_args(tp: Any) -> Optional[tuple[Any, ...]]:
+def union_args(tp: Any) -> tuple[Any, ...] | None:
     """The members of a `Union[...]`/`X | Y` type, or None for any other type."""
     if typing.get_origin(tp) in (Union, types.UnionType):
         return typing.get_args(tp)
     return None
 
 
-def nested_dataclass(tp: Any) -> Optional[type]:
+def nested_dataclass(tp: Any) -> type | None:
     """The dataclass a field holds (directly or as Optional[...]), else None."""
     if is_dataclass_type(tp):
         return tp
@@ -81,9 +81,13 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = class_nodes[0].body
         for statement, following in zip(body, body[1:]):
-            if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
-                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)):
+            if (
+                isinstance(statement, ast.AnnAssign)
+                and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
                 docs[statement.target.id] = inspect.cleandoc(following.value.value)
     return docs
 
@@ -136,7 +140,7 @@ _TRUE_WORDS = frozenset({"true", "yes", "on", "1"})
 _FALSE_WORDS = frozenset({"false", "no", "off", "0"})
 
 
-def coerce(value: Any, tp: Any, key: str, raw: Optional[str]) -> Any:
+def coerce(value: Any, tp: Any, key: str, raw: str | None) -> Any:
     """Convert a YAML value to a field's type, accepting the spellings users expect.
 
     `raw` is the command-line text of the value when there is one: a `str` field then takes the
@@ -191,8 +195,9 @@ def coerce(value: Any, tp: Any, key: str, raw: Optional[str]) -> Any:
         if not isinstance(value, Mapping):
             raise FieldMismatch(key, value, tp, "write a mapping such as {a: 1}")
         key_type, value_type = typing.get_args(tp) or (Any, Any)
-        return {coerce(k, key_type, f"{key}.{k}", None): coerce(v, value_type, f"{key}.{k}", None)
-                for k, v in value.items()}
+        return {
+            coerce(k, key_type, f"{key}.{k}", None): coerce(v, value_type, f"{key}.{k}", None) for k, v in value.items()
+        }
 
     if tp is bool:
         if isinstance(value, bool):
@@ -246,7 +251,6 @@ def coerce(value: Any, tp: Any, key: str, raw: Optional[str]) -> Any:
     raise FieldMismatch(key, value, tp)
 
 
-
 def plain(value: Any) -> Any:
     """Dataclasses, tuples and sets as YAML-safe builtins, keeping field order."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -256,4 +260,3 @@ def plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: plain(v) for k, v in value.items()}
     return value
-

@@ -39,7 +39,7 @@ The backward, per token, with `t_i = (γ ⊙ w)ᵀ v_i`, `s_i = r_i t_i`, incomi
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -47,9 +47,12 @@ from k3train.kernels.precision import upcast, without_autocast
 
 
 def attn_res_mix_reference(
-    sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
-    inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
-    dots: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    sources: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    inverse_norms: Sequence[torch.Tensor | None] | None = None,
+    dots: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """The definition, stacked and differentiated by autograd; returns `[..., d]`. Takes the fast
     path's arguments, but normalises and scores every key itself (`inverse_norms` and `dots` are
@@ -64,9 +67,12 @@ def attn_res_mix_reference(
 
 
 def attn_res_mix_plain(
-    sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
-    inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
-    dots: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    sources: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    inverse_norms: Sequence[torch.Tensor | None] | None = None,
+    dots: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """The definition per source, differentiated by autograd, reading `inverse_norms[i]` and
     `dots[i]` where given (`block_keys`): what `torch.compile` traces for `train.compile=true`
@@ -106,8 +112,12 @@ def _compute_dtype(norm_weight: torch.Tensor, query: torch.Tensor, sources: Sequ
     """fp32 or wider, and no narrower than any source or parameter (under bf16 autocast the
     embedding's fp32 output meets bf16 sublayer outputs)."""
     dtype = sources[0].dtype
-    if dtype in _WIDE and norm_weight.dtype == dtype and query.dtype == dtype and all(
-            source.dtype == dtype for source in sources):
+    if (
+        dtype in _WIDE
+        and norm_weight.dtype == dtype
+        and query.dtype == dtype
+        and all(source.dtype == dtype for source in sources)
+    ):
         return dtype
     dtype = torch.promote_types(_wide(norm_weight).dtype, query.dtype)
     for source_dtype in {source.dtype for source in sources}:
@@ -134,10 +144,15 @@ def _scores(rows: list[torch.Tensor], score_weight: torch.Tensor, eps: float, gi
     """Weights `α`, inverse key norms `r`, scores `s` and dots `t = s / r`, each `[m, tokens]`.
     `given[i]` / `given_dots[i]`, where not None, are source i's `r` and `t` computed once for its
     block (`block_keys`)."""
-    dots = torch.stack([torch.mv(source, score_weight) if dot is None else _as(dot, score_weight.dtype)
-                        for source, dot in zip(rows, given_dots)])  # (γ ⊙ w)ᵀ v_i: no keys formed
-    inverse_norm = torch.stack([_inverse_rms(source, eps) if norm is None else _as(norm, dots.dtype)
-                                for source, norm in zip(rows, given)])  # given: [tokens] already
+    dots = torch.stack(
+        [
+            torch.mv(source, score_weight) if dot is None else _as(dot, score_weight.dtype)
+            for source, dot in zip(rows, given_dots)
+        ]
+    )  # (γ ⊙ w)ᵀ v_i: no keys formed
+    inverse_norm = torch.stack(
+        [_inverse_rms(source, eps) if norm is None else _as(norm, dots.dtype) for source, norm in zip(rows, given)]
+    )  # given: [tokens] already
     scores = dots * inverse_norm
     return scores.softmax(0), inverse_norm, scores, dots
 
@@ -150,8 +165,20 @@ def _weighted_sum(rows: list[torch.Tensor], probabilities: torch.Tensor) -> torc
     return mixed  # [tokens, d]
 
 
-def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, dots, given, given_dots, grad_mixed,
-                  grad_scale, source_grads: bool, scratch: Optional[torch.Tensor] = None):
+def _mix_backward(
+    rows,
+    score_weight,
+    probabilities,
+    inverse_norm,
+    scores,
+    dots,
+    given,
+    given_dots,
+    grad_mixed,
+    grad_scale,
+    source_grads: bool,
+    scratch: torch.Tensor | None = None,
+):
     """Gradients of the sources (a list of `[tokens, d]`, or None if `not source_grads`), of
     `γ ⊙ w`, of the given inverse norms and of the given dots (lists, None where not given), from
     `∂L/∂mixed = grad_scale ⊙ grad_mixed` (`grad_scale` a per-token `[tokens]` factor or None:
@@ -176,8 +203,9 @@ def _mix_backward(rows, score_weight, probabilities, inverse_norm, scores, dots,
     own_norms = [i for i, norm in enumerate(given) if norm is None]
     grad_norms: list[torch.Tensor | None] = [None] * count
     if len(own_norms) < count:  # ∂L/∂r_i = ∂L/∂s_i t_i, one op for all sources
-        grad_norms = [None if norm is None else _as(grad, norm.dtype)
-                      for grad, norm in zip((grad_scores * dots).unbind(0), given)]
+        grad_norms = [
+            None if norm is None else _as(grad, norm.dtype) for grad, norm in zip((grad_scores * dots).unbind(0), given)
+        ]
     grad_dots = [None if dot is None else _as(weight, dot.dtype) for weight, dot in zip(weights, given_dots)]
     if not source_grads:
         return None, grad_score_weight, grad_norms, grad_dots
@@ -206,11 +234,19 @@ def _split(tensors: tuple, given_mask: tuple) -> tuple[list, list, list]:
 def _input_grads(grads, grad_norms, grad_dots, sources, given, given_dots, needs_input_grad) -> list:
     """Gradients for `apply`'s flat tensors (sources, then the given norms, then the given dots)."""
     count = len(sources)
-    source_grads = ([None] * count if grads is None else
-                    [_as(grad.view(source.shape), source.dtype) if needed else None
-                     for grad, source, needed in zip(grads, sources, needs_input_grad[:count])])
-    return (source_grads + [grad for grad, norm in zip(grad_norms, given) if norm is not None]
-            + [grad for grad, dot in zip(grad_dots, given_dots) if dot is not None])
+    source_grads = (
+        [None] * count
+        if grads is None
+        else [
+            _as(grad.view(source.shape), source.dtype) if needed else None
+            for grad, source, needed in zip(grads, sources, needs_input_grad[:count])
+        ]
+    )
+    return (
+        source_grads
+        + [grad for grad, norm in zip(grad_norms, given) if norm is not None]
+        + [grad for grad, dot in zip(grad_dots, given_dots) if dot is not None]
+    )
 
 
 class _AttnResMix(torch.autograd.Function):
@@ -221,8 +257,9 @@ class _AttnResMix(torch.autograd.Function):
         sources, given, given_dots = _split(tensors, given_mask)
         ctx.dtype = _compute_dtype(norm_weight, query, sources)
         rows = _rows(sources, ctx.dtype)
-        probabilities, inverse_norm, scores, dots = _scores(rows, _score_weight(norm_weight, query, ctx.dtype), eps,
-                                                            given, given_dots)
+        probabilities, inverse_norm, scores, dots = _scores(
+            rows, _score_weight(norm_weight, query, ctx.dtype), eps, given, given_dots
+        )
         mixed = _weighted_sum(rows, probabilities)
         ctx.given_mask = given_mask
         ctx.save_for_backward(norm_weight, query, probabilities, inverse_norm, scores, dots, *tensors)
@@ -236,10 +273,24 @@ class _AttnResMix(torch.autograd.Function):
         (grad_mixed,) = _rows([grad_output], ctx.dtype)
         needs = ctx.needs_input_grad[4:]
         grads, grad_score_weight, grad_norms, grad_dots = _mix_backward(
-            _rows(sources, ctx.dtype), score_weight, probabilities, inverse_norm, scores, dots, given, given_dots,
-            grad_mixed, None, any(needs[:len(sources)]))
-        return (*_parameter_grads(ctx, norm_weight, query, grad_score_weight), None, None,
-                *_input_grads(grads, grad_norms, grad_dots, sources, given, given_dots, needs))
+            _rows(sources, ctx.dtype),
+            score_weight,
+            probabilities,
+            inverse_norm,
+            scores,
+            dots,
+            given,
+            given_dots,
+            grad_mixed,
+            None,
+            any(needs[: len(sources)]),
+        )
+        return (
+            *_parameter_grads(ctx, norm_weight, query, grad_score_weight),
+            None,
+            None,
+            *_input_grads(grads, grad_norms, grad_dots, sources, given, given_dots, needs),
+        )
 
 
 class _AttnResMixRMSNorm(torch.autograd.Function):
@@ -279,17 +330,36 @@ class _AttnResMixRMSNorm(torch.autograd.Function):
         # ∂L/∂gain = Σ_tokens g ⊙ x̂; both from g ⊙ x (one pass) and two matrix–vector products.
         # ρ stays a per-token factor that the mix's backward folds into its own scalars.
         product = grad_output * mixed  # g ⊙ x
-        grad_out_weight = (_as(torch.mv(product.t(), out_inverse_norm), out_weight.dtype)
-                           if ctx.needs_input_grad[3] else None)
+        grad_out_weight = (
+            _as(torch.mv(product.t(), out_inverse_norm), out_weight.dtype) if ctx.needs_input_grad[3] else None
+        )
         projection = torch.mv(product, gain).mul_(out_inverse_norm.square()).div_(-dim)  # −ρ² mean(ĝ ⊙ x)
         grad_unscaled = torch.mul(mixed, projection.unsqueeze(-1)).addcmul_(grad_output, gain)  # ∂L/∂x / ρ
         needs = ctx.needs_input_grad[6:]
         grads, grad_score_weight, grad_norms, grad_dots = _mix_backward(
-            rows, score_weight, probabilities, inverse_norm, scores, dots, given, given_dots, grad_unscaled,
-            out_inverse_norm, any(needs[:len(sources)]), scratch=product)
+            rows,
+            score_weight,
+            probabilities,
+            inverse_norm,
+            scores,
+            dots,
+            given,
+            given_dots,
+            grad_unscaled,
+            out_inverse_norm,
+            any(needs[: len(sources)]),
+            scratch=product,
+        )
         grad_norm_weight, grad_query = _parameter_grads(ctx, norm_weight, query, grad_score_weight)
-        return (grad_norm_weight, grad_query, None, grad_out_weight, None, None,
-                *_input_grads(grads, grad_norms, grad_dots, sources, given, given_dots, needs))
+        return (
+            grad_norm_weight,
+            grad_query,
+            None,
+            grad_out_weight,
+            None,
+            None,
+            *_input_grads(grads, grad_norms, grad_dots, sources, given, given_dots, needs),
+        )
 
 
 class _BlockKeys(torch.autograd.Function):
@@ -330,8 +400,9 @@ class _BlockKeys(torch.autograd.Function):
             dtype = ctx.dtype
             gains, queries = parameters[0::2], parameters[1::2]
             score_weights = torch.stack([_score_weight(gain, query, dtype) for gain, query in zip(gains, queries)])
-            grad_dots = torch.stack([torch.zeros_like(inverse_norm, dtype=dtype) if g is None else _as(g, dtype)
-                                     for g in grad_dots])  # [J, tokens]
+            grad_dots = torch.stack(
+                [torch.zeros_like(inverse_norm, dtype=dtype) if g is None else _as(g, dtype) for g in grad_dots]
+            )  # [J, tokens]
             from_dots = torch.mm(grad_dots.t(), score_weights)  # Σ_j ∂L/∂t_j (γ_j ⊙ w_j)
             grad = _as(from_dots, row.dtype) if grad is None else grad.add_(from_dots)
             grad_score_weights = torch.mm(grad_dots, _as(row, dtype))  # [J, d]
@@ -346,10 +417,12 @@ class _BlockKeys(torch.autograd.Function):
 
 def _parameter_grads(ctx, norm_weight, query, grad_score_weight):
     """`∂L/∂γ`, `∂L/∂w` from `∂L/∂(γ ⊙ w)`."""
-    grad_norm_weight = (_as(grad_score_weight * _wide(query).view(-1), norm_weight.dtype)
-                        if ctx.needs_input_grad[0] else None)
-    grad_query = (_as(grad_score_weight * _wide(norm_weight), query.dtype).view(query.shape)
-                  if ctx.needs_input_grad[1] else None)
+    grad_norm_weight = (
+        _as(grad_score_weight * _wide(query).view(-1), norm_weight.dtype) if ctx.needs_input_grad[0] else None
+    )
+    grad_query = (
+        _as(grad_score_weight * _wide(norm_weight), query.dtype).view(query.shape) if ctx.needs_input_grad[1] else None
+    )
     return grad_norm_weight, grad_query
 
 
@@ -392,16 +465,20 @@ def _flat(sources: Sequence[torch.Tensor], inverse_norms, dots) -> tuple[tuple, 
     inverse_norms = [None] * count if inverse_norms is None else list(inverse_norms)
     dots = [None] * count if dots is None else list(dots)
     if len(inverse_norms) != count or len(dots) != count:
-        raise ValueError(f"attn_res_mix got {len(inverse_norms)} inverse_norms and {len(dots)} dots "
-                         f"for {count} sources")
+        raise ValueError(
+            f"attn_res_mix got {len(inverse_norms)} inverse_norms and {len(dots)} dots for {count} sources"
+        )
     given_mask = tuple((norm is not None, dot is not None) for norm, dot in zip(inverse_norms, dots))
     return given_mask, [*sources, *(n for n in inverse_norms if n is not None), *(t for t in dots if t is not None)]
 
 
 def attn_res_mix(
-    sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
-    inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
-    dots: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    sources: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    inverse_norms: Sequence[torch.Tensor | None] | None = None,
+    dots: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Mix `sources` (all of one shape `[..., d]`) with depth attention; returns `[..., d]` in the
     first source's dtype. `query` holds `d` elements: `[d]`, or the `[1, d]` projection weight
@@ -413,9 +490,14 @@ def attn_res_mix(
 
 
 def attn_res_mix_rmsnorm(
-    sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
-    out_weight: torch.Tensor, out_eps: float, inverse_norms: Optional[Sequence[Optional[torch.Tensor]]] = None,
-    dots: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    sources: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    out_weight: torch.Tensor,
+    out_eps: float,
+    inverse_norms: Sequence[torch.Tensor | None] | None = None,
+    dots: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """`RMSNorm(attn_res_mix(sources, ...))` with gain `out_weight` (computed in fp32 or wider, cast
     back, as `k3train.model.norm.RMSNorm`); saves the sources, the mixed state and its per-token

@@ -104,8 +104,7 @@ class _GroupedMM(torch.autograd.Function):
         fused = covered > 0 and _fits_torch_grouped_mm(rows, weights, grad_output)
         grad_x = grad_weights = None
         if ctx.needs_input_grad[0]:
-            grad_rows = (torch._grouped_mm(grad_output, weights.transpose(-2, -1), offs=offsets) if fused
-                         else None)
+            grad_rows = torch._grouped_mm(grad_output, weights.transpose(-2, -1), offs=offsets) if fused else None
             if fused and covered == x.shape[0]:
                 grad_x = grad_rows
             else:

@@ -111,16 +111,19 @@ class _GatedRMSNorm(torch.autograd.Function):
         return grad_x, grad_gate, grad_weight, None
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                   backend: str = "auto") -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto"
+) -> torch.Tensor:
     """The training path of `gated_rms_norm_reference` (same arguments, same result). On CUDA
     with fla-core, fla's fused kernel (`kda.fla_backend.run_fla_gated_rms_norm`: one launch
     forward, one backward) unless `backend="torch"` or inside `torch.compile`."""
     if backend not in ("auto", "torch"):
         raise ValueError(f"gated_rms_norm backend must be 'auto' or 'torch', got {backend!r}")
     if gate.shape != x.shape or weight.shape != x.shape[-1:]:
-        raise ValueError(f"gated RMSNorm needs gate of x's shape {tuple(x.shape)} and weight [{x.shape[-1]}], "
-                         f"got gate {tuple(gate.shape)} and weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"gated RMSNorm needs gate of x's shape {tuple(x.shape)} and weight [{x.shape[-1]}], "
+            f"got gate {tuple(gate.shape)} and weight {tuple(weight.shape)}"
+        )
     # (Under `torch.compile`, `train.compile`'s norms region, inductor fuses the PyTorch path.)
     if backend == "auto" and not torch.compiler.is_compiling() and fla_backend.use_fla_gated_norm(x, gate):
         return fla_backend.run_fla_gated_rms_norm(x, gate, weight, eps)
@@ -160,7 +163,7 @@ class _RMSNorm(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             # Σ_j G·w·n / d per row; then P's buffer takes G·w − n·that, times r
-            row_dot = (products.reshape(-1, products.shape[-1]).mv(weight32) / products.shape[-1])
+            row_dot = products.reshape(-1, products.shape[-1]).mv(weight32) / products.shape[-1]
             grad_x = torch.mul(grad, weight32, out=products)
             torch.addcmul(grad_x, normalized, row_dot.view(rstd.shape), value=-1.0, out=grad_x)
             grad_x = grad_x.mul_(rstd).to(x_dtype)

@@ -26,8 +26,6 @@ Two forms of one definition:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -35,22 +33,25 @@ from k3train.kernels.kda import fla_backend
 from k3train.kernels.precision import accumulation_dtype
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]) -> int:
+def _check(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None) -> int:
     if x.dim() != 3:
         raise ValueError(f"short convolution input must be [batch, seq, channels], got shape {tuple(x.shape)}")
     channels = x.shape[2]
     if weight.dim() != 3 or weight.shape[0] != channels or weight.shape[1] != 1:
-        raise ValueError(f"short convolution weight must be [channels, 1, kernel] = [{channels}, 1, W], "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"short convolution weight must be [channels, 1, kernel] = [{channels}, 1, W], got {tuple(weight.shape)}"
+        )
     taps = weight.shape[2]
     if tail is not None and tuple(tail.shape) != (x.shape[0], channels, taps - 1):
-        raise ValueError(f"short convolution tail must be [batch, channels, kernel - 1] = "
-                         f"[{x.shape[0]}, {channels}, {taps - 1}], got {tuple(tail.shape)}")
+        raise ValueError(
+            f"short convolution tail must be [batch, channels, kernel - 1] = "
+            f"[{x.shape[0]}, {channels}, {taps - 1}], got {tuple(tail.shape)}"
+        )
     return taps
 
 
 def short_conv_silu_reference(
-    x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None
+    x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition: `x [B, T, C]`, `weight [C, 1, W]`, `tail [B, C, W − 1]` or None →
     (`silu(conv)` `[B, T, C]` in x's dtype, the last `W − 1` inputs `[B, C, W − 1]`)."""
@@ -60,12 +61,15 @@ def short_conv_silu_reference(
         tail = channels_first.new_zeros(x.shape[0], x.shape[2], taps - 1)
     padded = torch.cat([tail.to(x.dtype), channels_first], dim=-1)
     output = F.conv1d(padded, weight.to(x.dtype), groups=x.shape[2])
-    return F.silu(output).transpose(1, 2), padded[..., padded.shape[-1] - (taps - 1):]
+    return F.silu(output).transpose(1, 2), padded[..., padded.shape[-1] - (taps - 1) :]
 
 
 def _shifted_taps(
-    source: torch.Tensor, tail: Optional[torch.Tensor], filters: torch.Tensor, forward: bool,
-    out: Optional[torch.Tensor] = None,
+    source: torch.Tensor,
+    tail: torch.Tensor | None,
+    filters: torch.Tensor,
+    forward: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`Σ_s filters[W−1−s] ⊙ source shifted by s` (`filters [W, C]`, each tap a contiguous row:
     a strided tap vector costs the multiply-adds their vectorisation), into `out` if given (a
@@ -90,7 +94,7 @@ def _shifted_taps(
             if tail is None:
                 result[:, :first].zero_()
             else:
-                torch.mul(tail[:, : first], tap, out=result[:, :first])
+                torch.mul(tail[:, :first], tap, out=result[:, :first])
             continue
         if shift < seq:
             result[:, shift:].addcmul_(source[:, : seq - shift], tap)
@@ -101,7 +105,7 @@ def _shifted_taps(
 
 class _ShortConvSiLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
         compute = accumulation_dtype(x.dtype)
         filters = weight.to(compute).reshape(weight.shape[0], weight.shape[2]).t().contiguous()  # [W, C]
         x_compute = x.to(compute)
@@ -143,13 +147,14 @@ class _ShortConvSiLU(torch.autograd.Function):
             for shift in range(1, taps):
                 first = min(shift, seq)
                 grad_tail_compute[:, taps - 1 - shift : taps - 1 - shift + first].addcmul_(
-                    grad_pre[:, :first], filters[taps - 1 - shift])
+                    grad_pre[:, :first], filters[taps - 1 - shift]
+                )
             grad_tail = grad_tail_compute.to(tail.dtype)
         return grad_x, grad_weight, grad_tail
 
 
 def short_conv_silu(
-    x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None, backend: str = "auto"
+    x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The training path of `short_conv_silu_reference` (same arguments, same results). On CUDA
     with fla-core and no tail (whole sequences), fla's causal convolution with its SiLU runs
@@ -173,7 +178,7 @@ def short_conv_silu(
         tail_last = None if tail is None else tail.to(x.dtype).transpose(1, 2)  # [B, W − 1, C], a view
         output = _ShortConvSiLU.apply(x, weight, tail_last)
     if seq >= taps - 1:
-        new_tail = x[:, seq - (taps - 1):].transpose(1, 2)
+        new_tail = x[:, seq - (taps - 1) :].transpose(1, 2)
     else:  # a piece shorter than the tail keeps part of the tail before it
         before = x.new_zeros(x.shape[0], x.shape[2], taps - 1) if tail is None else tail.to(x.dtype)
         new_tail = torch.cat([before[..., seq:], x.transpose(1, 2)], dim=-1)

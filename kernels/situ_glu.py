@@ -24,8 +24,9 @@ import torch
 from k3train.kernels.precision import accumulation_dtype, upcast
 
 
-def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0,
-                       linear_beta: float = 25.0) -> torch.Tensor:
+def situ_glu_reference(
+    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0
+) -> torch.Tensor:
     """The definition, differentiated by autograd: `β1·tanh(gate/β1)·sigmoid(gate) ⊙ β2·tanh(up/β2)`
     in fp32 (float64 stays float64), returned in the input dtype."""
     gate32, up32 = upcast(gate), upcast(up)
@@ -49,17 +50,26 @@ class SiTUGLUFunction(torch.autograd.Function):
     allocations. Under `retain_graph=True` (gradcheck) it works on copies instead."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float,
-                row_scale: torch.Tensor | None = None, overwrite_inputs: bool = False) -> torch.Tensor:
+    def forward(
+        ctx,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        beta: float,
+        linear_beta: float,
+        row_scale: torch.Tensor | None = None,
+        overwrite_inputs: bool = False,
+    ) -> torch.Tensor:
         dtype = accumulation_dtype(gate.dtype)
         gate32, up32 = gate.to(dtype), up.to(dtype)
         zero = gate32.new_zeros(())  # 0-dim: `addcmul(zero, x, y, value=c)` is `c·x·y` in one pass
         sigmoid_gate = torch.sigmoid(gate32)
         # A cast made a private copy; otherwise only the caller may say the inputs are scratch.
-        tanh_gate = (gate32.mul_(1.0 / beta) if overwrite_inputs or gate32 is not gate
-                     else torch.mul(gate32, 1.0 / beta)).tanh_()
-        tanh_up = (up32.mul_(1.0 / linear_beta) if overwrite_inputs or up32 is not up
-                   else torch.mul(up32, 1.0 / linear_beta)).tanh_()
+        tanh_gate = (
+            gate32.mul_(1.0 / beta) if overwrite_inputs or gate32 is not gate else torch.mul(gate32, 1.0 / beta)
+        ).tanh_()
+        tanh_up = (
+            up32.mul_(1.0 / linear_beta) if overwrite_inputs or up32 is not up else torch.mul(up32, 1.0 / linear_beta)
+        ).tanh_()
         capped_gate = torch.addcmul(zero, tanh_gate, sigmoid_gate, value=beta)
         out = torch.addcmul(zero, capped_gate, tanh_up, value=linear_beta)
         ctx.row_scale_dtype = None if row_scale is None else row_scale.dtype
@@ -93,9 +103,19 @@ class SiTUGLUFunction(torch.autograd.Function):
         block = rows if a.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // width)
         for start in range(0, rows, block):
             part = slice(start, start + block)
-            _backward_block(a[part], sigma[part], b[part], capped[part], grad[part],
-                            None if scale is None else scale[part], None if sums is None else sums[part],
-                            beta, linear_beta, need_gate, need_up)
+            _backward_block(
+                a[part],
+                sigma[part],
+                b[part],
+                capped[part],
+                grad[part],
+                None if scale is None else scale[part],
+                None if sums is None else sums[part],
+                beta,
+                linear_beta,
+                need_gate,
+                need_up,
+            )
         grad_gate = a.view(shape).to(gate_dtype) if need_gate else None
         grad_up = capped.view(shape).to(up_dtype) if need_up else None
         grad_row_scale = None
@@ -108,8 +128,9 @@ class SiTUGLUFunction(torch.autograd.Function):
 CPU_BLOCK_ELEMENTS = 1 << 16  # 256 KiB of fp32 per tensor: six such blocks fit a 2 MiB L2
 
 
-def _backward_block(tanh_gate, sigmoid_gate, tanh_up, capped_gate, grad, row_scale, sums,
-                    beta, linear_beta, need_gate, need_up):
+def _backward_block(
+    tanh_gate, sigmoid_gate, tanh_up, capped_gate, grad, row_scale, sums, beta, linear_beta, need_gate, need_up
+):
     """`SiTUGLUFunction.backward` on rows: the gate's gradient into `tanh_gate`, the up's into
     `capped_gate`, the row scale's `Σ_j G·P·b` (times β2 later) into `sums` when given."""
     zero, one = tanh_gate.new_zeros(()), tanh_gate.new_ones(())
@@ -142,8 +163,14 @@ def _graph_is_kept() -> bool:
     return True if keep_graph is None else bool(keep_graph())
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
-             row_scale: torch.Tensor | None = None, overwrite_inputs: bool = False) -> torch.Tensor:
+def situ_glu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+    row_scale: torch.Tensor | None = None,
+    overwrite_inputs: bool = False,
+) -> torch.Tensor:
     """`β1·tanh(gate/β1)·sigmoid(gate) ⊙ β2·tanh(up/β2)`, in fp32, returned in the input dtype
     (`situ_glu_reference` with a closed-form backward). `row_scale` (`gate.shape[:-1]`, e.g. the
     routing weight of each expert row) multiplies each row of the product in fp32, in place on
@@ -164,8 +191,9 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
     return SiTUGLUFunction.apply(gate, up, beta, linear_beta, row_scale, overwrite_inputs)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, row_scale: torch.Tensor | None = None,
-           overwrite_inputs: bool = False) -> torch.Tensor:
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, row_scale: torch.Tensor | None = None, overwrite_inputs: bool = False
+) -> torch.Tensor:
     """`silu(gate) ⊙ up` (each row times `row_scale`, in fp32, when given; `overwrite_inputs` is
     accepted for `situ_glu`'s signature and changes nothing here)."""
     out = torch.nn.functional.silu(gate) * up

@@ -30,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Optional, Sequence, cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -56,28 +57,31 @@ class TENamespace:
         self.fp8_state_manager = fp8_state_manager or getattr(pytorch, "FP8GlobalStateManager", None)
 
 
-@functools.lru_cache(maxsize=None)
-def import_transformer_engine() -> tuple[Optional[TENamespace], str]:
+@functools.cache
+def import_transformer_engine() -> tuple[TENamespace | None, str]:
     """(namespace with `pytorch` and `recipe`, "") or (None, why it does not import). Tried once."""
     try:
-        import transformer_engine.pytorch as te_pytorch  # noqa: PLC0415 (on request only)
-        from transformer_engine.common import recipe as te_recipe  # noqa: PLC0415
+        import transformer_engine.pytorch as te_pytorch
+        from transformer_engine.common import recipe as te_recipe
+
         try:  # TE >= 2.8 keeps its FP8 state in .quantization, earlier releases in .fp8
-            from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+            from transformer_engine.pytorch.quantization import FP8GlobalStateManager
         except ImportError:
-            from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # noqa: PLC0415
-    except Exception as error:  # noqa: BLE001 — the meta package raises RuntimeError, not ImportError
+            from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return None, f"{type(error).__name__}: {message}"[:200]
     return TENamespace(te_pytorch, te_recipe, FP8GlobalStateManager), ""
 
 
-def te_missing(device: torch.device) -> Optional[str]:
+def te_missing(device: torch.device) -> str | None:
     """Why TE linears cannot run on `device` (one line with the fix), or None when they can.
     Never imports Transformer Engine unless CUDA is there."""
     if device.type != "cuda" or not torch.cuda.is_available():
-        return (f"needs a CUDA GPU (device is {device.type}, torch.cuda.is_available() is "
-                f"{torch.cuda.is_available()}) and Transformer Engine ({INSTALL_HINT})")
+        return (
+            f"needs a CUDA GPU (device is {device.type}, torch.cuda.is_available() is "
+            f"{torch.cuda.is_available()}) and Transformer Engine ({INSTALL_HINT})"
+        )
     te, why = import_transformer_engine()
     if te is None:
         return f"needs Transformer Engine, which does not import ({why}); install it with {INSTALL_HINT}"
@@ -109,8 +113,9 @@ def make_fp8_recipe(te: Any, name: str, amax_history_len: int = 1024, amax_compu
     (MXFP8BlockScaling, 32-element blocks; Blackwell and later)."""
     recipe = te.recipe
     if name == "delayed":
-        return recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=amax_history_len,
-                                     amax_compute_algo=amax_compute_algo)
+        return recipe.DelayedScaling(
+            fp8_format=recipe.Format.HYBRID, amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo
+        )
     if name == "current":
         return recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)
     if name == "mxfp8":
@@ -141,13 +146,17 @@ def fp8_fits(in_features: int, out_features: int, multiple: int = FP8_DIM_MULTIP
 
 
 # ---------------------------------------------------------------------------------- FP8 state
-def _scaling_meta(module: nn.Module) -> Optional[list[Any]]:
+def _scaling_meta(module: nn.Module) -> list[Any] | None:
     """TE's forward and backward `FP8TensorMeta` (delayed scaling), or None before the first FP8
     step and for recipes without persistent state."""
     meta = getattr(module, "fp8_meta", None) or {}
     found = [meta.get(key) for key in ("scaling_fwd", "scaling_bwd")]
-    if any(m is None or not isinstance(getattr(m, "amax_history", None), torch.Tensor)
-           or not isinstance(getattr(m, "scale", None), torch.Tensor) for m in found):
+    if any(
+        m is None
+        or not isinstance(getattr(m, "amax_history", None), torch.Tensor)
+        or not isinstance(getattr(m, "scale", None), torch.Tensor)
+        for m in found
+    ):
         return None
     return found
 
@@ -175,9 +184,9 @@ def parse_fp8_state(state: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tenso
     sizes = [int(v) for v in flat[1:7].tolist()]
     offset, parts = 7, []
     for scales, rows, cols in (sizes[0:3], sizes[3:6]):
-        scale = flat[offset:offset + scales]
+        scale = flat[offset : offset + scales]
         offset += scales
-        history = flat[offset:offset + rows * cols].reshape(rows, cols)
+        history = flat[offset : offset + rows * cols].reshape(rows, cols)
         offset += rows * cols
         parts.append((scale, history))
     if offset != flat.numel():
@@ -245,7 +254,7 @@ def _drop_te_parallel_marks(param: nn.Parameter) -> None:
             delattr(param, attribute)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def te_linear_class(te: Any) -> type:
     """`te.pytorch.Linear` with `FP8StateMixin` (one class per TE namespace)."""
 
@@ -261,7 +270,7 @@ def te_linear_class(te: Any) -> type:
     return TELinear
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def te_grouped_linear_class(te: Any) -> type:
     """`te.pytorch.GroupedLinear` whose weights are not its own parameters but the slices of an
     expert stack `[groups, out, in]` given with each call (`LocalExperts.w1/w3/w2`, or the
@@ -318,17 +327,26 @@ class TELinearFactory:
         return device if device.type in ("cuda", "meta") else self.device
 
     def __call__(self, in_features: int, out_features: int, device=None, dtype=None) -> nn.Module:
-        linear = te_linear_class(self.te)(in_features, out_features, bias=False,
-                                          params_dtype=dtype or torch.get_default_dtype(),
-                                          device=self._device(device))
+        linear = te_linear_class(self.te)(
+            in_features,
+            out_features,
+            bias=False,
+            params_dtype=dtype or torch.get_default_dtype(),
+            device=self._device(device),
+        )
         linear.keep_out_of_fp8 = not fp8_fits(in_features, out_features, self.fp8_rows)
         _drop_te_parallel_marks(linear.weight)
         return linear
 
-    def grouped(self, num_groups: int, in_features: int, out_features: int, dtype=None) -> "GroupedExpertGEMM":
-        module = te_grouped_linear_class(self.te)(num_groups, in_features, out_features, bias=False,
-                                                   params_dtype=dtype or torch.get_default_dtype(),
-                                                   device=self.device)
+    def grouped(self, num_groups: int, in_features: int, out_features: int, dtype=None) -> GroupedExpertGEMM:
+        module = te_grouped_linear_class(self.te)(
+            num_groups,
+            in_features,
+            out_features,
+            bias=False,
+            params_dtype=dtype or torch.get_default_dtype(),
+            device=self.device,
+        )
         module.keep_out_of_fp8 = not fp8_fits(in_features, out_features, self.fp8_rows)
         return GroupedExpertGEMM(module, self.fp8_rows)
 
@@ -347,21 +365,25 @@ class GroupedExpertGEMM(nn.Module):
 
     def forward(self, rows: torch.Tensor, group_ends: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
         counts = torch.diff(group_ends, prepend=group_ends.new_zeros(1)).tolist()
-        rows = rows[:sum(counts)]
+        rows = rows[: sum(counts)]
         if self.gemm.keep_out_of_fp8 or not fp8_enabled(self.gemm.te_namespace):
             return self.gemm.forward_stack(rows, counts, stack)
         padded, padded_counts, keep = pad_groups(rows, counts, self.fp8_rows)
         return self.gemm.forward_stack(padded, padded_counts, stack)[keep]
 
 
-def pad_groups(rows: torch.Tensor, counts: Sequence[int], multiple: int
-               ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+def pad_groups(
+    rows: torch.Tensor, counts: Sequence[int], multiple: int
+) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """Rows grouped by `counts` → (rows with every group zero-padded to a multiple of `multiple`,
     the padded counts, the index of the original rows in the padded tensor)."""
     padded_counts = [-(-count // multiple) * multiple for count in counts]
     starts = torch.tensor([0] + list(padded_counts[:-1]), dtype=torch.int64).cumsum(0)
-    keep = torch.cat([torch.arange(count, dtype=torch.int64) + start for count, start in zip(counts, starts.tolist())]
-                     ) if counts else torch.zeros(0, dtype=torch.int64)
+    keep = (
+        torch.cat([torch.arange(count, dtype=torch.int64) + start for count, start in zip(counts, starts.tolist())])
+        if counts
+        else torch.zeros(0, dtype=torch.int64)
+    )
     keep = keep.to(rows.device)
     padded = rows.new_zeros(sum(padded_counts), rows.shape[1]).index_copy(0, keep, rows)
     return padded, padded_counts, keep
@@ -395,8 +417,23 @@ def fp8_forward_context(te: Any, recipe, amax_group=None) -> Callable[[], contex
 
 
 __all__ = [
-    "FP8_RECIPES", "INSTALL_HINT", "FP8StateMixin", "TENamespace", "GroupedExpertGEMM", "TELinearFactory",
-    "fp8_autocast", "fp8_forward_context", "fp8_state_tensor", "import_transformer_engine",
-    "keep_modules_out_of_fp8", "linear_factory_for", "make_fp8_recipe", "pad_groups", "parse_fp8_state",
-    "resolve_linear_backend", "restore_fp8_state", "te_missing", "torch_linear",
+    "FP8_RECIPES",
+    "INSTALL_HINT",
+    "FP8StateMixin",
+    "TENamespace",
+    "GroupedExpertGEMM",
+    "TELinearFactory",
+    "fp8_autocast",
+    "fp8_forward_context",
+    "fp8_state_tensor",
+    "import_transformer_engine",
+    "keep_modules_out_of_fp8",
+    "linear_factory_for",
+    "make_fp8_recipe",
+    "pad_groups",
+    "parse_fp8_state",
+    "resolve_linear_backend",
+    "restore_fp8_state",
+    "te_missing",
+    "torch_linear",
 ]

@@ -30,8 +30,10 @@ FOLDER_TIERS = {"unit": "unit", "distributed": "distributed", "faults": "faults"
 
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.hasplugin("timeout"):
-        raise pytest.UsageError("pytest-timeout is not installed, so no test would have a deadline: "
-                                "source tools/setup_env.sh (or pip install pytest-timeout)")
+        raise pytest.UsageError(
+            "pytest-timeout is not installed, so no test would have a deadline: "
+            "source tools/setup_env.sh (or pip install pytest-timeout)"
+        )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -29,41 +29,71 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from the checkout
 
-from k3train.ablation.grid import MATCH_MODES, Sweep, Variant, expand, load_sweep_file, parse_grid_option  # noqa: E402
-from k3train.ablation.runner import LaunchOptions, SweepError, run_sweep  # noqa: E402
-from k3train.recipe import ConfigError  # noqa: E402
-from k3train.training.threads import available_cores  # noqa: E402
+from k3train.ablation.grid import MATCH_MODES, Sweep, Variant, expand, load_sweep_file, parse_grid_option
+from k3train.ablation.runner import LaunchOptions, SweepError, run_sweep
+from k3train.recipe import ConfigError
+from k3train.training.threads import available_cores
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     shared: list[str] = []
     if "--" in argv:
         split = argv.index("--")
-        argv, shared = argv[:split], argv[split + 1:]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+        argv, shared = argv[:split], argv[split + 1 :]
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     parser.add_argument("--sweep", help="a sweep file (YAML): base recipe, variants, grid, seeds")
     parser.add_argument("--recipe", help="the base recipe (replaces the sweep file's `base:`)")
     parser.add_argument("--out", required=True, help="directory of the runs and the report")
-    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "OVERRIDE"),
-                        help="a variant: its name, then its section.field=value overrides")
-    parser.add_argument("--grid", action="append", default=[], metavar="FIELD=V1,V2",
-                        help="a field swept over values, crossed with every variant")
-    parser.add_argument("--seeds", type=int, help="seeds per variant (train.seed and data.seed = base_seed + k); the report "
-                        "claims a difference only from 3 or more")
+    parser.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("NAME", "OVERRIDE"),
+        help="a variant: its name, then its section.field=value overrides",
+    )
+    parser.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="FIELD=V1,V2",
+        help="a field swept over values, crossed with every variant",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        help="seeds per variant (train.seed and data.seed = base_seed + k); the report "
+        "claims a difference only from 3 or more",
+    )
     parser.add_argument("--baseline", help="the variant differences are taken against (default: the first)")
-    parser.add_argument("--match", choices=MATCH_MODES,
-                        help="give every variant the baseline's training FLOPs or tokens (steps adjusted)")
-    parser.add_argument("--ladder", nargs="+", metavar="RECIPE",
-                        help="run every variant at each of these sizes and fit loss against compute")
+    parser.add_argument(
+        "--match",
+        choices=MATCH_MODES,
+        help="give every variant the baseline's training FLOPs or tokens (steps adjusted)",
+    )
+    parser.add_argument(
+        "--ladder",
+        nargs="+",
+        metavar="RECIPE",
+        help="run every variant at each of these sizes and fit loss against compute",
+    )
     parser.add_argument("--irreducible", action="store_true", help="ladder fits with an irreducible loss term")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (processes)")
     parser.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun --standalone)")
     parser.add_argument("--launcher", help="a full launcher instead of --nproc (e.g. 'torchrun --nnodes 2 ...')")
     parser.add_argument("--threads", type=int, help="threads per rank (default: cores / (parallel × nproc))")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs on this machine, split among parallel runs")
-    parser.add_argument("--progress", type=float, default=30.0, metavar="SECONDS",
-                        help="seconds between progress lines (step, loss) of the running jobs; 0: every poll")
+    parser.add_argument(
+        "--progress",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds between progress lines (step, loss) of the running jobs; 0: every poll",
+    )
     parser.add_argument("--wandb-group", help="also log every run to wandb, in this group")
     parser.add_argument("--window", type=int, default=10, help="steps averaged for the final training loss")
     parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight of the past for plotted curves, [0, 1)")
@@ -124,23 +154,35 @@ def main(argv: list[str] | None = None) -> int:
             pyplot()  # a missing matplotlib stops here, before hours of training
         failed = []
         if not args.report_only:
-            options = LaunchOptions(parallel=args.parallel, nproc=args.nproc, launcher=args.launcher,
-                                    threads=args.threads, cores=available_cores(), gpus=args.gpus,
-                                    wandb_group=args.wandb_group, progress_s=args.progress)
-            print(f"{len(runs)} runs, {args.parallel} at a time, {options.threads_per_rank()} thread(s) per rank; "
-                  f"logs in {out}/<run>/train.log", flush=True)
+            options = LaunchOptions(
+                parallel=args.parallel,
+                nproc=args.nproc,
+                launcher=args.launcher,
+                threads=args.threads,
+                cores=available_cores(),
+                gpus=args.gpus,
+                wandb_group=args.wandb_group,
+                progress_s=args.progress,
+            )
+            print(
+                f"{len(runs)} runs, {args.parallel} at a time, {options.threads_per_rank()} thread(s) per rank; "
+                f"logs in {out}/<run>/train.log",
+                flush=True,
+            )
             outcomes = run_sweep(runs, out, options, say=lambda line: print(line, flush=True))
             failed = [o for o in outcomes if o.status == "failed"]
             if any(o.status in ("stopped", "not started") for o in outcomes):
-                print("sweep stopped by a signal (running jobs saved checkpoints); rerun the same command to resume",
-                      file=sys.stderr)
+                print(
+                    "sweep stopped by a signal (running jobs saved checkpoints); rerun the same command to resume",
+                    file=sys.stderr,
+                )
                 return 3
         command = "python tools/ablate.py " + " ".join(shlex.quote(a) for a in argv)
         path, table = write_report(sweep, runs, out, command, args)
     except (ConfigError, SweepError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except Exception as error:  # noqa: BLE001 — the plots' missing dependency, one line
+    except Exception as error:
         from k3train.ablation.plots import PlotsUnavailable
 
         if isinstance(error, PlotsUnavailable):
@@ -150,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"report: {path}")
     if failed:
-        print(f"{len(failed)} run(s) failed: " + ", ".join(str(o.run_dir / 'train.log') for o in failed), file=sys.stderr)
+        print(
+            f"{len(failed)} run(s) failed: " + ", ".join(str(o.run_dir / "train.log") for o in failed), file=sys.stderr
+        )
         return 1
     return 0
 

@@ -29,8 +29,8 @@ import re
 import shutil
 import struct
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
 
 # k3train runs from its checkout without installation (as Megatron-LM does): put the checkout
 # root on sys.path so `python tools/convert_checkpoint.py` finds the package from any directory.
@@ -41,13 +41,25 @@ if str(CHECKOUT) not in sys.path:
 from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing  # noqa: E402  (stdlib only)
 
 PATH_ARGUMENTS = (
-    PathArgument("--load", "pass a checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX), a checkpoints/ directory or a run directory", subcommand="to-hf"),
-    PathArgument("--config", "pass the run's config.yaml, or leave --config out to use RUN_DIR/config.yaml",
-                 subcommand="to-hf"),
-    PathArgument("--load", "pass a Hugging Face model directory (config.json + safetensors)", subcommand="from-hf",
-                 contains="config.json"),
-    PathArgument("--recipe", "pass a recipe YAML (e.g. recipes/k3.yaml), or leave --recipe out for the defaults",
-                 subcommand="from-hf"),
+    PathArgument(
+        "--load",
+        "pass a checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX), a checkpoints/ directory or a run directory",
+        subcommand="to-hf",
+    ),
+    PathArgument(
+        "--config", "pass the run's config.yaml, or leave --config out to use RUN_DIR/config.yaml", subcommand="to-hf"
+    ),
+    PathArgument(
+        "--load",
+        "pass a Hugging Face model directory (config.json + safetensors)",
+        subcommand="from-hf",
+        contains="config.json",
+    ),
+    PathArgument(
+        "--recipe",
+        "pass a recipe YAML (e.g. recipes/k3.yaml), or leave --recipe out for the defaults",
+        subcommand="from-hf",
+    ),
 )
 if __name__ == "__main__":  # before torch loads (seconds; far more on a cold disk): a wrong path answers at once
     exit_if_a_path_is_missing(sys.argv[1:], PATH_ARGUMENTS)
@@ -55,7 +67,7 @@ if __name__ == "__main__":  # before torch loads (seconds; far more on a cold di
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from k3train.checkpoint import CheckpointError, Checkpointer  # noqa: E402
+from k3train.checkpoint import Checkpointer, CheckpointError  # noqa: E402
 from k3train.checkpoint.hf import (  # noqa: E402
     HUB_LAYOUTS,
     HFConversionError,
@@ -86,12 +98,24 @@ from k3train.config import ConfigError, JobConfig, load_config, save_config  # n
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 REMOTE_CODE_DIR = CHECKOUT / "k3train" / "checkpoint" / "hf_remote"
 REMOTE_CODE_FILES = ("configuration_kimi_k3.py", "modeling_kimi_k3.py")
-REMOTE_CODE_AUTO_MAP = {"AutoConfig": "configuration_kimi_k3.KimiK3Config",
-                        "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM"}
+REMOTE_CODE_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 INDEX_NAME = "model.safetensors.index.json"
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -148,8 +172,11 @@ class ShardWriter:
         offset = 0
         for spec in self.shards[index]:
             nbytes = spec.nbytes(self.dtype)
-            header[spec.hf_name] = {"dtype": SAFETENSORS_DTYPES[spec.export_dtype(self.dtype)],
-                                    "shape": list(spec.shape), "data_offsets": [offset, offset + nbytes]}
+            header[spec.hf_name] = {
+                "dtype": SAFETENSORS_DTYPES[spec.export_dtype(self.dtype)],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         text = json.dumps(header, separators=(",", ":")).encode("utf-8")
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
@@ -177,7 +204,9 @@ class ShardWriter:
             self._open(index)
         want_dtype = spec.export_dtype(self.dtype)
         if tensor.dtype != want_dtype or tuple(tensor.shape) != spec.shape:
-            raise RuntimeError(f"{spec.hf_name}: {tensor.dtype} {tuple(tensor.shape)}, planned {want_dtype} {spec.shape}")
+            raise RuntimeError(
+                f"{spec.hf_name}: {tensor.dtype} {tuple(tensor.shape)}, planned {want_dtype} {spec.shape}"
+            )
         if tensor.numel():
             self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         self._remaining -= 1
@@ -200,7 +229,7 @@ class ShardWriter:
 class ReadUnit:
     """Specs served by one group of reads: whole tensors, or a slab of experts [start, end)."""
 
-    requests: list[tuple[str, Optional[tuple[int, int]]]]
+    requests: list[tuple[str, tuple[int, int] | None]]
     specs: list[TensorSpec]
     start: int = 0
     nbytes: int = 0
@@ -246,7 +275,7 @@ def read_units(specs: Sequence[TensorSpec], reader: CheckpointTensorReader, budg
         width = len(names)  # the group lists expert 0's tensors, then expert 1's, ...
         assert len(group) == num_experts * width and all(s.expert == k // width for k, s in enumerate(group))
         for a, b in expert_slabs(num_experts, cuts, per_expert, budget):
-            yield ReadUnit([(name, (a, b)) for name in names], group[a * width: b * width], a, per_expert * (b - a))
+            yield ReadUnit([(name, (a, b)) for name in names], group[a * width : b * width], a, per_expert * (b - a))
         i = j
 
 
@@ -294,15 +323,22 @@ def to_hf(args: argparse.Namespace) -> int:
     layout = HUB_LAYOUTS[args.format]
     if layout.name == "kimi_linear":
         if args.pad_a_log:
-            raise HFConversionError("--pad-a-log applies to --format kimi_k3 only (Kimi Linear stores A_log [1, 1, H, 1])")
+            raise HFConversionError(
+                "--pad-a-log applies to --format kimi_k3 only (Kimi Linear stores A_log [1, 1, H, 1])"
+            )
         hf_config = to_kimi_linear_config(
-            model_config, dtype=dtype, max_position_embeddings=args.max_position_embeddings,
+            model_config,
+            dtype=dtype,
+            max_position_embeddings=args.max_position_embeddings,
             **special_token_ids(job.data.tokenizer),
         )
     else:
         hf_config = to_hf_config(
-            model_config, dtype=dtype, max_position_embeddings=args.max_position_embeddings,
-            allow_k3train_only=args.allow_k3train_only, a_log_width=a_log_width,
+            model_config,
+            dtype=dtype,
+            max_position_embeddings=args.max_position_embeddings,
+            allow_k3train_only=args.allow_k3train_only,
+            a_log_width=a_log_width,
             **special_token_ids(job.data.tokenizer),
         )
     specs = hf_tensor_specs(model_config, a_log_width=a_log_width, layout=layout)
@@ -316,14 +352,18 @@ def to_hf(args: argparse.Namespace) -> int:
     shards = plan_shards(specs, dtype, args.max_shard_size)
     writer = ShardWriter(out, shards, dtype)
     total = sum(spec.nbytes(dtype) for spec in specs)
-    print(f"to-hf: {checkpoint} (config {config_path}) → {out}: {len(specs):,} tensors, "
-          f"{total / 1e9:.3f} GB {args.dtype}, {len(shards)} shard(s)")
+    print(
+        f"to-hf: {checkpoint} (config {config_path}) → {out}: {len(specs):,} tensors, "
+        f"{total / 1e9:.3f} GB {args.dtype}, {len(shards)} shard(s)"
+    )
     with tqdm(total=total, unit="B", unit_scale=True, desc="to-hf", disable=args.quiet) as bar:
         for batch in batched_reads(read_units(specs, reader, args.read_budget), args.read_budget):
             tensors = reader.read([request for unit in batch for request in unit.requests])
             position = 0
             for unit in batch:
-                loaded = dict(zip((name for name, _ in unit.requests), tensors[position: position + len(unit.requests)]))
+                loaded = dict(
+                    zip((name for name, _ in unit.requests), tensors[position : position + len(unit.requests)])
+                )
                 position += len(unit.requests)
                 for spec in unit.specs:
                     value = loaded[spec.k3_name]
@@ -367,8 +407,10 @@ def from_hf(args: argparse.Namespace) -> int:
     specs = bind_stored_names(hf.shapes(), hf_tensor_specs(model_config, layout=layout))
     ignored = check_hf_tensors(hf.shapes(), specs, source=str(hf.path), layout=layout)
     if ignored:
-        print(f"from-hf: ignoring {len(ignored)} tensor(s) outside {layout.namespace} (e.g. {ignored[0]}): "
-              "k3train converts the text model only")
+        print(
+            f"from-hf: ignoring {len(ignored)} tensor(s) outside {layout.namespace} (e.g. {ignored[0]}): "
+            "k3train converts the text model only"
+        )
 
     out = pathlib.Path(args.out)
     _prepare_out(out, args.overwrite, ["config.yaml", "checkpoints"])
@@ -398,32 +440,65 @@ def from_hf(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="convert_checkpoint.py", description=__doc__.split("\n\n")[0],
+        prog="convert_checkpoint.py",
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("to-hf", help="k3train checkpoint → Hugging Face directory")
-    p.add_argument("--load", required=True,
-                   help="checkpoint: a step_XXXXXXXX directory, a checkpoints/ directory or a run directory (newest step)")
+    p.add_argument(
+        "--load",
+        required=True,
+        help="checkpoint: a step_XXXXXXXX directory, a checkpoints/ directory or a run directory (newest step)",
+    )
     p.add_argument("--out", required=True, help="output directory (config.json, shards, index)")
-    p.add_argument("--config", default=None,
-                   help="the run's config.yaml (default: CHECKPOINT/../../config.yaml, where pretrain_k3.py writes it)")
-    p.add_argument("--format", choices=sorted(HUB_LAYOUTS), default="kimi_k3",
-                   help="kimi_k3 (default: the K3 hub layout) or kimi_linear (transformers' KimiLinearForCausalLM, "
-                        "no remote code; refused with the feature named when the model is not expressible)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                   help="weight dtype (default bf16; A_log, dt_bias, conv weights and the routing bias stay fp32)")
-    p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
-                   help="largest shard, e.g. 5GB (default), 500MB, 2GiB")
-    p.add_argument("--pad-a-log", action="store_true",
-                   help="write A_log as [head_dim] with zero padding, like the published checkpoint (default [num_heads])")
-    p.add_argument("--max-position-embeddings", type=int, default=1048576,
-                   help="config.json's max_position_embeddings (K3 has no position embeddings; default the published 1048576)")
-    p.add_argument("--allow-k3train-only", action="store_true",
-                   help="no longer needed (kept for old scripts): the bundled remote code runs every model.attn_res mode")
-    p.add_argument("--read-budget", type=parse_size, default=parse_size("2GB"),
-                   help="bytes read from the checkpoint per DCP load call (default 2GB)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the run's config.yaml (default: CHECKPOINT/../../config.yaml, where pretrain_k3.py writes it)",
+    )
+    p.add_argument(
+        "--format",
+        choices=sorted(HUB_LAYOUTS),
+        default="kimi_k3",
+        help="kimi_k3 (default: the K3 hub layout) or kimi_linear (transformers' KimiLinearForCausalLM, "
+        "no remote code; refused with the feature named when the model is not expressible)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="weight dtype (default bf16; A_log, dt_bias, conv weights and the routing bias stay fp32)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=parse_size("5GB"),
+        help="largest shard, e.g. 5GB (default), 500MB, 2GiB",
+    )
+    p.add_argument(
+        "--pad-a-log",
+        action="store_true",
+        help="write A_log as [head_dim] with zero padding, like the published checkpoint (default [num_heads])",
+    )
+    p.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=1048576,
+        help="config.json's max_position_embeddings (K3 has no position embeddings; default the published 1048576)",
+    )
+    p.add_argument(
+        "--allow-k3train-only",
+        action="store_true",
+        help="no longer needed (kept for old scripts): the bundled remote code runs every model.attn_res mode",
+    )
+    p.add_argument(
+        "--read-budget",
+        type=parse_size,
+        default=parse_size("2GB"),
+        help="bytes read from the checkpoint per DCP load call (default 2GB)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=to_hf)
@@ -431,15 +506,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("from-hf", help="Hugging Face directory → k3train run directory with a model-only checkpoint")
     p.add_argument("--load", required=True, help="Hugging Face directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="run directory to create: config.yaml + checkpoints/step_00000000")
-    p.add_argument("--recipe", default=None,
-                   help="recipe for everything but the model section (default: k3train's defaults)")
+    p.add_argument(
+        "--recipe", default=None, help="recipe for everything but the model section (default: k3train's defaults)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace config.yaml and checkpoints/ in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=from_hf)
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = DOC_PATH.read_text(encoding="utf-8") if DOC_PATH.exists() else None
         if current != text:
-            print(f"{DOC_PATH.relative_to(CHECKOUT)} is out of date; run python tools/gen_config_docs.py",
-                  file=sys.stderr)
+            print(
+                f"{DOC_PATH.relative_to(CHECKOUT)} is out of date; run python tools/gen_config_docs.py", file=sys.stderr
+            )
             return 1
         return 0
     DOC_PATH.parent.mkdir(parents=True, exist_ok=True)

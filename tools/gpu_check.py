@@ -61,8 +61,8 @@ import math
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 # The checkout root goes first on sys.path: this script checks the kernels of *this* working tree
 # (run as `python tools/gpu_check.py`, sys.path[0] would be tools/, and an installed k3train wheel
@@ -75,11 +75,8 @@ sys.path.insert(0, str(CHECKOUT / "tools"))
 sys.path.insert(0, str(CHECKOUT))
 
 import torch  # noqa: E402
-
-from gpu_checks import (  # noqa: E402
-    fused_paths, grouped_gemm, k3_1gpu, kda, model, newton_schulz, step_vs_dense, transformer_engine)
+from gpu_checks import fused_paths, grouped_gemm, k3_1gpu, kda, model, newton_schulz, step_vs_dense, transformer_engine  # noqa: E402
 from gpu_checks.common import Context, Row, describe, release  # noqa: E402
-
 
 NO_GPU = 2
 """Exit status when CUDA is wanted (the default) and torch sees no device."""
@@ -137,7 +134,7 @@ def run_check(ctx: Context, check: Check) -> list[Row]:
         for row in check.run(ctx):
             rows.append(row)
             print(f"  {format_row(row)}", flush=True)
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a row, the run goes on
+    except Exception as exc:
         traceback.print_exc(file=sys.stderr)
         rows.append(Row(check.name, "FAIL", note=describe(exc)))
         print(f"  {format_row(rows[-1])}", flush=True)
@@ -146,7 +143,7 @@ def run_check(ctx: Context, check: Check) -> list[Row]:
     return rows
 
 
-def fmt(value: Optional[float], spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
     if value is None:
         return "-"
     if math.isinf(value) or math.isnan(value):
@@ -158,9 +155,17 @@ HEADER = ["check", "max abs", "rel err", "tol", "status", "ref ms", "fast ms", "
 
 
 def row_cells(row: Row) -> list[str]:
-    return [row.name, fmt(row.max_abs, ".2e"), fmt(row.rel, ".2e"), fmt(row.tol, ".0e"), row.status,
-            fmt(row.ref_ms, ".3f"), fmt(row.fast_ms, ".3f"),
-            "-" if row.speedup is None else f"{row.speedup:.2f}x", row.note]
+    return [
+        row.name,
+        fmt(row.max_abs, ".2e"),
+        fmt(row.rel, ".2e"),
+        fmt(row.tol, ".0e"),
+        row.status,
+        fmt(row.ref_ms, ".3f"),
+        fmt(row.fast_ms, ".3f"),
+        "-" if row.speedup is None else f"{row.speedup:.2f}x",
+        row.note,
+    ]
 
 
 def format_row(row: Row) -> str:
@@ -181,24 +186,38 @@ def environment(ctx: Context) -> str:
     parts = [f"torch {torch.__version__}", f"device {ctx.device}"]
     if ctx.cuda:
         props = torch.cuda.get_device_properties(ctx.device)
-        parts += [f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)",
-                  f"triton {package_version('triton', 'triton')}", f"fla-core {package_version('fla', 'fla-core')}",
-                  f"transformer-engine {package_version('transformer_engine', 'transformer-engine')}"]
+        parts += [
+            f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)",
+            f"triton {package_version('triton', 'triton')}",
+            f"fla-core {package_version('fla', 'fla-core')}",
+            f"transformer-engine {package_version('transformer_engine', 'transformer-engine')}",
+        ]
     parts.append("quick" if ctx.quick else "full sizes" if ctx.cuda else "small sizes (CPU)")
     return ", ".join(parts)
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     names = [check.name for check in CHECKS]
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="checks: " + ", ".join(names))
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cuda (default; without a CUDA device the script says so and exits 2) or cpu: "
-                             "the checks' logic at small sizes")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="checks: " + ", ".join(names),
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda (default; without a CUDA device the script says so and exits 2) or cpu: "
+        "the checks' logic at small sizes",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes only")
-    parser.add_argument("--only", action="append", choices=names, metavar="NAME",
-                        help="run only this check (repeatable): " + ", ".join(names))
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=names,
+        metavar="NAME",
+        help="run only this check (repeatable): " + ", ".join(names),
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return parser.parse_args(argv)
 
@@ -210,12 +229,15 @@ def no_gpu_reason() -> str:
     return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         # Without CUDA the full run would take minutes on the CPU and check nothing of the GPU.
-        print(f"gpu_check: no GPU: {no_gpu_reason()}; run it on a machine with one, or pass --device cpu "
-              f"(--quick) to check the logic on the CPU", file=sys.stderr)
+        print(
+            f"gpu_check: no GPU: {no_gpu_reason()}; run it on a machine with one, or pass --device cpu "
+            f"(--quick) to check the logic on the CPU",
+            file=sys.stderr,
+        )
         return NO_GPU
     ctx = Context(torch.device(args.device), args.quick)
     if not ctx.cuda:
@@ -231,11 +253,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"\ngpu_check: {environment(ctx)}; {time.perf_counter() - start:.0f} s")
     print_table(rows)
     counts = {s: sum(r.status == s for r in rows) for s in ("PASS", "FAIL", "SKIP")}
-    print(f"gpu_check: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP"
-          + (f": FAILED {', '.join(failed)}" if failed else ""))
+    print(
+        f"gpu_check: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP"
+        + (f": FAILED {', '.join(failed)}" if failed else "")
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"environment": environment(ctx), "rows": [dataclasses.asdict(r) for r in rows], **ctx.results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"environment": environment(ctx), "rows": [dataclasses.asdict(r) for r in rows], **ctx.results},
+                indent=1,
+            )
+        )
     return 1 if failed else 0
 
 

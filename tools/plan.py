@@ -73,8 +73,15 @@ def memory_estimate(stage: K3Stage, config, dp: int) -> tuple[int, float]:
 
 def search_hint(args, world: int) -> str:
     """The command that lists this world size's layouts that fit (the same recipe and options)."""
-    words = ["python tools/plan.py --recipe", args.recipe, "--world-size", str(world),
-             "--hardware", args.hardware or "h200", "--search"]
+    words = [
+        "python tools/plan.py --recipe",
+        args.recipe,
+        "--world-size",
+        str(world),
+        "--hardware",
+        args.hardware or "h200",
+        "--search",
+    ]
     if args.memory_limit is not None:
         words += ["--memory-limit", f"{args.memory_limit:g}"]
     if args.gpus_per_node:
@@ -85,11 +92,15 @@ def search_hint(args, world: int) -> str:
 def budget_note(outcome: SearchOutcome, budget: SearchBudget) -> str:
     """What `--budget` left out of one world size's search."""
     if not outcome.evaluated:
-        return (f"search stopped by --budget {budget.seconds:g} s before any of the {outcome.layouts:,} layouts "
-                f"of world {outcome.world_size} was evaluated")
-    return (f"search stopped by --budget {budget.seconds:g} s: {outcome.unevaluated:,} of {outcome.layouts:,} "
-            f"layouts of world {outcome.world_size} not evaluated (the list is the best of the "
-            f"{outcome.evaluated:,} evaluated)")
+        return (
+            f"search stopped by --budget {budget.seconds:g} s before any of the {outcome.layouts:,} layouts "
+            f"of world {outcome.world_size} was evaluated"
+        )
+    return (
+        f"search stopped by --budget {budget.seconds:g} s: {outcome.unevaluated:,} of {outcome.layouts:,} "
+        f"layouts of world {outcome.world_size} not evaluated (the list is the best of the "
+        f"{outcome.evaluated:,} evaluated)"
+    )
 
 
 def search(args) -> int:
@@ -102,28 +113,39 @@ def search(args) -> int:
     hardware = load_profile(args.hardware or "h200")
     # The bar goes to a terminal only: a log or a test's pipe would get a line per refresh.
     budget = SearchBudget(args.budget, show_progress=sys.stderr.isatty())
-    searcher = LayoutSearch(args.recipe, hardware, memory_limit_gib=args.memory_limit,
-                            gpus_per_node=args.gpus_per_node, efficiency=args.efficiency, overrides=args.overrides,
-                            budget=budget)
+    searcher = LayoutSearch(
+        args.recipe,
+        hardware,
+        memory_limit_gib=args.memory_limit,
+        gpus_per_node=args.gpus_per_node,
+        efficiency=args.efficiency,
+        overrides=args.overrides,
+        budget=budget,
+    )
     outcome = searcher.run(args.world_size, top=args.top)
     if outcome.candidates:
-        print(f"fastest layouts of {args.world_size} {hardware.name} GPUs that fit (predicted, "
-              f"{args.efficiency:.0%} of the dense peak):")
+        print(
+            f"fastest layouts of {args.world_size} {hardware.name} GPUs that fit (predicted, "
+            f"{args.efficiency:.0%} of the dense peak):"
+        )
         print(describe_candidates(list(outcome.candidates)))
         if outcome.out_of_budget:
             print(budget_note(outcome, budget))
         print("\nrun the first with: " + " ".join(outcome.candidates[0].overrides()))
         return 0
     if outcome.out_of_budget:
-        print(f"no fitting layout of {args.world_size} GPUs found; " + budget_note(outcome, budget)
-              + "; nearest world sizes not searched")
+        print(
+            f"no fitting layout of {args.world_size} GPUs found; "
+            + budget_note(outcome, budget)
+            + "; nearest world sizes not searched"
+        )
         return 1
-    nearest = searcher.nearest_fitting_world_sizes(args.world_size,
-                                                   step=args.gpus_per_node or hardware.gpus_per_node)
-    print(f"no layout of {args.world_size} GPUs fits; nearest world sizes with one: "
-          + (", ".join(map(str, nearest.sizes)) or "none found")
-          + (f" (search stopped by --budget {budget.seconds:g} s before two were found)"
-             if nearest.out_of_budget else ""))
+    nearest = searcher.nearest_fitting_world_sizes(args.world_size, step=args.gpus_per_node or hardware.gpus_per_node)
+    print(
+        f"no layout of {args.world_size} GPUs fits; nearest world sizes with one: "
+        + (", ".join(map(str, nearest.sizes)) or "none found")
+        + (f" (search stopped by --budget {budget.seconds:g} s before two were found)" if nearest.out_of_budget else "")
+    )
     for size in nearest.sizes:
         print(f"\nworld size {size}:")
         found = searcher.run(size, top=args.top)
@@ -135,22 +157,40 @@ def search(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXIT_STATUS,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--recipe", required=True)
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="processes in the job (default: tp*pp*dp with dp from the recipe, at least 1)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="processes in the job (default: tp*pp*dp with dp from the recipe, at least 1)",
+    )
     parser.add_argument("--hardware", default=None, help="profile in tools/hardware/ (h100, h200, b200, gb200)")
     parser.add_argument("--efficiency", type=float, default=0.45, help="achieved share of the dense peak")
-    parser.add_argument("--search", action="store_true",
-                        help="list the fastest layouts of --world-size that the recipe accepts and that fit "
-                             "(also done when the recipe's own layout is refused and --hardware is given)")
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="list the fastest layouts of --world-size that the recipe accepts and that fit "
+        "(also done when the recipe's own layout is refused and --hardware is given)",
+    )
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware profile's")
-    parser.add_argument("--memory-limit", type=float, default=None, help="GiB per GPU, for --search and the plan's fits line (default: 90%% of the HBM)")
+    parser.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        help="GiB per GPU, for --search and the plan's fits line (default: 90%% of the HBM)",
+    )
     parser.add_argument("--top", type=int, default=5)
-    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                        help="stop searching after this much wall time and rank what was evaluated, saying how "
-                             "many layouts were not (default: no limit)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop searching after this much wall time and rank what was evaluated, saying how "
+        "many layouts were not (default: no limit)",
+    )
     parser.add_argument("overrides", nargs="*", help="section.field=value, as for pretrain_k3.py")
     args = parser.parse_intermixed_args(argv)
     if args.search:
@@ -159,10 +199,20 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.recipe, args.overrides)
         parallel = config.parallel
         world = args.world_size or parallel.tp * parallel.pp * parallel.cp * max(parallel.dp, 1)
-        layout = resolve_layout(world, parallel.tp, parallel.pp, parallel.dp, parallel.ep, parallel.virtual_stages,
-                                config.model.num_attention_heads, config.model.linear_attn_config.num_heads,
-                                config.model.vocab_size, config.model.num_experts, config.model.num_hidden_layers,
-                                cp=parallel.cp)
+        layout = resolve_layout(
+            world,
+            parallel.tp,
+            parallel.pp,
+            parallel.dp,
+            parallel.ep,
+            parallel.virtual_stages,
+            config.model.num_attention_heads,
+            config.model.linear_attn_config.num_heads,
+            config.model.vocab_size,
+            config.model.num_experts,
+            config.model.num_hidden_layers,
+            cp=parallel.cp,
+        )
         plan = PipelinePlan.from_config(config.model, parallel)
     except (ConfigError, LayoutError, PipelineConfigError) as error:
         searching = bool(args.hardware and args.world_size)
@@ -179,14 +229,20 @@ def main(argv: list[str] | None = None) -> int:
     counts = parameter_counts(config.model)
     flops = training_flops_per_token(config.model, config.data.seq_length)
     tokens = config.train.global_batch_size * config.data.seq_length
-    print(f"model: {counts.total / 1e9:.3f}B parameters, {counts.active / 1e9:.3f}B active per token; "
-          f"{flops.total / 1e9:.2f} GFLOP per token for training, {flops.total * tokens / 1e15:.3f} PFLOP per step")
-    print(f"layout: world {world} = tp {layout.tp} × cp {layout.cp} × dp {layout.data_parallel} × pp {layout.pp} (virtual stages "
-          f"{layout.virtual_stages}); ep {layout.ep} within dp×tp; sequence parallel {parallel.sequence_parallel}; "
-          f"ZeRO-1 {parallel.zero1}")
+    print(
+        f"model: {counts.total / 1e9:.3f}B parameters, {counts.active / 1e9:.3f}B active per token; "
+        f"{flops.total / 1e9:.2f} GFLOP per token for training, {flops.total * tokens / 1e15:.3f} PFLOP per step"
+    )
+    print(
+        f"layout: world {world} = tp {layout.tp} × cp {layout.cp} × dp {layout.data_parallel} × pp {layout.pp} (virtual stages "
+        f"{layout.virtual_stages}); ep {layout.ep} within dp×tp; sequence parallel {parallel.sequence_parallel}; "
+        f"ZeRO-1 {parallel.zero1}"
+    )
     micro_batches = config.train.global_batch_size // (config.train.micro_batch_size * layout.data_parallel)
-    print(f"batch: {config.train.global_batch_size} samples × {config.data.seq_length} tokens; "
-          f"{micro_batches} micro-batches of {config.train.micro_batch_size} per data-parallel rank")
+    print(
+        f"batch: {config.train.global_batch_size} samples × {config.data.seq_length} tokens; "
+        f"{micro_batches} micro-batches of {config.train.micro_batch_size} per data-parallel rank"
+    )
     print()
     print("| pp rank | layers | parameters | fp32 params+grads+optimizer (GiB) |")
     print("| --- | --- | ---: | ---: |")
@@ -214,46 +270,73 @@ def main(argv: list[str] | None = None) -> int:
         for group, nbytes in now.items():
             wire[group] = max(wire.get(group, 0.0), nbytes)
         before = data_parallel_wire_bytes(job, all_reduced=True)
-        totals = (sum(v for g, v in now.items() if g in DATA_GROUPS), sum(v for g, v in before.items() if g in DATA_GROUPS))
+        totals = (
+            sum(v for g, v in now.items() if g in DATA_GROUPS),
+            sum(v for g, v in before.items() if g in DATA_GROUPS),
+        )
         zero1_wire = max(zero1_wire, totals)
     # The search's limit (`--memory-limit`, else 90% of the HBM of --hardware, H200 by default).
     verdict = memory_verdict(ranks, load_profile(args.hardware or "h200"), args.memory_limit)
     print()
     print(verdict.line(search_hint(args, world)))
     print()
-    print("bytes per rank and step (largest stage, counted as parallel/comm.py counts them): "
-          + "; ".join(f"{group} {nbytes / _GIB:,.2f} GiB" for group, nbytes in sorted(step_bytes.items())))
-    print("data-parallel gradients + ZeRO-1 exchange on the wire (ring; largest stage): "
-          + "; ".join(f"{group} {nbytes / _GIB:,.2f} GiB" for group, nbytes in sorted(wire.items()))
-          + (f" (gradients all-reduced instead: {zero1_wire[1] / _GIB:,.2f} GiB over dp/data_tensor/expert_dp, "
-             f"now {zero1_wire[0] / _GIB:,.2f})" if parallel.zero1 and layout.dp > 1 else ""))
+    print(
+        "bytes per rank and step (largest stage, counted as parallel/comm.py counts them): "
+        + "; ".join(f"{group} {nbytes / _GIB:,.2f} GiB" for group, nbytes in sorted(step_bytes.items()))
+    )
+    print(
+        "data-parallel gradients + ZeRO-1 exchange on the wire (ring; largest stage): "
+        + "; ".join(f"{group} {nbytes / _GIB:,.2f} GiB" for group, nbytes in sorted(wire.items()))
+        + (
+            f" (gradients all-reduced instead: {zero1_wire[1] / _GIB:,.2f} GiB over dp/data_tensor/expert_dp, "
+            f"now {zero1_wire[0] / _GIB:,.2f})"
+            if parallel.zero1 and layout.dp > 1
+            else ""
+        )
+    )
     if args.hardware:
         hardware = load_profile(args.hardware)
-        estimate = estimate_step_time(config.model, layout, plan, hardware,
-                                      micro_batch_size=config.train.micro_batch_size,
-                                      seq_length=config.data.seq_length, micro_batches=micro_batches,
-                                      precision=config.train.precision,
-                                      comm_bytes={**step_bytes, **{g: v for g, v in wire.items() if g in DATA_GROUPS}},
-                                      efficiency=args.efficiency)
-        print(f"\n{hardware.name}, {args.efficiency:.0%} of the dense peak: step {estimate.step_s:.2f} s, "
-              f"{estimate.tokens_per_s:,.0f} tokens/s, MFU {estimate.mfu:.1%}")
+        estimate = estimate_step_time(
+            config.model,
+            layout,
+            plan,
+            hardware,
+            micro_batch_size=config.train.micro_batch_size,
+            seq_length=config.data.seq_length,
+            micro_batches=micro_batches,
+            precision=config.train.precision,
+            comm_bytes={**step_bytes, **{g: v for g, v in wire.items() if g in DATA_GROUPS}},
+            efficiency=args.efficiency,
+        )
+        print(
+            f"\n{hardware.name}, {args.efficiency:.0%} of the dense peak: step {estimate.step_s:.2f} s, "
+            f"{estimate.tokens_per_s:,.0f} tokens/s, MFU {estimate.mfu:.1%}"
+        )
         print("| term | seconds | share | link |")
         print("| --- | ---: | ---: | --- |")
         print(f"| compute | {estimate.compute_s:.2f} | {estimate.shares()['compute']:.0%} | |")
         print(f"| pipeline bubble | {estimate.bubble_s:.2f} | {estimate.shares()['bubble']:.0%} | |")
         for group, seconds in estimate.exposed_comm_s.items():
-            print(f"| {group} comm (exposed) | {seconds:.2f} | {estimate.shares()[group + ' comm']:.0%} "
-                  f"| {estimate.links[group]} |")
+            print(
+                f"| {group} comm (exposed) | {seconds:.2f} | {estimate.shares()[group + ' comm']:.0%} "
+                f"| {estimate.links[group]} |"
+            )
     if layout.pp > 1:
         print()
-        print("AttnRes blocks per micro-batch across pipeline hops (forward; backward returns as many): "
-              + ", ".join(f"{protocol} {plan.blocks_per_micro_batch(protocol)}" for protocol in ("naive", "paper", "exact")))
+        print(
+            "AttnRes blocks per micro-batch across pipeline hops (forward; backward returns as many): "
+            + ", ".join(
+                f"{protocol} {plan.blocks_per_micro_batch(protocol)}" for protocol in ("naive", "paper", "exact")
+            )
+        )
     # Global rank 0's step, every group, bytes and messages (the formula the comm test holds to
     # the counters; first step: no replica weights yet).
     traffic = predicted_job_traffic(first_job, micro_batches, 2 if config.train.precision != "fp32" else 4)
     print()
-    print("communication of one step on rank 0 (bytes, messages): "
-          + "; ".join(f"{group} {nbytes:,} B in {messages:,}" for group, (nbytes, messages) in traffic.items()))
+    print(
+        "communication of one step on rank 0 (bytes, messages): "
+        + "; ".join(f"{group} {nbytes:,} B in {messages:,}" for group, (nbytes, messages) in traffic.items())
+    )
     return 0
 
 

@@ -20,7 +20,7 @@ import json
 import os
 import pathlib
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 # k3train runs from its checkout without installation (as Megatron-LM does): put the checkout
 # root on sys.path so `python tools/preprocess_data.py` finds the package from any directory.
@@ -83,20 +83,31 @@ def jsonl_documents(path: pathlib.Path, key: str, progress: tqdm) -> Iterator[st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 2)[2],
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--input", nargs="+", required=True, type=pathlib.Path,
-                        help=".txt (or any text) and .jsonl/.json files")
+    parser.add_argument(
+        "--input", nargs="+", required=True, type=pathlib.Path, help=".txt (or any text) and .jsonl/.json files"
+    )
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--tokenizer", default="byte", help="'byte' or the path of a tokenizer.json")
-    parser.add_argument("--eos-token", default=None,
-                        help="end-of-document token of a tokenizer.json (default: detected)")
+    parser.add_argument(
+        "--eos-token", default=None, help="end-of-document token of a tokenizer.json (default: detected)"
+    )
     parser.add_argument("--json-key", default="text", help="field holding the text in JSON Lines")
-    parser.add_argument("--append-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="end every document with the eos token (default: on)")
-    parser.add_argument("--txt-documents", choices=("file", "paragraph"), default="file",
-                        help="plain text: one document per file (default) or per blank-line-separated paragraph")
+    parser.add_argument(
+        "--append-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end every document with the eos token (default: on)",
+    )
+    parser.add_argument(
+        "--txt-documents",
+        choices=("file", "paragraph"),
+        default="file",
+        help="plain text: one document per file (default) or per blank-line-separated paragraph",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
@@ -106,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataError(f"--input {path} does not exist; pass existing .txt or .jsonl files")
         tokenizer = build_tokenizer(args.tokenizer, eos_token=args.eos_token)
         total_bytes = sum(path.stat().st_size for path in args.input)
-        progress = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenising",
-                        disable=args.quiet, file=sys.stderr)
+        progress = tqdm(
+            total=total_bytes, unit="B", unit_scale=True, desc="tokenising", disable=args.quiet, file=sys.stderr
+        )
         eos = [tokenizer.eos_id] if args.append_eos else []
         with progress, IndexedDatasetWriter(args.output_prefix, vocab_size=tokenizer.vocab_size) as writer:
             for path in args.input:
@@ -125,21 +137,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as error:  # e.g. an output prefix under a file, a full disk, no permission
         where = error.filename or args.output_prefix
-        print(f"preprocess_data: cannot write {where} ({error.strerror or error}); "
-              f"choose a --output-prefix in a writable directory", file=sys.stderr)
+        print(
+            f"preprocess_data: cannot write {where} ({error.strerror or error}); "
+            f"choose a --output-prefix in a writable directory",
+            file=sys.stderr,
+        )
         return 2
 
     itemsize = writer.dtype.itemsize
-    print(f"preprocess_data: {writer.num_documents:,} documents, {writer.num_tokens:,} tokens "
-          f"({writer.dtype}, tokenizer {tokenizer.name}, vocab {tokenizer.vocab_size}) "
-          f"from {len(args.input)} input file(s)")
+    print(
+        f"preprocess_data: {writer.num_documents:,} documents, {writer.num_tokens:,} tokens "
+        f"({writer.dtype}, tokenizer {tokenizer.name}, vocab {tokenizer.vocab_size}) "
+        f"from {len(args.input)} input file(s)"
+    )
     print(f"  wrote {writer.bin_path} ({writer.num_tokens * itemsize:,} bytes)")
     print(f"  wrote {writer.idx_path} ({os.path.getsize(writer.idx_path):,} bytes)")
     return 0
 
 
-def _add_text_file(writer: IndexedDatasetWriter, tokenizer, path: pathlib.Path, eos: list[int],
-                   progress: tqdm) -> None:
+def _add_text_file(writer: IndexedDatasetWriter, tokenizer, path: pathlib.Path, eos: list[int], progress: tqdm) -> None:
     """One document per file: paragraphs gathered into sequences of about CHUNK_CHARS, so the
     file streams through. Cuts fall after a paragraph's blank lines, where a subword tokenizer
     could at most split the whitespace differently from one pass over the whole file."""

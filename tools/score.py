@@ -21,7 +21,7 @@ import json
 import pathlib
 import sys
 import tempfile
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 # k3train runs from its checkout without installation (as Megatron-LM does): put the checkout
 # root on sys.path so `python tools/score.py` finds the package from any directory.
@@ -32,8 +32,11 @@ if str(CHECKOUT) not in sys.path:
 from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing  # noqa: E402  (stdlib only)
 
 PATH_ARGUMENTS = (
-    PathArgument("--load", "pass a k3train checkpoint (a step_XXXXXXXX, checkpoints/ or run directory) "
-                           "or a Hugging Face directory (config.json + safetensors)"),
+    PathArgument(
+        "--load",
+        "pass a k3train checkpoint (a step_XXXXXXXX, checkpoints/ or run directory) "
+        "or a Hugging Face directory (config.json + safetensors)",
+    ),
     PathArgument("--tokens-file", "pass a JSON file holding a list of equal-length token-id lists"),
     PathArgument("--config", "pass the run's config.yaml, or leave --config out to use RUN_DIR/config.yaml"),
 )
@@ -42,7 +45,7 @@ if __name__ == "__main__":  # before torch loads (seconds; far more on a cold di
 
 import torch  # noqa: E402
 
-from k3train.checkpoint import CheckpointError, Checkpointer  # noqa: E402
+from k3train.checkpoint import Checkpointer, CheckpointError  # noqa: E402
 from k3train.checkpoint.hf import (  # noqa: E402
     HFConversionError,
     bind_stored_names,
@@ -62,7 +65,7 @@ from k3train.config import ConfigError, load_config  # noqa: E402
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
-def load_model(path: str, config: Optional[str] = None) -> tuple[torch.nn.Module, str]:
+def load_model(path: str, config: str | None = None) -> tuple[torch.nn.Module, str]:
     """(K3Model with the weights of `path`, a description of where they came from)."""
     if HFDirectory.is_hf_dir(path):
         hf = HFDirectory(path)
@@ -88,20 +91,30 @@ def read_tokens(path: str, vocab_size: int) -> torch.Tensor:
         data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise HFConversionError(f"--tokens-file {path}: {error}") from None
-    if (not isinstance(data, list) or not data or not all(isinstance(row, list) and row for row in data)
-            or not all(isinstance(t, int) and not isinstance(t, bool) for row in data for t in row)):
+    if (
+        not isinstance(data, list)
+        or not data
+        or not all(isinstance(row, list) and row for row in data)
+        or not all(isinstance(t, int) and not isinstance(t, bool) for row in data for t in row)
+    ):
         raise HFConversionError(f"--tokens-file {path} must hold a non-empty list of non-empty lists of token ids")
     if len({len(row) for row in data}) != 1:
-        raise HFConversionError(f"--tokens-file {path}: the token lists differ in length ({sorted({len(r) for r in data})})")
+        raise HFConversionError(
+            f"--tokens-file {path}: the token lists differ in length ({sorted({len(r) for r in data})})"
+        )
     tokens = torch.tensor(data, dtype=torch.long)
     if tokens.min() < 0 or tokens.max() >= vocab_size:
-        raise HFConversionError(f"--tokens-file {path}: ids must lie in [0, {vocab_size}), got {tokens.min()}..{tokens.max()}")
+        raise HFConversionError(
+            f"--tokens-file {path}: ids must lie in [0, {vocab_size}), got {tokens.min()}..{tokens.max()}"
+        )
     return tokens
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="score.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--load", required=True, help="k3train checkpoint (step dir, checkpoints/ or run dir) or HF directory")
+    parser.add_argument(
+        "--load", required=True, help="k3train checkpoint (step dir, checkpoints/ or run dir) or HF directory"
+    )
     parser.add_argument("--tokens-file", required=True, help="JSON list of equal-length token-id lists")
     parser.add_argument("--out", required=True, help="output JSON: logits_shape and logits")
     parser.add_argument("--config", default=None, help="config.yaml of a k3train checkpoint (default: the run's)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 if str(CHECKOUT) not in sys.path:
@@ -24,11 +24,15 @@ if str(CHECKOUT) not in sys.path:
 
 from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing  # noqa: E402  (stdlib only)
 
-PATH_ARGUMENTS = (PathArgument("", "pass a checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX), a checkpoints/ directory or a run directory"),)
+PATH_ARGUMENTS = (
+    PathArgument(
+        "", "pass a checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX), a checkpoints/ directory or a run directory"
+    ),
+)
 if __name__ == "__main__":  # before torch loads (seconds; far more on a cold disk): a wrong path answers at once
     exit_if_a_path_is_missing(sys.argv[1:], PATH_ARGUMENTS)
 
-from k3train.checkpoint.manifest import METADATA, MANIFEST, damaged_checkpoints, step_of  # noqa: E402
+from k3train.checkpoint.manifest import MANIFEST, METADATA, damaged_checkpoints, step_of  # noqa: E402
 from k3train.checkpoint.verify import checkpoint_problems  # noqa: E402
 
 
@@ -44,7 +48,7 @@ def checkpoints_under(path: pathlib.Path) -> list[pathlib.Path]:
     return []
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verify_checkpoint.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="a checkpoint, a checkpoint directory or a run directory")
     parser.add_argument("--no-checksums", action="store_true", help="skip reading the data (sizes and metadata only)")
@@ -65,8 +69,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if verdict.problems:
             bad += 1
             continue
-        what = "sizes checked" if args.no_checksums else (
-            "checksums verified" if verdict.checksummed else "no checksums recorded (older k3train): sizes checked")
+        what = (
+            "sizes checked"
+            if args.no_checksums
+            else (
+                "checksums verified" if verdict.checksummed else "no checksums recorded (older k3train): sizes checked"
+            )
+        )
         print(f"ok: {checkpoint} ({what})")
     if found[0] != path:  # a directory of checkpoints: mention those moved aside
         for aside in damaged_checkpoints(found[0].parent):

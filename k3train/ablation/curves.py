@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
 
 STEP_FIELDS = ("loss", "grad_norm", "tokens_per_s", "expert_load_max_over_mean", "dropped_tokens")
 
@@ -22,26 +22,26 @@ class RunCurves:
     """One run's per-step series (by step) and its validation losses."""
 
     steps: list[int] = field(default_factory=list)
-    series: dict[str, list[Optional[float]]] = field(default_factory=dict)
+    series: dict[str, list[float | None]] = field(default_factory=dict)
     validation_steps: list[int] = field(default_factory=list)
-    validation_loss: list[Optional[float]] = field(default_factory=list)
+    validation_loss: list[float | None] = field(default_factory=list)
 
     @property
     def last_step(self) -> int:
         return self.steps[-1] if self.steps else 0
 
-    def final_validation(self) -> Optional[float]:
+    def final_validation(self) -> float | None:
         """The validation loss at the final step, None unless the final step was evaluated."""
         if self.validation_steps and self.steps and self.validation_steps[-1] == self.steps[-1]:
             return self.validation_loss[-1]
         return None
 
-    def final_train(self, window: int) -> Optional[float]:
+    def final_train(self, window: int) -> float | None:
         """Mean training loss of the last `window` steps (the noise of one batch averaged out)."""
         losses = [v for v in self.series.get("loss", [])[-window:] if v is not None]
         return math.fsum(losses) / len(losses) if losses else None
 
-    def steady_throughput(self, skip: int = 3) -> Optional[float]:
+    def steady_throughput(self, skip: int = 3) -> float | None:
         """Median tokens/s after the first `skip` steps (start-up and allocation)."""
         values = sorted(v for v in self.series.get("tokens_per_s", [])[skip:] if v is not None)
         if not values:
@@ -57,7 +57,7 @@ def read_curves(metrics_path: pathlib.Path) -> RunCurves:
     if not metrics_path.exists():
         return RunCurves()
     by_step: dict[int, dict] = {}
-    validation: dict[int, Optional[float]] = {}
+    validation: dict[int, float | None] = {}
     for line in metrics_path.read_text().splitlines():
         if not line.strip():
             continue
@@ -77,7 +77,7 @@ def read_curves(metrics_path: pathlib.Path) -> RunCurves:
     return curves
 
 
-def ema(values: Sequence[Optional[float]], alpha: float) -> list[Optional[float]]:
+def ema(values: Sequence[float | None], alpha: float) -> list[float | None]:
     """Exponential moving average with bias correction (as TensorBoard's smoothing); `alpha` is the
     weight of the past, 0 returns the values unchanged. None entries are carried over."""
     if not 0.0 <= alpha < 1.0:
@@ -105,7 +105,7 @@ class Band:
     """Series the band is taken over: with one there is no band (low = mean = high)."""
 
 
-def band(per_seed: Sequence[tuple[Sequence[float], Sequence[Optional[float]]]]) -> Optional[Band]:
+def band(per_seed: Sequence[tuple[Sequence[float], Sequence[float | None]]]) -> Band | None:
     """The mean line and min–max band of several seeds' (x, y) series, at the x values all of them
     have (runs of one arm share their step grid); None when they share none."""
     if not per_seed:
@@ -115,8 +115,13 @@ def band(per_seed: Sequence[tuple[Sequence[float], Sequence[Optional[float]]]]) 
     if not common:
         return None
     columns = [[m[x] for m in maps] for x in common]
-    return Band(x=list(common), mean=[math.fsum(c) / len(c) for c in columns],
-                low=[min(c) for c in columns], high=[max(c) for c in columns], seeds=len(per_seed))
+    return Band(
+        x=list(common),
+        mean=[math.fsum(c) / len(c) for c in columns],
+        low=[min(c) for c in columns],
+        high=[max(c) for c in columns],
+        seeds=len(per_seed),
+    )
 
 
 def band_caption(seed_counts: Iterable[int]) -> str:

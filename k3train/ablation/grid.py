@@ -29,14 +29,24 @@ import os
 import pathlib
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
 from k3train.recipe import ConfigError
 
-SWEEP_KEYS = ("base", "ladder", "baseline", "overrides", "variants", "grid", "seeds", "seed_fields",
-              "base_seed", "match")
+SWEEP_KEYS = (
+    "base",
+    "ladder",
+    "baseline",
+    "overrides",
+    "variants",
+    "grid",
+    "seeds",
+    "seed_fields",
+    "base_seed",
+    "match",
+)
 MATCH_MODES = ("flops", "tokens")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=,-]*$")
 
@@ -47,7 +57,7 @@ class Variant:
 
     name: str
     overrides: tuple[str, ...] = ()
-    nproc: Optional[int] = None
+    nproc: int | None = None
     """Ranks of this variant's runs (torchrun); None: the sweep's `--nproc`."""
 
 
@@ -63,9 +73,9 @@ class Sweep:
     seed_fields: tuple[str, ...] = ("train.seed", "data.seed")
     base_seed: int = 1234
     overrides: tuple[str, ...] = ()
-    baseline: Optional[str] = None
+    baseline: str | None = None
     """Name of the variant the others are compared with; None: the first."""
-    match: Optional[str] = None
+    match: str | None = None
     ladder: bool = False
 
     def validate(self) -> None:
@@ -73,13 +83,17 @@ class Sweep:
             raise ConfigError("sweep: give a base recipe (`base:` or --recipe) or ladder sizes (`ladder:`)")
         for recipe in self.recipes:
             if not pathlib.Path(recipe).is_file():
-                raise ConfigError(f"sweep: recipe {recipe} does not exist; fix the path in `base:`/`ladder:` or --recipe")
+                raise ConfigError(
+                    f"sweep: recipe {recipe} does not exist; fix the path in `base:`/`ladder:` or --recipe"
+                )
         names = [variant.name for variant in self.variants]
         if len(set(names)) != len(names):
             raise ConfigError(f"sweep: variant names must be distinct, got {names}")
         for name in names:
             if not _NAME.match(name):
-                raise ConfigError(f"sweep: variant name {name!r} must be letters, digits and _.+=,- (it names a directory)")
+                raise ConfigError(
+                    f"sweep: variant name {name!r} must be letters, digits and _.+=,- (it names a directory)"
+                )
         if self.seeds < 1:
             raise ConfigError(f"sweep: seeds must be at least 1, got {self.seeds}")
         if self.match is not None and self.match not in MATCH_MODES:
@@ -110,8 +124,10 @@ class Sweep:
         if not self.grid:
             return [(variant, "", variant) for variant in self.variants]
         arms, per_variant = self.arms(), len(self.arms()) // len(self.variants)
-        return [(self.variants[i // per_variant], arm.name.split(",", 1)[1] if "," in arm.name else arm.name, arm)
-                for i, arm in enumerate(arms)]
+        return [
+            (self.variants[i // per_variant], arm.name.split(",", 1)[1] if "," in arm.name else arm.name, arm)
+            for i, arm in enumerate(arms)
+        ]
 
     def baseline_arms(self) -> dict[str, str]:
         """Each arm's baseline arm. `baseline` may name an arm (every arm is compared with it) or a
@@ -142,12 +158,12 @@ class RunSpec:
     recipe: str
     overrides: tuple[str, ...]
     relative_dir: str
-    size: Optional[str] = None
+    size: str | None = None
     """The ladder size (the recipe's stem); None outside a ladder."""
-    nproc: Optional[int] = None
+    nproc: int | None = None
     """Ranks of this run; None: the sweep's `--nproc`."""
 
-    def with_overrides(self, extra: tuple[str, ...]) -> "RunSpec":
+    def with_overrides(self, extra: tuple[str, ...]) -> RunSpec:
         return replace(self, overrides=self.overrides + extra)
 
 
@@ -167,9 +183,17 @@ def expand(sweep: Sweep) -> list[RunSpec]:
         for arm in sweep.arms():
             for seed_index in range(sweep.seeds):
                 parts = ([size] if size else []) + [arm.name, f"seed{seed_index}"]
-                runs.append(RunSpec(arm=arm.name, seed_index=seed_index, recipe=recipe,
-                                    overrides=sweep.overrides + seed_overrides(sweep, seed_index) + arm.overrides,
-                                    relative_dir="/".join(parts), size=size, nproc=arm.nproc))
+                runs.append(
+                    RunSpec(
+                        arm=arm.name,
+                        seed_index=seed_index,
+                        recipe=recipe,
+                        overrides=sweep.overrides + seed_overrides(sweep, seed_index) + arm.overrides,
+                        relative_dir="/".join(parts),
+                        size=size,
+                        nproc=arm.nproc,
+                    )
+                )
     return runs
 
 
@@ -239,10 +263,14 @@ def load_sweep_file(path: str) -> Sweep:
     grid_data = data.get("grid") or {}
     if not isinstance(grid_data, dict):
         raise ConfigError(f"sweep file {path}: grid must map section.field to a list of values")
-    grid = {str(name): [_yaml_scalar(value) for value in (values if isinstance(values, list) else [values])]
-            for name, values in grid_data.items()}
+    grid = {
+        str(name): [_yaml_scalar(value) for value in (values if isinstance(values, list) else [values])]
+        for name, values in grid_data.items()
+    }
     return Sweep(
-        recipes=recipes, variants=variants, grid=grid,
+        recipes=recipes,
+        variants=variants,
+        grid=grid,
         seeds=int(data.get("seeds", 1)),
         seed_fields=tuple(data.get("seed_fields", ("train.seed", "data.seed"))),
         base_seed=int(data.get("base_seed", 1234)),

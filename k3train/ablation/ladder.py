@@ -14,8 +14,8 @@ AttnRes paper's "1.25× compute advantage"). With equal exponents it does not de
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class PowerLaw:
     def loss(self, compute: float) -> float:
         return self.irreducible + self.a * compute ** (-self.b)
 
-    def compute_for(self, loss: float) -> Optional[float]:
+    def compute_for(self, loss: float) -> float | None:
         """The compute that reaches `loss`; None at or below the irreducible loss or for b ≤ 0."""
         if loss <= self.irreducible or self.b <= 0:
             return None
@@ -49,8 +49,9 @@ def _line_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def fit_power_law(compute: Sequence[float], loss: Sequence[float], irreducible: bool = False,
-                  grid_points: int = 400) -> PowerLaw:
+def fit_power_law(
+    compute: Sequence[float], loss: Sequence[float], irreducible: bool = False, grid_points: int = 400
+) -> PowerLaw:
     """Fit `loss ≈ E + a·C^(−b)` to the points; `E = 0` unless `irreducible` (which needs three
     points or more: two determine a line exactly for every E)."""
     if len(compute) != len(loss) or len(compute) < 2:
@@ -74,7 +75,7 @@ def fit_power_law(compute: Sequence[float], loss: Sequence[float], irreducible: 
     return min(candidates, key=lambda law: law.residual)
 
 
-def compute_multiplier(arm: PowerLaw, baseline: PowerLaw, loss: float) -> Optional[float]:
+def compute_multiplier(arm: PowerLaw, baseline: PowerLaw, loss: float) -> float | None:
     """`C_baseline(loss) / C_arm(loss)`: > 1 means the arm needs less compute for that loss."""
     base, other = baseline.compute_for(loss), arm.compute_for(loss)
     if base is None or other is None:

@@ -16,8 +16,8 @@ with few steps per interval the nearest multiple is usually the baseline's own s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from k3train.ablation.grid import RunSpec
 from k3train.config import load_config

@@ -6,7 +6,7 @@ entry and the figure's title say so rather than promise a spread that is not the
 from __future__ import annotations
 
 import pathlib
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from k3train.ablation.curves import Band, band, band_caption, ema
 from k3train.ablation.ladder import PowerLaw
@@ -32,12 +32,13 @@ def pyplot():
     return plt
 
 
-Series = Callable[[RunResult], tuple[Sequence[float], Sequence[Optional[float]]]]
+Series = Callable[[RunResult], tuple[Sequence[float], Sequence[float | None]]]
 
 
 def step_series(name: str, smoothing: float = 0.0) -> Series:
     def series(result: RunResult):
         return result.tokens, ema(result.curves.series.get(name, []), smoothing)
+
     return series
 
 
@@ -86,13 +87,21 @@ def figure_title(subject: str, panels: list[tuple[str, dict[str, Band]]]) -> str
     return f"{subject} ({band_caption(b.seeds for _, bands in panels for b in bands.values())})"
 
 
-def _figure(plt, panels: list[tuple[str, dict[str, Band]]], colours, path: pathlib.Path, title: str,
-            zero_line: bool = False, log_y: bool = False) -> Optional[pathlib.Path]:
+def _figure(
+    plt,
+    panels: list[tuple[str, dict[str, Band]]],
+    colours,
+    path: pathlib.Path,
+    title: str,
+    zero_line: bool = False,
+    log_y: bool = False,
+) -> pathlib.Path | None:
     panels = [(label, bands) for label, bands in panels if bands]
     if not panels:
         return None
-    figure, axes = plt.subplots(1, len(panels), figsize=(FIGSIZE[0] * (1 if len(panels) == 1 else 1.6), FIGSIZE[1]),
-                                squeeze=False)
+    figure, axes = plt.subplots(
+        1, len(panels), figsize=(FIGSIZE[0] * (1 if len(panels) == 1 else 1.6), FIGSIZE[1]), squeeze=False
+    )
     for axis, (label, bands) in zip(axes[0], panels):
         _draw(axis, bands, colours)
         if zero_line:
@@ -111,8 +120,9 @@ def _figure(plt, panels: list[tuple[str, dict[str, Band]]], colours, path: pathl
     return path
 
 
-def plot_size(results: Sequence[RunResult], baselines: dict[str, str], out: pathlib.Path, prefix: str = "",
-              smoothing: float = 0.0) -> list[pathlib.Path]:
+def plot_size(
+    results: Sequence[RunResult], baselines: dict[str, str], out: pathlib.Path, prefix: str = "", smoothing: float = 0.0
+) -> list[pathlib.Path]:
     """The figures of one size; returns the files written."""
     plt = pyplot()
     arms = list(dict.fromkeys(r.spec.arm for r in results))
@@ -120,28 +130,55 @@ def plot_size(results: Sequence[RunResult], baselines: dict[str, str], out: path
     colours = {arm: palette[i % len(palette)] for i, arm in enumerate(arms)}
     smoothed = f" (EMA {smoothing:g})" if smoothing else ""
     train = step_series("loss", smoothing)
-    loss = [(f"train loss{smoothed}", arm_bands(results, train)),
-            ("validation loss", arm_bands(results, validation_series))]
-    difference = [(f"Δ train loss{smoothed}", difference_bands(results, train, baselines)),
-                  ("Δ validation loss", difference_bands(results, validation_series, baselines))]
-    experts = [("expert load max/mean", arm_bands(results, step_series("expert_load_max_over_mean", smoothing))),
-               ("dropped slots per step", arm_bands(results, step_series("dropped_tokens")))]
-    gradients = [(f"grad norm{smoothed}", arm_bands(results, step_series("grad_norm", smoothing))),
-                 ("tokens/s", arm_bands(results, step_series("tokens_per_s")))]
+    loss = [
+        (f"train loss{smoothed}", arm_bands(results, train)),
+        ("validation loss", arm_bands(results, validation_series)),
+    ]
+    difference = [
+        (f"Δ train loss{smoothed}", difference_bands(results, train, baselines)),
+        ("Δ validation loss", difference_bands(results, validation_series, baselines)),
+    ]
+    experts = [
+        ("expert load max/mean", arm_bands(results, step_series("expert_load_max_over_mean", smoothing))),
+        ("dropped slots per step", arm_bands(results, step_series("dropped_tokens"))),
+    ]
+    gradients = [
+        (f"grad norm{smoothed}", arm_bands(results, step_series("grad_norm", smoothing))),
+        ("tokens/s", arm_bands(results, step_series("tokens_per_s"))),
+    ]
     baseline_names = ", ".join(sorted(set(baselines.values())))
     written = [
         _figure(plt, loss, colours, out / f"{prefix}loss.png", figure_title("loss, mean over seeds", loss)),
-        _figure(plt, difference, colours, out / f"{prefix}loss_difference.png",
-                figure_title(f"difference to {baseline_names}, same seed; < 0 is better", difference), zero_line=True),
-        _figure(plt, experts, colours, out / f"{prefix}experts.png",
-                figure_title("routing: the busiest expert over the mean, max over MoE layers", experts)),
-        _figure(plt, gradients, colours, out / f"{prefix}grad_norm_throughput.png",
-                figure_title("gradient norm (before clipping) and throughput", gradients), log_y=False),
+        _figure(
+            plt,
+            difference,
+            colours,
+            out / f"{prefix}loss_difference.png",
+            figure_title(f"difference to {baseline_names}, same seed; < 0 is better", difference),
+            zero_line=True,
+        ),
+        _figure(
+            plt,
+            experts,
+            colours,
+            out / f"{prefix}experts.png",
+            figure_title("routing: the busiest expert over the mean, max over MoE layers", experts),
+        ),
+        _figure(
+            plt,
+            gradients,
+            colours,
+            out / f"{prefix}grad_norm_throughput.png",
+            figure_title("gradient norm (before clipping) and throughput", gradients),
+            log_y=False,
+        ),
     ]
     return [path for path in written if path is not None]
 
 
-def plot_ladder(points: dict[str, list[tuple[float, float]]], fits: dict[str, PowerLaw], path: pathlib.Path) -> pathlib.Path:
+def plot_ladder(
+    points: dict[str, list[tuple[float, float]]], fits: dict[str, PowerLaw], path: pathlib.Path
+) -> pathlib.Path:
     """Final loss against training FLOPs per arm (log–log), with each arm's fitted power law."""
     plt = pyplot()
     figure, axis = plt.subplots(figsize=FIGSIZE)

@@ -11,7 +11,6 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass, field
-from typing import Optional
 
 from k3train.ablation.grid import RunSpec
 from k3train.config import load_config
@@ -21,10 +20,10 @@ from k3train.config import load_config
 class RunProgress:
     """Where a job stands: its newest logged step and losses, against the steps it will train."""
 
-    planned_steps: Optional[int] = None
+    planned_steps: int | None = None
     step: int = 0
-    loss: Optional[float] = None
-    validation_loss: Optional[float] = None
+    loss: float | None = None
+    validation_loss: float | None = None
 
     def summary(self) -> str:
         """'step 120/300 (40%), loss 3.4567, val 3.5012' (the parts known so far)."""
@@ -74,7 +73,7 @@ class MetricsFollower:
         return self.progress
 
 
-def planned_steps(spec: RunSpec) -> Optional[int]:
+def planned_steps(spec: RunSpec) -> int | None:
     """`train.steps` of the run's config; None when the config cannot be read here (the job itself
     reports that error in its train.log)."""
     try:

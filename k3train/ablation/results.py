@@ -9,8 +9,8 @@ when every run evaluated its final step, else the mean training loss of the last
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from k3train.ablation import stats
 from k3train.ablation.curves import RunCurves, read_curves
@@ -53,7 +53,7 @@ def collect(runs: Sequence[RunSpec], out: pathlib.Path) -> list[RunResult]:
 
 @dataclass
 class ArmSummary:
-    size: Optional[str]
+    size: str | None
     arm: str
     final: dict[int, float]
     """Seed index → the compared final loss."""
@@ -61,14 +61,14 @@ class ArmSummary:
     steps: int
     tokens: int
     trained_flops: float
-    throughput: Optional[float]
+    throughput: float | None
     """Mean over seeds of each run's median tokens/s."""
     parameters: int
     active_parameters: int
     flops_per_token: float
-    difference: Optional[stats.Interval] = None
+    difference: stats.Interval | None = None
     """Against the baseline arm of the same size; None for the baseline itself."""
-    baseline: Optional[str] = None
+    baseline: str | None = None
 
     @property
     def mean(self) -> float:
@@ -86,12 +86,13 @@ def compared_metric(results: Sequence[RunResult]) -> str:
     return "train"
 
 
-def summarise(results: Sequence[RunResult], baselines: dict[str, str], window: int,
-              confidence: float = 0.95) -> list[ArmSummary]:
+def summarise(
+    results: Sequence[RunResult], baselines: dict[str, str], window: int, confidence: float = 0.95
+) -> list[ArmSummary]:
     """One summary per (size, arm), in the order the runs were given; `baselines` maps each arm to
     the arm its difference is taken against."""
     metric = compared_metric(results)
-    groups: dict[tuple[Optional[str], str], list[RunResult]] = {}
+    groups: dict[tuple[str | None, str], list[RunResult]] = {}
     for result in results:
         groups.setdefault((result.spec.size, result.spec.arm), []).append(result)
     summaries = []
@@ -103,16 +104,21 @@ def summarise(results: Sequence[RunResult], baselines: dict[str, str], window: i
                 finals[r.spec.seed_index] = value
         throughputs = [t for t in (r.curves.steady_throughput() for r in members) if t is not None]
         cost = members[0].cost
-        summaries.append(ArmSummary(
-            size=size, arm=arm, final=finals,
-            final_train={r.spec.seed_index: r.curves.final_train(window) for r in members},
-            steps=max(r.curves.last_step for r in members),
-            tokens=max(r.curves.last_step for r in members) * cost.tokens_per_step,
-            trained_flops=stats.mean([r.trained_flops for r in members]),
-            throughput=stats.mean(throughputs) if throughputs else None,
-            parameters=cost.parameters, active_parameters=cost.active_parameters,
-            flops_per_token=cost.flops_per_token,
-        ))
+        summaries.append(
+            ArmSummary(
+                size=size,
+                arm=arm,
+                final=finals,
+                final_train={r.spec.seed_index: r.curves.final_train(window) for r in members},
+                steps=max(r.curves.last_step for r in members),
+                tokens=max(r.curves.last_step for r in members) * cost.tokens_per_step,
+                trained_flops=stats.mean([r.trained_flops for r in members]),
+                throughput=stats.mean(throughputs) if throughputs else None,
+                parameters=cost.parameters,
+                active_parameters=cost.active_parameters,
+                flops_per_token=cost.flops_per_token,
+            )
+        )
     by_key = {(s.size, s.arm): s for s in summaries}
     for summary in summaries:
         base = by_key.get((summary.size, baselines.get(summary.arm)))

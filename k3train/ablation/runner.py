@@ -25,8 +25,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 from k3train.ablation.grid import RunSpec
 from k3train.ablation.progress import MetricsFollower, RunProgress, format_elapsed, planned_steps
@@ -47,20 +47,20 @@ class LaunchOptions:
     parallel: int = 1
     nproc: int = 1
     """Ranks per run: >1 starts each run under torchrun (standalone, its own free port)."""
-    launcher: Optional[str] = None
+    launcher: str | None = None
     """A full launcher command instead (e.g. 'torchrun --nnodes 2 ...'); replaces nproc's."""
-    threads: Optional[int] = None
+    threads: int | None = None
     """Intra-op threads per rank; None: cores // (parallel · nproc)."""
     cores: int = 1
     gpus: int = 0
-    wandb_group: Optional[str] = None
+    wandb_group: str | None = None
     poll_s: float = 0.5
-    progress_s: Optional[float] = 30.0
+    progress_s: float | None = 30.0
     """Seconds between progress lines (one per running job); None: only start and end lines."""
     trainer: Sequence[str] = (str(CHECKOUT / "pretrain_k3.py"),)
     """The training entry point (a script path, run with this Python or under the launcher)."""
 
-    def threads_per_rank(self, nproc: Optional[int] = None) -> int:
+    def threads_per_rank(self, nproc: int | None = None) -> int:
         return self.threads or max(1, self.cores // (self.parallel * (nproc or self.nproc)))
 
 
@@ -76,11 +76,16 @@ class RunOutcome:
 
 
 def run_record(spec: RunSpec) -> dict:
-    return {"arm": spec.arm, "seed_index": spec.seed_index, "size": spec.size, "recipe": spec.recipe,
-            "overrides": list(spec.overrides)}
+    return {
+        "arm": spec.arm,
+        "seed_index": spec.seed_index,
+        "size": spec.size,
+        "recipe": spec.recipe,
+        "overrides": list(spec.overrides),
+    }
 
 
-def read_record(run_dir: pathlib.Path) -> Optional[dict]:
+def read_record(run_dir: pathlib.Path) -> dict | None:
     path = run_dir / RUN_FILE
     if not path.exists():
         return None
@@ -103,12 +108,14 @@ def is_done(run_dir: pathlib.Path, spec: RunSpec) -> bool:
     if record is None:
         return False
     if record.get("recipe") != spec.recipe or record.get("overrides") != list(spec.overrides):
-        raise SweepError(f"{run_dir} holds a run of other settings ({record.get('recipe')} "
-                         f"{' '.join(record.get('overrides', []))}); use another --out or delete that directory")
+        raise SweepError(
+            f"{run_dir} holds a run of other settings ({record.get('recipe')} "
+            f"{' '.join(record.get('overrides', []))}); use another --out or delete that directory"
+        )
     return record.get("status") == "done"
 
 
-def checkpoint_step(run_dir: pathlib.Path) -> Optional[int]:
+def checkpoint_step(run_dir: pathlib.Path) -> int | None:
     """The step of the run's newest complete checkpoint (the one `checkpoint.resume=auto` starts
     from; RESUME_OVERRIDES keep them in `run_dir/checkpoints`), None without one. Half-written
     (`.tmp_`) and damaged directories do not count: the job would not resume from them."""
@@ -128,15 +135,17 @@ def at_steps(steps: Sequence[int]) -> str:
     return f"at steps {distinct[0]}–{distinct[-1]}"
 
 
-def resume_summary(finished: int, continuing: Sequence[int], restarting: int, fresh: int) -> Optional[str]:
+def resume_summary(finished: int, continuing: Sequence[int], restarting: int, fresh: int) -> str | None:
     """The line a rerun starts with (`continuing`: the checkpoint step of each run that continues);
     None for a sweep none of whose runs started before."""
     if not (finished or continuing or restarting):
         return None
     count = len(continuing)
-    parts = [f"{finished} run{'s' if finished != 1 else ''} finished (skipped)",
-             f"{count} continue{'s' if count == 1 else ''} from {'its' if count == 1 else 'their'} "
-             f"checkpoint{'s' if count != 1 else ''}" + (f" ({at_steps(continuing)})" if continuing else "")]
+    parts = [
+        f"{finished} run{'s' if finished != 1 else ''} finished (skipped)",
+        f"{count} continue{'s' if count == 1 else ''} from {'its' if count == 1 else 'their'} "
+        f"checkpoint{'s' if count != 1 else ''}" + (f" ({at_steps(continuing)})" if continuing else ""),
+    ]
     if restarting:
         parts.append(f"{restarting} restart{'s' if restarting == 1 else ''} from step 0 (no checkpoint saved)")
     if fresh:
@@ -152,9 +161,18 @@ def command_for(spec: RunSpec, run_dir: pathlib.Path, options: LaunchOptions) ->
         prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     else:
         prefix = [sys.executable]
-    return [*prefix, *options.trainer, "--recipe", spec.recipe, "--run-dir", str(run_dir),
-            *RESUME_OVERRIDES, f"train.num_threads={options.threads_per_rank(spec.nproc)}", *spec.overrides,
-            *(("logging.wandb=true",) if options.wandb_group else ())]
+    return [
+        *prefix,
+        *options.trainer,
+        "--recipe",
+        spec.recipe,
+        "--run-dir",
+        str(run_dir),
+        *RESUME_OVERRIDES,
+        f"train.num_threads={options.threads_per_rank(spec.nproc)}",
+        *spec.overrides,
+        *(("logging.wandb=true",) if options.wandb_group else ()),
+    ]
 
 
 def environment_for(spec: RunSpec, slot: int, options: LaunchOptions) -> dict[str, str]:
@@ -178,12 +196,16 @@ def progress_lines(runs: Sequence[RunSpec], running: dict, followers: dict[int, 
     by_slot = sorted(running.items(), key=lambda item: item[1][1])
     width = max((len(runs[index].relative_dir) for index, _ in by_slot), default=0)
     now = time.monotonic()
-    return [f"  {runs[index].relative_dir:<{width}}  {followers[index].progress.summary()}  "
-            f"({format_elapsed(now - started)})" for index, (_process, _slot, started, _log) in by_slot]
+    return [
+        f"  {runs[index].relative_dir:<{width}}  {followers[index].progress.summary()}  "
+        f"({format_elapsed(now - started)})"
+        for index, (_process, _slot, started, _log) in by_slot
+    ]
 
 
-def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions,
-              say: Callable[[str], None] = print) -> list[RunOutcome]:
+def run_sweep(
+    runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions, say: Callable[[str], None] = print
+) -> list[RunOutcome]:
     """Run every run not already done, `options.parallel` at a time; returns one outcome per run
     in the order given ('not started' for runs a stop left out).
 
@@ -193,8 +215,10 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
     and re-raises."""
     widest = max([options.nproc] + [spec.nproc or 1 for spec in runs])
     if options.gpus and options.parallel * widest > options.gpus:
-        raise SweepError(f"--parallel {options.parallel} × {widest} ranks per run needs "
-                         f"{options.parallel * widest} GPUs, --gpus says {options.gpus}")
+        raise SweepError(
+            f"--parallel {options.parallel} × {widest} ranks per run needs "
+            f"{options.parallel * widest} GPUs, --gpus says {options.gpus}"
+        )
     outcomes: dict[int, RunOutcome] = {}
     pending: list[int] = []
     for index, spec in enumerate(runs):
@@ -203,12 +227,20 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
             outcomes[index] = RunOutcome(spec, run_dir, "skipped")
         else:
             pending.append(index)
-    continuing = {index: step for index in pending
-                  if (step := checkpoint_step(out / runs[index].relative_dir)) is not None}
-    restarting = {index for index in pending
-                  if index not in continuing and read_record(out / runs[index].relative_dir) is not None}
-    summary = resume_summary(len(runs) - len(pending), list(continuing.values()), len(restarting),
-                             len(pending) - len(continuing) - len(restarting))
+    continuing = {
+        index: step for index in pending if (step := checkpoint_step(out / runs[index].relative_dir)) is not None
+    }
+    restarting = {
+        index
+        for index in pending
+        if index not in continuing and read_record(out / runs[index].relative_dir) is not None
+    }
+    summary = resume_summary(
+        len(runs) - len(pending),
+        list(continuing.values()),
+        len(restarting),
+        len(pending) - len(continuing) - len(restarting),
+    )
     if summary:
         say(summary)
     running: dict[int, tuple[subprocess.Popen, int, float, object]] = {}
@@ -234,12 +266,19 @@ def run_sweep(runs: Sequence[RunSpec], out: pathlib.Path, options: LaunchOptions
                 run_dir = out / spec.relative_dir
                 write_record(run_dir, spec, "running")
                 log = open(run_dir / "train.log", "a")
-                how = (f"continue {spec.relative_dir} from its checkpoint at step {continuing[index]}"
-                       if index in continuing else f"start {spec.relative_dir}")
+                how = (
+                    f"continue {spec.relative_dir} from its checkpoint at step {continuing[index]}"
+                    if index in continuing
+                    else f"start {spec.relative_dir}"
+                )
                 say(f"{how}: {' '.join(spec.overrides)}")
                 followers[index] = MetricsFollower(run_dir / "metrics.jsonl", RunProgress(planned_steps(spec)))
-                process = subprocess.Popen(command_for(spec, run_dir, options), stdout=log,
-                                           stderr=subprocess.STDOUT, env=environment_for(spec, slot, options))
+                process = subprocess.Popen(
+                    command_for(spec, run_dir, options),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=environment_for(spec, slot, options),
+                )
                 running[index] = (process, slot, time.monotonic(), log)
             if stop_signals and not running:
                 break

@@ -28,8 +28,8 @@ gives no interval.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 
 def mean(values: Sequence[float]) -> float:
@@ -52,8 +52,10 @@ def _beta_continued_fraction(a: float, b: float, x: float) -> float:
     h = d
     for m in range(1, 500):
         m2 = 2 * m
-        for numerator in (m * (b - m) * x / ((qam + m2) * (a + m2)),
-                          -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+        for numerator in (
+            m * (b - m) * x / ((qam + m2) * (a + m2)),
+            -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2)),
+        ):
             d = 1.0 + numerator * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + numerator / c
@@ -112,12 +114,12 @@ class Interval:
     """A difference (or mean) with its two-sided confidence interval and the test it came from."""
 
     estimate: float
-    low: Optional[float]
-    high: Optional[float]
+    low: float | None
+    high: float | None
     """None when there is no interval (too few seeds, no spread): `method` says why."""
     method: str
     """'t', 'paired t' or 'Welch t' (with `dof`), else the reason there is no interval."""
-    dof: Optional[float] = None
+    dof: float | None = None
     """Degrees of freedom of the t quantile; None without an interval."""
     seeds: int = 0
     """Seeds per arm the interval rests on (the smaller arm's for Welch's)."""
@@ -157,6 +159,6 @@ def difference_interval(variant: dict[int, float], baseline: dict[int, float], c
     spread = math.sqrt(va + vb)
     if spread == 0.0:
         return Interval(estimate, None, None, "no spread over seeds: cannot tell", seeds=seeds)
-    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = student_t_quantile(0.5 + confidence / 2, dof) * spread
     return Interval(estimate, estimate - half, estimate + half, method, dof=dof, seeds=seeds)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from k3train.ablation.grid import RunSpec, Sweep
 from k3train.ablation.ladder import PowerLaw, fit_power_law
@@ -11,7 +11,7 @@ from k3train.ablation.report import LadderSection, Report, summary_table
 from k3train.ablation.results import collect, compared_metric, summarise
 
 
-def ladder_section(summaries, sweep: Sweep, irreducible: bool, out: pathlib.Path, plots: bool) -> Optional[LadderSection]:
+def ladder_section(summaries, sweep: Sweep, irreducible: bool, out: pathlib.Path, plots: bool) -> LadderSection | None:
     """Fit each arm over the sizes that finished; None with fewer than two sizes."""
     points: dict[str, list[tuple[float, float]]] = {}
     for s in summaries:
@@ -38,22 +38,29 @@ def ladder_section(summaries, sweep: Sweep, irreducible: bool, out: pathlib.Path
 
 
 def describe(sweep: Sweep, runs: Sequence[RunSpec]) -> list[str]:
-    lines = [("Sizes (ladder): " + ", ".join(f"`{r}`" for r in sweep.recipes)) if sweep.ladder
-             else f"Base recipe: `{sweep.recipes[0]}`",
-             f"Seeds: {sweep.seeds} ({', '.join(sweep.seed_fields)} = {sweep.base_seed} + k); baseline: "
-             + ", ".join(f"`{b}`" for b in dict.fromkeys(sweep.baseline_arms().values()))]
+    lines = [
+        ("Sizes (ladder): " + ", ".join(f"`{r}`" for r in sweep.recipes))
+        if sweep.ladder
+        else f"Base recipe: `{sweep.recipes[0]}`",
+        f"Seeds: {sweep.seeds} ({', '.join(sweep.seed_fields)} = {sweep.base_seed} + k); baseline: "
+        + ", ".join(f"`{b}`" for b in dict.fromkeys(sweep.baseline_arms().values())),
+    ]
     if sweep.overrides:
         lines.append("Shared overrides: `" + " ".join(sweep.overrides) + "`")
     for arm in sweep.arms():
         lines.append(f"Variant `{arm.name}`: `{' '.join(arm.overrides) or '(recipe as is)'}`")
     if sweep.match:
-        lines.append(f"Matched {sweep.match}: each variant's `train.steps` set so it trains the baseline's "
-                     f"{sweep.match} to within one step, and its `train.eval_interval` to a divisor of those steps "
-                     f"(the final step is evaluated); the table's last column shows the realised FLOPs")
+        lines.append(
+            f"Matched {sweep.match}: each variant's `train.steps` set so it trains the baseline's "
+            f"{sweep.match} to within one step, and its `train.eval_interval` to a divisor of those steps "
+            f"(the final step is evaluated); the table's last column shows the realised FLOPs"
+        )
     return lines
 
 
-def write_report(sweep: Sweep, runs: Sequence[RunSpec], out: pathlib.Path, command: str, args) -> tuple[pathlib.Path, str]:
+def write_report(
+    sweep: Sweep, runs: Sequence[RunSpec], out: pathlib.Path, command: str, args
+) -> tuple[pathlib.Path, str]:
     """Write the report; returns its path and the summary table(s) for the console."""
     out.mkdir(parents=True, exist_ok=True)
     results = collect(runs, out)
@@ -74,18 +81,26 @@ def write_report(sweep: Sweep, runs: Sequence[RunSpec], out: pathlib.Path, comma
     notes = []
     missing = len(runs) - len(results)
     if missing:
-        notes.append(f"{missing} of {len(runs)} runs are not finished (running, failed or not started) and are left out.")
+        notes.append(
+            f"{missing} of {len(runs)} runs are not finished (running, failed or not started) and are left out."
+        )
     report = Report(
-        title=f"Ablation: {', '.join(a.name for a in sweep.arms())}", command=command,
-        description=describe(sweep, runs), metric=metric, confidence=args.confidence, window=args.window,
-        sizes=sizes, plots=plots,
+        title=f"Ablation: {', '.join(a.name for a in sweep.arms())}",
+        command=command,
+        description=describe(sweep, runs),
+        metric=metric,
+        confidence=args.confidence,
+        window=args.window,
+        sizes=sizes,
+        plots=plots,
         ladder=ladder_section(summaries, sweep, args.irreducible, out, not args.no_plots) if sweep.ladder else None,
-        notes=notes)
+        notes=notes,
+    )
     path = out / "report.md"
     path.write_text(report.markdown())
-    tables = "\n\n".join((f"{size}:\n" if size else "") + summary_table(group, metric, args.confidence)
-                         for size, group in sizes.items())
+    tables = "\n\n".join(
+        (f"{size}:\n" if size else "") + summary_table(group, metric, args.confidence) for size, group in sizes.items()
+    )
     if report.ladder is not None:
         tables += "\n\n" + report.ladder.markdown()
     return path, tables
-

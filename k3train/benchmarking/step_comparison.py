@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +29,35 @@ from k3train.training.throughput import PeakFlops, measure_cpu_matmul_tflops, mu
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (recipes/)
 DEBUG_RECIPE = ROOT / "recipes" / "debug.yaml"
 WIDE_MODEL = [  # the 512-wide K3-shaped model: hidden 512, 3 KDA + 1 MLA, 2,048 tokens per step
-    "model.hidden_size=512", "model.num_hidden_layers=4", "model.num_attention_heads=8", "model.q_lora_rank=256",
-    "model.kv_lora_rank=128", "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
-    "model.linear_attn_config.num_heads=8", "model.linear_attn_config.head_dim=64", "model.intermediate_size=1408",
-    "model.moe_intermediate_size=256", "model.routed_expert_hidden_size=256", "data.seq_length=512",
-    "train.global_batch_size=4", "train.micro_batch_size=2",
+    "model.hidden_size=512",
+    "model.num_hidden_layers=4",
+    "model.num_attention_heads=8",
+    "model.q_lora_rank=256",
+    "model.kv_lora_rank=128",
+    "model.qk_nope_head_dim=64",
+    "model.qk_rope_head_dim=32",
+    "model.v_head_dim=64",
+    "model.linear_attn_config.num_heads=8",
+    "model.linear_attn_config.head_dim=64",
+    "model.intermediate_size=1408",
+    "model.moe_intermediate_size=256",
+    "model.routed_expert_hidden_size=256",
+    "data.seq_length=512",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
 ]
 MODELS = {"debug": [], "wide512": WIDE_MODEL}
-PARTS = ("KDA kernel", "KDA projections", "MLA", "routed experts", "dispatch", "shared experts", "AttnRes",
-         "optimizer", "other")
+PARTS = (
+    "KDA kernel",
+    "KDA projections",
+    "MLA",
+    "routed experts",
+    "dispatch",
+    "shared experts",
+    "AttnRes",
+    "optimizer",
+    "other",
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,6 +76,7 @@ def size_dense_peer(target: float, layers: int, vocab: int, seq_length: int, hea
     """(width, SwiGLU size) of a `layers`-deep dense peer with `target` training FLOPs per token:
     the width (a multiple of `head_dim`) whose `8/3 d` SwiGLU comes closest, then the SwiGLU size
     (a multiple of 8) solved exactly for the rest."""
+
     def error(width: int) -> float:
         return abs(dense_flops_per_token(layers, width, round(8 * width / 3), vocab, seq_length) - target)
 
@@ -127,8 +148,12 @@ def dense_job(config: JobConfig, width: int, mlp: int, device: torch.device = to
     torch.manual_seed(config.train.seed)
     model = DenseTransformer(config.model.vocab_size, config.model.num_hidden_layers, width, mlp).to(device)
     # The same AdamW kernel as k3train's (`optimizer.adamw_fused`), so the ratio compares models.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr,
-                                  weight_decay=config.optimizer.weight_decay, fused=config.optimizer.adamw_fused)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=config.optimizer.lr,
+        weight_decay=config.optimizer.weight_decay,
+        fused=config.optimizer.adamw_fused,
+    )
     generator = torch.Generator().manual_seed(0)
     train = config.train
     shape = (train.micro_batch_size, config.data.seq_length + 1)
@@ -137,8 +162,9 @@ def dense_job(config: JobConfig, width: int, mlp: int, device: torch.device = to
         count = train.global_batch_size // train.micro_batch_size
         return [torch.randint(0, config.model.vocab_size, shape, generator=generator).to(device) for _ in range(count)]
 
-    return DenseJob(model, optimizer, batches, config.optimizer.clip_grad,
-                    precision_context(config.train.precision, device))
+    return DenseJob(
+        model, optimizer, batches, config.optimizer.clip_grad, precision_context(config.train.precision, device)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,8 +178,19 @@ def k3_trainer(config: JobConfig, device: torch.device = torch.device("cpu")) ->
     job = build_rank(config, parallel, device)
     data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
     flops = training_flops_per_token(config.model, config.data.seq_length).total
-    return Trainer(config, job.model, job.optimizer, data, device, flops, PeakFlops(1.0, "MFU"), None, parallel,
-                   job.reducer, job.schedule)
+    return Trainer(
+        config,
+        job.model,
+        job.optimizer,
+        data,
+        device,
+        flops,
+        PeakFlops(1.0, "MFU"),
+        None,
+        parallel,
+        job.reducer,
+        job.schedule,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +225,7 @@ def _label_modules(model: nn.Module) -> list:
             frame = torch.profiler.record_function(label)
             frame.__enter__()
             open_ranges.append(frame)
+
         return hook
 
     def leave(module, args, output):
@@ -210,12 +248,18 @@ def _labelled_functions(trainer: Trainer):
         def wrapped(*args, **kwargs):
             with torch.profiler.record_function(label):
                 return function(*args, **kwargs)
+
         return wrapped
 
     from k3train.model.attn_res import AttentionResidual
 
-    saved = (kda_module.chunk_kda, moe_module.grouped_mm, trainer.optimizer.step, AttentionResidual.normalized_input,
-             fla_module.run_fla_chunk_kda_from_raw)
+    saved = (
+        kda_module.chunk_kda,
+        moe_module.grouped_mm,
+        trainer.optimizer.step,
+        AttentionResidual.normalized_input,
+        fla_module.run_fla_chunk_kda_from_raw,
+    )
     kda_module.chunk_kda = wrap(saved[0], "KDA kernel")
     # fla's kernel on raw inputs (CUDA): the normalisations and gates it fuses count as the kernel
     fla_module.run_fla_chunk_kda_from_raw = wrap(saved[4], "KDA kernel")
@@ -369,9 +413,17 @@ COMPILED = {  # `--compile`'s contenders (AdamW): label -> train.compile_regions
 }
 
 
-def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, with_compile: bool, profile: bool,
-            device: torch.device = torch.device("cpu"), precision: str = "fp32",
-            compiled: Sequence[str] = tuple(COMPILED)) -> Comparison:
+def compare(
+    name: str,
+    overrides: list[str],
+    steps: int,
+    peak_tflops: float,
+    with_compile: bool,
+    profile: bool,
+    device: torch.device = torch.device("cpu"),
+    precision: str = "fp32",
+    compiled: Sequence[str] = tuple(COMPILED),
+) -> Comparison:
     """One comparison (tables printed); `with_compile` adds the `compiled` contenders (labels of
     `COMPILED`)."""
     overrides = [*overrides, f"train.precision={precision}"]
@@ -383,21 +435,38 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
     width, mlp = size_dense_peer(k3_flops, base.model.num_hidden_layers, vocab, seq)
     dense_flops = dense_flops_per_token(base.model.num_hidden_layers, width, mlp, vocab, seq)
     tokens = base.train.global_batch_size * seq
-    print(f"\n== {name}: {tokens} tokens per step; k3train {k3_flops / 1e6:.1f} MFLOP/token; dense peer "
-          f"{base.model.num_hidden_layers} layers × width {width}, SwiGLU {mlp}: {dense_flops / 1e6:.1f} MFLOP/token "
-          f"({100 * (dense_flops / k3_flops - 1):+.1f}%)")
+    print(
+        f"\n== {name}: {tokens} tokens per step; k3train {k3_flops / 1e6:.1f} MFLOP/token; dense peer "
+        f"{base.model.num_hidden_layers} layers × width {width}, SwiGLU {mlp}: {dense_flops / 1e6:.1f} MFLOP/token "
+        f"({100 * (dense_flops / k3_flops - 1):+.1f}%)"
+    )
 
     contenders: dict[str, Callable[[], object]] = {}
     muon = k3_trainer(base, device)
     contenders[MUON] = lambda: muon.train_step()["loss"]
-    adamw = k3_trainer(load_config(str(DEBUG_RECIPE), [
-        *overrides, f"train.steps={steps + 4}", "logging.jsonl=false", "optimizer.name=adamw"]), device)
+    adamw = k3_trainer(
+        load_config(
+            str(DEBUG_RECIPE), [*overrides, f"train.steps={steps + 4}", "logging.jsonl=false", "optimizer.name=adamw"]
+        ),
+        device,
+    )
     contenders[ADAMW] = lambda: adamw.train_step()["loss"]
     if with_compile:  # every region, and the AttnRes mixes alone (what pays on a CPU)
         for label in compiled:
-            compiled_trainer = k3_trainer(load_config(str(DEBUG_RECIPE), [
-                *overrides, f"train.steps={steps + 4}", "logging.jsonl=false", "optimizer.name=adamw",
-                "train.compile=true", f"train.compile_regions=[{COMPILED[label]}]"]), device)
+            compiled_trainer = k3_trainer(
+                load_config(
+                    str(DEBUG_RECIPE),
+                    [
+                        *overrides,
+                        f"train.steps={steps + 4}",
+                        "logging.jsonl=false",
+                        "optimizer.name=adamw",
+                        "train.compile=true",
+                        f"train.compile_regions=[{COMPILED[label]}]",
+                    ],
+                ),
+                device,
+            )
             contenders[label] = lambda trainer=compiled_trainer: trainer.train_step()["loss"]
     contenders[DENSE] = dense_job(base, width, mlp, device).step
 
@@ -430,26 +499,46 @@ def compare(name: str, overrides: list[str], steps: int, peak_tflops: float, wit
     for label, samples in times.items():
         step_s, best_s = statistics.median(samples), min(samples)
         flops = (dense_flops if label.startswith("dense") else k3_flops) * tokens
-        rows.append([label, f"{step_s:.3f} s", f"{best_s:.3f} s", f"{tokens / step_s:,.0f}",
-                     f"{statistics.median(dense) / step_s:.2f} / {min(dense) / best_s:.2f}",
-                     f"{100 * flops / step_s / 1e12 / peak_tflops:.0f}%"])
+        rows.append(
+            [
+                label,
+                f"{step_s:.3f} s",
+                f"{best_s:.3f} s",
+                f"{tokens / step_s:,.0f}",
+                f"{statistics.median(dense) / step_s:.2f} / {min(dense) / best_s:.2f}",
+                f"{100 * flops / step_s / 1e12 / peak_tflops:.0f}%",
+            ]
+        )
     # The best step is the one a busy machine slowed least: on a shared machine, compare both.
     for row, label in zip(rows, times):
         row.append(f"{operations[label][0]:,} / {operations[label][1]:,}" if label in operations else "-")
-    table(["", "step (median)", "step (best)", "tokens/s", "tokens/s vs dense (median / best)",
-           "model FLOP/s over matmul rate", "aten ops per step (compute / view)"], rows,
-          f"{name}: {steps} alternated steps each on {device.type}, {precision}; matmul rate {1e3 * peak_tflops:,.1f} GFLOP/s (median of "
-          f"{len(matmul_rates)} samples taken between the steps)")
+    table(
+        [
+            "",
+            "step (median)",
+            "step (best)",
+            "tokens/s",
+            "tokens/s vs dense (median / best)",
+            "model FLOP/s over matmul rate",
+            "aten ops per step (compute / view)",
+        ],
+        rows,
+        f"{name}: {steps} alternated steps each on {device.type}, {precision}; matmul rate {1e3 * peak_tflops:,.1f} GFLOP/s (median of "
+        f"{len(matmul_rates)} samples taken between the steps)",
+    )
     ns_s = statistics.median(s for s, _ in newton_schulz)
     muon_s = statistics.median(times[MUON])
-    print(f"Per-Head Muon: Newton–Schulz {newton_schulz[0][1] / 1e9:.1f} GFLOP and {ns_s:.3f} s per step "
-          f"({100 * ns_s / muon_s:.0f}% of the step; model work {k3_flops * tokens / 1e9:.1f} GFLOP)")
+    print(
+        f"Per-Head Muon: Newton–Schulz {newton_schulz[0][1] / 1e9:.1f} GFLOP and {ns_s:.3f} s per step "
+        f"({100 * ns_s / muon_s:.0f}% of the step; model work {k3_flops * tokens / 1e9:.1f} GFLOP)"
+    )
     if profile:
         seconds, wall = profile_parts(muon, device)
         clock = "kernel time on the GPU" if device.type == "cuda" else "CPU time"
-        table(["part", "seconds", "share of the step"],
-              [[part, f"{seconds[part]:.3f}", f"{100 * seconds[part] / wall:.1f}%"] for part in PARTS],
-              f"{name}: where one profiled k3train step (Per-Head Muon) goes ({wall:.2f} s under the profiler; "
-              f"{clock})")
+        table(
+            ["part", "seconds", "share of the step"],
+            [[part, f"{seconds[part]:.3f}", f"{100 * seconds[part] / wall:.1f}%"] for part in PARTS],
+            f"{name}: where one profiled k3train step (Per-Head Muon) goes ({wall:.2f} s under the profiler; {clock})",
+        )
     medians = {label: statistics.median(samples) for label, samples in times.items()}
     return Comparison(medians, tokens, medians[DENSE] / medians[ADAMW], losses, operations)

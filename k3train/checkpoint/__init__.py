@@ -16,9 +16,9 @@ if TYPE_CHECKING:  # static tools and IDEs see the real imports
         step_dir_name,
         write_manifest,
     )
-    from k3train.checkpoint.verify import checkpoint_problems, verify_checkpoint
     from k3train.checkpoint.rng import PerRank, RNGState, capture_rng_state, restore_rng_state
     from k3train.checkpoint.signals import GracefulExit
+    from k3train.checkpoint.verify import checkpoint_problems, verify_checkpoint
 
 # Each name loads its submodule on first use, so that importing `k3train.checkpoint.config` (as the
 # torch-free config loader does) does not import torch through this package.

@@ -17,7 +17,7 @@ import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -68,8 +68,9 @@ class Checkpointer:
     before the process exits. docs/checkpoints.md describes the layout and what is saved.
     """
 
-    def __init__(self, directory: str | Path, keep_last: int = 3, process_group: Any = None,
-                 async_save: bool = False) -> None:
+    def __init__(
+        self, directory: str | Path, keep_last: int = 3, process_group: Any = None, async_save: bool = False
+    ) -> None:
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")
         self.directory = Path(directory)
@@ -77,8 +78,8 @@ class Checkpointer:
         self.process_group = process_group
         self.async_save = async_save
         self._verified: dict[Path, Metadata] = {}  # checked by resolve_resume, not read twice by load
-        self._pending: Optional[Future] = None
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._write_group = process_group
         if async_save:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3train-checkpoint")
@@ -97,7 +98,7 @@ class Checkpointer:
         """Complete checkpoints as (step, path), oldest step first."""
         return complete_checkpoints(self.directory)
 
-    def latest(self) -> Optional[Path]:
+    def latest(self) -> Path | None:
         """The complete checkpoint with the highest step, or None (temp and incomplete dirs are ignored)."""
         found = self.checkpoints()
         return found[-1][1] if found else None
@@ -108,7 +109,7 @@ class Checkpointer:
             return f"no earlier checkpoint in {self.directory} was touched (there is none)"
         return f"the newest complete checkpoint {latest} is kept"
 
-    def resolve_resume(self, resume: Optional[str | Path]) -> Optional[Path]:
+    def resolve_resume(self, resume: str | Path | None) -> Path | None:
         """`"auto"`: the newest checkpoint that passes verification (checksums included); a damaged
         or incomplete newer one is moved aside (`step_X.damaged-<reason>`) with a warning naming it
         and why; None when there is no checkpoint. `"none"`/`""`/None: None; otherwise a
@@ -137,7 +138,7 @@ class Checkpointer:
             raise
         return path
 
-    def _newest_usable(self) -> Optional[Path]:
+    def _newest_usable(self) -> Path | None:
         """Every rank checks its share of the newest checkpoint's files; one that any rank finds
         damaged is moved aside by rank 0 and the next older one is tried."""
         rank, size = self._rank(), group_size(self.process_group)
@@ -154,8 +155,12 @@ class Checkpointer:
                 return path
             if rank == 0:
                 aside = move_aside(path, found[0].reason)
-                logger.warning("checkpoint %s is unusable (%s): moved aside to %s; trying the previous one",
-                               path.name, found[0].message, aside.name)
+                logger.warning(
+                    "checkpoint %s is unusable (%s): moved aside to %s; trying the previous one",
+                    path.name,
+                    found[0].message,
+                    aside.name,
+                )
             moved.append(f"{path.name} ({found[0].reason})")
             barrier(self.process_group)
         if moved:
@@ -186,8 +191,11 @@ class Checkpointer:
                 # Only a complete save is ever renamed to a step name: this one was damaged (or
                 # copied in part). Keep it for inspection, out of the way of resume and pruning.
                 aside = move_aside(entry, "incomplete")
-                logger.warning("checkpoint %s is incomplete (no .metadata or no complete manifest): moved aside to %s",
-                               entry.name, aside.name)
+                logger.warning(
+                    "checkpoint %s is incomplete (no .metadata or no complete manifest): moved aside to %s",
+                    entry.name,
+                    aside.name,
+                )
         fsync_dir(self.directory)
 
     def _prune(self, keep: Path) -> list[Path]:
@@ -195,8 +203,11 @@ class Checkpointer:
         neither counted nor removed)."""
         newer = [p.name for s, p in self.checkpoints() if s > (step_of(keep.name) or 0)]
         if newer:
-            logger.warning("saved %s while newer checkpoints exist (%s); resume=auto picks the highest step",
-                           keep.name, ", ".join(newer))
+            logger.warning(
+                "saved %s while newer checkpoints exist (%s); resume=auto picks the highest step",
+                keep.name,
+                ", ".join(newer),
+            )
         if self.keep_last == 0:
             return []
         found = [path for _, path in self.checkpoints() if path != keep]
@@ -248,8 +259,15 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"saving checkpoint {final} failed ({error}); {self._kept()}")
 
-        job = SaveJob(step=step, tmp=tmp, final=final, state=state, keys=sorted(app_state),
-                      kept=self._kept, finished=lambda path: self._prune(keep=path))
+        job = SaveJob(
+            step=step,
+            tmp=tmp,
+            final=final,
+            state=state,
+            keys=sorted(app_state),
+            kept=self._kept,
+            finished=lambda path: self._prune(keep=path),
+        )
         if self._executor is None:
             return write_checkpoint(job, self.process_group)
         self._pending = self._executor.submit(self._write_in_background, job)
@@ -264,7 +282,7 @@ class Checkpointer:
         logger.info("checkpoint written: %s", path)
         return path
 
-    def wait(self) -> Optional[Path]:
+    def wait(self) -> Path | None:
         """Wait for an asynchronous save still being written; return its path (None when there
         was none). Raises its `CheckpointError` if it failed. Every rank calls this before exit."""
         pending, self._pending = self._pending, None
@@ -282,7 +300,7 @@ class Checkpointer:
         """
         self.wait()
         path = Path(path)
-        failure: Optional[CheckpointError] = None
+        failure: CheckpointError | None = None
         metadata = None
         try:
             metadata = self._verified.pop(path.resolve(), None)

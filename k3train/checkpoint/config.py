@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from k3train.recipe import check
 
@@ -14,7 +13,7 @@ __all__ = ["CheckpointConfig"]
 class CheckpointConfig:
     """Where and when checkpoints are written, and what a run resumes from."""
 
-    dir: Optional[str] = None
+    dir: str | None = None
     """Checkpoint directory; null means RUN_DIR/checkpoints."""
     interval: int = 0
     """Steps between checkpoints; 0 means only at the end (when save_at_end)."""
@@ -31,8 +30,16 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""
-        check([
-            (self.interval >= 0, f"checkpoint.interval must be 0 (only at the end) or positive, got {self.interval}"),
-            (self.keep_last >= 0, f"checkpoint.keep_last must be 0 (keep all) or positive, got {self.keep_last}"),
-            (self.resume != "", "checkpoint.resume must be 'auto', 'none' or a checkpoint path, got an empty string"),
-        ])
+        check(
+            [
+                (
+                    self.interval >= 0,
+                    f"checkpoint.interval must be 0 (only at the end) or positive, got {self.interval}",
+                ),
+                (self.keep_last >= 0, f"checkpoint.keep_last must be 0 (keep all) or positive, got {self.keep_last}"),
+                (
+                    self.resume != "",
+                    "checkpoint.resume must be 'auto', 'none' or a checkpoint path, got an empty string",
+                ),
+            ]
+        )

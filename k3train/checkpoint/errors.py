@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import errno
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -78,6 +78,8 @@ def describe_save_failure(e: BaseException, directory: Path, needed_bytes: int) 
     free = free_bytes(directory)
     if is_disk_full(e) or (free is not None and free < needed_bytes):
         free_text = "unknown" if free is None else f"{free:,}"
-        return (f"no space left on device in {directory} ({free_text} bytes free, this rank's share of the "
-                f"checkpoint needs about {needed_bytes:,} bytes; {describe_failure(e)})")
+        return (
+            f"no space left on device in {directory} ({free_text} bytes free, this rank's share of the "
+            f"checkpoint needs about {needed_bytes:,} bytes; {describe_failure(e)})"
+        )
     return describe_failure(e)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -61,7 +61,7 @@ class HubLayout:
     """Names starting with this belong to the text model (the rest, e.g. a vision tower, is ignored)."""
 
     @property
-    def tensor_name(self) -> "re.Pattern[str]":
+    def tensor_name(self) -> re.Pattern[str]:
         return _layout_pattern(self.text_prefix, self.lm_head)
 
     @property
@@ -73,7 +73,7 @@ class HubLayout:
         return name == self.lm_head or name.startswith(self.namespace)
 
 
-def _layout_pattern(prefix: str, lm_head: str) -> "re.Pattern[str]":
+def _layout_pattern(prefix: str, lm_head: str) -> re.Pattern[str]:
     return re.compile(rf"{re.escape(lm_head)}|{re.escape(prefix)}({_HF_TEXT_BODY})")
 
 
@@ -87,6 +87,7 @@ HF_TEXT_TENSOR_NAME = _layout_pattern(HF_TEXT_PREFIX, HF_LM_HEAD)
 # Spellings a reader accepts besides the one written: transformers' `save_pretrained` of Kimi
 # Linear renames every `.mlp.` back to `.block_sparse_moe.`, the dense MLP of the first layers too.
 _STORED_ALIASES = ((re.compile(r"(.*layers\.\d+\.)mlp\.((gate|up|down)_proj\.weight)"), r"\1block_sparse_moe.\2"),)
+
 
 class HFConversionError(ValueError):
     """A configuration, tensor or checkpoint that cannot be converted; the message (one line) says
@@ -108,7 +109,7 @@ class TensorSpec:
     """HF shape."""
     k3_shape: tuple[int, ...]
     """Shape of the whole k3train tensor (the stack `[E, …]` for routed experts)."""
-    expert: Optional[int] = None
+    expert: int | None = None
     """Index into the stacked k3train tensor; None: the whole tensor."""
     keep_fp32: bool = False
     """Exported as float32 whatever the requested dtype."""
@@ -142,7 +143,7 @@ def k3_state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _split_layer(k3_name: str) -> tuple[str, str]:
     """(`layers.L.` or "", the rest of the name)."""
     match = re.match(r"layers\.\d+\.", k3_name)
-    return (match.group(0), k3_name[match.end():]) if match else ("", k3_name)
+    return (match.group(0), k3_name[match.end() :]) if match else ("", k3_name)
 
 
 def hf_file_order(k3_names: Sequence[str]) -> list[str]:
@@ -160,7 +161,7 @@ def hf_file_order(k3_names: Sequence[str]) -> list[str]:
     return ordered
 
 
-def hf_name(k3_name: str, expert: Optional[int] = None, layout: HubLayout = K3_HUB) -> str:
+def hf_name(k3_name: str, expert: int | None = None, layout: HubLayout = K3_HUB) -> str:
     """The hub name of a k3train tensor (of expert `expert` for a stacked expert tensor).
 
     Raises `HFConversionError` for a tensor with no place in the hub layout (`HF_TEXT_TENSOR_NAME`):
@@ -186,13 +187,13 @@ def hf_name(k3_name: str, expert: Optional[int] = None, layout: HubLayout = K3_H
     return layout.text_prefix + name
 
 
-def k3train_name(hub_name: str, layout: HubLayout = K3_HUB) -> tuple[str, Optional[int]]:
+def k3train_name(hub_name: str, layout: HubLayout = K3_HUB) -> tuple[str, int | None]:
     """(k3train state-dict name, expert index or None) of a hub tensor name: the inverse of `hf_name`."""
     if hub_name == layout.lm_head:
         return "lm_head.weight", None
     if not layout.tensor_name.fullmatch(hub_name):
         raise HFConversionError(f"{hub_name} is not a tensor name of the {layout.title} text model")
-    name = hub_name[len(layout.text_prefix):]
+    name = hub_name[len(layout.text_prefix) :]
     match = re.fullmatch(r"(layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight", name)
     if match:
         return f"{match.group(1)}.{match.group(3)}", int(match.group(2))
@@ -202,7 +203,7 @@ def k3train_name(hub_name: str, layout: HubLayout = K3_HUB) -> tuple[str, Option
 
 
 def hf_tensor_specs(
-    config: ModelConfig, a_log_width: Optional[int] = None, layout: HubLayout = K3_HUB
+    config: ModelConfig, a_log_width: int | None = None, layout: HubLayout = K3_HUB
 ) -> list[TensorSpec]:
     """Every HF tensor of `config`, in file order (model-level first, layer by layer, head last).
 
@@ -233,7 +234,9 @@ def hf_tensor_specs(
         specs.append(TensorSpec(k3_name, hf_name(k3_name, layout=layout), hf_shape, shape, None, _keeps_fp32(k3_name)))
         # Routed experts follow the latent down-projection (the router without one).
         latent = config.routed_expert_hidden_size is not None
-        if k3_name.endswith("block_sparse_moe.routed_expert_down_proj.weight" if latent else "block_sparse_moe.gate.weight"):
+        if k3_name.endswith(
+            "block_sparse_moe.routed_expert_down_proj.weight" if latent else "block_sparse_moe.gate.weight"
+        ):
             stack = k3_name[: -len("routed_expert_down_proj.weight" if latent else "gate.weight")] + "experts."
             stacks = [(stack + w, layout.text_prefix + stack, w, shapes[stack + w]) for w in _EXPERT_WEIGHTS]
             for k3, _, _, _ in stacks:
@@ -319,7 +322,9 @@ def bind_stored_names(available: Mapping[str, tuple[int, ...]], specs: Sequence[
 
 
 def check_hf_tensors(
-    available: Mapping[str, tuple[int, ...]], specs: Sequence[TensorSpec], source: str = "the checkpoint",
+    available: Mapping[str, tuple[int, ...]],
+    specs: Sequence[TensorSpec],
+    source: str = "the checkpoint",
     layout: HubLayout = K3_HUB,
 ) -> list[str]:
     """Refuse a set of HF tensor names/shapes k3train cannot load; return the ignored names.
@@ -330,7 +335,9 @@ def check_hf_tensors(
     line, first few named). Pass specs through `bind_stored_names` first to accept aliases.
     """
     names = list(available)
-    packed = [n for n in names if n.endswith((".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point"))]
+    packed = [
+        n for n in names if n.endswith((".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point"))
+    ]
     if packed:
         raise HFConversionError(
             f"{source} holds quantised experts ({short_listing(packed)}): k3train loads unquantised weights "
@@ -344,8 +351,12 @@ def check_hf_tensors(
     unexpected = [n for n in text if n not in by_name]
     # A KDA output gate of the other kind: g_a/g_b exist only in KDA; a g_proj is KDA's where the
     # config puts a low-rank gate (MLA's output gate is also called g_proj).
-    gate_mismatch = [n for n in unexpected if re.search(r"self_attn\.(g_a|g_b)_proj\.weight$", n)
-                     or (n.endswith("self_attn.g_proj.weight") and n[:-len("g_proj.weight")] + "g_a_proj.weight" in by_name)]
+    gate_mismatch = [
+        n
+        for n in unexpected
+        if re.search(r"self_attn\.(g_a|g_b)_proj\.weight$", n)
+        or (n.endswith("self_attn.g_proj.weight") and n[: -len("g_proj.weight")] + "g_a_proj.weight" in by_name)
+    ]
     if gate_mismatch:
         kind = "full-rank" if gate_mismatch[0].endswith("self_attn.g_proj.weight") else "low-rank"
         raise HFConversionError(

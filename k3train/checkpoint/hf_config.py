@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -23,12 +24,32 @@ this is no architectural limit; HF tooling reads it as the usable context length
 
 # ModelConfig fields written under the same name into text_config.
 _HF_MODEL_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "first_k_dense_replace",
-    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-    "v_head_dim", "mla_use_output_gate", "num_experts", "num_experts_per_token", "num_shared_experts",
-    "moe_intermediate_size", "routed_expert_hidden_size", "latent_moe_use_norm", "moe_renormalize",
-    "routed_scaling_factor", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta",
-    "attn_res_block_size", "rms_norm_eps", "tie_word_embeddings",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "first_k_dense_replace",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "mla_use_output_gate",
+    "num_experts",
+    "num_experts_per_token",
+    "num_shared_experts",
+    "moe_intermediate_size",
+    "routed_expert_hidden_size",
+    "latent_moe_use_norm",
+    "moe_renormalize",
+    "routed_scaling_factor",
+    "hidden_act",
+    "activation_situ_beta",
+    "activation_situ_linear_beta",
+    "attn_res_block_size",
+    "rms_norm_eps",
+    "tie_word_embeddings",
 )
 _HF_LINEAR_ATTN_FIELDS = ("num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound")
 # Fields k3train derives itself (never stored in the k3train sub-dict): the layer pattern from
@@ -36,8 +57,12 @@ _HF_LINEAR_ATTN_FIELDS = ("num_heads", "head_dim", "short_conv_kernel_size", "ga
 _DERIVED_LINEAR_ATTN_FIELDS = ("full_attn_layers", "output_gate")
 # What a Kimi Linear config means by a field it does not write (transformers' Kimi Linear has no
 # such feature); a K3 config always writes them.
-_KIMI_LINEAR_ABSENT_FIELDS = {"mla_use_output_gate": False, "latent_moe_use_norm": False, "hidden_act": "silu",
-                              "routed_expert_hidden_size": None}
+_KIMI_LINEAR_ABSENT_FIELDS = {
+    "mla_use_output_gate": False,
+    "latent_moe_use_norm": False,
+    "hidden_act": "silu",
+    "routed_expert_hidden_size": None,
+}
 # Alternative spellings some configs use (transformers' KimiLinearConfig attribute_map).
 _HF_ALIASES = {
     "num_experts_per_tok": "num_experts_per_token",
@@ -65,12 +90,12 @@ def to_hf_config(
     config: ModelConfig,
     *,
     dtype: torch.dtype = torch.bfloat16,
-    bos_token_id: Optional[int] = None,
-    eos_token_id: Optional[int] = None,
-    pad_token_id: Optional[int] = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
     max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
     allow_k3train_only: bool = False,
-    a_log_width: Optional[int] = None,
+    a_log_width: int | None = None,
 ) -> dict[str, Any]:
     """The hub `config.json` of `config` (no `quantization_config`; docs/hf_conversion.md).
 
@@ -96,28 +121,30 @@ def to_hf_config(
     }
     for name in _HF_MODEL_FIELDS:
         text[name] = getattr(config, name)
-    text.update({
-        "moe_layer_freq": 1,
-        "num_key_value_heads": config.num_attention_heads,
-        "mla_use_nope": True,
-        "moe_router_activation_func": "sigmoid",
-        "use_grouped_topk": True,
-        "num_expert_group": 1,
-        "topk_group": 1,
-        "topk_method": "noaux_tc",
-        "max_position_embeddings": int(max_position_embeddings),
-        "num_nextn_predict_layers": 0,
-        "torch_dtype": _dtype_name(dtype),
-        "linear_attn_config": {
-            "num_heads": lac.num_heads,
-            "head_dim": lac.head_dim,
-            "short_conv_kernel_size": lac.short_conv_kernel_size,
-            "use_full_rank_gate": lac.output_gate == "full",
-            "gate_lower_bound": lac.gate_lower_bound,
-            "kda_layers": kda,
-            "full_attn_layers": full,
-        },
-    })
+    text.update(
+        {
+            "moe_layer_freq": 1,
+            "num_key_value_heads": config.num_attention_heads,
+            "mla_use_nope": True,
+            "moe_router_activation_func": "sigmoid",
+            "use_grouped_topk": True,
+            "num_expert_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "max_position_embeddings": int(max_position_embeddings),
+            "num_nextn_predict_layers": 0,
+            "torch_dtype": _dtype_name(dtype),
+            "linear_attn_config": {
+                "num_heads": lac.num_heads,
+                "head_dim": lac.head_dim,
+                "short_conv_kernel_size": lac.short_conv_kernel_size,
+                "use_full_rank_gate": lac.output_gate == "full",
+                "gate_lower_bound": lac.gate_lower_bound,
+                "kda_layers": kda,
+                "full_attn_layers": full,
+            },
+        }
+    )
     if a_log_width is not None and a_log_width != lac.num_heads:
         text["linear_attn_config"]["a_log_shape"] = [int(a_log_width)]
     if config.attn_res == "none":
@@ -148,29 +175,48 @@ def hub_layout(hf_config: Mapping[str, Any]) -> HubLayout:
     return KIMI_LINEAR_HUB
 
 
-def kimi_linear_refusal(config: ModelConfig) -> Optional[str]:
+def kimi_linear_refusal(config: ModelConfig) -> str | None:
     """Why `config` is not a model transformers' `KimiLinearForCausalLM` computes (the first
     feature it lacks, naming the k3train field), or None when it is."""
     lac = config.linear_attn_config
     checks = [
-        (config.attn_res == "none", f"Attention Residuals (model.attn_res={config.attn_res!r}; Kimi Linear has plain residuals: none)"),
-        (config.hidden_act == "silu", f"the {config.hidden_act!r} GLU (model.hidden_act; Kimi Linear uses SwiGLU: silu)"),
-        (config.num_experts == 0 or config.routed_expert_hidden_size is None,
-         f"LatentMoE projections (model.routed_expert_hidden_size={config.routed_expert_hidden_size}; Kimi Linear's "
-         "experts work at hidden width: null)"),
+        (
+            config.attn_res == "none",
+            f"Attention Residuals (model.attn_res={config.attn_res!r}; Kimi Linear has plain residuals: none)",
+        ),
+        (
+            config.hidden_act == "silu",
+            f"the {config.hidden_act!r} GLU (model.hidden_act; Kimi Linear uses SwiGLU: silu)",
+        ),
+        (
+            config.num_experts == 0 or config.routed_expert_hidden_size is None,
+            f"LatentMoE projections (model.routed_expert_hidden_size={config.routed_expert_hidden_size}; Kimi Linear's "
+            "experts work at hidden width: null)",
+        ),
         (not config.latent_moe_use_norm, "the latent MoE RMSNorm (model.latent_moe_use_norm; Kimi Linear: false)"),
-        (config.num_experts == 0 or config.num_shared_experts >= 1,
-         "a routed-only MoE (model.num_shared_experts=0; Kimi Linear has at least 1 shared expert)"),
+        (
+            config.num_experts == 0 or config.num_shared_experts >= 1,
+            "a routed-only MoE (model.num_shared_experts=0; Kimi Linear has at least 1 shared expert)",
+        ),
         (not config.mla_use_output_gate, "the Gated MLA output gate (model.mla_use_output_gate; Kimi Linear: false)"),
-        (lac.gate_lower_bound is None,
-         f"the bounded KDA decay gate (model.linear_attn_config.gate_lower_bound={lac.gate_lower_bound}; Kimi Linear: null)"),
-        (lac.output_gate == "low_rank", "the full-rank KDA output gate (model.linear_attn_config.output_gate=full; "
-                                        "it has the low-rank g_a_proj/g_b_proj gate only: train with "
-                                        "model.linear_attn_config.output_gate=low_rank)"),
-        (config.kda_output_gate_rank in (None, lac.head_dim),
-         f"a KDA output gate rank other than head_dim (model.linear_attn_config.output_gate_rank={lac.output_gate_rank})"),
-        (config.kda_gate_rank == lac.head_dim,
-         f"a KDA decay gate rank other than head_dim (model.linear_attn_config.gate_low_rank_dim={lac.gate_low_rank_dim})"),
+        (
+            lac.gate_lower_bound is None,
+            f"the bounded KDA decay gate (model.linear_attn_config.gate_lower_bound={lac.gate_lower_bound}; Kimi Linear: null)",
+        ),
+        (
+            lac.output_gate == "low_rank",
+            "the full-rank KDA output gate (model.linear_attn_config.output_gate=full; "
+            "it has the low-rank g_a_proj/g_b_proj gate only: train with "
+            "model.linear_attn_config.output_gate=low_rank)",
+        ),
+        (
+            config.kda_output_gate_rank in (None, lac.head_dim),
+            f"a KDA output gate rank other than head_dim (model.linear_attn_config.output_gate_rank={lac.output_gate_rank})",
+        ),
+        (
+            config.kda_gate_rank == lac.head_dim,
+            f"a KDA decay gate rank other than head_dim (model.linear_attn_config.gate_low_rank_dim={lac.gate_low_rank_dim})",
+        ),
         (not config.tie_word_embeddings, "tied embeddings (model.tie_word_embeddings; Kimi Linear's head is untied)"),
     ]
     for ok, feature in checks:
@@ -183,9 +229,9 @@ def to_kimi_linear_config(
     config: ModelConfig,
     *,
     dtype: torch.dtype = torch.bfloat16,
-    bos_token_id: Optional[int] = None,
-    eos_token_id: Optional[int] = None,
-    pad_token_id: Optional[int] = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
     max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
 ) -> dict[str, Any]:
     """The `config.json` of a `KimiLinearForCausalLM` computing `config` (transformers' own
@@ -195,25 +241,52 @@ def to_kimi_linear_config(
     config.validate()
     refusal = kimi_linear_refusal(config)
     if refusal is not None:
-        raise HFConversionError(f"cannot export as Kimi Linear: transformers' KimiLinearForCausalLM lacks {refusal}; "
-                                "--format kimi_k3 exports every K3 feature (with remote code)")
+        raise HFConversionError(
+            f"cannot export as Kimi Linear: transformers' KimiLinearForCausalLM lacks {refusal}; "
+            "--format kimi_k3 exports every K3 feature (with remote code)"
+        )
     # transformers sizes the embedding's padding_idx from pad_token_id: an id outside the
     # vocabulary (a tokenizer's id the padded vocabulary does not hold) fails to load, leave it out.
-    ids = {key: (value if value is not None and 0 <= value < config.vocab_size else None)
-           for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id))}
-    k3 = to_hf_config(config, dtype=dtype, max_position_embeddings=max_position_embeddings,
-                      allow_k3train_only=True, **ids)["text_config"]
-    text = {key: value for key, value in k3.items() if key not in (
-        "mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm", "activation_situ_beta",
-        "activation_situ_linear_beta", "attn_res_block_size")}
-    text["linear_attn_config"] = {key: value for key, value in k3["linear_attn_config"].items()
-                                  if key not in ("gate_lower_bound",)}
+    ids = {
+        key: (value if value is not None and 0 <= value < config.vocab_size else None)
+        for key, value in (
+            ("bos_token_id", bos_token_id),
+            ("eos_token_id", eos_token_id),
+            ("pad_token_id", pad_token_id),
+        )
+    }
+    k3 = to_hf_config(
+        config, dtype=dtype, max_position_embeddings=max_position_embeddings, allow_k3train_only=True, **ids
+    )["text_config"]
+    text = {
+        key: value
+        for key, value in k3.items()
+        if key
+        not in (
+            "mla_use_output_gate",
+            "routed_expert_hidden_size",
+            "latent_moe_use_norm",
+            "activation_situ_beta",
+            "activation_situ_linear_beta",
+            "attn_res_block_size",
+        )
+    }
+    text["linear_attn_config"] = {
+        key: value for key, value in k3["linear_attn_config"].items() if key not in ("gate_lower_bound",)
+    }
     if config.num_experts == 0:  # transformers builds MoE after first_k_dense_replace whenever it is below the depth
         text["first_k_dense_replace"] = config.num_hidden_layers
     text["tie_word_embeddings"] = False
     extras = dict(text.pop("k3train"))
-    for name in ("mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm", "activation_situ_beta",
-                 "activation_situ_linear_beta", "attn_res_block_size", "first_k_dense_replace"):
+    for name in (
+        "mla_use_output_gate",
+        "routed_expert_hidden_size",
+        "latent_moe_use_norm",
+        "activation_situ_beta",
+        "activation_situ_linear_beta",
+        "attn_res_block_size",
+        "first_k_dense_replace",
+    ):
         extras[name] = getattr(config, name)
     extras.setdefault("linear_attn_config", {})["gate_lower_bound"] = None
     text["k3train"] = extras
@@ -285,25 +358,39 @@ def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
             text[canonical] = text[key]
     quant = top.get("quantization_config") or text.get("quantization_config")
     if quant:
-        what = "/".join(str(quant.get(k)) for k in ("quant_method", "format") if quant.get(k)) if isinstance(quant, Mapping) else quant
-        raise _refuse(source, f"quantised checkpoint (quantization_config {what}): k3train loads unquantised "
-                              "weights only; dequantise the experts to BF16 first")
+        what = (
+            "/".join(str(quant.get(k)) for k in ("quant_method", "format") if quant.get(k))
+            if isinstance(quant, Mapping)
+            else quant
+        )
+        raise _refuse(
+            source,
+            f"quantised checkpoint (quantization_config {what}): k3train loads unquantised "
+            "weights only; dequantise the experts to BF16 first",
+        )
     if not text.get("mla_use_nope", False):
-        raise _refuse(source, "rotary MLA (text_config.mla_use_nope is not true): k3train implements NoPE "
-                              "Gated MLA only")
+        raise _refuse(
+            source, "rotary MLA (text_config.mla_use_nope is not true): k3train implements NoPE Gated MLA only"
+        )
     groups, topk_groups = int(text.get("num_expert_group", 1) or 1), int(text.get("topk_group", 1) or 1)
     if groups > 1 or topk_groups > 1:
-        raise _refuse(source, f"grouped top-k routing (num_expert_group={groups}, topk_group={topk_groups}): "
-                              "k3train routes with a single group")
+        raise _refuse(
+            source,
+            f"grouped top-k routing (num_expert_group={groups}, topk_group={topk_groups}): "
+            "k3train routes with a single group",
+        )
     activation = text.get("moe_router_activation_func", "sigmoid")
     if activation != "sigmoid":
         raise _refuse(source, f"router activation {activation!r}: k3train implements the sigmoid router only")
     if int(text.get("moe_layer_freq", 1)) != 1:
-        raise _refuse(source, f"moe_layer_freq={text['moe_layer_freq']}: k3train puts MoE on every layer "
-                              "after first_k_dense_replace")
+        raise _refuse(
+            source,
+            f"moe_layer_freq={text['moe_layer_freq']}: k3train puts MoE on every layer after first_k_dense_replace",
+        )
     if int(text.get("num_nextn_predict_layers", 0) or 0) > 0:
-        raise _refuse(source, f"{text['num_nextn_predict_layers']} multi-token-prediction layers: k3train has "
-                              "no MTP layers")
+        raise _refuse(
+            source, f"{text['num_nextn_predict_layers']} multi-token-prediction layers: k3train has no MTP layers"
+        )
     hidden_act = text.get("hidden_act", "situ")
     if hidden_act not in ("situ", "silu"):
         raise _refuse(source, f"hidden_act {hidden_act!r}: k3train implements 'situ' and 'silu' GLUs")
@@ -335,8 +422,10 @@ def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
         full = sorted(int(i) for i in full)
         kda_set = set(int(i) for i in kda) if kda is not None else set(range(1, num_layers + 1)) - set(full)
         if set(full) & kda_set or set(full) | kda_set != set(range(1, num_layers + 1)):
-            raise _refuse(source, "linear_attn_config.kda_layers and full_attn_layers do not split layers "
-                                  f"1..{num_layers} between them")
+            raise _refuse(
+                source,
+                f"linear_attn_config.kda_layers and full_attn_layers do not split layers 1..{num_layers} between them",
+            )
         lac_values["full_attn_layers"] = None if full == default_full_attn_layers(num_layers) else full
     lac_values["output_gate"] = "full" if full_rank_gate else "low_rank"
     lac_values.update(extras.pop("linear_attn_config", None) or {})
@@ -362,15 +451,20 @@ def _check_layer_types(text: Mapping[str, Any], source: str) -> None:
     has_experts = int(text.get("num_experts", 0) or 0) > 0
     expected = ["sparse" if has_experts and i >= first_dense else "dense" for i in range(len(kinds))]
     if list(kinds) != expected:
-        raise _refuse(source, f"mlp_layer_types {list(kinds)}: k3train puts a dense MLP on the first "
-                              "first_k_dense_replace layers and MoE on every later one")
+        raise _refuse(
+            source,
+            f"mlp_layer_types {list(kinds)}: k3train puts a dense MLP on the first "
+            "first_k_dense_replace layers and MoE on every later one",
+        )
 
 
 def _known(cls: type, values: dict[str, Any], source: str) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
-        warnings.warn(f"{source}: ignoring k3train fields this version does not know: {', '.join(unknown)}", stacklevel=3)
+        warnings.warn(
+            f"{source}: ignoring k3train fields this version does not know: {', '.join(unknown)}", stacklevel=3
+        )
     known = {k: v for k, v in values.items() if k in names}
     defaults = cls()
     for name, value in known.items():
@@ -402,8 +496,11 @@ def special_token_ids(tokenizer: str) -> dict[str, int]:
     if tokenizer == "byte":
         from k3train.data.tokenizers import ByteTokenizer
 
-        return {"bos_token_id": ByteTokenizer.bos_id, "eos_token_id": ByteTokenizer.eos_id,
-                "pad_token_id": ByteTokenizer.pad_id}
+        return {
+            "bos_token_id": ByteTokenizer.bos_id,
+            "eos_token_id": ByteTokenizer.eos_id,
+            "pad_token_id": ByteTokenizer.pad_id,
+        }
     try:
         from k3train.data.tokenizers import build_tokenizer
 

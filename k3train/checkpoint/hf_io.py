@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -45,7 +46,7 @@ def find_checkpoint(path: str | Path) -> Path:
     )
 
 
-def run_config_path(checkpoint: Path, explicit: Optional[str | Path] = None) -> Path:
+def run_config_path(checkpoint: Path, explicit: str | Path | None = None) -> Path:
     """The run's `config.yaml`: `explicit` when given, else `CHECKPOINT/../../config.yaml`."""
     if explicit is not None:
         path = Path(explicit).expanduser()
@@ -82,7 +83,7 @@ class CheckpointTensorReader:
             if path_ is not None and len(path_) == 2 and path_[0] == app_key:
                 name = str(path_[1])
             elif path_ is None and fqn.startswith(app_key + "."):
-                name = fqn[len(app_key) + 1:]
+                name = fqn[len(app_key) + 1 :]
             else:
                 continue
             if hasattr(md, "chunks"):  # tensors only
@@ -114,7 +115,9 @@ class CheckpointTensorReader:
         if missing:
             problems.append(f"missing model tensors the config implies: {short_listing(missing)}")
         if extra:
-            problems.append(f"model tensors the config does not imply (or the HF mapping does not cover): {short_listing(extra)}")
+            problems.append(
+                f"model tensors the config does not imply (or the HF mapping does not cover): {short_listing(extra)}"
+            )
         if wrong:
             problems.append(f"shapes (checkpoint vs config): {short_listing(wrong)}")
         if problems:
@@ -123,7 +126,7 @@ class CheckpointTensorReader:
                 "run's config.yaml?"
             )
 
-    def read(self, requests: Sequence[tuple[str, Optional[tuple[int, int]]]]) -> list[torch.Tensor]:
+    def read(self, requests: Sequence[tuple[str, tuple[int, int] | None]]) -> list[torch.Tensor]:
         """One `dcp.load`: each request is (name, None) for a whole tensor or (name, (start, end))
         for rows [start, end) along dim 0; tensors come back in the checkpoint's dtype."""
         sdm = self.metadata.state_dict_metadata
@@ -219,7 +222,9 @@ class HFDirectory:
                 for name in handle.keys():
                     self._shapes[name] = tuple(handle.get_slice(name).get_shape())
             except Exception as e:  # safetensors raises its own error types
-                raise HFConversionError(f"{file} is not a valid safetensors file ({type(e).__name__}: {one_line(e, 200)})") from None
+                raise HFConversionError(
+                    f"{file} is not a valid safetensors file ({type(e).__name__}: {one_line(e, 200)})"
+                ) from None
         if self.files is None:
             self.files = {name: single for name in self._shapes}
         else:
@@ -231,13 +236,16 @@ class HFDirectory:
     def is_hf_dir(path: str | Path) -> bool:
         path = Path(path)
         return (path / "config.json").is_file() and (
-            (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file())
+            (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file()
+        )
 
     def _shard_path(self, index: Path, name: Any, file: Any) -> Path:
         """The shard `file` of tensor `name`: a plain file name inside this directory (an absolute
         path, `..` or a link leading outside is refused: an index is not trusted to name files)."""
         if not isinstance(file, str) or not file or Path(file).is_absolute() or ".." in Path(file).parts:
-            raise HFConversionError(f"{index}: weight_map[{str(name)!r}] = {file!r} is not a file name inside {self.path}")
+            raise HFConversionError(
+                f"{index}: weight_map[{str(name)!r}] = {file!r} is not a file name inside {self.path}"
+            )
         path = self.path / file
         root = self.path.resolve()
         if root not in path.resolve().parents:
@@ -252,7 +260,8 @@ class HFDirectory:
                 self._open[file] = safe_open(str(file), framework="pt")
             except Exception as e:  # a bad header: safetensors raises SafetensorError or OSError
                 raise HFConversionError(
-                    f"{file} is not a valid safetensors file ({type(e).__name__}: {one_line(e, 200)})") from None
+                    f"{file} is not a valid safetensors file ({type(e).__name__}: {one_line(e, 200)})"
+                ) from None
         return self._open[file]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -265,7 +274,9 @@ class HFDirectory:
         except HFConversionError:
             raise
         except Exception as e:
-            raise HFConversionError(f"{file}: tensor {name} cannot be read ({type(e).__name__}: {one_line(e, 200)})") from None
+            raise HFConversionError(
+                f"{file}: tensor {name} cannot be read ({type(e).__name__}: {one_line(e, 200)})"
+            ) from None
 
 
 def _read_json_object(path: Path) -> dict:
@@ -306,8 +317,10 @@ def build_empty_model(config: ModelConfig):
 
 
 def load_hf_weights(
-    model: torch.nn.Module, hf: HFDirectory, specs: Sequence[TensorSpec],
-    progress: Optional[Callable[[int], None]] = None,
+    model: torch.nn.Module,
+    hf: HFDirectory,
+    specs: Sequence[TensorSpec],
+    progress: Callable[[int], None] | None = None,
 ) -> None:
     """Copy every spec's HF tensor into `model` (one tensor in memory at a time besides the
     model); every model tensor must be covered (a tied head through the embedding). `progress(1)`

@@ -4,9 +4,10 @@ step per value that puts the loaded state in place (docs/checkpoints.md, "What i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -88,8 +89,9 @@ def _listing(keys: Iterable[str]) -> str:
     return f"{shown}{', ...' if len(keys) > _MAX_LISTED else ''} ({len(keys)} in all)"
 
 
-def _mismatch(path: Path, key: str, what: str, missing: list[str], unexpected: list[str],
-              shapes: list[str]) -> CheckpointError:
+def _mismatch(
+    path: Path, key: str, what: str, missing: list[str], unexpected: list[str], shapes: list[str]
+) -> CheckpointError:
     parts = []
     if missing:
         parts.append(f"missing in the checkpoint: {_listing(missing)}")
@@ -98,7 +100,8 @@ def _mismatch(path: Path, key: str, what: str, missing: list[str], unexpected: l
     if shapes:
         parts.append(f"shape mismatch (checkpoint vs {what}): {_listing(shapes)}")
     return CheckpointError(
-        f"checkpoint {path} does not match {what} '{key}': " + "; ".join(parts)
+        f"checkpoint {path} does not match {what} '{key}': "
+        + "; ".join(parts)
         + ". Was it written for another model configuration?"
     )
 
@@ -108,8 +111,9 @@ def is_extra_state(name: str) -> bool:
     return name == "_extra_state" or name.endswith("._extra_state")
 
 
-def _plan_module(path: Path, key: str, module: nn.Module, saved: Entries, metadata: Metadata,
-                 flat: dict[str, Any], single: bool) -> Finisher:
+def _plan_module(
+    path: Path, key: str, module: nn.Module, saved: Entries, metadata: Metadata, flat: dict[str, Any], single: bool
+) -> Finisher:
     raw, clean = module_state(module)
     sdm = metadata.state_dict_metadata
     by_name: dict[str, Entries] = {}
@@ -163,8 +167,16 @@ def _plan_module(path: Path, key: str, module: nn.Module, saved: Entries, metada
     return finish
 
 
-def _plan_optimizer(path: Path, key: str, optimizer: torch.optim.Optimizer, saved: Entries, metadata: Metadata,
-                    flat: dict[str, Any], by_id: dict[int, str], single: bool) -> Finisher:
+def _plan_optimizer(
+    path: Path,
+    key: str,
+    optimizer: torch.optim.Optimizer,
+    saved: Entries,
+    metadata: Metadata,
+    flat: dict[str, Any],
+    by_id: dict[int, str],
+    single: bool,
+) -> Finisher:
     sdm = metadata.state_dict_metadata
     names = optimizer_param_names(optimizer, by_id)
     params = dict(names)
@@ -216,8 +228,9 @@ def _plan_optimizer(path: Path, key: str, optimizer: torch.optim.Optimizer, save
     return finish
 
 
-def _plan_value(path: Path, key: str, obj: Any, saved: Entries, metadata: Metadata, flat: dict[str, Any],
-                app_state: dict[str, Any]) -> Finisher:
+def _plan_value(
+    path: Path, key: str, obj: Any, saved: Entries, metadata: Metadata, flat: dict[str, Any], app_state: dict[str, Any]
+) -> Finisher:
     """A stateful object (merged into its current state) or a plain value (updated in place
     where it is a dict, list or tensor; replaced in `app_state` otherwise)."""
     sdm = metadata.state_dict_metadata
@@ -232,9 +245,9 @@ def _plan_value(path: Path, key: str, obj: Any, saved: Entries, metadata: Metada
     if isinstance(obj, PerRank):
         missing = []  # PerRank warns and keeps its state when its rank is absent
     if missing:
-        names = [m[len(key) + 1:] or m for m in missing]
+        names = [m[len(key) + 1 :] or m for m in missing]
         raise _mismatch(path, key, type(obj).__name__, names, [], [])
-    for fqn, sub in saved:
+    for fqn, _ in saved:
         md = sdm[fqn]
         if isinstance(md, TensorStorageMetadata):
             current = base_flat.get(fqn)
@@ -251,8 +264,11 @@ def _plan_value(path: Path, key: str, obj: Any, saved: Entries, metadata: Metada
         if isinstance(obj, PerRank) and not saved:
             obj.load_state_dict({})  # warns: nothing saved for this rank
             return
-        value = ({} if isinstance(base, dict) else base) if not saved else unflatten(
-            [(sub, loaded[fqn]) for fqn, sub in saved])
+        value = (
+            ({} if isinstance(base, dict) else base)
+            if not saved
+            else unflatten([(sub, loaded[fqn]) for fqn, sub in saved])
+        )
         merged = merge_loaded(base, value)
         if stateful:
             obj.load_state_dict(merged)
@@ -262,8 +278,10 @@ def _plan_value(path: Path, key: str, obj: Any, saved: Entries, metadata: Metada
         elif isinstance(obj, list) and isinstance(merged, list):
             obj[:] = merged
         elif (
-            isinstance(obj, torch.Tensor) and isinstance(merged, torch.Tensor)
-            and obj.shape == merged.shape and obj.dtype == merged.dtype
+            isinstance(obj, torch.Tensor)
+            and isinstance(merged, torch.Tensor)
+            and obj.shape == merged.shape
+            and obj.dtype == merged.dtype
         ):
             if merged is not obj:
                 obj.copy_(merged)

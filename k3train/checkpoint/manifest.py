@@ -9,10 +9,9 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
-
 
 MANIFEST = "k3train.json"
 METADATA = ".metadata"
@@ -35,13 +34,13 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
 
 
-def step_of(name: str) -> Optional[int]:
+def step_of(name: str) -> int | None:
     """The step of a checkpoint directory name (`step_00000010` → 10), None for any other name."""
     match = _STEP_RE.match(name)
     return int(match.group(1)) if match else None
 
 
-def replaced_step_name(name: str) -> Optional[str]:
+def replaced_step_name(name: str) -> str | None:
     """The final name (`step_XXXXXXXX`) an `.old_` directory was moved aside from, else None."""
     match = _OLD_RE.match(name)
     return match.group(1) if match else None
@@ -60,7 +59,7 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def read_manifest(path: str | Path) -> Optional[dict]:
+def read_manifest(path: str | Path) -> dict | None:
     """The manifest of a checkpoint directory, or None when it is missing or unreadable."""
     try:
         with open(Path(path) / MANIFEST, encoding="utf-8") as f:
@@ -91,7 +90,7 @@ def write_manifest(path: str | Path, step: int, world_size: int = 1, **extra: An
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "step": int(step),
-        "time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+        "time": datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(),
         "unix_time": now,
         "torch_version": torch.__version__,
         "world_size": int(world_size),

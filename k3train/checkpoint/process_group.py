@@ -3,7 +3,7 @@ process group too: one process is rank 0 of 1 and the collectives are identities
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -40,14 +40,14 @@ def broadcast_from_first(obj: Any, group: Any = None) -> Any:
     return box[0]
 
 
-def first_error(error: Optional[str], group: Any = None) -> Optional[str]:
+def first_error(error: str | None, group: Any = None) -> str | None:
     """The lowest rank's error (`"rank r: …"`) on every rank of `group`, None when no rank has one.
 
     Every rank calls this before a collective that a failed rank would not enter, so no rank
     waits forever on another that already gave up."""
     if not distributed_active():
         return error
-    errors: list[Optional[str]] = [None] * group_size(group)
+    errors: list[str | None] = [None] * group_size(group)
     dist.all_gather_object(errors, error, group=group)
     for rank, e in enumerate(errors):
         if e is not None:

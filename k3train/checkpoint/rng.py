@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -69,7 +69,7 @@ class PerRank:
         self.obj = obj
 
     @staticmethod
-    def rank_key(rank: Optional[int] = None) -> str:
+    def rank_key(rank: int | None = None) -> str:
         return f"rank_{global_rank() if rank is None else rank}"
 
     def state_dict(self) -> dict[str, Any]:

@@ -19,10 +19,18 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from k3train.checkpoint.errors import CheckpointError, one_line
 
 _ALLOWED: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
-    }),
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch.distributed.checkpoint._extension": frozenset({"ExtensionRegistry"}),
     "torch.serialization": frozenset({"_get_layout"}),  # a lookup of torch.strided & co by name
@@ -60,7 +68,9 @@ def read_metadata_safely(path: str | Path) -> Metadata:
             f"checkpoint {path} has an unreadable .metadata ({type(e).__name__}: {one_line(e, 200)})"
         ) from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint {path} has a .metadata holding a {type(metadata).__name__}, not DCP metadata")
+        raise CheckpointError(
+            f"checkpoint {path} has a .metadata holding a {type(metadata).__name__}, not DCP metadata"
+        )
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata

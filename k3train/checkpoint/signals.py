@@ -19,7 +19,8 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from k3train.job_ending import write_torchrun_error_file
 
@@ -37,19 +38,23 @@ STOPPED_UNSAVED = 4
 _REPEAT_WINDOW_S = 1.0
 
 
-def signal_name(signum: Optional[int]) -> str:
+def signal_name(signum: int | None) -> str:
     try:
         return signal.Signals(signum).name if signum is not None else "signal"
     except ValueError:
         return f"signal {signum}"
 
 
-def exit_unsaved(signum: int, reason: str, step: Optional[int] = None, print_line: bool = True) -> None:
+def exit_unsaved(signum: int, reason: str, step: int | None = None, print_line: bool = True) -> None:
     """One line on stderr (unless `print_line` is False: another rank prints it) and
     `os._exit(STOPPED_UNSAVED)` (the main thread may be blocked for good)."""
-    where = f"stopped at step {step} ({signal_name(signum)})" if step is not None else f"stopped by {signal_name(signum)}"
-    line = (f"error: {where} without saving a checkpoint: {reason}; "
-            f"the newest complete checkpoint is kept (resume with checkpoint.resume=auto)")
+    where = (
+        f"stopped at step {step} ({signal_name(signum)})" if step is not None else f"stopped by {signal_name(signum)}"
+    )
+    line = (
+        f"error: {where} without saving a checkpoint: {reason}; "
+        f"the newest complete checkpoint is kept (resume with checkpoint.resume=auto)"
+    )
     if print_line:
         print(line, file=sys.stderr, flush=True)
     write_torchrun_error_file(line)
@@ -109,18 +114,22 @@ class GracefulExit:
     stays False.
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), grace_s: float = 60.0,
-                 on_unanswered: Callable[[int, str], None] = exit_unsaved) -> None:
+    def __init__(
+        self,
+        signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT),
+        grace_s: float = 60.0,
+        on_unanswered: Callable[[int, str], None] = exit_unsaved,
+    ) -> None:
         self.signals = tuple(signals)
         self.grace_s = grace_s
         self.on_unanswered = on_unanswered
         self.should_stop = False
-        self.received: Optional[int] = None
+        self.received: int | None = None
         self.acknowledged = False
         self._previous: dict[int, Any] = {}
-        self._previous_wakeup_fd: Optional[int] = None
-        self._wakeup: Optional[tuple[socket.socket, socket.socket]] = None
-        self._watchdog: Optional[threading.Thread] = None
+        self._previous_wakeup_fd: int | None = None
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._watchdog: threading.Thread | None = None
         self._closing = threading.Event()
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -134,7 +143,7 @@ class GracefulExit:
     def _watch(self, reader: socket.socket) -> None:
         """Wait for wakeup bytes; after the first of our signals, give the loop `grace_s` to
         acknowledge, and end the process if it does not (or if a second signal comes)."""
-        first: Optional[tuple[int, float]] = None
+        first: tuple[int, float] | None = None
         while not self._closing.is_set():
             if first is None or self.acknowledged:
                 timeout = None
@@ -143,7 +152,7 @@ class GracefulExit:
             reader.settimeout(timeout)
             try:
                 data = reader.recv(64)
-            except socket.timeout:
+            except TimeoutError:
                 data = None
             except OSError:
                 return
@@ -162,8 +171,11 @@ class GracefulExit:
                     return
             if first is not None and not self.acknowledged and time.monotonic() >= first[1] + self.grace_s:
                 if not self._closing.is_set():
-                    self.on_unanswered(first[0], f"the step in progress did not finish within {self.grace_s:g}s "
-                                                 f"(a rank blocked on a collective?)")
+                    self.on_unanswered(
+                        first[0],
+                        f"the step in progress did not finish within {self.grace_s:g}s "
+                        f"(a rank blocked on a collective?)",
+                    )
                 return
 
     def _start_watchdog(self) -> None:
@@ -192,7 +204,7 @@ class GracefulExit:
         self._wakeup, self._watchdog = None, None
 
     # ------------------------------------------------------------------ context
-    def __enter__(self) -> "GracefulExit":
+    def __enter__(self) -> GracefulExit:
         if threading.current_thread() is not threading.main_thread():
             warnings.warn("GracefulExit: not the main thread, signal handlers not installed", stacklevel=2)
             return self

@@ -3,7 +3,7 @@ nested/flat value helpers used when loading, and the flat-dict DCP load planner.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,9 +50,7 @@ def parameter_names(app_state: dict[str, Any]) -> dict[int, str]:
     return names
 
 
-def optimizer_param_names(
-    optimizer: torch.optim.Optimizer, by_id: dict[int, str]
-) -> list[tuple[str, torch.Tensor]]:
+def optimizer_param_names(optimizer: torch.optim.Optimizer, by_id: dict[int, str]) -> list[tuple[str, torch.Tensor]]:
     """(checkpoint name, parameter) in the optimizer's positional order."""
     out = []
     for gi, group in enumerate(optimizer.param_groups):
@@ -142,7 +140,7 @@ def merge_loaded(base: Any, loaded: Any) -> Any:
     return loaded
 
 
-def empty_tensor_for(md: TensorStorageMetadata, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+def empty_tensor_for(md: TensorStorageMetadata, like: torch.Tensor | None = None) -> torch.Tensor:
     """A tensor to read a saved tensor into: on `like`'s device and layout when the shapes agree."""
     dtype = md.properties.dtype
     if like is not None and tuple(like.shape) == tuple(md.size):

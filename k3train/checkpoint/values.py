@@ -55,17 +55,25 @@ def _to_json(value: Any, where: str) -> Any:
     if isinstance(value, torch.Tensor):
         cpu = value.detach().to("cpu").contiguous()
         raw = cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
-        return {TAG: "tensor", "dtype": _dtype_name(cpu.dtype), "shape": list(cpu.shape),
-                "data": base64.b64encode(raw).decode("ascii")}
+        return {
+            TAG: "tensor",
+            "dtype": _dtype_name(cpu.dtype),
+            "shape": list(cpu.shape),
+            "data": base64.b64encode(raw).decode("ascii"),
+        }
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy is a dependency
         np = None
     if np is not None and isinstance(value, (np.ndarray, np.generic)):
         array = np.ascontiguousarray(value)
-        return {TAG: "ndarray", "dtype": array.dtype.str, "shape": list(array.shape),
-                "scalar": isinstance(value, np.generic),
-                "data": base64.b64encode(array.tobytes()).decode("ascii")}
+        return {
+            TAG: "ndarray",
+            "dtype": array.dtype.str,
+            "shape": list(array.shape),
+            "scalar": isinstance(value, np.generic),
+            "data": base64.b64encode(array.tobytes()).decode("ascii"),
+        }
     raise CheckpointError(
         f"cannot save {where} (a {type(value).__name__}): checkpoint values other than tensors must be "
         "None, bool, int, float, str, list, tuple, dict, bytes, numpy arrays or torch dtypes"
@@ -122,7 +130,7 @@ def decode_value(data: bytes, where: str = "value") -> Any:
             "the checkpoint was written by another tool or an older k3train, or was tampered with"
         )
     try:
-        return _from_json(json.loads(data[len(MAGIC):].decode("utf-8")))
+        return _from_json(json.loads(data[len(MAGIC) :].decode("utf-8")))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{where} is a damaged k3train value ({type(e).__name__}: {one_line(e, 160)})") from None
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -33,7 +32,7 @@ class Problem:
 class Verdict:
     """What `checkpoint_problems` found: the metadata (None if unreadable) and the problems."""
 
-    metadata: Optional[Metadata]
+    metadata: Metadata | None
     problems: list[Problem]
     checksummed: bool
     """Whether the manifest lists checksums (checkpoints of k3train before format 2 do not)."""
@@ -52,14 +51,20 @@ def checkpoint_problems(path: str | Path, checksums: bool = True, share: tuple[i
     problems: list[Problem] = []
     manifest = read_manifest(path)
     if not (path / METADATA).is_file():
-        problems.append(Problem("incomplete", f"checkpoint {path} is incomplete: no {METADATA} (its save did not finish)"))
+        problems.append(
+            Problem("incomplete", f"checkpoint {path} is incomplete: no {METADATA} (its save did not finish)")
+        )
     if not manifest or manifest.get("complete") is not True:
-        problems.append(Problem(
-            "incomplete", f"checkpoint {path} is incomplete: no {MANIFEST} marked complete (its save did not finish)"))
+        problems.append(
+            Problem(
+                "incomplete",
+                f"checkpoint {path} is incomplete: no {MANIFEST} marked complete (its save did not finish)",
+            )
+        )
     if problems:
         return Verdict(None, problems, False)
     try:
-        metadata: Optional[Metadata] = read_metadata_safely(path)
+        metadata: Metadata | None = read_metadata_safely(path)
     except CheckpointError as e:
         return Verdict(None, [Problem("metadata", str(e))], False)
 
@@ -73,20 +78,28 @@ def checkpoint_problems(path: str | Path, checksums: bool = True, share: tuple[i
     for rel, size in sorted(needed.items()):
         file = path / rel
         if not _inside(path, file):
-            problems.append(Problem("metadata", f"checkpoint {path}: {METADATA} names a file outside the checkpoint ({rel})"))
+            problems.append(
+                Problem("metadata", f"checkpoint {path}: {METADATA} names a file outside the checkpoint ({rel})")
+            )
         elif not file.is_file():
             problems.append(Problem("incomplete", f"checkpoint {path} is incomplete: data file {rel} is missing"))
         elif file.stat().st_size < size:
-            problems.append(Problem(
-                "truncated", f"checkpoint {path} is truncated: data file {rel} has {file.stat().st_size} "
-                f"bytes, {METADATA} needs {size}"))
+            problems.append(
+                Problem(
+                    "truncated",
+                    f"checkpoint {path} is truncated: data file {rel} has {file.stat().st_size} "
+                    f"bytes, {METADATA} needs {size}",
+                )
+            )
 
     files = manifest.get("files")
     checksummed = isinstance(files, dict)
     if checksums and checksummed and not problems:
         uncovered = sorted(set(needed) - set(files))
         if uncovered:
-            problems.append(Problem("checksum", f"checkpoint {path}: {MANIFEST} has no checksum for {', '.join(uncovered[:3])}"))
+            problems.append(
+                Problem("checksum", f"checkpoint {path}: {MANIFEST} has no checksum for {', '.join(uncovered[:3])}")
+            )
         index, count = share
         for rel in sorted(files)[index::count]:
             problems += _check_file(path, rel, files[rel])
@@ -109,11 +122,20 @@ def _check_file(path: Path, rel: str, recorded: object) -> list[Problem]:
         return [Problem("incomplete", f"checkpoint {path} is incomplete: {rel} is missing")]
     actual = file_checksum(file)
     if actual["size"] != recorded.get("size"):
-        return [Problem("truncated", f"checkpoint {path}: {rel} has {actual['size']} bytes, the manifest recorded "
-                        f"{recorded.get('size')}")]
+        return [
+            Problem(
+                "truncated",
+                f"checkpoint {path}: {rel} has {actual['size']} bytes, the manifest recorded {recorded.get('size')}",
+            )
+        ]
     if actual[CHECKSUM] != recorded.get(CHECKSUM):
-        return [Problem("checksum", f"checkpoint {path}: {rel} is damaged ({CHECKSUM} {actual[CHECKSUM]}, the "
-                        f"manifest recorded {recorded.get(CHECKSUM)})")]
+        return [
+            Problem(
+                "checksum",
+                f"checkpoint {path}: {rel} is damaged ({CHECKSUM} {actual[CHECKSUM]}, the "
+                f"manifest recorded {recorded.get(CHECKSUM)})",
+            )
+        ]
     return []
 
 
@@ -127,7 +149,8 @@ def verify_checkpoint(path: str | Path, checksums: bool = True, share: tuple[int
         if first.reason == "missing":
             raise CheckpointError(
                 f"{first.message}; pass checkpoint.resume=<a complete checkpoint directory>, auto (newest in "
-                "checkpoint.dir) or none")
+                "checkpoint.dir) or none"
+            )
         more = f" (and {len(verdict.problems) - 1} more problem(s))" if len(verdict.problems) > 1 else ""
         raise CheckpointError(f"{first.message}{more}; {resume_hint(path)}")
     if checksums and not verdict.checksummed:

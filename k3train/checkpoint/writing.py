@@ -10,9 +10,10 @@ import os
 import secrets
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,7 +22,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from k3train.checkpoint.errors import CheckpointError, describe_save_failure
 from k3train.checkpoint.integrity import CHECKSUM, ChecksummingWriter, checksum_files, file_checksum
 from k3train.checkpoint.manifest import METADATA, OLD_PREFIX, fsync_dir, is_complete, move_aside, write_manifest
-from k3train.checkpoint.process_group import broadcast_from_first, distributed_active, gather_objects, group_rank, group_size
+from k3train.checkpoint.process_group import (
+    broadcast_from_first,
+    distributed_active,
+    gather_objects,
+    group_rank,
+    group_size,
+)
 from k3train.checkpoint.values import JsonSavePlanner
 
 logger = logging.getLogger(__name__)
@@ -82,8 +89,13 @@ def write_checkpoint(job: SaveJob, group: Any) -> Path:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
-            dcp.save(job.state, storage_writer=writer, planner=JsonSavePlanner(), process_group=group,
-                     no_dist=not distributed_active())
+            dcp.save(
+                job.state,
+                storage_writer=writer,
+                planner=JsonSavePlanner(),
+                process_group=group,
+                no_dist=not distributed_active(),
+            )
         sums = checksum_files(job.tmp, writer.written)
         error = None
     except (Exception, CheckpointException) as e:
@@ -121,7 +133,7 @@ def finish_checkpoint(job: SaveJob, files: dict[str, Any], world_size: int) -> N
     """Rank 0: the manifest with every file's checksum, then the rename into place (atomic)."""
     write_manifest(job.tmp, job.step, world_size=world_size, keys=job.keys, checksum=CHECKSUM, files=files)
     final = job.final
-    old: Optional[Path] = None
+    old: Path | None = None
     if final.exists():
         if is_complete(final):  # the same step saved again (after a resume): replace it
             old = final.parent / f"{OLD_PREFIX}{final.name}_{secrets.token_hex(4)}"

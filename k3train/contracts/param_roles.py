@@ -8,7 +8,6 @@ Attributes on `nn.Parameter` (as Megatron marks `tensor_model_parallel`):
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -24,11 +23,11 @@ class HeadBlocks:
 def mark_head_blocks(param: torch.Tensor, dim: int, num_heads: int) -> None:
     if param.shape[dim] % num_heads:
         raise ValueError(f"dimension {dim} of shape {tuple(param.shape)} does not split into {num_heads} heads")
-    setattr(param, "head_blocks", HeadBlocks(dim, num_heads))  # an attribute torch does not declare
+    param.head_blocks = HeadBlocks(dim, num_heads)  # an attribute torch does not declare
 
 
 def mark_adamw_only(param: torch.Tensor) -> None:
-    setattr(param, "adamw_only", True)
+    param.adamw_only = True
 
 
 def linear_weight(linear: torch.nn.Module) -> torch.nn.Parameter:
@@ -39,7 +38,7 @@ def linear_weight(linear: torch.nn.Module) -> torch.nn.Parameter:
     return weight
 
 
-def head_blocks_of(param: torch.Tensor) -> Optional[HeadBlocks]:
+def head_blocks_of(param: torch.Tensor) -> HeadBlocks | None:
     return getattr(param, "head_blocks", None)
 
 

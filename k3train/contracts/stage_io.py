@@ -15,7 +15,7 @@ pipeline plan and the FLOP census all ask this one function.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # annotations only: the block rule is used by the torch-free config checks
     import torch
@@ -29,7 +29,7 @@ SUBLAYERS: tuple[Sublayer, Sublayer] = ("mixer", "ffn")
 class ResidualState:
     """What flows between sublayers and across pipeline stages."""
 
-    partial: Optional[torch.Tensor]
+    partial: torch.Tensor | None
     blocks: list[torch.Tensor] = field(default_factory=list)
 
     def sources(self) -> list[torch.Tensor]:
@@ -53,5 +53,4 @@ def blocks_before_layer(attn_res: str, block_size: int, layer: int) -> int:
     (`layer = L`: after the last one): the closes of every sublayer below it."""
     if attn_res not in ATTN_RES_MODES:  # checked even when no layer lies below `layer`
         raise ValueError(f"unknown model.attn_res {attn_res!r}; expected one of {', '.join(ATTN_RES_MODES)}")
-    return sum(closes_block(attn_res, block_size, below, sublayer)
-               for below in range(layer) for sublayer in SUBLAYERS)
+    return sum(closes_block(attn_res, block_size, below, sublayer) for below in range(layer) for sublayer in SUBLAYERS)

@@ -2,7 +2,6 @@
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from k3train.recipe import check
 
@@ -13,11 +12,11 @@ class DataConfig:
 
     paths: list[str] = field(default_factory=list)
     """Indexed-dataset prefixes (PREFIX.bin + PREFIX.idx); empty means the embedded default corpus."""
-    weights: Optional[list[float]] = None
+    weights: list[float] | None = None
     """Blending weights, one per path; null means proportional to each dataset's token count."""
     tokenizer: str = "byte"
     """'byte' (built in, no download) or the path of a Hugging Face tokenizer.json."""
-    eos_token: Optional[str] = None
+    eos_token: str | None = None
     """End-of-document token of a Hugging Face tokenizer; null picks the usual one (<|endoftext|>, </s>, ...)."""
     seq_length: int = 128
     """Tokens per training sample (each sample carries one more token for the shifted labels)."""
@@ -27,7 +26,7 @@ class DataConfig:
     """Seed of the deterministic sample shuffle."""
     max_epochs: int = 1
     """How many passes over the data a run may make before it is refused as too small."""
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
     """Where the embedded default corpus is built and kept; null means k3train's cache: $K3TRAIN_CACHE_DIR, else
     $XDG_CACHE_HOME/k3train, else ~/.cache/k3train."""
     corpus_max_bytes: int = 8_000_000
@@ -35,17 +34,27 @@ class DataConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting that cannot mean anything."""
-        check([
-            (self.seq_length >= 1, f"data.seq_length must be at least 1, got {self.seq_length}"),
-            (self.max_epochs >= 1, f"data.max_epochs must be at least 1, got {self.max_epochs}"),
-            (0.0 <= self.validation_fraction < 1.0,
-             f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}"),
-        ])
+        check(
+            [
+                (self.seq_length >= 1, f"data.seq_length must be at least 1, got {self.seq_length}"),
+                (self.max_epochs >= 1, f"data.max_epochs must be at least 1, got {self.max_epochs}"),
+                (
+                    0.0 <= self.validation_fraction < 1.0,
+                    f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}",
+                ),
+            ]
+        )
         if self.weights is not None:
-            check([
-                (len(self.weights) == len(self.paths),
-                 f"data.weights has {len(self.weights)} entries but data.paths has {len(self.paths)}; "
-                 f"give one weight per path, or null"),
-                (all(w >= 0 and math.isfinite(w) for w in self.weights) and sum(self.weights) > 0,
-                 f"data.weights {self.weights} must be non-negative with a positive sum"),
-            ])
+            check(
+                [
+                    (
+                        len(self.weights) == len(self.paths),
+                        f"data.weights has {len(self.weights)} entries but data.paths has {len(self.paths)}; "
+                        f"give one weight per path, or null",
+                    ),
+                    (
+                        all(w >= 0 and math.isfinite(w) for w in self.weights) and sum(self.weights) > 0,
+                        f"data.weights {self.weights} must be non-negative with a positive sum",
+                    ),
+                ]
+            )

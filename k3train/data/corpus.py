@@ -23,7 +23,6 @@ import sysconfig
 import time
 import uuid
 from pathlib import Path
-from typing import Optional, Union
 
 import numpy as np
 
@@ -33,20 +32,18 @@ from k3train.data.tokenizers import ByteTokenizer
 
 DEFAULT_CORPUS_BYTES = 8_000_000
 """Default cap of the corpus: about 8 MB of source, a few seconds to build."""
-SKIPPED_DIRECTORIES = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-)
+SKIPPED_DIRECTORIES = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 """Directory names whose files stay out of the corpus (test data is noisy and large)."""
 CORPUS_FORMAT = 1
 """Bumped whenever the way the corpus is built changes, so old caches are not reused."""
 
 
-def resolve_cache_dir(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
+def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """`data.cache_dir` if set, else k3train's cache (`$K3TRAIN_CACHE_DIR`, ...: k3train/cache.py)."""
     return shared_cache_dir(cache_dir)
 
 
-def stdlib_source_files(max_bytes: int, root: Optional[Path] = None) -> list[tuple[Path, int]]:
+def stdlib_source_files(max_bytes: int, root: Path | None = None) -> list[tuple[Path, int]]:
     """`(path, size)` of the standard-library sources that make up the corpus, in corpus order.
 
     Files are visited in sorted relative-path order; one that would push the total past
@@ -69,8 +66,7 @@ def stdlib_source_files(max_bytes: int, root: Optional[Path] = None) -> list[tup
     return chosen
 
 
-def default_corpus_prefix(cache_dir: Optional[Union[str, os.PathLike]] = None,
-                          max_bytes: int = DEFAULT_CORPUS_BYTES) -> str:
+def default_corpus_prefix(cache_dir: str | os.PathLike | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> str:
     """The indexed-dataset prefix of the default corpus, building it on first use."""
     root = resolve_cache_dir(cache_dir) / "corpus"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -101,12 +97,18 @@ def default_corpus_prefix(cache_dir: Optional[Union[str, os.PathLike]] = None,
     scratch.mkdir()
     # A first run spends seconds here (longer on a slow disk) before any other output: say so.
     started = time.perf_counter()
-    print(f"building the default corpus (first use): {len(files)} standard-library files, "
-          f"{sum(size for _, size in files) / 1e6:.1f} MB, into {final}", flush=True)
+    print(
+        f"building the default corpus (first use): {len(files)} standard-library files, "
+        f"{sum(size for _, size in files) / 1e6:.1f} MB, into {final}",
+        flush=True,
+    )
     try:
         documents, tokens = _write_corpus(scratch, stdlib, files)
-        print(f"built the default corpus in {time.perf_counter() - started:.1f} s: {documents:,} documents, "
-              f"{tokens:,} tokens (reused by later runs)", flush=True)
+        print(
+            f"built the default corpus in {time.perf_counter() - started:.1f} s: {documents:,} documents, "
+            f"{tokens:,} tokens (reused by later runs)",
+            flush=True,
+        )
         try:
             os.rename(scratch, final)
         except OSError:

@@ -32,10 +32,10 @@ import os
 import struct
 import uuid
 from array import array
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -46,26 +46,28 @@ VERSION = 1
 HEADER_BYTES = 34
 """Magic (9) + version (8) + dtype code (1) + sequence count (8) + document-index count (8)."""
 
-DTYPE_CODES: Mapping[int, np.dtype] = MappingProxyType({
-    1: np.dtype(np.uint8),
-    2: np.dtype(np.int8),
-    3: np.dtype(np.int16),
-    4: np.dtype(np.int32),
-    5: np.dtype(np.int64),
-    6: np.dtype(np.float64),
-    7: np.dtype(np.float32),
-    8: np.dtype(np.uint16),
-})
+DTYPE_CODES: Mapping[int, np.dtype] = MappingProxyType(
+    {
+        1: np.dtype(np.uint8),
+        2: np.dtype(np.int8),
+        3: np.dtype(np.int16),
+        4: np.dtype(np.int32),
+        5: np.dtype(np.int64),
+        6: np.dtype(np.float64),
+        7: np.dtype(np.float32),
+        8: np.dtype(np.uint16),
+    }
+)
 """megatron-core's `DType` enum: the `.idx` dtype code of each token dtype."""
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 class DataError(ValueError):
     """Anything wrong with the data or its settings; the message names the file or key and the fix."""
 
 
-def optimal_dtype(vocab_size: Optional[int]) -> np.dtype:
+def optimal_dtype(vocab_size: int | None) -> np.dtype:
     """The token dtype megatron-core picks: uint16 below 65,500 entries, else int32."""
     if vocab_size is not None and vocab_size < 65500:
         return np.dtype(np.uint16)
@@ -101,15 +103,11 @@ class IndexedDatasetWriter:
             writer.add_sequence([4, 5]); writer.add_sequence([6]); writer.end_document()
     """
 
-    def __init__(
-        self, prefix: PathLike, vocab_size: Optional[int] = None, dtype: Optional[np.dtype] = None
-    ) -> None:
+    def __init__(self, prefix: PathLike, vocab_size: int | None = None, dtype: np.dtype | None = None) -> None:
         self.bin_path, self.idx_path = dataset_paths(prefix)
         self.dtype = np.dtype(dtype) if dtype is not None else optimal_dtype(vocab_size)
         self._code = dtype_code(self.dtype)
-        self._limits = (
-            (np.iinfo(self.dtype).min, np.iinfo(self.dtype).max) if self.dtype.kind in "iu" else None
-        )
+        self._limits = (np.iinfo(self.dtype).min, np.iinfo(self.dtype).max) if self.dtype.kind in "iu" else None
         # Lengths and document ends are small (12 bytes per sequence); compact arrays keep the
         # memory of a billion-document run bounded without a second pass over the tokens.
         self._lengths = array("q")
@@ -137,7 +135,7 @@ class IndexedDatasetWriter:
         """Tokens written so far."""
         return self._num_tokens
 
-    def add_sequence(self, tokens: Union[Sequence[int], np.ndarray]) -> None:
+    def add_sequence(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append one sequence to the current document (end it with `end_document()`)."""
         if self._finished:
             raise RuntimeError(f"{self.bin_path}: the writer is already finalized")
@@ -161,7 +159,7 @@ class IndexedDatasetWriter:
         """Close the current document (the sequences added since the last call)."""
         self._document_indices.append(len(self._lengths))
 
-    def add_document(self, tokens: Union[Sequence[int], np.ndarray]) -> None:
+    def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append a document made of one sequence."""
         self.add_sequence(tokens)
         self.end_document()
@@ -215,7 +213,7 @@ class IndexedDatasetWriter:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "IndexedDatasetWriter":
+    def __enter__(self) -> IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -227,9 +225,9 @@ class IndexedDatasetWriter:
 
 def write_indexed_dataset(
     prefix: PathLike,
-    documents: Sequence[Union[Sequence[int], np.ndarray]],
-    vocab_size: Optional[int] = None,
-    dtype: Optional[np.dtype] = None,
+    documents: Sequence[Sequence[int] | np.ndarray],
+    vocab_size: int | None = None,
+    dtype: np.dtype | None = None,
 ) -> tuple[Path, Path]:
     """Write a list of documents (one sequence each) in one call; returns `(bin_path, idx_path)`."""
     with IndexedDatasetWriter(prefix, vocab_size=vocab_size, dtype=dtype) as writer:
@@ -341,7 +339,7 @@ class IndexedDataset:
         offset += 8 * sequence_count
         self.document_indices: np.ndarray = np.frombuffer(idx_map, "<i8", document_count, offset)
         offset += 8 * document_count
-        self.sequence_modes: Optional[np.ndarray] = (
+        self.sequence_modes: np.ndarray | None = (
             np.frombuffer(idx_map, np.int8, sequence_count, offset) if idx_size > expected else None
         )
         self._check_index()
@@ -373,9 +371,7 @@ class IndexedDataset:
             problem = "a negative sequence length"
         elif len(pointers) and (
             pointers[0] != 0
-            or not np.array_equal(
-                np.diff(pointers), lengths[:-1].astype(np.int64) * self.dtype.itemsize
-            )
+            or not np.array_equal(np.diff(pointers), lengths[:-1].astype(np.int64) * self.dtype.itemsize)
         ):
             problem = "sequence offsets that are not the running sum of the lengths"
         elif docs[0] != 0 or docs[-1] != len(lengths) or (len(docs) > 1 and np.diff(docs).min() < 0):
@@ -392,7 +388,7 @@ class IndexedDataset:
         """Number of documents."""
         return len(self.document_indices) - 1
 
-    def get(self, sequence_index: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+    def get(self, sequence_index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens of one sequence (or `length` of them from `offset`), as a read-only array."""
         if not -len(self) <= sequence_index < len(self):
             raise IndexError(f"sequence {sequence_index} out of range for {len(self)} sequences")

@@ -29,9 +29,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,8 +92,11 @@ def greedy_blend(
     done = [int(x) for x in taken]
     if len(w) == 1:
         start = done[0]
-        return (np.zeros(count, dtype=np.int64), np.arange(start, start + count, dtype=np.int64),
-                np.array([start + count], dtype=np.int64))
+        return (
+            np.zeros(count, dtype=np.int64),
+            np.arange(start, start + count, dtype=np.int64),
+            np.array([start + count], dtype=np.int64),
+        )
     position = sum(done)
     dataset_ids, sample_ids = [0] * count, [0] * count
     for i in range(count):
@@ -105,8 +109,7 @@ def greedy_blend(
         dataset_ids[i] = best
         sample_ids[i] = done[best]
         done[best] += 1
-    return (np.array(dataset_ids, dtype=np.int64), np.array(sample_ids, dtype=np.int64),
-            np.array(done, dtype=np.int64))
+    return (np.array(dataset_ids, dtype=np.int64), np.array(sample_ids, dtype=np.int64), np.array(done, dtype=np.int64))
 
 
 @dataclass
@@ -149,9 +152,7 @@ class PackedDataset:
         keep = document_ids[lengths > 0]  # an empty document would only add a lone eos
         self._doc_start = starts[keep]
         self._doc_len = ends[keep] - starts[keep]
-        ends_in_eos = (
-            dataset.tokens[ends[keep] - 1] == eos_id if len(keep) else np.zeros(0, dtype=bool)
-        )
+        ends_in_eos = dataset.tokens[ends[keep] - 1] == eos_id if len(keep) else np.zeros(0, dtype=bool)
         self._stream_len = self._doc_len + (~ends_in_eos)
         self.num_documents = len(keep)
         """Non-empty documents in this split."""
@@ -233,9 +234,7 @@ class TrainingData:
         self.vocab_size = vocab_size
         self.fingerprint_fields = fingerprint
         """What the fingerprint covers, kept readable so a refused resume can say what changed."""
-        self.fingerprint = hashlib.sha256(
-            json.dumps(fingerprint, sort_keys=True).encode()
-        ).hexdigest()[:16]
+        self.fingerprint = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
         """Digest of the data settings and files a position is only valid for."""
         self.consumed_samples = 0
         """Training samples handed out so far (all ranks together)."""
@@ -251,16 +250,17 @@ class TrainingData:
         for d, dataset in enumerate(self.train):
             mine = sample_ids[dataset_ids == d]
             if len(mine) and int(mine.max()) >= self.max_epochs * dataset.samples_per_epoch:
-                raise DataError(_epochs_message(dataset, int(mine.max()) + 1, self.max_epochs,
-                                                f"after {self.consumed_samples} samples, the run"))
+                raise DataError(
+                    _epochs_message(
+                        dataset, int(mine.max()) + 1, self.max_epochs, f"after {self.consumed_samples} samples, the run"
+                    )
+                )
         batch = self._gather(self.train, dataset_ids[rows], sample_ids[rows])
         self._taken = taken
         self.consumed_samples += global_batch_size
         return batch
 
-    def _gather(
-        self, datasets: list[PackedDataset], dataset_ids: np.ndarray, sample_ids: np.ndarray
-    ) -> torch.Tensor:
+    def _gather(self, datasets: list[PackedDataset], dataset_ids: np.ndarray, sample_ids: np.ndarray) -> torch.Tensor:
         """Rows of the given (dataset, sample) pairs, as one LongTensor."""
         out = np.empty((len(dataset_ids), self.seq_length + 1), dtype=np.int64)
         for d in np.unique(dataset_ids):
@@ -321,7 +321,7 @@ class TrainingData:
         return self.validation_samples // global_batch_size
 
     def validation_batches(
-        self, global_batch_size: int, max_batches: Optional[int] = None, *, dp_rank: int = 0, dp_size: int = 1
+        self, global_batch_size: int, max_batches: int | None = None, *, dp_rank: int = 0, dp_size: int = 1
     ) -> Iterator[torch.Tensor]:
         """This rank's rows of every validation batch (at most `max_batches`), always the same
         ones in the same order: LongTensor `[global_batch_size // dp_size, seq_length + 1]`.
@@ -378,8 +378,7 @@ def build_data(config: DataConfig, global_batch_size: int, total_steps: int, voc
     config.validate()  # the data section's own rules (a ConfigError), for configs built in code too
     if global_batch_size < 1 or total_steps < 0:
         raise ValueError(
-            f"global_batch_size {global_batch_size} must be positive and total_steps {total_steps} "
-            "not negative"
+            f"global_batch_size {global_batch_size} must be positive and total_steps {total_steps} not negative"
         )
     tokenizer = build_tokenizer(config.tokenizer, eos_token=config.eos_token)
     if tokenizer.vocab_size > vocab_size:
@@ -415,10 +414,7 @@ def build_data(config: DataConfig, global_batch_size: int, total_steps: int, voc
     else:
         raw = np.array(config.weights, dtype=np.float64)
     if raw.sum() <= 0:
-        raise DataError(
-            "the training split of every dataset is empty; add documents or lower "
-            "data.validation_fraction"
-        )
+        raise DataError("the training split of every dataset is empty; add documents or lower data.validation_fraction")
     weights = raw / raw.sum()
 
     _check_size(train, weights, global_batch_size, total_steps, config)
@@ -429,18 +425,22 @@ def build_data(config: DataConfig, global_batch_size: int, total_steps: int, voc
         "validation_fraction": config.validation_fraction,
         "tokenizer": tokenizer.identity(),
         "datasets": [
-            {"name": Path(dataset.prefix).name, "documents": dataset.num_documents,
-             "tokens": dataset.num_tokens, "index_digest": _index_digest(dataset.idx_path),
-             "weight": round(float(weight), 12)}
+            {
+                "name": Path(dataset.prefix).name,
+                "documents": dataset.num_documents,
+                "tokens": dataset.num_tokens,
+                "index_digest": _index_digest(dataset.idx_path),
+                "weight": round(float(weight), 12),
+            }
             for dataset, weight in zip(datasets, weights)
         ],
     }
-    return TrainingData(tokenizer, train, valid, weights, config.seq_length, config.max_epochs,
-                        vocab_size, fingerprint)
+    return TrainingData(tokenizer, train, valid, weights, config.seq_length, config.max_epochs, vocab_size, fingerprint)
 
 
-def _check_size(train: list[PackedDataset], weights: np.ndarray, global_batch_size: int,
-                total_steps: int, config: DataConfig) -> None:
+def _check_size(
+    train: list[PackedDataset], weights: np.ndarray, global_batch_size: int, total_steps: int, config: DataConfig
+) -> None:
     """Refuse data too small for one global batch, or for the run within data.max_epochs."""
     used = [(dataset, weight) for dataset, weight in zip(train, weights) if weight > 0]
     for dataset, _ in used:
@@ -464,10 +464,14 @@ def _check_size(train: list[PackedDataset], weights: np.ndarray, global_batch_si
         # The greedy blend keeps every share within one sample of weight * total.
         need = total if len(used) == 1 else min(total, math.ceil(weight * total) + 1)
         if need > config.max_epochs * dataset.samples_per_epoch:
-            raise DataError(_epochs_message(
-                dataset, need, config.max_epochs,
-                f"train.steps = {total_steps} global batches of {global_batch_size} samples",
-            ))
+            raise DataError(
+                _epochs_message(
+                    dataset,
+                    need,
+                    config.max_epochs,
+                    f"train.steps = {total_steps} global batches of {global_batch_size} samples",
+                )
+            )
 
 
 def _epochs_message(dataset: PackedDataset, need: int, max_epochs: int, who: str) -> str:

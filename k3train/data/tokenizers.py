@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Protocol, Sequence, Union
+from typing import Protocol
 
 from k3train.data.indexed_dataset import DataError
 
@@ -70,7 +71,7 @@ class HuggingFaceTokenizer:
     vocabulary has.
     """
 
-    def __init__(self, path: Union[str, os.PathLike], eos_token: Optional[str] = None) -> None:
+    def __init__(self, path: str | os.PathLike, eos_token: str | None = None) -> None:
         hf_tokenizers = _import_hf_tokenizers()
         self.path = Path(path)
         self.name = str(path)
@@ -136,13 +137,11 @@ def tokenizer_file(spec: str) -> Path:
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise DataError(
-            f"data.tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json file"
-        )
+        raise DataError(f"data.tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json file")
     return path
 
 
-def build_tokenizer(spec: str, eos_token: Optional[str] = None) -> Union[ByteTokenizer, HuggingFaceTokenizer]:
+def build_tokenizer(spec: str, eos_token: str | None = None) -> ByteTokenizer | HuggingFaceTokenizer:
     """`"byte"` gives the byte tokenizer; anything else is read as the path of a tokenizer.json."""
     if spec == "byte":
         return ByteTokenizer()

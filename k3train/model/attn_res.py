@@ -16,8 +16,8 @@ normalising and scoring the block again.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ class KeyedResidualState(ResidualState):
     block_keys: list = field(default_factory=list)
 
 
-def source_keys(state: ResidualState, attn_res: "AttentionResidual") -> tuple[list, list]:
+def source_keys(state: ResidualState, attn_res: AttentionResidual) -> tuple[list, list]:
     """For each of `state.sources()`, `attn_res`'s cached inverse key norm and dot, or None."""
     entries = getattr(state, "block_keys", [])
     eps, norms, dots = attn_res.norm.eps, [], []
@@ -70,35 +70,45 @@ class AttentionResidual(nn.Module):
         self.recompute = recompute
         # `train.compile=true` (k3train/training/compile.py) sets a compiled `norm(mix(sources))`
         # of the plain formula here (it reads the block keys too).
-        self.compiled_mix_norm: Optional[Callable] = None
+        self.compiled_mix_norm: Callable | None = None
 
-    def normalized_input(self, sources: list[torch.Tensor], norm: nn.Module,
-                         inverse_norms: Optional[list[Optional[torch.Tensor]]] = None,
-                         dots: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+    def normalized_input(
+        self,
+        sources: list[torch.Tensor],
+        norm: nn.Module,
+        inverse_norms: list[torch.Tensor | None] | None = None,
+        dots: list[torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
         """`norm(mix(sources))`: the input of the sublayer's first projection. `inverse_norms`,
         `dots`: the sources' keys where computed once already (`source_keys`)."""
         if len(sources) == 1:
             return norm(sources[0])  # softmax over one source is exactly 1
         if self.compiled_mix_norm is not None and isinstance(norm, RMSNorm):
-            return self.compiled_mix_norm(sources, self.norm.weight, self.proj.weight, self.norm.eps,
-                                          norm.weight, norm.eps, inverse_norms, dots)
+            return self.compiled_mix_norm(
+                sources, self.norm.weight, self.proj.weight, self.norm.eps, norm.weight, norm.eps, inverse_norms, dots
+            )
         if self.recompute and torch.is_grad_enabled() and isinstance(norm, RMSNorm):
             # Mix and norm in one function that saves the sources (block tensors shared by every
             # later layer, and this layer's partial sum) plus what a plain RMSNorm saves (the
             # mixed state and its inverse norm); backward recomputes the scores rather than
             # running the whole mix a second time.
-            return attn_res_mix_rmsnorm(sources, self.norm.weight, self.proj.weight, self.norm.eps,
-                                        norm.weight, norm.eps, inverse_norms, dots)
+            return attn_res_mix_rmsnorm(
+                sources, self.norm.weight, self.proj.weight, self.norm.eps, norm.weight, norm.eps, inverse_norms, dots
+            )
         return norm(self.mix(sources, inverse_norms, dots))
 
-    def mix(self, sources: list[torch.Tensor], inverse_norms: Optional[list[Optional[torch.Tensor]]] = None,
-            dots: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+    def mix(
+        self,
+        sources: list[torch.Tensor],
+        inverse_norms: list[torch.Tensor | None] | None = None,
+        dots: list[torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
         return attn_res_mix(sources, self.norm.weight, self.proj.weight, self.norm.eps, inverse_norms, dots)
 
 
 def apply_sublayer(
     state: ResidualState,
-    attn_res: Optional[AttentionResidual],
+    attn_res: AttentionResidual | None,
     push_block: bool,
     norm: nn.Module,
     sublayer: Callable[[torch.Tensor], torch.Tensor],
@@ -113,10 +123,15 @@ def apply_sublayer(
     """
     if attn_res is None:  # plain residual: x = x + f(norm(x))
         assert state.partial is not None  # with plain residuals `partial` is the hidden state
+
         def plain(hidden: torch.Tensor) -> torch.Tensor:
             return sublayer(norm(hidden))
-        output = (checkpoint(plain, state.partial, use_reentrant=False)
-                  if recompute_sublayer and torch.is_grad_enabled() else plain(state.partial))
+
+        output = (
+            checkpoint(plain, state.partial, use_reentrant=False)
+            if recompute_sublayer and torch.is_grad_enabled()
+            else plain(state.partial)
+        )
         return ResidualState(state.partial + output, state.blocks)
 
     sources = state.sources()
@@ -124,10 +139,10 @@ def apply_sublayer(
     given = [t for t in inverse_norms + dots if t is not None]
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
-        supplied = iter(inputs[len(sources):])
+        supplied = iter(inputs[len(sources) :])
         norms_in = [next(supplied) if t is not None else None for t in inverse_norms]
         dots_in = [next(supplied) if t is not None else None for t in dots]
-        return sublayer(attn_res.normalized_input(list(inputs[:len(sources)]), norm, norms_in, dots_in))
+        return sublayer(attn_res.normalized_input(list(inputs[: len(sources)]), norm, norms_in, dots_in))
 
     if recompute_sublayer and torch.is_grad_enabled():
         output = checkpoint(run, *sources, *given, use_reentrant=False)
@@ -139,7 +154,10 @@ def apply_sublayer(
         assert partial is not None  # a block closes over a running partial sum (the embedding first)
         eps = attn_res.norm.eps
         inverse_norm, block_dots = block_keys(partial, eps, [(mix.norm.weight, mix.proj.weight) for mix in later])
-        keys = keys + [None] * (len(blocks) - len(keys)) + [
-            (eps, inverse_norm, {id(mix): dot for mix, dot in zip(later, block_dots)})]
+        keys = (
+            keys
+            + [None] * (len(blocks) - len(keys))
+            + [(eps, inverse_norm, {id(mix): dot for mix, dot in zip(later, block_dots)})]
+        )
         blocks, partial = blocks + [partial], None
     return KeyedResidualState(output if partial is None else partial + output, blocks, keys)

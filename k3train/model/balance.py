@@ -14,12 +14,9 @@ up across micro-batches and ranks with one all-reduce, and its quantile is off b
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from k3train.model.config import ModelConfig
-
 
 
 class Balancer:
@@ -83,8 +80,8 @@ class HistogramQuantileBalancer(Balancer):
 
     def __init__(self, num_experts: int, top_k: int, bins: int):
         self.num_experts, self.top_k, self.bins = num_experts, top_k, bins
-        self.counts: Optional[torch.Tensor] = None  # [experts, bins] int64, summed over the step
-        self.range: Optional[tuple[float, float]] = None
+        self.counts: torch.Tensor | None = None  # [experts, bins] int64, summed over the step
+        self.range: tuple[float, float] | None = None
 
     @staticmethod
     def margin_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +125,9 @@ def histogram_quantile(counts: torch.Tensor, level: float, low: torch.Tensor, hi
     cumulative = counts.cumsum(-1)
     target = cumulative[:, -1:] * level
     crossing_bin = torch.searchsorted(cumulative, target).clamp_(max=bins - 1)  # first bin with cdf ≥ target
-    before = torch.where(crossing_bin > 0, cumulative.gather(-1, (crossing_bin - 1).clamp(min=0)), torch.zeros_like(target))
+    before = torch.where(
+        crossing_bin > 0, cumulative.gather(-1, (crossing_bin - 1).clamp(min=0)), torch.zeros_like(target)
+    )
     in_bin = counts.gather(-1, crossing_bin).clamp(min=1.0)
     fraction = ((target - before) / in_bin).clamp(0.0, 1.0)
     width = (high - low).double() / bins
@@ -140,7 +139,7 @@ class SignBalancer(Balancer):
 
     def __init__(self, num_experts: int, top_k: int, rate: float):
         self.num_experts, self.top_k, self.rate = num_experts, top_k, rate
-        self.loads: Optional[torch.Tensor] = None
+        self.loads: torch.Tensor | None = None
 
     def observe(self, scores, bias, cutoff=None):
         chosen = (scores + bias).topk(self.top_k, dim=-1).indices.flatten()

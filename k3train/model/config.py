@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 
 @dataclass
@@ -21,17 +21,17 @@ class LinearAttnConfig:
     """Key and value width per KDA head."""
     short_conv_kernel_size: int = 4
     """Kernel of the causal depthwise convolution on q, k and v."""
-    gate_lower_bound: Optional[float] = -5.0
+    gate_lower_bound: float | None = -5.0
     """K3's bounded decay `g = lower_bound * sigmoid(exp(A_log) * z)`; null for Kimi Linear's
     unbounded `-exp(A_log) * softplus(z)`."""
-    gate_low_rank_dim: Optional[int] = None
+    gate_low_rank_dim: int | None = None
     """Width of the low-rank gate input `f_b(f_a(x))`; null means `head_dim` (as in K3)."""
     output_gate: Literal["full", "low_rank"] = "full"
     """The output gate `sigmoid(g(x))` on the normalised heads: K3's full-rank `g_proj`, or Kimi
     Linear's low-rank `g_b_proj(g_a_proj(x))` (HF `use_full_rank_gate` true / false)."""
-    output_gate_rank: Optional[int] = None
+    output_gate_rank: int | None = None
     """Inner width of the low-rank output gate; null means `head_dim` (as in Kimi Linear)."""
-    full_attn_layers: Optional[list[int]] = None
+    full_attn_layers: list[int] | None = None
     """1-based decoder layers that use Gated MLA instead of KDA; null means every 4th layer and
     the last one (K3's pattern)."""
     chunk_size: int = 64
@@ -58,7 +58,7 @@ class ModelConfig:
     # Gated MLA (NoPE)
     num_attention_heads: int = 4
     """MLA heads."""
-    q_lora_rank: Optional[int] = 64
+    q_lora_rank: int | None = 64
     """Rank of the query compression `q_a_proj`; null for a full-rank `q_proj`."""
     kv_lora_rank: int = 32
     """Rank of the joint key/value compression."""
@@ -94,7 +94,7 @@ class ModelConfig:
     """Full-width shared experts (stored as one MLP of num_shared_experts * moe_intermediate_size)."""
     moe_intermediate_size: int = 64
     """Intermediate width of one expert."""
-    routed_expert_hidden_size: Optional[int] = 64
+    routed_expert_hidden_size: int | None = 64
     """Latent width the routed experts live in (`d/2` in K3); null: no latent projections, the
     experts work at `hidden_size` (a plain MoE, as in Kimi Linear; needs `latent_moe_use_norm: false`)."""
     routed_scaling_factor: float = 1.0
@@ -153,7 +153,7 @@ class ModelConfig:
         return self.routed_expert_hidden_size if self.routed_expert_hidden_size is not None else self.hidden_size
 
     @property
-    def kda_output_gate_rank(self) -> Optional[int]:
+    def kda_output_gate_rank(self) -> int | None:
         """Inner width of KDA's low-rank output gate; None for the full-rank `g_proj`."""
         lac = self.linear_attn_config
         if lac.output_gate == "full":
@@ -168,21 +168,34 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field."""
         checks = [
-            (self.num_experts_per_token < max(self.num_experts, 1) or self.num_experts == 0,
-             "num_experts_per_token must be smaller than num_experts"),
+            (
+                self.num_experts_per_token < max(self.num_experts, 1) or self.num_experts == 0,
+                "num_experts_per_token must be smaller than num_experts",
+            ),
             (self.attn_res_block_size >= 1, "attn_res_block_size must be at least 1"),
             (self.hidden_size > 0 and self.num_hidden_layers > 0, "hidden_size and num_hidden_layers must be positive"),
-            (all(0 <= i < self.num_hidden_layers for i in self.full_attn_layer_set),
-             "linear_attn_config.full_attn_layers must be 1-based layer numbers within num_hidden_layers"),
-            (0 <= self.first_k_dense_replace <= self.num_hidden_layers,
-             "first_k_dense_replace must lie in [0, num_hidden_layers]"),
-            (self.routed_expert_hidden_size is not None or not self.latent_moe_use_norm,
-             "latent_moe_use_norm needs a latent width (routed_expert_hidden_size null has no latent)"),
-            (self.linear_attn_config.output_gate in ("full", "low_rank"),
-             "linear_attn_config.output_gate must be 'full' or 'low_rank'"),
+            (
+                all(0 <= i < self.num_hidden_layers for i in self.full_attn_layer_set),
+                "linear_attn_config.full_attn_layers must be 1-based layer numbers within num_hidden_layers",
+            ),
+            (
+                0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+                "first_k_dense_replace must lie in [0, num_hidden_layers]",
+            ),
+            (
+                self.routed_expert_hidden_size is not None or not self.latent_moe_use_norm,
+                "latent_moe_use_norm needs a latent width (routed_expert_hidden_size null has no latent)",
+            ),
+            (
+                self.linear_attn_config.output_gate in ("full", "low_rank"),
+                "linear_attn_config.output_gate must be 'full' or 'low_rank'",
+            ),
             (self.linear_backend in ("auto", "torch", "te"), "linear_backend must be 'auto', 'torch' or 'te'"),
-            (self.linear_attn_config.gate_lower_bound is None or -5.0 <= self.linear_attn_config.gate_lower_bound < 0,
-             "linear_attn_config.gate_lower_bound must be in [-5, 0) or null"),
+            (
+                self.linear_attn_config.gate_lower_bound is None
+                or -5.0 <= self.linear_attn_config.gate_lower_bound < 0,
+                "linear_attn_config.gate_lower_bound must be in [-5, 0) or null",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -190,21 +203,31 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ presets
     @classmethod
-    def preset(cls, name: str) -> "ModelConfig":
+    def preset(cls, name: str) -> ModelConfig:
         if name == "debug":
             return cls()
         if name == "k3":
             return cls(
-                vocab_size=163840, hidden_size=7168, num_hidden_layers=93,
-                num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512,
-                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                vocab_size=163840,
+                hidden_size=7168,
+                num_hidden_layers=93,
+                num_attention_heads=96,
+                q_lora_rank=1536,
+                kv_lora_rank=512,
+                qk_nope_head_dim=128,
+                qk_rope_head_dim=64,
+                v_head_dim=128,
                 linear_attn_config=LinearAttnConfig(num_heads=96, head_dim=128, gate_lower_bound=-5.0),
-                intermediate_size=33792, first_k_dense_replace=1,
-                num_experts=896, num_experts_per_token=16, num_shared_experts=2,
-                moe_intermediate_size=3072, routed_expert_hidden_size=3584,
+                intermediate_size=33792,
+                first_k_dense_replace=1,
+                num_experts=896,
+                num_experts_per_token=16,
+                num_shared_experts=2,
+                moe_intermediate_size=3072,
+                routed_expert_hidden_size=3584,
                 attn_res_block_size=12,
             )
         raise ValueError(f"unknown model preset {name!r}; choose 'debug' or 'k3'")
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

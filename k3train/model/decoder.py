@@ -6,7 +6,7 @@ that follows it; with `recompute: sublayer` each whole sublayer is.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -22,8 +22,9 @@ from k3train.parallel.tensor import TensorParallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tensor_parallel: TensorParallel | None = None,
-                 expert_parallel=None):
+    def __init__(
+        self, config: ModelConfig, layer_index: int, tensor_parallel: TensorParallel | None = None, expert_parallel=None
+    ):
         super().__init__()
         tp = tensor_parallel or TensorParallel.single()
         self.layer_index = layer_index
@@ -43,13 +44,20 @@ class DecoderLayer(nn.Module):
         if config.attn_res != "none":
             recompute_mix = config.recompute != "none"
             self.self_attention_res: AttentionResidual | None = AttentionResidual(
-                config.hidden_size, config.rms_norm_eps, recompute_mix)
+                config.hidden_size, config.rms_norm_eps, recompute_mix
+            )
             self.mlp_res: AttentionResidual | None = AttentionResidual(
-                config.hidden_size, config.rms_norm_eps, recompute_mix)
+                config.hidden_size, config.rms_norm_eps, recompute_mix
+            )
         else:
             self.self_attention_res = self.mlp_res = None
         if tp.sequence_parallel:  # norms and AttnRes see only this rank's tokens
-            outside_regions = [self.input_layernorm, self.post_attention_layernorm, self.self_attention_res, self.mlp_res]
+            outside_regions = [
+                self.input_layernorm,
+                self.post_attention_layernorm,
+                self.self_attention_res,
+                self.mlp_res,
+            ]
             tp.mark_partial_grad([p for module in outside_regions if module is not None for p in module.parameters()])
 
     @property
@@ -65,14 +73,31 @@ class DecoderLayer(nn.Module):
 
     def attn_res_mixes(self) -> list[AttentionResidual]:
         """This layer's AttnRes mixes in order (none with plain residuals)."""
-        return [mix for mix in (getattr(self, "self_attention_res", None), getattr(self, "mlp_res", None))
-                if mix is not None]
+        return [
+            mix
+            for mix in (getattr(self, "self_attention_res", None), getattr(self, "mlp_res", None))
+            if mix is not None
+        ]
 
     def forward(self, state: ResidualState, later: Sequence[AttentionResidual] = ()) -> ResidualState:
         """`later`: the AttnRes mixes after this layer's in the model chunk (they read the blocks
         this layer closes; their keys are computed once, at the close)."""
         after_mixer = self.attn_res_mixes()[1:] + list(later)
-        state = apply_sublayer(state, self.self_attention_res, self.pushes_block_before_mixer(),
-                               self.input_layernorm, self.self_attn, self.recompute_sublayers, after_mixer)
-        return apply_sublayer(state, self.mlp_res, self.pushes_block_before_ffn(),
-                              self.post_attention_layernorm, self.ffn, self.recompute_sublayers, later)
+        state = apply_sublayer(
+            state,
+            self.self_attention_res,
+            self.pushes_block_before_mixer(),
+            self.input_layernorm,
+            self.self_attn,
+            self.recompute_sublayers,
+            after_mixer,
+        )
+        return apply_sublayer(
+            state,
+            self.mlp_res,
+            self.pushes_block_before_ffn(),
+            self.post_attention_layernorm,
+            self.ffn,
+            self.recompute_sublayers,
+            later,
+        )

@@ -98,8 +98,18 @@ def kda_mixer_parameters(config: ModelConfig) -> int:
     lac = config.linear_attn_config
     d, heads, head_dim = config.hidden_size, lac.num_heads, lac.head_dim
     width, rank = heads * head_dim, config.kda_gate_rank
-    return (3 * d * width + kda_output_gate_parameters(config) + width * d + 3 * width * lac.short_conv_kernel_size
-            + d * rank + rank * width + heads + width + d * heads + head_dim)
+    return (
+        3 * d * width
+        + kda_output_gate_parameters(config)
+        + width * d
+        + 3 * width * lac.short_conv_kernel_size
+        + d * rank
+        + rank * width
+        + heads
+        + width
+        + d * heads
+        + head_dim
+    )
 
 
 def mla_mixer_parameters(config: ModelConfig) -> int:
@@ -111,8 +121,11 @@ def mla_mixer_parameters(config: ModelConfig) -> int:
         query = d * heads * c.qk_head_dim
     else:
         query = d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * heads * c.qk_head_dim
-    key_value = d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank \
+    key_value = (
+        d * (c.kv_lora_rank + c.qk_rope_head_dim)
+        + c.kv_lora_rank
         + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+    )
     gate = d * heads * c.v_head_dim if c.mla_use_output_gate else 0
     return query + key_value + gate + heads * c.v_head_dim * d
 
@@ -349,9 +362,20 @@ class FlopBreakdown:
     attn_res: float
     head: float
 
-    PARTS = ("kda_projections", "kda_short_conv", "kda_chunk", "mla_projections", "mla_attention",
-             "dense_mlp", "routed_experts", "shared_experts", "latent_projections", "router",
-             "attn_res", "head")
+    PARTS = (
+        "kda_projections",
+        "kda_short_conv",
+        "kda_chunk",
+        "mla_projections",
+        "mla_attention",
+        "dense_mlp",
+        "routed_experts",
+        "shared_experts",
+        "latent_projections",
+        "router",
+        "attn_res",
+        "head",
+    )
 
     @property
     def kda(self) -> float:
@@ -420,24 +444,29 @@ def summary_table(config: ModelConfig, seq_length: int, attention: AttentionCoun
     """Parameters and training FLOPs per token, per part, as a plain-text table."""
     params = parameter_counts(config)
     flops = training_flops_per_token(config, seq_length, attention)
-    layers = (f"{config.num_hidden_layers} layers: {num_kda_layers(config)} KDA + {num_mla_layers(config)} MLA, "
-              f"{num_dense_layers(config)} dense + {num_moe_layers(config)} MoE")
-    lines = [f"K3 model, d={config.hidden_size}, {layers}", "",
-             f"{'parameters':<24}{'count':>16}{'share':>9}"]
+    layers = (
+        f"{config.num_hidden_layers} layers: {num_kda_layers(config)} KDA + {num_mla_layers(config)} MLA, "
+        f"{num_dense_layers(config)} dense + {num_moe_layers(config)} MoE"
+    )
+    lines = [f"K3 model, d={config.hidden_size}, {layers}", "", f"{'parameters':<24}{'count':>16}{'share':>9}"]
     for name, value in params.as_dict().items():
         if name in ("total", "active"):
             continue
         share = "" if name == "routed_experts_active" else f"{100 * value / params.total:8.2f}%"
         lines.append(f"  {name:<22}{value:>16,}{share:>9}")
-    lines += [f"  {'total':<22}{params.total:>16,}  ({_human(params.total)})",
-              f"  {'active per token':<22}{params.active:>16,}  ({_human(params.active)})", "",
-              f"{'training FLOPs / token':<24}{'FLOPs':>16}{'share':>9}   (T={seq_length}, "
-              f"3 × forward, MLA attention {attention})"]
+    lines += [
+        f"  {'total':<22}{params.total:>16,}  ({_human(params.total)})",
+        f"  {'active per token':<22}{params.active:>16,}  ({_human(params.active)})",
+        "",
+        f"{'training FLOPs / token':<24}{'FLOPs':>16}{'share':>9}   (T={seq_length}, "
+        f"3 × forward, MLA attention {attention})",
+    ]
     for name, part_flops in flops.as_dict().items():
         if name == "total":
             continue
         lines.append(f"  {name:<22}{_human(part_flops):>16}{100 * part_flops / flops.total:8.2f}%")
-    lines += [f"  {'total':<22}{_human(flops.total):>16}",
-              f"  {'6 × active params':<22}{_human(6 * params.non_embedding_active):>16}"
-              "  (non-embedding, for comparison)"]
+    lines += [
+        f"  {'total':<22}{_human(flops.total):>16}",
+        f"  {'6 × active params':<22}{_human(6 * params.non_embedding_active):>16}  (non-embedding, for comparison)",
+    ]
     return "\n".join(lines)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-TILE_ELEMENTS = 2 ** 24  # 64 MiB of fp32 per tile
+TILE_ELEMENTS = 2**24  # 64 MiB of fp32 per tile
 
 # Fills a tile in place: (tile values, the tile's generator, index of the tile's first row).
 TileFill = Callable[[torch.Tensor, torch.Generator, int], None]
@@ -32,12 +32,14 @@ def stream_seed(seed: int, key: str) -> int:
 def normal_fill(std: float) -> TileFill:
     def fill(values: torch.Tensor, generator: torch.Generator, first_row: int) -> None:
         values.normal_(0.0, std, generator=generator)
+
     return fill
 
 
 def uniform_fill(bound: float) -> TileFill:
     def fill(values: torch.Tensor, generator: torch.Generator, first_row: int) -> None:
         values.uniform_(-bound, bound, generator=generator)
+
     return fill
 
 
@@ -77,15 +79,16 @@ class TiledStream:
         for index in range(first_row // self.tile_rows, (end - 1) // self.tile_rows + 1):
             tile_start = index * self.tile_rows
             low, high = max(first_row, tile_start), min(end, tile_start + self.tile_rows)
-            piece = self.tile(index)[low - tile_start: high - tile_start]
+            piece = self.tile(index)[low - tile_start : high - tile_start]
             if parts > 1:
                 piece = piece.chunk(parts, dim)[part]
-            out[low - first_row: high - first_row].copy_(piece)
+            out[low - first_row : high - first_row].copy_(piece)
             del piece  # the tile is freed before the next one is drawn: one tile alive at a time
 
 
-def draw_local(stream: TiledStream, out: torch.Tensor, tp_rank: int, tp_size: int,
-               partition_dim: int | None, first_row: int = 0) -> None:
+def draw_local(
+    stream: TiledStream, out: torch.Tensor, tp_rank: int, tp_size: int, partition_dim: int | None, first_row: int = 0
+) -> None:
     """Fill `out`, this rank's part of the tensor that starts at row `first_row` of `stream`:
     the whole tensor (`partition_dim` None), or its TP shard `tp_rank` of `tp_size` along `partition_dim`."""
     if partition_dim is None or tp_size == 1:

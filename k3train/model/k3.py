@@ -10,14 +10,15 @@ slice and the head only on the last: a pipeline stage runs `forward_layers` on t
 from __future__ import annotations
 
 import math
-from typing import Optional, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3train.kernels.precision import upcast
+from k3train.contracts.param_roles import mark_adamw_only
 from k3train.contracts.stage_io import ResidualState
+from k3train.kernels.precision import upcast
 from k3train.model.attn_res import AttentionResidual, source_keys
 from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
@@ -26,7 +27,6 @@ from k3train.model.kda import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
-from k3train.contracts.param_roles import mark_adamw_only
 from k3train.parallel.context import ContextParallel
 from k3train.parallel.tensor import (
     TensorParallel,
@@ -40,7 +40,7 @@ class K3Model(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        layer_range: Optional[tuple[int, int]] = None,
+        layer_range: tuple[int, int] | None = None,
         parallel=None,
         expert_parallel=None,
         seed: int = 0,
@@ -54,8 +54,11 @@ class K3Model(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        self.tp = tp = (TensorParallel(parallel.tp, parallel.sequence_parallel, linear_factory) if parallel is not None
-                        else TensorParallel.single(linear_factory))
+        self.tp = tp = (
+            TensorParallel(parallel.tp, parallel.sequence_parallel, linear_factory)
+            if parallel is not None
+            else TensorParallel.single(linear_factory)
+        )
         start, end = layer_range if layer_range is not None else (0, config.num_hidden_layers)
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"layer_range {layer_range} must satisfy 0 <= start < end <= {config.num_hidden_layers}")
@@ -66,16 +69,21 @@ class K3Model(nn.Module):
         if self.with_embedding:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
             mark_adamw_only(self.embed_tokens.weight)
-        self.layers = nn.ModuleDict({str(index): DecoderLayer(config, index, tp, expert_parallel) for index in range(start, end)})
+        self.layers = nn.ModuleDict(
+            {str(index): DecoderLayer(config, index, tp, expert_parallel) for index in range(start, end)}
+        )
         if self.with_head:
             self.output_attn_res = (
                 AttentionResidual(config.hidden_size, config.rms_norm_eps, recompute=config.recompute != "none")
-                if config.attn_res != "none" else None
+                if config.attn_res != "none"
+                else None
             )
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             if tp.sequence_parallel:
-                tp.mark_partial_grad(list(self.norm.parameters()) + (
-                    list(self.output_attn_res.parameters()) if self.output_attn_res is not None else []))
+                tp.mark_partial_grad(
+                    list(self.norm.parameters())
+                    + (list(self.output_attn_res.parameters()) if self.output_attn_res is not None else [])
+                )
             # Vocabulary split over TP: each rank holds and computes only its own rows (built as
             # the shard directly: the whole [vocab, hidden] matrix never exists on a rank).
             if config.vocab_size % tp.size:
@@ -120,10 +128,11 @@ class K3Model(nn.Module):
         """The final aggregation over every block (and the last partial block), then the final norm."""
         if self.output_attn_res is None:
             return self.norm(state.partial)
-        return self.output_attn_res.normalized_input(state.sources(), self.norm,
-                                                     *source_keys(state, self.output_attn_res))
+        return self.output_attn_res.normalized_input(
+            state.sources(), self.norm, *source_keys(state, self.output_attn_res)
+        )
 
-    def forward(self, input_ids: Optional[torch.Tensor] = None, state: Optional[ResidualState] = None):
+    def forward(self, input_ids: torch.Tensor | None = None, state: ResidualState | None = None):
         """Logits `[batch, seq, vocab / tp]` on a model with a head (this rank's vocabulary rows,
         every token); otherwise the outgoing `ResidualState`."""
         if state is None:
@@ -169,8 +178,12 @@ class K3Model(nn.Module):
         Each rank draws only the tiles of at most `tile_elements` values that overlap its shard
         (`initialization.TiledStream`), never a whole unsharded tensor.
         """
-        gates = {f"{name}.{suffix}" for name, module in self.named_modules()
-                 if isinstance(module, KimiDeltaAttention) for suffix in ("A_log", "dt_bias")}
+        gates = {
+            f"{name}.{suffix}"
+            for name, module in self.named_modules()
+            if isinstance(module, KimiDeltaAttention)
+            for suffix in ("A_log", "dt_bias")
+        }
         for name, param in self.named_parameters():
             if param.is_meta or name in gates:
                 continue
@@ -182,14 +195,19 @@ class K3Model(nn.Module):
                 first = getattr(param, "expert_offset", 0)
                 fill = normal_fill(self.config.init_std)
                 for local_index in range(param.shape[0]):
-                    stream = TiledStream(seed, f"{name}.{first + local_index}", tuple(param.shape[1:]), fill, tile_elements)
+                    stream = TiledStream(
+                        seed, f"{name}.{first + local_index}", tuple(param.shape[1:]), fill, tile_elements
+                    )
                     stream.draw_into(param[local_index])
             else:
-                fill = (uniform_fill(1.0 / math.sqrt(param.shape[-1])) if name.endswith("conv1d.weight")
-                        else normal_fill(self.config.init_std))
+                fill = (
+                    uniform_fill(1.0 / math.sqrt(param.shape[-1]))
+                    if name.endswith("conv1d.weight")
+                    else normal_fill(self.config.init_std)
+                )
                 sharded = getattr(param, "tensor_parallel", False)  # a TP shard of `full_shape`
                 stream = TiledStream(seed, name, tuple(getattr(param, "full_shape", param.shape)), fill, tile_elements)
-                draw_local(stream, param, self.tp.rank, self.tp.size, getattr(param, "partition_dim") if sharded else None)
+                draw_local(stream, param, self.tp.rank, self.tp.size, param.partition_dim if sharded else None)
         for name, module in self.named_modules():
             if isinstance(module, KimiDeltaAttention):
                 module.reset_gate_parameters(seed, name, tile_elements)

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
 
+from k3train.contracts.param_roles import linear_weight, mark_adamw_only, mark_head_blocks
 from k3train.kernels.kda.raw_inputs import chunk_kda_from_raw, prepare_kda_inputs
 from k3train.kernels.norms import gated_rms_norm
 from k3train.kernels.short_conv import short_conv_silu
 from k3train.model.config import ModelConfig
-from k3train.contracts.param_roles import linear_weight, mark_adamw_only, mark_head_blocks
 from k3train.model.initialization import TILE_ELEMENTS, TiledStream, TileFill, draw_local
 from k3train.parallel.context import ContextParallel
 from k3train.parallel.tensor import TensorParallel
@@ -59,7 +58,7 @@ class ShortConvolution(nn.Module):
         mark_adamw_only(self.weight)  # 3-D but not a stack of matrices: C filters of 4 taps
         self.kernel_size = kernel_size
 
-    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`x [batch, seq, channels]`, `tail [batch, channels, kernel - 1]` (zeros if None) →
         (output `[batch, seq, channels]`, the last `kernel - 1` inputs for the next piece)."""
         return short_conv_silu(x, self.weight, tail)
@@ -100,7 +99,8 @@ class KimiDeltaAttention(nn.Module):
 
         self.q_proj, self.k_proj, self.v_proj = (column(hidden, width) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (
-            ShortConvolution(local_width, lac.short_conv_kernel_size) for _ in range(3))
+            ShortConvolution(local_width, lac.short_conv_kernel_size) for _ in range(3)
+        )
         # Decay gate: low-rank input f_b(f_a(x)) + dt_bias, per-head A_log.
         self.f_a_proj = tp.linear(hidden, config.kda_gate_rank)
         self.f_b_proj = column(config.kda_gate_rank, width, per_head=False)
@@ -138,8 +138,9 @@ class KimiDeltaAttention(nn.Module):
             return
         heads = self.A_log.shape[0] * self.tp.size
         a_log_draws = 0 if self.gate_lower_bound is not None else heads
-        stream = TiledStream(seed, key, (a_log_draws + self.dt_bias.shape[0] * self.tp.size,),
-                             gate_fill(a_log_draws), tile_elements)
+        stream = TiledStream(
+            seed, key, (a_log_draws + self.dt_bias.shape[0] * self.tp.size,), gate_fill(a_log_draws), tile_elements
+        )
         if a_log_draws:
             draw_local(stream, self.A_log, self.tp.rank, self.tp.size, 0)
         else:
@@ -150,8 +151,8 @@ class KimiDeltaAttention(nn.Module):
         return self.forward_with_cache(x, None, return_cache=False)[0]
 
     def forward_with_cache(
-        self, x: torch.Tensor, cache: Optional[KDACache], return_cache: bool = True
-    ) -> tuple[torch.Tensor, Optional[KDACache]]:
+        self, x: torch.Tensor, cache: KDACache | None, return_cache: bool = True
+    ) -> tuple[torch.Tensor, KDACache | None]:
         x = self.tp.enter(x)
         cp = self.context_parallel if self.context_parallel is not None and self.context_parallel.size > 1 else None
         if cp is not None:  # each local piece of the sequence runs as a sequence of its own (parallel/context.py)
@@ -179,7 +180,12 @@ class KimiDeltaAttention(nn.Module):
             output, final_state = cp.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size), None
         else:
             output, final_state = chunk_kda_from_raw(
-                q, k, v, gate_input, beta_logits, *gate,
+                q,
+                k,
+                v,
+                gate_input,
+                beta_logits,
+                *gate,
                 initial_state=cache.recurrent_state if cache is not None else None,
                 output_final_state=return_cache,
                 chunk_size=self.chunk_size,

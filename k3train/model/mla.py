@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import flop_counter
 
+from k3train.contracts.param_roles import linear_weight, mark_head_blocks
 from k3train.model.config import ModelConfig
 from k3train.model.norm import RMSNorm
-from k3train.contracts.param_roles import linear_weight, mark_head_blocks
 from k3train.parallel.context import ContextParallel, context_attention
 from k3train.parallel.tensor import TensorParallel
 
@@ -27,8 +27,9 @@ def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ).transpose(1, 2)
 
 
-def causal_attention(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """`causal_attention_reference(q, cat(k_nope, k_rope), v)`; in training, with v zero-padded
     to q/k's head dim.
 
@@ -57,8 +58,9 @@ def _cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_sh
     return 2 * batch * heads * queries * key_shape[-2] * (qk_dim + value_shape[-1])
 
 
-def _cpu_flash_attention_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args,
-                                       out_shape=None, **kwargs) -> int:
+def _cpu_flash_attention_backward_flop(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
     """Twice the forward (the input gradients of both products), as for the math path; the
     kernel's recomputation of the scores is not counted (model FLOPs exclude recomputation)."""
     return 2 * _cpu_flash_attention_flop(query_shape, key_shape, value_shape)
@@ -66,9 +68,10 @@ def _cpu_flash_attention_backward_flop(grad_out_shape, query_shape, key_shape, v
 
 # torch's FlopCounterMode knows the CUDA fused attention ops but not the CPU flash kernel that
 # the padded path reaches; without this the MLA attention would count as zero FLOPs on CPU.
-for _op, _formula in ((torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, _cpu_flash_attention_flop),
-                      (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                       _cpu_flash_attention_backward_flop)):
+for _op, _formula in (
+    (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, _cpu_flash_attention_flop),
+    (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward, _cpu_flash_attention_backward_flop),
+):
     if _op not in flop_counter.flop_registry:
         flop_counter.register_flop_formula(_op)(_formula)
 

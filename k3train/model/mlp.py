@@ -20,8 +20,13 @@ def glu_activation(config: ModelConfig):
 class GLUMLP(nn.Module):
     """`down_proj(act(gate_proj x, up_proj x))` (HF names); the intermediate width is split over TP."""
 
-    def __init__(self, config: ModelConfig, hidden_size: int, intermediate_size: int,
-                 tensor_parallel: TensorParallel | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        hidden_size: int,
+        intermediate_size: int,
+        tensor_parallel: TensorParallel | None = None,
+    ):
         super().__init__()
         self.tp = tp = tensor_parallel or TensorParallel.single()
         self.gate_proj = tp.shard_linear(tp.linear(hidden_size, intermediate_size), partition_dim=0)

@@ -62,7 +62,7 @@ class MoEGate(nn.Module):
             biased = scores + self.e_score_correction_bias
             if with_cutoff:
                 top = biased.topk(self.top_k + 1, dim=-1)
-                expert_ids, cutoff = top.indices[:, :self.top_k].contiguous(), top.values[:, self.top_k]
+                expert_ids, cutoff = top.indices[:, : self.top_k].contiguous(), top.values[:, self.top_k]
             else:
                 expert_ids = biased.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, expert_ids)
@@ -87,17 +87,29 @@ class LocalExperts(nn.Module):
         self.activation = glu_activation(config)
         # Transformer Engine's grouped GEMMs (`kernels.te.GroupedExpertGEMM`, no parameters of
         # their own: they run on the stacks above), or None for `kernels.grouped_gemm`.
-        self.te_gemms = (nn.ModuleList([grouped_gemm_factory(num_experts, latent, inner),
-                                        grouped_gemm_factory(num_experts, latent, inner),
-                                        grouped_gemm_factory(num_experts, inner, latent)])
-                         if grouped_gemm_factory is not None else None)
+        self.te_gemms = (
+            nn.ModuleList(
+                [
+                    grouped_gemm_factory(num_experts, latent, inner),
+                    grouped_gemm_factory(num_experts, latent, inner),
+                    grouped_gemm_factory(num_experts, inner, latent),
+                ]
+            )
+            if grouped_gemm_factory is not None
+            else None
+        )
 
     def stacks(self) -> ExpertStacks:
         """This module's own weight stacks `(w1, w3, w2)`."""
         return self.w1, self.w3, self.w2
 
-    def forward_sorted(self, rows: torch.Tensor, group_ends: torch.Tensor,
-                       weights: ExpertStacks | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_sorted(
+        self,
+        rows: torch.Tensor,
+        group_ends: torch.Tensor,
+        weights: ExpertStacks | None = None,
+        row_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Rows sorted by expert (`group_ends` cumulative counts) through their experts: the GLU
         `w2 · act(w1 x, w3 x)` as grouped GEMMs. `weights`: stacks `(w1, w3, w2)` to use
         instead of the module's own (replicas of other ranks' experts, fetched for a step).
@@ -116,8 +128,9 @@ class LocalExperts(nn.Module):
         hidden = self.activation(gate, up, overwrite_inputs=True, **scale)
         return grouped_mm(hidden, w2.transpose(1, 2).to(rows.dtype), group_ends)
 
-    def grouped_forward(self, rows: torch.Tensor, ids: torch.Tensor, weights: ExpertStacks | None = None,
-                        compute: str = "grouped") -> torch.Tensor:
+    def grouped_forward(
+        self, rows: torch.Tensor, ids: torch.Tensor, weights: ExpertStacks | None = None, compute: str = "grouped"
+    ) -> torch.Tensor:
         """Each row of `rows [N, l]`, in any order, through expert `ids [N]` (`0 ≤ id < G`, the
         stacks' experts; any other id marks an empty row, whose output is zero); `[N, l]` in
         `rows`' dtype, in the rows' order. This is what the expert-parallel dispatcher calls on
@@ -140,8 +153,11 @@ class LocalExperts(nn.Module):
         if compute != "grouped":
             raise ValueError(f"compute must be 'grouped' or 'gather', got {compute!r}")
         order = torch.sort(key, stable=True).indices
-        group_ends = torch.zeros(groups + 1, dtype=torch.int64, device=rows.device).scatter_add_(
-            0, key, torch.ones_like(key))[:groups].cumsum(0)
+        group_ends = (
+            torch.zeros(groups + 1, dtype=torch.int64, device=rows.device)
+            .scatter_add_(0, key, torch.ones_like(key))[:groups]
+            .cumsum(0)
+        )
         out_sorted = self.forward_sorted(rows.index_select(0, order), group_ends, (w1, w3, w2))
         if out_sorted.shape[0] < count:  # CPU loop path: rows after the last group were not computed
             out_sorted = torch.cat([out_sorted, out_sorted.new_zeros(count - out_sorted.shape[0], out_sorted.shape[1])])
@@ -165,8 +181,9 @@ class LocalExperts(nn.Module):
         # index_select, not latent[token_of_slot]: its backward is an index_add_, not the slower
         # accumulating index_put_; the routing weights ride in the activation's last pass
         # instead of a weighted copy of every output slot (benchmarks/fused_paths.py)
-        outputs = self.forward_sorted(latent.index_select(0, token_of_slot), group_ends,
-                                      row_scale=weights.reshape(-1).index_select(0, slot_order))
+        outputs = self.forward_sorted(
+            latent.index_select(0, token_of_slot), group_ends, row_scale=weights.reshape(-1).index_select(0, slot_order)
+        )
         combined = torch.zeros(latent.shape, dtype=accumulation_dtype(outputs.dtype), device=latent.device)
         return combined.index_add_(0, token_of_slot, upcast(outputs)).to(latent.dtype)
 
@@ -205,10 +222,16 @@ class MoEStepStats:
 
     def as_dict(self) -> dict[str, float]:
         mean = self.expert_load.double().mean().item()
-        return {"tokens_per_expert_max": int(self.expert_load.max().item()), "tokens_per_expert_mean": mean,
-                "load_max_over_mean": self.load_max_over_mean, "dropped_slots": self.dropped_slots,
-                "dropped_fraction": self.dropped_fraction, "replicated_experts": self.replicated_experts,
-                "ep_token_bytes": self.token_wire_bytes, "ep_replica_bytes": self.replica_wire_bytes}
+        return {
+            "tokens_per_expert_max": int(self.expert_load.max().item()),
+            "tokens_per_expert_mean": mean,
+            "load_max_over_mean": self.load_max_over_mean,
+            "dropped_slots": self.dropped_slots,
+            "dropped_fraction": self.dropped_fraction,
+            "replicated_experts": self.replicated_experts,
+            "ep_token_bytes": self.token_wire_bytes,
+            "ep_replica_bytes": self.replica_wire_bytes,
+        }
 
 
 class LatentMoE(nn.Module):
@@ -241,11 +264,15 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = tp.linear(latent, config.hidden_size) if latent is not None else None
         self.shared_experts = (
             GLUMLP(config, config.hidden_size, config.num_shared_experts * config.moe_intermediate_size, tp)
-            if config.num_shared_experts > 0 else None
+            if config.num_shared_experts > 0
+            else None
         )
         if tp.sequence_parallel:  # each TP rank routes its own tokens: gradients are partial sums
-            routed = [p for name, p in self.named_parameters() if not name.startswith("shared_experts.")
-                      and not getattr(p, "expert_parallel", False)]  # EP experts already sum every token
+            routed = [
+                p
+                for name, p in self.named_parameters()
+                if not name.startswith("shared_experts.") and not getattr(p, "expert_parallel", False)
+            ]  # EP experts already sum every token
             tp.mark_partial_grad(routed)
         self.balancer = build_balancer(config)
         # Routing over the current step, for metrics (not saved): slots per expert, then
@@ -289,8 +316,12 @@ class LatentMoE(nn.Module):
         output = (self.routed_expert_up_proj(routed) if self.routed_expert_up_proj is not None else routed).view(shape)
         if self.shared_experts is not None:  # [batch, seq, hidden]: a TP region gathers the sequence
             shared = self.shared_experts(x)
-            if (torch.is_grad_enabled() and shared.shape == output.shape and shared.dtype == output.dtype
-                    and not shared._is_view()):
+            if (
+                torch.is_grad_enabled()
+                and shared.shape == output.shape
+                and shared.dtype == output.dtype
+                and not shared._is_view()
+            ):
                 # the shared experts' fresh output (a projection's, nothing saves it) takes the
                 # sum: no new [tokens, hidden] tensor; the same values as `output + shared`. Not
                 # when it is a view (a tensor-parallel region's reduce-scatter returns one, and
@@ -327,9 +358,15 @@ class LatentMoE(nn.Module):
         experts = self.config.num_experts
         routed, dropped, replicas, micro_batches, token_bytes, replica_bytes = packed[experts:].tolist()
         micro_batches //= size
-        return MoEStepStats(packed[:experts].cpu(), routed, dropped,
-                            replicas / size / max(micro_batches, 1), micro_batches, token_bytes / size,
-                            replica_bytes / size)
+        return MoEStepStats(
+            packed[:experts].cpu(),
+            routed,
+            dropped,
+            replicas / size / max(micro_batches, 1),
+            micro_batches,
+            token_bytes / size,
+            replica_bytes / size,
+        )
 
     def summable_statistics(self) -> list[torch.Tensor]:
         """Every statistic of this step that ranks combine by summation (int64, reduced in place)."""
@@ -349,7 +386,7 @@ def pool_routing_statistics(moe_layers: list[LatentMoE], group) -> int:
     group.all_reduce(flat)
     offset = 0
     for tensor in statistics:
-        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
     for moe in moe_layers:
         moe.balancer.pooled = True
@@ -360,7 +397,8 @@ def finish_expert_step(moe_layers: list[LatentMoE], state=None) -> None:
     """The step boundary of expert parallelism, after the gradient reduction and before clipping:
     each dispatcher returns its replicas' gradients into the home experts (reduced as theirs are)
     and plans the next step's replicas. A no-op without expert parallelism."""
-    dispatchers = {id(moe.expert_parallel): moe.expert_parallel for moe in moe_layers
-                   if moe.expert_parallel is not None}
+    dispatchers = {
+        id(moe.expert_parallel): moe.expert_parallel for moe in moe_layers if moe.expert_parallel is not None
+    }
     for dispatcher in dispatchers.values():
         dispatcher.finish_step(state)

@@ -8,8 +8,8 @@ from k3train.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # static tools and IDEs see the real imports
     from k3train.optim.builder import (
-        ParamRoute,
         ParameterCost,
+        ParamRoute,
         build_optimizer,
         describe_param_groups,
         param_groups,

@@ -91,9 +91,7 @@ def param_groups(model: nn.Module, config: OptimizerConfig) -> list[dict]:
         "adamw_no_decay": {"algorithm": "adamw", "weight_decay": 0.0},
     }
     return [
-        {"params": by_route[route], "role": route, **overrides[route]}
-        for route in _ROUTE_LABELS
-        if by_route[route]
+        {"params": by_route[route], "role": route, **overrides[route]} for route in _ROUTE_LABELS if by_route[route]
     ]
 
 
@@ -111,7 +109,11 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         for group in groups:
             group.pop("algorithm")
         return torch.optim.AdamW(
-            groups, lr=config.lr, betas=betas, eps=config.adam_eps, weight_decay=config.weight_decay,
+            groups,
+            lr=config.lr,
+            betas=betas,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
             fused=config.adamw_fused and fused_adamw_supported(p for group in groups for _, p in group["params"]),
         )
     if config.name != "muon":
@@ -176,8 +178,10 @@ def summarize_param_groups(model: nn.Module, config: OptimizerConfig) -> str:
     label_width = max(len(_ROUTE_LABELS[route]) for route, _ in shown) if shown else 0
     lines = [_header(config)]
     for route, (groups, tensors, numel) in shown:
-        lines.append(f"  {_ROUTE_LABELS[route]:<{label_width}}  {groups:>3} group{'s' if groups != 1 else ' '} "
-                     f"{tensors:>5} tensors {_count(numel):>7} parameters ({100 * numel / all_numel:.1f}%)")
+        lines.append(
+            f"  {_ROUTE_LABELS[route]:<{label_width}}  {groups:>3} group{'s' if groups != 1 else ' '} "
+            f"{tensors:>5} tensors {_count(numel):>7} parameters ({100 * numel / all_numel:.1f}%)"
+        )
     lines.append("  (logging.optimizer_table=true prints every group)")
     return "\n".join(lines)
 
@@ -207,8 +211,7 @@ def describe_param_groups(model: nn.Module, config: OptimizerConfig) -> str:
         lines.append("  " + "  ".join(cells + [line[-1]]))
     all_numel = sum(t.numel for t in totals.values()) or 1
     summary = [
-        f"{_ROUTE_LABELS[route]} {t.tensors} tensors, {_count(t.numel)} "
-        f"({100 * t.numel / all_numel:.1f}%)"
+        f"{_ROUTE_LABELS[route]} {t.tensors} tensors, {_count(t.numel)} ({100 * t.numel / all_numel:.1f}%)"
         for route, t in totals.items()
         if t.tensors
     ]

@@ -11,8 +11,8 @@ share and reduces nothing.
 """
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -26,7 +26,7 @@ class NormShare:
     the ranks that hold distinct parts of it; None: nothing to combine)."""
 
     counts: Callable[[torch.Tensor], bool]
-    reduce: Optional[ReduceFn] = None
+    reduce: ReduceFn | None = None
 
 
 def _counts_every_gradient(_param: torch.Tensor) -> bool:
@@ -42,15 +42,17 @@ def grad_squared_norm(grads: Sequence[torch.Tensor], device: torch.device) -> to
     """
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = [torch.linalg.vector_norm(g, 2, dtype=torch.promote_types(g.dtype, torch.float32)).float().to(device)
-             for g in grads]
+    norms = [
+        torch.linalg.vector_norm(g, 2, dtype=torch.promote_types(g.dtype, torch.float32)).float().to(device)
+        for g in grads
+    ]
     return torch.stack(norms).square().sum()
 
 
 def clip_grad_norm_(
-    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+    parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
-    reduce_squared_norm: Optional[ReduceFn] = None,
+    reduce_squared_norm: ReduceFn | None = None,
     shares: Sequence[NormShare] = (),
 ) -> torch.Tensor:
     """Scale the gradients in place so their global L2 norm is at most `max_norm`.

@@ -54,10 +54,12 @@ class OptimizerConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""
-        check([
-            (math.isfinite(self.lr), f"optimizer.lr must be a finite number, got {self.lr}"),
-            (self.lr >= 0, f"optimizer.lr must not be negative, got {self.lr}"),
-        ])
+        check(
+            [
+                (math.isfinite(self.lr), f"optimizer.lr must be a finite number, got {self.lr}"),
+                (self.lr >= 0, f"optimizer.lr must not be negative, got {self.lr}"),
+            ]
+        )
 
 
 @dataclass
@@ -75,7 +77,9 @@ class ScheduleConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""
-        check([
-            (self.warmup_steps >= 0, f"schedule.warmup_steps must not be negative, got {self.warmup_steps}"),
-            (0 <= self.min_lr_ratio <= 1, f"schedule.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}"),
-        ])
+        check(
+            [
+                (self.warmup_steps >= 0, f"schedule.warmup_steps must not be negative, got {self.warmup_steps}"),
+                (0 <= self.min_lr_ratio <= 1, f"schedule.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}"),
+            ]
+        )

@@ -5,7 +5,7 @@ distributed Muon (one owner rank per block), benchmarked alone, and tested again
 """
 
 import functools
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -75,7 +75,7 @@ def newton_schulz(
     steps: int = NS_STEPS,
     coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     eps: float = NS_EPS,
-    compute_dtype: Optional[torch.dtype] = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Approximately orthogonalise each matrix of `x` (shape `[..., rows, cols]`).
 

@@ -21,9 +21,20 @@ from __future__ import annotations
 from k3train.model.config import ModelConfig
 
 
-def context_step_bytes(cfg: ModelConfig, layers: list[int], *, cp: int, tp: int, micro_batch_size: int,
-                       seq_length: int, micro_batches: int, element_bytes: int, state_bytes: int = 4,
-                       state_exchange: str = "handoff", cp_rank: int | None = None) -> float:
+def context_step_bytes(
+    cfg: ModelConfig,
+    layers: list[int],
+    *,
+    cp: int,
+    tp: int,
+    micro_batch_size: int,
+    seq_length: int,
+    micro_batches: int,
+    element_bytes: int,
+    state_bytes: int = 4,
+    state_exchange: str = "handoff",
+    cp_rank: int | None = None,
+) -> float:
     """Bytes one rank sends over its cp group in one training step (0 when cp = 1).
 
     `layers`: the decoder layers of this rank's stage; `element_bytes`: the activations' element
@@ -37,8 +48,9 @@ def context_step_bytes(cfg: ModelConfig, layers: list[int], *, cp: int, tp: int,
     if state_exchange == "gather":
         maps = (1 + cp) * 2 * micro_batch_size * heads * key_dim * (key_dim + key_dim) * state_bytes
     else:
-        boundaries = (min(2, cp - 1) if cp_rank is None
-                      else int(cp_rank < cp - 1) + int(cp_rank > 0))  # neighbours this rank sends to
+        boundaries = (
+            min(2, cp - 1) if cp_rank is None else int(cp_rank < cp - 1) + int(cp_rank > 0)
+        )  # neighbours this rank sends to
         maps = 2 * boundaries * micro_batch_size * heads * key_dim * key_dim * state_bytes
     tails *= 1 + cp
     latent = micro_batch_size * (seq_length // cp) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element_bytes
@@ -46,8 +58,9 @@ def context_step_bytes(cfg: ModelConfig, layers: list[int], *, cp: int, tp: int,
     return float(micro_batches * per_micro_batch)
 
 
-def context_extra_activation_bytes(cfg: ModelConfig, layers: list[int], *, cp: int, tp: int, micro_batch_size: int,
-                                   seq_length: int, element_bytes: int) -> float:
+def context_extra_activation_bytes(
+    cfg: ModelConfig, layers: list[int], *, cp: int, tp: int, micro_batch_size: int, seq_length: int, element_bytes: int
+) -> float:
     """Activations a rank keeps for backward beyond its own tokens: in every MLA layer, the
     other ranks' tokens' key side (the gathered latent and its norm, `kv_b`'s output, the keys
     and values of this rank's heads), `(cp − 1)/cp` of the sequence. KDA keeps nothing extra
@@ -55,8 +68,9 @@ def context_extra_activation_bytes(cfg: ModelConfig, layers: list[int], *, cp: i
     if cp == 1:
         return 0.0
     heads = cfg.num_attention_heads // tp
-    per_token = (2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-                 + heads * (2 * (cfg.qk_nope_head_dim + cfg.v_head_dim) + cfg.qk_head_dim))
+    per_token = 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + heads * (
+        2 * (cfg.qk_nope_head_dim + cfg.v_head_dim) + cfg.qk_head_dim
+    )
     other_tokens = micro_batch_size * (seq_length - seq_length // cp)
     return float(sum(cfg.is_mla_layer(layer) for layer in layers) * other_tokens * per_token * element_bytes)
 

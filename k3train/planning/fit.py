@@ -28,8 +28,10 @@ class MemoryVerdict:
         largest, limit = _gib(self.largest_gib), _gib(self.limit_gib)
         if self.fits:
             return f"fits: largest rank {largest} GiB (pp{self.largest_pp_rank}) <= {limit} GiB (limit: {self.limit_source})"
-        return (f"does not fit: largest rank {largest} GiB (pp{self.largest_pp_rank}) > {limit} GiB "
-                f"(limit: {self.limit_source}); {search_hint}")
+        return (
+            f"does not fit: largest rank {largest} GiB (pp{self.largest_pp_rank}) > {limit} GiB "
+            f"(limit: {self.limit_source}); {search_hint}"
+        )
 
 
 def _gib(value: float) -> str:
@@ -38,8 +40,9 @@ def _gib(value: float) -> str:
     return f"{value:,.1f}" if value >= 10 else f"{value:.3g}"
 
 
-def memory_verdict(ranks: Sequence[RankMemory], hardware: HardwareProfile,
-                   memory_limit_gib: float | None = None) -> MemoryVerdict:
+def memory_verdict(
+    ranks: Sequence[RankMemory], hardware: HardwareProfile, memory_limit_gib: float | None = None
+) -> MemoryVerdict:
     """The verdict for the ranks `rank_memory` priced; `memory_limit_gib` as `--memory-limit`."""
     largest = max(ranks, key=lambda rank: rank.total)
     if memory_limit_gib is not None:

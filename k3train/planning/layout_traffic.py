@@ -19,8 +19,9 @@ from k3train.planning.context import context_step_bytes
 from k3train.training.build import RankJob
 
 
-def expert_layer_traffic(ep, cfg, tokens: int, activation: int, weight: int, replica_matrices: int = 0,
-                         recompute: bool = False) -> tuple[tuple[int, int], tuple[int, int] | None]:
+def expert_layer_traffic(
+    ep, cfg, tokens: int, activation: int, weight: int, replica_matrices: int = 0, recompute: bool = False
+) -> tuple[tuple[int, int], tuple[int, int] | None]:
     """One MoE layer's expert traffic on one rank, (bytes, messages): per micro-batch of `tokens`
     local tokens (dispatch + combine `[R, C, l]` and their adjoints, the int32 slot ids `[R, C]`,
     and in `balanced` mode the all-gather of the `[1, E]` int64 loads the routing plan is made
@@ -30,8 +31,9 @@ def expert_layer_traffic(ep, cfg, tokens: int, activation: int, weight: int, rep
     (`recompute: sublayer`) backward reruns the layer's forward, all-to-alls included (the
     replicas are the step's cached ones). Shapes from the dispatcher's own
     `ExpertParallel.buffer_shapes`."""
-    shapes = ep.buffer_shapes(tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size,
-                              cfg.moe_intermediate_size)
+    shapes = ep.buffer_shapes(
+        tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    )
     # The relay transport (balanced, on GPUs) adds a second hop: `forward [R, C2, l]` and its ids.
     hops = ("dispatch", "forward") if "forward" in shapes else ("dispatch",)
     rows = sum(math.prod(shapes[hop]) for hop in hops) * activation
@@ -68,8 +70,10 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
         element = job.schedule.dtype.itemsize
         tensor_bytes = b * (s // tp if sp else s) * h * element
         rank = job.parallel.pp_rank
-        for direction, chunks in (("forward", [c for c in job.plan.chunks_of_rank(rank) if c < job.plan.num_chunks - 1]),
-                                  ("backward", [c - 1 for c in job.plan.chunks_of_rank(rank) if c > 0])):
+        for direction, chunks in (
+            ("forward", [c for c in job.plan.chunks_of_rank(rank) if c < job.plan.num_chunks - 1]),
+            ("backward", [c - 1 for c in job.plan.chunks_of_rank(rank) if c > 0]),
+        ):
             tensors = sum(1 + len(job.plan.hop_blocks(hop)) for hop in chunks) * micro_batches
             if tensors:
                 out[f"pp.{direction}"] = (tensors * tensor_bytes, tensors)
@@ -79,8 +83,9 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
     if ep is not None and moe:
         activation = 4 if config.train.precision == "fp32" else 2
         weight = next(job.model.parameters()).element_size()
-        per_micro_batch, per_step = expert_layer_traffic(ep, cfg, b * s // (tp if sp else 1), activation, weight,
-                                                         replica_matrices, cfg.recompute == "sublayer")
+        per_micro_batch, per_step = expert_layer_traffic(
+            ep, cfg, b * s // (tp if sp else 1), activation, weight, replica_matrices, cfg.recompute == "sublayer"
+        )
         out["ep"] = (micro_batches * moe * per_micro_batch[0], micro_batches * moe * per_micro_batch[1])
         if per_step is not None:
             out[f"{ep.group.name}.replicas"] = (moe * per_step[0], moe * per_step[1])
@@ -138,8 +143,16 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     for group, (nbytes, _) in pipeline_expert_traffic(job, micro_batches, replicas).items():
         out[group.split(".")[0]] += nbytes
     if layout.cp > 1:  # context parallelism's exchanges (k3train/planning/context.py)
-        out["cp"] += context_step_bytes(cfg, layers, cp=layout.cp, tp=tp, micro_batch_size=b, seq_length=s,
-                                        micro_batches=micro_batches, element_bytes=element)
+        out["cp"] += context_step_bytes(
+            cfg,
+            layers,
+            cp=layout.cp,
+            tp=tp,
+            micro_batch_size=b,
+            seq_length=s,
+            micro_batches=micro_batches,
+            element_bytes=element,
+        )
     return dict(out)
 
 

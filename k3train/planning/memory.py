@@ -60,8 +60,13 @@ def kda_elements_per_token(cfg: ModelConfig, tp: int) -> float:
     lac = cfg.linear_attn_config
     heads = lac.num_heads // tp
     width = heads * lac.head_dim
-    return (cfg.hidden_size + 22.5 * width + 2 * heads * lac.chunk_size
-            + 2 * heads * lac.head_dim ** 2 / lac.chunk_size + lac.head_dim)
+    return (
+        cfg.hidden_size
+        + 22.5 * width
+        + 2 * heads * lac.chunk_size
+        + 2 * heads * lac.head_dim**2 / lac.chunk_size
+        + lac.head_dim
+    )
 
 
 def mla_elements_per_token(cfg: ModelConfig, tp: int, seq_length: int, kernel: AttentionKernel) -> float:
@@ -91,13 +96,15 @@ def moe_elements_per_token(cfg: ModelConfig, tp: int) -> tuple[float, float]:
     width `n_shared·I` (its input, h, is the region's)."""
     k, latent, inner = cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     routed = cfg.num_experts + 2 * latent + k * (2 * latent + 5 * inner + 8)
-    shared = (glu_elements_per_token(cfg.hidden_size, cfg.num_shared_experts * inner / tp)
-              if cfg.num_shared_experts else 0)
+    shared = (
+        glu_elements_per_token(cfg.hidden_size, cfg.num_shared_experts * inner / tp) if cfg.num_shared_experts else 0
+    )
     return routed, shared
 
 
-def layer_activation_bytes(cfg: ModelConfig, layer: int, shape: ActivationShape, seq_length: int,
-                           kernel: AttentionKernel = "flash") -> float:
+def layer_activation_bytes(
+    cfg: ModelConfig, layer: int, shape: ActivationShape, seq_length: int, kernel: AttentionKernel = "flash"
+) -> float:
     """Saved bytes of decoder layer `layer` for one micro-batch under `cfg.recompute`."""
     h, tp = cfg.hidden_size, shape.tp
     inside, outside, a = shape.tokens, shape.outside_tokens, shape.element_bytes
@@ -109,8 +116,11 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, shape: ActivationShape,
         residual += 4 * h * outside * 4
     if cfg.recompute == "sublayer":
         return residual
-    mixer = (mla_elements_per_token(cfg, tp, seq_length, kernel) if cfg.is_mla_layer(layer)
-             else kda_elements_per_token(cfg, tp))
+    mixer = (
+        mla_elements_per_token(cfg, tp, seq_length, kernel)
+        if cfg.is_mla_layer(layer)
+        else kda_elements_per_token(cfg, tp)
+    )
     if cfg.is_moe_layer(layer):
         routed, shared = moe_elements_per_token(cfg, tp)
         ffn = routed * outside + shared * inside
@@ -119,8 +129,9 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, shape: ActivationShape,
     return residual + (mixer * inside + ffn) * a
 
 
-def sublayer_recompute_peak_bytes(cfg: ModelConfig, layers: range, shape: ActivationShape, seq_length: int,
-                                  kernel: AttentionKernel = "flash") -> float:
+def sublayer_recompute_peak_bytes(
+    cfg: ModelConfig, layers: range, shape: ActivationShape, seq_length: int, kernel: AttentionKernel = "flash"
+) -> float:
     """`recompute: sublayer` rebuilds one sublayer at a time in backward: the largest one's
     activations are live once on top of the saved inputs."""
     if cfg.recompute != "sublayer" or not len(layers):
@@ -143,8 +154,13 @@ def ends_bytes(cfg: ModelConfig, shape: ActivationShape, embedding: bool, head: 
     return total
 
 
-def chunk_activation_bytes(cfg: ModelConfig, layer_range: tuple[int, int], shape: ActivationShape,
-                           seq_length: int, kernel: AttentionKernel = "flash") -> float:
+def chunk_activation_bytes(
+    cfg: ModelConfig,
+    layer_range: tuple[int, int],
+    shape: ActivationShape,
+    seq_length: int,
+    kernel: AttentionKernel = "flash",
+) -> float:
     """One micro-batch's saved activations in one pipeline chunk `[start, end)`."""
     start, end = layer_range
     total = sum(layer_activation_bytes(cfg, layer, shape, seq_length, kernel) for layer in range(start, end))
@@ -159,8 +175,9 @@ def peak_in_flight(plan: PipelinePlan, rank: int, micro_batches: int) -> list[in
 
 
 @functools.lru_cache(maxsize=4096)
-def _peak_in_flight(pp: int, virtual_stages: int, rank: int, micro_batches: int,
-                    weights: tuple[int, ...]) -> tuple[int, ...]:
+def _peak_in_flight(
+    pp: int, virtual_stages: int, rank: int, micro_batches: int, weights: tuple[int, ...]
+) -> tuple[int, ...]:
     if virtual_stages == 1:  # 1F1B: the warmup forwards plus one
         return (min(pp - rank, micro_batches),)
     live = [0] * virtual_stages
@@ -189,18 +206,48 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer + self.activations + self.pipeline_blocks
-                + self.expert_buffers)
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.pipeline_blocks
+            + self.expert_buffers
+        )
 
     def row(self) -> list[str]:
-        gib = [v / GIB for v in (self.weights, self.gradients, self.optimizer, self.activations,
-                                 self.pipeline_blocks, self.expert_buffers, self.total)]
-        return [f"pp{self.pp_rank}", f"{self.parameters / 1e9:.2f}B", *(f"{g:,.1f}" for g in gib),
-                "+".join(map(str, self.in_flight))]
+        gib = [
+            v / GIB
+            for v in (
+                self.weights,
+                self.gradients,
+                self.optimizer,
+                self.activations,
+                self.pipeline_blocks,
+                self.expert_buffers,
+                self.total,
+            )
+        ]
+        return [
+            f"pp{self.pp_rank}",
+            f"{self.parameters / 1e9:.2f}B",
+            *(f"{g:,.1f}" for g in gib),
+            "+".join(map(str, self.in_flight)),
+        ]
 
 
-MEMORY_HEADER = ["pp rank", "params", "weights", "grads", "optimizer", "activations", "AttnRes cache",
-                 "EP buffers", "total GiB", "in flight"]
+MEMORY_HEADER = [
+    "pp rank",
+    "params",
+    "weights",
+    "grads",
+    "optimizer",
+    "activations",
+    "AttnRes cache",
+    "EP buffers",
+    "total GiB",
+    "in flight",
+]
 
 
 def optimizer_state_elements(job: RankJob) -> float:
@@ -222,8 +269,9 @@ def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -
     if ep is None or not moe_layers:
         return 0.0
     cfg = job.config.model
-    shapes = ep.buffer_shapes(int(shape.outside_tokens), cfg.num_experts_per_token,
-                              cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
+    shapes = ep.buffer_shapes(
+        int(shape.outside_tokens), cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    )
     return (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * shape.element_bytes * moe_layers
 
 
@@ -246,8 +294,12 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
     pp_rank = job.parallel.pp_rank
     element = 2 if config.train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     # Under context parallelism a rank holds seq_length / cp tokens of every micro-batch.
-    shape = ActivationShape(config.train.micro_batch_size * config.data.seq_length // layout.cp, layout.tp,
-                            bool(config.parallel.sequence_parallel and layout.tp > 1), element)
+    shape = ActivationShape(
+        config.train.micro_batch_size * config.data.seq_length // layout.cp,
+        layout.tp,
+        bool(config.parallel.sequence_parallel and layout.tp > 1),
+        element,
+    )
     parameters = sum(p.numel() for p in job.model.parameters())
     in_flight = peak_in_flight(job.plan, pp_rank, micro_batches)
     activations, moe_in_flight, layer_ranges = 0.0, 0, job.plan.layer_ranges(pp_rank)
@@ -255,20 +307,41 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
         activations += live * chunk_activation_bytes(cfg, layer_range, shape, config.data.seq_length, kernel)
         moe_in_flight += live * sum(cfg.is_moe_layer(i) for i in range(*layer_range))
         activations += live * context_extra_activation_bytes(  # MLA's gathered keys under cp
-            cfg, list(range(*layer_range)), cp=layout.cp, tp=layout.tp,
-            micro_batch_size=config.train.micro_batch_size, seq_length=config.data.seq_length, element_bytes=element)
-    activations += sublayer_recompute_peak_bytes(
-        cfg, range(*layer_ranges[0]), shape, config.data.seq_length, kernel)
+            cfg,
+            list(range(*layer_range)),
+            cp=layout.cp,
+            tp=layout.tp,
+            micro_batch_size=config.train.micro_batch_size,
+            seq_length=config.data.seq_length,
+            element_bytes=element,
+        )
+    activations += sublayer_recompute_peak_bytes(cfg, range(*layer_ranges[0]), shape, config.data.seq_length, kernel)
     blocks = 0.0
     if layout.pp > 1:
         block_bytes = shape.outside_tokens * cfg.hidden_size * element
         blocks = theoretical_peak_blocks(job.plan, pp_rank, micro_batches) * block_bytes
-    return RankMemory(pp_rank, parameters, parameters * 4.0, parameters * 4.0, optimizer_state_elements(job) * 4.0,
-                      activations, blocks,
-                      expert_buffer_bytes(job, shape, 1) * moe_in_flight
-                      + replica_weight_bytes(job, sum(cfg.is_moe_layer(i) for r in layer_ranges for i in range(*r))),
-                      tuple(in_flight))
+    return RankMemory(
+        pp_rank,
+        parameters,
+        parameters * 4.0,
+        parameters * 4.0,
+        optimizer_state_elements(job) * 4.0,
+        activations,
+        blocks,
+        expert_buffer_bytes(job, shape, 1) * moe_in_flight
+        + replica_weight_bytes(job, sum(cfg.is_moe_layer(i) for r in layer_ranges for i in range(*r))),
+        tuple(in_flight),
+    )
 
 
-__all__ = ["ActivationShape", "RankMemory", "MEMORY_HEADER", "rank_memory", "chunk_activation_bytes",
-           "layer_activation_bytes", "peak_in_flight", "optimizer_state_elements", "GIB"]
+__all__ = [
+    "ActivationShape",
+    "RankMemory",
+    "MEMORY_HEADER",
+    "rank_memory",
+    "chunk_activation_bytes",
+    "layer_activation_bytes",
+    "peak_in_flight",
+    "optimizer_state_elements",
+    "GIB",
+]

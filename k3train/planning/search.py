@@ -56,10 +56,16 @@ class Candidate:
 
     def overrides(self, keep_pipeline_layers: bool = False) -> list[str]:
         """Recipe overrides that select this layout (`pretrain_k3.py ... <overrides>`)."""
-        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
-               f"parallel.ep={self.ep}", f"parallel.virtual_stages={self.virtual_stages}",
-               f"model.recompute={self.recompute}", f"train.micro_batch_size={self.micro_batch_size}",
-               f"parallel.expert_dispatch={self.expert_dispatch}"]
+        out = [
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.dp={self.dp}",
+            f"parallel.ep={self.ep}",
+            f"parallel.virtual_stages={self.virtual_stages}",
+            f"model.recompute={self.recompute}",
+            f"train.micro_batch_size={self.micro_batch_size}",
+            f"parallel.expert_dispatch={self.expert_dispatch}",
+        ]
         if self.tp > 1 and self.ep > 1:
             out.append("parallel.sequence_parallel=true")
         if not keep_pipeline_layers:
@@ -71,8 +77,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def data_parallel_wire(cfg: ModelConfig, layout: Layout, plan: PipelinePlan,
-                       cache: SearchCache | None = None) -> dict[str, float]:
+def data_parallel_wire(
+    cfg: ModelConfig, layout: Layout, plan: PipelinePlan, cache: SearchCache | None = None
+) -> dict[str, float]:
     """Ring wire bytes per step of the fullest stage's fp32 gradient reduction and ZeRO-1
     exchange, as `layout_traffic.data_parallel_wire_bytes` counts them on a built rank, without
     padding: dense parameters over `dp` (with or without ZeRO-1: an all-reduce, or the reduce-
@@ -98,15 +105,27 @@ def data_parallel_wire(cfg: ModelConfig, layout: Layout, plan: PipelinePlan,
     return out
 
 
-def accepted(base: JobConfig, overrides: list[str], world_size: int,
-             cache: SearchCache | None = None) -> tuple[JobConfig, Layout, PipelinePlan] | None:
+def accepted(
+    base: JobConfig, overrides: list[str], world_size: int, cache: SearchCache | None = None
+) -> tuple[JobConfig, Layout, PipelinePlan] | None:
     """The job's own checks; None when any refuses the layout."""
     cache = cache or SearchCache()
     try:
         config = apply_overrides(base, overrides)  # the recipe's own validation, parsed once
         p, m = config.parallel, config.model
-        layout = resolve_layout(world_size, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, m.num_attention_heads,
-                                m.linear_attn_config.num_heads, m.vocab_size, m.num_experts, m.num_hidden_layers)
+        layout = resolve_layout(
+            world_size,
+            p.tp,
+            p.pp,
+            p.dp,
+            p.ep,
+            p.virtual_stages,
+            m.num_attention_heads,
+            m.linear_attn_config.num_heads,
+            m.vocab_size,
+            m.num_experts,
+            m.num_hidden_layers,
+        )
         plan = PipelinePlan.from_config(m, p)
         micro_batches = config.train.micro_batches_per_rank(layout.dp)
         if layout.virtual_stages > 1:
@@ -117,8 +136,9 @@ def accepted(base: JobConfig, overrides: list[str], world_size: int,
     return config, layout, plan
 
 
-def analytic_step_bytes(config: JobConfig, layout: Layout, plan: PipelinePlan,
-                        cache: SearchCache | None = None) -> dict[str, float]:
+def analytic_step_bytes(
+    config: JobConfig, layout: Layout, plan: PipelinePlan, cache: SearchCache | None = None
+) -> dict[str, float]:
     """Per group, what the busiest rank sends in one step, without building it: the TP regions
     (`traffic.py`'s regions × N per micro-batch), the data-parallel ring bytes without padding
     (`data_parallel_wire`), the pipeline hops of pipeline rank 1 (`PipelinePlan.rank_step_bytes`,
@@ -148,15 +168,15 @@ def analytic_step_bytes(config: JobConfig, layout: Layout, plan: PipelinePlan,
         ep = cache.expert_parallel(layout, config.parallel, cfg.num_experts)
         assert ep is not None  # ep > 1 always has a dispatcher
         local_tokens = tokens // (layout.tp if sp else 1)
-        per_micro_batch, per_step = expert_layer_traffic(ep, cfg, local_tokens, element, 4, ep.max_replicas,
-                                                         cfg.recompute == "sublayer")
+        per_micro_batch, per_step = expert_layer_traffic(
+            ep, cfg, local_tokens, element, 4, ep.max_replicas, cfg.recompute == "sublayer"
+        )
         # + the expert share of the global gradient norm (one fp32 scalar).
         comm["ep"] = moe * (micro_batches * per_micro_batch[0] + (per_step[0] if per_step else 0)) + 4
     return comm
 
 
-def static_memory_gib(config: JobConfig, layout: Layout, plan: PipelinePlan,
-                      cache: SearchCache | None = None) -> float:
+def static_memory_gib(config: JobConfig, layout: Layout, plan: PipelinePlan, cache: SearchCache | None = None) -> float:
     """GiB of the fullest rank's weights, gradients and optimizer state: a lower bound of
     `estimate_memory` whatever the micro-batch size, dispatch mode or recompute setting."""
     cache = cache or SearchCache()
@@ -171,8 +191,7 @@ def _static_bytes(config: JobConfig, layout: Layout, ranges: list[tuple[int, int
     return params * 8 + state * 4
 
 
-def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan,
-                    cache: SearchCache | None = None) -> float:
+def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache: SearchCache | None = None) -> float:
     """GiB of the fullest pipeline rank of an accepted layout, analytically."""
     cache = cache or SearchCache()
     cfg, train = config.model, config.train
@@ -184,8 +203,12 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan,
     if layout.ep > 1:  # as memory.py: dispatch and combine of every MoE layer in flight, replicas per layer
         ep = cache.expert_parallel(layout, config.parallel, cfg.num_experts)
         assert ep is not None  # ep > 1 always has a dispatcher
-        shapes = ep.buffer_shapes(int(shape.outside_tokens), cfg.num_experts_per_token,
-                                  cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
+        shapes = ep.buffer_shapes(
+            int(shape.outside_tokens),
+            cfg.num_experts_per_token,
+            cfg.routed_expert_hidden_size,
+            cfg.moe_intermediate_size,
+        )
         expert_buffers = (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * element
         if "replica_weights" in shapes and ep.max_replicas:
             replica_weights = 2 * math.prod(shapes["replica_weights"]) * 4
@@ -193,11 +216,13 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan,
     for rank in range(layout.pp):
         ranges = plan.layer_ranges(rank)
         in_flight = peak_in_flight(plan, rank, micro_batches)
-        activations = sum(n * cache.chunk_activation_bytes(cfg, r, shape, config.data.seq_length)
-                          for n, r in zip(in_flight, ranges))
+        activations = sum(
+            n * cache.chunk_activation_bytes(cfg, r, shape, config.data.seq_length) for n, r in zip(in_flight, ranges)
+        )
         if layout.pp > 1:  # the AttnRes blocks the pipeline cache holds
-            activations += (cache.peak_blocks(plan, rank, micro_batches) * shape.outside_tokens
-                            * cfg.hidden_size * element)
+            activations += (
+                cache.peak_blocks(plan, rank, micro_batches) * shape.outside_tokens * cfg.hidden_size * element
+            )
         if layout.ep > 1:
             moe_live = sum(n * sum(cfg.is_moe_layer(i) for i in range(*r)) for n, r in zip(in_flight, ranges))
             activations += moe_live * expert_buffers
@@ -208,23 +233,45 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan,
     return worst / GIB
 
 
-def estimate_time(config: JobConfig, layout: Layout, plan: PipelinePlan, hardware: HardwareProfile,
-                  efficiency: float, cache: SearchCache | None = None) -> StepTime:
+def estimate_time(
+    config: JobConfig,
+    layout: Layout,
+    plan: PipelinePlan,
+    hardware: HardwareProfile,
+    efficiency: float,
+    cache: SearchCache | None = None,
+) -> StepTime:
     """The step time of an accepted layout from its analytic bytes per group."""
     cfg, train = config.model, config.train
     comm = analytic_step_bytes(config, layout, plan, cache)
-    return estimate_step_time(cfg, layout, plan, hardware, micro_batch_size=train.micro_batch_size,
-                              seq_length=config.data.seq_length,
-                              micro_batches=train.micro_batches_per_rank(layout.dp),
-                              precision=train.precision, comm_bytes=comm, efficiency=efficiency)
+    return estimate_step_time(
+        cfg,
+        layout,
+        plan,
+        hardware,
+        micro_batch_size=train.micro_batch_size,
+        seq_length=config.data.seq_length,
+        micro_batches=train.micro_batches_per_rank(layout.dp),
+        precision=train.precision,
+        comm_bytes=comm,
+        efficiency=efficiency,
+    )
 
 
-def estimate(config: JobConfig, layout: Layout, plan: PipelinePlan, hardware: HardwareProfile,
-             efficiency: float, cache: SearchCache | None = None) -> tuple[float, StepTime]:
+def estimate(
+    config: JobConfig,
+    layout: Layout,
+    plan: PipelinePlan,
+    hardware: HardwareProfile,
+    efficiency: float,
+    cache: SearchCache | None = None,
+) -> tuple[float, StepTime]:
     """(GiB of the fullest pipeline rank, step time) of an accepted layout, analytically."""
     cache = cache or SearchCache()
-    return (estimate_memory(config, layout, plan, cache),
-            estimate_time(config, layout, plan, hardware, efficiency, cache))
+    return (
+        estimate_memory(config, layout, plan, cache),
+        estimate_time(config, layout, plan, hardware, efficiency, cache),
+    )
 
 
 @dataclass(frozen=True)
@@ -241,10 +288,16 @@ class LayoutOption:
     expert_dispatch: str
 
     def overrides(self) -> list[str]:
-        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
-               f"parallel.ep={self.ep}", f"parallel.virtual_stages={self.virtual_stages}",
-               f"train.micro_batch_size={self.micro_batch_size}", "parallel.pipeline_layers=null",
-               f"parallel.expert_dispatch={self.expert_dispatch}"]
+        out = [
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.dp={self.dp}",
+            f"parallel.ep={self.ep}",
+            f"parallel.virtual_stages={self.virtual_stages}",
+            f"train.micro_batch_size={self.micro_batch_size}",
+            "parallel.pipeline_layers=null",
+            f"parallel.expert_dispatch={self.expert_dispatch}",
+        ]
         if self.tp > 1 and self.ep > 1:
             out.append("parallel.sequence_parallel=true")
         return out
@@ -288,9 +341,18 @@ class LayoutSearch:
     """The searches of one recipe on one hardware profile; every world size searched through one
     instance shares its cache and its budget."""
 
-    def __init__(self, recipe: str, hardware: HardwareProfile, *, memory_limit_gib: float | None = None,
-                 gpus_per_node: int | None = None, efficiency: float = 0.45, overrides: Sequence[str] = (),
-                 micro_batch_sizes: Sequence[int] = (1, 2), budget: SearchBudget | None = None):
+    def __init__(
+        self,
+        recipe: str,
+        hardware: HardwareProfile,
+        *,
+        memory_limit_gib: float | None = None,
+        gpus_per_node: int | None = None,
+        efficiency: float = 0.45,
+        overrides: Sequence[str] = (),
+        micro_batch_sizes: Sequence[int] = (1, 2),
+        budget: SearchBudget | None = None,
+    ):
         self.base = load_config(recipe, list(overrides))
         self.hardware = hardware
         self.limit_gib = memory_limit_gib if memory_limit_gib is not None else hardware.memory_limit_gib()
@@ -311,8 +373,9 @@ class LayoutSearch:
                 dp = world_size // (tp * pp)
                 eps = [e for e in _divisors(dp * tp) if cfg.num_experts == 0 or cfg.num_experts % e == 0]
                 eps = sorted(set([1, *eps[-3:]])) if cfg.num_experts else [1]
-                for ep, v, mbs, dispatch in itertools.product(eps, (1, 2) if pp > 1 else (1,), self.micro_batch_sizes,
-                                                              ("balanced", "capacity")):
+                for ep, v, mbs, dispatch in itertools.product(
+                    eps, (1, 2) if pp > 1 else (1,), self.micro_batch_sizes, ("balanced", "capacity")
+                ):
                     if ep == 1 and dispatch != self.base.parallel.expert_dispatch:
                         continue
                     out.append(LayoutOption(tp, pp, dp, ep, v, mbs, dispatch))
@@ -325,11 +388,22 @@ class LayoutSearch:
         the fullest rank's weights, gradients and optimizer state."""
         cfg = self.base.model
         try:
-            layout = resolve_layout(world_size, option.tp, option.pp, option.dp, option.ep, option.virtual_stages,
-                                    cfg.num_attention_heads, cfg.linear_attn_config.num_heads, cfg.vocab_size,
-                                    cfg.num_experts, cfg.num_hidden_layers)
-            plan = PipelinePlan.build(cfg.num_hidden_layers, option.pp, option.virtual_stages, cfg.attn_res,
-                                      cfg.attn_res_block_size, None)  # as `parallel.pipeline_layers=null`
+            layout = resolve_layout(
+                world_size,
+                option.tp,
+                option.pp,
+                option.dp,
+                option.ep,
+                option.virtual_stages,
+                cfg.num_attention_heads,
+                cfg.linear_attn_config.num_heads,
+                cfg.vocab_size,
+                cfg.num_experts,
+                cfg.num_hidden_layers,
+            )
+            plan = PipelinePlan.build(
+                cfg.num_hidden_layers, option.pp, option.virtual_stages, cfg.attn_res, cfg.attn_res_block_size, None
+            )  # as `parallel.pipeline_layers=null`
         except (LayoutError, PipelineConfigError, ValueError):  # what `accepted` treats as a refusal
             return LayoutScreen(refused=True, static_gib=0.0)
         return LayoutScreen(refused=False, static_gib=static_memory_gib(self.base, layout, plan, self.cache))
@@ -343,8 +417,9 @@ class LayoutSearch:
         screens: dict[tuple[int, int, int, int], LayoutScreen] = {}  # per (tp, pp, v, ep): one plan, one weight set
         evaluated = 0
         out_of_budget = False
-        bar = self.budget.progress(layouts, f"world {world_size}" + (" (any fit?)" if first_fit else ""),
-                                   keep=not first_fit)
+        bar = self.budget.progress(
+            layouts, f"world {world_size}" + (" (any fit?)" if first_fit else ""), keep=not first_fit
+        )
         try:
             for option in options:
                 if self.budget.expired():
@@ -367,8 +442,20 @@ class LayoutSearch:
                     if memory > self.limit_gib:
                         continue
                     time = estimate_time(config, layout, plan, self.hardware, self.efficiency, self.cache)
-                    found.append(Candidate(option.tp, option.pp, option.virtual_stages, option.ep, option.dp,
-                                           recompute, option.micro_batch_size, option.expert_dispatch, memory, time))
+                    found.append(
+                        Candidate(
+                            option.tp,
+                            option.pp,
+                            option.virtual_stages,
+                            option.ep,
+                            option.dp,
+                            recompute,
+                            option.micro_batch_size,
+                            option.expert_dispatch,
+                            memory,
+                            time,
+                        )
+                    )
                     if first_fit:
                         return SearchOutcome(world_size, tuple(found), layouts, evaluated, False)
         finally:
@@ -392,37 +479,74 @@ class LayoutSearch:
         return NearestSizes(tuple(sorted(sizes)[:count]), False)
 
 
-def search_layouts(recipe: str, world_size: int, hardware: HardwareProfile, *, memory_limit_gib: float | None = None,
-                   gpus_per_node: int | None = None, efficiency: float = 0.45, overrides: Sequence[str] = (),
-                   top: int = 5, micro_batch_sizes: Sequence[int] = (1, 2), first_fit: bool = False) -> list[Candidate]:
+def search_layouts(
+    recipe: str,
+    world_size: int,
+    hardware: HardwareProfile,
+    *,
+    memory_limit_gib: float | None = None,
+    gpus_per_node: int | None = None,
+    efficiency: float = 0.45,
+    overrides: Sequence[str] = (),
+    top: int = 5,
+    micro_batch_sizes: Sequence[int] = (1, 2),
+    first_fit: bool = False,
+) -> list[Candidate]:
     """The `top` fastest accepted layouts of `world_size` whose fullest rank fits `memory_limit_gib`
     (default: the hardware's memory less 10% for the allocator and the framework)."""
-    search = LayoutSearch(recipe, hardware, memory_limit_gib=memory_limit_gib, gpus_per_node=gpus_per_node,
-                          efficiency=efficiency, overrides=overrides, micro_batch_sizes=micro_batch_sizes)
+    search = LayoutSearch(
+        recipe,
+        hardware,
+        memory_limit_gib=memory_limit_gib,
+        gpus_per_node=gpus_per_node,
+        efficiency=efficiency,
+        overrides=overrides,
+        micro_batch_sizes=micro_batch_sizes,
+    )
     return list(search.run(world_size, top=top, first_fit=first_fit).candidates)
 
 
-def nearest_fitting_world_sizes(recipe: str, world_size: int, hardware: HardwareProfile, *, count: int = 2,
-                                step: int = 8, **kwargs) -> list[int]:
+def nearest_fitting_world_sizes(
+    recipe: str, world_size: int, hardware: HardwareProfile, *, count: int = 2, step: int = 8, **kwargs
+) -> list[int]:
     """World sizes (multiples of `step`, nearest first) where `search_layouts` finds a layout."""
     return list(LayoutSearch(recipe, hardware, **kwargs).nearest_fitting_world_sizes(world_size, count, step).sizes)
 
 
-__all__ = ["Candidate", "LayoutOption", "LayoutScreen", "LayoutSearch", "NearestSizes", "SearchOutcome", "search_layouts",
-           "nearest_fitting_world_sizes", "stage_parameters", "accepted", "data_parallel_wire",
-           "analytic_step_bytes", "static_memory_gib", "estimate_memory", "estimate_time", "estimate",
-           "describe_candidates"]
+__all__ = [
+    "Candidate",
+    "LayoutOption",
+    "LayoutScreen",
+    "LayoutSearch",
+    "NearestSizes",
+    "SearchOutcome",
+    "search_layouts",
+    "nearest_fitting_world_sizes",
+    "stage_parameters",
+    "accepted",
+    "data_parallel_wire",
+    "analytic_step_bytes",
+    "static_memory_gib",
+    "estimate_memory",
+    "estimate_time",
+    "estimate",
+    "describe_candidates",
+]
 
 
 def describe_candidates(candidates: list[Candidate]) -> str:
     """The table `tools/plan.py --search` prints (markdown)."""
-    lines = ["| tp | pp | v | ep | dispatch | dp | recompute | mbs | GiB (fullest rank) | step s | tokens/s | MFU "
-             "| bubble | exposed comm |",
-             "| ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| tp | pp | v | ep | dispatch | dp | recompute | mbs | GiB (fullest rank) | step s | tokens/s | MFU "
+        "| bubble | exposed comm |",
+        "| ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for c in candidates:
         t = c.time
         dispatch = c.expert_dispatch if c.ep > 1 else "-"
-        lines.append(f"| {c.tp} | {c.pp} | {c.virtual_stages} | {c.ep} | {dispatch} | {c.dp} | {c.recompute} | {c.micro_batch_size} "
-                     f"| {c.memory_gib:,.1f} | {t.step_s:,.2f} | {t.tokens_per_s:,.0f} | {t.mfu:.1%} "
-                     f"| {t.shares()['bubble']:.0%} | {sum(t.exposed_comm_s.values()) / t.step_s:.0%} |")
+        lines.append(
+            f"| {c.tp} | {c.pp} | {c.virtual_stages} | {c.ep} | {dispatch} | {c.dp} | {c.recompute} | {c.micro_batch_size} "
+            f"| {c.memory_gib:,.1f} | {t.step_s:,.2f} | {t.tokens_per_s:,.0f} | {t.mfu:.1%} "
+            f"| {t.shares()['bubble']:.0%} | {sum(t.exposed_comm_s.values()) / t.step_s:.0%} |"
+        )
     return "\n".join(lines)

@@ -37,8 +37,15 @@ class SearchBudget:
     def progress(self, total: int, description: str, keep: bool = True) -> tqdm:
         """A bar on stderr over `total` layouts (silent unless `show_progress`: tests and pipes
         read stdout only, and a bar in a log is a line per refresh)."""
-        return tqdm(total=total, desc=description, unit="layout", file=sys.stderr, leave=keep,
-                    disable=not self.show_progress, dynamic_ncols=True)
+        return tqdm(
+            total=total,
+            desc=description,
+            unit="layout",
+            file=sys.stderr,
+            leave=keep,
+            disable=not self.show_progress,
+            dynamic_ncols=True,
+        )
 
 
 __all__ = ["SearchBudget"]

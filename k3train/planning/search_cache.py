@@ -33,7 +33,7 @@ ChunkKey = tuple[str, tuple[int, ...], ActivationShape, int]
 @dataclass
 class SearchCache:
     """Memoised rank-0 states, expert dispatchers, stage parameters, chunk activations and the
-pipeline cache's peak blocks."""
+    pipeline cache's peak blocks."""
 
     states: dict[tuple[Layout, bool], ParallelState] = field(default_factory=dict)
     expert_parallels: dict[ExpertKey, ExpertParallel | None] = field(default_factory=dict)
@@ -50,27 +50,35 @@ pipeline cache's peak blocks."""
     def expert_parallel(self, layout: Layout, parallel, num_experts: int) -> ExpertParallel | None:
         """`ExpertParallel.from_state` of rank 0 (None for ep = 1); raises its ValueError (the
         EP/SP rule) every time, as the uncached check does."""
-        key = (layout, bool(parallel.sequence_parallel), parallel.expert_dispatch, parallel.capacity_factor,
-               parallel.max_replicas_per_rank, getattr(parallel, "ep_transport", "auto"), num_experts)
+        key = (
+            layout,
+            bool(parallel.sequence_parallel),
+            parallel.expert_dispatch,
+            parallel.capacity_factor,
+            parallel.max_replicas_per_rank,
+            getattr(parallel, "ep_transport", "auto"),
+            num_experts,
+        )
         if key not in self.expert_parallels:
             state = self.rank0_state(layout, parallel.sequence_parallel)
             self.expert_parallels[key] = ExpertParallel.from_state(state, parallel, num_experts)
         return self.expert_parallels[key]
 
-    def stage_parameters(self, cfg: ModelConfig, layer_ranges: Sequence[tuple[int, int]], tp: int,
-                         ep: int) -> tuple[float, float]:
+    def stage_parameters(
+        self, cfg: ModelConfig, layer_ranges: Sequence[tuple[int, int]], tp: int, ep: int
+    ) -> tuple[float, float]:
         key = (tuple(layer_ranges), tp, ep)
         if key not in self.stages:
             self.stages[key] = stage_parameters(cfg, layer_ranges, tp, ep)
         return self.stages[key]
 
-    def chunk_activation_bytes(self, cfg: ModelConfig, layer_range: tuple[int, int], shape: ActivationShape,
-                               seq_length: int) -> float:
+    def chunk_activation_bytes(
+        self, cfg: ModelConfig, layer_range: tuple[int, int], shape: ActivationShape, seq_length: int
+    ) -> float:
         key = (cfg.recompute, tuple(layer_range), shape, seq_length)
         if key not in self.chunks:
             self.chunks[key] = chunk_activation_bytes(cfg, layer_range, shape, seq_length)
         return self.chunks[key]
-
 
     def peak_blocks(self, plan: PipelinePlan, rank: int, micro_batches: int) -> int:
         """`theoretical_peak_blocks`, which walks the schedule's step list."""

@@ -10,7 +10,9 @@ from k3train.model import flops as F
 from k3train.model.config import ModelConfig
 
 
-def stage_parameters(cfg: ModelConfig, layer_ranges: Sequence[tuple[int, int]], tp: int, ep: int) -> tuple[float, float]:
+def stage_parameters(
+    cfg: ModelConfig, layer_ranges: Sequence[tuple[int, int]], tp: int, ep: int
+) -> tuple[float, float]:
     """(parameters, optimizer state elements) of one pipeline rank, from the closed forms:
     mixers, MLPs and shared experts split over TP, routed experts over EP, embedding and head over
     TP (AdamW: two moments), everything else replicated (Muon: one momentum)."""
@@ -20,8 +22,12 @@ def stage_parameters(cfg: ModelConfig, layer_ranges: Sequence[tuple[int, int]], 
         for layer in range(start, end):
             mixer = F.mla_mixer_parameters(cfg) if layer in mla_layers else F.kda_mixer_parameters(cfg)
             if cfg.is_moe_layer(layer):
-                ffn = (F.shared_experts_parameters(cfg) / tp + F.routed_experts_parameters(cfg, cfg.num_experts) / ep
-                       + F.latent_projection_parameters(cfg) + F.router_parameters(cfg))
+                ffn = (
+                    F.shared_experts_parameters(cfg) / tp
+                    + F.routed_experts_parameters(cfg, cfg.num_experts) / ep
+                    + F.latent_projection_parameters(cfg)
+                    + F.router_parameters(cfg)
+                )
             else:
                 ffn = F.glu_mlp_parameters(cfg.hidden_size, cfg.intermediate_size) / tp
             layer_params = mixer / tp + ffn + 6 * cfg.hidden_size

@@ -31,12 +31,18 @@ DEFAULT_EFFICIENCY = 0.45
 
 def layer_training_flops(cfg: ModelConfig, layer: int, seq_length: int) -> float:
     """Training FLOPs per token of decoder layer `layer` (3 × forward), AttnRes included."""
-    mixer = (F.mla_projection_flops(cfg) + F.mla_attention_flops(cfg, seq_length) if cfg.is_mla_layer(layer)
-             else F.kda_projection_flops(cfg) + F.kda_short_conv_flops(cfg)
-             + F.kda_chunk_flops_per_token(cfg, seq_length))
+    mixer = (
+        F.mla_projection_flops(cfg) + F.mla_attention_flops(cfg, seq_length)
+        if cfg.is_mla_layer(layer)
+        else F.kda_projection_flops(cfg) + F.kda_short_conv_flops(cfg) + F.kda_chunk_flops_per_token(cfg, seq_length)
+    )
     if cfg.is_moe_layer(layer):
-        ffn = (F.routed_expert_flops(cfg) + F.shared_expert_flops(cfg) + F.latent_projection_flops(cfg)
-               + F.router_flops(cfg))
+        ffn = (
+            F.routed_expert_flops(cfg)
+            + F.shared_expert_flops(cfg)
+            + F.latent_projection_flops(cfg)
+            + F.router_flops(cfg)
+        )
     else:
         ffn = F.dense_mlp_flops(cfg)
     attn_res = F.attn_res_flops(cfg) / (2 * cfg.num_hidden_layers + 1)
@@ -56,8 +62,9 @@ def layer_flops_table(cfg: ModelConfig, seq_length: int) -> list[float]:
     return table
 
 
-def chunk_training_flops(cfg: ModelConfig, layer_range: tuple[int, int], seq_length: int,
-                         table: list[float] | None = None) -> float:
+def chunk_training_flops(
+    cfg: ModelConfig, layer_range: tuple[int, int], seq_length: int, table: list[float] | None = None
+) -> float:
     """Training FLOPs per token of the chunk `[start, end)` (the head on the last one)."""
     table = table or layer_flops_table(cfg, seq_length)
     start, end = layer_range
@@ -66,9 +73,15 @@ def chunk_training_flops(cfg: ModelConfig, layer_range: tuple[int, int], seq_len
 
 def group_link(layout: Layout, group: str, gpus_per_node: int) -> str:
     """`nvlink` or `network`: whether one group of `group` fits in one node (rank order TP, DP, PP)."""
-    span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "data_tensor": layout.tp * layout.dp,
-            "ep": layout.ep, "expert_dp": layout.tp * layout.dp, "cp": layout.tp * layout.cp,
-            "pp": layout.world_size}.get(group, layout.world_size)
+    span = {
+        "tp": layout.tp,
+        "dp": layout.tp * layout.dp,
+        "data_tensor": layout.tp * layout.dp,
+        "ep": layout.ep,
+        "expert_dp": layout.tp * layout.dp,
+        "cp": layout.tp * layout.cp,
+        "pp": layout.world_size,
+    }.get(group, layout.world_size)
     if group == "pp" and layout.pp == 1:
         return "nvlink"
     return "nvlink" if span <= gpus_per_node else "network"
@@ -102,15 +115,28 @@ class StepTime:
         return self.model_flops_per_step / (self.step_s * self.world_size * self.peak_flops)
 
     def shares(self) -> dict[str, float]:
-        terms = {"compute": self.compute_s, "bubble": self.bubble_s,
-                 **{f"{group} comm": t for group, t in self.exposed_comm_s.items()}}
+        terms = {
+            "compute": self.compute_s,
+            "bubble": self.bubble_s,
+            **{f"{group} comm": t for group, t in self.exposed_comm_s.items()},
+        }
         return {name: value / self.step_s for name, value in terms.items()}
 
 
-def estimate_step_time(cfg: ModelConfig, layout: Layout, plan: PipelinePlan, hardware: HardwareProfile, *,
-                       micro_batch_size: int, seq_length: int, micro_batches: int, precision: str,
-                       comm_bytes: dict[str, float], efficiency: float = DEFAULT_EFFICIENCY,
-                       gpus_per_node: int | None = None) -> StepTime:
+def estimate_step_time(
+    cfg: ModelConfig,
+    layout: Layout,
+    plan: PipelinePlan,
+    hardware: HardwareProfile,
+    *,
+    micro_batch_size: int,
+    seq_length: int,
+    micro_batches: int,
+    precision: str,
+    comm_bytes: dict[str, float],
+    efficiency: float = DEFAULT_EFFICIENCY,
+    gpus_per_node: int | None = None,
+) -> StepTime:
     """The step time of `layout`; `comm_bytes` per group is what one rank sends in one step
     (`traffic_terms.layout_step_bytes`)."""
     gpn = gpus_per_node or hardware.gpus_per_node
@@ -119,8 +145,15 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, plan: PipelinePlan, har
     tokens = micro_batch_size * seq_length
     recompute = 4 / 3 if cfg.recompute == "sublayer" else 1.0
     table = layer_flops_table(cfg, seq_length)
-    stage_s = [sum(chunk_training_flops(cfg, r, seq_length, table) for r in plan.layer_ranges(rank)) * tokens
-               * recompute / layout.tp / layout.cp / rate for rank in range(layout.pp)]
+    stage_s = [
+        sum(chunk_training_flops(cfg, r, seq_length, table) for r in plan.layer_ranges(rank))
+        * tokens
+        * recompute
+        / layout.tp
+        / layout.cp
+        / rate
+        for rank in range(layout.pp)
+    ]
     per_micro_batch = max(stage_s)
     compute = micro_batches * per_micro_batch
     bubble = (layout.pp - 1) / layout.virtual_stages * per_micro_batch
@@ -140,5 +173,11 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, plan: PipelinePlan, har
     return StepTime(compute, bubble, exposed, comm_bytes, links, total_tokens, layout.world_size, model_flops, peak)
 
 
-__all__ = ["StepTime", "estimate_step_time", "layer_training_flops", "chunk_training_flops", "group_link",
-           "DEFAULT_EFFICIENCY"]
+__all__ = [
+    "StepTime",
+    "estimate_step_time",
+    "layer_training_flops",
+    "chunk_training_flops",
+    "group_link",
+    "DEFAULT_EFFICIENCY",
+]

@@ -35,24 +35,49 @@ class TrafficTerm:
     messages: int
 
 
-def _planning_job(model_config, optimizer_config, tp: int, dp: int, zero1: bool, sequence_parallel: bool,
-                  micro_batch_size: int, seq_length: int, tp_rank: int, dp_rank: int,
-                  bucket_bytes: int, param_dtype: torch.dtype) -> RankJob:
+def _planning_job(
+    model_config,
+    optimizer_config,
+    tp: int,
+    dp: int,
+    zero1: bool,
+    sequence_parallel: bool,
+    micro_batch_size: int,
+    seq_length: int,
+    tp_rank: int,
+    dp_rank: int,
+    bucket_bytes: int,
+    param_dtype: torch.dtype,
+) -> RankJob:
     """Rank `(tp_rank, dp_rank)` of a `tp × dp` job built on the meta device as the job builds it;
     the layout is checked as at start-up (`resolve_layout`)."""
-    layout = resolve_layout(tp * dp, tp, 1, dp, 1, 1, model_config.num_attention_heads,
-                            model_config.linear_attn_config.num_heads, model_config.vocab_size,
-                            model_config.num_experts, model_config.num_hidden_layers)
+    layout = resolve_layout(
+        tp * dp,
+        tp,
+        1,
+        dp,
+        1,
+        1,
+        model_config.num_attention_heads,
+        model_config.linear_attn_config.num_heads,
+        model_config.vocab_size,
+        model_config.num_experts,
+        model_config.num_hidden_layers,
+    )
     if not (0 <= tp_rank < tp and 0 <= dp_rank < dp):
         raise ValueError(f"rank (tp {tp_rank}, dp {dp_rank}) outside tp={tp} × dp={dp}")
     base = JobConfig()
     config = dataclasses.replace(
-        base, model=model_config, optimizer=optimizer_config,
+        base,
+        model=model_config,
+        optimizer=optimizer_config,
         parallel=dataclasses.replace(base.parallel, tp=tp, dp=dp, zero1=zero1, sequence_parallel=sequence_parallel),
         train=dataclasses.replace(base.train, micro_batch_size=micro_batch_size),
-        data=dataclasses.replace(base.data, seq_length=seq_length))
-    return build_planning_rank(config, layout, layout.rank_of(tp_rank, dp_rank, 0), bucket_bytes=bucket_bytes,
-                               dtype=param_dtype)
+        data=dataclasses.replace(base.data, seq_length=seq_length),
+    )
+    return build_planning_rank(
+        config, layout, layout.rank_of(tp_rank, dp_rank, 0), bucket_bytes=bucket_bytes, dtype=param_dtype
+    )
 
 
 def step_traffic_terms(
@@ -78,18 +103,33 @@ def step_traffic_terms(
     order (terms that send nothing are left out). `micro_batches` is per rank and step
     (`global_batch_size / (micro_batch_size · dp)`); `dtype_bytes` the activation element size."""
     if pp != 1 or ep != 1:
-        raise ValueError(f"step_traffic_terms covers pp=1 and ep=1 (got pp={pp}, ep={ep}); for any layout "
-                         "build the rank (build_planning_rank) and call job_traffic_terms")
+        raise ValueError(
+            f"step_traffic_terms covers pp=1 and ep=1 (got pp={pp}, ep={ep}); for any layout "
+            "build the rank (build_planning_rank) and call job_traffic_terms"
+        )
     sp = sequence_parallel and tp > 1
     if sp and seq_length % tp:
         raise ValueError(f"seq_length={seq_length} does not split over tp={tp} (sequence parallelism)")
-    job = _planning_job(model_config, optimizer_config, tp, dp, zero1, sp, micro_batch_size, seq_length,
-                        tp_rank, dp_rank, bucket_bytes, param_dtype)
+    job = _planning_job(
+        model_config,
+        optimizer_config,
+        tp,
+        dp,
+        zero1,
+        sp,
+        micro_batch_size,
+        seq_length,
+        tp_rank,
+        dp_rank,
+        bucket_bytes,
+        param_dtype,
+    )
     return job_traffic_terms(job, micro_batches, dtype_bytes)
 
 
-def job_traffic_terms(job: RankJob, micro_batches: int, dtype_bytes: int = 4,
-                      replica_matrices: int = 0) -> list[TrafficTerm]:
+def job_traffic_terms(
+    job: RankJob, micro_batches: int, dtype_bytes: int = 4, replica_matrices: int = 0
+) -> list[TrafficTerm]:
     """Every term of one training step on the rank `job` is built for (`build_planning_rank`),
     for any layout: TP regions of this rank's layers (the embedding on the first stage, the head
     and cross-entropy on the last), its gradient buckets and ZeRO-1 exchange, the scalars of the
@@ -126,16 +166,28 @@ def job_traffic_terms(job: RankJob, micro_batches: int, dtype_bytes: int = 4,
     if tp > 1:
         regions = layers + dense_layers + (moe_layers if cfg.num_shared_experts > 0 else 0)
         if sp:
-            add("tp", f"{regions} TP regions fwd: enter all-gather N/tp + leave reduce-scatter N",
-                M * regions * (shard + full), M * regions * 2)
-            add("tp", f"{regions} TP regions bwd: leave all-gather N/tp + enter reduce-scatter N",
-                M * regions * (shard + full), M * regions * 2)
+            add(
+                "tp",
+                f"{regions} TP regions fwd: enter all-gather N/tp + leave reduce-scatter N",
+                M * regions * (shard + full),
+                M * regions * 2,
+            )
+            add(
+                "tp",
+                f"{regions} TP regions bwd: leave all-gather N/tp + enter reduce-scatter N",
+                M * regions * (shard + full),
+                M * regions * 2,
+            )
         else:
             add("tp", f"{regions} TP regions fwd: leave all-reduce N", M * regions * full, M * regions)
             add("tp", f"{regions} TP regions bwd: enter all-reduce N", M * regions * full, M * regions)
         if cfg.recompute == "sublayer" and sp:  # every region sits in a recomputed sublayer
-            add("tp", f"recompute=sublayer: {regions} regions' enter all-gather N/tp again in backward",
-                M * regions * shard, M * regions)
+            add(
+                "tp",
+                f"recompute=sublayer: {regions} regions' enter all-gather N/tp again in backward",
+                M * regions * shard,
+                M * regions,
+            )
         if sp:
             if first_stage:
                 add("tp", "embedding leave: reduce-scatter N fwd + all-gather N/tp bwd", M * (full + shard), 2 * M)
@@ -155,36 +207,65 @@ def job_traffic_terms(job: RankJob, micro_batches: int, dtype_bytes: int = 4,
         split = getattr(optimizer.optimizer, "split", None)  # Newton–Schulz split over DP without ZeRO-1
         if split is not None:
             stepped = {name for name, param in model.named_parameters() if split.computes(param)}
-        gathered = [route.param for route in route_parameters(model, optimizer_config)
-                    if route.route == "muon" and route.name in stepped and is_tensor_parallel(route.param)
-                    and block_layout(route.param, optimizer_config.muon_per_head).kind == "matrix"]
-        add("tp", f"Muon: all-gather of {len(gathered)} sharded whole matrices' momentum"
+        gathered = [
+            route.param
+            for route in route_parameters(model, optimizer_config)
+            if route.route == "muon"
+            and route.name in stepped
+            and is_tensor_parallel(route.param)
+            and block_layout(route.param, optimizer_config.muon_per_head).kind == "matrix"
+        ]
+        add(
+            "tp",
+            f"Muon: all-gather of {len(gathered)} sharded whole matrices' momentum"
             + (" (owned ones)" if dp > 1 and (zero1 or split is not None) else ""),
-            sum(p.numel() * p.element_size() for p in gathered), len(gathered))
+            sum(p.numel() * p.element_size() for p in gathered),
+            len(gathered),
+        )
 
     # ---- dp / data_tensor: gradient buckets, loss, ZeRO-1 exchange
     for group_name in ("dp", "data_tensor", "expert_dp"):
-        reduced = [b for b in reducer.buckets if not b.sharded and b.reduction.group.name == group_name
-                   and b.reduction.group.size > 1]
+        reduced = [
+            b
+            for b in reducer.buckets
+            if not b.sharded and b.reduction.group.name == group_name and b.reduction.group.size > 1
+        ]
         if reduced:
             tensors = sum(len(b.params) for b in reduced)
-            add(group_name, f"gradient buckets, all-reduce: {tensors} tensors, {sum(b.numel for b in reduced)} "
-                "elements (+flags)", sum(b.nbytes for b in reduced), len(reduced))
+            add(
+                group_name,
+                f"gradient buckets, all-reduce: {tensors} tensors, {sum(b.numel for b in reduced)} elements (+flags)",
+                sum(b.nbytes for b in reduced),
+                len(reduced),
+            )
         for partial in (False, True):
-            scattered = [b for b in reducer.buckets if b.sharded and b.scatter_group.name == group_name
-                         and (b.then_over is not None) == partial]
+            scattered = [
+                b
+                for b in reducer.buckets
+                if b.sharded and b.scatter_group.name == group_name and (b.then_over is not None) == partial
+            ]
             if not scattered:
                 continue
             tensors = sum(len(b.params) for b in scattered)
             padded = sum(b.scatter_group.size * b.segment - b.numel - len(b.params) for b in scattered)
-            add(group_name, "gradient buckets, ZeRO-1 reduce-scatter to owners"
-                + (" (TP-partial gradients)" if partial else "") + f": {tensors} tensors, "
+            add(
+                group_name,
+                "gradient buckets, ZeRO-1 reduce-scatter to owners"
+                + (" (TP-partial gradients)" if partial else "")
+                + f": {tensors} tensors, "
                 f"{sum(b.numel for b in scattered)} elements (+flags, +{padded} padding) in "
-                f"{group_name}-size per-owner segments", sum(b.nbytes for b in scattered), len(scattered))
+                f"{group_name}-size per-owner segments",
+                sum(b.nbytes for b in scattered),
+                len(scattered),
+            )
             if partial and tp > 1:
-                add("tp", f"ZeRO-1: the owners' segments of those {len(scattered)} buckets, all-reduce over tp "
+                add(
+                    "tp",
+                    f"ZeRO-1: the owners' segments of those {len(scattered)} buckets, all-reduce over tp "
                     "(each TP rank held a partial sum)",
-                    sum(b.sent()["tp"][0] for b in scattered), len(scattered))
+                    sum(b.sent()["tp"][0] for b in scattered),
+                    len(scattered),
+                )
     if any(b.sharded for b in reducer.buckets) and state.data_tensor.size > 1:
         add("data_tensor", "global grad norm, owner-only gradients' share: fp32 scalar all-reduce", 4, 1)
     if dp > 1:
@@ -196,18 +277,30 @@ def job_traffic_terms(job: RankJob, micro_batches: int, dtype_bytes: int = 4,
     for exchange in optimizer._exchanges:
         element = torch.empty((), dtype=exchange.dtype).element_size()
         chunk = max(1, bucket_bytes // element)
-        add(exchange.group.name, f"ZeRO-1 exchange ({exchange.dtype}): padded buffer of {exchange.length} elements",
-            exchange.length * element, math.ceil(exchange.length / chunk))
+        add(
+            exchange.group.name,
+            f"ZeRO-1 exchange ({exchange.dtype}): padded buffer of {exchange.length} elements",
+            exchange.length * element,
+            math.ceil(exchange.length / chunk),
+        )
         mine = [p for p, owner in exchange.broadcast if owner == exchange.group.rank]
-        add(exchange.group.name, f"ZeRO-1 exchange ({exchange.dtype}): broadcast of {len(mine)} owned parameters "
-            "larger than a rank's share", sum(p.numel() for p in mine) * element, len(mine))
+        add(
+            exchange.group.name,
+            f"ZeRO-1 exchange ({exchange.dtype}): broadcast of {len(mine)} owned parameters larger than a rank's share",
+            sum(p.numel() for p in mine) * element,
+            len(mine),
+        )
 
     split = getattr(optimizer.optimizer, "split", None)
     for exchange in split.exchanges if split is not None else []:
         element = torch.empty((), dtype=exchange.dtype).element_size()
         chunk = max(1, bucket_bytes // element)
-        add(exchange.group.name, f"Muon updates split over DP ({exchange.dtype}): padded buffer of "
-            f"{exchange.length} elements", exchange.length * element, math.ceil(exchange.length / chunk))
+        add(
+            exchange.group.name,
+            f"Muon updates split over DP ({exchange.dtype}): padded buffer of {exchange.length} elements",
+            exchange.length * element,
+            math.ceil(exchange.length / chunk),
+        )
 
     # ---- routing statistics on the routing group
     routing_group = state.data_tensor if sp else state.dp
@@ -216,8 +309,9 @@ def job_traffic_terms(job: RankJob, micro_batches: int, dtype_bytes: int = 4,
         experts = cfg.num_experts
         # One all-reduce pools every layer's summable statistics (`moe.pool_routing_statistics`).
         # Per layer: E token loads plus the dispatch counters, read off the built model.
-        counters = next(module.step_dispatch_counts.numel() for module in model.modules()
-                        if hasattr(module, "step_dispatch_counts"))
+        counters = next(
+            module.step_dispatch_counts.numel() for module in model.modules() if hasattr(module, "step_dispatch_counts")
+        )
         pooled_elements = moe_layers * (experts + counters)
         described = f"{moe_layers} × (E+{counters}) loads and dispatch counters"
         if cfg.balancer == "quantile_histogram":
@@ -229,19 +323,21 @@ def job_traffic_terms(job: RankJob, micro_batches: int, dtype_bytes: int = 4,
         add(name, f"routing statistics, one all-reduce: {described}, int64", pooled_elements * 8, 1)
         if cfg.balancer == "quantile":
             local_tokens = M * tokens // (tp if sp else 1)
-            add(name, f"balancer: {moe_layers} × all-gather of [{local_tokens}, E] margins",
-                moe_layers * local_tokens * experts * float_bytes, moe_layers)
+            add(
+                name,
+                f"balancer: {moe_layers} × all-gather of [{local_tokens}, E] margins",
+                moe_layers * local_tokens * experts * float_bytes,
+                moe_layers,
+            )
     for group, (nbytes, messages) in pipeline_expert_traffic(job, micro_batches, replica_matrices).items():
-        what = {"pp.forward": "pipeline hops forward: residual + the AttnRes blocks the receiver lacks",
-                "pp.backward": "pipeline hops backward: their gradients",
-                "ep": "expert all-to-alls (dispatch, ids, combine, their adjoints; loads) and the expert share "
-                      "of the norm",
-                "ep.replicas": f"replica weights out and their gradients back, {replica_matrices} matrices "
-                               "per layer"}[group]
+        what = {
+            "pp.forward": "pipeline hops forward: residual + the AttnRes blocks the receiver lacks",
+            "pp.backward": "pipeline hops backward: their gradients",
+            "ep": "expert all-to-alls (dispatch, ids, combine, their adjoints; loads) and the expert share of the norm",
+            "ep.replicas": f"replica weights out and their gradients back, {replica_matrices} matrices per layer",
+        }[group]
         add(group, what, nbytes, messages)
     return terms
-
-
 
 
 def predicted_step_traffic(model_config, optimizer_config, **kwargs) -> dict[str, tuple[int, int]]:
@@ -254,8 +350,9 @@ def predicted_step_traffic(model_config, optimizer_config, **kwargs) -> dict[str
     return {name: (totals[name][0], totals[name][1]) for name in sorted(totals)}
 
 
-def predicted_job_traffic(job: RankJob, micro_batches: int, dtype_bytes: int = 4,
-                          replica_matrices: int = 0) -> dict[str, tuple[int, int]]:
+def predicted_job_traffic(
+    job: RankJob, micro_batches: int, dtype_bytes: int = 4, replica_matrices: int = 0
+) -> dict[str, tuple[int, int]]:
     """`{group name: (bytes, messages)}` of `job_traffic_terms`, as `TrafficCounter.snapshot()`."""
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for term in job_traffic_terms(job, micro_batches, dtype_bytes, replica_matrices):
@@ -271,5 +368,11 @@ def describe_terms(terms: list[TrafficTerm]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TrafficTerm", "step_traffic_terms", "job_traffic_terms", "predicted_step_traffic", "predicted_job_traffic",
-           "describe_terms"]
+__all__ = [
+    "TrafficTerm",
+    "step_traffic_terms",
+    "job_traffic_terms",
+    "predicted_step_traffic",
+    "predicted_job_traffic",
+    "describe_terms",
+]

@@ -14,24 +14,24 @@ and no collective may run on it.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import torch
 
 from k3train.config import JobConfig
 from k3train.kernels import te as te_kernels
-from k3train.recipe import ConfigError
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model, K3Stage
-from k3train.parallel.comm import Group
 from k3train.optim.builder import build_optimizer, parameter_costs
+from k3train.parallel.comm import Group
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, GradientReducer
 from k3train.parallel.muon_split import install_muon_split
 from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
 from k3train.parallel.state import Layout, ParallelState
 from k3train.parallel.zero1 import DistributedOptimizer
+from k3train.recipe import ConfigError
 from k3train.training.compile import compile_elementwise
 from k3train.training.loop import precision_context
 
@@ -46,7 +46,7 @@ class RankJob:
     parallel: ParallelState
     device: torch.device
     plan: PipelinePlan  # the pipeline partition (the same on every rank)
-    expert_parallel: Optional[ExpertParallel]  # None when ep = 1 (experts replicated)
+    expert_parallel: ExpertParallel | None  # None when ep = 1 (experts replicated)
     model: K3Stage  # this rank's chunks under the whole model's parameter names
     reducer: GradientReducer
     optimizer: DistributedOptimizer
@@ -68,17 +68,25 @@ def planning_parallel_state(layout: Layout, rank: int, sequence_parallel: bool =
     return _PlanningState(layout, rank, sequence_parallel=sequence_parallel)
 
 
-def fp8_excluded_layers(model_config: ModelConfig, excluded: Optional[Sequence[int]]) -> list[int]:
+def fp8_excluded_layers(model_config: ModelConfig, excluded: Sequence[int] | None) -> list[int]:
     """The decoder layers kept out of FP8: `train.fp8_excluded_layers`, or the first and the last."""
     if excluded is None:
         return sorted({0, model_config.num_hidden_layers - 1})
     return sorted(set(excluded))
 
 
-def build_model(model_config: ModelConfig, plan: PipelinePlan, parallel: ParallelState,
-                expert_parallel: Optional[ExpertParallel] = None, *, seed: Optional[int] = None,
-                device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
-                fp8_recipe: str = "delayed", fp8_excluded: Optional[Sequence[int]] = None) -> K3Stage:
+def build_model(
+    model_config: ModelConfig,
+    plan: PipelinePlan,
+    parallel: ParallelState,
+    expert_parallel: ExpertParallel | None = None,
+    *,
+    seed: int | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    fp8_recipe: str = "delayed",
+    fp8_excluded: Sequence[int] | None = None,
+) -> K3Stage:
     """This rank's model: one `K3Model` slice per virtual stage (`model.chunks`, in virtual-stage
     order), initialised from `seed` (0 when not given), in `dtype`, on `device`. On the meta device
     nothing is allocated or initialised. `model.linear_backend` is resolved for `device`
@@ -92,19 +100,31 @@ def build_model(model_config: ModelConfig, plan: PipelinePlan, parallel: Paralle
     for layer_range in plan.layer_ranges(parallel.pp_rank):
         if on_meta:
             with torch.device(META):
-                chunk = K3Model(model_config, layer_range=layer_range, parallel=parallel,
-                                expert_parallel=expert_parallel)
+                chunk = K3Model(
+                    model_config, layer_range=layer_range, parallel=parallel, expert_parallel=expert_parallel
+                )
         else:
             # Initialised once, in the constructor (a second draw would double the start-up time).
-            chunk = K3Model(model_config, layer_range=layer_range, parallel=parallel, expert_parallel=expert_parallel,
-                            seed=seed if seed is not None else 0, linear_factory=linear_factory)
+            chunk = K3Model(
+                model_config,
+                layer_range=layer_range,
+                parallel=parallel,
+                expert_parallel=expert_parallel,
+                seed=seed if seed is not None else 0,
+                linear_factory=linear_factory,
+            )
             if device is not None:
                 chunk = chunk.to(device)
         if dtype is not None:
             chunk = chunk.to(dtype)
         if backend == "te":
-            te_kernels.keep_modules_out_of_fp8([chunk.layers[str(i)] for i in fp8_excluded_layers(model_config, fp8_excluded)
-                                                if str(i) in chunk.layers])
+            te_kernels.keep_modules_out_of_fp8(
+                [
+                    chunk.layers[str(i)]
+                    for i in fp8_excluded_layers(model_config, fp8_excluded)
+                    if str(i) in chunk.layers
+                ]
+            )
         chunks.append(chunk)
     return K3Stage(chunks)
 
@@ -125,18 +145,25 @@ def check_precision_support(config: JobConfig, device: torch.device) -> None:
     if train.precision != "fp8":
         return
     if model.linear_backend == "torch":
-        raise ConfigError("train.precision=fp8 runs its GEMMs in Transformer Engine: set model.linear_backend=te "
-                          "(or auto), or use train.precision=bf16")
+        raise ConfigError(
+            "train.precision=fp8 runs its GEMMs in Transformer Engine: set model.linear_backend=te "
+            "(or auto), or use train.precision=bf16"
+        )
     if model.recompute == "sublayer":
-        raise ConfigError("train.precision=fp8 with model.recompute=sublayer would recompute the FP8 projections "
-                          "outside the FP8 region: use model.recompute=attn_res or none")
+        raise ConfigError(
+            "train.precision=fp8 with model.recompute=sublayer would recompute the FP8 projections "
+            "outside the FP8 region: use model.recompute=attn_res or none"
+        )
     if train.fp8_recipe == "mxfp8" and torch.cuda.get_device_capability(device)[0] < 10:
-        raise ConfigError(f"train.fp8_recipe=mxfp8 needs a GPU of compute capability 10.0 or later (Blackwell), "
-                          f"this one is {torch.cuda.get_device_capability(device)}: use fp8_recipe=delayed or current")
+        raise ConfigError(
+            f"train.fp8_recipe=mxfp8 needs a GPU of compute capability 10.0 or later (Blackwell), "
+            f"this one is {torch.cuda.get_device_capability(device)}: use fp8_recipe=delayed or current"
+        )
 
 
-def forward_precision_context(config: JobConfig, device: torch.device,
-                              parallel: Optional[ParallelState] = None) -> Callable[[], contextlib.AbstractContextManager]:
+def forward_precision_context(
+    config: JobConfig, device: torch.device, parallel: ParallelState | None = None
+) -> Callable[[], contextlib.AbstractContextManager]:
     """The context of every forward pass: `training.loop.precision_context` (bf16 autocast for
     bf16 and fp8), and for fp8 Transformer Engine's FP8 region with the recipe of the config.
     The delayed recipe's amaxes are reduced over the stage's data × tensor ranks, so every rank
@@ -148,8 +175,9 @@ def forward_precision_context(config: JobConfig, device: torch.device,
     te, why = te_kernels.import_transformer_engine()
     if te is None:
         raise ConfigError(f"train.precision=fp8 needs Transformer Engine ({why}); {te_kernels.INSTALL_HINT}")
-    recipe = te_kernels.make_fp8_recipe(te, config.train.fp8_recipe, config.train.fp8_amax_history_len,
-                                        config.train.fp8_amax_compute_algo)
+    recipe = te_kernels.make_fp8_recipe(
+        te, config.train.fp8_recipe, config.train.fp8_amax_history_len, config.train.fp8_amax_compute_algo
+    )
     group = parallel.data_tensor if parallel is not None else None
     amax_group = group.process_group if group is not None and group.size > 1 else None
     fp8 = te_kernels.fp8_forward_context(te, recipe, amax_group)
@@ -162,43 +190,72 @@ def forward_precision_context(config: JobConfig, device: torch.device,
     return bf16_and_fp8
 
 
-def _build_optimizer(model: K3Stage, config: JobConfig, parallel: ParallelState,
-                     bucket_bytes: int) -> DistributedOptimizer:
+def _build_optimizer(
+    model: K3Stage, config: JobConfig, parallel: ParallelState, bucket_bytes: int
+) -> DistributedOptimizer:
     """Per-Head Muon + AdamW over `model`, its state sharded over DP (ZeRO-1) when asked; the
     one place the job's optimizer is made: built here and handed, with each parameter's cost (which
     balances the ZeRO-1 owners), to the data-parallel wrapper."""
-    optimizer = DistributedOptimizer(build_optimizer(model, config.optimizer), model, parallel,
-                                     parameter_costs(model, config.optimizer), zero1=config.parallel.zero1,
-                                     bucket_bytes=bucket_bytes)
+    optimizer = DistributedOptimizer(
+        build_optimizer(model, config.optimizer),
+        model,
+        parallel,
+        parameter_costs(model, config.optimizer),
+        zero1=config.parallel.zero1,
+        bucket_bytes=bucket_bytes,
+    )
     if not config.parallel.zero1 and config.optimizer.muon_split_over_dp:
         # Each DP rank orthogonalises the matrices ZeRO-1 would give it; updates all-gathered.
-        install_muon_split(optimizer.optimizer, model.named_parameters(), optimizer.plan.owners, parallel,
-                           bucket_bytes)
+        install_muon_split(optimizer.optimizer, model.named_parameters(), optimizer.plan.owners, parallel, bucket_bytes)
     return optimizer
 
 
-def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device, *,
-               bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True,
-               dtype: Optional[torch.dtype] = None) -> RankJob:
+def build_rank(
+    config: JobConfig,
+    parallel: ParallelState,
+    device: torch.device,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    overlap: bool = True,
+    dtype: torch.dtype | None = None,
+) -> RankJob:
     """The job of this rank: plan, experts, model (from `config.train.seed`), gradient reducer,
     optimizer and pipeline schedule. Raises `PipelineConfigError` or `ValueError` (a layout the
     plan, the experts or the schedule cannot run) before anything communicates."""
     check_precision_support(config, device)
     plan = PipelinePlan.from_config(config.model, config.parallel)
     expert_parallel = ExpertParallel.from_state(parallel, config.parallel, config.model.num_experts)
-    model = build_model(config.model, plan, parallel, expert_parallel, seed=config.train.seed, device=device,
-                        dtype=dtype, fp8_recipe=config.train.fp8_recipe, fp8_excluded=config.train.fp8_excluded_layers)
+    model = build_model(
+        config.model,
+        plan,
+        parallel,
+        expert_parallel,
+        seed=config.train.seed,
+        device=device,
+        dtype=dtype,
+        fp8_recipe=config.train.fp8_recipe,
+        fp8_excluded=config.train.fp8_excluded_layers,
+    )
     if config.train.compile and device.type != "meta":
         compile_elementwise(model, config.train.compile_regions)  # in place: parameters, names and hooks unchanged
     optimizer = _build_optimizer(model, config, parallel, bucket_bytes)
     # Under ZeRO-1 the gradients are reduce-scattered to their owners (the optimizer's plan).
-    reducer = GradientReducer(model, parallel, bucket_bytes=bucket_bytes, overlap=overlap,
-                              owners=optimizer.gradient_owners())
+    reducer = GradientReducer(
+        model, parallel, bucket_bytes=bucket_bytes, overlap=overlap, owners=optimizer.gradient_owners()
+    )
     schedule = PipelineSchedule(
-        plan, parallel.pp,
-        residual_shape(config.train.micro_batch_size, config.data.seq_length // parallel.layout.cp, config.model.hidden_size,
-                       parallel.tp.size, parallel.sequence_parallel),
-        dtype=torch.float32, device=device, forward_context=forward_precision_context(config, device, parallel),
+        plan,
+        parallel.pp,
+        residual_shape(
+            config.train.micro_batch_size,
+            config.data.seq_length // parallel.layout.cp,
+            config.model.hidden_size,
+            parallel.tp.size,
+            parallel.sequence_parallel,
+        ),
+        dtype=torch.float32,
+        device=device,
+        forward_context=forward_precision_context(config, device, parallel),
         # The pipeline's last backward of each chunk turns on gradient reduction (DP overlap).
         before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
         grad_group=parallel.pp_grad,  # backward messages on their own communicator (NCCL order)
@@ -206,13 +263,27 @@ def build_rank(config: JobConfig, parallel: ParallelState, device: torch.device,
     return RankJob(config, parallel, device, plan, expert_parallel, model, reducer, optimizer, schedule)
 
 
-def build_planning_rank(config: JobConfig, layout: Layout, rank: int, *,
-                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None) -> RankJob:
+def build_planning_rank(
+    config: JobConfig,
+    layout: Layout,
+    rank: int,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> RankJob:
     """`build_rank` for global rank `rank` of `layout` on the meta device, without process groups
     (for the planner and the traffic formula: exact shapes, buckets and ownership, no memory)."""
     parallel = planning_parallel_state(layout, rank, config.parallel.sequence_parallel)
     return build_rank(config, parallel, META, bucket_bytes=bucket_bytes, overlap=False, dtype=dtype)
 
 
-__all__ = ["RankJob", "build_rank", "build_planning_rank", "build_model", "check_precision_support",
-           "forward_precision_context", "fp8_excluded_layers", "planning_parallel_state"]
+__all__ = [
+    "RankJob",
+    "build_rank",
+    "build_planning_rank",
+    "build_model",
+    "check_precision_support",
+    "forward_precision_context",
+    "fp8_excluded_layers",
+    "planning_parallel_state",
+]

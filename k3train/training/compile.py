@@ -22,14 +22,13 @@ elementwise maths is unchanged (inductor may reorder fp32 reductions: losses mat
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from k3train.kernels.attn_res import attn_res_mix_plain
 from k3train.kernels.norms import rms_norm
-
 
 REGIONS = ("norms", "activations", "attn_res")
 
@@ -77,9 +76,17 @@ class CompiledMixNorm:
     def __init__(self):
         self.compiled: dict[tuple, Callable] = {}
 
-    def __call__(self, sources: list[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
-                 out_weight: torch.Tensor, out_eps: float, inverse_norms: list | None = None,
-                 dots: list | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        sources: list[torch.Tensor],
+        norm_weight: torch.Tensor,
+        query: torch.Tensor,
+        eps: float,
+        out_weight: torch.Tensor,
+        out_eps: float,
+        inverse_norms: list | None = None,
+        dots: list | None = None,
+    ) -> torch.Tensor:
         count = len(sources)
         inverse_norms = [None] * count if inverse_norms is None else list(inverse_norms)
         dots = [None] * count if dots is None else list(dots)
@@ -90,8 +97,16 @@ class CompiledMixNorm:
         return function(sources, norm_weight, query, eps, out_weight, out_eps, inverse_norms, dots)
 
 
-def _mix_norm(sources: list[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float,
-              out_weight: torch.Tensor, out_eps: float, inverse_norms: list, dots: list) -> torch.Tensor:
+def _mix_norm(
+    sources: list[torch.Tensor],
+    norm_weight: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    out_weight: torch.Tensor,
+    out_eps: float,
+    inverse_norms: list,
+    dots: list,
+) -> torch.Tensor:
     return rms_norm(attn_res_mix_plain(sources, norm_weight, query, eps, inverse_norms, dots), out_weight, out_eps)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from k3train.recipe import ConfigError, check
 
@@ -35,7 +35,7 @@ class TrainConfig:
     """Steps of amax history of the delayed recipe."""
     fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
     """How the delayed recipe turns the amax history into a scale."""
-    fp8_excluded_layers: Optional[list[int]] = None
+    fp8_excluded_layers: list[int] | None = None
     """0-based decoder layers whose projections stay bf16 under fp8; null means the first and the
     last layer, [] means none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -59,7 +59,8 @@ class TrainConfig:
     minutes on a CPU, longer than a short debug run, and on the CPU only the `attn_res` region
     pays (docs/performance.md)."""
     compile_regions: list[Literal["norms", "activations", "attn_res"]] = field(
-        default_factory=lambda: ["norms", "activations", "attn_res"])
+        default_factory=lambda: ["norms", "activations", "attn_res"]
+    )
     """What `train.compile=true` compiles: `norms` (every RMSNorm and KDA's gated output norm),
     `activations` (the GLU of every dense MLP, shared expert and routed-expert stack), `attn_res`
     (every AttnRes mix with its sublayer's input norm). On the CPU, `[attn_res]` alone is the
@@ -73,27 +74,44 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""
-        check([
-            (self.steps >= 1, f"train.steps must be at least 1, got {self.steps}"),
-            (self.global_batch_size >= 1, f"train.global_batch_size must be at least 1, got {self.global_batch_size}"),
-            (self.micro_batch_size >= 1, f"train.micro_batch_size must be at least 1, got {self.micro_batch_size}"),
-            (self.log_interval >= 1, f"train.log_interval must be at least 1, got {self.log_interval}"),
-            (self.eval_interval >= 0, f"train.eval_interval must be 0 (never) or positive, got {self.eval_interval}"),
-            (self.eval_batches >= 1, f"train.eval_batches must be at least 1, got {self.eval_batches}"),
-            (self.max_nonfinite_steps >= 1,
-             f"train.max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}"),
-            (self.fp8_amax_history_len >= 1,
-             f"train.fp8_amax_history_len must be at least 1, got {self.fp8_amax_history_len}"),
-            (self.fp8_excluded_layers is None or all(i >= 0 for i in self.fp8_excluded_layers),
-             f"train.fp8_excluded_layers must be 0-based layer indices, got {self.fp8_excluded_layers}"),
-            (self.num_threads >= 0,
-             f"train.num_threads must be 0 (automatic) or positive, got {self.num_threads}"),
-            (math.isfinite(self.stop_grace_s) and self.stop_grace_s > 0,
-             f"train.stop_grace_s must be a positive number of seconds, got {self.stop_grace_s}"),
-            (not self.compile or bool(self.compile_regions),
-             "train.compile_regions is empty while train.compile=true: name a region "
-             "(norms, activations, attn_res) or set train.compile=false"),
-        ])
+        check(
+            [
+                (self.steps >= 1, f"train.steps must be at least 1, got {self.steps}"),
+                (
+                    self.global_batch_size >= 1,
+                    f"train.global_batch_size must be at least 1, got {self.global_batch_size}",
+                ),
+                (self.micro_batch_size >= 1, f"train.micro_batch_size must be at least 1, got {self.micro_batch_size}"),
+                (self.log_interval >= 1, f"train.log_interval must be at least 1, got {self.log_interval}"),
+                (
+                    self.eval_interval >= 0,
+                    f"train.eval_interval must be 0 (never) or positive, got {self.eval_interval}",
+                ),
+                (self.eval_batches >= 1, f"train.eval_batches must be at least 1, got {self.eval_batches}"),
+                (
+                    self.max_nonfinite_steps >= 1,
+                    f"train.max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}",
+                ),
+                (
+                    self.fp8_amax_history_len >= 1,
+                    f"train.fp8_amax_history_len must be at least 1, got {self.fp8_amax_history_len}",
+                ),
+                (
+                    self.fp8_excluded_layers is None or all(i >= 0 for i in self.fp8_excluded_layers),
+                    f"train.fp8_excluded_layers must be 0-based layer indices, got {self.fp8_excluded_layers}",
+                ),
+                (self.num_threads >= 0, f"train.num_threads must be 0 (automatic) or positive, got {self.num_threads}"),
+                (
+                    math.isfinite(self.stop_grace_s) and self.stop_grace_s > 0,
+                    f"train.stop_grace_s must be a positive number of seconds, got {self.stop_grace_s}",
+                ),
+                (
+                    not self.compile or bool(self.compile_regions),
+                    "train.compile_regions is empty while train.compile=true: name a region "
+                    "(norms, activations, attn_res) or set train.compile=false",
+                ),
+            ]
+        )
 
     def micro_batches_per_rank(self, dp: int) -> int:
         """Micro-batches each data-parallel rank runs per step, for `dp` data-parallel ranks.
@@ -104,15 +122,17 @@ class TrainConfig:
         """
         per_step = self.micro_batch_size * dp
         if per_step < 1:  # checked by validate(); refused here too rather than divided by
-            raise ConfigError(f"train.micro_batch_size ({self.micro_batch_size}) and the data-parallel size ({dp}) "
-                              f"must be at least 1")
+            raise ConfigError(
+                f"train.micro_batch_size ({self.micro_batch_size}) and the data-parallel size ({dp}) must be at least 1"
+            )
         if self.global_batch_size % per_step:
             lower = max(self.global_batch_size // per_step, 1) * per_step
             fits = sorted({lower, lower + per_step} - {self.global_batch_size})
             raise ConfigError(
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of train.micro_batch_size * "
                 f"data-parallel size ({self.micro_batch_size} * {dp} = {per_step}); use train.global_batch_size="
-                f"{' or '.join(map(str, fits))}, or change train.micro_batch_size")
+                f"{' or '.join(map(str, fits))}, or change train.micro_batch_size"
+            )
         return self.global_batch_size // per_step
 
 
@@ -130,7 +150,7 @@ class LoggingConfig:
     """W&B project name."""
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     """W&B mode; 'offline' writes locally for a later `wandb sync`."""
-    peak_tflops: Optional[float] = None
+    peak_tflops: float | None = None
     """Peak dense TFLOP/s per device used for MFU; null looks it up from the device name."""
     optimizer_table: bool = False
     """Print the optimizer's table at start-up: one row per parameter group (route, name pattern,
@@ -138,7 +158,11 @@ class LoggingConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""
-        check([
-            (self.peak_tflops is None or self.peak_tflops > 0,
-             f"logging.peak_tflops must be positive or null, got {self.peak_tflops}"),
-        ])
+        check(
+            [
+                (
+                    self.peak_tflops is None or self.peak_tflops > 0,
+                    f"logging.peak_tflops must be positive or null, got {self.peak_tflops}",
+                ),
+            ]
+        )

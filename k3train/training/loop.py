@@ -18,8 +18,9 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ class TrainingError(RuntimeError):
 NAN_GRAD_HOOK_ENV = "K3TRAIN_TEST_NAN_GRAD"
 
 
-def nan_gradient_steps(value: Optional[str], rank: int) -> frozenset[int]:
+def nan_gradient_steps(value: str | None, rank: int) -> frozenset[int]:
     """The steps whose gradients the test-only hook poisons on `rank` (`RANK:STEP[,STEP...]`)."""
     if not value:
         return frozenset()
@@ -62,8 +63,11 @@ class Progress:
     skipped_steps: int = 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "consecutive_nonfinite": self.consecutive_nonfinite,
-                "skipped_steps": self.skipped_steps}
+        return {
+            "step": self.step,
+            "consecutive_nonfinite": self.consecutive_nonfinite,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -95,7 +99,7 @@ class Trainer:
         device: torch.device,
         training_flops_per_token: float,
         peak: PeakFlops,
-        logger: Optional[MetricsLogger],
+        logger: MetricsLogger | None,
         parallel: ParallelState,
         reducer: GradientReducer,
         schedule: PipelineSchedule,
@@ -124,9 +128,9 @@ class Trainer:
         self.tokens_per_step = train.global_batch_size * config.data.seq_length  # whole job
         # The ranks that routed distinct tokens: they pool their balancer statistics.
         self.routing_group = parallel.data_tensor if parallel.sequence_parallel else parallel.dp
-        self._run_start: Optional[float] = None
+        self._run_start: float | None = None
         self._steps_this_run = 0
-        self.stopped_at_step: Optional[int] = None
+        self.stopped_at_step: int | None = None
         """The step at which a SIGTERM/SIGINT stopped `run` (its checkpoint saved); None otherwise."""
         self._nan_gradient_steps = nan_gradient_steps(os.environ.get(NAN_GRAD_HOOK_ENV), parallel.rank)
 
@@ -145,8 +149,9 @@ class Trainer:
         # the mean loss accumulated, the data-parallel reduction launched during the last backward.
         # Under context parallelism the cp ranks read the same rows; the model keeps its own pieces of
         # every sequence (parallel/context.py), and the loss averaged over dp × cp is the global mean.
-        batch = self.data.next_global_batch(config.train.global_batch_size, parallel.data_rank,
-                                            parallel.layout.data_parallel)
+        batch = self.data.next_global_batch(
+            config.train.global_batch_size, parallel.data_rank, parallel.layout.data_parallel
+        )
         micro_batches = [mb.to(self.device, non_blocking=True) for mb in batch.split(config.train.micro_batch_size)]
         with self._poisoned_gradients(step in self._nan_gradient_steps):
             local_loss = self.schedule.run(self.model.chunks, micro_batches)
@@ -179,16 +184,26 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step = step
         metrics = self._step_metrics(step, step_loss, grad_norm, lr, expert_stats, time.perf_counter() - started)
-        metrics.update(optimizer_time_s=optimizer_seconds, optimizer_share=optimizer_seconds / metrics["step_time_s"],
-                       newton_schulz_time_s=newton_schulz.ns_seconds if newton_schulz else 0.0,
-                       newton_schulz_gflop=newton_schulz.ns_flops / 1e9 if newton_schulz else 0.0)
+        metrics.update(
+            optimizer_time_s=optimizer_seconds,
+            optimizer_share=optimizer_seconds / metrics["step_time_s"],
+            newton_schulz_time_s=newton_schulz.ns_seconds if newton_schulz else 0.0,
+            newton_schulz_gflop=newton_schulz.ns_flops / 1e9 if newton_schulz else 0.0,
+        )
         return metrics
 
     @contextlib.contextmanager
     def _poisoned_gradients(self, poison: bool):
         """The test-only NaN hook: this rank's gradients of every parameter become NaN."""
-        handles = [p.register_hook(lambda grad: torch.full_like(grad, math.nan))
-                   for p in self.model.parameters() if p.requires_grad] if poison else []
+        handles = (
+            [
+                p.register_hook(lambda grad: torch.full_like(grad, math.nan))
+                for p in self.model.parameters()
+                if p.requires_grad
+            ]
+            if poison
+            else []
+        )
         try:
             yield
         finally:
@@ -246,10 +261,13 @@ class Trainer:
         it in the training step's micro-batches (so the pipeline schedules take it as they are)."""
         parallel, train = self.parallel, self.config.train
         dp = parallel.layout.data_parallel
-        batches = [micro.to(self.device)
-                   for batch in self.data.validation_batches(train.global_batch_size, train.eval_batches,
-                                                             dp_rank=parallel.data_rank, dp_size=dp)
-                   for micro in batch.split(train.micro_batch_size)]
+        batches = [
+            micro.to(self.device)
+            for batch in self.data.validation_batches(
+                train.global_batch_size, train.eval_batches, dp_rank=parallel.data_rank, dp_size=dp
+            )
+            for micro in batch.split(train.micro_batch_size)
+        ]
         if not batches:
             return math.nan
         self.model.eval()
@@ -264,8 +282,11 @@ class Trainer:
         history = []
         self._run_start = time.perf_counter()
         if self.progress.step >= config.train.steps:
-            print(f"already at step {self.progress.step} of train.steps={config.train.steps}: nothing to train "
-                  f"(raise train.steps to continue)", flush=True)
+            print(
+                f"already at step {self.progress.step} of train.steps={config.train.steps}: nothing to train "
+                f"(raise train.steps to continue)",
+                flush=True,
+            )
             return history
         while self.progress.step < config.train.steps:
             metrics = self.train_step()

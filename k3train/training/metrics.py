@@ -10,7 +10,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from k3train.config import JobConfig
 
@@ -26,15 +26,18 @@ def format_step_line(metrics: dict[str, Any], total_steps: int, mfu_label: str) 
         f"{mfu_label} {100 * metrics['mfu']:.1f}%",
     ]
     if metrics.get("optimizer_share") is not None:  # optimizer time; Newton–Schulz FLOPs are not in MFU
-        newton_schulz = (f" (NS {metrics['newton_schulz_gflop']:.3g} GFLOP)"
-                         if metrics.get("newton_schulz_gflop") else "")
+        newton_schulz = (
+            f" (NS {metrics['newton_schulz_gflop']:.3g} GFLOP)" if metrics.get("newton_schulz_gflop") else ""
+        )
         parts.append(f"opt {100 * metrics['optimizer_share']:.1f}%{newton_schulz}")
     if metrics.get("expert_load_max_over_mean") is not None:
         parts.append(f"expert load max/mean {metrics['expert_load_max_over_mean']:.2f}")
         parts.append(f"dropped {metrics['dropped_tokens']}")
         if metrics.get("ep_token_bytes"):  # expert parallelism: replicas and bytes on the wire per rank
             parts.append(f"replicas {metrics['replicas_placed']:.0f}")
-            parts.append(f"EP wire {metrics['ep_token_bytes'] / 2**20:.2f}+{metrics['ep_replica_bytes'] / 2**20:.2f} MiB")
+            parts.append(
+                f"EP wire {metrics['ep_token_bytes'] / 2**20:.2f}+{metrics['ep_replica_bytes'] / 2**20:.2f} MiB"
+            )
     if metrics.get("skipped_steps"):
         parts.append(f"skipped {metrics['skipped_steps']}")
     per_rank = metrics.get("memory_gib_per_rank") or []
@@ -62,8 +65,10 @@ def require_sinks(config: JobConfig) -> None:
         try:
             __import__(module)
         except ImportError as error:
-            raise SinkError(f"logging.{field}=true needs the {package} package: pip install {package} "
-                            f"(or set logging.{field}=false)") from error
+            raise SinkError(
+                f"logging.{field}=true needs the {package} package: pip install {package} "
+                f"(or set logging.{field}=false)"
+            ) from error
 
 
 class MetricsLogger:
@@ -84,8 +89,10 @@ class MetricsLogger:
             import wandb
 
             self.wandb_run = wandb.init(
-                project=config.logging.wandb_project, mode=config.logging.wandb_mode,
-                dir=str(run_dir), config=_json_safe(config),
+                project=config.logging.wandb_project,
+                mode=config.logging.wandb_mode,
+                dir=str(run_dir),
+                config=_json_safe(config),
             )
 
     def log_step(self, metrics: dict[str, Any]) -> None:
@@ -123,5 +130,5 @@ def _json_safe(config: JobConfig) -> dict:
     return config_to_dict(config)
 
 
-def warn(message: str, stream: Optional[Any] = None) -> None:
+def warn(message: str, stream: Any | None = None) -> None:
     print(f"warning: {message}", file=stream or sys.stderr, flush=True)

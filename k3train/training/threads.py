@@ -64,9 +64,13 @@ def launcher_environment(environ: Mapping[str, str], parent_pid: int | None = No
     return frozenset(entry.split(b"=", 1)[0].decode(errors="replace") for entry in entries if entry)
 
 
-def choose_num_threads(configured: int | None, environ: Mapping[str, str], cores: int,
-                       busy_fraction: float = 0.0,
-                       launcher_variables: Collection[str] | None = None) -> tuple[int, str]:
+def choose_num_threads(
+    configured: int | None,
+    environ: Mapping[str, str],
+    cores: int,
+    busy_fraction: float = 0.0,
+    launcher_variables: Collection[str] | None = None,
+) -> tuple[int, str]:
     """Intra-op threads per rank and the one line that says why.
 
     In order: `train.num_threads` when positive; else `OMP_NUM_THREADS` when it is a positive
@@ -85,14 +89,16 @@ def choose_num_threads(configured: int | None, environ: Mapping[str, str], cores
     local_ranks = _positive_int(environ.get("LOCAL_WORLD_SIZE")) or 1
     omp = environ.get("OMP_NUM_THREADS")
     from_environment = _positive_int(omp)
-    torchrun_may_have_set_it = (omp == TORCHRUN_DEFAULT_OMP and local_ranks > 1
-                                and "TORCHELASTIC_RUN_ID" in environ)
-    torchrun_default = torchrun_may_have_set_it and launcher_variables is not None \
-        and "OMP_NUM_THREADS" not in launcher_variables
+    torchrun_may_have_set_it = omp == TORCHRUN_DEFAULT_OMP and local_ranks > 1 and "TORCHELASTIC_RUN_ID" in environ
+    torchrun_default = (
+        torchrun_may_have_set_it and launcher_variables is not None and "OMP_NUM_THREADS" not in launcher_variables
+    )
     if from_environment is not None and not torchrun_default:
         if torchrun_may_have_set_it and launcher_variables is None:  # origin unknown: keep it, say how to choose
-            return 1, ("threads: 1 per rank (OMP_NUM_THREADS=1, which torchrun also sets when it is unset: "
-                       "set train.num_threads to choose)")
+            return 1, (
+                "threads: 1 per rank (OMP_NUM_THREADS=1, which torchrun also sets when it is unset: "
+                "set train.num_threads to choose)"
+            )
         return from_environment, f"threads: {from_environment} per rank (OMP_NUM_THREADS={omp})"
     cores = max(cores, 1)
     busy_fraction = min(max(busy_fraction, 0.0), 1.0)
@@ -100,6 +106,8 @@ def choose_num_threads(configured: int | None, environ: Mapping[str, str], cores
     threads = max(free_cores // local_ranks, 1)
     busy = f", {busy_fraction:.0%} busy → {free_cores} free" if busy_fraction > 0 else ""
     ignored = "; torchrun's default OMP_NUM_THREADS=1 not used" if torchrun_default else ""
-    return threads, (f"threads: {threads} per rank ({cores} cores{busy} / {local_ranks} local "
-                     f"rank{'s' if local_ranks != 1 else ''}{ignored}; "
-                     f"set OMP_NUM_THREADS or train.num_threads to override)")
+    return threads, (
+        f"threads: {threads} per rank ({cores} cores{busy} / {local_ranks} local "
+        f"rank{'s' if local_ranks != 1 else ''}{ignored}; "
+        f"set OMP_NUM_THREADS or train.num_threads to override)"
+    )

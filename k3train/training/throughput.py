@@ -23,10 +23,11 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -103,8 +104,9 @@ def cpu_peak_key(threads: int) -> str:
     return f"{cpu_model_name()} | {threads} thread(s) | torch {torch.__version__} | cpu-time"
 
 
-def cached_cpu_peak(threads: Optional[int] = None, directory: Optional[Path] = None,
-                    measure: Callable[[], float] = measure_cpu_matmul_tflops) -> tuple[float, str]:
+def cached_cpu_peak(
+    threads: int | None = None, directory: Path | None = None, measure: Callable[[], float] = measure_cpu_matmul_tflops
+) -> tuple[float, str]:
     """The CPU matmul peak for `threads` (default: torch's current count) and where it came from:
     the cached rate of this machine if there is one, else `measure()` (written to the cache; an
     unreadable or unwritable cache only means measuring again)."""
@@ -121,7 +123,7 @@ def cached_cpu_peak(threads: Optional[int] = None, directory: Optional[Path] = N
     except (OSError, ValueError, KeyError, TypeError):
         entries = entries if isinstance(entries, dict) else {}
     tflops = measure()
-    entries[key] = {"tflops": tflops, "measured": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    entries[key] = {"tflops": tflops, "measured": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
@@ -146,7 +148,7 @@ def peak_flops(device: torch.device, override_tflops: float | None = None) -> Pe
     return PeakFlops(tflops, "MFU(cpu-matmul)", source)
 
 
-def muon_step_stats(optimizer: Any) -> Optional[Any]:
+def muon_step_stats(optimizer: Any) -> Any | None:
     """The Newton–Schulz statistics of the last optimizer step (`PerHeadMuon.step_stats`: seconds
     and FLOPs on this rank), through the data-parallel wrapper; None for an optimizer without
     Muon (plain AdamW)."""

@@ -7,6 +7,10 @@ from .gate import kda_gate, kda_gate_reference, kda_gate_unbounded, kda_gate_unb
 from .naive import naive_recurrent_kda
 
 __all__ = [
-    "chunk_kda", "kda_gate", "kda_gate_reference", "kda_gate_unbounded", "kda_gate_unbounded_reference",
+    "chunk_kda",
+    "kda_gate",
+    "kda_gate_reference",
+    "kda_gate_unbounded",
+    "kda_gate_unbounded_reference",
     "naive_recurrent_kda",
 ]

@@ -111,9 +111,7 @@ def chunk_kda(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if fla_backend.use_fla_backend(backend, q, k, v, g, beta, initial_state):
-        return fla_backend.run_fla_chunk_kda(
-            q, k, v, g, beta, scale, initial_state, output_final_state
-        )
+        return fla_backend.run_fla_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
     return _chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
 
 
@@ -140,9 +138,17 @@ def chunk_kda_autograd_reference(
         inputs = list(FlushDenormalsInBackward.apply(False, mode, *inputs))
     with flushing_denormals(on_cpu):
         q_in, k_in, v_in, g_in, beta_in = inputs[:5]
-        o, final_state = _chunk_kda_chunks(q_in, k_in, v_in, g_in, beta_in, scale,
-                                           inputs[5] if initial_state is not None else None,
-                                           output_final_state, chunk_size)
+        o, final_state = _chunk_kda_chunks(
+            q_in,
+            k_in,
+            v_in,
+            g_in,
+            beta_in,
+            scale,
+            inputs[5] if initial_state is not None else None,
+            output_final_state,
+            chunk_size,
+        )
     if bracket:
         if final_state is None:
             (o,) = FlushDenormalsInBackward.apply(True, mode, o)
@@ -276,8 +282,6 @@ def _chunk_kda_torch(
     inputs = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
     if q.shape[1] == 0 or not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
         # Nothing to differentiate: the same forward without keeping anything for a backward.
-        return chunk_kda_autograd_reference(
-            q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size
-        )
+        return chunk_kda_autograd_reference(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
     o, final_state = ChunkKDA.apply(q, k, v, g, beta, initial_state, scale, chunk_size)
     return o, (final_state if output_final_state else None)

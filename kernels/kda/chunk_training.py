@@ -12,6 +12,7 @@ from ..precision import without_autocast
 from .naive import compute_dtype_for
 from .tiles import causal_keys_seen, causal_keys_seen_of_tile, diagonal_tile_size, flushing_denormals, tile_decay
 
+
 class _ChunkLayout(NamedTuple):
     """`[B, T, H, D]` <-> chunk-major `[N, B·H, C, D]` (chunks of `C` tokens, the last one
     zero-padded)."""
@@ -23,7 +24,7 @@ class _ChunkLayout(NamedTuple):
     chunk: int
 
     @classmethod
-    def of(cls, x: torch.Tensor, chunk: int) -> "_ChunkLayout":
+    def of(cls, x: torch.Tensor, chunk: int) -> _ChunkLayout:
         batch, seq_len, heads = x.shape[:3]
         return cls(batch, seq_len, heads, -(-seq_len // chunk), chunk)
 
@@ -36,7 +37,12 @@ class _ChunkLayout(NamedTuple):
         by_chunk = chunked.view(n_chunks, batch, heads, chunk, dim)
         pieces = []
         if full:
-            pieces.append((by_chunk[:full], tokens[:, : full * chunk].reshape(batch, full, chunk, heads, dim).permute(1, 0, 3, 2, 4)))
+            pieces.append(
+                (
+                    by_chunk[:full],
+                    tokens[:, : full * chunk].reshape(batch, full, chunk, heads, dim).permute(1, 0, 3, 2, 4),
+                )
+            )
         if full < n_chunks:
             tail = seq_len - full * chunk
             pieces.append((by_chunk[full:, :, :, :tail], tokens[:, full * chunk :].unsqueeze(0).permute(0, 1, 3, 2, 4)))
@@ -80,8 +86,9 @@ class _ChunkLayout(NamedTuple):
         return out
 
 
-def _causal_multipliers(chunk: int, tile: int, dtype: torch.dtype, device: torch.device,
-                        query_scale: float = 1.0) -> torch.Tensor:
+def _causal_multipliers(
+    chunk: int, tile: int, dtype: torch.dtype, device: torch.device, query_scale: float = 1.0
+) -> torch.Tensor:
     """`[n_tiles, 2, tile, C]` in `dtype`: per row tile, 1 on the key Gram's strict lower triangle,
     `query_scale` on the query Gram's lower triangle, 0 elsewhere. Multiplying by it masks (and
     scales) in one pass; what it clears is finite (the Gram matrices' entries above the diagonal
@@ -132,9 +139,7 @@ class ChunkKDA(torch.autograd.Function):
         # Autocast off: the kernel picks its own accumulation dtype (module docstring); under
         # autocast its matmuls would mix bf16 operands with its fp32 states.
         with flushing_denormals(on_cpu), without_autocast(q.device):
-            o, final_state, saved, meta = _chunk_kda_forward(
-                q, k, v, g, beta, initial_state, scale, chunk_size
-            )
+            o, final_state, saved, meta = _chunk_kda_forward(q, k, v, g, beta, initial_state, scale, chunk_size)
         ctx.save_for_backward(*saved)
         ctx.meta = meta
         ctx.scale, ctx.on_cpu = scale, on_cpu
@@ -154,7 +159,8 @@ class ChunkKDA(torch.autograd.Function):
         q_dtype, k_dtype, v_dtype, g_dtype, beta_dtype = ctx.dtypes
         layout = ctx.meta["layout"]
         d_initial = (
-            None if ctx.initial_state_dtype is None
+            None
+            if ctx.initial_state_dtype is None
             else d_initial.view(layout.batch, layout.heads, *d_initial.shape[-2:]).to(ctx.initial_state_dtype)
         )
         return (
@@ -221,19 +227,27 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
         log_decay = torch.empty(n_group, bh, chunk, key_dim, dtype=torch.float64, device=q.device)
         log_decay.unflatten(1, (batch, heads)).copy_(g_chunks[s : s + group])
         local = _chunk_local_forward(
-            q_chunks[s : s + group], k_chunks[s : s + group], keys_values,
-            beta_chunks[s : s + group], log_decay.cumsum_(dim=-2), states[s + 1 : s + group + 1],
-            tile=tile, scale=scale, keep_key_gram=not beta_divides,
+            q_chunks[s : s + group],
+            k_chunks[s : s + group],
+            keys_values,
+            beta_chunks[s : s + group],
+            log_decay.cumsum_(dim=-2),
+            states[s + 1 : s + group + 1],
+            tile=tile,
+            scale=scale,
+            keep_key_gram=not beta_divides,
         )
         for n, transition in enumerate(local["transition"].unbind(0), start=s):
             torch.baddbmm(state_views[n + 1], transition, state_views[n], out=state_views[n + 1])
         entering = states[:-1][s : s + group].flatten(0, 1)
         outputs = chunk_outputs[s : s + group]
-        torch.baddbmm(local.pop("o_base").flatten(0, 1), local["q_state"].flatten(0, 1), entering,
-                      out=outputs.flatten(0, 1))
+        torch.baddbmm(
+            local.pop("o_base").flatten(0, 1), local["q_state"].flatten(0, 1), entering, out=outputs.flatten(0, 1)
+        )
         w = local.pop("w")
-        local["u"] = torch.baddbmm(local.pop("u_base").flatten(0, 1), w.flatten(0, 1), entering,
-                                   alpha=-1.0).view_as(outputs)
+        local["u"] = torch.baddbmm(local.pop("u_base").flatten(0, 1), w.flatten(0, 1), entering, alpha=-1.0).view_as(
+            outputs
+        )
         groups.append(local)
     o = layout.from_chunks(chunk_outputs, v.dtype)
     final_state = states[-1].view(batch, heads, key_dim, value_dim).clone()
@@ -243,8 +257,9 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     return o, final_state, saved, {"layout": layout, "tile": tile, "names": names, "group": group}
 
 
-def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay, next_states,
-                         tile: int, scale: float, keep_key_gram: bool) -> dict[str, torch.Tensor]:
+def _chunk_local_forward(
+    q_chunks, k_chunks, keys_values, beta_chunks, log_decay, next_states, tile: int, scale: float, keep_key_gram: bool
+) -> dict[str, torch.Tensor]:
     """The chunk-local part of `_chunk_kda_forward` for a group of chunks: the tiles, Gram
     matrices, `(I + A)⁻¹`, `[W | u_base]`, `q_state`, the transition `F` (returned) and `B`
     (written into `next_states`). Returns what the rest of the forward and the backward read
@@ -287,8 +302,8 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
         # matmul per row tile over its (a + 1)·tile keys, written into zeroed Gram matrices.
         keys_seen, bridge = causal_keys_seen(key_columns, decay.reference)
         strict_key_gram, query_gram, key_gram = (
-            torch.zeros(n_chunks, bh, n_tiles, tile, chunk, dtype=dtype, device=q_chunks.device)
-            if needed else None for needed in (True, True, keep_key_gram)
+            torch.zeros(n_chunks, bh, n_tiles, tile, chunk, dtype=dtype, device=q_chunks.device) if needed else None
+            for needed in (True, True, keep_key_gram)
         )
         assert strict_key_gram is not None and query_gram is not None  # both always needed
         for a in range(n_tiles):
@@ -310,7 +325,9 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     reference_decay = decay.reference.exp().to(dtype)  # e^{r} (float64 exp: see keys_seen_from_row_tiles)
     k_from_start = torch.mul(k_rows, reference_decay, out=tiled(keys_values[..., :key_dim]))  # k e^{G}
     to_end = (chunk_total - decay.reference).exp().to(dtype)  # e^{G_C − r}
-    k_to_end = (key_columns * to_end).view(n_chunks, bh, chunk, key_dim).transpose(-1, -2)  # k e^{G_C − G}, [n, BH, K, C]
+    k_to_end = (
+        (key_columns * to_end).view(n_chunks, bh, chunk, key_dim).transpose(-1, -2)
+    )  # k e^{G_C − G}, [n, BH, K, C]
     chunk_decay = chunk_total.squeeze(-2).squeeze(-2).exp().to(dtype)  # e^{G_C}, [n, BH, K]
 
     # UT transform: u = (I + A)⁻¹ Diag(β) (v − (k ⊙ e^G) S_0) = u_base − W S_0. The inverse is
@@ -327,23 +344,36 @@ def _chunk_local_forward(q_chunks, k_chunks, keys_values, beta_chunks, log_decay
     # o = o_base + q_state S, with o_base = P u_base, q_state = scale (q ⊙ e^G) − P W (accumulated
     # by the matmul: one pass less than a subtraction).
     q_state = (q_rows * (reference_decay * scale)).view(n_chunks, bh, chunk, key_dim)
-    torch.baddbmm(q_state.flatten(0, 1), query_gram.flatten(0, 1), w.flatten(0, 1), alpha=-1.0,
-                  out=q_state.flatten(0, 1))
+    torch.baddbmm(
+        q_state.flatten(0, 1), query_gram.flatten(0, 1), w.flatten(0, 1), alpha=-1.0, out=q_state.flatten(0, 1)
+    )
     o_base = query_gram @ u_base
 
     local = {
-        "stacked_rows": stacked_rows, "key_columns": key_columns, "keys_seen": keys_seen,
+        "stacked_rows": stacked_rows,
+        "key_columns": key_columns,
+        "keys_seen": keys_seen,
         "to_reference": decay.to_reference,
-        "reference_decay": reference_decay, "to_end": to_end, "k_to_end": k_to_end,
-        "query_gram": query_gram, "inverse": inverse,
-        "beta_chunks": beta_chunks, "q_state": q_state,
-        "transition": transition, "w": w, "u_base": u_base, "o_base": o_base,
+        "reference_decay": reference_decay,
+        "to_end": to_end,
+        "k_to_end": k_to_end,
+        "query_gram": query_gram,
+        "inverse": inverse,
+        "beta_chunks": beta_chunks,
+        "q_state": q_state,
+        "transition": transition,
+        "w": w,
+        "u_base": u_base,
+        "o_base": o_base,
     }
     if bridge is not None:
         local["bridge"] = bridge
     if keep_key_gram:  # (else v and k e^G are not kept: less memory held into the backward)
-        local.update(key_gram=key_gram, v_chunks=keys_values[..., key_dim:],
-                     k_from_start=k_from_start.view(n_chunks, bh, chunk, key_dim))
+        local.update(
+            key_gram=key_gram,
+            v_chunks=keys_values[..., key_dim:],
+            k_from_start=k_from_start.view(n_chunks, bh, chunk, key_dim),
+        )
     return local
 
 
@@ -383,9 +413,20 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
     causal = _causal_multipliers(chunk, tile, dtype, device)
     dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=device)
     step = max(1, _GROUP_MATRICES // bh)
-    local_names = ("stacked_rows", "key_columns", "keys_seen", "to_reference",
-                   "reference_decay", "to_end", "k_to_end", "query_gram",
-                   "inverse", "beta_chunks", "v_chunks", "k_from_start")  # the last two if kept
+    local_names = (
+        "stacked_rows",
+        "key_columns",
+        "keys_seen",
+        "to_reference",
+        "reference_decay",
+        "to_end",
+        "k_to_end",
+        "query_gram",
+        "inverse",
+        "beta_chunks",
+        "v_chunks",
+        "k_from_start",
+    )  # the last two if kept
     per_chunk = (states[:-1], states[1:], d_states[1:], dq_chunks, dk_chunks, dv_chunks, dg, dbeta)
     # The forward's groups from the last: each one's state gradients (they need only the state
     # gradient leaving the group), then its chunk-local part, chunk by chunk in slices of about
@@ -398,8 +439,11 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
             d_o.zero_()
         else:
             d_o.unflatten(1, (layout.batch, layout.heads)).copy_(d_o_source[s : s + group])
-        torch.bmm(local["q_state"].flatten(0, 1).transpose(-1, -2), d_o.flatten(0, 1),
-                  out=d_states[s : s + n_group].flatten(0, 1))
+        torch.bmm(
+            local["q_state"].flatten(0, 1).transpose(-1, -2),
+            d_o.flatten(0, 1),
+            out=d_states[s : s + n_group].flatten(0, 1),
+        )
         transitions = local["transition"].transpose(-1, -2).unbind(0)
         for n in range(s + n_group - 1, s - 1, -1):
             torch.baddbmm(d_state_views[n], transitions[n - s], d_state_views[n + 1], out=d_state_views[n])
@@ -412,9 +456,18 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
         key_grams = local["key_gram"].split(step) if "key_gram" in local else None
         for i, local_part in enumerate(zip(*local_parts)):
             _chunk_gradients(
-                *local_part, entering[i], leaving[i], u_parts[i],
-                d_o_parts[i], d_leaving[i], *(x[i] for x in outputs), *([bridges[i]] if bridges else []),
-                tile=tile, scale=scale, causal=causal, key_gram=key_grams[i] if key_grams else None,
+                *local_part,
+                entering[i],
+                leaving[i],
+                u_parts[i],
+                d_o_parts[i],
+                d_leaving[i],
+                *(x[i] for x in outputs),
+                *([bridges[i]] if bridges else []),
+                tile=tile,
+                scale=scale,
+                causal=causal,
+                key_gram=key_grams[i] if key_grams else None,
             )
     if layout.padded:
         dq, dk, dv = (layout.from_chunks(x, dtype) for x in (dq, dk, dv))
@@ -430,10 +483,35 @@ _SMALLEST_BETA_TO_DIVIDE_BY = 1e-20
 _FORWARD_GROUP_MATRICES = 128
 
 
-def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, reference_decay,
-                     to_end, k_to_end, query_gram, inverse, beta_chunks, v_chunks, k_from_start,
-                     states, states_after, u, d_o, d_states_after, dq, dk, dv, dg, dbeta, *bridge,
-                     tile: int, scale: float, causal: torch.Tensor, key_gram: torch.Tensor | None) -> None:
+def _chunk_gradients(
+    stacked_rows,
+    key_columns,
+    keys_seen,
+    to_reference,
+    reference_decay,
+    to_end,
+    k_to_end,
+    query_gram,
+    inverse,
+    beta_chunks,
+    v_chunks,
+    k_from_start,
+    states,
+    states_after,
+    u,
+    d_o,
+    d_states_after,
+    dq,
+    dk,
+    dv,
+    dg,
+    dbeta,
+    *bridge,
+    tile: int,
+    scale: float,
+    causal: torch.Tensor,
+    key_gram: torch.Tensor | None,
+) -> None:
     """The chunk-local part of `_chunk_kda_backward` for a group of chunks (all tensors sliced
     alike along the chunk axis), writing into the group's slices of `dq, dk, dv, dg, dbeta` (the
     first three `[n, B, H, C, D]`, possibly views of the token layout). `causal`:
@@ -520,8 +598,12 @@ def _chunk_gradients(stacked_rows, key_columns, keys_seen, to_reference, referen
     d_key_columns.addcmul_(tiled(d_k_to_end), to_end)
 
     torch.mul(by_head(d_q_rows), by_head(to_reference), out=dq.unflatten(3, (n_tiles, tile)))
-    torch.addcdiv(by_head(d_k_rows * to_reference), by_head(d_key_columns), by_head(to_reference),
-                  out=dk.unflatten(3, (n_tiles, tile)))
+    torch.addcdiv(
+        by_head(d_k_rows * to_reference),
+        by_head(d_key_columns),
+        by_head(to_reference),
+        out=dk.unflatten(3, (n_tiles, tile)),
+    )
     # ∂L/∂G: +x ∂L/∂x for the row-side factors e^{G−r}, −x ∂L/∂x for the column-side e^{r−G};
     # the chunk's last token also carries G_C (in e^{G_C − G} and in e^{G_C} S).
     d_log_decay = (k_rows * d_k_rows).addcmul_(q_rows, d_q_rows).addcmul_(key_columns, d_key_columns, value=-1.0)

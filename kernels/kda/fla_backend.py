@@ -21,7 +21,7 @@ import functools
 import importlib.metadata
 import inspect
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -63,8 +63,7 @@ def load_fla_causal_conv1d() -> Callable | None:
 def use_fla_short_conv(x: torch.Tensor, tail: torch.Tensor | None) -> bool:
     """Whether `short_conv_silu` runs on fla's causal convolution: a CUDA input of a dtype fla
     takes, no tail (whole sequences, as training runs them), and fla importing."""
-    return (x.is_cuda and x.dtype in _FLA_DTYPES and tail is None
-            and load_fla_causal_conv1d() is not None)
+    return x.is_cuda and x.dtype in _FLA_DTYPES and tail is None and load_fla_causal_conv1d() is not None
 
 
 def run_fla_short_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -91,8 +90,7 @@ def load_fla_rms_norm_gated() -> Callable | None:
 def use_fla_gated_norm(x: torch.Tensor, gate: torch.Tensor) -> bool:
     """Whether `gated_rms_norm` runs on fla's fused kernel: CUDA inputs of one dtype fla takes (it
     returns the gate's gradient in x's dtype) and fla importing."""
-    return (x.is_cuda and x.dtype in _FLA_DTYPES and gate.dtype == x.dtype
-            and load_fla_rms_norm_gated() is not None)
+    return x.is_cuda and x.dtype in _FLA_DTYPES and gate.dtype == x.dtype and load_fla_rms_norm_gated() is not None
 
 
 def run_fla_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -159,8 +157,13 @@ def run_fla_chunk_kda(
 # The keywords `run_fla_chunk_kda_from_raw` relies on. fla's `chunk_kda` takes `**kwargs`, so a
 # release without one of them would ignore it silently (q and k left unnormalised, the gate not
 # applied): such a release gets the unfused steps instead.
-FLA_RAW_INPUT_KEYWORDS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
-                          "safe_gate", "lower_bound")
+FLA_RAW_INPUT_KEYWORDS = (
+    "use_qk_l2norm_in_kernel",
+    "use_gate_in_kernel",
+    "use_beta_sigmoid_in_kernel",
+    "safe_gate",
+    "lower_bound",
+)
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -184,8 +187,11 @@ def fla_takes_raw_inputs() -> bool:
     except (TypeError, ValueError):
         return False
     version = installed_fla_version()
-    return (all(name in parameters for name in FLA_RAW_INPUT_KEYWORDS)
-            and version is not None and _release(version) >= FLA_RAW_INPUT_VERSION)
+    return (
+        all(name in parameters for name in FLA_RAW_INPUT_KEYWORDS)
+        and version is not None
+        and _release(version) >= FLA_RAW_INPUT_VERSION
+    )
 
 
 def installed_fla_version() -> str | None:
@@ -223,11 +229,15 @@ def run_fla_chunk_kda_from_raw(
     if fla_chunk_kda is None:
         raise RuntimeError("fla.ops.kda does not import")
     if not fla_takes_raw_inputs():
-        raise RuntimeError(f"this fla-core's chunk_kda lacks some of {FLA_RAW_INPUT_KEYWORDS} or predates "
-                           f"{'.'.join(map(str, FLA_RAW_INPUT_VERSION))}: upgrade fla-core or use the unfused steps")
+        raise RuntimeError(
+            f"this fla-core's chunk_kda lacks some of {FLA_RAW_INPUT_KEYWORDS} or predates "
+            f"{'.'.join(map(str, FLA_RAW_INPUT_VERSION))}: upgrade fla-core or use the unfused steps"
+        )
     if safe_gate and not fla_takes_safe_gate(lower_bound):
-        raise ValueError(f"fla's safe_gate takes lower bounds in [{FLA_SAFE_GATE_RANGE[0]}, "
-                         f"{FLA_SAFE_GATE_RANGE[1]}), got {lower_bound}")
+        raise ValueError(
+            f"fla's safe_gate takes lower bounds in [{FLA_SAFE_GATE_RANGE[0]}, "
+            f"{FLA_SAFE_GATE_RANGE[1]}), got {lower_bound}"
+        )
     if initial_state is not None:
         initial_state = initial_state.float()
     return fla_chunk_kda(

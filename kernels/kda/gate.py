@@ -22,9 +22,7 @@ import torch.nn.functional as F
 from k3train.kernels.precision import upcast
 
 
-def _gate_argument(
-    z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _gate_argument(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Return `(exp(A_log)` as `[H, 1]`, `z + dt_bias` as `[B, T, H, K])`, both in fp32 (float64
     inputs stay float64, so tests can hold implementations together to 1e-12)."""
     _gate_argument_shapes(z, A_log, dt_bias)
@@ -39,9 +37,7 @@ def _gate_argument_shapes(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.T
     if A_log.shape != (heads,):
         raise ValueError(f"A_log must have shape [H] = [{heads}], got {tuple(A_log.shape)}")
     if dt_bias.shape != (heads * key_dim,):
-        raise ValueError(
-            f"dt_bias must have shape [H*K] = [{heads * key_dim}], got {tuple(dt_bias.shape)}"
-        )
+        raise ValueError(f"dt_bias must have shape [H*K] = [{heads * key_dim}], got {tuple(dt_bias.shape)}")
 
 
 def kda_gate_reference(
@@ -117,8 +113,11 @@ class _BoundedGate(torch.autograd.Function):
                 along_z = _sum_to_heads(products).sum(-1)
                 grad_a = (head_rate.squeeze(-1) * (along_z + (summed * shift).sum(-1))).to(a_dtype)
         if need_z:
-            grad_z = torch.mul(argument_grad, head_rate, out=products) if products is not None else \
-                argument_grad.mul_(head_rate)
+            grad_z = (
+                torch.mul(argument_grad, head_rate, out=products)
+                if products is not None
+                else argument_grad.mul_(head_rate)
+            )
             grad_z = grad_z.to(z_dtype)
         return grad_z, grad_a, grad_bias, None
 
@@ -150,9 +149,7 @@ class _UnboundedGate(torch.autograd.Function):
         return grad_z, grad_a, grad_bias
 
 
-def kda_gate(
-    z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float = -5.0
-) -> torch.Tensor:
+def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float = -5.0) -> torch.Tensor:
     """The training path of `kda_gate_reference` (same arguments, same result; the backward
     written out): `g = lower_bound · sigmoid(exp(A_log) · (z + dt_bias))`, `[B, T, H, K]` in fp32
     (float64 for float64 inputs)."""

@@ -36,15 +36,12 @@ def check_kda_inputs(
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
     if v.dim() != 4 or tuple(v.shape[:3]) != (batch, seq_len, heads):
-        raise ValueError(
-            f"v must be [B, T, H, V] = [{batch}, {seq_len}, {heads}, V], got {tuple(v.shape)}"
-        )
+        raise ValueError(f"v must be [B, T, H, V] = [{batch}, {seq_len}, {heads}, V], got {tuple(v.shape)}")
     if initial_state is not None:
         state_shape = (batch, heads, key_dim, v.shape[-1])
         if tuple(initial_state.shape) != state_shape:
             raise ValueError(
-                f"initial_state must have shape [B, H, K, V] = {state_shape}, "
-                f"got {tuple(initial_state.shape)}"
+                f"initial_state must have shape [B, H, K, V] = {state_shape}, got {tuple(initial_state.shape)}"
             )
 
 

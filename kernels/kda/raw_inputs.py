@@ -22,8 +22,13 @@ from .gate import kda_gate, kda_gate_unbounded
 
 
 def prepare_kda_inputs(
-    q: torch.Tensor, k: torch.Tensor, gate_input: torch.Tensor, beta_logits: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    gate_input: torch.Tensor,
+    beta_logits: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(q̂, k̂, g, β)` as `chunk_kda` takes them: `q`, `k` `[B, T, H, K]` L2-normalised (FLA's
     `x / sqrt(Σx² + 1e-6)`, in their dtype), `g = gate(gate_input)` `[B, T, H, K]` in fp32
@@ -61,13 +66,35 @@ def chunk_kda_from_raw(
     `fla_safe_gate`: fla's tensor-core path for bounded gates in [−5, 0) (off by default:
     `fla_backend`'s docstring)."""
     fused = fla_backend.use_fla_backend(backend, q, k, v, gate_input, initial_state) and (
-        backend == "fla" or fla_backend.fla_takes_raw_inputs())
+        backend == "fla" or fla_backend.fla_takes_raw_inputs()
+    )
     if fused:
         if scale is None:
             scale = q.shape[-1] ** -0.5
-        return fla_backend.run_fla_chunk_kda_from_raw(q, k, v, gate_input, beta_logits, A_log, dt_bias,
-                                                      lower_bound, scale, initial_state, output_final_state,
-                                                      safe_gate=fla_safe_gate)
+        return fla_backend.run_fla_chunk_kda_from_raw(
+            q,
+            k,
+            v,
+            gate_input,
+            beta_logits,
+            A_log,
+            dt_bias,
+            lower_bound,
+            scale,
+            initial_state,
+            output_final_state,
+            safe_gate=fla_safe_gate,
+        )
     q, k, g, beta = prepare_kda_inputs(q, k, gate_input, beta_logits, A_log, dt_bias, lower_bound)
-    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, chunk_size=chunk_size, backend=backend)
+    return chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        chunk_size=chunk_size,
+        backend=backend,
+    )

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -116,9 +117,7 @@ def keys_seen_from_row_tiles(
     later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=reference.device).triu(1)
     bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp().to(key_columns.dtype)
     # [..., a, b, tile, K] -> [..., a, C, K].
-    keys_seen = (bridge.unsqueeze(-2) * key_columns.unsqueeze(-4)).reshape(
-        *batch_shape, n_tiles, n_tiles * tile, dim
-    )
+    keys_seen = (bridge.unsqueeze(-2) * key_columns.unsqueeze(-4)).reshape(*batch_shape, n_tiles, n_tiles * tile, dim)
     return keys_seen, bridge
 
 
@@ -136,11 +135,15 @@ def causal_keys_seen(key_columns: torch.Tensor, reference: torch.Tensor) -> tupl
     exponent_mask = torch.zeros(later_tile.shape, dtype=reference.dtype, device=reference.device)
     exponent_mask.masked_fill_(later_tile, float("-inf"))
     bridge = (reference.unsqueeze(-2) - reference.unsqueeze(-3)).add_(exponent_mask).exp_().to(key_columns.dtype)
-    packed = torch.empty(*batch_shape, n_tiles * (n_tiles + 1) // 2 * tile, dim,
-                         dtype=key_columns.dtype, device=key_columns.device)
+    packed = torch.empty(
+        *batch_shape, n_tiles * (n_tiles + 1) // 2 * tile, dim, dtype=key_columns.dtype, device=key_columns.device
+    )
     for a in range(n_tiles):
-        torch.mul(bridge[..., a, : a + 1, :].unsqueeze(-2), key_columns[..., : a + 1, :, :],
-                  out=causal_keys_seen_of_tile(packed, a, tile).unflatten(-2, (a + 1, tile)))
+        torch.mul(
+            bridge[..., a, : a + 1, :].unsqueeze(-2),
+            key_columns[..., : a + 1, :, :],
+            out=causal_keys_seen_of_tile(packed, a, tile).unflatten(-2, (a + 1, tile)),
+        )
     return packed, bridge
 
 

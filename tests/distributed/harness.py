@@ -34,8 +34,9 @@ class WorkerEnv:
 
 
 def _worker(rank: int, world_size: int, store_path: str, target: str, payload: Any, queue) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    os.environ.update(
+        OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1"
+    )
     if str(CHECKOUT) not in sys.path:
         sys.path.insert(0, str(CHECKOUT))
     import torch
@@ -43,8 +44,13 @@ def _worker(rank: int, world_size: int, store_path: str, target: str, payload: A
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
         module_name, function_name = target.split(":")
         function = getattr(importlib.import_module(module_name), function_name)
         queue.put((rank, "ok", function(WorkerEnv(rank, world_size), payload)))
@@ -62,8 +68,10 @@ def run_workers(world_size: int, target: str, payload: Any = None, timeout_s: fl
     queue = context.Queue()
     with tempfile.TemporaryDirectory() as store_dir:
         store_path = os.path.join(store_dir, "store")
-        processes = [context.Process(target=_worker, args=(rank, world_size, store_path, target, payload, queue),
-                                     daemon=True) for rank in range(world_size)]
+        processes = [
+            context.Process(target=_worker, args=(rank, world_size, store_path, target, payload, queue), daemon=True)
+            for rank in range(world_size)
+        ]
         for process in processes:
             process.start()
         results: dict[int, tuple[str, Any]] = {}
@@ -72,14 +80,16 @@ def run_workers(world_size: int, target: str, payload: Any = None, timeout_s: fl
             while len(results) < world_size:
                 remaining = (deadline - datetime.datetime.now()).total_seconds()
                 if remaining <= 0:
-                    raise TimeoutError(f"{target} on {world_size} ranks did not finish in {timeout_s:.0f} s "
-                                       f"(ranks done: {sorted(results)}); a collective probably hung")
+                    raise TimeoutError(
+                        f"{target} on {world_size} ranks did not finish in {timeout_s:.0f} s "
+                        f"(ranks done: {sorted(results)}); a collective probably hung"
+                    )
                 try:
                     rank, status, value = queue.get(timeout=min(remaining, 5.0))
                 except Exception:
                     dead = [p for p in processes if not p.is_alive() and p.exitcode not in (0, None)]
                     if dead and len(results) < world_size and queue.empty():
-                        raise RuntimeError(f"{target}: a worker died with exit code {dead[0].exitcode}")
+                        raise RuntimeError(f"{target}: a worker died with exit code {dead[0].exitcode}") from None
                     continue
                 results[rank] = (status, value)
         finally:

@@ -20,10 +20,20 @@ LAYOUTS = [
     dict(name="TP2+SP", tp=2, sequence_parallel=True),
     dict(name="DP2×TP2 ZeRO-1", tp=2, dp=2, zero1=True),
     # The other balancers' statistics, SP without ZeRO-1, and recompute's extra gathers.
-    dict(name="DP2×TP2+SP exact quantile", tp=2, dp=2, sequence_parallel=True, zero1=False,
-         overrides=["model.balancer=quantile"]),
-    dict(name="TP2+SP recompute=sublayer sign", tp=2, sequence_parallel=True,
-         overrides=["model.recompute=sublayer", "model.balancer=sign"]),
+    dict(
+        name="DP2×TP2+SP exact quantile",
+        tp=2,
+        dp=2,
+        sequence_parallel=True,
+        zero1=False,
+        overrides=["model.balancer=quantile"],
+    ),
+    dict(
+        name="TP2+SP recompute=sublayer sign",
+        tp=2,
+        sequence_parallel=True,
+        overrides=["model.recompute=sublayer", "model.balancer=sign"],
+    ),
     dict(name="DP2 ZeRO-1", dp=2, zero1=True),
     # Gradients reduce-scattered to four owners (uneven segments, padded).
     dict(name="DP4 ZeRO-1", dp=4, zero1=True),
@@ -33,15 +43,20 @@ LAYOUTS = [
     # relay: the static-shape transport whose bytes the formula gives (`auto` is `splits` on gloo,
     # exact rows that depend on the routing; the step line reports those as measured)
     dict(name="EP2 balanced", dp=2, ep=2, overrides=["parallel.ep_transport=relay"]),
-    dict(name="EP2 capacity ×TP2+SP", tp=2, ep=2, sequence_parallel=True,
-         overrides=["parallel.expert_dispatch=capacity"]),
+    dict(
+        name="EP2 capacity ×TP2+SP", tp=2, ep=2, sequence_parallel=True, overrides=["parallel.expert_dispatch=capacity"]
+    ),
     # Combinations: ZeRO-1's TP-partial gradients under SP (reduce-scatter over dp, then the owner's
     # segment over tp); pipeline stages with expert parallelism and ZeRO-1 together.
     dict(name="DP2×TP2+SP ZeRO-1", tp=2, dp=2, sequence_parallel=True, zero1=True),
     dict(name="PP2×DP2 EP2 balanced ZeRO-1", pp=2, dp=2, ep=2, zero1=True, overrides=["parallel.ep_transport=relay"]),
     # recompute=sublayer reruns each MoE layer's forward all-to-alls in backward.
-    dict(name="EP2 balanced recompute=sublayer", dp=2, ep=2,
-         overrides=["model.recompute=sublayer", "parallel.ep_transport=relay"]),
+    dict(
+        name="EP2 balanced recompute=sublayer",
+        dp=2,
+        ep=2,
+        overrides=["model.recompute=sublayer", "parallel.ep_transport=relay"],
+    ),
 ]
 
 
@@ -53,15 +68,24 @@ def test_measured_traffic_equals_formula_per_group_and_rank():
         for rank in range(world):
             result = results[rank][index]
             assert result["member"]
-            assert result["measured"] == result["predicted"], (layout["name"], rank, result["measured"],
-                                                               result["predicted"])
+            assert result["measured"] == result["predicted"], (
+                layout["name"],
+                rank,
+                result["measured"],
+                result["predicted"],
+            )
             # The any-layout prediction from the rank's own build agrees (pp = ep = 1: with the formula).
             assert result["predicted_job"] == result["predicted"], (layout["name"], rank)
-        assert ("tp" in results[0][index]["measured"] or layout.get("tp", 1) == 1
-                or layout.get("pp", 1) > 1 or layout.get("ep", 1) > 1)
+        assert (
+            "tp" in results[0][index]["measured"]
+            or layout.get("tp", 1) == 1
+            or layout.get("pp", 1) > 1
+            or layout.get("ep", 1) > 1
+        )
         if layout.get("pp", 1) > 1:
-            assert {"pp.forward", "pp.backward"} <= {group for rank in range(world)
-                                                     for group in results[rank][index]["predicted"]}
+            assert {"pp.forward", "pp.backward"} <= {
+                group for rank in range(world) for group in results[rank][index]["predicted"]
+            }
         if layout.get("ep", 1) > 1:
             assert results[0][index]["predicted"]["ep"][0] > 0
     # Under ZeRO-1 with TP the owners of the whole-matrix Muon gathers differ between DP ranks.
@@ -78,15 +102,24 @@ def test_formula_terms_by_hand_and_refused_layouts():
     terms = {t.what.split(":")[0]: t for t in step_traffic_terms(config.model, config.optimizer, tp=2, **common)}
     assert terms["16 TP regions fwd"].bytes == 2 * 16 * full and terms["16 TP regions fwd"].messages == 32
     assert terms["vocab-parallel CE"].bytes == 2 * 3 * 32 * 4
-    sp = {t.what.split(":")[0]: t for t in step_traffic_terms(config.model, config.optimizer, tp=2,
-                                                               sequence_parallel=True, **common)}
+    sp = {
+        t.what.split(":")[0]: t
+        for t in step_traffic_terms(config.model, config.optimizer, tp=2, sequence_parallel=True, **common)
+    }
     assert sp["16 TP regions bwd"].bytes == 2 * 16 * (full + full // 2) and sp["16 TP regions bwd"].messages == 64
     assert predicted_step_traffic(config.model, config.optimizer, **common) == {}  # one process: nothing
     with pytest.raises(ValueError, match="pp=1 and ep=1"):
         predicted_step_traffic(config.model, config.optimizer, dp=2, pp=2, **common)
     with pytest.raises(ValueError, match="does not split"):
-        predicted_step_traffic(config.model, config.optimizer, tp=2, sequence_parallel=True,
-                               micro_batch_size=1, seq_length=33, micro_batches=1)
+        predicted_step_traffic(
+            config.model,
+            config.optimizer,
+            tp=2,
+            sequence_parallel=True,
+            micro_batch_size=1,
+            seq_length=33,
+            micro_batches=1,
+        )
 
 
 @pytest.mark.parametrize("tp,dp", [(1, 2), (1, 4), (2, 2)])

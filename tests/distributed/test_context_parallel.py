@@ -34,8 +34,7 @@ FOUR_RANKS = [
     dict(name="cp2 x dp2, seq 24", cp=2, seq=24, global_batch=4, micro_batch=1),
     dict(name="cp2 x tp2 + sp, seq 32", cp=2, tp=2, sp=True, seq=32, global_batch=2, micro_batch=1),
     dict(name="cp2 x pp2, seq 32, 2 micro-batches", cp=2, pp=2, seq=32, global_batch=4, micro_batch=2),
-    dict(name="cp2 x pp2, states gathered", cp=2, pp=2, seq=32, global_batch=4, micro_batch=2,
-         state_exchange="gather"),
+    dict(name="cp2 x pp2, states gathered", cp=2, pp=2, seq=32, global_batch=4, micro_batch=2, state_exchange="gather"),
     dict(name="cp2 x ep2, seq 24", cp=2, ep=2, seq=24, global_batch=4, micro_batch=1),
     dict(name="cp2 x ep2 x tp2 + sp, seq 24", cp=2, ep=2, tp=2, sp=True, seq=24, global_batch=2, micro_batch=1),
 ]
@@ -75,20 +74,26 @@ def test_rank_order_puts_cp_between_tp_and_dp():
     assert sorted(r for group in layout.cp_groups() for r in group) == list(range(16))
 
 
-@pytest.mark.parametrize("args,message", [
-    (dict(world=6, cp=4), "not divisible by tp\\*pp\\*cp"),
-    (dict(world=8, cp=2, dp=3), "parallel.dp=3"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (dict(world=6, cp=4), "not divisible by tp\\*pp\\*cp"),
+        (dict(world=8, cp=2, dp=3), "parallel.dp=3"),
+    ],
+)
 def test_impossible_layouts_say_what_fits(args, message):
     with pytest.raises(LayoutError, match=message):
         resolve_layout(args["world"], 1, 1, args.get("dp", 0), 1, 1, *DEBUG_MODEL.values(), cp=args["cp"])
 
 
-@pytest.mark.parametrize("cp,seq,tp,sp,message", [
-    (2, 30, 1, False, "does not split into 2\\*parallel.cp = 4"),
-    (4, 16, 1, False, "fewer than the short convolution's tail of 3"),
-    (2, 12, 4, True, "not divisible by parallel.tp=4"),
-])
+@pytest.mark.parametrize(
+    "cp,seq,tp,sp,message",
+    [
+        (2, 30, 1, False, "does not split into 2\\*parallel.cp = 4"),
+        (4, 16, 1, False, "fewer than the short convolution's tail of 3"),
+        (2, 12, 4, True, "not divisible by parallel.tp=4"),
+    ],
+)
 def test_sequence_lengths_that_cannot_split(cp, seq, tp, sp, message):
     with pytest.raises(LayoutError, match=message):
         check_context_split(cp, seq, 4, tp, sp)
@@ -110,8 +115,20 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
     for cp in (1, 2):
         config = load_config(str(checkout / "recipes" / "debug.yaml"), [f"parallel.cp={cp}"])
         m = config.model
-        layout = resolve_layout(2 * cp, 1, 1, 2, 1, 1, m.num_attention_heads, m.linear_attn_config.num_heads,
-                                m.vocab_size, m.num_experts, m.num_hidden_layers, cp=cp)
+        layout = resolve_layout(
+            2 * cp,
+            1,
+            1,
+            2,
+            1,
+            1,
+            m.num_attention_heads,
+            m.linear_attn_config.num_heads,
+            m.vocab_size,
+            m.num_experts,
+            m.num_hidden_layers,
+            cp=cp,
+        )
         job = build_planning_rank(config, layout, 0)
         memories[cp] = rank_memory(job, layout, micro_batches=2).activations
         traffic[cp] = layout_step_bytes(job, micro_batches=2)
@@ -120,8 +137,20 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
 
     long = load_config(str(checkout / "recipes" / "k3-long.yaml"), [])
     p, m = long.parallel, long.model
-    layout = resolve_layout(2048, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, m.num_attention_heads,
-                            m.linear_attn_config.num_heads, m.vocab_size, m.num_experts, m.num_hidden_layers, cp=p.cp)
+    layout = resolve_layout(
+        2048,
+        p.tp,
+        p.pp,
+        p.dp,
+        p.ep,
+        p.virtual_stages,
+        m.num_attention_heads,
+        m.linear_attn_config.num_heads,
+        m.vocab_size,
+        m.num_experts,
+        m.num_hidden_layers,
+        cp=p.cp,
+    )
     assert (layout.cp, layout.data_parallel, long.data.seq_length // layout.cp) == (8, 2, 16384)
 
 

@@ -42,8 +42,9 @@ ON_VS_OFF_TOL = 1e-12
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     checkpoint_dir = tmp_path_factory.mktemp("dp_checkpoints")
-    per_rank = run_workers(4, "tests.distributed.workers_data:run", {"checkpoint_dir": str(checkpoint_dir)},
-                           timeout_s=240)
+    per_rank = run_workers(
+        4, "tests.distributed.workers_data:run", {"checkpoint_dir": str(checkpoint_dir)}, timeout_s=240
+    )
     print("seconds per part (rank 0):", per_rank[0]["seconds"])
     return per_rank
 
@@ -89,7 +90,7 @@ def test_buckets_launch_during_backward(results):
             for zero in ("on", "off"):
                 first_unused = result[layout][f"first_unused_bucket_{zero}"]
                 assert result[layout][f"launched_in_backward_{zero}"] == [first_unused] * 3
-                waiting = result[layout][f"bucket_names_{zero}"][first_unused + 1:]
+                waiting = result[layout][f"bucket_names_{zero}"][first_unused + 1 :]
                 at_end = [[name.startswith(("layers.0.", "embed_tokens.")) for name in bucket] for bucket in waiting]
                 if zero == "on":
                     assert all(any(bucket) for bucket in at_end), waiting
@@ -229,12 +230,20 @@ def test_single_process_is_plain_pytorch():
     state = ParallelState.single()
     reducer = GradientReducer(models[0], state)
     optimizer_config = OptimizerConfig(lr=1e-2)
-    optimizers = [DistributedOptimizer(build_optimizer(models[0], optimizer_config), models[0], state,
-                                       parameter_costs(models[0], optimizer_config), zero1=True),
-                  build_optimizer(models[1], optimizer_config)]
+    optimizers = [
+        DistributedOptimizer(
+            build_optimizer(models[0], optimizer_config),
+            models[0],
+            state,
+            parameter_costs(models[0], optimizer_config),
+            zero1=True,
+        ),
+        build_optimizer(models[1], optimizer_config),
+    ]
     norms = []
-    for model, optimizer, clip in zip(models, optimizers, (lambda p: clip_grad_norm(p, 0.1, state),
-                                                           lambda p: clip_grad_norm_(list(p), 0.1))):
+    for model, optimizer, clip in zip(
+        models, optimizers, (lambda p: clip_grad_norm(p, 0.1, state), lambda p: clip_grad_norm_(list(p), 0.1))
+    ):
         lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         norms.append(clip(model.parameters()))
         optimizer.step()
@@ -258,8 +267,7 @@ def test_distributed_optimizer_takes_the_jobs_optimizer_and_checks_it():
     assert wrapped.optimizer is optimizer and set(wrapped.plan.owners) == set(costs)
     assert wrapped.plan.costs["dp"] == [sum(cost for _, cost in costs.values())]
     with pytest.raises(ValueError, match="costs"):
-        DistributedOptimizer(build_optimizer(model, config), model, state,
-                             dict(list(costs.items())[1:]), zero1=True)
+        DistributedOptimizer(build_optimizer(model, config), model, state, dict(list(costs.items())[1:]), zero1=True)
     with pytest.raises(ValueError, match="named param groups"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, state, costs)
     other = K3Model(ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2))

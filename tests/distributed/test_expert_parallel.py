@@ -39,8 +39,14 @@ def no_drop(ep, **extra):
 
 
 def dropping(ep, capacity_factor, **extra):
-    return {"check": "equivalence", "ep": ep, "mode": "capacity", "capacity_factor": capacity_factor, "skew": 0.05,
-            **extra}
+    return {
+        "check": "equivalence",
+        "ep": ep,
+        "mode": "capacity",
+        "capacity_factor": capacity_factor,
+        "skew": 0.05,
+        **extra,
+    }
 
 
 SP = {"tp": 2, "sequence_parallel": True}
@@ -109,8 +115,9 @@ def check_equivalence(spec, rank, result):
         assert all(layer["replicas"] > 0 for layer in layers), (label, result["layers"])
         assert all(max(layer["rank_load"]) < max(layer["load_before"]) for layer in layers), label
     if spec["mode"] == "capacity" and spec["capacity_factor"] < spec["ep"]:
-        assert all(layer["keep_mismatches"] == 0 and layer["dropped"] == layer["reference_dropped"] > 0
-                   for layer in layers), (label, result["layers"])
+        assert all(
+            layer["keep_mismatches"] == 0 and layer["dropped"] == layer["reference_dropped"] > 0 for layer in layers
+        ), (label, result["layers"])
 
 
 def check_static(spec, result):
@@ -120,8 +127,13 @@ def check_static(spec, result):
         if kind == "all_gather":
             assert (spec["mode"], shape) == ("balanced", (1, expected["slot_counts"][1]))
         else:
-            assert shape in (expected["dispatch"], expected["dispatch_ids"], expected.get("forward"),
-                             expected.get("forward_ids"), expected.get("replica_weights")), shape
+            assert shape in (
+                expected["dispatch"],
+                expected["dispatch_ids"],
+                expected.get("forward"),
+                expected.get("forward_ids"),
+                expected.get("replica_weights"),
+            ), shape
     if spec["mode"] == "balanced":
         assert any(facts["replicas"] > 0 for facts in result["facts"].values())
 
@@ -158,7 +170,11 @@ def test_expert_parallel_matches_single_process(world_size):
                 check_skewed_sources(spec, result, world_size)
             else:
                 check_equivalence(spec, rank, result)
-    summary = {name(spec): (max(r[i].get("max_grad_error", 0.0) for r in results),
-                            sum(layer.get("dropped", 0) for r in results for layer in r[i].get("layers", {}).values()))
-               for i, spec in enumerate(checks)}
+    summary = {
+        name(spec): (
+            max(r[i].get("max_grad_error", 0.0) for r in results),
+            sum(layer.get("dropped", 0) for r in results for layer in r[i].get("layers", {}).values()),
+        )
+        for i, spec in enumerate(checks)
+    }
     print(summary)

@@ -24,8 +24,9 @@ def results():
     per_rank = run_workers(2, "tests.distributed.workers_muon_split:run", None, timeout_s=240)
     for rank, result in enumerate(per_rank):
         print(f"rank {rank}:", {k: v for k, v in result.items() if not k.startswith("ns_seconds")})
-        print(f"rank {rank}: NS seconds per step split {result['ns_seconds_split']} "
-              f"unsplit {result['ns_seconds_plain']}")
+        print(
+            f"rank {rank}: NS seconds per step split {result['ns_seconds_split']} unsplit {result['ns_seconds_plain']}"
+        )
     return per_rank
 
 

@@ -25,17 +25,42 @@ CHECKS_2 = [
     {"name": "pp2_v1_full", "pp": 2, "micro_batches": 2, "config": {"attn_res": "full"}},
     {"name": "pp2_v1_none", "pp": 2, "micro_batches": 2, "pipeline_layers": [5, 3], "config": {"attn_res": "none"}},
     # Interleaved, V = 2: the cache pays off; uneven chunks, blocks not aligned with them.
-    {"name": "pp2_v2_block", "pp": 2, "virtual_stages": 2, "micro_batches": 4, "pipeline_layers": [2, 3, 1, 2],
-     "probe": True, "forward_only": True},
+    {
+        "name": "pp2_v2_block",
+        "pp": 2,
+        "virtual_stages": 2,
+        "micro_batches": 4,
+        "pipeline_layers": [2, 3, 1, 2],
+        "probe": True,
+        "forward_only": True,
+    },
     # docs/design.md §2.1's worked example: 8 layers, S = 2, chunks of 2 layers: exact 3 blocks vs paper 5, naive 6.
-    {"name": "pp2_v2_block_spec_table", "pp": 2, "virtual_stages": 2, "micro_batches": 2,
-     "config": {"attn_res_block_size": 2}},
-    {"name": "pp2_v2_full", "pp": 2, "virtual_stages": 2, "micro_batches": 2, "pipeline_layers": [1, 3, 2, 2],
-     "config": {"attn_res": "full"}, "probe": True},
+    {
+        "name": "pp2_v2_block_spec_table",
+        "pp": 2,
+        "virtual_stages": 2,
+        "micro_batches": 2,
+        "config": {"attn_res_block_size": 2},
+    },
+    {
+        "name": "pp2_v2_full",
+        "pp": 2,
+        "virtual_stages": 2,
+        "micro_batches": 2,
+        "pipeline_layers": [1, 3, 2, 2],
+        "config": {"attn_res": "full"},
+        "probe": True,
+    },
     {"name": "pp2_v2_none", "pp": 2, "virtual_stages": 2, "micro_batches": 4, "config": {"attn_res": "none"}},
     # Without checkpointing the AttnRes mix saves the stacked sources: the probe must see those copies.
-    {"name": "pp2_v2_block_no_recompute", "pp": 2, "virtual_stages": 2, "micro_batches": 2,
-     "config": {"recompute": "none"}, "probe": True},
+    {
+        "name": "pp2_v2_block_no_recompute",
+        "pp": 2,
+        "virtual_stages": 2,
+        "micro_batches": 2,
+        "config": {"recompute": "none"},
+        "probe": True,
+    },
 ]
 
 CHECKS_4 = [
@@ -44,17 +69,30 @@ CHECKS_4 = [
     {"name": "pp4_v2_block", "pp": 4, "virtual_stages": 2, "micro_batches": 4, "probe": True, "forward_only": True},
     {"name": "pp4_v2_full", "pp": 4, "virtual_stages": 2, "micro_batches": 4, "config": {"attn_res": "full"}},
     {"name": "pp4_v2_none", "pp": 4, "virtual_stages": 2, "micro_batches": 4, "config": {"attn_res": "none"}},
-    {"name": "pp2_tp2_v2_block", "pp": 2, "tp": 2, "virtual_stages": 2, "micro_batches": 2,
-     "pipeline_layers": [3, 1, 2, 2]},
-    {"name": "pp2_tp2_sp_full", "pp": 2, "tp": 2, "sequence_parallel": True, "micro_batches": 2,
-     "config": {"attn_res": "full"}},
+    {
+        "name": "pp2_tp2_v2_block",
+        "pp": 2,
+        "tp": 2,
+        "virtual_stages": 2,
+        "micro_batches": 2,
+        "pipeline_layers": [3, 1, 2, 2],
+    },
+    {
+        "name": "pp2_tp2_sp_full",
+        "pp": 2,
+        "tp": 2,
+        "sequence_parallel": True,
+        "micro_batches": 2,
+        "config": {"attn_res": "full"},
+    },
     {"name": "pp2_dp2_v2_block", "pp": 2, "virtual_stages": 2, "micro_batches": 2, "pipeline_layers": [3, 2, 1, 2]},
 ]
 
 
 def _launch(world_size, checks):
-    per_rank = run_workers(world_size, "tests.distributed.workers_pipeline:run_checks", {"checks": checks},
-                           timeout_s=200)
+    per_rank = run_workers(
+        world_size, "tests.distributed.workers_pipeline:run_checks", {"checks": checks}, timeout_s=200
+    )
     by_check = defaultdict(list)
     for results in per_rank:
         for result in results:
@@ -78,8 +116,12 @@ def _assert_check(results, check):
         assert abs(r["loss"] - r["reference_loss"]) < TOLERANCE, (name, r["rank"], r["loss"], r["reference_loss"])
         assert r["max_grad_error"] < TOLERANCE, (name, r["rank"], r["worst_param"], r["max_grad_error"])
         # Traffic: what comm.py counted on each rank is the plan's exact-delta count.
-        assert r["traffic"] == {"pp.forward": r["predicted"]["forward"], "pp.backward": r["predicted"]["backward"]}, \
-            (name, r["rank"], r["traffic"], r["predicted"])
+        assert r["traffic"] == {"pp.forward": r["predicted"]["forward"], "pp.backward": r["predicted"]["backward"]}, (
+            name,
+            r["rank"],
+            r["traffic"],
+            r["predicted"],
+        )
         # Memory: each block once per rank per micro-batch in flight (the plan's peak).
         assert r["peak_live_blocks"] == r["theoretical_peak"], (name, r["rank"], r["peak_live_blocks"])
         # The gradient-sync hook sees exactly one last backward per chunk.

@@ -19,9 +19,17 @@ TOLERANCE = 2e-5
 # fp32: in bf16 (the default for the debug model's larger matrices on CPUs with AMX, as on GPUs)
 # the layouts' ~1e-7 differences in the momenta would flip bf16 roundings (2^-8) and the losses
 # would differ by ~1e-4, whatever the layouts compute.
-SMALL = ["data.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_interval=3",
-         "schedule.warmup_steps=1", "train.device=cpu", "train.steps=3", "checkpoint.interval=2",
-         "optimizer.newton_schulz_dtype=float32"]
+SMALL = [
+    "data.seq_length=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "train.eval_interval=3",
+    "schedule.warmup_steps=1",
+    "train.device=cpu",
+    "train.steps=3",
+    "checkpoint.interval=2",
+    "optimizer.newton_schulz_dtype=float32",
+]
 
 
 def losses(run_dir: pathlib.Path) -> dict[int, float]:
@@ -76,8 +84,9 @@ def test_interleaved_pipeline_matches_single_process_and_reshards_both_ways(sing
     # Saved under PP4×V2, resumed on one process; saved on one process, resumed under PP2.
     resumed = pretrain(1, tmp_path / "pp-to-1", f"checkpoint.resume={pipelined / 'checkpoints' / 'step_00000002'}")
     assert_close(resumed, measured, [3])
-    resumed = pretrain(2, tmp_path / "1-to-pp", f"checkpoint.resume={single_dir / 'checkpoints' / 'step_00000002'}",
-                       "parallel.pp=2")
+    resumed = pretrain(
+        2, tmp_path / "1-to-pp", f"checkpoint.resume={single_dir / 'checkpoints' / 'step_00000002'}", "parallel.pp=2"
+    )
     assert_close(resumed, reference, [3])
 
 

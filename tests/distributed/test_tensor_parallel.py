@@ -14,8 +14,12 @@ TOLERANCE = 1e-12
 
 @pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (2, True)])
 def test_tensor_parallel_matches_single_process(tp, sequence_parallel):
-    results = run_workers(tp, "tests.distributed.workers_tp:compare_one_step",
-                          {"tp": tp, "sequence_parallel": sequence_parallel}, timeout_s=240)
+    results = run_workers(
+        tp,
+        "tests.distributed.workers_tp:compare_one_step",
+        {"tp": tp, "sequence_parallel": sequence_parallel},
+        timeout_s=240,
+    )
     for rank, result in enumerate(results):
         assert abs(result["loss"] - result["reference_loss"]) < TOLERANCE, (rank, result)
         assert result["max_grad_error"] < TOLERANCE, (rank, result["worst_param"], result["max_grad_error"])
@@ -27,8 +31,12 @@ def test_tensor_parallel_matches_single_process(tp, sequence_parallel):
 def test_tensor_parallel_optimizer_steps_match_single_process(tp, sequence_parallel):
     """Three Per-Head Muon + AdamW steps: 1e-10 (Newton–Schulz amplifies the ulp-level gradient
     differences a little over three steps; a wrong per-shard orthogonalisation is off by O(lr))."""
-    results = run_workers(tp, "tests.distributed.workers_tp:compare_three_steps",
-                          {"tp": tp, "sequence_parallel": sequence_parallel}, timeout_s=240)
+    results = run_workers(
+        tp,
+        "tests.distributed.workers_tp:compare_three_steps",
+        {"tp": tp, "sequence_parallel": sequence_parallel},
+        timeout_s=240,
+    )
     for rank, result in enumerate(results):
         assert result["max_param_error"] < 1e-10, (rank, result)
         assert result["bias_error"] < 1e-10, (rank, result)

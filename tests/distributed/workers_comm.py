@@ -32,14 +32,22 @@ from k3train.training.throughput import peak_flops
 def layout_overrides(layout: dict[str, Any], micro_batch_size: int, micro_batches: int, seq_length: int) -> list[str]:
     """Recipe overrides for one layout: sizes, and a global batch of `micro_batches` per DP rank."""
     dp = layout.get("dp", 1)
-    return [f"parallel.tp={layout.get('tp', 1)}", f"parallel.dp={dp}", f"parallel.pp={layout.get('pp', 1)}",
-            f"parallel.ep={layout.get('ep', 1)}",
-            f"parallel.sequence_parallel={str(layout.get('sequence_parallel', False)).lower()}",
-            f"parallel.zero1={str(layout.get('zero1', True)).lower()}",
-            f"data.seq_length={seq_length}", f"train.micro_batch_size={micro_batch_size}",
-            f"train.global_batch_size={micro_batch_size * micro_batches * dp}",
-            "train.device=cpu", "train.steps=1", "train.eval_interval=0", "schedule.warmup_steps=1",
-            *layout.get("overrides", [])]
+    return [
+        f"parallel.tp={layout.get('tp', 1)}",
+        f"parallel.dp={dp}",
+        f"parallel.pp={layout.get('pp', 1)}",
+        f"parallel.ep={layout.get('ep', 1)}",
+        f"parallel.sequence_parallel={str(layout.get('sequence_parallel', False)).lower()}",
+        f"parallel.zero1={str(layout.get('zero1', True)).lower()}",
+        f"data.seq_length={seq_length}",
+        f"train.micro_batch_size={micro_batch_size}",
+        f"train.global_batch_size={micro_batch_size * micro_batches * dp}",
+        "train.device=cpu",
+        "train.steps=1",
+        "train.eval_interval=0",
+        "schedule.warmup_steps=1",
+        *layout.get("overrides", []),
+    ]
 
 
 def build_trainer(config, state: ParallelState) -> Trainer:
@@ -49,21 +57,44 @@ def build_trainer(config, state: ParallelState) -> Trainer:
     torch.manual_seed(config.train.seed)
     job = build_rank(config, state, device)
     data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
-    return Trainer(config, job.model, job.optimizer, data, device,
-                   training_flops_per_token(config.model, config.data.seq_length).total,
-                   peak_flops(device, config.logging.peak_tflops), None, state, job.reducer, job.schedule)
+    return Trainer(
+        config,
+        job.model,
+        job.optimizer,
+        data,
+        device,
+        training_flops_per_token(config.model, config.data.seq_length).total,
+        peak_flops(device, config.logging.peak_tflops),
+        None,
+        state,
+        job.reducer,
+        job.schedule,
+    )
 
 
 def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
-    micro_batch_size, micro_batches, seq_length = (payload["micro_batch_size"], payload["micro_batches"],
-                                                   payload["seq_length"])
+    micro_batch_size, micro_batches, seq_length = (
+        payload["micro_batch_size"],
+        payload["micro_batches"],
+        payload["seq_length"],
+    )
     config = load_config(payload["recipe"], layout_overrides(layout, micro_batch_size, micro_batches, seq_length))
     tp, dp, pp, ep = config.parallel.tp, config.parallel.dp, config.parallel.pp, config.parallel.ep
     world = tp * dp * pp
     model_config = config.model
-    grid = resolve_layout(world, tp, pp, dp, ep, config.parallel.virtual_stages, model_config.num_attention_heads,
-                          model_config.linear_attn_config.num_heads, model_config.vocab_size,
-                          model_config.num_experts, model_config.num_hidden_layers)
+    grid = resolve_layout(
+        world,
+        tp,
+        pp,
+        dp,
+        ep,
+        config.parallel.virtual_stages,
+        model_config.num_attention_heads,
+        model_config.linear_attn_config.num_heads,
+        model_config.vocab_size,
+        model_config.num_experts,
+        model_config.num_hidden_layers,
+    )
     member = env.rank < world
     # Every process creates the layout's groups in the same order; non-members pose as rank 0.
     state = ParallelState(grid, env.rank if member else 0, sequence_parallel=config.parallel.sequence_parallel)
@@ -85,20 +116,34 @@ def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict
         job = build_planning_rank(config, grid, env.rank)
         result["predicted_job"] = predicted_job_traffic(job, micro_batches)
         if pp > 1 or ep > 1:
-            result.update(measured=measured, predicted=result["predicted_job"], loss=metrics["loss"],
-                          seconds=time.perf_counter() - started)
+            result.update(
+                measured=measured,
+                predicted=result["predicted_job"],
+                loss=metrics["loss"],
+                seconds=time.perf_counter() - started,
+            )
             dist.barrier()
             return result
-        arguments = dict(tp=tp, dp=dp, micro_batch_size=micro_batch_size, seq_length=seq_length,
-                         micro_batches=micro_batches, dtype_bytes=4, zero1=config.parallel.zero1,
-                         sequence_parallel=config.parallel.sequence_parallel,
-                         tp_rank=state.tp_rank, dp_rank=state.dp_rank)
+        arguments = dict(
+            tp=tp,
+            dp=dp,
+            micro_batch_size=micro_batch_size,
+            seq_length=seq_length,
+            micro_batches=micro_batches,
+            dtype_bytes=4,
+            zero1=config.parallel.zero1,
+            sequence_parallel=config.parallel.sequence_parallel,
+            tp_rank=state.tp_rank,
+            dp_rank=state.dp_rank,
+        )
         result.update(
             measured=measured,
             predicted=predicted_step_traffic(model_config, config.optimizer, **arguments),
             terms=[vars(term) for term in step_traffic_terms(model_config, config.optimizer, **arguments)]
-            if env.rank == 0 else None,
-            loss=metrics["loss"], seconds=time.perf_counter() - started,
+            if env.rank == 0
+            else None,
+            loss=metrics["loss"],
+            seconds=time.perf_counter() - started,
         )
     dist.barrier()
     return result

@@ -32,22 +32,43 @@ SEED = 11
 # The debug model at half width: KDA and Gated MLA layers (layer 3 is MLA), dense and MoE FFNs,
 # Block AttnRes; a KDA chunk of 8 tokens so short sequences cover several chunks per piece.
 CONFIG = ModelConfig(
-    vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, q_lora_rank=32,
-    kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    linear_attn_config=LinearAttnConfig(num_heads=4, head_dim=16, chunk_size=8), intermediate_size=128,
-    num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, routed_expert_hidden_size=32,
-    attn_res_block_size=2, recompute="none", balancer="quantile_histogram",
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    linear_attn_config=LinearAttnConfig(num_heads=4, head_dim=16, chunk_size=8),
+    intermediate_size=128,
+    num_experts=8,
+    num_experts_per_token=2,
+    moe_intermediate_size=32,
+    routed_expert_hidden_size=32,
+    attn_res_block_size=2,
+    recompute="none",
+    balancer="quantile_histogram",
 )
 
 
 def job_config(spec: dict[str, Any]) -> JobConfig:
-    parallel = ParallelConfig(tp=spec.get("tp", 1), pp=spec.get("pp", 1), ep=spec.get("ep", 1), cp=spec["cp"],
-                              sequence_parallel=spec.get("sp", False), zero1=False,
-                              # Capacity dispatch with capacity_factor = ep keeps every routed slot (the
-                              # balanced mode's first step has no replicas yet and may drop).
-                              expert_dispatch="capacity", capacity_factor=float(spec.get("ep", 1)))
-    train = TrainConfig(global_batch_size=spec["global_batch"], micro_batch_size=spec["micro_batch"],
-                        precision="fp32", device="cpu")
+    parallel = ParallelConfig(
+        tp=spec.get("tp", 1),
+        pp=spec.get("pp", 1),
+        ep=spec.get("ep", 1),
+        cp=spec["cp"],
+        sequence_parallel=spec.get("sp", False),
+        zero1=False,
+        # Capacity dispatch with capacity_factor = ep keeps every routed slot (the
+        # balanced mode's first step has no replicas yet and may drop).
+        expert_dispatch="capacity",
+        capacity_factor=float(spec.get("ep", 1)),
+    )
+    train = TrainConfig(
+        global_batch_size=spec["global_batch"], micro_batch_size=spec["micro_batch"], precision="fp32", device="cpu"
+    )
     config = JobConfig(model=CONFIG, parallel=parallel, data=DataConfig(seq_length=spec["seq"]), train=train)
     config.validate()
     return config
@@ -64,9 +85,20 @@ def reference_view(full: torch.Tensor, param: torch.Tensor, state: ParallelState
 def compare(env, spec: dict[str, Any]) -> dict[str, Any]:
     config = job_config(spec)
     p = config.parallel
-    layout = resolve_layout(env.world_size, p.tp, p.pp, 0, p.ep, 1, CONFIG.num_attention_heads,
-                            CONFIG.linear_attn_config.num_heads, CONFIG.vocab_size, CONFIG.num_experts,
-                            CONFIG.num_hidden_layers, cp=p.cp)
+    layout = resolve_layout(
+        env.world_size,
+        p.tp,
+        p.pp,
+        0,
+        p.ep,
+        1,
+        CONFIG.num_attention_heads,
+        CONFIG.linear_attn_config.num_heads,
+        CONFIG.vocab_size,
+        CONFIG.num_experts,
+        CONFIG.num_hidden_layers,
+        cp=p.cp,
+    )
     state = ParallelState(layout, env.rank, sequence_parallel=p.sequence_parallel)
     job = build_rank(config, state, torch.device("cpu"), overlap=False, dtype=torch.float64)
     job.schedule.dtype = torch.float64  # pipeline hops in the model's dtype
@@ -81,7 +113,7 @@ def compare(env, spec: dict[str, Any]) -> dict[str, Any]:
     reference_loss.backward()
 
     rows = spec["global_batch"] // layout.data_parallel
-    mine = tokens[state.data_rank * rows:(state.data_rank + 1) * rows]
+    mine = tokens[state.data_rank * rows : (state.data_rank + 1) * rows]
     micro_batches = list(mine.split(spec["micro_batch"]))
     state.counter.reset()
     local_loss = job.schedule.run(job.model.chunks, micro_batches)
@@ -107,19 +139,45 @@ def compare(env, spec: dict[str, Any]) -> dict[str, Any]:
     # tp under sequence parallelism: the trainer's routing group) give the single-process biases.
     reference.update_routing_biases()
     job.model.update_routing_biases(state.data_tensor if state.sequence_parallel else state.dp)
-    reference_biases = {name: moe.gate.e_score_correction_bias for name, moe in
-                        ((n, m) for n, m in reference.named_modules() if hasattr(m, "balancer"))}
-    bias_error = max(((moe.gate.e_score_correction_bias - reference_biases[name]).abs().max().item()
-                     for name, moe in job.model.named_modules() if hasattr(moe, "balancer")), default=0.0)
+    reference_biases = {
+        name: moe.gate.e_score_correction_bias
+        for name, moe in ((n, m) for n, m in reference.named_modules() if hasattr(m, "balancer"))
+    }
+    bias_error = max(
+        (
+            (moe.gate.e_score_correction_bias - reference_biases[name]).abs().max().item()
+            for name, moe in job.model.named_modules()
+            if hasattr(moe, "balancer")
+        ),
+        default=0.0,
+    )
     traffic = state.counter.snapshot()
     layers = [i for start, end in job.plan.layer_ranges(state.pp_rank) for i in range(start, end)]
-    planned = context_step_bytes(CONFIG, layers, cp=layout.cp, tp=layout.tp, micro_batch_size=spec["micro_batch"],
-                                 seq_length=spec["seq"], micro_batches=len(micro_batches), element_bytes=8,
-                                 state_bytes=8, state_exchange=spec.get("state_exchange", "handoff"),
-                                 cp_rank=state.cp_rank)
-    return {"name": spec["name"], "loss": loss, "reference_loss": reference_loss.item(), "max_grad_error": worst,
-            "worst_param": worst_name, "checked": checked, "bias_error": bias_error, "cp_bytes": traffic.get("cp", (0, 0))[0],
-            "cp_messages": traffic.get("cp", (0, 0))[1], "planned_cp_bytes": planned}
+    planned = context_step_bytes(
+        CONFIG,
+        layers,
+        cp=layout.cp,
+        tp=layout.tp,
+        micro_batch_size=spec["micro_batch"],
+        seq_length=spec["seq"],
+        micro_batches=len(micro_batches),
+        element_bytes=8,
+        state_bytes=8,
+        state_exchange=spec.get("state_exchange", "handoff"),
+        cp_rank=state.cp_rank,
+    )
+    return {
+        "name": spec["name"],
+        "loss": loss,
+        "reference_loss": reference_loss.item(),
+        "max_grad_error": worst,
+        "worst_param": worst_name,
+        "checked": checked,
+        "bias_error": bias_error,
+        "cp_bytes": traffic.get("cp", (0, 0))[0],
+        "cp_messages": traffic.get("cp", (0, 0))[1],
+        "planned_cp_bytes": planned,
+    }
 
 
 def run_checks(env, payload: list[dict[str, Any]]) -> list[dict[str, Any]]:

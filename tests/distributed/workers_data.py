@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,19 +45,38 @@ BUCKET_BYTES = 1 << 17  # ~15 float64 buckets: exercises bucket ordering and exc
 # The debug model at half width and depth: KDA and Gated MLA layers, dense and MoE FFNs, Block
 # AttnRes over two blocks; 5x faster than the debug model on the shared CI cores.
 CONFIG = ModelConfig(
-    vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, q_lora_rank=32,
-    kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    linear_attn_config=LinearAttnConfig(num_heads=4, head_dim=16), intermediate_size=128,
-    num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, routed_expert_hidden_size=32,
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    linear_attn_config=LinearAttnConfig(num_heads=4, head_dim=16),
+    intermediate_size=128,
+    num_experts=8,
+    num_experts_per_token=2,
+    moe_intermediate_size=32,
+    routed_expert_hidden_size=32,
 )
 
 
-def _distributed_optimizer(model: K3Model, state: ParallelState, zero1: bool,
-                           exchange: str = "all_gather") -> DistributedOptimizer:
+def _distributed_optimizer(
+    model: K3Model, state: ParallelState, zero1: bool, exchange: str = "all_gather"
+) -> DistributedOptimizer:
     """The job's optimizer (built here, as the job builds it) under the ZeRO-1 wrapper."""
     config = OptimizerConfig(lr=LR)
-    return DistributedOptimizer(build_optimizer(model, config), model, state, parameter_costs(model, config),
-                                zero1=zero1, exchange=exchange, bucket_bytes=BUCKET_BYTES)
+    return DistributedOptimizer(
+        build_optimizer(model, config),
+        model,
+        state,
+        parameter_costs(model, config),
+        zero1=zero1,
+        exchange=exchange,
+        bucket_bytes=BUCKET_BYTES,
+    )
 
 
 def _model(dtype: torch.dtype) -> K3Model:
@@ -133,12 +153,13 @@ def train(
     model = model or _model(torch.float64)
     optimizer = optimizer or _distributed_optimizer(model, state, zero1=zero1, exchange=exchange)
     # Under ZeRO-1 the buckets that pay for it are reduce-scattered to the owners, as in the job.
-    reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES, overlap=overlap,
-                              owners=optimizer.gradient_owners())
+    reducer = GradientReducer(
+        model, state, bucket_bytes=BUCKET_BYTES, overlap=overlap, owners=optimizer.gradient_owners()
+    )
     local = GLOBAL_BATCH // state.layout.dp
     out: dict[str, Any] = {"losses": [], "grad_traffic": [], "exchange_traffic": [], "launched_in_backward": []}
     for step in range(first_step, first_step + steps):
-        rows = batches[step][state.dp_rank * local:(state.dp_rank + 1) * local]
+        rows = batches[step][state.dp_rank * local : (state.dp_rank + 1) * local]
         state.counter.reset()
         loss_sum = torch.zeros((), dtype=torch.float64)
         for index, micro_batch in enumerate(rows.chunk(micro_batches)):
@@ -169,15 +190,20 @@ def _expected_grad_names(run: dict[str, Any], ref: dict[str, Any]) -> set[str]:
     those of reduce-scattered buckets that another rank owns."""
     reducer = run["reducer"]
     names = {id(p): n for n, p in run["model"].named_parameters()}
-    elsewhere = {names[id(p)] for b in reducer.buckets if b.sharded
-                 for p, owner in zip(b.params, b.owners) if owner != b.reduction.group.rank}
+    elsewhere = {
+        names[id(p)]
+        for b in reducer.buckets
+        if b.sharded
+        for p, owner in zip(b.params, b.owners)
+        if owner != b.reduction.group.rank
+    }
     return set(ref["grads"]) - elsewhere
 
 
 def _compare(run: dict[str, Any], ref: dict[str, Any], first_step: int = 0) -> dict[str, float]:
     steps = len(run["losses"])
     result = {
-        "loss": max(abs(a - b) for a, b in zip(run["losses"], ref["losses"][first_step:first_step + steps])),
+        "loss": max(abs(a - b) for a, b in zip(run["losses"], ref["losses"][first_step : first_step + steps])),
         "params": _max_diff(run["params"], ref["params"][first_step + steps]),
     }
     if "grads" in run:
@@ -235,16 +261,18 @@ def clip_check(state: ParallelState, batches: torch.Tensor, zero1: bool = False)
     reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES, owners=owners)
     local = GLOBAL_BATCH // state.layout.dp
     state.counter.reset()
-    _loss(model, batches[0][state.dp_rank * local:(state.dp_rank + 1) * local]).backward()
+    _loss(model, batches[0][state.dp_rank * local : (state.dp_rank + 1) * local]).backward()
     reducer.finish()
     traffic = state.counter.snapshot().get("dp", (0, 0))
     norm = clip_grad_norm(model.parameters(), max_norm, state).item()
     reducer.remove_hooks()
     held = _grads(model)
     return {
-        "norm": norm, "reference_norm": ref_norm,
+        "norm": norm,
+        "reference_norm": ref_norm,
         "clipped_grads": _max_diff(held, {k: v for k, v in ref_clipped.items() if k in held}),
-        "held_grads": sorted(held), "sharded_buckets": sum(b.sharded for b in reducer.buckets),
+        "held_grads": sorted(held),
+        "sharded_buckets": sum(b.sharded for b in reducer.buckets),
         "grad_scale": max(g.abs().max().item() for g in ref_clipped.values()),
         "fp32_grad_traffic": traffic,
         "fp32_expected": (4 * sum(p.numel() + 1 for p in model.parameters()), len(reducer.buckets)),
@@ -255,8 +283,9 @@ def clip_check(state: ParallelState, batches: torch.Tensor, zero1: bool = False)
 # TP-partial gradients (parallel/tensor.py's `tp_partial_grad`)
 
 
-def tp_partial_check(state: ParallelState, batches: torch.Tensor, ref: dict[str, Any],
-                     zero1: bool = False) -> dict[str, Any]:
+def tp_partial_check(
+    state: ParallelState, batches: torch.Tensor, ref: dict[str, Any], zero1: bool = False
+) -> dict[str, Any]:
     """DP2 x "TP"2 where each TP rank takes half of its replica's rows and 1/tp of its loss, as
     a sequence-parallel rank sees part of the tokens: with every parameter marked
     `tp_partial_grad`, the one SUM over `data_tensor` / dp must give the global gradient. With
@@ -271,17 +300,24 @@ def tp_partial_check(state: ParallelState, batches: torch.Tensor, ref: dict[str,
     rows = GLOBAL_BATCH // (state.layout.dp * tp)
     first = (state.dp_rank * tp + state.tp_rank) * rows
     state.counter.reset()
-    (_loss(model, batches[0][first:first + rows]) / tp).backward()
+    (_loss(model, batches[0][first : first + rows]) / tp).backward()
     reducer.finish()
     reducer.remove_hooks()
     held = _grads(model)
     if zero1:
-        return {"grads": _max_diff(held, {name: ref["grads"][name] for name in held}), "held": sorted(held),
-                "traffic": state.counter.snapshot(), "expected": reducer.bytes_per_step(),
-                "two_phase_buckets": sum(b.then_over is not None for b in reducer.buckets),
-                "buckets": len(reducer.buckets)}
-    return {"grads": _max_diff(held, ref["grads"]), "traffic": state.counter.snapshot(),
-            "expected": (reducer.bytes_per_step(), len(reducer.buckets))}
+        return {
+            "grads": _max_diff(held, {name: ref["grads"][name] for name in held}),
+            "held": sorted(held),
+            "traffic": state.counter.snapshot(),
+            "expected": reducer.bytes_per_step(),
+            "two_phase_buckets": sum(b.then_over is not None for b in reducer.buckets),
+            "buckets": len(reducer.buckets),
+        }
+    return {
+        "grads": _max_diff(held, ref["grads"]),
+        "traffic": state.counter.snapshot(),
+        "expected": (reducer.bytes_per_step(), len(reducer.buckets)),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,8 +347,10 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
             return
         states: list[Any] = [None] * env.world_size
         dist.all_gather_object(states, optimizer.state_dict())
-        saved["union"] = {"state": {k: v for s in states for k, v in s["state"].items()},
-                          "param_groups": states[0]["param_groups"]}
+        saved["union"] = {
+            "state": {k: v for s in states for k, v in s["state"].items()},
+            "param_groups": states[0]["param_groups"],
+        }
         saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
         saved["path"] = checkpointer.save(2, {"model": model, "optimizer": optimizer.optimizer})
         saved["entries"] = len(optimizer.optimizer.state)
@@ -325,21 +363,30 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
         names = {id(p): n for run in (on, off) for n, p in run["model"].named_parameters()}
         plan = on["optimizer"].plan
         results[label] = {
-            "zero_off": _compare(off, ref), "zero_on": _compare(on, ref),
+            "zero_off": _compare(off, ref),
+            "zero_on": _compare(on, ref),
             "on_vs_off": _max_diff(on["params"], off["params"]),
             "traffic_zero_on": _traffic(on, on["reducer"], on["optimizer"]),
             "traffic_zero_off": _traffic(off, off["reducer"], off["optimizer"]),
             # Buckets launch in order, so the first one holding a parameter that gets no gradient
             # (layer 0's unused AttnRes query, last in backward) waits for finish().
-            **{f"{key}_{zero}": value for zero, run in (("on", on), ("off", off)) for key, value in (
-                ("launched_in_backward", run["launched_in_backward"]), ("buckets", len(run["reducer"].buckets)),
-                ("first_unused_bucket", min(b.index for b in run["reducer"].buckets
-                                            if any(id(p) not in with_grad for p in b.params))),
-                ("bucket_names", [[names[id(p)] for p in b.params] for b in run["reducer"].buckets]))},
-            "plan": {"owners": plan.owners, "costs": plan.costs, "numels": plan.numels,
-                     "describe": plan.describe()},
+            **{
+                f"{key}_{zero}": value
+                for zero, run in (("on", on), ("off", off))
+                for key, value in (
+                    ("launched_in_backward", run["launched_in_backward"]),
+                    ("buckets", len(run["reducer"].buckets)),
+                    (
+                        "first_unused_bucket",
+                        min(b.index for b in run["reducer"].buckets if any(id(p) not in with_grad for p in b.params)),
+                    ),
+                    ("bucket_names", [[names[id(p)] for p in b.params] for b in run["reducer"].buckets]),
+                )
+            },
+            "plan": {"owners": plan.owners, "costs": plan.costs, "numels": plan.numels, "describe": plan.describe()},
             "owned_state_entries": len(on["optimizer"].optimizer.state),
-            "grad_names_zero_on": sorted(on["grads"]), "expected_grad_names": sorted(_expected_grad_names(on, ref)),
+            "grad_names_zero_on": sorted(on["grads"]),
+            "expected_grad_names": sorted(_expected_grad_names(on, ref)),
             "sharded_buckets": sum(b.sharded for b in on["reducer"].buckets),
         }
         results["seconds"][label] = time.perf_counter() - t0
@@ -350,10 +397,12 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
     results["accumulation"] = _compare(accumulated, ref)
     # Broadcast exchange (and no overlap: everything reduced in finish()): same parameters.
     broadcast = train(dp4, batches, zero1=True, exchange="broadcast", overlap=False, steps=1)
-    results["broadcast"] = {"params": _max_diff(broadcast["params"], ref["params"][1]),
-                            "grads": _compare(broadcast, ref)["grads"],
-                            "launched_in_backward": broadcast["launched_in_backward"],
-                            "traffic": _traffic(broadcast, broadcast["reducer"], broadcast["optimizer"])}
+    results["broadcast"] = {
+        "params": _max_diff(broadcast["params"], ref["params"][1]),
+        "grads": _compare(broadcast, ref)["grads"],
+        "launched_in_backward": broadcast["launched_in_backward"],
+        "traffic": _traffic(broadcast, broadcast["reducer"], broadcast["optimizer"]),
+    }
     results["seconds"]["accumulation_broadcast"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

@@ -30,9 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model
 from k3train.model.moe import LatentMoE, LocalExperts, finish_expert_step
-from k3train.parallel.grad_reduce import GradientReducer
 from k3train.parallel.expert import ExpertParallel, routing_statistics_group
 from k3train.parallel.expert_plan import capacity_per_pair, home_route
+from k3train.parallel.grad_reduce import GradientReducer
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.parallel.tensor import TensorParallel
 
@@ -52,15 +52,16 @@ def use_expert_parallel(moe: LatentMoE, expert_parallel: ExpertParallel) -> None
     offset, count = expert_parallel.expert_offset, expert_parallel.num_local_experts
     local = LocalExperts(moe.config, count).to(device=full.w1.device, dtype=full.w1.dtype)
     for name in ("w1", "w3", "w2"):
-        getattr(local, name).copy_(getattr(full, name)[offset:offset + count])
+        getattr(local, name).copy_(getattr(full, name)[offset : offset + count])
     expert_parallel.mark_expert_params(local)
     moe.experts = local
     moe.expert_parallel = expert_parallel
 
 
 # ---------------------------------------------------------------------------- drop policy reference
-def reference_capacity_keep(expert_ids: torch.Tensor, weights: torch.Tensor, ep: int, local_experts: int,
-                            capacity: int) -> torch.Tensor:
+def reference_capacity_keep(
+    expert_ids: torch.Tensor, weights: torch.Tensor, ep: int, local_experts: int, capacity: int
+) -> torch.Tensor:
     """The `capacity` drop policy in plain Python, for one source rank: per destination rank keep
     the `capacity` slots with the highest routing weight (ties: lower slot index), drop the rest."""
     tokens, top_k = expert_ids.shape
@@ -106,8 +107,9 @@ def install_reference_drops(reference: K3Model, sources: list[list[int]], ep: in
             keep = torch.zeros(expert_ids.shape, dtype=torch.bool)
             for indices in sources:
                 index = torch.tensor(indices)
-                keep[index] = reference_capacity_keep(expert_ids[index], weights[index].detach(), ep,
-                                                      local_experts, capacity)
+                keep[index] = reference_capacity_keep(
+                    expert_ids[index], weights[index].detach(), ep, local_experts, capacity
+                )
             record.append((_layer, keep))
             return _original(latent, expert_ids, weights * keep)
 
@@ -169,8 +171,13 @@ def compare_gradients(models: list, reference: K3Model, state: ParallelState) ->
                 worst_expert = max(worst_expert, error)
             if error > worst:
                 worst, worst_name = error, name
-    return {"max_grad_error": worst, "max_expert_grad_error": worst_expert, "worst_param": worst_name,
-            "checked": checked, "expert_params_checked": experts}
+    return {
+        "max_grad_error": worst,
+        "max_expert_grad_error": worst_expert,
+        "worst_param": worst_name,
+        "checked": checked,
+        "expert_params_checked": experts,
+    }
 
 
 def dispatch_facts(models: list, reference_keeps, my_source) -> dict:
@@ -181,8 +188,12 @@ def dispatch_facts(models: list, reference_keeps, my_source) -> dict:
             if not layer.is_moe:
                 continue
             info = layer.block_sparse_moe.last_dispatch
-            facts = {"dropped": int(info.dropped), "replicas": int(info.replicas), "capacity": info.capacity,
-                     "received": int(info.received)}
+            facts = {
+                "dropped": int(info.dropped),
+                "replicas": int(info.replicas),
+                "capacity": info.capacity,
+                "received": int(info.received),
+            }
             if info.plan is not None:
                 ep = info.plan.rank_load.shape[0]
                 facts["rank_load"] = info.plan.rank_load.tolist()
@@ -206,22 +217,42 @@ def routing_checks(models: list, reference: K3Model, state: ParallelState) -> di
     reference.update_routing_biases()
     for model in models:
         model.update_routing_biases(group)
-    bias_error = max((moe.gate.e_score_correction_bias - reference_moes[name].gate.e_score_correction_bias)
-                     .abs().max().item() for moe, name in zip(moes, mine))
-    load_matches = all(torch.equal(stat.expert_load, reference_moes[name].pop_step_stats().expert_load)
-                       for stat, name in zip(stats, mine))
+    bias_error = max(
+        (moe.gate.e_score_correction_bias - reference_moes[name].gate.e_score_correction_bias).abs().max().item()
+        for moe, name in zip(moes, mine)
+    )
+    load_matches = all(
+        torch.equal(stat.expert_load, reference_moes[name].pop_step_stats().expert_load)
+        for stat, name in zip(stats, mine)
+    )
     return {"bias_error": bias_error, "load_matches": load_matches, "stats": [s.as_dict() for s in stats]}
 
 
 def setup(env, spec: dict):
     config = small_config(**spec.get("config", {}))
     tp, ep, sp = spec.get("tp", 1), spec["ep"], spec.get("sequence_parallel", False)
-    layout = resolve_layout(env.world_size, tp, spec.get("pp", 1), 0, ep, 1, config.num_attention_heads,
-                            config.linear_attn_config.num_heads, config.vocab_size, config.num_experts,
-                            config.num_hidden_layers)
+    layout = resolve_layout(
+        env.world_size,
+        tp,
+        spec.get("pp", 1),
+        0,
+        ep,
+        1,
+        config.num_attention_heads,
+        config.linear_attn_config.num_heads,
+        config.vocab_size,
+        config.num_experts,
+        config.num_hidden_layers,
+    )
     state = ParallelState(layout, env.rank, sequence_parallel=sp)
-    expert_parallel = ExpertParallel(state.ep, config.num_experts, spec["mode"], spec["capacity_factor"],
-                                     spec.get("max_replicas", 2), transport=spec.get("transport", "relay"))
+    expert_parallel = ExpertParallel(
+        state.ep,
+        config.num_experts,
+        spec["mode"],
+        spec["capacity_factor"],
+        spec.get("max_replicas", 2),
+        transport=spec.get("transport", "relay"),
+    )
     reference = K3Model(config).double()
     reference.init_weights(seed=7)
     skew_gate_bias(reference, config.num_experts // ep, spec.get("skew", 0.0))
@@ -278,8 +309,7 @@ def pipeline_equivalence(env, spec: dict) -> dict:
 
     started = time.perf_counter()
     config, state, expert_parallel, reference = setup(env, spec)
-    plan = PipelinePlan.build(config.num_hidden_layers, state.layout.pp, 1, config.attn_res,
-                              config.attn_res_block_size)
+    plan = PipelinePlan.build(config.num_hidden_layers, state.layout.pp, 1, config.attn_res, config.attn_res_block_size)
     chunks = build_model(config, plan, state, seed=7, dtype=torch.float64).chunks
     for chunk in chunks:
         for moe in chunk.moe_layers():
@@ -291,7 +321,7 @@ def pipeline_equivalence(env, spec: dict) -> dict:
     tokens = torch.randint(0, config.vocab_size, (count * dp * micro_batch_size, seq + 1), generator=generator)
     reference_loss = reference.loss(reference(tokens[:, :-1]), tokens[:, 1:])
     reference_loss.backward()
-    micro_batches = list(tokens.split(micro_batch_size))[state.dp_rank * count:(state.dp_rank + 1) * count]
+    micro_batches = list(tokens.split(micro_batch_size))[state.dp_rank * count : (state.dp_rank + 1) * count]
     shape = residual_shape(micro_batch_size, seq, config.hidden_size, state.tp.size, state.sequence_parallel)
     if spec["mode"] == "balanced":  # step 0 places no replicas: plan them from a first step's loads
         PipelineSchedule(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
@@ -300,8 +330,12 @@ def pipeline_equivalence(env, spec: dict) -> dict:
     reducer = reduce_gradients(chunks, state)
     finish_expert_step([moe for chunk in chunks for moe in chunk.moe_layers()], state)
     global_loss = state.dp.all_reduce(loss.clone()) / dp
-    result = {"loss": global_loss.item(), "reference_loss": reference_loss.item(), "reducer": reducer,
-              "pp_rank": state.pp_rank}
+    result = {
+        "loss": global_loss.item(),
+        "reference_loss": reference_loss.item(),
+        "reducer": reducer,
+        "pp_rank": state.pp_rank,
+    }
     result.update(compare_gradients(chunks, reference, state))
     result["layers"] = dispatch_facts(chunks, None, None)
     result.update(routing_checks(chunks, reference, state))
@@ -310,8 +344,16 @@ def pipeline_equivalence(env, spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- static shapes
-FORBIDDEN_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "bincount", "repeat_interleave",
-                 "masked_scatter", "histc")
+FORBIDDEN_OPS = (
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "unique",
+    "bincount",
+    "repeat_interleave",
+    "masked_scatter",
+    "histc",
+)
 
 
 class StaticShapeGuard(TorchDispatchMode):
@@ -331,8 +373,9 @@ class StaticShapeGuard(TorchDispatchMode):
             if any(i is not None and i.dtype == torch.bool for i in indices):
                 raise AssertionError(f"boolean-mask indexing (data-dependent shape) on the dispatch path: {name}")
         out = func(*args, **(kwargs or {}))
-        shapes = tuple(tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else (out,))
-                       if isinstance(t, torch.Tensor))
+        shapes = tuple(
+            tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)
+        )
         self.trace.append((name, shapes))
         return out
 
@@ -346,6 +389,7 @@ def no_host_reads():
     def refuse(name):
         def method(self, *args, **kwargs):
             raise AssertionError(f"Tensor.{name}() reads a tensor on the host on the dispatch path")
+
         return method
 
     for name in names:
@@ -360,13 +404,29 @@ def no_host_reads():
 def static_shapes(env, spec: dict) -> dict:
     """Forward + backward of one EP MoE layer under the guard for several routings."""
     config = small_config(balancer="quantile", **spec.get("config", {}))  # exact QB: no bincount in observe
-    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, config.num_attention_heads,
-                            config.linear_attn_config.num_heads, config.vocab_size, config.num_experts,
-                            config.num_hidden_layers)
+    layout = resolve_layout(
+        env.world_size,
+        1,
+        1,
+        0,
+        env.world_size,
+        1,
+        config.num_attention_heads,
+        config.linear_attn_config.num_heads,
+        config.vocab_size,
+        config.num_experts,
+        config.num_hidden_layers,
+    )
     state = ParallelState(layout, env.rank)
-    expert_parallel = ExpertParallel(state.ep, config.num_experts, spec["mode"], spec["capacity_factor"],
-                                     spec.get("max_replicas", 2), compute="gather",
-                                     transport=spec.get("transport", "relay"))
+    expert_parallel = ExpertParallel(
+        state.ep,
+        config.num_experts,
+        spec["mode"],
+        spec["capacity_factor"],
+        spec.get("max_replicas", 2),
+        compute="gather",
+        transport=spec.get("transport", "relay"),
+    )
     moe = LatentMoE(config, TensorParallel.single(), expert_parallel=expert_parallel).double()
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -415,12 +475,19 @@ def static_shapes(env, spec: dict) -> dict:
     group.all_to_all, group.all_gather = original_all_to_all, original_all_gather
     names = list(traces)
     identical = all(traces[n] == traces[names[0]] for n in names) and all(
-        exchanges[n] == exchanges[names[0]] for n in names)
-    expected = expert_parallel.buffer_shapes(batch * seq, config.num_experts_per_token,
-                                             config.routed_expert_hidden_size, config.moe_intermediate_size)
-    return {"identical": identical, "ops": len(traces[names[0]]), "exchanges": exchanges[names[0]],
-            "expected_shapes": expected, "facts": facts,
-            "first_difference": _first_difference(traces[names[0]], traces[names[-1]])}
+        exchanges[n] == exchanges[names[0]] for n in names
+    )
+    expected = expert_parallel.buffer_shapes(
+        batch * seq, config.num_experts_per_token, config.routed_expert_hidden_size, config.moe_intermediate_size
+    )
+    return {
+        "identical": identical,
+        "ops": len(traces[names[0]]),
+        "exchanges": exchanges[names[0]],
+        "expected_shapes": expected,
+        "facts": facts,
+        "first_difference": _first_difference(traces[names[0]], traces[names[-1]]),
+    }
 
 
 def _first_difference(a, b):
@@ -438,8 +505,19 @@ def skewed_sources(env, spec: dict) -> dict:
     the home experts' gradients the sum of the single-process gradients over all ranks."""
     config = small_config(num_experts=8 * env.world_size, num_experts_per_token=4)
     experts, top_k, width = config.num_experts, config.num_experts_per_token, config.routed_expert_hidden_size
-    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, config.num_attention_heads,
-                            config.linear_attn_config.num_heads, config.vocab_size, experts, config.num_hidden_layers)
+    layout = resolve_layout(
+        env.world_size,
+        1,
+        1,
+        0,
+        env.world_size,
+        1,
+        config.num_attention_heads,
+        config.linear_attn_config.num_heads,
+        config.vocab_size,
+        experts,
+        config.num_hidden_layers,
+    )
     state = ParallelState(layout, env.rank)
     dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport=spec.get("transport", "relay"))
     full = LocalExperts(config, experts).double()
@@ -450,7 +528,7 @@ def skewed_sources(env, spec: dict) -> dict:
     mine = LocalExperts(config, dispatcher.num_local_experts).double()
     with torch.no_grad():
         for name in ("w1", "w3", "w2"):
-            getattr(mine, name).copy_(getattr(full, name)[dispatcher.expert_offset:][:dispatcher.num_local_experts])
+            getattr(mine, name).copy_(getattr(full, name)[dispatcher.expert_offset :][: dispatcher.num_local_experts])
     dispatcher.mark_expert_params(mine)
     local, ranks, tokens = dispatcher.num_local_experts, env.world_size, 64
     hot_home = (env.rank + 1) % ranks
@@ -459,7 +537,9 @@ def skewed_sources(env, spec: dict) -> dict:
         generator = torch.Generator().manual_seed(100 * step + env.rank)
         logits = torch.randn(tokens, experts, generator=generator, dtype=torch.float64)
         if env.rank < max(1, ranks // 2):  # only some sources have hot experts: the loads are skewed too
-            logits[:, hot_home * local:hot_home * local + 3] += spec.get("boost", 3.0)  # three hot experts of one home
+            logits[:, hot_home * local : hot_home * local + 3] += spec.get(
+                "boost", 3.0
+            )  # three hot experts of one home
         weights, ids = logits.sigmoid().topk(top_k, dim=-1)
         latent = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
         upstream = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
@@ -476,15 +556,21 @@ def skewed_sources(env, spec: dict) -> dict:
         worst["max_home_pair"] = max(worst["max_home_pair"], int(largest))
         for name in ("w1", "w3", "w2"):
             total = state.ep.all_reduce(getattr(full, name).grad.clone())
-            expected_grad = total[dispatcher.expert_offset:][:local]
-            worst["grad_error"] = max(worst["grad_error"], (getattr(mine, name).grad - expected_grad).abs().max().item())
+            expected_grad = total[dispatcher.expert_offset :][:local]
+            worst["grad_error"] = max(
+                worst["grad_error"], (getattr(mine, name).grad - expected_grad).abs().max().item()
+            )
     worst["pair_capacity"] = capacity_per_pair(tokens, top_k, ranks, 1.25)
     return worst
 
 
 # ---------------------------------------------------------------------------- entry point
-CHECKS = {"equivalence": equivalence, "pipeline": pipeline_equivalence, "static_shapes": static_shapes,
-          "skewed_sources": skewed_sources}
+CHECKS = {
+    "equivalence": equivalence,
+    "pipeline": pipeline_equivalence,
+    "static_shapes": static_shapes,
+    "skewed_sources": skewed_sources,
+}
 
 
 def run_checks(env, payload: list[dict]) -> list[dict]:

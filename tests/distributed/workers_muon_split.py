@@ -39,15 +39,24 @@ from tests.distributed.workers_data import (
 def _train(state: ParallelState, batches: torch.Tensor, split: bool) -> dict[str, Any]:
     model = _model(torch.float64)
     config = OptimizerConfig(lr=LR)
-    optimizer = DistributedOptimizer(build_optimizer(model, config), model, state, parameter_costs(model, config),
-                                     zero1=False, bucket_bytes=BUCKET_BYTES)
-    installed = install_muon_split(optimizer.optimizer, model.named_parameters(), optimizer.plan.owners, state,
-                                   BUCKET_BYTES) if split else None
+    optimizer = DistributedOptimizer(
+        build_optimizer(model, config),
+        model,
+        state,
+        parameter_costs(model, config),
+        zero1=False,
+        bucket_bytes=BUCKET_BYTES,
+    )
+    installed = (
+        install_muon_split(optimizer.optimizer, model.named_parameters(), optimizer.plan.owners, state, BUCKET_BYTES)
+        if split
+        else None
+    )
     reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES, overlap=True)
     local = GLOBAL_BATCH // state.layout.dp
     out: dict[str, Any] = {"losses": [], "ns_flops": [], "ns_seconds": [], "exchange": []}
     for step in range(STEPS):
-        rows = batches[step][state.dp_rank * local:(state.dp_rank + 1) * local]
+        rows = batches[step][state.dp_rank * local : (state.dp_rank + 1) * local]
         loss = _loss(model, rows)
         loss.backward()
         reducer.finish()
@@ -82,10 +91,13 @@ def run(env, payload: Any) -> dict[str, Any]:
         "split_vs_single": _max_diff(split["params"], ref["params"][STEPS]),
         "plain_vs_single": _max_diff(plain["params"], ref["params"][STEPS]),
         "loss_vs_single": max(abs(a - b) for a, b in zip(split["losses"], ref["losses"])),
-        "ns_flops_split": split["ns_flops"], "ns_flops_plain": plain["ns_flops"],
+        "ns_flops_split": split["ns_flops"],
+        "ns_flops_plain": plain["ns_flops"],
         "ns_flops_single_process": total_ns_flops,
-        "ns_seconds_split": split["ns_seconds"], "ns_seconds_plain": plain["ns_seconds"],
-        "exchange_split": split["exchange"], "exchange_plain": plain["exchange"],
+        "ns_seconds_split": split["ns_seconds"],
+        "ns_seconds_plain": plain["ns_seconds"],
+        "exchange_split": split["exchange"],
+        "exchange_plain": plain["exchange"],
         "expected_exchange_bytes": split["expected_exchange"],
         "seconds": time.perf_counter() - started,
         "ns_flops_formula_check": ns_flops(3, 5, 1),
@@ -112,14 +124,17 @@ def run_tensor_parallel(env, payload: Any) -> dict[str, Any]:
         optimizer = build_optimizer(model, optimizer_config)
         reducer = None
         if parallel is not None:
-            optimizer = DistributedOptimizer(optimizer, model, parallel, parameter_costs(model, optimizer_config),
-                                             zero1=False)
+            optimizer = DistributedOptimizer(
+                optimizer, model, parallel, parameter_costs(model, optimizer_config), zero1=False
+            )
             if split:
-                assert install_muon_split(optimizer.optimizer, model.named_parameters(), optimizer.plan.owners,
-                                          parallel) is not None
+                assert (
+                    install_muon_split(optimizer.optimizer, model.named_parameters(), optimizer.plan.owners, parallel)
+                    is not None
+                )
             reducer = GradientReducer(model, parallel, overlap=False)
         for tokens in batches:
-            rows = tokens if parallel is None else tokens[parallel.dp_rank * 2:(parallel.dp_rank + 1) * 2]
+            rows = tokens if parallel is None else tokens[parallel.dp_rank * 2 : (parallel.dp_rank + 1) * 2]
             model.loss(model(rows[:, :-1]), rows[:, 1:]).backward()
             if reducer is not None:
                 reducer.finish()
@@ -134,6 +149,9 @@ def run_tensor_parallel(env, payload: Any) -> dict[str, Any]:
     to_reference = {}
     for name, param in model.named_parameters():
         to_reference[name] = local_view(reference[name], param, state.tp.size, state.tp.rank)
-    return {"split_vs_plain": _max_diff(split, plain), "split_vs_single": _max_diff(split, to_reference),
-            "plain_vs_single": _max_diff(plain, to_reference),
-            "tp_sharded_muon": sum(getattr(p, "tensor_parallel", False) and p.ndim == 2 for p in model.parameters())}
+    return {
+        "split_vs_plain": _max_diff(split, plain),
+        "split_vs_single": _max_diff(split, to_reference),
+        "plain_vs_single": _max_diff(plain, to_reference),
+        "tp_sharded_muon": sum(getattr(p, "tensor_parallel", False) and p.ndim == 2 for p in model.parameters()),
+    }

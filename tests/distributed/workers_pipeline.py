@@ -24,7 +24,11 @@ from torch import nn
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model
 from k3train.parallel.pipeline import (
-    PROTOCOLS, PipelinePlan, PipelineSchedule, residual_shape, theoretical_peak_blocks,
+    PROTOCOLS,
+    PipelinePlan,
+    PipelineSchedule,
+    residual_shape,
+    theoretical_peak_blocks,
 )
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.parallel.tensor import reduce_tensor_parallel_grads
@@ -36,9 +40,17 @@ MICRO_BATCH_SIZE = 2
 
 
 def small_config(**changes) -> ModelConfig:
-    base = ModelConfig(num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_experts=4,
-                       num_experts_per_token=2, moe_intermediate_size=32, routed_expert_hidden_size=32,
-                       attn_res_block_size=3, recompute="attn_res")
+    base = ModelConfig(
+        num_hidden_layers=8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=32,
+        attn_res_block_size=3,
+        recompute="attn_res",
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -117,7 +129,11 @@ class CacheProbe:
                         self.saved_alias += 1
                     elif any(torch.equal(tensor, b) for b in blocks):
                         self.copies += 1
-                elif tensor.dim() == 4 and tuple(tensor.shape[:2]) == self.shape[:2] and tensor.shape[-1] == self.shape[-1]:
+                elif (
+                    tensor.dim() == 4
+                    and tuple(tensor.shape[:2]) == self.shape[:2]
+                    and tensor.shape[-1] == self.shape[-1]
+                ):
                     for k in range(tensor.shape[2]):
                         if any(torch.equal(tensor[:, :, k], b.to(tensor.dtype)) for b in blocks):
                             self.stacked_copies += 1
@@ -128,25 +144,37 @@ def run_one(env, check: dict) -> dict:
     config = small_config(**check.get("config", {}))
     tp, pp, virtual = check.get("tp", 1), check["pp"], check.get("virtual_stages", 1)
     sequence_parallel = check.get("sequence_parallel", False)
-    layout = resolve_layout(env.world_size, tp, pp, 0, 1, virtual, config.num_attention_heads,
-                            config.linear_attn_config.num_heads, config.vocab_size, config.num_experts,
-                            config.num_hidden_layers)
+    layout = resolve_layout(
+        env.world_size,
+        tp,
+        pp,
+        0,
+        1,
+        virtual,
+        config.num_attention_heads,
+        config.linear_attn_config.num_heads,
+        config.vocab_size,
+        config.num_experts,
+        config.num_hidden_layers,
+    )
     state = ParallelState(layout, env.rank, sequence_parallel=sequence_parallel)
-    plan = PipelinePlan.build(config.num_hidden_layers, pp, virtual, config.attn_res, config.attn_res_block_size,
-                              check.get("pipeline_layers"))
+    plan = PipelinePlan.build(
+        config.num_hidden_layers, pp, virtual, config.attn_res, config.attn_res_block_size, check.get("pipeline_layers")
+    )
 
     # The global batch: `micro_batches` per data-parallel rank, the same on every rank.
     local_count = check["micro_batches"]
     generator = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, config.vocab_size, (local_count * state.dp.size * MICRO_BATCH_SIZE, SEQ + 1),
-                           generator=generator)
+    tokens = torch.randint(
+        0, config.vocab_size, (local_count * state.dp.size * MICRO_BATCH_SIZE, SEQ + 1), generator=generator
+    )
     reference = K3Model(config).double()
     reference.init_weights(seed=SEED)
     reference_loss = reference.loss(reference(tokens[:, :-1]), tokens[:, 1:])
     reference_loss.backward()
 
     micro_batches = list(tokens.split(MICRO_BATCH_SIZE))
-    micro_batches = micro_batches[state.dp.rank * local_count:(state.dp.rank + 1) * local_count]
+    micro_batches = micro_batches[state.dp.rank * local_count : (state.dp.rank + 1) * local_count]
     chunks = build_model(config, plan, state, seed=SEED, dtype=torch.float64).chunks
     shape = residual_shape(MICRO_BATCH_SIZE, SEQ, config.hidden_size, state.tp.size, state.sequence_parallel)
     probe = CacheProbe(plan, state.pp.rank, shape) if check.get("probe") else None
@@ -158,8 +186,15 @@ def run_one(env, check: dict) -> dict:
         last_backward_calls[virtual_stage] += int(last)
         data_parallel.before_backward(virtual_stage, last)
 
-    schedule = PipelineSchedule(plan, state.pp, shape, dtype=torch.float64, trace_cache=probe is not None,
-                                after_step=probe.after_step if probe else None, before_backward=before_backward)
+    schedule = PipelineSchedule(
+        plan,
+        state.pp,
+        shape,
+        dtype=torch.float64,
+        trace_cache=probe is not None,
+        after_step=probe.after_step if probe else None,
+        before_backward=before_backward,
+    )
     if probe is not None:
         with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda tensor: tensor):
             loss = schedule.run(chunks, micro_batches)
@@ -185,7 +220,9 @@ def run_one(env, check: dict) -> dict:
         for name, param in chunk.named_parameters():
             reference_grad = reference_params[name].grad
             if reference_grad is None:
-                assert param.grad is None or torch.all(param.grad == 0), f"{name}: gradient where the reference has none"
+                assert param.grad is None or torch.all(param.grad == 0), (
+                    f"{name}: gradient where the reference has none"
+                )
                 checked.append(name)
                 continue
             assert param.grad is not None, f"{check['name']}: {name} has no gradient"
@@ -198,20 +235,35 @@ def run_one(env, check: dict) -> dict:
     tensor_bytes = math.prod(shape) * 8
     predicted = plan.rank_step_bytes(state.pp.rank, tensor_bytes, local_count)
     result = {
-        "name": check["name"], "rank": env.rank, "loss": loss.item(), "reference_loss": reference_loss.item(),
-        "max_grad_error": worst, "worst_param": worst_name, "checked": checked,
-        "all_reference_params": sorted(reference_params), "traffic": traffic, "predicted": predicted,
+        "name": check["name"],
+        "rank": env.rank,
+        "loss": loss.item(),
+        "reference_loss": reference_loss.item(),
+        "max_grad_error": worst,
+        "worst_param": worst_name,
+        "checked": checked,
+        "all_reference_params": sorted(reference_params),
+        "traffic": traffic,
+        "predicted": predicted,
         "protocol_bytes": {p: plan.step_bytes(tensor_bytes, local_count, p) for p in PROTOCOLS},
         "hop_blocks": {p: plan.hop_block_counts(p) for p in PROTOCOLS},
-        "peak_live_blocks": stats.peak_live_blocks, "forward_only_loss": forward_only_loss,
+        "peak_live_blocks": stats.peak_live_blocks,
+        "forward_only_loss": forward_only_loss,
         "last_backward_calls": dict(last_backward_calls),
         "theoretical_peak": theoretical_peak_blocks(plan, state.pp.rank, local_count),
-        "dp_reduction": dp_reduction, "pp_rank": state.pp.rank, "tp_rank": state.tp.rank, "dp_rank": state.dp.rank,
+        "dp_reduction": dp_reduction,
+        "pp_rank": state.pp.rank,
+        "tp_rank": state.tp.rank,
+        "dp_rank": state.dp.rank,
         "seconds": stats.total_s,
     }
     if probe is not None:
-        result.update(probe_mismatches=probe.mismatches, saved_copies=probe.copies,
-                      stacked_copies=probe.stacked_copies, saved_alias=probe.saved_alias)
+        result.update(
+            probe_mismatches=probe.mismatches,
+            saved_copies=probe.copies,
+            stacked_copies=probe.stacked_copies,
+            saved_alias=probe.saved_alias,
+        )
     return result
 
 

@@ -23,9 +23,19 @@ def small_config(**changes) -> ModelConfig:
 
 
 def build_state(world_size: int, rank: int, tp: int, sequence_parallel: bool, config: ModelConfig) -> ParallelState:
-    layout = resolve_layout(world_size, tp, 1, 0, 1, 1, config.num_attention_heads,
-                            config.linear_attn_config.num_heads, config.vocab_size, config.num_experts,
-                            config.num_hidden_layers)
+    layout = resolve_layout(
+        world_size,
+        tp,
+        1,
+        0,
+        1,
+        1,
+        config.num_attention_heads,
+        config.linear_attn_config.num_heads,
+        config.vocab_size,
+        config.num_experts,
+        config.num_hidden_layers,
+    )
     return ParallelState(layout, rank, sequence_parallel=sequence_parallel)
 
 
@@ -67,8 +77,14 @@ def compare_one_step(env, payload) -> dict:
         checked += 1
         if error > worst:
             worst, worst_name = error, name
-    return {"loss": loss.item(), "reference_loss": reference_loss.item(), "max_grad_error": worst,
-            "worst_param": worst_name, "checked": checked, "traffic": state.counter.snapshot()}
+    return {
+        "loss": loss.item(),
+        "reference_loss": reference_loss.item(),
+        "max_grad_error": worst,
+        "worst_param": worst_name,
+        "checked": checked,
+        "traffic": state.counter.snapshot(),
+    }
 
 
 def compare_three_steps(env, payload) -> dict:

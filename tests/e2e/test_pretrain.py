@@ -9,15 +9,24 @@ import sys
 import pytest
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
-SMALL = ["data.seq_length=64", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_interval=0",
-         "schedule.warmup_steps=3"]
+SMALL = [
+    "data.seq_length=64",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.eval_interval=0",
+    "schedule.warmup_steps=3",
+]
 
 
 def run_pretrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, str(CHECKOUT / "pretrain_k3.py"), "--recipe", str(CHECKOUT / "recipes/debug.yaml"), *args],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=CHECKOUT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=CHECKOUT,
     )
 
 
@@ -36,8 +45,9 @@ def test_resume_continues_bit_identically(tmp_path):
     assert (checkpoint / "k3train.json").exists()
     assert (first / "config.yaml").exists()
 
-    result = run_pretrain("--run-dir", str(second), "train.steps=20", "checkpoint.interval=10",
-                          f"checkpoint.resume={checkpoint}", *SMALL)
+    result = run_pretrain(
+        "--run-dir", str(second), "train.steps=20", "checkpoint.interval=10", f"checkpoint.resume={checkpoint}", *SMALL
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resumed from" in result.stdout
     original, resumed = losses(first), losses(second)
@@ -45,8 +55,17 @@ def test_resume_continues_bit_identically(tmp_path):
     assert [resumed[s] for s in range(11, 21)] == [original[s] for s in range(11, 21)]  # bit-identical
 
     record = json.loads((first / "metrics.jsonl").read_text().splitlines()[0])
-    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu",
-                "expert_load_max_over_mean", "dropped_tokens"):
+    for key in (
+        "step",
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "tflops",
+        "mfu",
+        "expert_load_max_over_mean",
+        "dropped_tokens",
+    ):
         assert key in record
     # The optimizer's share and Newton–Schulz's work, reported apart from MFU (Per-Head Muon).
     assert 0 < record["optimizer_share"] < 1 and record["newton_schulz_gflop"] > 0
@@ -74,12 +93,18 @@ def test_done_line_gives_the_runs_first_loss_after_a_resume(tmp_path):
     both = losses(run_dir)
     assert done_line(result.stdout) == f"done: step 5, loss {first[1]:.4f} (step 1) → {both[5]:.4f} (step 5)"
 
-    result = run_pretrain("--run-dir", str(elsewhere), "train.steps=5",
-                          f"checkpoint.resume={run_dir / 'checkpoints' / 'step_00000003'}", *SMALL)
+    result = run_pretrain(
+        "--run-dir",
+        str(elsewhere),
+        "train.steps=5",
+        f"checkpoint.resume={run_dir / 'checkpoints' / 'step_00000003'}",
+        *SMALL,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     moved = losses(elsewhere)
-    assert done_line(result.stdout) == (f"done: step 5, loss {moved[4]:.4f} (step 4, since resume at step 3) → "
-                                        f"{moved[5]:.4f} (step 5)")
+    assert done_line(result.stdout) == (
+        f"done: step 5, loss {moved[4]:.4f} (step 4, since resume at step 3) → {moved[5]:.4f} (step 5)"
+    )
 
 
 def test_misspelt_recipe_key_is_one_line_error(tmp_path):
@@ -100,6 +125,7 @@ def test_missing_optional_sink_is_one_line_error(tmp_path):
     pytest.importorskip("torch")
     try:
         import torch.utils.tensorboard  # noqa: F401  (only probing whether it is installed)
+
         pytest.skip("tensorboard is installed here")
     except ImportError:
         pass

@@ -84,10 +84,14 @@ def test_readme_commands_parse_into_the_expected_order():
     first_export = next(i for i, c in enumerate(commands) if "to-hf" in c)
     # the export reads the debug run's checkpoints, which the first command writes
     assert "--run-dir runs/debug" in commands[first_train] and "runs/debug/checkpoints" in commands[first_export]
-    assert at_debug_size("python pretrain_k3.py --recipe r.yaml train.steps=30") == \
-        "python pretrain_k3.py --recipe r.yaml train.steps=2"
-    assert at_debug_size("python tools/ablate.py --sweep s.yaml --seeds 3 --out o") == \
-        "python tools/ablate.py --sweep s.yaml --seeds 1 --out o -- train.steps=2"
+    assert (
+        at_debug_size("python pretrain_k3.py --recipe r.yaml train.steps=30")
+        == "python pretrain_k3.py --recipe r.yaml train.steps=2"
+    )
+    assert (
+        at_debug_size("python tools/ablate.py --sweep s.yaml --seeds 3 --out o")
+        == "python tools/ablate.py --sweep s.yaml --seeds 1 --out o -- train.steps=2"
+    )
 
 
 @pytest.mark.timeout(3000)
@@ -99,10 +103,19 @@ def test_readme_shell_blocks_run_in_order(tmp_path):
         if any(marker in command for marker in NOT_RUN):
             continue
         command = at_debug_size(command)
-        result = subprocess.run(["bash", "-c", command], cwd=scratch, env=env, capture_output=True, text=True,
-                                timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            ["bash", "-c", command],
+            cwd=scratch,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
         expected = next((status for marker, status in REFUSED.items() if marker in command), 0)
-        assert result.returncode == expected, (f"README command: status {result.returncode}, expected {expected} : {command}\n"
-                                        f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+        assert result.returncode == expected, (
+            f"README command: status {result.returncode}, expected {expected} : {command}\n"
+            f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        )
         ran.append(command)
     assert any("to-hf" in c for c in ran) and any("torchrun" in c for c in ran), ran

@@ -19,22 +19,40 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 6
 # A tiny model (two layers: one dense KDA, one MoE MLA) on a few tokens: a step takes a fraction
 # of a second, so the scenarios are about start-up, signals and files, not arithmetic.
-TINY = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.num_experts=4", "model.num_experts_per_token=2",
-        "model.linear_attn_config.head_dim=16", "model.routed_expert_hidden_size=32", "data.seq_length=16",
-        "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_interval=0",
-        "schedule.warmup_steps=2", f"train.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep_last=5"]
+TINY = [
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.num_experts=4",
+    "model.num_experts_per_token=2",
+    "model.linear_attn_config.head_dim=16",
+    "model.routed_expert_hidden_size=32",
+    "data.seq_length=16",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "train.eval_interval=0",
+    "schedule.warmup_steps=2",
+    f"train.steps={STEPS}",
+    "checkpoint.interval=2",
+    "checkpoint.keep_last=5",
+]
 LAUNCH_TIMEOUT_S = 240.0
 
 
 def job_args(run_dir: pathlib.Path, *overrides: str) -> list[str]:
-    return [str(CHECKOUT / "pretrain_k3.py"), "--recipe", str(CHECKOUT / "recipes/debug.yaml"),
-            "--run-dir", str(run_dir), *TINY, *overrides]
+    return [
+        str(CHECKOUT / "pretrain_k3.py"),
+        "--recipe",
+        str(CHECKOUT / "recipes/debug.yaml"),
+        "--run-dir",
+        str(run_dir),
+        *TINY,
+        *overrides,
+    ]
 
 
 def free_port() -> int:
@@ -69,8 +87,10 @@ class Launch:
         deadline = time.monotonic() + timeout_s
         while not re.search(pattern, self.stdout):
             if self.process.poll() is not None:
-                raise AssertionError(f"exited {self.process.returncode} before {pattern!r}:\n"
-                                     f"{self.stdout[-1500:]}\n{self.stderr[-3000:]}")
+                raise AssertionError(
+                    f"exited {self.process.returncode} before {pattern!r}:\n"
+                    f"{self.stdout[-1500:]}\n{self.stderr[-3000:]}"
+                )
             if time.monotonic() > deadline:
                 self.kill()
                 raise AssertionError(f"no {pattern!r} within {timeout_s:.0f}s:\n{self.stdout[-1500:]}")
@@ -81,7 +101,9 @@ class Launch:
             return self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"still running after {timeout_s:.0f}s:\n{self.stdout[-1500:]}\n{self.stderr[-1500:]}")
+            raise AssertionError(
+                f"still running after {timeout_s:.0f}s:\n{self.stdout[-1500:]}\n{self.stderr[-1500:]}"
+            ) from None
 
     def signal(self, signum: int) -> None:
         self.process.send_signal(signum)
@@ -95,39 +117,59 @@ class Launch:
         self.process.wait(timeout=30)
 
 
-def launch(args: list[str], log_dir: pathlib.Path, name: str, env_extra: Optional[dict[str, str]] = None) -> Launch:
+def launch(args: list[str], log_dir: pathlib.Path, name: str, env_extra: dict[str, str] | None = None) -> Launch:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
     stdout_path, stderr_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        process = subprocess.Popen([sys.executable, *args], stdout=out, stderr=err, env=env, cwd=CHECKOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, *args], stdout=out, stderr=err, env=env, cwd=CHECKOUT, start_new_session=True
+        )
     return Launch(process, stdout_path, stderr_path, time.monotonic())
 
 
-def single(run_dir: pathlib.Path, *overrides: str, env_extra: Optional[dict[str, str]] = None) -> Launch:
+def single(run_dir: pathlib.Path, *overrides: str, env_extra: dict[str, str] | None = None) -> Launch:
     return launch(job_args(run_dir, *overrides), run_dir.parent / "logs", run_dir.name, env_extra)
 
 
-def two_ranks(run_dir: pathlib.Path, *overrides: str, env_extra: Optional[dict[str, str]] = None) -> list[Launch]:
+def two_ranks(run_dir: pathlib.Path, *overrides: str, env_extra: dict[str, str] | None = None) -> list[Launch]:
     """Two ranks started directly (torchrun's environment without its agent, which would kill
     the survivor as soon as one rank dies and hide its own reaction)."""
     port = str(free_port())
-    return [launch(job_args(run_dir, *overrides), run_dir.parent / "logs", f"{run_dir.name}.rank{rank}",
-                   dict(env_extra or {}, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-            for rank in range(2)]
+    return [
+        launch(
+            job_args(run_dir, *overrides),
+            run_dir.parent / "logs",
+            f"{run_dir.name}.rank{rank}",
+            dict(
+                env_extra or {},
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            ),
+        )
+        for rank in range(2)
+    ]
 
 
 def torchrun(run_dir: pathlib.Path, *overrides: str) -> Launch:
-    return launch(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *job_args(run_dir, *overrides)],
-                  run_dir.parent / "logs", f"{run_dir.name}.torchrun")
+    return launch(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *job_args(run_dir, *overrides)],
+        run_dir.parent / "logs",
+        f"{run_dir.name}.torchrun",
+    )
 
 
 def launched(run_dir: pathlib.Path, *overrides: str) -> Launch:
     """Two ranks under tools/launch.py (torchrun's agent with the job's exit statuses)."""
-    return launch([str(CHECKOUT / "tools/launch.py"), "--standalone", "--nproc_per_node", "2",
-                   *job_args(run_dir, *overrides)], run_dir.parent / "logs", f"{run_dir.name}.launch")
+    return launch(
+        [str(CHECKOUT / "tools/launch.py"), "--standalone", "--nproc_per_node", "2", *job_args(run_dir, *overrides)],
+        run_dir.parent / "logs",
+        f"{run_dir.name}.launch",
+    )
 
 
 def finish_all(launches: list[Launch], timeout_s: float = LAUNCH_TIMEOUT_S) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch import nn
 
-from k3train.checkpoint import CheckpointError, Checkpointer, verify_checkpoint
+from k3train.checkpoint import Checkpointer, CheckpointError, verify_checkpoint
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 
@@ -114,8 +114,9 @@ _SLOW_ASYNC_SAVE = textwrap.dedent("""
 def test_kill_9_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
     script = _SLOW_ASYNC_SAVE.format(checkout=str(CHECKOUT), root=str(root))
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     try:
         assert proc.stdout.readline().strip() == "writing"
         deadline = time.monotonic() + 30

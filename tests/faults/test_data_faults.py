@@ -19,9 +19,22 @@ def corpus(tmp_path_factory) -> pathlib.Path:
     root = tmp_path_factory.mktemp("data")
     text = root / "corpus.txt"
     text.write_text("\n\n".join(" ".join(f"word{(i * 7 + j) % 13}" for j in range(150)) for i in range(40)))
-    subprocess.run([sys.executable, str(CHECKOUT / "tools/preprocess_data.py"), "--input", str(text),
-                    "--output-prefix", str(root / "corpus"), "--txt-documents", "paragraph"],
-                   check=True, capture_output=True, timeout=120, cwd=CHECKOUT)
+    subprocess.run(
+        [
+            sys.executable,
+            str(CHECKOUT / "tools/preprocess_data.py"),
+            "--input",
+            str(text),
+            "--output-prefix",
+            str(root / "corpus"),
+            "--txt-documents",
+            "paragraph",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+        cwd=CHECKOUT,
+    )
     return root / "corpus"
 
 
@@ -73,9 +86,13 @@ def test_named_files_are_checked_before_torch_and_the_model(tmp_path, corpus, ca
         overrides = [f"data.tokenizer={tmp_path / 'tokenizer.json'}"]
     elif case == "resume":
         overrides = [f"checkpoint.resume={tmp_path / 'step_00000004'}"]
-    expected = {"missing": f"{prefix}.idx not found", "no .bin": f"{prefix}.bin not found",
-                "not an index": "is not a megatron MMIDIDX index", "tokenizer": "data.tokenizer",
-                "resume": "checkpoint.resume="}[case]
+    expected = {
+        "missing": f"{prefix}.idx not found",
+        "no .bin": f"{prefix}.bin not found",
+        "not an index": "is not a megatron MMIDIDX index",
+        "tokenizer": "data.tokenizer",
+        "resume": "checkpoint.resume=",
+    }[case]
     job = single(tmp_path / "run", *overrides)
     assert job.finish() == 2, job.stderr[-3000:]
     lines = [line for line in job.stderr.splitlines() if line.strip()]

@@ -17,7 +17,13 @@ import time
 import pytest
 
 from tests.faults.harness import (
-    STEPS, complete_checkpoints, finish_all, losses, single, torchrun, two_ranks,
+    STEPS,
+    complete_checkpoints,
+    finish_all,
+    losses,
+    single,
+    torchrun,
+    two_ranks,
 )
 
 pytest.importorskip("torch")
@@ -51,7 +57,9 @@ def reference_two(tmp_path_factory) -> dict[int, float]:
     return losses(run_dir)
 
 
-def assert_resume_matches(run_dir: pathlib.Path, reference: dict[int, float], from_step: int, resumed: dict[int, float]):
+def assert_resume_matches(
+    run_dir: pathlib.Path, reference: dict[int, float], from_step: int, resumed: dict[int, float]
+):
     assert sorted(resumed) == list(range(from_step + 1, STEPS + 1)), (from_step, sorted(resumed))
     assert [resumed[s] for s in resumed] == [reference[s] for s in resumed]  # bit-identical
 
@@ -86,7 +94,7 @@ def test_sigterm_under_torchrun_saves_exits_stopped_and_resumes(tmp_path, refere
     assert complete_checkpoints(run_dir) == [step]
     codes = finish_all(two_ranks(run_dir, "checkpoint.interval=0", "checkpoint.resume=auto"))
     assert codes == [0, 0]
-    assert_resume_matches(run_dir, reference_two, step, {s: l for s, l in losses(run_dir).items() if s > step})
+    assert_resume_matches(run_dir, reference_two, step, {s: loss for s, loss in losses(run_dir).items() if s > step})
 
 
 def test_sigterm_stops_with_the_stopped_status(tmp_path):
@@ -108,8 +116,9 @@ def test_signal_during_start_up_is_one_line_and_the_unsaved_status(tmp_path, sig
     job.wait_for(r"run directory:")  # torch is loaded, the model not built yet
     job.signal(signum)
     assert job.finish() == STOPPED_UNSAVED, job.stderr[-3000:]
-    line = assert_one_error_line(job.stderr, f"stopped by {signal.Signals(signum).name} without saving",
-                                 "outside the training loop")
+    line = assert_one_error_line(
+        job.stderr, f"stopped by {signal.Signals(signum).name} without saving", "outside the training loop"
+    )
     assert "step 1/" not in job.stdout, line
 
 

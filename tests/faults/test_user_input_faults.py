@@ -16,18 +16,33 @@ import pytest
 from tests.faults.harness import CHECKOUT, complete_checkpoints, single
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("train.micro_batch_size=0", "train.micro_batch_size must be at least 1, got 0"),
-    ("optimizer.lr=.nan", "optimizer.lr must be a finite number, got nan"),
-    ("optimizer.lr=.inf", "optimizer.lr must be a finite number, got inf"),
-    ("parallel.collective_timeout_s=-1", "parallel.collective_timeout_s must be 0"),
-    ("train.stop_grace_s=0", "train.stop_grace_s must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.micro_batch_size=0", "train.micro_batch_size must be at least 1, got 0"),
+        ("optimizer.lr=.nan", "optimizer.lr must be a finite number, got nan"),
+        ("optimizer.lr=.inf", "optimizer.lr must be a finite number, got inf"),
+        ("parallel.collective_timeout_s=-1", "parallel.collective_timeout_s must be 0"),
+        ("train.stop_grace_s=0", "train.stop_grace_s must be a positive number"),
+    ],
+)
 def test_impossible_value_is_one_line(tmp_path, override, expected):
     result = subprocess.run(
-        [sys.executable, str(CHECKOUT / "pretrain_k3.py"), "--recipe", str(CHECKOUT / "recipes/debug.yaml"),
-         "--run-dir", str(tmp_path), override],
-        capture_output=True, text=True, timeout=120, cwd=CHECKOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        [
+            sys.executable,
+            str(CHECKOUT / "pretrain_k3.py"),
+            "--recipe",
+            str(CHECKOUT / "recipes/debug.yaml"),
+            "--run-dir",
+            str(tmp_path),
+            override,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=CHECKOUT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr
 
@@ -112,16 +127,22 @@ def test_collective_failure_line_names_group_operation_and_timeout():
 
     counter = TrafficCounter()
     counter.note("dp", "all_reduce")
-    timed_out = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
-                             "5000ms for recv operation to complete")
+    timed_out = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+        "5000ms for recv operation to complete"
+    )
     assert describe_collective_failure(timed_out, counter, 5.0).startswith(
-        "collective all_reduce on group 'dp' timed out after 5s (a rank stopped answering?)")
-    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+        "collective all_reduce on group 'dp' timed out after 5s (a rank stopped answering?)"
+    )
+    closed = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+    )
     assert "closed its connection" in describe_collective_failure(closed, counter, 5.0)
     # what gloo raises from an asynchronous collective's work.wait() (the gradient buckets)
     pair_closed = RuntimeError("Application timeout caused pair closure")
     assert describe_collective_failure(pair_closed, counter, 5.0).startswith(
-        "collective all_reduce on group 'dp' timed out after 5s")
+        "collective all_reduce on group 'dp' timed out after 5s"
+    )
     assert describe_collective_failure(RuntimeError("CUDA out of memory"), counter, 5.0) is None
     assert describe_collective_failure(ValueError("bad"), counter, 5.0) is None
 

@@ -53,19 +53,24 @@ def patch_interpreter() -> None:
         values = builtins.range(*(as_int(a) for a in args))
         if not depth[0]:
             return values
-        return (tl.core.tensor(interpreter.TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32)
-                for i in values)
+        return (
+            tl.core.tensor(interpreter.TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32) for i in values
+        )
 
     # Builtins that fla's modules bound at import (`gather = tl.gather`): the interpreter swaps
     # its own versions into `triton.language` for the duration of a launch, so look them up then.
-    builtins_by_id = {id(getattr(namespace, name)): (namespace, name)
-                      for namespace in (tl, tl.math) for name in dir(namespace)
-                      if not name.startswith("_") and callable(getattr(namespace, name))}
+    builtins_by_id = {
+        id(getattr(namespace, name)): (namespace, name)
+        for namespace in (tl, tl.math)
+        for name in dir(namespace)
+        if not name.startswith("_") and callable(getattr(namespace, name))
+    }
 
     def late_bound(namespace, name):
         return lambda *args, **kwargs: getattr(namespace, name)(*args, **kwargs)
 
     import fla
+
     for info in pkgutil.walk_packages(fla.__path__, "fla."):
         try:
             module = importlib.import_module(info.name)
@@ -82,15 +87,19 @@ def patch_interpreter() -> None:
 
 def deviations(fast, reference, names) -> dict[str, float]:
     """max |fast − reference| / max |reference| per named tensor."""
-    return {name: float((a - b).detach().abs().max() / b.detach().abs().max().clamp_min(1e-30))
-            for name, a, b in zip(names, fast, reference)}
+    return {
+        name: float((a - b).detach().abs().max() / b.detach().abs().max().clamp_min(1e-30))
+        for name, a, b in zip(names, fast, reference)
+    }
 
 
 def kda_values_and_grads(inputs, kda) -> list:
     """`kda()`'s output and final state, and every input's gradient under fixed random weights."""
     o, state = kda()
-    weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(99)),
-               torch.randn(state.shape, generator=torch.Generator().manual_seed(98))]
+    weights = [
+        torch.randn(o.shape, generator=torch.Generator().manual_seed(99)),
+        torch.randn(state.shape, generator=torch.Generator().manual_seed(98)),
+    ]
     grads = torch.autograd.grad((o * weights[0]).sum() + (state * weights[1]).sum(), inputs)
     return [o, state, *grads]
 
@@ -110,11 +119,13 @@ def plain_case(batch, seq, heads, key_dim, value_dim, seed):
         torch.randn(batch, heads, key_dim, value_dim, generator=generator),
     ]
     inputs = [x.requires_grad_() for x in inputs]
-    scale = key_dim ** -0.5
+    scale = key_dim**-0.5
 
     fast = kda_values_and_grads(inputs, lambda: fla_backend.run_fla_chunk_kda(*inputs[:5], scale, inputs[5], True))
-    reference = kda_values_and_grads(inputs, lambda: chunk_kda(*inputs[:5], scale=scale, initial_state=inputs[5], output_final_state=True,
-                                      backend="torch"))
+    reference = kda_values_and_grads(
+        inputs,
+        lambda: chunk_kda(*inputs[:5], scale=scale, initial_state=inputs[5], output_final_state=True, backend="torch"),
+    )
     return deviations(fast, reference, ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "d_initial_state"])
 
 
@@ -137,16 +148,48 @@ def raw_case(batch, seq, heads, key_dim, value_dim, lower_bound, seed, safe_gate
         torch.randn(batch, heads, key_dim, value_dim, generator=generator),
     ]
     inputs = [x.requires_grad_() for x in inputs]
-    scale = key_dim ** -0.5
+    scale = key_dim**-0.5
 
     q, k, v, gate_input, beta_logits, a_log, dt_bias, state = inputs
-    fast = kda_values_and_grads(inputs, lambda: fla_backend.run_fla_chunk_kda_from_raw(
-        q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound, scale, state, True, safe_gate=safe_gate))
-    reference = kda_values_and_grads(inputs, lambda: chunk_kda_from_raw(
-        q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound, scale=scale, initial_state=state,
-        output_final_state=True, backend="torch"))
-    return deviations(fast, reference, ["o", "final_state", "dq", "dk", "dv", "d_gate_input", "d_beta_logits",
-                                        "dA_log", "d_dt_bias", "d_initial_state"])
+    fast = kda_values_and_grads(
+        inputs,
+        lambda: fla_backend.run_fla_chunk_kda_from_raw(
+            q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound, scale, state, True, safe_gate=safe_gate
+        ),
+    )
+    reference = kda_values_and_grads(
+        inputs,
+        lambda: chunk_kda_from_raw(
+            q,
+            k,
+            v,
+            gate_input,
+            beta_logits,
+            a_log,
+            dt_bias,
+            lower_bound,
+            scale=scale,
+            initial_state=state,
+            output_final_state=True,
+            backend="torch",
+        ),
+    )
+    return deviations(
+        fast,
+        reference,
+        [
+            "o",
+            "final_state",
+            "dq",
+            "dk",
+            "dv",
+            "d_gate_input",
+            "d_beta_logits",
+            "dA_log",
+            "d_dt_bias",
+            "d_initial_state",
+        ],
+    )
 
 
 def short_conv_case(batch, seq, channels, taps, seed):
@@ -194,8 +237,7 @@ CASES = {
     "plain, T=80 (padded)": lambda: plain_case(2, 80, 2, 32, 16, seed=0),
     "raw inputs, bounded gate (-5)": lambda: raw_case(2, 80, 2, 32, 16, lower_bound=-5.0, seed=1),
     "raw inputs, unbounded gate": lambda: raw_case(1, 64, 2, 32, 16, lower_bound=None, seed=2),
-    "raw inputs, bounded gate, safe_gate": lambda: raw_case(1, 80, 2, 32, 16, lower_bound=-5.0, seed=3,
-                                                            safe_gate=True),
+    "raw inputs, bounded gate, safe_gate": lambda: raw_case(1, 80, 2, 32, 16, lower_bound=-5.0, seed=3, safe_gate=True),
     "short conv + SiLU, T=37": lambda: short_conv_case(2, 37, 24, 4, seed=4),
     "gated RMSNorm": lambda: gated_norm_case(2, 37, 3, 32, seed=5),
 }

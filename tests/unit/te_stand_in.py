@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +36,9 @@ class Format:
 
 
 class DelayedScaling:
-    def __init__(self, fp8_format=Format.HYBRID, amax_history_len: int = 1024, amax_compute_algo: str = "max",
-                 margin: int = 0):
+    def __init__(
+        self, fp8_format=Format.HYBRID, amax_history_len: int = 1024, amax_compute_algo: str = "max", margin: int = 0
+    ):
         self.fp8_format, self.amax_history_len, self.amax_compute_algo = fp8_format, amax_history_len, amax_compute_algo
 
 
@@ -101,8 +101,17 @@ def make_stand_in(history: int = 4):
         weight.partition_stride = 1
 
     class Linear(BaseModule):
-        def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                     params_dtype: Optional[torch.dtype] = None, device="cuda", parallel_mode=None, **kwargs):
+        def __init__(
+            self,
+            in_features: int,
+            out_features: int,
+            bias: bool = True,
+            *,
+            params_dtype: torch.dtype | None = None,
+            device="cuda",
+            parallel_mode=None,
+            **kwargs,
+        ):
             super().__init__()
             self.in_features, self.out_features = in_features, out_features
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
@@ -122,8 +131,17 @@ def make_stand_in(history: int = 4):
             return F.linear(x, self.weight.to(x.dtype))
 
     class GroupedLinear(BaseModule):
-        def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
-                     params_dtype: Optional[torch.dtype] = None, device="cuda", **kwargs):
+        def __init__(
+            self,
+            num_gemms: int,
+            in_features: int,
+            out_features: int,
+            bias: bool = True,
+            *,
+            params_dtype: torch.dtype | None = None,
+            device="cuda",
+            **kwargs,
+        ):
             super().__init__()
             self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
             for index in range(num_gemms):
@@ -144,10 +162,15 @@ def make_stand_in(history: int = 4):
             pieces = [part @ weight.to(inp.dtype).t() for part, weight in zip(inp.split(m_splits), weights)]
             return torch.cat(pieces) if pieces else inp.new_zeros(0, self.out_features)
 
-    pytorch = SimpleNamespace(Linear=Linear, GroupedLinear=GroupedLinear, fp8_autocast=fp8_autocast,
-                              FP8GlobalStateManager=manager)
-    recipe = SimpleNamespace(DelayedScaling=DelayedScaling, Float8CurrentScaling=Float8CurrentScaling,
-                             MXFP8BlockScaling=MXFP8BlockScaling, Format=Format)
+    pytorch = SimpleNamespace(
+        Linear=Linear, GroupedLinear=GroupedLinear, fp8_autocast=fp8_autocast, FP8GlobalStateManager=manager
+    )
+    recipe = SimpleNamespace(
+        DelayedScaling=DelayedScaling,
+        Float8CurrentScaling=Float8CurrentScaling,
+        MXFP8BlockScaling=MXFP8BlockScaling,
+        Format=Format,
+    )
     from k3train.kernels.te import TENamespace
 
     return TENamespace(pytorch, recipe)

@@ -35,17 +35,37 @@ spec.loader.exec_module(ablate)
 
 # ------------------------------------------------------------------ grid
 def test_variants_cross_grid_cross_seeds_in_a_fixed_order():
-    sweep = Sweep(recipes=[TINY], variants=[Variant("a", ("model.attn_res=none",)), Variant("b")],
-                  grid={"optimizer.lr": ["1e-3", "3e-3"]}, seeds=2, overrides=("train.steps=5",))
+    sweep = Sweep(
+        recipes=[TINY],
+        variants=[Variant("a", ("model.attn_res=none",)), Variant("b")],
+        grid={"optimizer.lr": ["1e-3", "3e-3"]},
+        seeds=2,
+        overrides=("train.steps=5",),
+    )
     runs = expand(sweep)
     assert len(runs) == 2 * 2 * 2
-    assert [r.relative_dir for r in runs[:4]] == ["a,lr=1e-3/seed0", "a,lr=1e-3/seed1", "a,lr=3e-3/seed0", "a,lr=3e-3/seed1"]
+    assert [r.relative_dir for r in runs[:4]] == [
+        "a,lr=1e-3/seed0",
+        "a,lr=1e-3/seed1",
+        "a,lr=3e-3/seed0",
+        "a,lr=3e-3/seed1",
+    ]
     first = runs[1]
     # shared, then the seed fields, then the arm's own (variant, then grid) overrides
-    assert first.overrides == ("train.steps=5", "train.seed=1235", "data.seed=1235", "model.attn_res=none", "optimizer.lr=1e-3")
+    assert first.overrides == (
+        "train.steps=5",
+        "train.seed=1235",
+        "data.seed=1235",
+        "model.attn_res=none",
+        "optimizer.lr=1e-3",
+    )
     # each arm against the first variant at the same grid point
-    assert sweep.baseline_arms() == {"a,lr=1e-3": "a,lr=1e-3", "a,lr=3e-3": "a,lr=3e-3",
-                                     "b,lr=1e-3": "a,lr=1e-3", "b,lr=3e-3": "a,lr=3e-3"}
+    assert sweep.baseline_arms() == {
+        "a,lr=1e-3": "a,lr=1e-3",
+        "a,lr=3e-3": "a,lr=3e-3",
+        "b,lr=1e-3": "a,lr=1e-3",
+        "b,lr=3e-3": "a,lr=3e-3",
+    }
     sweep.baseline = "b,lr=3e-3"  # an arm's full name: everything against it
     assert set(sweep.baseline_arms().values()) == {"b,lr=3e-3"}
     assert expand(sweep) == runs  # deterministic: the same sweep resumes into the same directories
@@ -55,16 +75,26 @@ def test_grid_alone_names_runs_by_its_values_and_a_ladder_prefixes_the_size(tmp_
     small = tmp_path / "small.yaml"
     small.write_text("train:\n  steps: 3\n")
     runs = expand(Sweep(recipes=[TINY, str(small)], grid={"model.attn_res": ["none", "full"]}, ladder=True))
-    assert [r.relative_dir for r in runs] == ["cpu-tiny/attn_res=none/seed0", "cpu-tiny/attn_res=full/seed0",
-                                              "small/attn_res=none/seed0", "small/attn_res=full/seed0"]
+    assert [r.relative_dir for r in runs] == [
+        "cpu-tiny/attn_res=none/seed0",
+        "cpu-tiny/attn_res=full/seed0",
+        "small/attn_res=none/seed0",
+        "small/attn_res=full/seed0",
+    ]
     assert {r.size for r in runs} == {"cpu-tiny", "small"}
-    assert set(Sweep(recipes=[TINY], grid={"model.attn_res": ["none", "full"]}).baseline_arms().values()) == {"attn_res=none"}
+    assert set(Sweep(recipes=[TINY], grid={"model.attn_res": ["none", "full"]}).baseline_arms().values()) == {
+        "attn_res=none"
+    }
 
 
 def test_sweep_file_and_its_errors(tmp_path):
     sweep = load_sweep_file(str(CHECKOUT / "recipes" / "ablations" / "attn_res.yaml"))
-    assert sweep.recipes == [str(pathlib.Path("recipes/ladder/cpu-tiny.yaml"))] or sweep.recipes[0].endswith("ladder/cpu-tiny.yaml")
-    assert [v.name for v in sweep.variants] == ["none", "block", "full"] and sweep.baseline == "none" and sweep.seeds == 3
+    assert sweep.recipes == [str(pathlib.Path("recipes/ladder/cpu-tiny.yaml"))] or sweep.recipes[0].endswith(
+        "ladder/cpu-tiny.yaml"
+    )
+    assert (
+        [v.name for v in sweep.variants] == ["none", "block", "full"] and sweep.baseline == "none" and sweep.seeds == 3
+    )
     layouts = tmp_path / "layouts.yaml"
     layouts.write_text(f"base: {TINY}\nvariants:\n  one: []\n  tp2: {{overrides: [parallel.tp=2], nproc: 2}}\n")
     assert [r.nproc for r in expand(load_sweep_file(str(layouts)))] == [None, 2]
@@ -84,12 +114,28 @@ def test_sweep_file_and_its_errors(tmp_path):
 
 
 def test_command_line_adds_to_the_sweep_file():
-    args, shared = ablate.parse_args(["--sweep", str(CHECKOUT / "recipes/ablations/attn_res.yaml"), "--out", "o",
-                                      "--variant", "block-2", "model.attn_res_block_size=2", "--seeds", "2",
-                                      "--grid", "optimizer.lr=1e-3,2e-3", "--", "train.steps=5"])
+    args, shared = ablate.parse_args(
+        [
+            "--sweep",
+            str(CHECKOUT / "recipes/ablations/attn_res.yaml"),
+            "--out",
+            "o",
+            "--variant",
+            "block-2",
+            "model.attn_res_block_size=2",
+            "--seeds",
+            "2",
+            "--grid",
+            "optimizer.lr=1e-3,2e-3",
+            "--",
+            "train.steps=5",
+        ]
+    )
     sweep = ablate.build_sweep(args, shared)
     assert [v.name for v in sweep.variants] == ["none", "block", "full", "block-2"]
-    assert sweep.seeds == 2 and sweep.grid == {"optimizer.lr": ["1e-3", "2e-3"]} and sweep.overrides == ("train.steps=5",)
+    assert (
+        sweep.seeds == 2 and sweep.grid == {"optimizer.lr": ["1e-3", "2e-3"]} and sweep.overrides == ("train.steps=5",)
+    )
     assert len(expand(sweep)) == 4 * 2 * 2
     with pytest.raises(SystemExit):
         ablate.parse_args(["--out", "o"])  # nothing to run
@@ -111,7 +157,9 @@ def test_mean_std_and_t_quantiles_against_published_values():
 def test_confidence_intervals_paired_and_welch():
     interval = stats.mean_interval([1.0, 2.0, 3.0, 4.0])
     half = 3.1824463 * math.sqrt(5 / 3) / 2
-    assert math.isclose(interval.low, 2.5 - half, rel_tol=1e-6) and math.isclose(interval.high, 2.5 + half, rel_tol=1e-6)
+    assert math.isclose(interval.low, 2.5 - half, rel_tol=1e-6) and math.isclose(
+        interval.high, 2.5 + half, rel_tol=1e-6
+    )
     # paired: the seeds' shared offset cancels; differences 0.1, 0.2, 0.3 → mean 0.2, std 0.1
     paired = stats.difference_interval({0: 5.1, 1: 6.2, 2: 7.3}, {0: 5.0, 1: 6.0, 2: 7.0})
     assert paired.method.startswith("paired") and math.isclose(paired.estimate, 0.2)
@@ -119,7 +167,7 @@ def test_confidence_intervals_paired_and_welch():
     # Welch (different seeds): a = [1, 2, 3], b = [2, 4, 6, 8]; var/n 1/3 and 20/12 → dof 3.47
     welch = stats.difference_interval({0: 1.0, 1: 2.0, 2: 3.0}, {5: 2.0, 6: 4.0, 7: 6.0, 8: 8.0})
     va, vb = 1 / 3, (20 / 3) / 4
-    dof = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 3)
+    dof = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 3)
     assert welch.method.startswith("Welch") and math.isclose(welch.estimate, -3.0)
     assert math.isclose(welch.high - welch.estimate, stats.student_t_quantile(0.975, dof) * math.sqrt(va + vb))
     assert stats.difference_interval({0: 1.0}, {0: 2.0}).low is None  # one seed: no interval
@@ -140,7 +188,10 @@ def test_no_claim_below_three_seeds_and_the_reading_follows_the_printed_interval
     assert paired.method == "paired t" and paired.dof == 2 and format_test(paired) == "paired t, ν = 2"
     assert reading(paired) == "higher: interval excludes 0" and paired.low > 0
     # decided on the bounds as printed: a low bound that prints as +0.0000 does not exclude 0
-    assert reading(stats.Interval(0.01, 0.00002, 0.02, "paired t", dof=2, seeds=3)) == "not distinguishable from seed noise"
+    assert (
+        reading(stats.Interval(0.01, 0.00002, 0.02, "paired t", dof=2, seeds=3))
+        == "not distinguishable from seed noise"
+    )
     assert reading(stats.Interval(-0.02, -0.03, -0.01, "paired t", dof=2, seeds=3)) == "lower: interval excludes 0"
     rule = " ".join(reading_rule(0.95))
     assert "two-sided t-test" in rule and "fewer than 3 seeds" in rule and "Welch" in rule
@@ -172,8 +223,15 @@ def test_matched_steps_are_within_one_step_and_keep_the_final_step_evaluated():
 
 
 def test_flop_matching_gives_every_arm_the_baselines_flops():
-    sweep = Sweep(recipes=[TINY], variants=[Variant("none", ("model.attn_res=none",)), Variant("full", ("model.attn_res=full",)),
-                                            Variant("short", ("data.seq_length=32",))], seeds=2)
+    sweep = Sweep(
+        recipes=[TINY],
+        variants=[
+            Variant("none", ("model.attn_res=none",)),
+            Variant("full", ("model.attn_res=full",)),
+            Variant("short", ("data.seq_length=32",)),
+        ],
+        seeds=2,
+    )
     matched = apply_match(expand(sweep), "flops", sweep.baseline_arms())
     base = run_cost(TINY, ("model.attn_res=none",))
     for spec in matched:
@@ -191,8 +249,11 @@ def test_flop_matching_gives_every_arm_the_baselines_flops():
 def test_flop_matching_changes_a_short_run():
     """100 steps evaluated every 10: full AttnRes's 1.8 % more FLOPs per token cost it 2 steps
     (whole intervals of 10 left it at 100), and its final step is still evaluated."""
-    sweep = Sweep(recipes=[TINY], variants=[Variant("none", ("model.attn_res=none",)), Variant("full", ("model.attn_res=full",))],
-                  overrides=("train.steps=100", "train.eval_interval=10"))
+    sweep = Sweep(
+        recipes=[TINY],
+        variants=[Variant("none", ("model.attn_res=none",)), Variant("full", ("model.attn_res=full",))],
+        overrides=("train.steps=100", "train.eval_interval=10"),
+    )
     base, full = (run_cost(s.recipe, s.overrides) for s in apply_match(expand(sweep), "flops", sweep.baseline_arms()))
     assert (base.steps, base.eval_interval) == (100, 10)
     exact = base.flops / (full.tokens_per_step * full.flops_per_token)
@@ -203,12 +264,12 @@ def test_flop_matching_changes_a_short_run():
 # ------------------------------------------------------------------ ladder
 def test_power_law_fit_recovers_synthetic_laws_and_the_compute_multiplier():
     compute = [1e15, 1e16, 1e17, 1e18]
-    baseline = [50.0 * c ** -0.1 for c in compute]
+    baseline = [50.0 * c**-0.1 for c in compute]
     better = [50.0 * (1.25 * c) ** -0.1 for c in compute]  # the same loss with 1/1.25 of the compute
     fit_base, fit_better = fit_power_law(compute, baseline), fit_power_law(compute, better)
     assert math.isclose(fit_base.b, 0.1, rel_tol=1e-9) and math.isclose(fit_base.a, 50.0, rel_tol=1e-9)
     assert math.isclose(compute_multiplier(fit_better, fit_base, 1.5), 1.25, rel_tol=1e-9)
-    with_floor = [1.7 + 40.0 * c ** -0.15 for c in compute] + [1.7 + 40.0 * 1e19 ** -0.15]
+    with_floor = [1.7 + 40.0 * c**-0.15 for c in compute] + [1.7 + 40.0 * 1e19**-0.15]
     law = fit_power_law(compute + [1e19], with_floor, irreducible=True, grid_points=1700)
     assert abs(law.irreducible - 1.7) < 0.01 and abs(law.b - 0.15) < 0.01 and law.residual < 1e-3
     assert PowerLaw(1.0, 0.1, irreducible=2.0).compute_for(1.9) is None
@@ -218,9 +279,15 @@ def test_power_law_fit_recovers_synthetic_laws_and_the_compute_multiplier():
 
 # ------------------------------------------------------------------ curves and report formatting
 def test_curves_keep_the_last_record_of_a_repeated_step(tmp_path):
-    lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 3, "loss": 9.0},  # step 3 lost to a crash
-             {"step": 3, "loss": 3.0}, {"step": 4, "loss": 2.0, "tokens_per_s": 10.0}, {"step": 4, "validation_loss": 2.5}]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n{\"step\": 5, \"lo")
+    lines = [
+        {"step": 1, "loss": 5.0},
+        {"step": 2, "loss": 4.0},
+        {"step": 3, "loss": 9.0},  # step 3 lost to a crash
+        {"step": 3, "loss": 3.0},
+        {"step": 4, "loss": 2.0, "tokens_per_s": 10.0},
+        {"step": 4, "validation_loss": 2.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + '\n{"step": 5, "lo')
     curves = read_curves(tmp_path / "metrics.jsonl")
     assert curves.steps == [1, 2, 3, 4] and curves.series["loss"] == [5.0, 4.0, 3.0, 2.0]
     assert curves.final_validation() == 2.5 and curves.final_train(2) == 2.5
@@ -230,14 +297,33 @@ def test_curves_keep_the_last_record_of_a_repeated_step(tmp_path):
 
 
 def test_number_formats_are_fixed_per_kind():
-    assert [format_count(v) for v in (950, 1234, 5.8e9, 781_000, 2.78e12)] == ["950", "1.23 k", "5.80 G", "781 k", "2.78 T"]
+    assert [format_count(v) for v in (950, 1234, 5.8e9, 781_000, 2.78e12)] == [
+        "950",
+        "1.23 k",
+        "5.80 G",
+        "781 k",
+        "2.78 T",
+    ]
     assert format_rate(968.5134) == "969" and format_rate(1234.0) == "1,234"
-    row = ArmSummary(size=None, arm="full", final={0: 2.0, 1: 2.2}, final_train={}, steps=1200, tokens=614_400,
-                     trained_flops=1.1e12, throughput=968.6, parameters=781_000, active_parameters=274_000,
-                     flops_per_token=1.9e6, difference=stats.Interval(-0.01, -0.03, 0.01, "Welch t", dof=3.47, seeds=3))
+    row = ArmSummary(
+        size=None,
+        arm="full",
+        final={0: 2.0, 1: 2.2},
+        final_train={},
+        steps=1200,
+        tokens=614_400,
+        trained_flops=1.1e12,
+        throughput=968.6,
+        parameters=781_000,
+        active_parameters=274_000,
+        flops_per_token=1.9e6,
+        difference=stats.Interval(-0.01, -0.03, 0.01, "Welch t", dof=3.47, seeds=3),
+    )
     table = summary_table([row], "validation", 0.95)
-    assert ("| full | 2 | 1,200 | 614 k | 2.1000 ± 0.1414 | -0.0100 [-0.0300, +0.0100] | Welch t, ν = 3.5 "
-            "| not distinguishable from seed noise | 969 | 781 k | 274 k | 1.90 M | 1.10 T |") in table
+    assert (
+        "| full | 2 | 1,200 | 614 k | 2.1000 ± 0.1414 | -0.0100 [-0.0300, +0.0100] | Welch t, ν = 3.5 "
+        "| not distinguishable from seed noise | 969 | 781 k | 274 k | 1.90 M | 1.10 T |"
+    ) in table
     assert format_interval(None) == "(baseline)"
 
 
@@ -250,8 +336,13 @@ def test_ladder_report_fits_each_arm_and_prints_the_compute_multiplier(tmp_path)
     from k3train.ablation.write import write_report
 
     small = str(CHECKOUT / "recipes" / "ladder" / "cpu-small.yaml")
-    sweep = Sweep(recipes=[TINY, small], ladder=True, seeds=2, overrides=("train.steps=4", "train.eval_interval=4"),
-                  variants=[Variant("a", ("optimizer.lr=1e-3",)), Variant("b", ("optimizer.lr=2e-3",))])
+    sweep = Sweep(
+        recipes=[TINY, small],
+        ladder=True,
+        seeds=2,
+        overrides=("train.steps=4", "train.eval_interval=4"),
+        variants=[Variant("a", ("optimizer.lr=1e-3",)), Variant("b", ("optimizer.lr=2e-3",))],
+    )
     runs = expand(sweep)
     for run in runs:
         cost = run_cost(run.recipe, run.overrides)

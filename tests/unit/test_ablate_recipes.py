@@ -65,7 +65,9 @@ def test_ladder_sizes_pass_the_planner_at_their_world_size():
         text = output.getvalue()
         assert code == 0, f"{size}: {text[-500:]}"
         assert f"layout: world {world} " in text
-        totals = [float(row.split("|")[-3].replace(",", "")) for row in text.splitlines() if re.match(r"^\| pp\d+ \|", row)]
+        totals = [
+            float(row.split("|")[-3].replace(",", "")) for row in text.splitlines() if re.match(r"^\| pp\d+ \|", row)
+        ]
         assert totals, f"{size}: no memory table in the planner's output"
         if size.startswith("cpu"):
             assert world == 1
@@ -73,7 +75,9 @@ def test_ladder_sizes_pass_the_planner_at_their_world_size():
             assert max(totals) <= 0.9 * H200_GIB, f"{size}: {max(totals):.1f} GiB per rank"
 
 
-@pytest.mark.parametrize("sweep_file", sorted((CHECKOUT / "recipes" / "ablations").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "sweep_file", sorted((CHECKOUT / "recipes" / "ablations").glob("*.yaml")), ids=lambda p: p.stem
+)
 def test_sweep_files_expand_into_valid_runs(sweep_file):
     sweep = load_sweep_file(str(sweep_file))
     runs = expand(sweep)

@@ -25,7 +25,7 @@ from k3train.ablation.runner import RUN_FILE, LaunchOptions, SweepError, command
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(CHECKOUT / "recipes" / "ladder" / "cpu-tiny.yaml")
 
-FAKE_TRAINER = textwrap.dedent('''
+FAKE_TRAINER = textwrap.dedent("""
     import json, os, pathlib, signal, sys, time
     stop = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
@@ -61,14 +61,18 @@ FAKE_TRAINER = textwrap.dedent('''
                 save(step)
                 sys.exit(3)
         metrics.write(json.dumps({"step": steps, "validation_loss": loss}) + "\\n")
-''')
+""")
 
 
 def test_interrupted_sweep_skips_finished_runs_and_resumes_the_others(tmp_path):
     trainer = tmp_path / "fake_trainer.py"
     trainer.write_text(FAKE_TRAINER)
-    sweep = Sweep(recipes=[TINY], variants=[Variant("a"), Variant("b", ("model.attn_res=none",))], seeds=2,
-                  overrides=("train.steps=6",))
+    sweep = Sweep(
+        recipes=[TINY],
+        variants=[Variant("a"), Variant("b", ("model.attn_res=none",))],
+        seeds=2,
+        overrides=("train.steps=6",),
+    )
     runs = expand(sweep)
     out = tmp_path / "out"
     options = LaunchOptions(parallel=2, cores=4, poll_s=0.05, progress_s=0.0, trainer=(str(trainer),))
@@ -97,7 +101,9 @@ def test_interrupted_sweep_skips_finished_runs_and_resumes_the_others(tmp_path):
     curves = read_curves(crashing / "metrics.jsonl")  # step 5 was written twice: kept once
     assert curves.steps == [1, 2, 3, 4, 5, 6] and curves.final_validation() is not None
 
-    changed = expand(Sweep(recipes=[TINY], variants=[Variant("a", ("optimizer.lr=1e-4",))], overrides=("train.steps=6",)))
+    changed = expand(
+        Sweep(recipes=[TINY], variants=[Variant("a", ("optimizer.lr=1e-4",))], overrides=("train.steps=6",))
+    )
     with pytest.raises(SweepError, match="other settings"):
         run_sweep(changed, out, options, say=lambda line: None)
 
@@ -107,7 +113,7 @@ def test_sigterm_stops_the_sweep_with_checkpoints_and_the_same_sweep_resumes(tmp
     trainer = tmp_path / "fake_trainer.py"
     trainer.write_text(FAKE_TRAINER)
     out = tmp_path / "out"
-    driver = textwrap.dedent(f'''
+    driver = textwrap.dedent(f"""
         import os, pathlib, sys
         sys.path.insert(0, {str(CHECKOUT)!r})
         from k3train.ablation.grid import Sweep, Variant, expand
@@ -116,7 +122,7 @@ def test_sigterm_stops_the_sweep_with_checkpoints_and_the_same_sweep_resumes(tmp
         runs = expand(Sweep(recipes=[{TINY!r}], variants=[Variant("a"), Variant("b")], overrides=("train.steps=400",)))
         options = LaunchOptions(parallel=1, cores=1, poll_s=0.05, trainer=({str(trainer)!r},))
         print(" ".join(o.status for o in run_sweep(runs, pathlib.Path({str(out)!r}), options, say=lambda line: None)))
-    ''')
+    """)
     process = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
     metrics = out / "a" / "seed0" / "metrics.jsonl"
     deadline = time.monotonic() + 60
@@ -133,17 +139,23 @@ def test_sigterm_stops_the_sweep_with_checkpoints_and_the_same_sweep_resumes(tmp
     runs = expand(Sweep(recipes=[TINY], variants=[Variant("a"), Variant("b")], overrides=("train.steps=400",)))
     outcomes = run_sweep(runs, out, LaunchOptions(poll_s=0.05, trainer=(str(trainer),)), say=lambda line: None)
     assert [o.status for o in outcomes] == ["done", "done"]
-    assert [int(line.split()[0]) for line in (out / "a" / "seed0" / "starts.txt").read_text().splitlines()] == [0, saved]
+    assert [int(line.split()[0]) for line in (out / "a" / "seed0" / "starts.txt").read_text().splitlines()] == [
+        0,
+        saved,
+    ]
     assert read_curves(metrics).steps == list(range(1, 401))
 
 
 def test_resume_line_counts_finished_continuing_restarting_and_new_runs():
     assert resume_summary(0, [], 0, 4) is None
-    assert resume_summary(3, [40, 20], 0, 0) == ("resuming: 3 runs finished (skipped), "
-                                                 "2 continue from their checkpoints (at steps 20, 40)")
+    assert resume_summary(3, [40, 20], 0, 0) == (
+        "resuming: 3 runs finished (skipped), 2 continue from their checkpoints (at steps 20, 40)"
+    )
     assert resume_summary(0, [10, 20, 30, 40], 0, 0).endswith("4 continue from their checkpoints (at steps 10–40)")
-    assert resume_summary(1, [], 1, 2) == ("resuming: 1 run finished (skipped), 0 continue from their checkpoints, "
-                                           "1 restarts from step 0 (no checkpoint saved), 2 not started before")
+    assert resume_summary(1, [], 1, 2) == (
+        "resuming: 1 run finished (skipped), 0 continue from their checkpoints, "
+        "1 restarts from step 0 (no checkpoint saved), 2 not started before"
+    )
 
 
 def test_only_a_complete_checkpoint_counts_for_resuming(tmp_path):
@@ -202,9 +214,26 @@ def test_a_real_two_step_sweep_writes_its_report_and_resumes_as_a_no_op(tmp_path
     spec = importlib.util.spec_from_file_location("ablate_cli", CHECKOUT / "tools" / "ablate.py")
     ablate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ablate)
-    argv = ["--recipe", TINY, "--out", str(tmp_path), "--variant", "none", "model.attn_res=none",
-            "--variant", "block", "--seeds", "1", "--parallel", "2", "--",
-            "train.steps=2", "train.eval_interval=2", "train.eval_batches=1", "checkpoint.interval=0"]
+    argv = [
+        "--recipe",
+        TINY,
+        "--out",
+        str(tmp_path),
+        "--variant",
+        "none",
+        "model.attn_res=none",
+        "--variant",
+        "block",
+        "--seeds",
+        "1",
+        "--parallel",
+        "2",
+        "--",
+        "train.steps=2",
+        "train.eval_interval=2",
+        "train.eval_batches=1",
+        "checkpoint.interval=0",
+    ]
     assert ablate.main(argv) == 0
     report = (tmp_path / "report.md").read_text()
     assert "| none | 1 | 2 | 1.02 k |" in report and "(1 seed) | (baseline)" in report  # 2 steps of 512 tokens

@@ -5,20 +5,25 @@ against the stacked definition, float64: values and every gradient."""
 import pytest
 import torch
 
-from k3train.kernels.attn_res import (attn_res_mix, attn_res_mix_plain, attn_res_mix_reference, attn_res_mix_rmsnorm,
-                                      block_keys, key_inverse_rms)
+from k3train.kernels.attn_res import (
+    attn_res_mix,
+    attn_res_mix_plain,
+    attn_res_mix_reference,
+    attn_res_mix_rmsnorm,
+    block_keys,
+    key_inverse_rms,
+)
 from k3train.kernels.norms import rms_norm
 from k3train.model.norm import RMSNorm
 
 
 def case(count: int, seed: int = 5, shape=(2, 5, 12)):
     generator = torch.Generator().manual_seed(seed)
-    leaves = [(torch.randn(*shape, generator=generator, dtype=torch.float64) * (i + 1)).requires_grad_()
-              for i in range(count)]
-    gains = [(torch.rand(shape[-1], generator=generator, dtype=torch.float64) + 0.5).requires_grad_()
-             for _ in range(3)]
-    queries = [torch.randn(1, shape[-1], generator=generator, dtype=torch.float64).requires_grad_()
-               for _ in range(2)]
+    leaves = [
+        (torch.randn(*shape, generator=generator, dtype=torch.float64) * (i + 1)).requires_grad_() for i in range(count)
+    ]
+    gains = [(torch.rand(shape[-1], generator=generator, dtype=torch.float64) + 0.5).requires_grad_() for _ in range(3)]
+    queries = [torch.randn(1, shape[-1], generator=generator, dtype=torch.float64).requires_grad_() for _ in range(2)]
     return leaves, gains, queries
 
 
@@ -44,8 +49,9 @@ def two_mixes(leaves, gains, queries, fused: bool, cached: str, plain: bool = Fa
             mixed = attn_res_mix_plain(sources, gain, query, 1e-6, inverse_norms=inverse_norms, dots=given_dots)
             return rms_norm(mixed, out_gain, 1e-5) if fused else mixed
         if fused:
-            return attn_res_mix_rmsnorm(sources, gain, query, 1e-6, out_gain, 1e-5, inverse_norms=inverse_norms,
-                                        dots=given_dots)
+            return attn_res_mix_rmsnorm(
+                sources, gain, query, 1e-6, out_gain, 1e-5, inverse_norms=inverse_norms, dots=given_dots
+            )
         return attn_res_mix(sources, gain, query, 1e-6, inverse_norms=inverse_norms, dots=given_dots)
 
     first = mix(blocks + [partial], gains[0], queries[0], norms, dots[0])
@@ -89,19 +95,23 @@ def test_key_inverse_rms_gradcheck_and_mix_gradcheck_with_given_norms():
     leaves, gains, queries = case(3, shape=(1, 2, 6))
     assert torch.autograd.gradcheck(lambda v: key_inverse_rms(v, 1e-6), (leaves[0],))
     assert torch.autograd.gradcheck(
-        lambda v, g0, q0, g1, q1: torch.stack([block_keys(v, 1e-6, [(g0, q0), (g1, q1)])[0],
-                                               *block_keys(v, 1e-6, [(g0, q0), (g1, q1)])[1]]),
-        (leaves[0], gains[0], queries[0], gains[1], queries[1]))
+        lambda v, g0, q0, g1, q1: torch.stack(
+            [block_keys(v, 1e-6, [(g0, q0), (g1, q1)])[0], *block_keys(v, 1e-6, [(g0, q0), (g1, q1)])[1]]
+        ),
+        (leaves[0], gains[0], queries[0], gains[1], queries[1]),
+    )
 
     def keyed(a, b, c, g, q, out):
         (ra, (ta,)), (rc, (tc,)) = block_keys(a, 1e-6, [(g, q)]), block_keys(c, 1e-6, [(g, q)])
-        return attn_res_mix_rmsnorm([a, b, c], g, q, 1e-6, out, 1e-5, inverse_norms=[ra, None, rc],
-                                    dots=[ta, None, tc])
+        return attn_res_mix_rmsnorm([a, b, c], g, q, 1e-6, out, 1e-5, inverse_norms=[ra, None, rc], dots=[ta, None, tc])
+
     assert torch.autograd.gradcheck(keyed, (*leaves, gains[0], queries[0], gains[2]))
     assert torch.autograd.gradcheck(
         lambda a, b, c, g, q, out: attn_res_mix_rmsnorm(
-            [a, b, c], g, q, 1e-6, out, 1e-5, inverse_norms=[key_inverse_rms(a, 1e-6), None, key_inverse_rms(c, 1e-6)]),
-        (*leaves, gains[0], queries[0], gains[2]))
+            [a, b, c], g, q, 1e-6, out, 1e-5, inverse_norms=[key_inverse_rms(a, 1e-6), None, key_inverse_rms(c, 1e-6)]
+        ),
+        (*leaves, gains[0], queries[0], gains[2]),
+    )
 
 
 def test_inverse_norms_must_match_the_sources():

@@ -14,8 +14,9 @@ INPUT_IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed
 
 
 def build(mode: str, recompute: str) -> K3Model:
-    config = small_config(attn_res=mode, attn_res_block_size=2, hidden_size=64, vocab_size=64,
-                          num_hidden_layers=3, recompute=recompute)
+    config = small_config(
+        attn_res=mode, attn_res_block_size=2, hidden_size=64, vocab_size=64, num_hidden_layers=3, recompute=recompute
+    )
     model = K3Model(config).double()
     randomize_attn_res_queries(model)
     return model
@@ -37,8 +38,9 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("mode", ["block", "full"])
 def test_recompute_modes_agree_with_block_keys(mode):
-    runs = [loss_and_grads(build(mode, recompute), lambda m: m(INPUT_IDS)) for recompute in
-            ("attn_res", "none", "sublayer")]
+    runs = [
+        loss_and_grads(build(mode, recompute), lambda m: m(INPUT_IDS)) for recompute in ("attn_res", "none", "sublayer")
+    ]
     assert_same(runs[0], runs[1])
     assert_same(runs[0], runs[2])
 
@@ -53,12 +55,12 @@ def test_state_without_keys_continues_to_the_same_result(mode):
         layers = list(model.layers.values())
         mixes = [mix for layer in layers for mix in layer.attn_res_mixes()] + [model.output_attn_res]
         for index, layer in enumerate(layers[:2]):
-            state = layer(state, later=mixes[2 * index + 2:])
+            state = layer(state, later=mixes[2 * index + 2 :])
         assert isinstance(state, KeyedResidualState)
         assert any(entry is not None and entry[2] for entry in state.block_keys)  # dots for later mixes
         state = ResidualState(state.partial, list(state.blocks))
         for index, layer in enumerate(layers[2:], start=2):
-            state = layer(state, later=mixes[2 * index + 2:])
+            state = layer(state, later=mixes[2 * index + 2 :])
         return model.lm_head(model.output_hidden(state))
 
     for recompute in ("attn_res", "none"):

@@ -18,11 +18,10 @@ from torch import nn
 
 import k3train.checkpoint.checkpointer as ckpt_mod
 import k3train.checkpoint.writing as writing_mod
-from k3train.checkpoint.safe_metadata import read_metadata_safely
 from k3train.checkpoint import (
     MANIFEST,
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     GracefulExit,
     PerRank,
     RNGState,
@@ -31,6 +30,7 @@ from k3train.checkpoint import (
     read_manifest,
     restore_rng_state,
 )
+from k3train.checkpoint.safe_metadata import read_metadata_safely
 
 
 class Net(nn.Module):
@@ -47,9 +47,7 @@ class Net(nn.Module):
 def make_adamw(model: nn.Module) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW(
-        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1
-    )
+    return torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 123) -> None:
@@ -95,8 +93,13 @@ def small_state(seed: int = 0, steps: int = 3):
 
 def test_round_trip_bit_exact(tmp_path):
     model, opt = small_state()
-    extra = {"step": 3, "schedule": {"last_step": 3, "lrs": [0.1, 0.2]}, "position": torch.arange(7),
-             "nested": {"a": {"b": 1.5, "name": "x"}}, "betas": (0.9, 0.95)}
+    extra = {
+        "step": 3,
+        "schedule": {"last_step": 3, "lrs": [0.1, 0.2]},
+        "position": torch.arange(7),
+        "nested": {"a": {"b": 1.5, "name": "x"}},
+        "betas": (0.9, 0.95),
+    }
     ck = Checkpointer(tmp_path / "ckpt")
     path = ck.save(3, {"model": model, "optimizer": opt, "extra": extra})
     assert path == tmp_path / "ckpt" / "step_00000003" and is_complete(path)
@@ -375,7 +378,10 @@ def _gloo_worker(rank: int, world: int, root: str, init_file: str, out: str) -> 
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=60),
         )
         model, opt = small_state()  # replicated (same seed, same data on both ranks)
@@ -416,8 +422,11 @@ def test_two_process_gloo_save_load(tmp_path):
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     ctx = mp.start_processes(
-        _gloo_worker, args=(2, str(root), str(tmp_path / "init"), str(out)), nprocs=2,
-        join=False, start_method="spawn",
+        _gloo_worker,
+        args=(2, str(root), str(tmp_path / "init"), str(out)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + 90
     try:
@@ -459,8 +468,13 @@ def test_checkpoint_modules_use_only_public_names_of_their_siblings():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("k3train.checkpoint"):
                 offences += [f"{file.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and isinstance(node.value, ast.Name) and node.value.id in siblings):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in siblings
+            ):
                 offences.append(f"{file.name}: {node.value.id}.{node.attr}")
     assert not offences
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from k3train.checkpoint import CheckpointError, Checkpointer, PerRank, read_manifest, verify_checkpoint
+from k3train.checkpoint import Checkpointer, CheckpointError, PerRank, read_manifest, verify_checkpoint
 from k3train.checkpoint.manifest import damaged_checkpoints
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -91,8 +91,9 @@ def test_resume_auto_moves_a_damaged_newest_aside_and_falls_back(tmp_path, caplo
     assert chosen == first
     aside = tmp_path / "step_00000002.damaged-checksum"
     assert aside.is_dir() and not second.exists()
-    assert any("step_00000002" in r.message and "damaged" in r.message and "moved aside" in r.message
-               for r in caplog.records)
+    assert any(
+        "step_00000002" in r.message and "damaged" in r.message and "moved aside" in r.message for r in caplog.records
+    )
     model2, opt2 = _state(seed=3)
     ck.load(chosen, {"model": model2, "optimizer": opt2})
     for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
@@ -146,8 +147,13 @@ def _async_gloo_worker(rank: int, world: int, root: str, init_file: str, out: st
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
         model, opt = _state()
         ck = Checkpointer(root, keep_last=2, async_save=True)
         shard = {"x": torch.full((3,), float(rank + 1))}
@@ -179,8 +185,13 @@ def test_two_process_gloo_async_save(tmp_path):
 
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    ctx = mp.start_processes(_async_gloo_worker, args=(2, str(root), str(tmp_path / "init"), str(out)),
-                             nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _async_gloo_worker,
+        args=(2, str(root), str(tmp_path / "init"), str(out)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + 120
     try:
         while not ctx.join(timeout=1):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from k3train.checkpoint import CheckpointError, Checkpointer, verify_checkpoint, write_manifest
+from k3train.checkpoint import Checkpointer, CheckpointError, verify_checkpoint, write_manifest
 from k3train.checkpoint.hf_io import CheckpointTensorReader, HFDirectory
 from k3train.checkpoint.integrity import checksum_files
 from k3train.checkpoint.safe_metadata import read_metadata_safely
@@ -109,8 +109,12 @@ def test_pickled_value_in_a_shard_is_refused(tmp_path):
     path = tmp_path / "ckpt" / "step_00000001"
     path.mkdir(parents=True)
     # What torch's default planner writes for a non-tensor value: a torch.save pickle.
-    dcp.save({"progress": MarkerPayload(marker), "w": torch.ones(2)}, storage_writer=FileSystemWriter(str(path)),
-             planner=DefaultSavePlanner(), no_dist=True)
+    dcp.save(
+        {"progress": MarkerPayload(marker), "w": torch.ones(2)},
+        storage_writer=FileSystemWriter(str(path)),
+        planner=DefaultSavePlanner(),
+        no_dist=True,
+    )
     names = [p.name for p in path.iterdir()]
     write_manifest(path, 1, keys=["progress", "w"], checksum="crc32", files=checksum_files(path, names))
     assert verify_checkpoint(path) is not None  # a well-formed checkpoint, apart from its value
@@ -124,9 +128,16 @@ def test_pickled_value_in_a_shard_is_refused(tmp_path):
 def test_value_codec_round_trips_and_refuses_other_bytes():
     import numpy as np
 
-    value = {"a": (1, 2.5, None, "x"), 3: [True, b"\x00\xff"], "t": torch.arange(4, dtype=torch.int16),
-             "np": np.arange(3, dtype=np.uint32), "s": np.float64(1.5), "dt": torch.bfloat16,
-             "__k3__": "user key", "nan": float("inf")}
+    value = {
+        "a": (1, 2.5, None, "x"),
+        3: [True, b"\x00\xff"],
+        "t": torch.arange(4, dtype=torch.int16),
+        "np": np.arange(3, dtype=np.uint32),
+        "s": np.float64(1.5),
+        "dt": torch.bfloat16,
+        "__k3__": "user key",
+        "nan": float("inf"),
+    }
     back = decode_value(encode_value(value))
     assert back["a"] == (1, 2.5, None, "x") and back[3] == [True, b"\x00\xff"] and back["dt"] is torch.bfloat16
     assert torch.equal(back["t"], value["t"]) and back["t"].dtype == torch.int16
@@ -145,7 +156,9 @@ def test_value_codec_round_trips_and_refuses_other_bytes():
 
 def _hf_dir(root: Path, config: object = None, index: object = None, shard: bytes | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps({} if config is None else config) if not isinstance(config, str) else config)
+    (root / "config.json").write_text(
+        json.dumps({} if config is None else config) if not isinstance(config, str) else config
+    )
     if index is not None:
         (root / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
     if shard is not None:
@@ -155,18 +168,28 @@ def _hf_dir(root: Path, config: object = None, index: object = None, shard: byte
     return root
 
 
-@pytest.mark.parametrize("name, build, expected", [
-    ("traversal", lambda d: _hf_dir(d, index={"weight_map": {"x": "../../../../etc/passwd"}}), "not a file name inside"),
-    ("absolute", lambda d: _hf_dir(d, index={"weight_map": {"x": "/etc/passwd"}}), "not a file name inside"),
-    ("link", None, "leads outside"),
-    ("invalid index json", lambda d: _hf_dir(d, index="{nope"), "not valid JSON"),
-    ("weight_map list", lambda d: _hf_dir(d, index={"weight_map": ["a"]}), "weight_map must be"),
-    ("index not object", lambda d: _hf_dir(d, index="[1, 2]"), "must hold a JSON object"),
-    ("invalid config json", lambda d: _hf_dir(d, config="{,}"), "not valid JSON"),
-    ("bad safetensors header", lambda d: _hf_dir(d, shard=b"\xff" * 64), "not a valid safetensors file"),
-    ("string for a number", lambda d: _hf_dir(d, config={"model_type": "kimi_linear", "mla_use_nope": True,
-                                                         "hidden_size": "abc"}), "hidden_size must be int"),
-])
+@pytest.mark.parametrize(
+    "name, build, expected",
+    [
+        (
+            "traversal",
+            lambda d: _hf_dir(d, index={"weight_map": {"x": "../../../../etc/passwd"}}),
+            "not a file name inside",
+        ),
+        ("absolute", lambda d: _hf_dir(d, index={"weight_map": {"x": "/etc/passwd"}}), "not a file name inside"),
+        ("link", None, "leads outside"),
+        ("invalid index json", lambda d: _hf_dir(d, index="{nope"), "not valid JSON"),
+        ("weight_map list", lambda d: _hf_dir(d, index={"weight_map": ["a"]}), "weight_map must be"),
+        ("index not object", lambda d: _hf_dir(d, index="[1, 2]"), "must hold a JSON object"),
+        ("invalid config json", lambda d: _hf_dir(d, config="{,}"), "not valid JSON"),
+        ("bad safetensors header", lambda d: _hf_dir(d, shard=b"\xff" * 64), "not a valid safetensors file"),
+        (
+            "string for a number",
+            lambda d: _hf_dir(d, config={"model_type": "kimi_linear", "mla_use_nope": True, "hidden_size": "abc"}),
+            "hidden_size must be int",
+        ),
+    ],
+)
 def test_hostile_hf_directory_is_refused_in_one_line(tmp_path, capsys, name, build, expected):
     source = tmp_path / "hf"
     if build is None:  # a shard that is a symbolic link to a file outside the directory

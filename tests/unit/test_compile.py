@@ -17,14 +17,26 @@ from k3train.model.config import LinearAttnConfig, ModelConfig
 from k3train.model.k3 import K3Model, lm_loss
 from k3train.training.compile import REGIONS, compile_elementwise
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                reason="inductor on the CPU needs a C++ compiler")
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor on the CPU needs a C++ compiler"
+)
 
 TINY = ModelConfig(
-    vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=16,
-    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-    linear_attn_config=LinearAttnConfig(num_heads=2, head_dim=8), intermediate_size=64,
-    num_experts=4, num_experts_per_token=2, moe_intermediate_size=16, routed_expert_hidden_size=16,
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    linear_attn_config=LinearAttnConfig(num_heads=2, head_dim=8),
+    intermediate_size=64,
+    num_experts=4,
+    num_experts_per_token=2,
+    moe_intermediate_size=16,
+    routed_expert_hidden_size=16,
 )
 
 

@@ -62,8 +62,9 @@ def test_no_recipe_gives_defaults():
 
 
 def test_overrides_change_fields():
-    cfg = load_config(DEBUG, ["train.steps=50", "optimizer.lr=3e-4",
-                              "model.linear_attn_config.num_heads=8", "model.attn_res=full"])
+    cfg = load_config(
+        DEBUG, ["train.steps=50", "optimizer.lr=3e-4", "model.linear_attn_config.num_heads=8", "model.attn_res=full"]
+    )
     assert cfg.train.steps == 50
     assert cfg.optimizer.lr == 3e-4 and isinstance(cfg.optimizer.lr, float)
     assert cfg.model.linear_attn_config.num_heads == 8
@@ -72,12 +73,23 @@ def test_overrides_change_fields():
 
 
 def test_override_coercions():
-    cfg = load_config(None, [
-        "logging.wandb=yes", "parallel.zero1=0", "parallel.sequence_parallel=True",
-        "checkpoint.dir=null", "model.q_lora_rank=null", "data.tokenizer=yes",
-        "parallel.pp=2", "parallel.pipeline_layers=[3,5]", "data.paths=[a, b]",
-        "data.weights=[1, 2.5]", "train.steps=1e3", "logging.peak_tflops=989",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "logging.wandb=yes",
+            "parallel.zero1=0",
+            "parallel.sequence_parallel=True",
+            "checkpoint.dir=null",
+            "model.q_lora_rank=null",
+            "data.tokenizer=yes",
+            "parallel.pp=2",
+            "parallel.pipeline_layers=[3,5]",
+            "data.paths=[a, b]",
+            "data.weights=[1, 2.5]",
+            "train.steps=1e3",
+            "logging.peak_tflops=989",
+        ],
+    )
     assert cfg.logging.wandb is True and cfg.parallel.zero1 is False
     assert cfg.parallel.sequence_parallel is True
     assert cfg.checkpoint.dir is None and cfg.model.q_lora_rank is None
@@ -184,10 +196,13 @@ def test_model_validation_becomes_config_error():
 # ---------------------------------------------------------------- saving
 
 
-@pytest.mark.parametrize("recipe, overrides", [
-    (DEBUG, ["optimizer.lr=3e-4", "data.paths=['yes', '1']", "parallel.pp=2", "parallel.pipeline_layers=[3,5]"]),
-    (K3, []),
-])
+@pytest.mark.parametrize(
+    "recipe, overrides",
+    [
+        (DEBUG, ["optimizer.lr=3e-4", "data.paths=['yes', '1']", "parallel.pp=2", "parallel.pipeline_layers=[3,5]"]),
+        (K3, []),
+    ],
+)
 def test_save_load_round_trip(tmp_path, recipe, overrides):
     cfg = load_config(recipe, overrides)
     path = str(tmp_path / "run" / "config.yaml")
@@ -206,8 +221,14 @@ def test_docs_not_drifted():
 
 def test_docs_cover_every_field():
     text = config_reference_markdown()
-    for key in ("model.linear_attn_config.num_heads", "parallel.expert_dispatch", "optimizer.adam_beta1",
-                "train.max_nonfinite_steps", "logging.peak_tflops", "data.weights"):
+    for key in (
+        "model.linear_attn_config.num_heads",
+        "parallel.expert_dispatch",
+        "optimizer.adam_beta1",
+        "train.max_nonfinite_steps",
+        "logging.peak_tflops",
+        "data.weights",
+    ):
         assert f"`{key}`" in text
 
 
@@ -274,8 +295,19 @@ def test_layout_rules_at_load_and_at_start_up_are_the_same_check():
     from k3train.parallel.state import LayoutError, resolve_layout
 
     with pytest.raises(LayoutError) as at_start:
-        resolve_layout(3, tp=3, pp=1, dp=0, ep=1, virtual_stages=1, mla_heads=4, kda_heads=4, vocab_size=384,
-                       num_experts=16, num_layers=8)
+        resolve_layout(
+            3,
+            tp=3,
+            pp=1,
+            dp=0,
+            ep=1,
+            virtual_stages=1,
+            mla_heads=4,
+            kda_heads=4,
+            vocab_size=384,
+            num_experts=16,
+            num_layers=8,
+        )
     assert config_error(None, ["parallel.tp=3"]).endswith(str(at_start.value))
     with pytest.raises(LayoutError) as at_start:
         partition_layers(8, 4, 3)

@@ -83,15 +83,16 @@ def test_idx_bytes_match_megatron_layout(tmp_path):
     """Pins docs/design.md §2.3 byte for byte: documents [[1, 2, 3], [4, 5]], uint16."""
     write_indexed_dataset(tmp_path / "tiny", [[1, 2, 3], [4, 5]], vocab_size=259)
     expected_idx = (
-        b"MMIDIDX\x00\x00"                      # magic
-        + b"\x01\x00\x00\x00\x00\x00\x00\x00"   # version 1, uint64
-        + b"\x08"                               # dtype code 8 = uint16
-        + b"\x02\x00\x00\x00\x00\x00\x00\x00"   # 2 sequences
-        + b"\x03\x00\x00\x00\x00\x00\x00\x00"   # 3 document indices (D + 1)
-        + b"\x03\x00\x00\x00" + b"\x02\x00\x00\x00"  # lengths, int32
-        + b"\x00\x00\x00\x00\x00\x00\x00\x00"   # byte offsets, int64: 0
-        + b"\x06\x00\x00\x00\x00\x00\x00\x00"   #   3 tokens * 2 bytes
-        + b"\x00\x00\x00\x00\x00\x00\x00\x00"   # document indices, int64: 0, 1, 2
+        b"MMIDIDX\x00\x00"  # magic
+        + b"\x01\x00\x00\x00\x00\x00\x00\x00"  # version 1, uint64
+        + b"\x08"  # dtype code 8 = uint16
+        + b"\x02\x00\x00\x00\x00\x00\x00\x00"  # 2 sequences
+        + b"\x03\x00\x00\x00\x00\x00\x00\x00"  # 3 document indices (D + 1)
+        + b"\x03\x00\x00\x00"
+        + b"\x02\x00\x00\x00"  # lengths, int32
+        + b"\x00\x00\x00\x00\x00\x00\x00\x00"  # byte offsets, int64: 0
+        + b"\x06\x00\x00\x00\x00\x00\x00\x00"  #   3 tokens * 2 bytes
+        + b"\x00\x00\x00\x00\x00\x00\x00\x00"  # document indices, int64: 0, 1, 2
         + b"\x01\x00\x00\x00\x00\x00\x00\x00"
         + b"\x02\x00\x00\x00\x00\x00\x00\x00"
     )
@@ -125,8 +126,19 @@ def _corrupt(kind: str, bin_path: Path, idx_path: Path) -> Path:
     return idx_path
 
 
-@pytest.mark.parametrize("kind", ["missing bin", "missing idx", "truncated bin", "bad magic", "bad version",
-                                  "unknown dtype", "truncated idx", "truncated header"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "missing bin",
+        "missing idx",
+        "truncated bin",
+        "bad magic",
+        "bad version",
+        "unknown dtype",
+        "truncated idx",
+        "truncated header",
+    ],
+)
 def test_damaged_dataset_errors_name_the_file(tmp_path, kind):
     bin_path, idx_path = write_indexed_dataset(tmp_path / "ds", [[1, 2, 3], [4, 5]], vocab_size=259)
     culprit = _corrupt(kind, bin_path, idx_path)
@@ -161,8 +173,9 @@ def test_huggingface_tokenizer(tmp_path):
     tokenizer = hf.Tokenizer(hf.models.BPE())
     tokenizer.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = hf.decoders.ByteLevel()
-    trainer = hf.trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "</s>"],
-                                     initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet())
+    trainer = hf.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "</s>"], initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(["the quick brown fox", "jumps over the lazy dog"] * 20, trainer)
     path = tmp_path / "tokenizer.json"
     tokenizer.save(str(path))
@@ -211,8 +224,9 @@ def test_packing_puts_eos_between_documents_and_covers_every_token(tmp_path):
 
 def test_documents_already_ending_in_eos_get_no_second_eos(tmp_path):
     write_indexed_dataset(tmp_path / "ds", [[1, 2, 0], [3, 0], [4, 5, 6, 0]], vocab_size=10)
-    packed = PackedDataset(IndexedDataset(tmp_path / "ds"), np.arange(3), 2, 0, seed=0, salt=0,
-                           shuffle=False, name="ds")
+    packed = PackedDataset(
+        IndexedDataset(tmp_path / "ds"), np.arange(3), 2, 0, seed=0, salt=0, shuffle=False, name="ds"
+    )
     assert packed.num_tokens == 9
     assert packed.samples(np.arange(4)).tolist() == [[1, 2, 0], [0, 3, 0], [0, 4, 5], [5, 6, 0]]
 
@@ -354,8 +368,7 @@ def test_vocabulary_checks_name_the_setting(tmp_path):
         build_data(DataConfig(paths=[prefix]), global_batch_size=2, total_steps=1, vocab_size=200)
     write_indexed_dataset(tmp_path / "wide", [[1, 500, 2] * 20] * 5, vocab_size=1000)
     with pytest.raises(DataError, match=r"wide\.bin holds token ids 1\.\.500, outside model\.vocab_size = 384"):
-        build_data(DataConfig(paths=[str(tmp_path / "wide")]), global_batch_size=2, total_steps=1,
-                   vocab_size=VOCAB)
+        build_data(DataConfig(paths=[str(tmp_path / "wide")]), global_batch_size=2, total_steps=1, vocab_size=VOCAB)
 
 
 # -- the default corpus and the preprocessing tool ------------------------------------------
@@ -383,8 +396,14 @@ def test_default_corpus_builds_once_and_is_reused(tmp_path, capsys):
 
 def _run_preprocess(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(CHECKOUT / "tools" / "preprocess_data.py"), *args, "--quiet"],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(CHECKOUT / "tools" / "preprocess_data.py"), *args, "--quiet"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_preprocess_cli_txt_and_jsonl(tmp_path):
@@ -401,12 +420,15 @@ def test_preprocess_cli_txt_and_jsonl(tmp_path):
     assert [int(ds.get_document(d)[-1]) for d in range(3)] == [EOS] * 3
     assert [tokenizer.decode(ds.get_document(d)) for d in range(3)] == [text, "héllo", "world"]
 
-    done = _run_preprocess("--input", "a.txt", "--output-prefix", "paras", "--txt-documents", "paragraph",
-                           "--no-append-eos", cwd=tmp_path)
+    done = _run_preprocess(
+        "--input", "a.txt", "--output-prefix", "paras", "--txt-documents", "paragraph", "--no-append-eos", cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     ds = IndexedDataset(tmp_path / "paras")
     assert [tokenizer.decode(ds.get_document(d)) for d in range(ds.num_documents)] == [
-        "First paragraph,\nstill first.", "Second paragraph."]
+        "First paragraph,\nstill first.",
+        "Second paragraph.",
+    ]
 
 
 def _preprocess_module():
@@ -422,8 +444,9 @@ def _preprocess_module():
 def test_preprocess_reports_bad_jsonl(tmp_path, capsys):
     preprocess_data = _preprocess_module()
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n', encoding="utf-8")
-    status = preprocess_data.main(["--input", str(tmp_path / "bad.jsonl"), "--output-prefix",
-                                   str(tmp_path / "bad"), "--quiet"])
+    status = preprocess_data.main(
+        ["--input", str(tmp_path / "bad.jsonl"), "--output-prefix", str(tmp_path / "bad"), "--quiet"]
+    )
     assert status == 2 and "bad.jsonl:1" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["bad.jsonl"]  # no .bin/.idx or temporaries left
 
@@ -432,7 +455,8 @@ def test_preprocess_reports_an_unwritable_output_prefix_in_one_line(tmp_path, ca
     preprocess_data = _preprocess_module()
     (tmp_path / "a.txt").write_text("hello\n", encoding="utf-8")
     (tmp_path / "taken").write_text("a file, not a folder\n", encoding="utf-8")
-    status = preprocess_data.main(["--input", str(tmp_path / "a.txt"), "--output-prefix",
-                                   str(tmp_path / "taken" / "out"), "--quiet"])
+    status = preprocess_data.main(
+        ["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "taken" / "out"), "--quiet"]
+    )
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "cannot write" in err and "Traceback" not in err

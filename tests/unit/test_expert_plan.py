@@ -10,18 +10,40 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from k3train.checkpoint.values import decode_value, encode_value
 from k3train.model.balance import Balancer
 from k3train.model.config import ModelConfig
 from k3train.model.moe import LatentMoE
 from k3train.parallel.comm import Group, TrafficCounter
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.expert_plan import (
-    RelayCapacity, ReplicaPlacement, apply_placement, capacity_per_destination, capacity_per_pair, destination_room,
-    home_route, pack_slots, pair_positions, pair_slots, plan_from_load, plan_relay, plan_replicas, relay_capacity,
-    proportional_pairs, proportional_route, proportional_shares, relay_forward, relay_route, replica_route,
+    RelayCapacity,
+    ReplicaPlacement,
+    apply_placement,
+    capacity_per_destination,
+    capacity_per_pair,
+    destination_room,
+    home_route,
+    pack_slots,
+    pair_positions,
+    pair_slots,
+    plan_from_load,
+    plan_relay,
+    plan_replicas,
+    proportional_pairs,
+    proportional_route,
+    proportional_shares,
+    relay_capacity,
+    relay_forward,
+    relay_route,
+    replica_route,
 )
-from k3train.checkpoint.values import decode_value, encode_value
-from tests.distributed.workers_expert import StaticShapeGuard, no_host_reads, reference_capacity_keep, use_expert_parallel
+from tests.distributed.workers_expert import (
+    StaticShapeGuard,
+    no_host_reads,
+    reference_capacity_keep,
+    use_expert_parallel,
+)
 
 
 def single_group() -> Group:
@@ -47,18 +69,34 @@ def test_capacity_is_a_function_of_config_and_micro_batch():
     # to ceil(1.25 · s·k/R) = 80 rows per pair
     assert relay_capacity(64, 4, 4, 1.25) == RelayCapacity(first=72, second=8)
     assert expert_parallel.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48) == {
-        "dispatch": (4, 72, 32), "dispatch_ids": (4, 72), "forward": (4, 8, 32), "forward_ids": (4, 8),
-        "combine_forwarded": (4, 8, 32), "combine": (4, 72, 32), "received": (320, 32), "slot_counts": (4, 16),
-        "replica_weights": (2, 3 * 48 * 32)}
+        "dispatch": (4, 72, 32),
+        "dispatch_ids": (4, 72),
+        "forward": (4, 8, 32),
+        "forward_ids": (4, 8),
+        "combine_forwarded": (4, 8, 32),
+        "combine": (4, 72, 32),
+        "received": (320, 32),
+        "slot_counts": (4, 16),
+        "replica_weights": (2, 3 * 48 * 32),
+    }
     padded = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "balanced", 1.25, 2, transport="padded")
     shapes = padded.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48)
     # balanced: per-pair send rows of the padded transport, one [C_dest] receive buffer
     assert capacity_per_destination(64, 4, 4, 1.25) == 320 == expert_parallel.capacity(64, 4)
-    assert shapes == {"dispatch": (4, 256, 32), "dispatch_ids": (4, 256), "combine": (4, 256, 32),
-                      "received": (320, 32), "slot_counts": (4, 16), "replica_weights": (2, 3 * 48 * 32)}
+    assert shapes == {
+        "dispatch": (4, 256, 32),
+        "dispatch_ids": (4, 256),
+        "combine": (4, 256, 32),
+        "received": (320, 32),
+        "slot_counts": (4, 16),
+        "replica_weights": (2, 3 * 48 * 32),
+    }
     capacity_mode = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "capacity", 1.25)
     assert capacity_mode.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48) == {
-        "dispatch": (4, 80, 32), "dispatch_ids": (4, 80), "combine": (4, 80, 32)}
+        "dispatch": (4, 80, 32),
+        "dispatch_ids": (4, 80),
+        "combine": (4, 80, 32),
+    }
     assert capacity_per_destination(64, 4, 4, 100.0) == 4 * 256  # capped at everything the group routes
 
 
@@ -177,8 +215,14 @@ def test_balanced_mode_drops_nothing_where_capacity_mode_drops():
     counts = torch.stack([torch.bincount(ids[r].flatten(), minlength=experts) for r in range(ranks)])
     capacity = capacity_per_pair(tokens, top_k, ranks, 1.25)
     plan = plan_replicas(counts, replicas)
-    dropped_capacity = sum(int((~pack_slots(home_route(ids[s].flatten(), experts // ranks)[0],
-                                            weights[s].flatten(), ranks, capacity)[1]).sum()) for s in range(ranks))
+    dropped_capacity = sum(
+        int(
+            (
+                ~pack_slots(home_route(ids[s].flatten(), experts // ranks)[0], weights[s].flatten(), ranks, capacity)[1]
+            ).sum()
+        )
+        for s in range(ranks)
+    )
     assert dropped_capacity > 0
     assert int(plan.rank_load.max()) <= capacity_per_destination(tokens, top_k, ranks, 1.25)
     assert balanced_drops(ids, weights, counts, plan, capacity_per_destination(tokens, top_k, ranks, 1.25)) == 0
@@ -192,7 +236,7 @@ def per_source_skewed_counts(ranks, tokens, experts, top_k, hot, boost, seed):
     for source in range(ranks):
         logits = torch.randn(tokens, experts, generator=generator)
         home = (source * 3 + 1) % ranks
-        logits[:, home * local:home * local + hot] += boost
+        logits[:, home * local : home * local + hot] += boost
         w, i = logits.sigmoid().topk(top_k, dim=-1)
         ids.append(i)
         weights.append(w)
@@ -208,8 +252,9 @@ def test_per_source_skew_overflows_pairs_but_not_destinations():
     ids, weights, counts = per_source_skewed_counts(ranks, tokens, experts, top_k, hot=3, boost=2.0, seed=4)
     pair_capacity = capacity_per_pair(tokens, top_k, ranks, 1.25)
     plan = plan_replicas(counts, 2)
-    home_pairs = torch.stack([torch.bincount(home_route(ids[s].flatten(), experts // ranks)[0], minlength=ranks)
-                              for s in range(ranks)])
+    home_pairs = torch.stack(
+        [torch.bincount(home_route(ids[s].flatten(), experts // ranks)[0], minlength=ranks) for s in range(ranks)]
+    )
     assert int(home_pairs.max()) > 2 * pair_capacity  # a source sends a hot rank far over its pair share
     assert balanced_drops(ids, weights, counts, plan, capacity_per_destination(tokens, top_k, ranks, 1.25)) == 0
 
@@ -240,7 +285,7 @@ def sequential_placement_loads(counts, placement, capacity):
     local = experts // ranks
     load = counts.sum(0).tolist()
     home = list(load)
-    rank_load = [sum(load[r * local:(r + 1) * local]) for r in range(ranks)]
+    rank_load = [sum(load[r * local : (r + 1) * local]) for r in range(ranks)]
     target = sum(load) // ranks
     entries = [(int(e), int(d)) for e, d, v in zip(placement.expert, placement.dest, placement.valid) if v]
     for level in (target, capacity):
@@ -324,8 +369,9 @@ def simulate_relay(ids, weights, counts, plan, capacity):
     for d in range(ranks):
         rows = torch.cat(arrived[d] + [forwarded[d]])
         rows = rows[rows >= 0]
-        delivered[d] = [(int(r) // slots, int(r) % slots, int(local_ids[int(r) // slots][int(r) % slots]))
-                        for r in rows]
+        delivered[d] = [
+            (int(r) // slots, int(r) % slots, int(local_ids[int(r) // slots][int(r) % slots])) for r in rows
+        ]
     return delivered, kept, relay_plan
 
 
@@ -333,7 +379,9 @@ def simulate_relay(ids, weights, counts, plan, capacity):
 def test_relay_delivers_each_kept_slot_once_to_a_holder_of_its_expert(ranks, skew, hot_boost):
     experts, top_k, tokens = 4 * ranks, 4, 64
     if hot_boost:
-        ids, weights, counts = per_source_skewed_counts(ranks, tokens, experts, top_k, hot=2, boost=hot_boost, seed=ranks)
+        ids, weights, counts = per_source_skewed_counts(
+            ranks, tokens, experts, top_k, hot=2, boost=hot_boost, seed=ranks
+        )
     else:
         ids, weights = skewed_routing(ranks, tokens, experts, top_k, skew, seed=ranks)
         counts = torch.stack([torch.bincount(ids[r].flatten(), minlength=experts) for r in range(ranks)])
@@ -393,8 +441,14 @@ def test_replica_placement_round_trips_through_checkpoint_values():
     """The placement `finish_step` planned is saved as JSON values and restored into a fresh
     dispatcher (before any layer ran), so the resumed step hosts the same replicas."""
     group = SimpleNamespace(size=4, rank=1, name="ep")
-    experts_modules = [SimpleNamespace(w1=torch.nn.Parameter(torch.zeros(4, 2, 2)), w3=torch.nn.Parameter(
-        torch.zeros(4, 2, 2)), w2=torch.nn.Parameter(torch.zeros(4, 2, 2))) for _ in range(2)]
+    experts_modules = [
+        SimpleNamespace(
+            w1=torch.nn.Parameter(torch.zeros(4, 2, 2)),
+            w3=torch.nn.Parameter(torch.zeros(4, 2, 2)),
+            w2=torch.nn.Parameter(torch.zeros(4, 2, 2)),
+        )
+        for _ in range(2)
+    ]
     saving = ExpertParallel(group, 16, "balanced", 1.25, 2)
     for module in experts_modules:
         saving.mark_expert_params(module)
@@ -412,8 +466,9 @@ def test_replica_placement_round_trips_through_checkpoint_values():
         restoring.mark_expert_params(module)
     restoring.load_state_dict(state)
     assert [restoring._layer(module).placement.host for module in experts_modules] == placements
-    assert torch.equal(restoring._layer(experts_modules[0]).placement.dest,
-                       saving._layer(experts_modules[0]).placement.dest)
+    assert torch.equal(
+        restoring._layer(experts_modules[0]).placement.dest, saving._layer(experts_modules[0]).placement.dest
+    )
     other = ExpertParallel(SimpleNamespace(size=2, rank=1, name="ep"), 16, "balanced", 1.25, 2)
     with pytest.warns(UserWarning, match="ep=4"):
         other.load_state_dict(state)  # another layout: starts without replicas
@@ -533,7 +588,7 @@ def test_experts_grouped_forward_is_the_modules_own_glu(compute):
     valid = (ids >= 0) & (ids < 4)
     assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))
     for row in valid.nonzero().flatten().tolist():
-        one = experts.forward_sorted(rows[row:row + 1], torch.bincount(ids[row:row + 1], minlength=4).cumsum(0))
+        one = experts.forward_sorted(rows[row : row + 1], torch.bincount(ids[row : row + 1], minlength=4).cumsum(0))
         assert (out[row] - one[0]).abs().max() < 1e-14, row
     replicas = tuple(torch.flip(w.detach(), dims=[0]) for w in experts.stacks())  # expert g -> 3 - g
     flipped = experts.grouped_forward(rows, torch.where(valid, 3 - ids, ids), replicas, compute=compute)

@@ -37,10 +37,13 @@ def _solve_triangular_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) ->
 
 
 def flop_counter() -> FlopCounterMode:
-    return FlopCounterMode(display=False, custom_mapping={
-        aten.convolution_backward: _conv_backward_flop,
-        aten.linalg_solve_triangular: _solve_triangular_flop,
-    })
+    return FlopCounterMode(
+        display=False,
+        custom_mapping={
+            aten.convolution_backward: _conv_backward_flop,
+            aten.linalg_solve_triangular: _solve_triangular_flop,
+        },
+    )
 
 
 def counted_training_flops_per_token(module: torch.nn.Module, make_loss) -> float:
@@ -66,8 +69,11 @@ def test_kda_mixer_flops_match_executed_matmuls():
     config = debug_config()
     torch.manual_seed(0)
     counted = counted_sublayer_flops(KimiDeltaAttention(config), config.hidden_size)
-    analytic = 3 * (flops.kda_projection_flops(config) + flops.kda_short_conv_flops(config)
-                    + flops.kda_chunk_flops_per_token(config, SEQ_LENGTH))
+    analytic = 3 * (
+        flops.kda_projection_flops(config)
+        + flops.kda_short_conv_flops(config)
+        + flops.kda_chunk_flops_per_token(config, SEQ_LENGTH)
+    )
     with torch.no_grad(), flop_counter() as forward_counter:
         KimiDeltaAttention(config)(torch.randn(BATCH, SEQ_LENGTH, config.hidden_size))
     assert forward_counter.get_total_flops() / (BATCH * SEQ_LENGTH) == analytic / 3
@@ -99,8 +105,12 @@ def test_dense_mlp_and_moe_flops_match_executed_matmuls():
     mlp = GLUMLP(config, config.hidden_size, config.intermediate_size)
     assert counted_sublayer_flops(mlp, config.hidden_size) == 3 * flops.dense_mlp_flops(config)
     # Expert GEMMs see N·k rows in all, however the router spreads them: exact.
-    moe_analytic = 3 * (flops.routed_expert_flops(config) + flops.shared_expert_flops(config)
-                        + flops.latent_projection_flops(config) + flops.router_flops(config))
+    moe_analytic = 3 * (
+        flops.routed_expert_flops(config)
+        + flops.shared_expert_flops(config)
+        + flops.latent_projection_flops(config)
+        + flops.router_flops(config)
+    )
     for changes in ({}, {"num_shared_experts": 0}):
         moe_config = debug_config(**changes)
         expected = moe_analytic - (3 * flops.shared_expert_flops(config) if changes else 0)
@@ -130,7 +140,8 @@ def test_flop_breakdown_structure():
     assert causal.forward * 3 == pytest.approx(causal.total)
     # KDA pads to whole chunks; MLA grows with the sequence.
     assert flops.kda_chunk_flops_per_token(config, 65) == pytest.approx(
-        flops.kda_chunk_flops_per_token(config, 128) * 128 / 65)
+        flops.kda_chunk_flops_per_token(config, 128) * 128 / 65
+    )
     # Block AttnRes (block size 2, 8 layers): sources grow by one every second layer.
     assert flops.attn_res_source_counts(config) == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5]
     full_res = flops.attn_res_source_counts(config.replace(attn_res="full"))
@@ -142,17 +153,29 @@ def test_flop_breakdown_structure():
 
 
 # ---------------------------------------------------------------------------- parameters
-@pytest.mark.parametrize("changes", [
-    {}, {"q_lora_rank": None}, {"num_shared_experts": 0}, {"attn_res": "none"},
-    {"tie_word_embeddings": True}, {"attn_res": "full", "mla_use_output_gate": False, "latent_moe_use_norm": False},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"q_lora_rank": None},
+        {"num_shared_experts": 0},
+        {"attn_res": "none"},
+        {"tie_word_embeddings": True},
+        {"attn_res": "full", "mla_use_output_gate": False, "latent_moe_use_norm": False},
+    ],
+)
 def test_parameter_counts_equal_built_model(changes):
     config = ModelConfig().replace(**changes)
     counts = flops.parameter_counts(config)
     assert counts.total == sum(p.numel() for p in K3Model(config).parameters())
     moe_layers = config.num_hidden_layers - config.first_k_dense_replace
-    inactive = moe_layers * (config.num_experts - config.num_experts_per_token) \
-        * 3 * config.routed_expert_hidden_size * config.moe_intermediate_size
+    inactive = (
+        moe_layers
+        * (config.num_experts - config.num_experts_per_token)
+        * 3
+        * config.routed_expert_hidden_size
+        * config.moe_intermediate_size
+    )
     assert counts.active == counts.total - inactive
 
 

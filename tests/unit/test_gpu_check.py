@@ -12,7 +12,17 @@ import sys
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = CHECKOUT / "tools" / "gpu_check.py"
 # Checks that cannot run on a CPU: their rows may SKIP; every other row must PASS.
-CUDA_ONLY = {"kda_fla", "kda_speed", "kda_fla_raw", "short_conv_fla", "gated_norm_fla", "model_large", "expert_dispatch", "transformer_engine", "k3_1gpu"}
+CUDA_ONLY = {
+    "kda_fla",
+    "kda_speed",
+    "kda_fla_raw",
+    "short_conv_fla",
+    "gated_norm_fla",
+    "model_large",
+    "expert_dispatch",
+    "transformer_engine",
+    "k3_1gpu",
+}
 
 
 def load_gpu_check():
@@ -37,14 +47,21 @@ def table_rows(stdout: str) -> list[list[str]]:
     """The cells of the final table's rows (after its header and rule)."""
     lines = stdout.splitlines()
     header = max(i for i, line in enumerate(lines) if line.startswith("| check "))
-    return [[cell.strip() for cell in line.strip("|").split(" | ")]
-            for line in lines[header + 2:] if line.startswith("| ")]
+    return [
+        [cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[header + 2 :] if line.startswith("| ")
+    ]
 
 
 def test_gpu_check_runs_on_cpu():
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick"],
-                            capture_output=True, text=True, timeout=300, env=env, cwd=CHECKOUT)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=CHECKOUT,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
     rows = table_rows(result.stdout)
@@ -65,13 +82,17 @@ def test_fla_rows_with_a_stand_in_kernel(monkeypatch, capsys):
     gpu_check = load_gpu_check()
     kda_checks = check_module("kda")
     chunk_kda = kda_checks.chunk_kda
-    monkeypatch.setattr(kda_checks, "chunk_kda",
-                        lambda *args, backend, **kwargs: chunk_kda(*args, backend="torch", **kwargs))
+    monkeypatch.setattr(
+        kda_checks, "chunk_kda", lambda *args, backend, **kwargs: chunk_kda(*args, backend="torch", **kwargs)
+    )
     monkeypatch.setattr(kda_checks, "fla_unavailable_reason", lambda ctx: None)
     assert gpu_check.main(["--device", "cpu", "--quick", "--only", "kda_fla", "--only", "kda_speed"]) == 0
     rows = table_rows(capsys.readouterr().out)
     assert [(cells[0], cells[4]) for cells in rows] == [
-        ("kda_fla fp32", "PASS"), ("kda_fla bf16", "PASS"), ("kda_speed T=128", "PASS")]
+        ("kda_fla fp32", "PASS"),
+        ("kda_fla bf16", "PASS"),
+        ("kda_speed T=128", "PASS"),
+    ]
 
 
 def test_transformer_engine_and_k3_1gpu_rows_with_a_stand_in(monkeypatch, capsys, tmp_path):
@@ -91,20 +112,32 @@ def test_transformer_engine_and_k3_1gpu_rows_with_a_stand_in(monkeypatch, capsys
     monkeypatch.setattr(te_checks, "fp8_recipes_here", lambda ctx: ["delayed", "current"])
     monkeypatch.setattr(te_kernels, "import_transformer_engine", lambda: (te, ""))
     json_path = tmp_path / "gpu_check.json"
-    code = gpu_check.main(["--device", "cpu", "--quick", "--only", "transformer_engine", "--only", "k3_1gpu",
-                           "--json", str(json_path)])
+    code = gpu_check.main(
+        ["--device", "cpu", "--quick", "--only", "transformer_engine", "--only", "k3_1gpu", "--json", str(json_path)]
+    )
     report = json.loads(json_path.read_text())
     rows = {cells[0]: cells[4] for cells in table_rows(capsys.readouterr().out)}
     assert code == 0 and set(rows.values()) == {"PASS"}, rows
-    assert {"transformer_engine names", "transformer_engine fp8 state", "transformer_engine grouped current",
-            "transformer_engine linear 1536x12 delayed", "k3_1gpu loss fp8-vs-bf16",
-            "k3_1gpu speed fp8 attn_res=none"} <= set(rows)
+    assert {
+        "transformer_engine names",
+        "transformer_engine fp8 state",
+        "transformer_engine grouped current",
+        "transformer_engine linear 1536x12 delayed",
+        "k3_1gpu loss fp8-vs-bf16",
+        "k3_1gpu speed fp8 attn_res=none",
+    } <= set(rows)
     table = report["k3_1gpu"]["throughput"]
     assert {(row["precision"], row["attn_res"]) for row in table} == {
-        ("bf16", "block"), ("fp8", "block"), ("bf16", "none"), ("fp8", "none")}
+        ("bf16", "block"),
+        ("fp8", "block"),
+        ("bf16", "none"),
+        ("fp8", "none"),
+    }
     # bf16 resolves model.linear_backend=auto (torch without CUDA); fp8 always runs on TE.
-    assert all(row["linear_backend"] == {"bf16": "torch", "fp8": "te"}[row["precision"]] and row["tokens_per_s"] > 0
-               for row in table)
+    assert all(
+        row["linear_backend"] == {"bf16": "torch", "fp8": "te"}[row["precision"]] and row["tokens_per_s"] > 0
+        for row in table
+    )
     assert len(report["k3_1gpu"]["loss_curves"]["fp8/block"]) == 4
 
 
@@ -121,8 +154,9 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
     every check on the CPU at full sizes for minutes)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     for args in ([], ["--device", "cuda", "--only", "kda_chunk"]):
-        result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                                timeout=120, env=env, cwd=CHECKOUT)
+        result = subprocess.run(
+            [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, env=env, cwd=CHECKOUT
+        )
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:] + result.stderr[-2000:]
         assert len(lines) == 1 and lines[0].startswith("gpu_check: no GPU:") and "--device cpu" in lines[0], lines

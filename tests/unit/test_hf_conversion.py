@@ -58,8 +58,12 @@ def _randomise(model: K3Model, seed: int = 7) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            if name.endswith(("_res.proj.weight", "norm.weight", "layernorm.weight", "A_log", "e_score_correction_bias")):
-                tensor.copy_(torch.randn(tensor.shape, generator=g) * 0.5 + (1.0 if name.endswith("norm.weight") else 0.0))
+            if name.endswith(
+                ("_res.proj.weight", "norm.weight", "layernorm.weight", "A_log", "e_score_correction_bias")
+            ):
+                tensor.copy_(
+                    torch.randn(tensor.shape, generator=g) * 0.5 + (1.0 if name.endswith("norm.weight") else 0.0)
+                )
 
 
 def _save_run(run: Path, config: ModelConfig, step: int = 3, with_optimizer: bool = True) -> dict[str, torch.Tensor]:
@@ -118,8 +122,22 @@ def debug_export(tmp_path_factory):
     slabs of experts."""
     root = tmp_path_factory.mktemp("hf")
     state = _save_run(root / "run", ModelConfig())
-    rc = convert.main(["to-hf", "--load", str(root / "run"), "--out", str(root / "hf"), "--dtype", "fp32",
-                       "--max-shard-size", "1MB", "--read-budget", "100KB", "--quiet"])
+    rc = convert.main(
+        [
+            "to-hf",
+            "--load",
+            str(root / "run"),
+            "--out",
+            str(root / "hf"),
+            "--dtype",
+            "fp32",
+            "--max-shard-size",
+            "1MB",
+            "--read-budget",
+            "100KB",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     return root, state
 
@@ -146,9 +164,23 @@ def test_logits_of_hf_export_equal_the_checkpoint(debug_export, tmp_path):
     results = []
     for source in (root / "run" / "checkpoints" / "step_00000003", root / "hf"):
         out = tmp_path / f"{source.name}.json"
-        subprocess.run([sys.executable, str(CHECKOUT / "tools" / "score.py"), "--load", str(source),
-                        "--tokens-file", str(tokens), "--out", str(out)], check=True, env=env,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [
+                sys.executable,
+                str(CHECKOUT / "tools" / "score.py"),
+                "--load",
+                str(source),
+                "--tokens-file",
+                str(tokens),
+                "--out",
+                str(out),
+            ],
+            check=True,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         data = json.loads(out.read_text())
         assert data["logits_shape"] == [2, 24, 384]
         results.append(torch.tensor(data["logits"], dtype=torch.float32))
@@ -164,27 +196,44 @@ def test_hf_names_and_shapes_follow_the_hub_layout(debug_export):
     shape = {name: s for name, (_, s, _) in headers.items()}
     expected = {
         # model level
-        P + "embed_tokens.weight": (384, 128), P + "norm.weight": (128,), HF_LM_HEAD: (384, 128),
-        P + "output_attn_res_norm.weight": (128,), P + "output_attn_res_proj.weight": (1, 128),
+        P + "embed_tokens.weight": (384, 128),
+        P + "norm.weight": (128,),
+        HF_LM_HEAD: (384, 128),
+        P + "output_attn_res_norm.weight": (128,),
+        P + "output_attn_res_proj.weight": (1, 128),
         # layer 0: KDA + dense MLP + AttnRes
-        P + "layers.0.input_layernorm.weight": (128,), P + "layers.0.post_attention_layernorm.weight": (128,),
-        P + "layers.0.self_attn.q_proj.weight": (128, 128), P + "layers.0.self_attn.k_proj.weight": (128, 128),
-        P + "layers.0.self_attn.v_proj.weight": (128, 128), P + "layers.0.self_attn.q_conv1d.weight": (128, 1, 4),
-        P + "layers.0.self_attn.k_conv1d.weight": (128, 1, 4), P + "layers.0.self_attn.v_conv1d.weight": (128, 1, 4),
-        P + "layers.0.self_attn.f_a_proj.weight": (32, 128), P + "layers.0.self_attn.f_b_proj.weight": (128, 32),
-        P + "layers.0.self_attn.dt_bias": (128,), P + "layers.0.self_attn.A_log": (4,),
-        P + "layers.0.self_attn.b_proj.weight": (4, 128), P + "layers.0.self_attn.g_proj.weight": (128, 128),
-        P + "layers.0.self_attn.o_norm.weight": (32,), P + "layers.0.self_attn.o_proj.weight": (128, 128),
-        P + "layers.0.mlp.gate_proj.weight": (256, 128), P + "layers.0.mlp.up_proj.weight": (256, 128),
+        P + "layers.0.input_layernorm.weight": (128,),
+        P + "layers.0.post_attention_layernorm.weight": (128,),
+        P + "layers.0.self_attn.q_proj.weight": (128, 128),
+        P + "layers.0.self_attn.k_proj.weight": (128, 128),
+        P + "layers.0.self_attn.v_proj.weight": (128, 128),
+        P + "layers.0.self_attn.q_conv1d.weight": (128, 1, 4),
+        P + "layers.0.self_attn.k_conv1d.weight": (128, 1, 4),
+        P + "layers.0.self_attn.v_conv1d.weight": (128, 1, 4),
+        P + "layers.0.self_attn.f_a_proj.weight": (32, 128),
+        P + "layers.0.self_attn.f_b_proj.weight": (128, 32),
+        P + "layers.0.self_attn.dt_bias": (128,),
+        P + "layers.0.self_attn.A_log": (4,),
+        P + "layers.0.self_attn.b_proj.weight": (4, 128),
+        P + "layers.0.self_attn.g_proj.weight": (128, 128),
+        P + "layers.0.self_attn.o_norm.weight": (32,),
+        P + "layers.0.self_attn.o_proj.weight": (128, 128),
+        P + "layers.0.mlp.gate_proj.weight": (256, 128),
+        P + "layers.0.mlp.up_proj.weight": (256, 128),
         P + "layers.0.mlp.down_proj.weight": (128, 256),
-        P + "layers.0.self_attention_res_norm.weight": (128,), P + "layers.0.self_attention_res_proj.weight": (1, 128),
-        P + "layers.0.mlp_res_norm.weight": (128,), P + "layers.0.mlp_res_proj.weight": (1, 128),
+        P + "layers.0.self_attention_res_norm.weight": (128,),
+        P + "layers.0.self_attention_res_proj.weight": (1, 128),
+        P + "layers.0.mlp_res_norm.weight": (128,),
+        P + "layers.0.mlp_res_proj.weight": (1, 128),
         # layer 3: Gated MLA (1-based layer 4) + MoE
-        P + "layers.3.self_attn.q_a_proj.weight": (64, 128), P + "layers.3.self_attn.q_a_layernorm.weight": (64,),
+        P + "layers.3.self_attn.q_a_proj.weight": (64, 128),
+        P + "layers.3.self_attn.q_a_layernorm.weight": (64,),
         P + "layers.3.self_attn.q_b_proj.weight": (4 * 48, 64),
         P + "layers.3.self_attn.kv_a_proj_with_mqa.weight": (32 + 16, 128),
-        P + "layers.3.self_attn.kv_a_layernorm.weight": (32,), P + "layers.3.self_attn.kv_b_proj.weight": (4 * 64, 32),
-        P + "layers.3.self_attn.g_proj.weight": (128, 128), P + "layers.3.self_attn.o_proj.weight": (128, 128),
+        P + "layers.3.self_attn.kv_a_layernorm.weight": (32,),
+        P + "layers.3.self_attn.kv_b_proj.weight": (4 * 64, 32),
+        P + "layers.3.self_attn.g_proj.weight": (128, 128),
+        P + "layers.3.self_attn.o_proj.weight": (128, 128),
         # layer 1: MoE
         P + "layers.1.block_sparse_moe.gate.weight": (16, 128),
         P + "layers.1.block_sparse_moe.gate.e_score_correction_bias": (16,),
@@ -219,7 +268,11 @@ def test_hf_names_and_shapes_follow_the_hub_layout(debug_export):
     config = json.loads((root / "hf" / "config.json").read_text())
     assert config["model_type"] == "kimi_k3" and config["architectures"] == ["KimiK3ForConditionalGeneration"]
     text = config["text_config"]
-    assert text["model_type"] == "kimi_linear" and "quantization_config" not in config and "quantization_config" not in text
+    assert (
+        text["model_type"] == "kimi_linear"
+        and "quantization_config" not in config
+        and "quantization_config" not in text
+    )
     assert (text["eos_token_id"], text["bos_token_id"], text["pad_token_id"]) == (256, 257, 258)
     assert text["linear_attn_config"]["full_attn_layers"] == [4, 8]
     assert text["linear_attn_config"]["kda_layers"] == [1, 2, 3, 5, 6, 7]
@@ -228,8 +281,21 @@ def test_hf_names_and_shapes_follow_the_hub_layout(debug_export):
 def test_max_shard_size_gives_shards_and_a_correct_index(debug_export, tmp_path):
     root, _ = debug_export
     out = tmp_path / "hf_bf16"
-    assert convert.main(["to-hf", "--load", str(root / "run" / "checkpoints"), "--out", str(out),
-                         "--max-shard-size", "300KB", "--quiet"]) == 0
+    assert (
+        convert.main(
+            [
+                "to-hf",
+                "--load",
+                str(root / "run" / "checkpoints"),
+                "--out",
+                str(out),
+                "--max-shard-size",
+                "300KB",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(files) > 2
     assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
@@ -258,26 +324,57 @@ def test_k3_preset_config_json_carries_the_published_values():
     config = to_hf_config(ModelConfig.preset("k3"))
     text = config["text_config"]
     published = {
-        "vocab_size": 163840, "hidden_size": 7168, "num_hidden_layers": 93, "intermediate_size": 33792,
-        "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_attention_heads": 96, "num_key_value_heads": 96,
-        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "mla_use_nope": True, "mla_use_output_gate": True, "num_experts": 896,
-        "num_experts_per_token": 16, "num_shared_experts": 2, "moe_intermediate_size": 3072,
-        "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True, "moe_router_activation_func": "sigmoid",
-        "moe_renormalize": True, "routed_scaling_factor": 1.0, "use_grouped_topk": True, "num_expert_group": 1,
-        "topk_group": 1, "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-        "attn_res_block_size": 12, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-        "max_position_embeddings": 1048576, "num_nextn_predict_layers": 0,
+        "vocab_size": 163840,
+        "hidden_size": 7168,
+        "num_hidden_layers": 93,
+        "intermediate_size": 33792,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 96,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "num_experts": 896,
+        "num_experts_per_token": 16,
+        "num_shared_experts": 2,
+        "moe_intermediate_size": 3072,
+        "routed_expert_hidden_size": 3584,
+        "latent_moe_use_norm": True,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "attn_res_block_size": 12,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 1048576,
+        "num_nextn_predict_layers": 0,
     }
     for key, value in published.items():
         assert text[key] == value, key
     assert config["model_type"] == "kimi_k3" and text["model_type"] == "kimi_linear"
     assert "quantization_config" not in config and "quantization_config" not in text
     linear = text["linear_attn_config"]
-    assert {k: linear[k] for k in ("num_heads", "head_dim", "short_conv_kernel_size", "use_full_rank_gate",
-                                   "gate_lower_bound")} == {"num_heads": 96, "head_dim": 128,
-                                                            "short_conv_kernel_size": 4, "use_full_rank_gate": True,
-                                                            "gate_lower_bound": -5.0}
+    assert {
+        k: linear[k]
+        for k in ("num_heads", "head_dim", "short_conv_kernel_size", "use_full_rank_gate", "gate_lower_bound")
+    } == {
+        "num_heads": 96,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+        "use_full_rank_gate": True,
+        "gate_lower_bound": -5.0,
+    }
     full = list(range(4, 93, 4)) + [93]
     assert linear["full_attn_layers"] == full and len(full) == 24
     assert linear["kda_layers"] == [i for i in range(1, 94) if i not in full]
@@ -307,15 +404,28 @@ def test_k3_preset_tensor_list_matches_the_hub_without_building_weights():
     assert padded[P + "layers.0.self_attn.A_log"] == (32,)
 
 
-@pytest.mark.parametrize("config", [
-    ModelConfig(),
-    ModelConfig(q_lora_rank=None, num_shared_experts=0, latent_moe_use_norm=False, mla_use_output_gate=False,
-                tie_word_embeddings=True, hidden_act="silu"),
-    ModelConfig(attn_res="none", first_k_dense_replace=2, balancer="sign", recompute="none"),
-    ModelConfig(num_experts=0, num_experts_per_token=0,
-                linear_attn_config=LinearAttnConfig(gate_low_rank_dim=16, full_attn_layers=[1, 5], chunk_size=16,
-                                                    gate_lower_bound=None)),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        ModelConfig(),
+        ModelConfig(
+            q_lora_rank=None,
+            num_shared_experts=0,
+            latent_moe_use_norm=False,
+            mla_use_output_gate=False,
+            tie_word_embeddings=True,
+            hidden_act="silu",
+        ),
+        ModelConfig(attn_res="none", first_k_dense_replace=2, balancer="sign", recompute="none"),
+        ModelConfig(
+            num_experts=0,
+            num_experts_per_token=0,
+            linear_attn_config=LinearAttnConfig(
+                gate_low_rank_dim=16, full_attn_layers=[1, 5], chunk_size=16, gate_lower_bound=None
+            ),
+        ),
+    ],
+)
 def test_mapping_covers_the_model_and_config_round_trips(config):
     with torch.device("meta"):
         model = K3Model(config)
@@ -329,11 +439,21 @@ def test_mapping_covers_the_model_and_config_round_trips(config):
 MAPPED_CONFIGS = [
     ModelConfig(),
     ModelConfig.preset("debug"),
-    ModelConfig(q_lora_rank=None, num_shared_experts=0, latent_moe_use_norm=False, mla_use_output_gate=False,
-                tie_word_embeddings=True, hidden_act="silu"),
+    ModelConfig(
+        q_lora_rank=None,
+        num_shared_experts=0,
+        latent_moe_use_norm=False,
+        mla_use_output_gate=False,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+    ),
     ModelConfig(attn_res="full", first_k_dense_replace=2),
-    ModelConfig(attn_res="none", num_experts=0, num_experts_per_token=0,
-                linear_attn_config=LinearAttnConfig(full_attn_layers=[1, 5])),
+    ModelConfig(
+        attn_res="none",
+        num_experts=0,
+        num_experts_per_token=0,
+        linear_attn_config=LinearAttnConfig(full_attn_layers=[1, 5]),
+    ),
 ]
 
 
@@ -346,7 +466,9 @@ def test_every_model_tensor_has_one_hub_name_and_back(config):
     by_hub: dict[str, tuple[str, object]] = {}
     count = 0
     for name, tensor in model.state_dict().items():
-        experts = range(tensor.shape[0]) if re.fullmatch(r"layers\.\d+\.block_sparse_moe\.experts\.w[123]", name) else [None]
+        experts = (
+            range(tensor.shape[0]) if re.fullmatch(r"layers\.\d+\.block_sparse_moe\.experts\.w[123]", name) else [None]
+        )
         for expert in experts:
             hub = hf_name(name, expert)
             assert HF_TEXT_TENSOR_NAME.fullmatch(hub), hub
@@ -371,7 +493,9 @@ def test_a_model_tensor_the_mapping_does_not_cover_is_refused(monkeypatch):
 
     monkeypatch.setattr(k3_module, "K3Model", GrownModel)
     assert "layers.0.self_attn.new_gain" in k3_state_shapes(ModelConfig())
-    with pytest.raises(HFConversionError, match=r"layers\.0\.self_attn\.new_gain has no name in the Kimi K3 hub layout"):
+    with pytest.raises(
+        HFConversionError, match=r"layers\.0\.self_attn\.new_gain has no name in the Kimi K3 hub layout"
+    ):
         hf_tensor_specs(ModelConfig())
     with pytest.raises(HFConversionError, match="not a tensor name"):
         k3train_name(P + "layers.0.self_attn.new_gain")
@@ -380,27 +504,62 @@ def test_a_model_tensor_the_mapping_does_not_cover_is_refused(monkeypatch):
 def test_hub_file_order_of_a_layer_is_the_published_listing():
     """The shards' byte layout follows this order: the decay-gate tensors sit after f_b_proj."""
     specs = hf_tensor_specs(ModelConfig())
-    kda = [s.hf_name[len(P + "layers.0."):] for s in specs if s.hf_name.startswith(P + "layers.0.self_attn.")]
-    assert kda == [f"self_attn.{n}" for n in (
-        "q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
-        "f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log", "b_proj.weight", "g_proj.weight",
-        "o_norm.weight", "o_proj.weight")]
-    layer1 = [s.hf_name[len(P + "layers.1."):] for s in specs if s.hf_name.startswith(P + "layers.1.")]
+    kda = [s.hf_name[len(P + "layers.0.") :] for s in specs if s.hf_name.startswith(P + "layers.0.self_attn.")]
+    assert kda == [
+        f"self_attn.{n}"
+        for n in (
+            "q_proj.weight",
+            "k_proj.weight",
+            "v_proj.weight",
+            "q_conv1d.weight",
+            "k_conv1d.weight",
+            "v_conv1d.weight",
+            "f_a_proj.weight",
+            "f_b_proj.weight",
+            "dt_bias",
+            "A_log",
+            "b_proj.weight",
+            "g_proj.weight",
+            "o_norm.weight",
+            "o_proj.weight",
+        )
+    ]
+    layer1 = [s.hf_name[len(P + "layers.1.") :] for s in specs if s.hf_name.startswith(P + "layers.1.")]
     assert layer1[:3] == ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight"]
     moe = [n for n in layer1 if n.startswith("block_sparse_moe.") and ".experts." not in n]
-    assert moe == ["block_sparse_moe." + n for n in (
-        "gate.weight", "gate.e_score_correction_bias", "routed_expert_down_proj.weight", "routed_expert_norm.weight",
-        "routed_expert_up_proj.weight", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
-        "shared_experts.down_proj.weight")]
+    assert moe == [
+        "block_sparse_moe." + n
+        for n in (
+            "gate.weight",
+            "gate.e_score_correction_bias",
+            "routed_expert_down_proj.weight",
+            "routed_expert_norm.weight",
+            "routed_expert_up_proj.weight",
+            "shared_experts.gate_proj.weight",
+            "shared_experts.up_proj.weight",
+            "shared_experts.down_proj.weight",
+        )
+    ]
     first_expert = layer1.index("block_sparse_moe.experts.0.w1.weight")
     assert layer1[first_expert - 1] == "block_sparse_moe.routed_expert_down_proj.weight"
-    assert layer1[first_expert: first_expert + 4] == [
-        "block_sparse_moe.experts.0.w1.weight", "block_sparse_moe.experts.0.w3.weight",
-        "block_sparse_moe.experts.0.w2.weight", "block_sparse_moe.experts.1.w1.weight"]
-    assert layer1[-4:] == ["self_attention_res_norm.weight", "self_attention_res_proj.weight",
-                           "mlp_res_norm.weight", "mlp_res_proj.weight"]
-    assert [s.hf_name for s in specs[-4:]] == [P + "output_attn_res_norm.weight", P + "output_attn_res_proj.weight",
-                                               P + "norm.weight", HF_LM_HEAD]
+    assert layer1[first_expert : first_expert + 4] == [
+        "block_sparse_moe.experts.0.w1.weight",
+        "block_sparse_moe.experts.0.w3.weight",
+        "block_sparse_moe.experts.0.w2.weight",
+        "block_sparse_moe.experts.1.w1.weight",
+    ]
+    assert layer1[-4:] == [
+        "self_attention_res_norm.weight",
+        "self_attention_res_proj.weight",
+        "mlp_res_norm.weight",
+        "mlp_res_proj.weight",
+    ]
+    assert [s.hf_name for s in specs[-4:]] == [
+        P + "output_attn_res_norm.weight",
+        P + "output_attn_res_proj.weight",
+        P + "norm.weight",
+        HF_LM_HEAD,
+    ]
 
 
 def test_attn_res_full_or_none_exports_without_the_old_flag():
@@ -408,15 +567,30 @@ def test_attn_res_full_or_none_exports_without_the_old_flag():
     # (tests/unit/test_hf_remote_code.py); the flag is still accepted.
     for mode in ("full", "none"):
         assert to_hf_config(ModelConfig(attn_res=mode))["text_config"]["k3train"]["attn_res"] == mode
-        assert to_hf_config(ModelConfig(attn_res=mode), allow_k3train_only=True)["text_config"]["k3train"]["attn_res"] == mode
+        assert (
+            to_hf_config(ModelConfig(attn_res=mode), allow_k3train_only=True)["text_config"]["k3train"]["attn_res"]
+            == mode
+        )
 
 
 def test_variant_model_round_trips_through_the_tool(tmp_path):
     """Tied head, full-rank q_proj MLA, no shared experts, SwiGLU, plain residuals, padded A_log."""
-    config = ModelConfig(hidden_size=64, num_hidden_layers=4, vocab_size=300, q_lora_rank=None, num_shared_experts=0,
-                         tie_word_embeddings=True, hidden_act="silu", attn_res="none", num_experts=4,
-                         num_experts_per_token=2, routed_expert_hidden_size=32, moe_intermediate_size=32,
-                         intermediate_size=96, linear_attn_config=LinearAttnConfig(num_heads=2, head_dim=32))
+    config = ModelConfig(
+        hidden_size=64,
+        num_hidden_layers=4,
+        vocab_size=300,
+        q_lora_rank=None,
+        num_shared_experts=0,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        attn_res="none",
+        num_experts=4,
+        num_experts_per_token=2,
+        routed_expert_hidden_size=32,
+        moe_intermediate_size=32,
+        intermediate_size=96,
+        linear_attn_config=LinearAttnConfig(num_heads=2, head_dim=32),
+    )
     state = _save_run(tmp_path / "run", config, with_optimizer=False)
     args = ["to-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--dtype", "fp32", "--quiet"]
     assert convert.main(args + ["--pad-a-log"]) == 0  # attn_res none exports (formerly needed the flag)
@@ -466,12 +640,28 @@ def test_checkpoint_saved_sharded_over_two_ranks_exports_the_same_tensors(debug_
     (run / "checkpoints").mkdir(parents=True)
     shutil.copyfile(root / "run" / "config.yaml", run / "config.yaml")
     step = run / "checkpoints" / "step_00000003"
-    run_workers(2, "tests.unit.test_hf_conversion:save_sharded_worker", {"path": str(step), "state": state},
-                timeout_s=180)
+    run_workers(
+        2, "tests.unit.test_hf_conversion:save_sharded_worker", {"path": str(step), "state": state}, timeout_s=180
+    )
     metadata = convert.CheckpointTensorReader(step).metadata.state_dict_metadata
     assert len(metadata["model.layers.1.block_sparse_moe.experts.w1"].chunks) == 2
-    assert convert.main(["to-hf", "--load", str(step), "--out", str(tmp_path / "hf"), "--dtype", "fp32",
-                         "--read-budget", "70KB", "--quiet"]) == 0
+    assert (
+        convert.main(
+            [
+                "to-hf",
+                "--load",
+                str(step),
+                "--out",
+                str(tmp_path / "hf"),
+                "--dtype",
+                "fp32",
+                "--read-budget",
+                "70KB",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     reference, exported = _tensors(root / "hf"), _tensors(tmp_path / "hf")
     assert exported.keys() == reference.keys()
     for name, tensor in exported.items():
@@ -485,14 +675,21 @@ def _debug_hf_config() -> dict:
     return to_hf_config(ModelConfig())
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda c: c["text_config"].update(mla_use_nope=False), "rotary MLA"),
-    (lambda c: c["text_config"].pop("mla_use_nope"), "rotary MLA"),
-    (lambda c: c["text_config"].update(num_expert_group=8, topk_group=4), "grouped top-k"),
-    (lambda c: c.update(quantization_config={"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}),
-     "quantised checkpoint"),
-    (lambda c: c["text_config"].update(num_nextn_predict_layers=1), "multi-token-prediction"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c["text_config"].update(mla_use_nope=False), "rotary MLA"),
+        (lambda c: c["text_config"].pop("mla_use_nope"), "rotary MLA"),
+        (lambda c: c["text_config"].update(num_expert_group=8, topk_group=4), "grouped top-k"),
+        (
+            lambda c: c.update(
+                quantization_config={"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+            ),
+            "quantised checkpoint",
+        ),
+        (lambda c: c["text_config"].update(num_nextn_predict_layers=1), "multi-token-prediction"),
+    ],
+)
 def test_unrepresentable_configs_are_refused(change, message):
     config = _debug_hf_config()
     change(config)
@@ -515,7 +712,8 @@ def test_unloadable_tensors_are_refused():
     specs = hf_tensor_specs(config)
     available = {s.hf_name: s.shape for s in specs}
     assert check_hf_tensors(dict(available, **{"vision_tower.patch_embed.weight": (4, 4)}), specs) == [
-        "vision_tower.patch_embed.weight"]
+        "vision_tower.patch_embed.weight"
+    ]
     packed = dict(available)
     expert = P + "layers.1.block_sparse_moe.experts.0.w1"
     del packed[expert + ".weight"]

@@ -30,13 +30,36 @@ def kimi_linear_model_config(**changes) -> ModelConfig:
     """A tiny k3train config that Kimi Linear expresses: plain residuals, SwiGLU, plain MoE,
     unbounded decay, low-rank output gate, no MLA output gate."""
     config = ModelConfig(
-        vocab_size=384, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, q_lora_rank=32,
-        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mla_use_output_gate=False,
-        linear_attn_config=LinearAttnConfig(num_heads=4, head_dim=16, gate_lower_bound=None, output_gate="low_rank",
-                                            full_attn_layers=[2, 4], chunk_size=16),
-        hidden_act="silu", intermediate_size=96, first_k_dense_replace=1, num_experts=8, num_experts_per_token=2,
-        num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=None, latent_moe_use_norm=False,
-        routed_scaling_factor=2.5, attn_res="none", recompute="none",
+        vocab_size=384,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        mla_use_output_gate=False,
+        linear_attn_config=LinearAttnConfig(
+            num_heads=4,
+            head_dim=16,
+            gate_lower_bound=None,
+            output_gate="low_rank",
+            full_attn_layers=[2, 4],
+            chunk_size=16,
+        ),
+        hidden_act="silu",
+        intermediate_size=96,
+        first_k_dense_replace=1,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=None,
+        latent_moe_use_norm=False,
+        routed_scaling_factor=2.5,
+        attn_res="none",
+        recompute="none",
     )
     return config.replace(**changes)
 
@@ -66,8 +89,23 @@ def k3train_export(tmp_path_factory):
     root = tmp_path_factory.mktemp("kimi_linear")
     config = kimi_linear_model_config()
     state = _save_run(root / "run", config)
-    assert convert.main(["to-hf", "--load", str(root / "run"), "--out", str(root / "hf"), "--format", "kimi_linear",
-                         "--dtype", "fp32", "--quiet"]) == 0
+    assert (
+        convert.main(
+            [
+                "to-hf",
+                "--load",
+                str(root / "run"),
+                "--out",
+                str(root / "hf"),
+                "--format",
+                "kimi_linear",
+                "--dtype",
+                "fp32",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return root, config, state
 
 
@@ -107,12 +145,32 @@ def test_kimi_linear_export_writes_no_latent_projections_and_a_4d_a_log(k3train_
 
 def _transformers_model() -> KimiLinearForCausalLM:
     config = KimiLinearConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-        v_head_dim=16, qk_nope_head_dim=16, num_experts=8, num_experts_per_token=2, routed_scaling_factor=2.446,
-        linear_attn_config={"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4,
-                            "full_attn_layers": [2, 4], "kda_layers": [1, 3]},
-        first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        num_experts=8,
+        num_experts_per_token=2,
+        routed_scaling_factor=2.446,
+        linear_attn_config={
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+            "full_attn_layers": [2, 4],
+            "kda_layers": [1, 3],
+        },
+        first_k_dense_replace=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(11)
     model = KimiLinearForCausalLM(config).eval()
@@ -152,8 +210,23 @@ def test_transformers_kimi_linear_imports_with_the_same_logits(transformers_chec
 
 def test_transformers_kimi_linear_round_trips_bit_identically(transformers_checkpoint, tmp_path):
     root, hf_model = transformers_checkpoint
-    assert convert.main(["to-hf", "--load", str(root / "run"), "--out", str(tmp_path / "hf"), "--format", "kimi_linear",
-                         "--dtype", "fp32", "--quiet"]) == 0
+    assert (
+        convert.main(
+            [
+                "to-hf",
+                "--load",
+                str(root / "run"),
+                "--out",
+                str(tmp_path / "hf"),
+                "--format",
+                "kimi_linear",
+                "--dtype",
+                "fp32",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     again = _load_transformers(tmp_path / "hf")
     original = hf_model.state_dict()
     exported = again.state_dict()
@@ -162,24 +235,52 @@ def test_transformers_kimi_linear_round_trips_bit_identically(transformers_check
         assert tensor.dtype == exported[name].dtype and torch.equal(tensor, exported[name]), name
 
 
-@pytest.mark.parametrize("changes, feature", [
-    ({"attn_res": "block"}, "model.attn_res"),
-    ({"hidden_act": "situ"}, "model.hidden_act"),
-    ({"routed_expert_hidden_size": 64}, "routed_expert_hidden_size"),
-    ({"mla_use_output_gate": True}, "mla_use_output_gate"),
-    ({"linear_attn_config": LinearAttnConfig(num_heads=4, head_dim=16, gate_lower_bound=-5.0, output_gate="low_rank",
-                                             full_attn_layers=[2, 4])}, "gate_lower_bound"),
-    ({"linear_attn_config": LinearAttnConfig(num_heads=4, head_dim=16, gate_lower_bound=None, output_gate="full",
-                                             full_attn_layers=[2, 4])}, "full-rank KDA output gate"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-])
+@pytest.mark.parametrize(
+    "changes, feature",
+    [
+        ({"attn_res": "block"}, "model.attn_res"),
+        ({"hidden_act": "situ"}, "model.hidden_act"),
+        ({"routed_expert_hidden_size": 64}, "routed_expert_hidden_size"),
+        ({"mla_use_output_gate": True}, "mla_use_output_gate"),
+        (
+            {
+                "linear_attn_config": LinearAttnConfig(
+                    num_heads=4, head_dim=16, gate_lower_bound=-5.0, output_gate="low_rank", full_attn_layers=[2, 4]
+                )
+            },
+            "gate_lower_bound",
+        ),
+        (
+            {
+                "linear_attn_config": LinearAttnConfig(
+                    num_heads=4, head_dim=16, gate_lower_bound=None, output_gate="full", full_attn_layers=[2, 4]
+                )
+            },
+            "full-rank KDA output gate",
+        ),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ],
+)
 def test_k3_only_features_are_refused_in_one_line(changes, feature, tmp_path, capsys):
     config = kimi_linear_model_config(**changes)
     assert feature in (kimi_linear_refusal(config) or "")
     _save_run(tmp_path / "run", config, with_optimizer=False)
     capsys.readouterr()
-    assert convert.main(["to-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf"),
-                         "--format", "kimi_linear", "--quiet"]) == 2
+    assert (
+        convert.main(
+            [
+                "to-hf",
+                "--load",
+                str(tmp_path / "run"),
+                "--out",
+                str(tmp_path / "hf"),
+                "--format",
+                "kimi_linear",
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot export as Kimi Linear") and feature in err and "\n" not in err
 
@@ -190,8 +291,21 @@ def test_full_rank_kda_output_gate_refusal_names_the_feature_and_the_fix(tmp_pat
     lac = LinearAttnConfig(num_heads=4, head_dim=16, gate_lower_bound=None, output_gate="full", full_attn_layers=[2, 4])
     _save_run(tmp_path / "run", kimi_linear_model_config(linear_attn_config=lac), with_optimizer=False)
     capsys.readouterr()
-    assert convert.main(["to-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf"),
-                         "--format", "kimi_linear", "--quiet"]) == 2
+    assert (
+        convert.main(
+            [
+                "to-hf",
+                "--load",
+                str(tmp_path / "run"),
+                "--out",
+                str(tmp_path / "hf"),
+                "--format",
+                "kimi_linear",
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     print(err)
     assert "\n" not in err and not (tmp_path / "hf" / "config.json").exists()

@@ -14,8 +14,13 @@ from k3train.model.k3 import K3Model
 
 def _config(**changes) -> ModelConfig:
     lac = LinearAttnConfig(num_heads=4, head_dim=16, output_gate="low_rank", output_gate_rank=8)
-    return ModelConfig(hidden_size=64, num_hidden_layers=4, linear_attn_config=lac,
-                       routed_expert_hidden_size=None, latent_moe_use_norm=False).replace(**changes)
+    return ModelConfig(
+        hidden_size=64,
+        num_hidden_layers=4,
+        linear_attn_config=lac,
+        routed_expert_hidden_size=None,
+        latent_moe_use_norm=False,
+    ).replace(**changes)
 
 
 def test_low_rank_output_gate_and_plain_moe_parameters():
@@ -42,7 +47,9 @@ def test_plain_moe_trains_and_a_latent_norm_without_latent_width_is_refused():
     tokens = torch.randint(0, config.vocab_size, (2, 9))
     model.loss(model(tokens), tokens).backward()
     assert [n for n, p in model.named_parameters() if p.grad is None] == [  # one source: softmax of one
-        "layers.0.self_attention_res.norm.weight", "layers.0.self_attention_res.proj.weight"]
+        "layers.0.self_attention_res.norm.weight",
+        "layers.0.self_attention_res.proj.weight",
+    ]
     with pytest.raises(ValueError, match="latent_moe_use_norm"):
         _config(latent_moe_use_norm=True).validate()
     with pytest.raises(ValueError, match="output_gate"):

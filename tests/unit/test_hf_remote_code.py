@@ -36,16 +36,33 @@ def _model_config(attn_res: str) -> ModelConfig:
 
 def _export(root: Path, attn_res: str, *options: str) -> Path:
     _save_run(root / "run", _model_config(attn_res))
-    assert convert.main(["to-hf", "--load", str(root / "run"), "--out", str(root / "hf"), "--dtype", "fp32",
-                         "--quiet", *options]) == 0
+    assert (
+        convert.main(
+            ["to-hf", "--load", str(root / "run"), "--out", str(root / "hf"), "--dtype", "fp32", "--quiet", *options]
+        )
+        == 0
+    )
     return root / "hf"
 
 
 def _score(root: Path, tokens: torch.Tensor, dtype: str = "fp32") -> torch.Tensor:
     """k3train's logits of `tokens` as `tools/score.py` writes them (the run's checkpoint)."""
     (root / "tokens.json").write_text(json.dumps(tokens.tolist()))
-    assert score.main(["--load", str(root / "run"), "--tokens-file", str(root / "tokens.json"),
-                       "--out", str(root / "logits.json"), "--dtype", dtype]) == 0
+    assert (
+        score.main(
+            [
+                "--load",
+                str(root / "run"),
+                "--tokens-file",
+                str(root / "tokens.json"),
+                "--out",
+                str(root / "logits.json"),
+                "--dtype",
+                dtype,
+            ]
+        )
+        == 0
+    )
     return torch.tensor(json.loads((root / "logits.json").read_text())["logits"])
 
 
@@ -55,8 +72,9 @@ def remote_module(model):
 
 
 def _load_remote(path: Path):
-    model, info = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True, dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(path), trust_remote_code=True, dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model.eval()
 
@@ -75,8 +93,9 @@ def test_remote_code_export_computes_k3train_logits_and_greedy_decode(attn_res, 
             fp32 = (remote(input_ids=tokens).logits - _score(tmp_path, tokens)).abs().max().item()
             fp64 = (remote.double()(input_ids=tokens).logits - k3.double()(tokens)).abs().max().item()
         remote.float(), k3.float()
-        print(f"remote K3 ({attn_res}), T={length}: max abs logit difference to score.py fp32 {fp32:.3g}, "
-              f"fp64 {fp64:.3g}")
+        print(
+            f"remote K3 ({attn_res}), T={length}: max abs logit difference to score.py fp32 {fp32:.3g}, fp64 {fp64:.3g}"
+        )
         assert fp32 <= TOLERANCE and fp64 <= 1e-9, (length, fp32, fp64)
 
     # A prompt in two pieces through the cache (the second chunkwise from the cached KDA state),
@@ -89,20 +108,23 @@ def test_remote_code_export_computes_k3train_logits_and_greedy_decode(attn_res, 
         second = remote(input_ids=tokens, cache=cache, use_cache=True)
         remote.float()
     pieces = (torch.cat([first.logits, second.logits], dim=1) - whole).abs().max().item()
-    print(f"remote K3 ({attn_res}), T={tokens.shape[1]} in pieces 9 + {tokens.shape[1] - 9} through the cache: "
-          f"max abs logit difference fp64 {pieces:.3g}")
+    print(
+        f"remote K3 ({attn_res}), T={tokens.shape[1]} in pieces 9 + {tokens.shape[1] - 9} through the cache: "
+        f"max abs logit difference fp64 {pieces:.3g}"
+    )
     assert pieces <= 1e-9, pieces
 
     prompt = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
-        generated = remote.generate(prompt, max_new_tokens=DECODE_STEPS, do_sample=False,
-                                    return_dict_in_generate=True, output_logits=True)
+        generated = remote.generate(
+            prompt, max_new_tokens=DECODE_STEPS, do_sample=False, return_dict_in_generate=True, output_logits=True
+        )
         tokens = generated.sequences
         # k3train's greedy decode: the whole sequence each step, no cache (chunkwise KDA)
-        full_fp32 = [k3(tokens[:, :prompt.shape[1] + i])[:, -1] for i in range(DECODE_STEPS)]
-        assert torch.equal(tokens[:, prompt.shape[1]:], torch.stack([s.argmax(-1) for s in full_fp32], dim=1))
+        full_fp32 = [k3(tokens[:, : prompt.shape[1] + i])[:, -1] for i in range(DECODE_STEPS)]
+        assert torch.equal(tokens[:, prompt.shape[1] :], torch.stack([s.argmax(-1) for s in full_fp32], dim=1))
         k3.double(), remote.double()
-        truth = [k3(tokens[:, :prompt.shape[1] + i])[:, -1] for i in range(DECODE_STEPS)]
+        truth = [k3(tokens[:, : prompt.shape[1] + i])[:, -1] for i in range(DECODE_STEPS)]
         cached_fp64 = _decode_through_cache(remote, tokens, prompt.shape[1])
         k3.float(), remote.float()
     # float64: the cached steps (one recurrent KDA step, MLA keys/values appended) are the same
@@ -112,9 +134,11 @@ def test_remote_code_export_computes_k3train_logits_and_greedy_decode(attn_res, 
     # error, measured against the float64 truth and held to the worst-case rounding bound.
     bound = fp32_forward_error_bound(_model_config(attn_res), tokens.shape[1], max(t.abs().max().item() for t in truth))
     cached_error, full_error = _max_difference(generated.logits, truth), _max_difference(full_fp32, truth)
-    print(f"remote K3 ({attn_res}): generate() of {DECODE_STEPS} greedy tokens equals k3train's; cached steps "
-          f"against the float64 recomputation: fp64 {algorithm:.3g}, fp32 {cached_error:.3g} (k3train's own fp32 "
-          f"{full_error:.3g}; worst-case bound {bound:.3g})")
+    print(
+        f"remote K3 ({attn_res}): generate() of {DECODE_STEPS} greedy tokens equals k3train's; cached steps "
+        f"against the float64 recomputation: fp64 {algorithm:.3g}, fp32 {cached_error:.3g} (k3train's own fp32 "
+        f"{full_error:.3g}; worst-case bound {bound:.3g})"
+    )
     assert algorithm <= 1e-9, algorithm
     assert cached_error <= bound and full_error <= bound, (cached_error, full_error, bound)
 
@@ -132,8 +156,16 @@ def fp32_forward_error_bound(config: ModelConfig, length: int, scale: float) -> 
     kda = config.linear_attn_config
     heads_width = max(kda.num_heads * kda.head_dim, config.num_attention_heads * config.v_head_dim)
     expert_width = config.routed_expert_hidden_size or config.hidden_size
-    per_layer = (config.hidden_size + kda.head_dim + length + heads_width + config.hidden_size
-                 + expert_width + config.moe_intermediate_size + expert_width)
+    per_layer = (
+        config.hidden_size
+        + kda.head_dim
+        + length
+        + heads_width
+        + config.hidden_size
+        + expert_width
+        + config.moe_intermediate_size
+        + expert_width
+    )
     terms = config.num_hidden_layers * per_layer + config.hidden_size
     return terms * UNIT_ROUNDOFF_FP32 * scale
 
@@ -144,8 +176,9 @@ def _decode_through_cache(remote, tokens: torch.Tensor, prompt_length: int) -> l
     output = remote(input_ids=tokens[:, :prompt_length], use_cache=True)
     logits = [output.logits[:, -1]]
     for end in range(prompt_length + 1, tokens.shape[1]):
-        output = remote(input_ids=tokens[:, :end], cache=getattr(output, remote_module(remote).CACHE_FIELD),
-                        use_cache=True)
+        output = remote(
+            input_ids=tokens[:, :end], cache=getattr(output, remote_module(remote).CACHE_FIELD), use_cache=True
+        )
         logits.append(output.logits[:, -1])
     return logits
 
@@ -193,6 +226,7 @@ def test_remote_code_loads_and_generates_with_k3train_unimportable(tmp_path):
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("PYTHONPATH", None)
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and "generated 7" in result.stdout, result.stderr[-2000:]

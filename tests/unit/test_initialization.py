@@ -21,18 +21,24 @@ TINY_TILE = 64  # elements: every debug-model matrix spans many tiles
 
 def unbounded_gate_config() -> ModelConfig:
     base = ModelConfig()
-    return dataclasses.replace(base, linear_attn_config=dataclasses.replace(base.linear_attn_config, gate_lower_bound=None))
+    return dataclasses.replace(
+        base, linear_attn_config=dataclasses.replace(base.linear_attn_config, gate_lower_bound=None)
+    )
 
 
 def tp_rank_model(config: ModelConfig, tp: int, rank: int, ep: int = 1) -> K3Model:
     """The model TP rank `rank` of `tp` (and EP rank `rank % ep` of `ep`) builds, in one process
     (no collective runs while building and initialising)."""
-    parallel = SimpleNamespace(tp=Group("tp", tuple(range(tp)), rank, None, TrafficCounter()), sequence_parallel=False,
-                               cp=Group("cp", (0,), 0, None, TrafficCounter()))
+    parallel = SimpleNamespace(
+        tp=Group("tp", tuple(range(tp)), rank, None, TrafficCounter()),
+        sequence_parallel=False,
+        cp=Group("cp", (0,), 0, None, TrafficCounter()),
+    )
     expert_parallel = None
     if ep > 1:
-        expert_parallel = ExpertParallel(Group("ep", tuple(range(ep)), rank % ep, None, TrafficCounter()),
-                                         config.num_experts, "capacity", 1.0)
+        expert_parallel = ExpertParallel(
+            Group("ep", tuple(range(ep)), rank % ep, None, TrafficCounter()), config.num_experts, "capacity", 1.0
+        )
     return K3Model(config, parallel=parallel, expert_parallel=expert_parallel)
 
 
@@ -45,8 +51,11 @@ def reassembled(shards: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return shards[0]
 
 
-@pytest.mark.parametrize("config, tp, ep", [(ModelConfig(), 2, 1), (unbounded_gate_config(), 4, 2)],
-                         ids=["tp2-bounded-gate", "tp4-ep2-unbounded-gate"])
+@pytest.mark.parametrize(
+    "config, tp, ep",
+    [(ModelConfig(), 2, 1), (unbounded_gate_config(), 4, 2)],
+    ids=["tp2-bounded-gate", "tp4-ep2-unbounded-gate"],
+)
 def test_shards_drawn_in_tiny_tiles_reassemble_to_the_one_process_tensor(config, tp, ep):
     whole = K3Model(config)
     whole.init_weights(seed=7, tile_elements=TINY_TILE)
@@ -76,7 +85,7 @@ def test_tensors_of_one_tile_keep_the_whole_tensor_draw_and_larger_ones_are_tile
         if param.numel() and random and rows.numel() > TINY_TILE:
             assert not torch.equal(param, tiny_params[name]), name
             first_tile = max(1, TINY_TILE // rows[0].numel())  # tile 0 has the seed of the whole draw
-            assert not torch.equal(rows[:first_tile], rows[first_tile:2 * first_tile])
+            assert not torch.equal(rows[:first_tile], rows[first_tile : 2 * first_tile])
         elif param.numel() <= TINY_TILE:
             assert torch.equal(param, tiny_params[name]), name
 
@@ -109,8 +118,11 @@ class LargestAllocation(TorchDispatchMode):
         result = func(*args, **(kwargs or {}))
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         for output in outputs:
-            if isinstance(output, torch.Tensor) and not output._is_view() \
-                    and output.untyped_storage().data_ptr() not in self.existing:
+            if (
+                isinstance(output, torch.Tensor)
+                and not output._is_view()
+                and output.untyped_storage().data_ptr() not in self.existing
+            ):
                 self.shapes.add(tuple(output.shape))
                 if output.numel() > self.largest:
                     self.largest, self.operator = output.numel(), func
@@ -133,7 +145,9 @@ def test_a_tp_rank_allocates_at_most_one_tile(config):
     whole = K3Model(config)
     whole.init_weights(seed=7, tile_elements=SMALL_TILE)
     assert torch.equal(lm_head, whole.lm_head.weight.chunk(2, 0)[1])
-    assert torch.equal(model.layers["1"].self_attn.o_proj.weight, whole.layers["1"].self_attn.o_proj.weight.chunk(2, 1)[1])
+    assert torch.equal(
+        model.layers["1"].self_attn.o_proj.weight, whole.layers["1"].self_attn.o_proj.weight.chunk(2, 1)[1]
+    )
 
 
 def test_kda_gate_is_initialised_once_from_its_stream():
@@ -151,7 +165,7 @@ def test_kda_gate_is_initialised_once_from_its_stream():
 def test_a_tp_rank_never_builds_the_whole_output_head():
     """With a vocabulary of two default tiles (as at K3 size, where the head spans many), neither
     building nor initialising a TP rank allocates the whole `[vocab, hidden]` matrix."""
-    config = dataclasses.replace(ModelConfig(), vocab_size=2 ** 18, num_hidden_layers=2, attn_res_block_size=1)
+    config = dataclasses.replace(ModelConfig(), vocab_size=2**18, num_hidden_layers=2, attn_res_block_size=1)
     with LargestAllocation([]) as recorder:
         model = tp_rank_model(config, tp=2, rank=1)
     assert model.lm_head.weight.shape == (config.vocab_size // 2, config.hidden_size)

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 
 from k3train.kernels.kda import (
     chunk_kda,
+    chunk_training,
+    fla_backend,
     kda_gate,
     kda_gate_unbounded,
     naive_recurrent_kda,
 )
-from k3train.kernels.kda import chunk_training
-from k3train.kernels.kda import fla_backend
 from k3train.kernels.kda.chunk import chunk_kda_autograd_reference
 from k3train.kernels.kda.tiles import (
     causal_keys_seen,
@@ -128,22 +128,16 @@ def test_recurrence_matches_hand_arithmetic(kernel):
     # t=2: decay by [1, 0.25]        -> S = [4, 0.5]; kᵀS = 0.6·4 + 0.8·0.5 = 2.8, v − kᵀS = −1.8
     #      S += 0.5·[0.6, 0.8]·(−1.8) -> S = [3.46, −0.22]; o = [0, 1]·S = −0.22
     inputs, initial_state = hand_case()
-    o, final_state = kernel(
-        **inputs, scale=1.0, initial_state=initial_state, output_final_state=True
-    )
+    o, final_state = kernel(**inputs, scale=1.0, initial_state=initial_state, output_final_state=True)
     expected_o = torch.tensor([6.0, -0.22], dtype=F64)
     torch.testing.assert_close(o.flatten(), expected_o, rtol=0, atol=1e-12)
-    torch.testing.assert_close(
-        final_state.flatten(), torch.tensor([3.46, -0.22], dtype=F64), rtol=0, atol=1e-12
-    )
+    torch.testing.assert_close(final_state.flatten(), torch.tensor([3.46, -0.22], dtype=F64), rtol=0, atol=1e-12)
     # The default scale is K^-1/2, and o is linear in the scale.
     o_default, _ = kernel(**inputs, initial_state=initial_state)
     torch.testing.assert_close(o_default, o * 2**-0.5, rtol=0, atol=1e-12)
     # Without an initial state nothing is carried in: t=1 alone writes 0.5·[1,0]·6 -> o = 3.
     o_fresh, _ = kernel(**{name: x[:, :1] for name, x in inputs.items()}, scale=1.0)
-    torch.testing.assert_close(
-        o_fresh.flatten(), torch.tensor([3.0], dtype=F64), rtol=0, atol=1e-12
-    )
+    torch.testing.assert_close(o_fresh.flatten(), torch.tensor([3.0], dtype=F64), rtol=0, atol=1e-12)
 
 
 # ------------------------------------------------------------------ chunked vs recurrent, float64
@@ -152,12 +146,8 @@ def test_recurrence_matches_hand_arithmetic(kernel):
 def test_chunk_matches_recurrent_float64(chunk_size, gate):
     # T = 100 is not a multiple of either chunk size: the padded tail must not touch the state.
     inputs, initial_state = make_inputs(100, gate=gate)
-    o_ref, state_ref = naive_recurrent_kda(
-        **inputs, initial_state=initial_state, output_final_state=True
-    )
-    o, state = chunk_kda(
-        **inputs, initial_state=initial_state, output_final_state=True, chunk_size=chunk_size
-    )
+    o_ref, state_ref = naive_recurrent_kda(**inputs, initial_state=initial_state, output_final_state=True)
+    o, state = chunk_kda(**inputs, initial_state=initial_state, output_final_state=True, chunk_size=chunk_size)
     assert o.dtype == F64 and state.dtype == F64
     assert max_error(o, o_ref) < 1e-9
     assert max_error(state, state_ref) < 1e-9
@@ -257,8 +247,11 @@ def test_hand_written_backward_with_a_vanishing_beta_float64(smallest_beta):
 
     scale = 0.25
     grads = gradients(lambda p: chunk_kda(**p, scale=scale, output_final_state=True, chunk_size=32))
-    grads_ref = gradients(lambda p: chunk_kda_autograd_reference(
-        p["q"], p["k"], p["v"], p["g"], p["beta"], scale, p["initial_state"], True, 32))
+    grads_ref = gradients(
+        lambda p: chunk_kda_autograd_reference(
+            p["q"], p["k"], p["v"], p["g"], p["beta"], scale, p["initial_state"], True, 32
+        )
+    )
     for name in grads:
         assert max_error(grads[name], grads_ref[name]) < 1e-12 * max(1.0, grads_ref[name].abs().max().item()), name
 
@@ -284,8 +277,15 @@ def test_backward_with_only_the_final_state_or_only_the_output_used():
         reference = {name: x.detach().clone().requires_grad_() for name, x in params.items()}
         o, state = chunk_kda(**params, output_final_state=True, chunk_size=16)
         o_ref, state_ref = chunk_kda_autograd_reference(
-            reference["q"], reference["k"], reference["v"], reference["g"], reference["beta"],
-            inputs["q"].shape[-1] ** -0.5, reference["initial_state"], True, 16,
+            reference["q"],
+            reference["k"],
+            reference["v"],
+            reference["g"],
+            reference["beta"],
+            inputs["q"].shape[-1] ** -0.5,
+            reference["initial_state"],
+            True,
+            16,
         )
         (o.sum() if use == "output" else state.sum()).backward()
         (o_ref.sum() if use == "output" else state_ref.sum()).backward()
@@ -300,18 +300,12 @@ def test_backward_with_only_the_final_state_or_only_the_output_used():
 def test_state_handover_equals_one_run(kernel):
     inputs, initial_state = make_inputs(100)
     kwargs = {"chunk_size": 32} if kernel is chunk_kda else {}
-    o_full, state_full = kernel(
-        **inputs, initial_state=initial_state, output_final_state=True, **kwargs
-    )
+    o_full, state_full = kernel(**inputs, initial_state=initial_state, output_final_state=True, **kwargs)
     split = 37  # inside a chunk, so the hand-over state comes from a padded run
     first = {name: x[:, :split] for name, x in inputs.items()}
     second = {name: x[:, split:] for name, x in inputs.items()}
-    o_first, state_mid = kernel(
-        **first, initial_state=initial_state, output_final_state=True, **kwargs
-    )
-    o_second, state_end = kernel(
-        **second, initial_state=state_mid, output_final_state=True, **kwargs
-    )
+    o_first, state_mid = kernel(**first, initial_state=initial_state, output_final_state=True, **kwargs)
+    o_second, state_end = kernel(**second, initial_state=state_mid, output_final_state=True, **kwargs)
     assert max_error(torch.cat([o_first, o_second], dim=1), o_full) < 1e-12
     assert max_error(state_end, state_full) < 1e-12
 
@@ -359,7 +353,10 @@ def test_decayed_gram_matrices_match_pairwise_definition():
     expected = torch.einsum("bic,bjc,bijc->bij", x, keys, pairwise_decay).tril()
     for tile in [1, 2, 4, 8, 16, 32]:
         decay = tile_decay(log_decay, tile, F64)
-        tiled = lambda t: t.reshape(3, chunk // tile, tile, dim)  # noqa: E731
+
+        def tiled(t: torch.Tensor, tile: int = tile) -> torch.Tensor:
+            return t.reshape(3, chunk // tile, tile, dim)
+
         (gram,) = decayed_gram_matrices(
             [tiled(x) * decay.to_reference], tiled(keys) * decay.from_reference, decay.reference
         )
@@ -423,9 +420,7 @@ def test_fp32_chunk_matches_float64_reference(gate, requires_grad):
 
 
 def test_fp32_gradients_stay_finite_and_accurate_at_worst_case_decay():
-    inputs, initial_state = make_inputs(
-        128, batch=1, heads=1, key_dim=32, value_dim=32, gate="worst"
-    )
+    inputs, initial_state = make_inputs(128, batch=1, heads=1, key_dim=32, value_dim=32, gate="worst")
     leaves = {**inputs, "initial_state": initial_state}
     generator = torch.Generator().manual_seed(1)
     o_weight = torch.randn(inputs["v"].shape, generator=generator, dtype=F64)
@@ -468,7 +463,9 @@ def test_chunk_kda_under_bf16_autocast_keeps_its_own_precision():
         o, state = chunk_kda(**params, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
     # (the same path without autocast: the forward that keeps what its backward needs)
     reference = {name: x.clone().requires_grad_() for name, x in inputs.items()}
-    o_ref, state_ref = chunk_kda(**reference, initial_state=initial_state.float(), output_final_state=True, chunk_size=16)
+    o_ref, state_ref = chunk_kda(
+        **reference, initial_state=initial_state.float(), output_final_state=True, chunk_size=16
+    )
     assert o.dtype == state.dtype == torch.float32
     assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
     (o.sum() + state.sum()).backward()
@@ -583,7 +580,7 @@ def test_fla_call_passes_layouts_and_fp32_state(monkeypatch):
     o, _ = fla_backend.run_fla_chunk_kda(
         *inputs.values(), scale=0.25, initial_state=initial_state, output_final_state=True
     )
-    (positional, kwargs), = calls
+    ((positional, kwargs),) = calls
     assert all(a is b for a, b in zip(positional, inputs.values()))  # same layouts, no copies
     assert kwargs["scale"] == 0.25 and kwargs["output_final_state"] is True
     assert kwargs["initial_state"].dtype == torch.float32
@@ -631,9 +628,16 @@ def _raw_inputs(seq_len: int, dtype=F64, seed: int = 3):
         return torch.randn(shape, generator=generator, dtype=dtype)
 
     shape = (batch, seq_len, heads, key_dim)
-    return dict(q=randn(*shape), k=randn(*shape), v=randn(batch, seq_len, heads, value_dim), gate_input=randn(*shape),
-                beta_logits=randn(batch, seq_len, heads), A_log=0.5 * randn(heads), dt_bias=randn(heads * key_dim),
-                initial_state=randn(batch, heads, key_dim, value_dim))
+    return dict(
+        q=randn(*shape),
+        k=randn(*shape),
+        v=randn(batch, seq_len, heads, value_dim),
+        gate_input=randn(*shape),
+        beta_logits=randn(batch, seq_len, heads),
+        A_log=0.5 * randn(heads),
+        dt_bias=randn(heads * key_dim),
+        initial_state=randn(batch, heads, key_dim, value_dim),
+    )
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
@@ -649,14 +653,36 @@ def test_chunk_kda_from_raw_is_the_definition_on_raw_inputs(lower_bound):
     q, k, v, z, b, a_log, dt_bias, state = inputs.values()
 
     def definition():
-        g = (kda_gate_reference(z, a_log, dt_bias, lower_bound) if lower_bound is not None
-             else kda_gate_unbounded_reference(z, a_log, dt_bias))
-        return naive_recurrent_kda(l2_normalize_reference(q), l2_normalize_reference(k), v, g, torch.sigmoid(b),
-                                   initial_state=state, output_final_state=True)
+        g = (
+            kda_gate_reference(z, a_log, dt_bias, lower_bound)
+            if lower_bound is not None
+            else kda_gate_unbounded_reference(z, a_log, dt_bias)
+        )
+        return naive_recurrent_kda(
+            l2_normalize_reference(q),
+            l2_normalize_reference(k),
+            v,
+            g,
+            torch.sigmoid(b),
+            initial_state=state,
+            output_final_state=True,
+        )
 
     def fast():
-        return chunk_kda_from_raw(q, k, v, z, b, a_log, dt_bias, lower_bound, initial_state=state,
-                                  output_final_state=True, chunk_size=16, backend="torch")
+        return chunk_kda_from_raw(
+            q,
+            k,
+            v,
+            z,
+            b,
+            a_log,
+            dt_bias,
+            lower_bound,
+            initial_state=state,
+            output_final_state=True,
+            chunk_size=16,
+            backend="torch",
+        )
 
     def values_and_grads(run):
         o, final = run()
@@ -687,7 +713,7 @@ def test_chunk_kda_from_raw_dispatch(monkeypatch):
     monkeypatch.setattr(fla_backend, "fla_takes_raw_inputs", lambda: True)
     monkeypatch.setattr(fla_backend, "use_fla_backend", lambda backend, *tensors: backend != "torch")
     raw_inputs.chunk_kda_from_raw(*values[:7], -5.0, scale=0.5, initial_state=values[7], output_final_state=True)
-    (positional, kwargs), = fused_calls
+    ((positional, kwargs),) = fused_calls
     assert all(a is b for a, b in zip(positional, values[:5]))  # q, k, v, gate input, β logits as given
     assert kwargs["use_qk_l2norm_in_kernel"] and kwargs["use_gate_in_kernel"] and kwargs["use_beta_sigmoid_in_kernel"]
     assert kwargs["safe_gate"] is False and kwargs["lower_bound"] == -5.0 and kwargs["scale"] == 0.5
@@ -708,7 +734,7 @@ def test_chunk_kda_from_raw_dispatch(monkeypatch):
     assert len(fused_calls) == 4 and torch.equal(o, torch_path[0])
     monkeypatch.setattr(fla_backend, "fla_takes_raw_inputs", lambda: False)  # an older fla: steps here
     raw_inputs.chunk_kda_from_raw(*values[:7], -8.0)
-    (positional, kwargs), = plain_calls
+    ((positional, kwargs),) = plain_calls
     assert "use_gate_in_kernel" not in kwargs
     assert torch.allclose(positional[3], kda_gate(values[3], values[5], values[6], lower_bound=-8.0))
 
@@ -726,16 +752,33 @@ def test_an_fla_without_the_raw_input_keywords_gets_the_unfused_steps(monkeypatc
         calls.append(kwargs)
         return v.clone(), None
 
-    def new_fla_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                          use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                          safe_gate=False, lower_bound=None, **kwargs):
+    def new_fla_chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=None,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        use_gate_in_kernel=False,
+        use_beta_sigmoid_in_kernel=False,
+        safe_gate=False,
+        lower_bound=None,
+        **kwargs,
+    ):
         return v.clone(), None
 
     values = list(_raw_inputs(8, dtype=torch.float32).values())
     monkeypatch.setattr(fla_backend, "use_fla_backend", lambda backend, *tensors: backend != "torch")
-    for fla, version, takes in ((old_fla_chunk_kda, "0.6.0", False), (new_fla_chunk_kda, "0.6.0", True),
-                                (new_fla_chunk_kda, "0.10.1", True), (new_fla_chunk_kda, "0.5.9", False),
-                                (new_fla_chunk_kda, None, False)):
+    for fla, version, takes in (
+        (old_fla_chunk_kda, "0.6.0", False),
+        (new_fla_chunk_kda, "0.6.0", True),
+        (new_fla_chunk_kda, "0.10.1", True),
+        (new_fla_chunk_kda, "0.5.9", False),
+        (new_fla_chunk_kda, None, False),
+    ):
         fla_backend.fla_takes_raw_inputs.cache_clear()
         monkeypatch.setattr(fla_backend, "load_fla_chunk_kda", lambda fla=fla: fla)
         monkeypatch.setattr(fla_backend, "installed_fla_version", lambda version=version: version)

@@ -42,23 +42,44 @@ def _installed(name: str) -> bool:
 
 pytestmark = pytest.mark.skipif(
     not (_installed("triton") and _installed("fla")),
-    reason=f"needs triton and fla-core: pip install --target {PACKAGES} triton fla-core (tools/setup_and_test.sh does)")
+    reason=f"needs triton and fla-core: pip install --target {PACKAGES} triton fla-core (tools/setup_and_test.sh does)",
+)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fla_kernels_under_the_interpreter_match_the_pytorch_path():
     path = os.pathsep.join(p for p in (str(PACKAGES), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": path}
-    result = subprocess.run([sys.executable, "-m", "tests.unit.fla_interpreter_worker"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=840)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": path,
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.unit.fla_interpreter_worker"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     cases = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(cases) == {"plain, T=80 (padded)", "raw inputs, bounded gate (-5)", "raw inputs, unbounded gate",
-                          "raw inputs, bounded gate, safe_gate",
-                          "short conv + SiLU, T=37", "gated RMSNorm"}
-    failures = {f"{case}: {name}": deviation for case, deviations in cases.items()
-                for name, deviation in deviations.items() if not deviation < TOLERANCE}
+    assert set(cases) == {
+        "plain, T=80 (padded)",
+        "raw inputs, bounded gate (-5)",
+        "raw inputs, unbounded gate",
+        "raw inputs, bounded gate, safe_gate",
+        "short conv + SiLU, T=37",
+        "gated RMSNorm",
+    }
+    failures = {
+        f"{case}: {name}": deviation
+        for case, deviations in cases.items()
+        for name, deviation in deviations.items()
+        if not deviation < TOLERANCE
+    }
     assert not failures, f"fla deviates from the PyTorch path (relative to the largest value): {failures}"
     assert all(len(deviations) >= 3 for deviations in cases.values())

@@ -53,8 +53,9 @@ def test_short_conv_matches_reference(seq, with_tail):
     into the old one (context parallelism) too."""
     x, weight, tail = conv_inputs(seq, with_tail)
     if tail is None:
-        assert_same_values_and_gradients(lambda a, w: short_conv_silu(a, w),
-                                         lambda a, w: short_conv_silu_reference(a, w), [x, weight])
+        assert_same_values_and_gradients(
+            lambda a, w: short_conv_silu(a, w), lambda a, w: short_conv_silu_reference(a, w), [x, weight]
+        )
     else:
         assert_same_values_and_gradients(short_conv_silu, short_conv_silu_reference, [x, weight, tail])
 
@@ -154,7 +155,7 @@ def test_short_conv_dispatches_to_fla_on_whole_sequences_only(monkeypatch):
     monkeypatch.setattr(fla_backend, "load_fla_causal_conv1d", lambda: fake_causal_conv1d)
     monkeypatch.setattr(fla_backend, "use_fla_short_conv", lambda x, tail: tail is None)
     output, new_tail = short_conv_silu(x, weight)
-    (called_x, called_weight, activation, kwargs), = calls
+    ((called_x, called_weight, activation, kwargs),) = calls
     assert called_x is x and called_weight.shape == (6, 4) and activation == "silu" and not kwargs
     assert torch.equal(called_weight, weight[:, 0])
     assert torch.equal(new_tail, x[:, -3:].transpose(1, 2))
@@ -187,7 +188,7 @@ def test_gated_rms_norm_dispatches_to_fla_where_it_runs(monkeypatch):
     monkeypatch.setattr(fla_backend, "load_fla_rms_norm_gated", lambda: fake_rms_norm_gated)
     monkeypatch.setattr(fla_backend, "use_fla_gated_norm", lambda x, gate: True)
     output = gated_rms_norm(x, gate, weight, 1e-5)
-    (called_x, called_gate, called_weight, bias, activation, eps, kwargs), = calls
+    ((called_x, called_gate, called_weight, bias, activation, eps, kwargs),) = calls
     assert called_x is x and called_gate is gate and called_weight is weight and bias is None and not kwargs
     assert activation == "sigmoid" and eps == 1e-5
     assert torch.allclose(output, gated_rms_norm_reference(x, gate, weight, 1e-5))
@@ -207,10 +208,12 @@ def test_l2_normalize_matches_reference():
 def test_gated_rms_norm_matches_reference():
     x, gate, weight = norm_inputs()
     eps = 1e-5
-    assert_same_values_and_gradients(lambda a, g, w: gated_rms_norm(a, g, w, eps),
-                                     lambda a, g, w: gated_rms_norm_reference(a, g, w, eps), [x, gate, weight])
-    assert torch.autograd.gradcheck(lambda a, g, w: gated_rms_norm(a, g, w, eps),
-                                    leaves(x[:, :2], gate[:, :2], weight))
+    assert_same_values_and_gradients(
+        lambda a, g, w: gated_rms_norm(a, g, w, eps),
+        lambda a, g, w: gated_rms_norm_reference(a, g, w, eps),
+        [x, gate, weight],
+    )
+    assert torch.autograd.gradcheck(lambda a, g, w: gated_rms_norm(a, g, w, eps), leaves(x[:, :2], gate[:, :2], weight))
 
 
 def test_norms_low_precision_keep_dtype_and_match():
@@ -238,8 +241,11 @@ def gate_inputs(dtype=torch.float64):
 @pytest.mark.parametrize("lower_bound", [-5.0, -1.5])
 def test_bounded_gate_matches_reference(lower_bound):
     inputs = gate_inputs()
-    assert_same_values_and_gradients(lambda *a: kda_gate(*a, lower_bound=lower_bound),
-                                     lambda *a: kda_gate_reference(*a, lower_bound=lower_bound), list(inputs))
+    assert_same_values_and_gradients(
+        lambda *a: kda_gate(*a, lower_bound=lower_bound),
+        lambda *a: kda_gate_reference(*a, lower_bound=lower_bound),
+        list(inputs),
+    )
     assert torch.autograd.gradcheck(lambda *a: kda_gate(*a, lower_bound=lower_bound), leaves(*inputs))
 
 
@@ -281,8 +287,9 @@ def test_mixer_equals_mixer_on_references(monkeypatch):
 
     for lower_bound in (-5.0, None):
         config = ModelConfig()
-        config = dataclasses.replace(config, linear_attn_config=dataclasses.replace(
-            config.linear_attn_config, gate_lower_bound=lower_bound))
+        config = dataclasses.replace(
+            config, linear_attn_config=dataclasses.replace(config.linear_attn_config, gate_lower_bound=lower_bound)
+        )
         torch.manual_seed(0)
         module = kda_module.KimiDeltaAttention(config).double()
         with torch.no_grad():
@@ -312,17 +319,19 @@ def test_strided_inputs_and_gradients():
     weight = torch.rand(8, generator=generator, dtype=torch.float64) + 0.5
     assert not strided.is_contiguous()
     assert_same_values_and_gradients(l2_normalize, l2_normalize_reference, [strided])
-    for fast, reference in ((l2_normalize, l2_normalize_reference),
-                            (lambda a: gated_rms_norm(a, gate, weight, 1e-5),
-                             lambda a: gated_rms_norm_reference(a, gate, weight, 1e-5))):
+    for fast, reference in (
+        (l2_normalize, l2_normalize_reference),
+        (lambda a: gated_rms_norm(a, gate, weight, 1e-5), lambda a: gated_rms_norm_reference(a, gate, weight, 1e-5)),
+    ):
         fast_x, reference_x = leaves(strided, strided)
         probe = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64).transpose(1, 2)
         fast_grad = torch.autograd.grad(fast(fast_x), fast_x, probe)[0]
         assert (fast_grad - torch.autograd.grad(reference(reference_x), reference_x, probe)[0]).abs().max() < TOLERANCE
     x = torch.randn(2, 6, 7, generator=generator, dtype=torch.float64).transpose(1, 2)  # [2, 7, 6]
     conv_weight = torch.randn(6, 1, 4, generator=generator, dtype=torch.float64)
-    assert_same_values_and_gradients(lambda a, w: short_conv_silu(a, w),
-                                     lambda a, w: short_conv_silu_reference(a, w), [x, conv_weight])
+    assert_same_values_and_gradients(
+        lambda a, w: short_conv_silu(a, w), lambda a, w: short_conv_silu_reference(a, w), [x, conv_weight]
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -332,8 +341,11 @@ def test_kernels_on_cuda_match_references():
     assert_same_values_and_gradients(short_conv_silu, short_conv_silu_reference, [x, weight, tail])
     x, gate, norm_weight = (t.to(device) for t in norm_inputs())
     assert_same_values_and_gradients(l2_normalize, l2_normalize_reference, [x])
-    assert_same_values_and_gradients(lambda a, g, w: gated_rms_norm(a, g, w, 1e-5),
-                                     lambda a, g, w: gated_rms_norm_reference(a, g, w, 1e-5), [x, gate, norm_weight])
+    assert_same_values_and_gradients(
+        lambda a, g, w: gated_rms_norm(a, g, w, 1e-5),
+        lambda a, g, w: gated_rms_norm_reference(a, g, w, 1e-5),
+        [x, gate, norm_weight],
+    )
     inputs = [t.to(device) for t in gate_inputs()]
     assert_same_values_and_gradients(kda_gate, kda_gate_reference, inputs)
     assert_same_values_and_gradients(kda_gate_unbounded, kda_gate_unbounded_reference, inputs)

@@ -26,7 +26,9 @@ def test_grouped_mm_reference_matches_torch_grouped_mm_forward():
     reference = grouped_mm_reference(x, weights, group_ends)
     assert (fused - reference).abs().max() < 1e-5
     assert (grouped_mm(x, weights, group_ends) - reference).abs().max() < 1e-5
-    explicit = torch.cat([x[a:b] @ weights[g] for g, (a, b) in enumerate(zip([0, 3, 3, 8, 8, 16], group_ends.tolist()))])
+    explicit = torch.cat(
+        [x[a:b] @ weights[g] for g, (a, b) in enumerate(zip([0, 3, 3, 8, 8, 16], group_ends.tolist()))]
+    )
     assert torch.equal(reference, explicit)
 
 
@@ -39,7 +41,7 @@ def test_attn_res_mix_matches_its_definition():
     keys = [s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps) * gain for s in sources]
     scores = torch.stack([(k * query).sum(-1) for k in keys], dim=-1)
     weights = scores.softmax(-1)
-    expected = sum(weights[:, i:i + 1] * sources[i] for i in range(3))
+    expected = sum(weights[:, i : i + 1] * sources[i] for i in range(3))
     assert (attn_res_mix(sources, gain, query, eps) - expected).abs().max() < 1e-14
 
 
@@ -73,22 +75,25 @@ def test_attn_res_fused_rmsnorm_matches_norm_of_the_mix():
     """`attn_res_mix_rmsnorm` (backward rebuilds the mixed state) = RMSNorm(reference mix), float64,
     values and every gradient; and gradcheck of the fused op."""
     from k3train.model.norm import RMSNorm
+
     sources, gain, query, out_gain = attn_res_case(count=3)
     norm = RMSNorm(12, 1e-5).double()
     with torch.no_grad():
         norm.weight.copy_(out_gain)
     inputs = [*sources, gain, query]
     cotangent = torch.randn(sources[0].shape, dtype=torch.float64)
-    fused = values_and_grads(attn_res_mix_rmsnorm(sources, gain, query, 1e-6, out_gain, 1e-5),
-                             inputs + [out_gain], cotangent)
-    reference = values_and_grads(norm(attn_res_mix_reference(sources, gain, query, 1e-6)),
-                                 inputs + [norm.weight], cotangent)
+    fused = values_and_grads(
+        attn_res_mix_rmsnorm(sources, gain, query, 1e-6, out_gain, 1e-5), inputs + [out_gain], cotangent
+    )
+    reference = values_and_grads(
+        norm(attn_res_mix_reference(sources, gain, query, 1e-6)), inputs + [norm.weight], cotangent
+    )
     for a, b in zip(fused, reference):
         assert (a - b).abs().max() < 1e-12
     small = [s[:1, :2].detach().requires_grad_() for s in sources]
     assert torch.autograd.gradcheck(
-        lambda *xs: attn_res_mix_rmsnorm(list(xs[:3]), xs[3], xs[4], 1e-6, xs[5], 1e-5),
-        (*small, gain, query, out_gain))
+        lambda *xs: attn_res_mix_rmsnorm(list(xs[:3]), xs[3], xs[4], 1e-6, xs[5], 1e-5), (*small, gain, query, out_gain)
+    )
 
 
 def test_attn_res_fast_mix_in_bf16_matches_the_reference():
@@ -144,16 +149,22 @@ def test_attn_res_fast_mix_takes_sources_of_mixed_dtypes():
     sources = [s.detach().to(torch.bfloat16 if i else torch.float32).requires_grad_() for i, s in enumerate(sources)]
     cotangent = torch.randn(sources[0].shape)
     inputs = [*sources, gain, query]
-    for fast, reference in ((attn_res_mix(sources, gain, query, 1e-6), attn_res_mix_reference(sources, gain, query, 1e-6)),
-                            (attn_res_mix_rmsnorm(sources, gain, query, 1e-6, out_gain, 1e-5),
-                             RMSNorm(12, 1e-5).to(torch.float32).requires_grad_(False)(
-                                 attn_res_mix_reference(sources, gain, query, 1e-6)) * out_gain)):
+    for fast, reference in (
+        (attn_res_mix(sources, gain, query, 1e-6), attn_res_mix_reference(sources, gain, query, 1e-6)),
+        (
+            attn_res_mix_rmsnorm(sources, gain, query, 1e-6, out_gain, 1e-5),
+            RMSNorm(12, 1e-5)
+            .to(torch.float32)
+            .requires_grad_(False)(attn_res_mix_reference(sources, gain, query, 1e-6))
+            * out_gain,
+        ),
+    ):
         fast_values = values_and_grads(fast, inputs, cotangent)
         reference_values = values_and_grads(reference, inputs, cotangent)
         assert fast.dtype == torch.float32
-        assert [g.dtype for g in fast_values[1:len(sources) + 1]] == [s.dtype for s in sources]
+        assert [g.dtype for g in fast_values[1 : len(sources) + 1]] == [s.dtype for s in sources]
         for a, b in zip(fast_values, reference_values):
             # bf16 gradients are fp32 results rounded once: two orders of the same sum may round
             # to neighbouring bf16 values, one ulp (at most 2^-7 of the value) apart.
-            ulp = 2.0 ** -7 * b.float().abs() if a.dtype == torch.bfloat16 else 0.0
+            ulp = 2.0**-7 * b.float().abs() if a.dtype == torch.bfloat16 else 0.0
             assert ((a.float() - b.float()).abs() - ulp).max() <= 1e-5 * max(1.0, b.float().abs().max())

@@ -12,7 +12,13 @@ from k3train.model.mla import GatedMLA, causal_attention, causal_attention_refer
 def _mla_shaped(dtype, generator, batch=2, seq=37, heads=3, nope=16, rope=8, v_dim=12):
     def leaf(*shape):
         return torch.randn(*shape, dtype=dtype, generator=generator).requires_grad_()
-    return leaf(batch, seq, heads, nope + rope), leaf(batch, seq, heads, nope), leaf(batch, seq, 1, rope), leaf(batch, seq, heads, v_dim)
+
+    return (
+        leaf(batch, seq, heads, nope + rope),
+        leaf(batch, seq, heads, nope),
+        leaf(batch, seq, 1, rope),
+        leaf(batch, seq, heads, v_dim),
+    )
 
 
 def test_padded_attention_equals_the_unpadded_call_in_float64():
@@ -64,8 +70,16 @@ def test_without_autograd_the_unpadded_call_runs_bit_for_bit():
 
 def test_context_parallel_path_gets_the_unpadded_values(monkeypatch):
     """With context parallelism the MLA layer hands `context_attention` the plain k and v."""
-    config = dataclasses.replace(ModelConfig(), hidden_size=64, num_attention_heads=2, q_lora_rank=32,
-                                 kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+    config = dataclasses.replace(
+        ModelConfig(),
+        hidden_size=64,
+        num_attention_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+    )
     mla = GatedMLA(config).double()
     seen = {}
 

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
+from k3train.contracts.stage_io import ResidualState
 from k3train.kernels.attn_res import attn_res_mix
 from k3train.kernels.situ_glu import situ_glu, swiglu
-from k3train.contracts.stage_io import ResidualState
 from k3train.model.balance import ExactQuantileBalancer, HistogramQuantileBalancer, SignBalancer, histogram_quantile
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model, lm_loss
@@ -65,8 +65,9 @@ def test_kda_mixer_state_handover_equals_one_pass():
 def test_kda_gate_is_bounded():
     kda = KimiDeltaAttention(small_config())
     assert torch.all(kda.A_log == 0)  # K3 initialises A at zero with the bounded gate
-    unbounded = KimiDeltaAttention(small_config(linear_attn_config=dataclasses.replace(
-        ModelConfig().linear_attn_config, gate_lower_bound=None)))
+    unbounded = KimiDeltaAttention(
+        small_config(linear_attn_config=dataclasses.replace(ModelConfig().linear_attn_config, gate_lower_bound=None))
+    )
     assert torch.all(unbounded.A_log > 0)
 
 
@@ -83,15 +84,16 @@ def direct_attn_res_forward(model: K3Model, input_ids: torch.Tensor) -> torch.Te
             return outputs[: sublayer + 1]
         completed = sublayer // sublayers_per_block
         blocks = [outputs[0]] + [
-            sum(produced[n * sublayers_per_block:(n + 1) * sublayers_per_block]) for n in range(completed)
+            sum(produced[n * sublayers_per_block : (n + 1) * sublayers_per_block]) for n in range(completed)
         ]
-        partial = produced[completed * sublayers_per_block: sublayer]
+        partial = produced[completed * sublayers_per_block : sublayer]
         return blocks + ([sum(partial)] if partial else [])
 
     def mix(attn_res, sources):
         if len(sources) == 1:
             return sources[0]
         return attn_res_mix(sources, attn_res.norm.weight, attn_res.proj.weight[0], attn_res.norm.eps)
+
     # (the model mixes through AttentionResidual.normalized_input; this calls the kernel directly)
 
     for index, layer in enumerate(model.layers.values()):
@@ -105,8 +107,9 @@ def direct_attn_res_forward(model: K3Model, input_ids: torch.Tensor) -> torch.Te
 
 @pytest.mark.parametrize("mode,block_size", [("block", 1), ("block", 2), ("block", 3), ("block", 8), ("full", 2)])
 def test_attn_res_wiring_matches_direct_definition(mode, block_size):
-    config = small_config(attn_res=mode, attn_res_block_size=block_size, hidden_size=64, vocab_size=64,
-                          recompute="none")
+    config = small_config(
+        attn_res=mode, attn_res_block_size=block_size, hidden_size=64, vocab_size=64, recompute="none"
+    )
     model = K3Model(config).double().eval()
     randomize_attn_res_queries(model)
     input_ids = torch.randint(0, 64, (2, 9))
@@ -315,7 +318,7 @@ def saved_activation_bytes(config: ModelConfig, layer_index: int) -> int:
             excluded.add(state.partial.untyped_storage().data_ptr())  # becomes a block here
         saved: dict[int, int] = {}
 
-        def record(tensor: torch.Tensor) -> torch.Tensor:
+        def record(tensor: torch.Tensor, excluded: set = excluded, saved: dict = saved) -> torch.Tensor:
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in excluded:
                 saved[storage.data_ptr()] = storage.nbytes()
@@ -338,8 +341,10 @@ def test_checkpointed_attn_res_layer_saves_no_more_than_plain_residual(layer_ind
     plain = saved_activation_bytes(small_config(attn_res="none"), layer_index)
     checkpointed = saved_activation_bytes(small_config(attn_res="block", recompute="attn_res"), layer_index)
     uncheckpointed = saved_activation_bytes(small_config(attn_res="block", recompute="none"), layer_index)
-    print(f"layer {layer_index}: plain residual {plain} B, Block AttnRes checkpointed {checkpointed} B, "
-          f"not checkpointed {uncheckpointed} B")
+    print(
+        f"layer {layer_index}: plain residual {plain} B, Block AttnRes checkpointed {checkpointed} B, "
+        f"not checkpointed {uncheckpointed} B"
+    )
     # Beyond a plain layer, a checkpointed AttnRes sublayer keeps the partial sum it mixes (a plain
     # layer's norm saves its normalised output, not its input): one [tokens, d] fp32 tensor per
     # sublayer that mixes one. Without the checkpoint it keeps more.
@@ -377,8 +382,14 @@ def test_attn_res_gradients_equal_across_recompute_modes_and_the_stacked_referen
     input_ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
 
     def loss_and_grads(recompute: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        config = small_config(attn_res=mode, attn_res_block_size=2, hidden_size=64, vocab_size=64,
-                              num_hidden_layers=3, recompute=recompute)
+        config = small_config(
+            attn_res=mode,
+            attn_res_block_size=2,
+            hidden_size=64,
+            vocab_size=64,
+            num_hidden_layers=3,
+            recompute=recompute,
+        )
         model = K3Model(config).double()
         randomize_attn_res_queries(model)
         loss = lm_loss(model(input_ids), input_ids)

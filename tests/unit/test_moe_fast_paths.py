@@ -30,8 +30,11 @@ def test_situ_glu_in_place_backward_matches_the_reference_for_every_requested_gr
         gate0, up0, scale0 = _inputs((33, 20), generator)
         grad_out = torch.randn(33, 20, dtype=torch.float64, generator=generator)
         for with_scale, overwrite in itertools.product((False, True), (False, True)):
-            flags = [(g, u, s) for g, u, s in itertools.product((False, True), repeat=3)
-                     if (g or u or s) and (with_scale or not s)]
+            flags = [
+                (g, u, s)
+                for g, u, s in itertools.product((False, True), repeat=3)
+                if (g or u or s) and (with_scale or not s)
+            ]
             for needs in flags:
                 leaves = [t.clone().requires_grad_(need) for t, need in zip((gate0, up0, scale0), needs)]
                 # non-leaf inputs (GEMM outputs): overwrite_inputs may write into them
@@ -123,8 +126,9 @@ def test_latent_moe_training_path_matches_the_plain_composition_in_float64():
     _, expert_ids, weights = reference.gate(tokens)
     routed = reference.experts.forward_reference(reference.routed_expert_down_proj(tokens), expert_ids, weights)
     norm = reference.routed_expert_norm
-    expected = (reference.routed_expert_up_proj(rms_norm_reference(routed, norm.weight, norm.eps)).view(x.shape)
-                + reference.shared_experts(x))
+    expected = reference.routed_expert_up_proj(rms_norm_reference(routed, norm.weight, norm.eps)).view(
+        x.shape
+    ) + reference.shared_experts(x)
     expected_grads = torch.autograd.grad(expected, [x, *reference.parameters()], grad_out)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     assert len(grads) == len(expected_grads)
@@ -144,8 +148,9 @@ def test_rms_norm_matches_the_reference_in_float64_and_bf16():
         fused = rms_norm(x, weight, 1e-6)
         reference = rms_norm_reference(x, weight, 1e-6)
         torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
-        for mine, theirs in zip(torch.autograd.grad(fused, (x, weight), grad_out),
-                                torch.autograd.grad(reference, (x, weight), grad_out)):
+        for mine, theirs in zip(
+            torch.autograd.grad(fused, (x, weight), grad_out), torch.autograd.grad(reference, (x, weight), grad_out)
+        ):
             torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
         (only_x,) = torch.autograd.grad(rms_norm(x, weight.detach(), 1e-6), (x,), grad_out)
         (reference_x,) = torch.autograd.grad(rms_norm_reference(x, weight.detach(), 1e-6), (x,), grad_out)

@@ -194,8 +194,9 @@ def test_update_rms_per_block(shape, heads, expected_layout):
     # (Where NS runs in bf16, CPUs with AMX, the scaled update is rounded to bf16 once more:
     # 2^-8 relative per element; any other scale rule is off by a factor of at least √2.)
     bf16 = resolve_ns_dtype("auto", grad) == torch.bfloat16
-    torch.testing.assert_close(rms, 0.2 * math.sqrt(max(layout.rows, layout.cols)) * ns_rms,
-                               **({"rtol": 4e-3, "atol": 0.0} if bf16 else {}))
+    torch.testing.assert_close(
+        rms, 0.2 * math.sqrt(max(layout.rows, layout.cols)) * ns_rms, **({"rtol": 4e-3, "atol": 0.0} if bf16 else {})
+    )
 
 
 @pytest.mark.parametrize("dim", [0, 1])
@@ -293,8 +294,11 @@ def test_fused_adamw_is_the_default_and_can_be_turned_off():
             torch.manual_seed(3)
             model = TinyModel().double()
             optimizer = build_optimizer(model, OptimizerConfig(name=name, adamw_fused=fused))
-            adamw_groups = ([optimizer.param_groups[0]] if name == "adamw"
-                            else [g for g in optimizer.param_groups if g["algorithm"] == "adamw"])
+            adamw_groups = (
+                [optimizer.param_groups[0]]
+                if name == "adamw"
+                else [g for g in optimizer.param_groups if g["algorithm"] == "adamw"]
+            )
             assert adamw_groups and all(g["fused"] is fused for g in adamw_groups)
             for _ in range(3):
                 for p in model.parameters():
@@ -385,8 +389,16 @@ def test_routing_and_description():
 
     table = describe_param_groups(model, OptimizerConfig())
     expected_parts = (
-        "layers.*.q_proj.weight", "per-head 4×[32,64]", "per-head 4×[64,32]", "experts 8×[32,64]",
-        "matrix [8,64]", "embed.weight", "head.weight", "adamw_only", "layers.*.A_log", "AdamW wd=0",
+        "layers.*.q_proj.weight",
+        "per-head 4×[32,64]",
+        "per-head 4×[64,32]",
+        "experts 8×[32,64]",
+        "matrix [8,64]",
+        "embed.weight",
+        "head.weight",
+        "adamw_only",
+        "layers.*.A_log",
+        "AdamW wd=0",
     )
     for expected in expected_parts:
         assert expected in table, (expected, table)
@@ -417,8 +429,9 @@ def test_start_up_summary_is_a_few_lines_per_optimizer():
         rows = [row for row in table_rows if row.split("  ")[1].strip() == label]
         assert f"{len(rows)} groups" in line or f"{len(rows)} group " in line, (line, rows)
     assert "logging.optimizer_table=true" in summary[-1]
-    assert [line.split()[0] for line in summarize_param_groups(model, OptimizerConfig(name="adamw")).splitlines()[1:3]] \
-        == ["AdamW", "AdamW"]
+    assert [
+        line.split()[0] for line in summarize_param_groups(model, OptimizerConfig(name="adamw")).splitlines()[1:3]
+    ] == ["AdamW", "AdamW"]
 
 
 def test_routing_adamw_everywhere():
@@ -538,6 +551,7 @@ def test_clip_fp32_norm_reduce_hook_and_nonfinite():
     params = _grad_params(9)
     local = clip_grad_norm_(_grad_params(9), 0.0)
     seen = []
+
     def two_ranks(squared_norm: torch.Tensor) -> torch.Tensor:
         seen.append(squared_norm.clone())
         return 2 * squared_norm
@@ -567,10 +581,13 @@ def test_clip_shares_are_counted_reduced_and_added_in_order():
         def apply(tensor: torch.Tensor) -> torch.Tensor:
             seen.append((label, tensor.clone()))
             return factor * tensor
+
         return apply
 
-    shares = [NormShare(lambda p: any(p is q for q in first), reduce("first", 2.0)),
-              NormShare(lambda p: any(p is q for q in second), reduce("second", 3.0))]
+    shares = [
+        NormShare(lambda p: any(p is q for q in first), reduce("first", 2.0)),
+        NormShare(lambda p: any(p is q for q in second), reduce("second", 3.0)),
+    ]
     squared = [grad_squared_norm([p.grad for p in part], torch.device("cpu")) for part in (first, second)]
     before = [p.grad.clone() for p in params[:4]]
     norm = clip_grad_norm_(params, 1e-3, reduce_squared_norm=reduce("total", 5.0), shares=shares)

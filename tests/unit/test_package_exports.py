@@ -14,4 +14,4 @@ def test_lazy_exports_resolve(package):
         assert getattr(module, name) is getattr(importlib.import_module(module._SUBMODULE_OF[name]), name)
     assert set(module.__all__) <= set(dir(module))
     with pytest.raises(AttributeError):
-        getattr(module, "no_such_name")
+        _ = module.no_such_name

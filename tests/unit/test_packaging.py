@@ -21,8 +21,9 @@ def test_huggingface_kernels_package_is_not_shadowed(tmp_path):
         "assert k3train.kernels.__name__ == 'k3train.kernels'\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CHECKOUT), str(fake_site)]))
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -33,7 +34,9 @@ def test_sibling_folders_resolve_statically_under_k3train():
         inside = CHECKOUT / "k3train" / name
         assert inside.is_dir(), f"k3train/{name} is missing"
         assert inside.resolve() == (CHECKOUT / name).resolve()
-    assert not (CHECKOUT / "kernels" / "__init__.py").exists(), "kernels/__init__.py would shadow Hugging Face's kernels"
+    assert not (CHECKOUT / "kernels" / "__init__.py").exists(), (
+        "kernels/__init__.py would shadow Hugging Face's kernels"
+    )
     init = (CHECKOUT / "k3train" / "__init__.py").read_text()
     assert "sys.modules[" not in init, "k3train/__init__.py must not mount packages at run time"
 
@@ -43,11 +46,13 @@ def test_each_file_has_one_module_name(tmp_path):
     one line naming the right import; `k3train.parallel.state` is the only name."""
     code = "import parallel.state"
     env = dict(os.environ, PYTHONPATH=str(CHECKOUT))
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1] == (
-        "ImportError: import k3train.parallel, not parallel: parallel/ is part of the k3train package")
+        "ImportError: import k3train.parallel, not parallel: parallel/ is part of the k3train package"
+    )
 
 
 def test_a_checkout_without_its_links_is_refused_in_one_line(tmp_path):
@@ -59,8 +64,9 @@ def test_a_checkout_without_its_links_is_refused_in_one_line(tmp_path):
     (copy / "k3train" / "parallel").write_text("../parallel")
     (copy / "k3train" / "kernels").write_text("../kernels")
     env = dict(os.environ, PYTHONPATH=str(copy))
-    result = subprocess.run([sys.executable, "-c", "import k3train"], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", "import k3train"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: ") and "k3train/parallel is not a folder" in last and "core.symlinks" in last
@@ -84,9 +90,12 @@ def test_parallel_does_not_import_the_model():
     """`parallel/` shares only the contracts (`k3train.contracts`) with the model, never imports it."""
     sources = sorted((CHECKOUT / "parallel").rglob("*.py"))
     assert sources
-    offenders = {str(path.relative_to(CHECKOUT)): sorted(name for name in _imported_modules(path)
-                                                         if name == "k3train.model" or name.startswith("k3train.model."))
-                 for path in sources}
+    offenders = {
+        str(path.relative_to(CHECKOUT)): sorted(
+            name for name in _imported_modules(path) if name == "k3train.model" or name.startswith("k3train.model.")
+        )
+        for path in sources
+    }
     assert not {path: names for path, names in offenders.items() if names}
 
 
@@ -103,6 +112,12 @@ def test_pretrain_script_imports_torch_only_after_parsing():
         elif isinstance(node, ast.ImportFrom) and node.module:
             top_level.add(node.module)
     assert "torch" not in top_level
-    torch_free = {"k3train.config", "k3train.command_line",  # test_config checks they stay torch-free
-                  "k3train.checkpoint.signals", "k3train.data.indexed_dataset", "k3train.job_ending", "k3train.preflight"}
+    torch_free = {
+        "k3train.config",
+        "k3train.command_line",  # test_config checks they stay torch-free
+        "k3train.checkpoint.signals",
+        "k3train.data.indexed_dataset",
+        "k3train.job_ending",
+        "k3train.preflight",
+    }
     assert not any(name.startswith("k3train.") and name not in torch_free for name in top_level), top_level

@@ -18,8 +18,16 @@ from k3train.parallel.comm import Group, TrafficCounter
 from k3train.parallel.pipeline import PipelineSchedule, residual_shape, theoretical_peak_blocks
 from k3train.parallel.pipeline_cache import BlockCache, BlockCacheError
 from k3train.parallel.pipeline_schedule import (
-    PROTOCOLS, PipelineConfigError, PipelinePlan, blocks_before_layer, bubble_formula,
-    interleaved_one_f_one_b, one_f_one_b, partition_layers, schedule_steps, simulate,
+    PROTOCOLS,
+    PipelineConfigError,
+    PipelinePlan,
+    blocks_before_layer,
+    bubble_formula,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    partition_layers,
+    schedule_steps,
+    simulate,
 )
 
 
@@ -30,28 +38,38 @@ def test_even_partition_and_override():
     assert partition_layers(8, 2, 2, [2, 3, 1, 2]) == [(0, 2), (2, 5), (5, 6), (6, 8)]
 
 
-@pytest.mark.parametrize("layers,pp,v,override,message", [
-    (3, 2, 2, None, "cannot fill"),
-    (8, 2, 2, [4, 4], "one layer count per chunk"),
-    (8, 2, 1, [4, 5], "sums to 9"),
-    (8, 2, 2, [4, 0, 2, 2], "empty chunk"),
-])
+@pytest.mark.parametrize(
+    "layers,pp,v,override,message",
+    [
+        (3, 2, 2, None, "cannot fill"),
+        (8, 2, 2, [4, 4], "one layer count per chunk"),
+        (8, 2, 1, [4, 5], "sums to 9"),
+        (8, 2, 2, [4, 0, 2, 2], "empty chunk"),
+    ],
+)
 def test_partition_errors(layers, pp, v, override, message):
     with pytest.raises(PipelineConfigError, match=message):
         partition_layers(layers, pp, v, override)
 
 
 def test_blocks_before_layer():
-    assert [blocks_before_layer("block", 3, l) for l in range(9)] == [0, 1, 1, 1, 2, 2, 2, 3, 3]
-    assert [blocks_before_layer("full", 3, l) for l in range(4)] == [0, 2, 4, 6]
+    assert [blocks_before_layer("block", 3, layer) for layer in range(9)] == [0, 1, 1, 1, 2, 2, 2, 3, 3]
+    assert [blocks_before_layer("full", 3, layer) for layer in range(4)] == [0, 2, 4, 6]
     assert blocks_before_layer("none", 3, 7) == 0
 
 
 def test_plan_matches_the_model_pushes():
     """blocks_at agrees with what K3Model slices actually push (block, full, none)."""
     for attn_res in ("block", "full", "none"):
-        config = ModelConfig(num_hidden_layers=5, hidden_size=32, intermediate_size=32, num_experts=0,
-                             attn_res=attn_res, attn_res_block_size=2, recompute="none")
+        config = ModelConfig(
+            num_hidden_layers=5,
+            hidden_size=32,
+            intermediate_size=32,
+            num_experts=0,
+            attn_res=attn_res,
+            attn_res_block_size=2,
+            recompute="none",
+        )
         plan = PipelinePlan.build(5, 2, 1, attn_res, 2, [2, 3])
         model = K3Model(config, layer_range=(0, 2))
         state = model(torch.zeros(1, 3, dtype=torch.long))
@@ -121,8 +139,11 @@ def test_exact_delta_is_what_the_receiver_lacks(setting):
     for c in range(plan.num_chunks - 1):
         e, p, n = (set(plan.hop_blocks(c, x)) for x in ("exact", "paper", "naive"))
         assert e <= p <= n
-    assert (plan.blocks_per_micro_batch("exact") <= plan.blocks_per_micro_batch("paper")
-            <= plan.blocks_per_micro_batch("naive"))
+    assert (
+        plan.blocks_per_micro_batch("exact")
+        <= plan.blocks_per_micro_batch("paper")
+        <= plan.blocks_per_micro_batch("naive")
+    )
 
 
 def test_rank_bytes_add_up():
@@ -151,8 +172,7 @@ def test_tied_embeddings_refused_under_pp():
 
 # ---------------------------------------------------------------------------- schedules
 def test_one_f_one_b_order():
-    assert [repr(s) for s in one_f_one_b(4, 0, 5)] == [
-        "F0", "F1", "F2", "F3", "B0", "F4", "B1", "B2", "B3", "B4"]
+    assert [repr(s) for s in one_f_one_b(4, 0, 5)] == ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "B2", "B3", "B4"]
     assert [repr(s) for s in one_f_one_b(4, 3, 2)] == ["F0", "B0", "F1", "B1"]
     assert [repr(s) for s in one_f_one_b(4, 1, 1)] == ["F0", "B0"]
 
@@ -170,7 +190,16 @@ def test_interleaved_warmup_is_megatrons():
             assert sorted(forward) == sorted(backward) == sorted(itertools.product(range(v), range(m)))
             position = {(s.kind, s.virtual_stage, s.micro_batch): i for i, s in enumerate(steps)}
             assert all(position[("forward", *k)] < position[("backward", *k)] for k in backward)
-    assert [repr(s) for s in interleaved_one_f_one_b(2, 2, 1, 2)] == ["F0", "F1", "F0v1", "B0v1", "F1v1", "B1v1", "B0", "B1"]
+    assert [repr(s) for s in interleaved_one_f_one_b(2, 2, 1, 2)] == [
+        "F0",
+        "F1",
+        "F0v1",
+        "B0v1",
+        "F1v1",
+        "B1v1",
+        "B0",
+        "B1",
+    ]
 
 
 def test_interleaved_refuses_micro_batches_not_multiple_of_pp():
@@ -211,8 +240,15 @@ def test_cache_holds_each_block_once():
 # ---------------------------------------------------------------------------- executor, one process
 def test_single_stage_schedule_is_gradient_accumulation():
     """pp = 1: the schedule runs F/B per micro-batch; loss and gradients are the full batch's."""
-    config = ModelConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_experts=4,
-                         num_experts_per_token=2, moe_intermediate_size=16, routed_expert_hidden_size=16)
+    config = ModelConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=16,
+        routed_expert_hidden_size=16,
+    )
     reference = K3Model(config).double()
     reference.init_weights(5)
     model = K3Model(config).double()
@@ -232,8 +268,9 @@ def test_single_stage_schedule_is_gradient_accumulation():
         else:
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
     assert schedule.stats.steps == 4 and group.counter.snapshot() == {}
-    assert schedule.run([model], list(tokens.split(2)), forward_only=True).item() == pytest.approx(expected.item(),
-                                                                                                     abs=1e-12)
+    assert schedule.run([model], list(tokens.split(2)), forward_only=True).item() == pytest.approx(
+        expected.item(), abs=1e-12
+    )
 
 
 @pytest.mark.parametrize("pp,v,m", [(2, 1, 3), (4, 1, 6), (2, 2, 4), (4, 2, 8), (3, 3, 6), (4, 4, 4)])

@@ -14,15 +14,22 @@ from k3train.training.build import build_model, build_planning_rank
 from tests.distributed.harness import CHECKOUT
 
 RECIPE = str(CHECKOUT / "recipes" / "debug.yaml")
-WIDER = ["model.hidden_size=256", "model.linear_attn_config.num_heads=8", "model.num_attention_heads=8",
-         "model.intermediate_size=512", "model.routed_expert_hidden_size=128", "model.moe_intermediate_size=128"]
+WIDER = [
+    "model.hidden_size=256",
+    "model.linear_attn_config.num_heads=8",
+    "model.num_attention_heads=8",
+    "model.intermediate_size=512",
+    "model.routed_expert_hidden_size=128",
+    "model.moe_intermediate_size=128",
+]
 
 
 def saved_activation_bytes(config, batch: int, seq: int) -> int:
     plan = PipelinePlan.from_config(config.model, config.parallel)
     model = build_model(config.model, plan, ParallelState.single(), None, seed=0).chunks[0].train()
-    seen = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            for t in [*model.parameters(), *model.buffers()]}
+    seen = {
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in [*model.parameters(), *model.buffers()]
+    }
     total = [0]
 
     def pack(tensor):
@@ -39,14 +46,18 @@ def saved_activation_bytes(config, batch: int, seq: int) -> int:
     return total[0]
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.recompute=none"], ["model.recompute=sublayer"], WIDER],
-                         ids=["debug attn_res", "debug none", "debug sublayer", "wider attn_res"])
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["model.recompute=none"], ["model.recompute=sublayer"], WIDER],
+    ids=["debug attn_res", "debug none", "debug sublayer", "wider attn_res"],
+)
 def test_activation_formula_within_15_percent_of_saved_tensors(overrides):
     config = load_config(RECIPE, overrides)
     batch, seq = 2, 128
     measured = saved_activation_bytes(config, batch, seq)
-    predicted = chunk_activation_bytes(config.model, (0, config.model.num_hidden_layers),
-                                       ActivationShape(batch * seq, 1, False, 4), seq, "flash")
+    predicted = chunk_activation_bytes(
+        config.model, (0, config.model.num_hidden_layers), ActivationShape(batch * seq, 1, False, 4), seq, "flash"
+    )
     assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
 
 
@@ -59,8 +70,19 @@ def test_peak_in_flight_follows_the_schedule():
 def test_rank_memory_and_traffic_of_a_pp_layout():
     config = load_config(RECIPE, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"])
     m = config.model
-    layout = resolve_layout(4, 2, 2, 0, 1, 1, m.num_attention_heads, m.linear_attn_config.num_heads,
-                            m.vocab_size, m.num_experts, m.num_hidden_layers)
+    layout = resolve_layout(
+        4,
+        2,
+        2,
+        0,
+        1,
+        1,
+        m.num_attention_heads,
+        m.linear_attn_config.num_heads,
+        m.vocab_size,
+        m.num_experts,
+        m.num_hidden_layers,
+    )
     job = build_planning_rank(config, layout, 0)
     memory = rank_memory(job, layout, micro_batches=4)
     assert memory.weights == sum(p.numel() for p in job.model.parameters()) * 4
@@ -82,13 +104,33 @@ def test_step_time_terms_follow_the_formulas():
 
     config = load_config(RECIPE, [])
     m = config.model
-    layout = resolve_layout(32, 2, 4, 0, 1, 1, m.num_attention_heads, m.linear_attn_config.num_heads,
-                            m.vocab_size, m.num_experts, m.num_hidden_layers)
+    layout = resolve_layout(
+        32,
+        2,
+        4,
+        0,
+        1,
+        1,
+        m.num_attention_heads,
+        m.linear_attn_config.num_heads,
+        m.vocab_size,
+        m.num_experts,
+        m.num_hidden_layers,
+    )
     assert group_link(layout, "tp", 8) == "nvlink" and group_link(layout, "dp", 8) == "nvlink"
     assert group_link(layout, "pp", 8) == "network"
     plan = PipelinePlan.build(m.num_hidden_layers, 4, 1, m.attn_res, m.attn_res_block_size)
-    estimate = estimate_step_time(m, layout, plan, load_profile("h100"), micro_batch_size=2, seq_length=128,
-                                  micro_batches=8, precision="bf16", comm_bytes={})
+    estimate = estimate_step_time(
+        m,
+        layout,
+        plan,
+        load_profile("h100"),
+        micro_batch_size=2,
+        seq_length=128,
+        micro_batches=8,
+        precision="bf16",
+        comm_bytes={},
+    )
     bubble_share = estimate.bubble_s / (estimate.compute_s + estimate.bubble_s)
     assert bubble_share == pytest.approx(bubble_formula(4, 1, 8))
     tokens = 2 * 128 * 8 * layout.dp

@@ -19,8 +19,19 @@ K3 = str(CHECKOUT / "recipes" / "k3.yaml")
 def assert_runs(recipe: str, world_size: int, overrides: list[str]) -> None:
     config = load_config(recipe, overrides)
     p, m = config.parallel, config.model
-    layout = resolve_layout(world_size, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, m.num_attention_heads,
-                            m.linear_attn_config.num_heads, m.vocab_size, m.num_experts, m.num_hidden_layers)
+    layout = resolve_layout(
+        world_size,
+        p.tp,
+        p.pp,
+        p.dp,
+        p.ep,
+        p.virtual_stages,
+        m.num_attention_heads,
+        m.linear_attn_config.num_heads,
+        m.vocab_size,
+        m.num_experts,
+        m.num_hidden_layers,
+    )
     PipelinePlan.from_config(m, p)
     if p.virtual_stages > 1:
         check_interleaved_micro_batches(p.pp, config.train.micro_batches_per_rank(layout.dp))
@@ -40,9 +51,23 @@ def test_debug_suggestions_run(world_size):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, str(CHECKOUT / "tools" / "plan.py"), "--recipe", DEBUG, "--world-size",
-                             str(world_size), "--hardware", "h100", *found[0].overrides()],
-                            capture_output=True, text=True, timeout=300, cwd=CHECKOUT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(CHECKOUT / "tools" / "plan.py"),
+            "--recipe",
+            DEBUG,
+            "--world-size",
+            str(world_size),
+            "--hardware",
+            "h100",
+            *found[0].overrides(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=CHECKOUT,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "communication of one step on rank 0" in result.stdout
 
@@ -58,13 +83,31 @@ def test_memory_limit_excludes_and_nearest_sizes_fit():
         assert_runs(K3, size, best.overrides())
 
 
-@pytest.mark.parametrize("recipe,world_size,overrides", [
-    (DEBUG, 8, ["parallel.tp=2", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
-    (DEBUG, 8, ["parallel.tp=2", "parallel.dp=2", "parallel.pp=2", "parallel.ep=4", "parallel.sequence_parallel=true",
-                "parallel.expert_dispatch=capacity"]),
-    (DEBUG, 4, ["parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "model.recompute=sublayer"]),
-    (K3, 1024, []),
-], ids=["debug tp2 dp2 pp2 ep2 balanced", "debug ep4 capacity", "debug ep2 sublayer", "k3 recipe at 1024"])
+@pytest.mark.parametrize(
+    "recipe,world_size,overrides",
+    [
+        (
+            DEBUG,
+            8,
+            ["parallel.tp=2", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
+        ),
+        (
+            DEBUG,
+            8,
+            [
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.pp=2",
+                "parallel.ep=4",
+                "parallel.sequence_parallel=true",
+                "parallel.expert_dispatch=capacity",
+            ],
+        ),
+        (DEBUG, 4, ["parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "model.recompute=sublayer"]),
+        (K3, 1024, []),
+    ],
+    ids=["debug tp2 dp2 pp2 ep2 balanced", "debug ep4 capacity", "debug ep2 sublayer", "k3 recipe at 1024"],
+)
 def test_search_terms_match_the_built_ranks(recipe, world_size, overrides):
     """The search ranks thousands of layouts without building them; its per-group bytes must be
     the built ranks' (`layout_step_bytes`, `data_parallel_wire_bytes`): pipeline hops of rank 1
@@ -76,15 +119,28 @@ def test_search_terms_match_the_built_ranks(recipe, world_size, overrides):
 
     config = load_config(recipe, overrides)
     p, m = config.parallel, config.model
-    layout = resolve_layout(world_size, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, m.num_attention_heads,
-                            m.linear_attn_config.num_heads, m.vocab_size, m.num_experts, m.num_hidden_layers)
+    layout = resolve_layout(
+        world_size,
+        p.tp,
+        p.pp,
+        p.dp,
+        p.ep,
+        p.virtual_stages,
+        m.num_attention_heads,
+        m.linear_attn_config.num_heads,
+        m.vocab_size,
+        m.num_experts,
+        m.num_hidden_layers,
+    )
     plan = PipelinePlan.from_config(m, p)
     micro_batches = config.train.micro_batches_per_rank(layout.dp)
     analytic = analytic_step_bytes(config, layout, plan)
-    busiest = max(range(layout.pp), key=lambda r: sum(m.is_moe_layer(i) for s, e in plan.layer_ranges(r)
-                                                      for i in range(s, e)))
-    built = {rank: build_planning_rank(config, layout, layout.rank_of(0, 0, rank))
-             for rank in {0, 1, busiest, layout.pp - 1}}
+    busiest = max(
+        range(layout.pp), key=lambda r: sum(m.is_moe_layer(i) for s, e in plan.layer_ranges(r) for i in range(s, e))
+    )
+    built = {
+        rank: build_planning_rank(config, layout, layout.rank_of(0, 0, rank)) for rank in {0, 1, busiest, layout.pp - 1}
+    }
     step = {rank: layout_step_bytes(job, micro_batches) for rank, job in built.items()}
     assert analytic["pp"] == step[1]["pp"]
     assert analytic["ep"] == step[busiest]["ep"]
@@ -92,8 +148,9 @@ def test_search_terms_match_the_built_ranks(recipe, world_size, overrides):
         assert analytic["tp"] == pytest.approx(step[busiest]["tp"], rel=0.05)
     wires = [data_parallel_wire_bytes(job) for job in built.values()]  # the fullest stage, as the search
     for group in ("dp", "expert_dp"):
-        measured = max(wire.get(group, 0.0) + (wire.get("data_tensor", 0.0) if group == "dp" else 0.0)
-                       for wire in wires)
+        measured = max(
+            wire.get(group, 0.0) + (wire.get("data_tensor", 0.0) if group == "dp" else 0.0) for wire in wires
+        )
         assert analytic.get(group, 0.0) * 0.99 <= measured <= 1.6 * analytic.get(group, 0.0), (group, analytic, wires)
 
 
@@ -115,8 +172,20 @@ def reference_search(recipe: str, world_size: int, hardware, limit_gib: float, o
             config = dataclasses.replace(config, model=dataclasses.replace(config.model, recompute=recompute))
             memory, time = estimate(config, layout, plan, hardware, 0.45)
             if memory <= limit_gib:
-                found.append(Candidate(option.tp, option.pp, option.virtual_stages, option.ep, option.dp, recompute,
-                                       option.micro_batch_size, option.expert_dispatch, memory, time))
+                found.append(
+                    Candidate(
+                        option.tp,
+                        option.pp,
+                        option.virtual_stages,
+                        option.ep,
+                        option.dp,
+                        recompute,
+                        option.micro_batch_size,
+                        option.expert_dispatch,
+                        memory,
+                        time,
+                    )
+                )
     return sorted(found, key=lambda c: (round(c.time.step_s, 6), c.memory_gib))
 
 
@@ -152,9 +221,11 @@ def test_budget_stops_the_search_cleanly():
     outcome = search.run(8, top=3)
     assert outcome.out_of_budget and 0 < outcome.evaluated < outcome.layouts
     assert outcome.unevaluated == outcome.layouts - outcome.evaluated
-    evaluated_options = search.options(8)[:outcome.evaluated // 3]
-    assert list(outcome.candidates) == reference_search(DEBUG, 8, hardware, hardware.memory_limit_gib(),
-                                                        evaluated_options)[:3]
+    evaluated_options = search.options(8)[: outcome.evaluated // 3]
+    assert (
+        list(outcome.candidates)
+        == reference_search(DEBUG, 8, hardware, hardware.memory_limit_gib(), evaluated_options)[:3]
+    )
     nearest = search.nearest_fitting_world_sizes(6, step=8)
     assert nearest.out_of_budget and nearest.sizes == ()
 

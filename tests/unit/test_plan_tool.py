@@ -12,8 +12,13 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CHECKOUT / "tools" / "plan.py"), *args], capture_output=True,
-                          text=True, timeout=300, cwd=CHECKOUT)
+    return subprocess.run(
+        [sys.executable, str(CHECKOUT / "tools" / "plan.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=CHECKOUT,
+    )
 
 
 def test_pipeline_ranks_add_up_to_the_model():
@@ -47,8 +52,10 @@ def test_k3_plan_prints_memory_traffic_bubble_and_step_time():
     assert "ZeRO-1 exchange on the wire" in out and "gradients all-reduced instead" in out
     assert "| pipeline bubble |" in out and "MFU" in out and "step " in out
     # The recipe's own layout does not fit an H200 by the planner's model (its fullest rank is pp1).
-    assert verdict_line(out).startswith(f"does not fit: largest rank {largest_rank_gib(out):.1f} GiB (pp1) > 118.2 GiB "
-                                        "(limit: 90% of the 141 GB HBM of one H200 SXM); ")
+    assert verdict_line(out).startswith(
+        f"does not fit: largest rank {largest_rank_gib(out):.1f} GiB (pp1) > 118.2 GiB "
+        "(limit: 90% of the 141 GB HBM of one H200 SXM); "
+    )
     assert "--world-size 1024 --hardware h200 --search" in verdict_line(out)
 
 
@@ -59,8 +66,9 @@ def verdict_line(stdout: str) -> str:
 
 
 def largest_rank_gib(stdout: str) -> float:
-    return max(float(row.split("|")[-3].replace(",", "")) for row in stdout.splitlines()
-               if re.match(r"\| pp\d+ \|", row))
+    return max(
+        float(row.split("|")[-3].replace(",", "")) for row in stdout.splitlines() if re.match(r"\| pp\d+ \|", row)
+    )
 
 
 def test_a_plan_that_fits_says_so():
@@ -69,8 +77,11 @@ def test_a_plan_that_fits_says_so():
     result = plan("--recipe", "recipes/debug.yaml", "--world-size", "2", "--hardware", "h100", "parallel.pp=2")
     assert result.returncode == 0, result.stderr
     line = verdict_line(result.stdout)
-    found = re.fullmatch(r"fits: largest rank ([\d.]+) GiB \(pp(\d)\) <= ([\d.]+) GiB \(limit: 90% of the 80 GB HBM "
-                         r"of one H100 SXM\)", line)
+    found = re.fullmatch(
+        r"fits: largest rank ([\d.]+) GiB \(pp(\d)\) <= ([\d.]+) GiB \(limit: 90% of the 80 GB HBM "
+        r"of one H100 SXM\)",
+        line,
+    )
     assert found, line
     assert float(found.group(1)) == pytest.approx(largest_rank_gib(result.stdout), abs=0.051)
     assert float(found.group(3)) == pytest.approx(80e9 * 0.9 / 2**30, abs=0.05)
@@ -85,18 +96,22 @@ def test_a_plan_that_does_not_fit_says_so_and_how_to_find_one_that_does():
     found = re.match(r"does not fit: largest rank ([\d.]+) GiB \(pp\d\) > 0.01 GiB \(limit: --memory-limit\); ", line)
     assert found, line
     assert float(found.group(1)) == pytest.approx(largest_rank_gib(result.stdout), abs=0.051)
-    assert ("python tools/plan.py --recipe recipes/debug.yaml --world-size 2 --hardware h200 --search "
-            "--memory-limit 0.01 parallel.pp=2") in line
+    assert (
+        "python tools/plan.py --recipe recipes/debug.yaml --world-size 2 --hardware h200 --search "
+        "--memory-limit 0.01 parallel.pp=2"
+    ) in line
 
 
 def test_search_budget_stops_with_a_message():
     """`--budget 0` stops before the first layout: the search says how many it left out and, having
     found nothing, exits 1 without claiming that nothing fits."""
-    result = plan("--recipe", "recipes/debug.yaml", "--world-size", "8", "--hardware", "h100", "--search",
-                  "--budget", "0")
+    result = plan(
+        "--recipe", "recipes/debug.yaml", "--world-size", "8", "--hardware", "h100", "--search", "--budget", "0"
+    )
     assert result.returncode == 1, result.stderr
-    assert re.search(r"search stopped by --budget 0 s before any of the [\d,]+ layouts of world 8 was evaluated",
-                     result.stdout), result.stdout
+    assert re.search(
+        r"search stopped by --budget 0 s before any of the [\d,]+ layouts of world 8 was evaluated", result.stdout
+    ), result.stdout
     assert "nearest world sizes not searched" in result.stdout
 
 
@@ -116,8 +131,17 @@ def test_search_draws_progress_on_a_terminal(monkeypatch):
     stdout, stderr = io.StringIO(), Terminal()
     monkeypatch.setattr(sys, "stderr", stderr)
     with contextlib.redirect_stdout(stdout):
-        code = plan_cli.main(["--recipe", str(CHECKOUT / "recipes" / "debug.yaml"), "--world-size", "4",
-                              "--hardware", "h100", "--search"])
+        code = plan_cli.main(
+            [
+                "--recipe",
+                str(CHECKOUT / "recipes" / "debug.yaml"),
+                "--world-size",
+                "4",
+                "--hardware",
+                "h100",
+                "--search",
+            ]
+        )
     assert code == 0
     assert "| tp |" in stdout.getvalue() and "world 4:" not in stdout.getvalue()
     assert re.search(r"world 4: 100%.*layout", stderr.getvalue()), stderr.getvalue()[-500:]

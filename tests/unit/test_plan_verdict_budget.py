@@ -18,8 +18,13 @@ VERDICT = re.compile(r"^(fits|does not fit): largest rank ([\d,.]+) GiB \(pp(\d+
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CHECKOUT / "tools" / "plan.py"), *args], capture_output=True,
-                          text=True, timeout=300, cwd=CHECKOUT)
+    return subprocess.run(
+        [sys.executable, str(CHECKOUT / "tools" / "plan.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=CHECKOUT,
+    )
 
 
 def memory_table_totals(stdout: str) -> dict[int, float]:
@@ -27,8 +32,9 @@ def memory_table_totals(stdout: str) -> dict[int, float]:
     header = next(line for line in stdout.splitlines() if line.startswith("| pp rank | params |"))
     column = [cell.strip() for cell in header.strip("|").split("|")].index("total GiB")
     rows = [line for line in stdout.splitlines() if re.match(r"\| pp\d+ \|", line)]
-    return {int(row.split("|")[1].strip()[2:]): float(row.strip("|").split("|")[column].replace(",", ""))
-            for row in rows}
+    return {
+        int(row.split("|")[1].strip()[2:]): float(row.strip("|").split("|")[column].replace(",", "")) for row in rows
+    }
 
 
 def test_small_plan_fits_and_names_its_fullest_rank():
@@ -46,8 +52,9 @@ def test_small_plan_fits_and_names_its_fullest_rank():
 
 
 def test_plan_over_a_tiny_limit_does_not_fit_and_still_exits_0():
-    result = plan("--recipe", DEBUG, "--world-size", "2", "--hardware", "h100", "--memory-limit", "0.0001",
-                  "parallel.pp=2")
+    result = plan(
+        "--recipe", DEBUG, "--world-size", "2", "--hardware", "h100", "--memory-limit", "0.0001", "parallel.pp=2"
+    )
     assert result.returncode == 0, result.stderr  # a computed plan, whether or not it fits
     word, _, _, sign, _ = VERDICT.findall(result.stdout)[0]
     assert (word, sign) == ("does not fit", ">")

@@ -19,8 +19,19 @@ DATA_GROUPS = ("dp", "data_tensor", "expert_dp")
 def k3_rank(world_size: int, pp_rank: int):
     config = load_config(K3, [])
     p, m = config.parallel, config.model
-    layout = resolve_layout(world_size, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, m.num_attention_heads,
-                            m.linear_attn_config.num_heads, m.vocab_size, m.num_experts, m.num_hidden_layers)
+    layout = resolve_layout(
+        world_size,
+        p.tp,
+        p.pp,
+        p.dp,
+        p.ep,
+        p.virtual_stages,
+        m.num_attention_heads,
+        m.linear_attn_config.num_heads,
+        m.vocab_size,
+        m.num_experts,
+        m.num_hidden_layers,
+    )
     return build_planning_rank(config, layout, layout.rank_of(0, 0, pp_rank))
 
 

@@ -35,8 +35,7 @@ def add_nvidia_smi(bin_dir: pathlib.Path, rc: int) -> None:
 
 
 def run_bash(script: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", script], cwd=CHECKOUT, env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(["bash", "-c", script], cwd=CHECKOUT, env=env, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("options", ["set +e +u", "set -euo pipefail", "set -u +e"])
@@ -56,7 +55,7 @@ def test_a_failing_command_after_sourcing_does_not_exit_the_shell(stub_env):
 
 def test_no_thread_count_is_exported(stub_env):
     _, env = stub_env
-    result = run_bash("source tools/setup_env.sh; echo \"[${OMP_NUM_THREADS:-unset}]\"", env)
+    result = run_bash('source tools/setup_env.sh; echo "[${OMP_NUM_THREADS:-unset}]"', env)
     assert result.stdout.strip().endswith("[unset]")
 
 
@@ -78,8 +77,9 @@ def test_cpu_machine_without_the_local_wheel_uses_the_cpu_index(stub_env):
     env.update(TORCH_IMPORT_RC="1", LOCAL_WHEEL_RC="1")
     assert run_bash("source tools/setup_env.sh", env).returncode == 0
     torch_installs = [line for line in installs(env) if "torch" in line and "numpy" not in line]
-    assert torch_installs[-1] == ("python -m pip install --quiet torch "
-                                  "--index-url https://download.pytorch.org/whl/cpu")
+    assert torch_installs[-1] == (
+        "python -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu"
+    )
 
 
 def test_gpu_machine_gets_the_default_build(stub_env):
@@ -95,7 +95,7 @@ def test_a_failed_install_stops_a_caller_under_set_e(stub_env):
     (bin_dir / "python").write_text("#!/bin/bash\nexit 1\n")
     result = run_bash("set -e; source tools/setup_env.sh; echo reached", env)
     assert result.returncode != 0 and "reached" not in result.stdout
-    interactive = run_bash("set +e; source tools/setup_env.sh; echo \"status $?\"", env)
+    interactive = run_bash('set +e; source tools/setup_env.sh; echo "status $?"', env)
     assert "status 1" in interactive.stdout
 
 
@@ -118,7 +118,7 @@ def test_a_python_that_refuses_installs_gets_a_virtual_environment(stub_env, tmp
     (bin_dir / "python3").write_text(STUB_PYTHON3_VENV)
     (bin_dir / "python3").chmod(0o755)
     env.update(PYTHON_CHECK_RC="3", K3TRAIN_VENV=str(tmp_path / "venv"))
-    result = run_bash("source tools/setup_env.sh; echo \"python=$(command -v python) [${__k3train_venv:-}]\"", env)
+    result = run_bash('source tools/setup_env.sh; echo "python=$(command -v python) [${__k3train_venv:-}]"', env)
     assert result.returncode == 0, result.stderr
     assert f"python={tmp_path / 'venv' / 'bin' / 'python'} []" in result.stdout
     assert "creating the virtual environment" in result.stderr
@@ -129,11 +129,18 @@ def test_a_python_that_refuses_installs_gets_a_virtual_environment(stub_env, tmp
 
 def test_no_python_at_all_is_one_line_naming_the_fix(tmp_path):
     env = {"PATH": str(tmp_path), "HOME": str(tmp_path), "K3TRAIN_VENV": str(tmp_path / "venv")}
-    result = subprocess.run(["/bin/bash", "-c", "source tools/setup_env.sh"], cwd=CHECKOUT, env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["/bin/bash", "-c", "source tools/setup_env.sh"],
+        cwd=CHECKOUT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
-        "setup_env: no python or python3 on PATH; install Python 3.11+ (Debian: apt-get install python3 python3-venv)"]
+        "setup_env: no python or python3 on PATH; install Python 3.11+ (Debian: apt-get install python3 python3-venv)"
+    ]
 
 
 def test_an_old_python_is_refused_with_its_version(stub_env):

@@ -99,7 +99,9 @@ def test_swiglu_row_scale_scales_each_row():
     generator = torch.Generator().manual_seed(5)
     gate, up = _inputs((5, 4), torch.float64, generator)
     row_scale = torch.rand(5, dtype=torch.float64, generator=generator)
-    torch.testing.assert_close(swiglu(gate, up, row_scale), swiglu(gate, up) * row_scale[:, None], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        swiglu(gate, up, row_scale), swiglu(gate, up) * row_scale[:, None], rtol=1e-12, atol=1e-12
+    )
     bf16 = swiglu(gate.detach().bfloat16(), up.detach().bfloat16(), row_scale.float())
     assert bf16.dtype == torch.bfloat16
 

@@ -21,10 +21,20 @@ CASES = [(mode, size) for mode in ("block", "full", "none") for size in (1, 2, 3
 
 def tiny_config(attn_res: str, block_size: int, layers: int = 7) -> ModelConfig:
     return dataclasses.replace(
-        ModelConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_experts=4,
-                    num_experts_per_token=2, moe_intermediate_size=16, routed_expert_hidden_size=16,
-                    vocab_size=64, recompute="none"),
-        attn_res=attn_res, attn_res_block_size=block_size)
+        ModelConfig(
+            num_hidden_layers=layers,
+            hidden_size=32,
+            intermediate_size=64,
+            num_experts=4,
+            num_experts_per_token=2,
+            moe_intermediate_size=16,
+            routed_expert_hidden_size=16,
+            vocab_size=64,
+            recompute="none",
+        ),
+        attn_res=attn_res,
+        attn_res_block_size=block_size,
+    )
 
 
 def test_closes_block_is_the_published_rule():

@@ -47,8 +47,16 @@ def test_dense_flops_per_token_counts_matmuls():
 @pytest.mark.slow
 def test_compare_in_bf16_with_profiled_parts(capsys):
     torch.set_num_threads(1)
-    result = compare("debug", MODELS["debug"], steps=1, peak_tflops=0.1, with_compile=False, profile=True,
-                     device=torch.device("cpu"), precision="bf16")
+    result = compare(
+        "debug",
+        MODELS["debug"],
+        steps=1,
+        peak_tflops=0.1,
+        with_compile=False,
+        profile=True,
+        device=torch.device("cpu"),
+        precision="bf16",
+    )
     out = capsys.readouterr().out
     assert set(result.step_seconds) == {MUON, ADAMW, DENSE}
     assert all(math.isfinite(loss) and loss > 0 for loss in result.final_losses.values())

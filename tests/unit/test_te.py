@@ -47,9 +47,17 @@ CPU = torch.device("cpu")
 
 def small_model(**changes) -> ModelConfig:
     # Widths multiples of 16 (FP8 GEMMs) except KDA's b_proj (4 heads) and the AttnRes queries.
-    base = ModelConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_experts=4,
-                       num_experts_per_token=2, moe_intermediate_size=16, routed_expert_hidden_size=16,
-                       vocab_size=64, attn_res_block_size=2)
+    base = ModelConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=16,
+        routed_expert_hidden_size=16,
+        vocab_size=64,
+        attn_res_block_size=2,
+    )
     return base.replace(**changes)
 
 
@@ -59,18 +67,30 @@ def te_model(config: ModelConfig, te, **kwargs) -> K3Model:
 
 def description(model: torch.nn.Module) -> dict:
     """What Muon, ZeRO-1 and checkpoints see of each parameter."""
-    return {name: (tuple(p.shape), p.dtype, getattr(p, "head_blocks", None), getattr(p, "adamw_only", False),
-                   getattr(p, "tensor_parallel", False), getattr(p, "partition_dim", None),
-                   getattr(p, "full_shape", None), getattr(p, "tp_partial_grad", False))
-            for name, p in model.named_parameters()}
+    return {
+        name: (
+            tuple(p.shape),
+            p.dtype,
+            getattr(p, "head_blocks", None),
+            getattr(p, "adamw_only", False),
+            getattr(p, "tensor_parallel", False),
+            getattr(p, "partition_dim", None),
+            getattr(p, "full_shape", None),
+            getattr(p, "tp_partial_grad", False),
+        )
+        for name, p in model.named_parameters()
+    }
 
 
 # ------------------------------------------------------------------ start-up checks (CPU)
-@pytest.mark.parametrize("overrides, field", [
-    (["train.precision=fp8"], "train.precision=fp8"),
-    (["model.linear_backend=te"], "model.linear_backend=te"),
-    (["model.linear_backend=te", "train.precision=bf16"], "model.linear_backend=te"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["train.precision=fp8"], "train.precision=fp8"),
+        (["model.linear_backend=te"], "model.linear_backend=te"),
+        (["model.linear_backend=te", "train.precision=bf16"], "model.linear_backend=te"),
+    ],
+)
 def test_te_without_cuda_fails_at_start_up_in_one_line(overrides, field):
     config = apply_overrides(JobConfig(), overrides)
     with pytest.raises(ConfigError) as raised:
@@ -100,8 +120,11 @@ def test_cpu_defaults_and_invalid_values():
 def test_te_missing_names_the_install_command_when_the_import_fails(monkeypatch):
     # A CUDA machine whose transformer-engine is the empty meta package (its import raises RuntimeError).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(te_kernels, "import_transformer_engine",
-                        lambda: (None, "RuntimeError: found no Transformer Engine framework extension"))
+    monkeypatch.setattr(
+        te_kernels,
+        "import_transformer_engine",
+        lambda: (None, "RuntimeError: found no Transformer Engine framework extension"),
+    )
     why = te_kernels.te_missing(torch.device("cuda"))
     assert "RuntimeError" in why and te_kernels.INSTALL_HINT in why and "\n" not in why
     assert te_kernels.resolve_linear_backend("auto", torch.device("cuda")) == "torch"
@@ -143,16 +166,26 @@ print(json.dumps({"attempts": Recorder.attempts,
 def test_cpu_job_never_imports_transformer_engine():
     # A fresh interpreter: a CPU job with the default linear_backend (auto) builds, runs a bf16
     # forward/backward, and never tries to import Transformer Engine (fla: tests/unit/test_kda.py).
-    result = subprocess.run([sys.executable, "-c", IMPORT_PROBE, str(CHECKOUT)], capture_output=True, text=True,
-                            timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, str(CHECKOUT)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"attempts": [], "loaded": []}
 
 
 # ------------------------------------------------------------------ the TE factory (stand-in)
-@pytest.mark.parametrize("changes", [{}, {"q_lora_rank": None},
-                                     {"linear_attn_config": dataclasses.replace(ModelConfig().linear_attn_config,
-                                                                                output_gate="low_rank")}])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"q_lora_rank": None},
+        {"linear_attn_config": dataclasses.replace(ModelConfig().linear_attn_config, output_gate="low_rank")},
+    ],
+)
 def test_te_model_has_the_torch_models_parameters(changes):
     config = small_model(**changes)
     te = make_stand_in()
@@ -167,7 +200,9 @@ def test_te_model_has_the_torch_models_parameters(changes):
     te_linear = te_kernels.te_linear_class(te)
     projections = {name for name, module in te_built.named_modules() if isinstance(module, te_linear)}
     assert "layers.0.self_attn.q_proj" in projections and "layers.3.self_attn.o_proj" in projections
-    assert "layers.0.mlp.gate_proj" in projections and "layers.1.block_sparse_moe.routed_expert_down_proj" in projections
+    assert (
+        "layers.0.mlp.gate_proj" in projections and "layers.1.block_sparse_moe.routed_expert_down_proj" in projections
+    )
     assert "layers.1.block_sparse_moe.shared_experts.down_proj" in projections
     assert not any("attn_res" in name or "_res." in name or name == "lm_head" for name in projections)
     for module in te_built.modules():  # TE's Megatron TP marks are dropped: k3train marks its own shards
@@ -195,8 +230,9 @@ def test_te_shards_under_tensor_parallelism_match_the_torch_shards():
         state = planning_parallel_state(layout, rank, sequence_parallel=True)
         with torch.device("meta"):
             torch_model = K3Model(config, parallel=state)
-            te_built = K3Model(config, parallel=state,
-                               linear_factory=te_kernels.TELinearFactory(make_stand_in(), torch.device("meta")))
+            te_built = K3Model(
+                config, parallel=state, linear_factory=te_kernels.TELinearFactory(make_stand_in(), torch.device("meta"))
+            )
         assert description(te_built) == description(torch_model)
         weight = te_built.layers["0"].self_attn.q_proj.weight
         assert weight.is_meta and weight.tensor_parallel and weight.full_shape == (128, 32)
@@ -212,8 +248,12 @@ def test_build_model_uses_the_factory_and_keeps_first_and_last_layers_out_of_fp8
     reference = build_model(config.replace(linear_backend="torch"), plan, ParallelState.single(), seed=3, device=CPU)
     assert description(stage) == description(reference)
     te_linear = te_kernels.te_linear_class(te)
-    kept_out = {name for name, m in stage.named_modules() if isinstance(m, te_kernels.FP8StateMixin) and m.keep_out_of_fp8}
-    in_fp8 = {name for name, m in stage.named_modules() if isinstance(m, te_kernels.FP8StateMixin) and not m.keep_out_of_fp8}
+    kept_out = {
+        name for name, m in stage.named_modules() if isinstance(m, te_kernels.FP8StateMixin) and m.keep_out_of_fp8
+    }
+    in_fp8 = {
+        name for name, m in stage.named_modules() if isinstance(m, te_kernels.FP8StateMixin) and not m.keep_out_of_fp8
+    }
     assert all(name.startswith(("layers.0.", "layers.3.")) or name.endswith("b_proj") for name in kept_out)
     assert {"layers.1.self_attn.q_proj", "layers.2.block_sparse_moe.experts.te_gemms.0.gemm"} <= in_fp8
     assert "layers.1.self_attn.b_proj" in kept_out  # 4 heads: no FP8 GEMM of width 4
@@ -264,7 +304,9 @@ def test_grouped_experts_run_on_the_stacks_and_send_gradients_to_them():
     order = torch.tensor([0, 0, 1, 3, 3, 3])
     rows = torch.randn(6, config.expert_width)
     ends = torch.tensor([2, 3, 3, 6])
-    torch.testing.assert_close(grouped.forward_sorted(rows, ends, replicas), reference.forward_sorted(rows, ends, replicas))
+    torch.testing.assert_close(
+        grouped.forward_sorted(rows, ends, replicas), reference.forward_sorted(rows, ends, replicas)
+    )
     assert order.numel() == rows.shape[0]
 
 
@@ -286,8 +328,11 @@ def run_fp8_steps(model: K3Model, te, steps: int, seed: int) -> None:
 
 
 def fp8_states(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: te_kernels.fp8_state_tensor(m) for name, m in model.named_modules()
-            if isinstance(m, te_kernels.FP8StateMixin)}
+    return {
+        name: te_kernels.fp8_state_tensor(m)
+        for name, m in model.named_modules()
+        if isinstance(m, te_kernels.FP8StateMixin)
+    }
 
 
 def test_fp8_state_format_round_trip():
@@ -333,7 +378,9 @@ def test_checkpoints_carry_fp8_state_and_load_across_precisions_and_backends(tmp
     checkpointer.load(fp8_path, {"model": resumed})
     run_fp8_steps(resumed, te, steps=1, seed=9)
     run_fp8_steps(fp8_model, te, steps=1, seed=9)
-    assert {k: v.tolist() for k, v in fp8_states(resumed).items()} == {k: v.tolist() for k, v in fp8_states(fp8_model).items()}
+    assert {k: v.tolist() for k, v in fp8_states(resumed).items()} == {
+        k: v.tolist() for k, v in fp8_states(fp8_model).items()
+    }
 
     # fp8 → bf16 TE model (the state is kept, unused) and → the torch backend (the state is dropped).
     bf16_te = te_model(config, te)
@@ -374,10 +421,23 @@ def test_fp8_forward_context_needs_transformer_engine_and_is_bf16_autocast_plus_
 
 def test_pretrain_refuses_fp8_on_cpu_before_anything_starts(tmp_path):
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, str(CHECKOUT / "pretrain_k3.py"), "--recipe", "recipes/debug.yaml",
-                             "--run-dir", str(run_dir), "train.precision=fp8", "train.device=cpu"],
-                            capture_output=True, text=True, timeout=120, cwd=CHECKOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(CHECKOUT / "pretrain_k3.py"),
+            "--recipe",
+            "recipes/debug.yaml",
+            "--run-dir",
+            str(run_dir),
+            "train.precision=fp8",
+            "train.device=cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=CHECKOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: train.precision=fp8 needs a CUDA GPU")

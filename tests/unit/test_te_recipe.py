@@ -21,7 +21,11 @@ def test_recipe_has_every_k3_feature_at_about_1b_active():
     assert model.linear_attn_config.gate_lower_bound == k3.linear_attn_config.gate_lower_bound
     assert model.linear_attn_config.head_dim == k3.linear_attn_config.head_dim
     assert model.linear_attn_config.output_gate == "full" and model.mla_use_output_gate
-    assert (model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim) == (k3.qk_nope_head_dim, k3.qk_rope_head_dim, k3.v_head_dim)
+    assert (model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim) == (
+        k3.qk_nope_head_dim,
+        k3.qk_rope_head_dim,
+        k3.v_head_dim,
+    )
     assert model.q_lora_rank and model.kv_lora_rank and model.full_attn_layer_set == frozenset({3, 7, 11, 15, 19, 23})
     assert model.first_k_dense_replace == 1 and model.num_shared_experts == 2 and model.latent_moe_use_norm
     assert model.routed_expert_hidden_size * 2 == model.hidden_size and model.balancer == k3.balancer
@@ -33,9 +37,22 @@ def test_recipe_has_every_k3_feature_at_about_1b_active():
 
 
 def test_plan_fits_one_h200():
-    result = subprocess.run([sys.executable, str(CHECKOUT / "tools" / "plan.py"), "--recipe", str(RECIPE),
-                             "--world-size", "1", "--hardware", "h200"],
-                            capture_output=True, text=True, timeout=300, cwd=CHECKOUT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(CHECKOUT / "tools" / "plan.py"),
+            "--recipe",
+            str(RECIPE),
+            "--world-size",
+            "1",
+            "--hardware",
+            "h200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=CHECKOUT,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| pp0 ")]
     assert len(rows) == 1, result.stdout

@@ -16,14 +16,17 @@ def test_omp_num_threads_is_respected_when_nothing_is_configured():
         assert threads == 2 and "OMP_NUM_THREADS" in line
 
 
-@pytest.mark.parametrize("environ,cores,expected", [
-    ({}, 2, 2),                                   # one process: every core it may use
-    ({"LOCAL_WORLD_SIZE": "4"}, 16, 4),           # torchrun: the cores shared among local ranks
-    ({"LOCAL_WORLD_SIZE": "4"}, 6, 1),            # rounded down
-    ({"LOCAL_WORLD_SIZE": "8"}, 2, 1),            # never below one
-    ({"LOCAL_WORLD_SIZE": "x", "OMP_NUM_THREADS": ""}, 3, 3),  # unreadable values are ignored
-    ({"OMP_NUM_THREADS": "0"}, 4, 4),
-])
+@pytest.mark.parametrize(
+    "environ,cores,expected",
+    [
+        ({}, 2, 2),  # one process: every core it may use
+        ({"LOCAL_WORLD_SIZE": "4"}, 16, 4),  # torchrun: the cores shared among local ranks
+        ({"LOCAL_WORLD_SIZE": "4"}, 6, 1),  # rounded down
+        ({"LOCAL_WORLD_SIZE": "8"}, 2, 1),  # never below one
+        ({"LOCAL_WORLD_SIZE": "x", "OMP_NUM_THREADS": ""}, 3, 3),  # unreadable values are ignored
+        ({"OMP_NUM_THREADS": "0"}, 4, 4),
+    ],
+)
 def test_cores_divided_among_local_ranks(environ, cores, expected):
     threads, line = choose_num_threads(None, environ, cores)
     assert threads == expected
@@ -35,7 +38,9 @@ def test_available_cores_is_positive():
     assert available_cores() >= 1
 
 
-@pytest.mark.parametrize("busy, local_ranks, expected", [(0.0, 1, 8), (0.5, 1, 4), (0.5, 2, 2), (0.99, 1, 1), (1.0, 4, 1)])
+@pytest.mark.parametrize(
+    "busy, local_ranks, expected", [(0.0, 1, 8), (0.5, 1, 4), (0.5, 2, 2), (0.99, 1, 1), (1.0, 4, 1)]
+)
 def test_busy_machine_counts_only_free_cores(busy, local_ranks, expected):
     threads, line = choose_num_threads(None, {"LOCAL_WORLD_SIZE": str(local_ranks)}, 8, busy)
     assert threads == expected
@@ -83,8 +88,15 @@ def test_launcher_environment_reads_the_start_up_environment_of_the_parent():
 
     assert launcher_environment({}) is None  # not a torchrun rank
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    with subprocess.Popen([sys.executable, "-c", "import os, time; os.environ['OMP_NUM_THREADS'] = '1'; "
-                           "print(flush=True); time.sleep(30)"], env=env, stdout=subprocess.PIPE) as agent:
+    with subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, time; os.environ['OMP_NUM_THREADS'] = '1'; print(flush=True); time.sleep(30)",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+    ) as agent:
         try:
             agent.stdout.readline()  # the variable is set in its os.environ by now, as torchrun does
             names = launcher_environment({"TORCHELASTIC_RUN_ID": "x"}, parent_pid=agent.pid)
@@ -111,15 +123,23 @@ def test_under_torchrun_ranks_tell_its_default_from_the_users(tmp_path, user_omp
         "import os, sys\n"
         f"sys.path.insert(0, {str(checkout)!r})\n"
         "from k3train.training.threads import choose_num_threads, launcher_environment\n"
-        "print('LINE', choose_num_threads(None, os.environ, 8, 0.0, launcher_environment(os.environ))[1], flush=True)\n")
+        "print('LINE', choose_num_threads(None, os.environ, 8, 0.0, launcher_environment(os.environ))[1], flush=True)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if user_omp:
         env["OMP_NUM_THREADS"] = user_omp
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(probe)], capture_output=True, text=True, timeout=150, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(probe)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+    )
     lines = [line[5:] for line in result.stdout.splitlines() if line.startswith("LINE ")]
     assert result.returncode == 0 and len(lines) == 2, result.stdout + result.stderr[-3000:]
     if user_omp:
         assert all(line == "threads: 1 per rank (OMP_NUM_THREADS=1)" for line in lines), lines
     else:
-        assert all(line.startswith("threads: 4 per rank (8 cores / 2 local ranks; torchrun's default") for line in lines), lines
+        assert all(
+            line.startswith("threads: 4 per rank (8 cores / 2 local ranks; torchrun's default") for line in lines
+        ), lines

@@ -53,8 +53,9 @@ def test_pinned_peak_and_cached_cpu_peak(tmp_path, monkeypatch):
     pinned = peak_flops(torch.device("cpu"), 12.5)
     assert (pinned.tflops, pinned.label) == (12.5, "MFU") and "logging.peak_tflops" in pinned.describe()
     monkeypatch.setenv("K3TRAIN_CACHE_DIR", str(tmp_path))
-    (tmp_path / CPU_PEAK_CACHE_FILE).write_text(json.dumps(
-        {cpu_peak_key(torch.get_num_threads()): {"tflops": 0.25, "measured": "earlier"}}))
+    (tmp_path / CPU_PEAK_CACHE_FILE).write_text(
+        json.dumps({cpu_peak_key(torch.get_num_threads()): {"tflops": 0.25, "measured": "earlier"}})
+    )
     peak = peak_flops(torch.device("cpu"))
     assert (peak.tflops, peak.label) == (0.25, "MFU(cpu-matmul)") and "cached" in peak.source
 
@@ -65,9 +66,19 @@ def test_measurement_is_a_median_of_timed_trials():
 
 
 def test_step_line_reports_the_optimizer_share_apart_from_mfu():
-    metrics = {"step": 3, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 100.0, "tflops": 0.01,
-               "mfu": 0.1, "memory_gib": 0.5, "eta": "0:00:01", "optimizer_share": 0.3,
-               "newton_schulz_gflop": 119.7}
+    metrics = {
+        "step": 3,
+        "loss": 2.0,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens_per_s": 100.0,
+        "tflops": 0.01,
+        "mfu": 0.1,
+        "memory_gib": 0.5,
+        "eta": "0:00:01",
+        "optimizer_share": 0.3,
+        "newton_schulz_gflop": 119.7,
+    }
     line = format_step_line(metrics, 10, "MFU(cpu-matmul)")
     assert "MFU(cpu-matmul) 10.0% | opt 30.0% (NS 120 GFLOP)" in line
     metrics.update(newton_schulz_gflop=0.0)

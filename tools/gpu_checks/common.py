@@ -11,7 +11,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -56,21 +56,21 @@ TOL = {
 class Row:
     name: str
     status: str  # PASS, FAIL or SKIP
-    max_abs: Optional[float] = None
-    rel: Optional[float] = None
-    tol: Optional[float] = None
-    ref_ms: Optional[float] = None
-    fast_ms: Optional[float] = None
+    max_abs: float | None = None
+    rel: float | None = None
+    tol: float | None = None
+    ref_ms: float | None = None
+    fast_ms: float | None = None
     note: str = ""
 
     @property
-    def speedup(self) -> Optional[float]:
+    def speedup(self) -> float | None:
         if self.ref_ms is None or self.fast_ms is None or self.fast_ms <= 0:
             return None
         return self.ref_ms / self.fast_ms
 
 
-def skip(name: str, reason: str, ref_ms: Optional[float] = None) -> Row:
+def skip(name: str, reason: str, ref_ms: float | None = None) -> Row:
     return Row(name, "SKIP", ref_ms=ref_ms, note=reason)
 
 
@@ -103,7 +103,7 @@ class Context:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def time_ms(self, fn: Callable[[], object], reps: Optional[int] = None, warmup: Optional[int] = None) -> float:
+    def time_ms(self, fn: Callable[[], object], reps: int | None = None, warmup: int | None = None) -> float:
         """Median milliseconds of `fn()` after warm-up: CUDA events on the GPU, a host clock on
         the CPU. Host syncs inside `fn` (e.g. `.tolist()`) count: they are part of its cost."""
         warmup = (1 if self.small else 3) if warmup is None else warmup
@@ -184,7 +184,7 @@ def guarded(ctx: Context, name: str, make_row: Callable[[], Row]) -> Row:
     case (an unsupported dtype, out of memory) does not hide the cases after it."""
     try:
         return make_row()
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a row, the run goes on
+    except Exception as exc:
         traceback.print_exc(file=sys.stderr)
         return Row(name, "FAIL", note=describe(exc))
     finally:

@@ -3,7 +3,7 @@ fast path with a written-out backward (fused_paths) in fp32, all against float64
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,9 @@ def check_attn_res(ctx: Context) -> Iterator[Row]:
         """Sources of growing scale in `dtype`; fp32 norm gain near 1 and a query giving O(1) scores."""
         gen = ctx.generator(seed)
         d = shape[-1]
-        sources = [ctx.randn(*shape, gen=gen, dtype=dtype, scale=1.0 + i / 2).requires_grad_()
-                   for i in range(n_sources)]
+        sources = [
+            ctx.randn(*shape, gen=gen, dtype=dtype, scale=1.0 + i / 2).requires_grad_() for i in range(n_sources)
+        ]
         norm_weight = (1.0 + ctx.randn(d, gen=gen, scale=0.1)).requires_grad_()
         query = ctx.randn(d, gen=gen, scale=d**-0.5).requires_grad_()
         return sources, norm_weight, query
@@ -49,14 +50,24 @@ def check_attn_res(ctx: Context) -> Iterator[Row]:
     max_abs, rel, worst = compare({key: (fast[key], ref[key]) for key in ref})
 
     time_shape = ctx.pick((1, 4096, 7168), shape)
-    timed = {dtype: (*inputs(time_shape, dtype, seed=11), ctx.randn(*time_shape, gen=ctx.generator(12), dtype=dtype))
-             for dtype in (F32, BF16)}
+    timed = {
+        dtype: (*inputs(time_shape, dtype, seed=11), ctx.randn(*time_shape, gen=ctx.generator(12), dtype=dtype))
+        for dtype in (F32, BF16)
+    }
     ref_ms = ctx.time_ms(lambda: run(*timed[F32]))
     fast_ms = ctx.time_ms(lambda: run(*timed[BF16]))
     tol = TOL["attn_res_bf16"]
-    yield Row("attn_res bf16", verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
-              f"{n_sources} sources {list(shape)} vs fp64 CPU, fwd+bwd; worst {worst}; "
-              f"timed at {list(time_shape)}, ref ms: fp32 sources")
+    yield Row(
+        "attn_res bf16",
+        verdict(rel, tol),
+        max_abs,
+        rel,
+        tol,
+        ref_ms,
+        fast_ms,
+        f"{n_sources} sources {list(shape)} vs fp64 CPU, fwd+bwd; worst {worst}; "
+        f"timed at {list(time_shape)}, ref ms: fp32 sources",
+    )
 
 
 def check_situ_glu(ctx: Context) -> Iterator[Row]:
@@ -86,8 +97,16 @@ def check_situ_glu(ctx: Context) -> Iterator[Row]:
     ref_ms = ctx.time_ms(lambda: run(*timed[F32]))
     fast_ms = ctx.time_ms(lambda: run(*timed[BF16]))
     tol = TOL["situ_glu_bf16"]
-    yield Row("situ_glu bf16", verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
-              f"[{rows}, {inner}] vs fp64 CPU, fwd+bwd; worst {worst}; ref ms: fp32 inputs")
+    yield Row(
+        "situ_glu bf16",
+        verdict(rel, tol),
+        max_abs,
+        rel,
+        tol,
+        ref_ms,
+        fast_ms,
+        f"[{rows}, {inner}] vs fp64 CPU, fwd+bwd; worst {worst}; ref ms: fp32 inputs",
+    )
 
 
 def fused_path_cases(ctx: Context) -> dict[str, tuple[Callable, Callable, Callable[[int], list[torch.Tensor]]]]:
@@ -100,17 +119,24 @@ def fused_path_cases(ctx: Context) -> dict[str, tuple[Callable, Callable, Callab
         return ctx.randn(*shape, gen=ctx.generator(seed), scale=scale).requires_grad_()
 
     def kda_inputs(seed: int) -> list[torch.Tensor]:
-        q, k = (F.normalize(normal(seed + i, batch, seq, heads, dim), dim=-1).detach().requires_grad_()
-                for i in range(2))
+        q, k = (
+            F.normalize(normal(seed + i, batch, seq, heads, dim), dim=-1).detach().requires_grad_() for i in range(2)
+        )
         v = normal(seed + 2, batch, seq, heads, dim)
-        g = (-5 * torch.rand(batch, seq, heads, dim, generator=ctx.generator(seed + 3), device=ctx.device)).requires_grad_()
+        g = (
+            -5 * torch.rand(batch, seq, heads, dim, generator=ctx.generator(seed + 3), device=ctx.device)
+        ).requires_grad_()
         beta = torch.rand(batch, seq, heads, generator=ctx.generator(seed + 4), device=ctx.device).requires_grad_()
         return [q, k, v, g, beta, normal(seed + 5, batch, heads, dim, dim, scale=0.1)]
 
     def mix_inputs(seed: int) -> list[torch.Tensor]:
         sources = [normal(seed + i, batch, seq, hidden, scale=1 + i / 2) for i in range(5)]
-        return [*sources, (1 + normal(seed + 9, hidden, scale=0.1)).detach().requires_grad_(),
-                normal(seed + 10, hidden, scale=hidden ** -0.5), (1 + normal(seed + 11, hidden, scale=0.1)).detach().requires_grad_()]
+        return [
+            *sources,
+            (1 + normal(seed + 9, hidden, scale=0.1)).detach().requires_grad_(),
+            normal(seed + 10, hidden, scale=hidden**-0.5),
+            (1 + normal(seed + 11, hidden, scale=0.1)).detach().requires_grad_(),
+        ]
 
     def mix_reference(*tensors):
         *sources, norm_weight, query, out_weight = tensors
@@ -118,34 +144,65 @@ def fused_path_cases(ctx: Context) -> dict[str, tuple[Callable, Callable, Callab
         return (mixed * torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + 1e-6) * out_weight).to(sources[0].dtype)
 
     return {
-        "short_conv_silu": (lambda x, w, tail: short_conv_silu(x, w, tail)[0],
-                            lambda x, w, tail: short_conv_silu_reference(x, w, tail)[0],
-                            lambda seed: [normal(seed, batch, seq, width), normal(seed + 1, width, 1, 4, scale=0.5),
-                                          normal(seed + 2, batch, width, 3)]),
+        "short_conv_silu": (
+            lambda x, w, tail: short_conv_silu(x, w, tail)[0],
+            lambda x, w, tail: short_conv_silu_reference(x, w, tail)[0],
+            lambda seed: [
+                normal(seed, batch, seq, width),
+                normal(seed + 1, width, 1, 4, scale=0.5),
+                normal(seed + 2, batch, width, 3),
+            ],
+        ),
         "l2_normalize": (l2_normalize, l2_normalize_reference, lambda seed: [normal(seed, batch, seq, heads, dim)]),
-        "gated_rms_norm": (lambda x, gate, w: gated_rms_norm(x, gate, w, 1e-5),
-                           lambda x, gate, w: gated_rms_norm_reference(x, gate, w, 1e-5),
-                           lambda seed: [normal(seed, batch, seq, heads, dim), normal(seed + 1, batch, seq, heads, dim),
-                                         (1 + normal(seed + 2, dim, scale=0.1)).detach().requires_grad_()]),
-        "kda_gate": (kda_gate, kda_gate_reference,
-                     lambda seed: [normal(seed, batch, seq, heads, dim), normal(seed + 1, heads, scale=0.5),
-                                   normal(seed + 2, heads * dim, scale=0.5)]),
-        "situ_glu_row_scale": (lambda gate, up, scale: situ_glu(gate, up, row_scale=scale),
-                               lambda gate, up, scale: situ_glu_reference(gate, up) * scale.unsqueeze(-1),
-                               lambda seed: [normal(seed, batch * seq, 4 * dim, scale=3.0),
-                                             normal(seed + 1, batch * seq, 4 * dim, scale=3.0),
-                                             torch.rand(batch * seq, generator=ctx.generator(seed + 2),
-                                                        device=ctx.device).requires_grad_()]),
-        "mla_padded_v_attention": (lambda q, k_nope, k_rope, v: causal_attention(q, k_nope, k_rope, v, 96 ** -0.5),
-                                   lambda q, k_nope, k_rope, v: causal_attention_reference(
-                                       q, torch.cat([k_nope, k_rope], dim=-1), v, 96 ** -0.5),
-                                   lambda seed: [normal(seed, batch, seq, heads, 96), normal(seed + 1, batch, seq, heads, 64),
-                                                 normal(seed + 2, batch, seq, heads, 32), normal(seed + 3, batch, seq, heads, 64)]),
-        "kda_chunk_backward": (lambda *t: chunk_kda(*t[:5], initial_state=t[5], output_final_state=True)[0],
-                               lambda *t: chunk_kda_autograd_reference(*t[:5], t[0].shape[-1] ** -0.5, t[5], True, 64)[0],
-                               kda_inputs),
-        "attn_res_mix_rmsnorm": (lambda *t: attn_res_mix_rmsnorm(list(t[:-3]), t[-3], t[-2], 1e-6, t[-1], 1e-6),
-                                 mix_reference, mix_inputs),
+        "gated_rms_norm": (
+            lambda x, gate, w: gated_rms_norm(x, gate, w, 1e-5),
+            lambda x, gate, w: gated_rms_norm_reference(x, gate, w, 1e-5),
+            lambda seed: [
+                normal(seed, batch, seq, heads, dim),
+                normal(seed + 1, batch, seq, heads, dim),
+                (1 + normal(seed + 2, dim, scale=0.1)).detach().requires_grad_(),
+            ],
+        ),
+        "kda_gate": (
+            kda_gate,
+            kda_gate_reference,
+            lambda seed: [
+                normal(seed, batch, seq, heads, dim),
+                normal(seed + 1, heads, scale=0.5),
+                normal(seed + 2, heads * dim, scale=0.5),
+            ],
+        ),
+        "situ_glu_row_scale": (
+            lambda gate, up, scale: situ_glu(gate, up, row_scale=scale),
+            lambda gate, up, scale: situ_glu_reference(gate, up) * scale.unsqueeze(-1),
+            lambda seed: [
+                normal(seed, batch * seq, 4 * dim, scale=3.0),
+                normal(seed + 1, batch * seq, 4 * dim, scale=3.0),
+                torch.rand(batch * seq, generator=ctx.generator(seed + 2), device=ctx.device).requires_grad_(),
+            ],
+        ),
+        "mla_padded_v_attention": (
+            lambda q, k_nope, k_rope, v: causal_attention(q, k_nope, k_rope, v, 96**-0.5),
+            lambda q, k_nope, k_rope, v: causal_attention_reference(
+                q, torch.cat([k_nope, k_rope], dim=-1), v, 96**-0.5
+            ),
+            lambda seed: [
+                normal(seed, batch, seq, heads, 96),
+                normal(seed + 1, batch, seq, heads, 64),
+                normal(seed + 2, batch, seq, heads, 32),
+                normal(seed + 3, batch, seq, heads, 64),
+            ],
+        ),
+        "kda_chunk_backward": (
+            lambda *t: chunk_kda(*t[:5], initial_state=t[5], output_final_state=True)[0],
+            lambda *t: chunk_kda_autograd_reference(*t[:5], t[0].shape[-1] ** -0.5, t[5], True, 64)[0],
+            kda_inputs,
+        ),
+        "attn_res_mix_rmsnorm": (
+            lambda *t: attn_res_mix_rmsnorm(list(t[:-3]), t[-3], t[-2], 1e-6, t[-1], 1e-6),
+            mix_reference,
+            mix_inputs,
+        ),
     }
 
 
@@ -155,6 +212,7 @@ def check_fused_paths(ctx: Context) -> Iterator[Row]:
     in float64 on the CPU: output and every input's gradient. ref ms: the reference formula
     (autograd through its ops) in fp32 on the device; fast ms: the fast path, both fwd+bwd."""
     for name, (fast, reference, make_inputs) in fused_path_cases(ctx).items():
+
         def row(name=name, fast=fast, reference=reference, make_inputs=make_inputs) -> Row:
             inputs = make_inputs(21)
 
@@ -171,6 +229,15 @@ def check_fused_paths(ctx: Context) -> Iterator[Row]:
             fast_ms = ctx.time_ms(lambda: run(fast, inputs, 6))
             tol = TOL["fused_path_fp32"]
             shapes = " ".join(str(list(t.shape)) for t in inputs[:2])
-            return Row(f"fused_paths {name} fp32", verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
-                       f"{shapes} vs fp64 CPU reference, fwd+bwd; worst {worst}; ref ms: the reference formula")
+            return Row(
+                f"fused_paths {name} fp32",
+                verdict(rel, tol),
+                max_abs,
+                rel,
+                tol,
+                ref_ms,
+                fast_ms,
+                f"{shapes} vs fp64 CPU reference, fwd+bwd; worst {worst}; ref ms: the reference formula",
+            )
+
         yield guarded(ctx, f"fused_paths {name} fp32", row)

@@ -4,7 +4,7 @@ check."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -70,24 +70,30 @@ def grouped_mm_row(ctx: Context, name: str, dtype: torch.dtype, layout: str) -> 
     x64, w64 = to_cpu64(x_leaf, w_leaf)
     out64 = grouped_mm_reference(x_of(x64), w_of(w64), ends.cpu())  # rows up to the last group end
     dx64, dw64 = torch.autograd.grad(out64, (x64, w64), dout[:end].to("cpu", F64))
-    max_abs, rel, worst = compare({"out": (fast["out"][:end], out64), "dx": (fast["dx"][:end], dx64[:end]),
-                                   "dw": (fast["dw"], dw64)})
+    max_abs, rel, worst = compare(
+        {"out": (fast["out"][:end], out64), "dx": (fast["dx"][:end], dx64[:end]), "dw": (fast["dw"], dw64)}
+    )
     empty_zero = bool((fast["dw"][empty] == 0).all())
     ref_ms = ctx.time_ms(lambda: run(grouped_mm_reference))
     fast_ms = ctx.time_ms(lambda: run(grouped_mm))
     path = "torch._grouped_mm" if (ctx.cuda and hasattr(torch, "_grouped_mm")) else "loop (CPU)"
-    note = (f"G={groups} rows={rows} {d_in}->{d_out} empty={empty} fwd+bwd via {path}; worst {worst}; "
-            f"empty-group dw zero: {empty_zero}")
+    note = (
+        f"G={groups} rows={rows} {d_in}->{d_out} empty={empty} fwd+bwd via {path}; worst {worst}; "
+        f"empty-group dw zero: {empty_zero}"
+    )
     if tail:
         tail_dx = fast["dx"][end:]
-        note += (f"; {tail} tail rows, dx there finite: {bool(torch.isfinite(tail_dx).all())}, "
-                 f"zero: {bool((tail_dx == 0).all())} (not gated)")
+        note += (
+            f"; {tail} tail rows, dx there finite: {bool(torch.isfinite(tail_dx).all())}, "
+            f"zero: {bool((tail_dx == 0).all())} (not gated)"
+        )
     tol = TOL["grouped_mm_fp32" if dtype == F32 else "grouped_mm_bf16"]
     return Row(name, verdict(rel, tol, empty_zero), max_abs, rel, tol, ref_ms, fast_ms, note)
 
 
-def expert_glu_chain(mm: Callable, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                     ends: torch.Tensor) -> torch.Tensor:
+def expert_glu_chain(
+    mm: Callable, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor
+) -> torch.Tensor:
     """The routed experts as `LocalExperts.forward_sorted` runs them (weights `[E, out, in]`)."""
     gate = mm(x, w1.transpose(1, 2), ends)
     up = mm(x, w3.transpose(1, 2), ends)
@@ -120,13 +126,24 @@ def check_grouped_mm_speed(ctx: Context) -> Iterator[Row]:
     fast_ms = ctx.time_ms(lambda: run(grouped_mm))
     flop = 18 * slots * latent * inner  # 3 GEMMs x (forward, dx, dw) x 2 flop per multiply-add
     tol = TOL["grouped_mm_speed"]
-    yield Row("grouped_mm_speed", verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
-              f"E={experts} l={latent} I={inner} slots={slots} bf16 fwd+bwd; worst {worst} (vs loop); "
-              f"{flop / fast_ms / 1e9:.1f} TFLOP/s grouped, {flop / ref_ms / 1e9:.1f} loop; "
-              f"first call {first_ms:.0f} ms")
+    yield Row(
+        "grouped_mm_speed",
+        verdict(rel, tol),
+        max_abs,
+        rel,
+        tol,
+        ref_ms,
+        fast_ms,
+        f"E={experts} l={latent} I={inner} slots={slots} bf16 fwd+bwd; worst {worst} (vs loop); "
+        f"{flop / fast_ms / 1e9:.1f} TFLOP/s grouped, {flop / ref_ms / 1e9:.1f} loop; "
+        f"first call {first_ms:.0f} ms",
+    )
 
 
 def check_expert_dispatch(ctx: Context) -> Iterator[Row]:
     """ExpertParallel's all-to-all dispatch needs several ranks: nothing meaningful on one GPU."""
-    yield skip("expert_dispatch", "needs >= 2 GPUs (all-to-all over an EP group); covered on CPU/gloo by "
-               "tests/distributed/test_expert_parallel.py; its local expert GEMMs are grouped_mm_speed")
+    yield skip(
+        "expert_dispatch",
+        "needs >= 2 GPUs (all-to-all over an EP group); covered on CPU/gloo by "
+        "tests/distributed/test_expert_parallel.py; its local expert GEMMs are grouped_mm_speed",
+    )

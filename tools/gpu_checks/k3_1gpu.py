@@ -10,8 +10,8 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import torch
 
@@ -68,16 +68,23 @@ class TrainRun:
     step_ms: float
     tokens_per_step: int
     flops_per_token: float
-    peak_gib: Optional[float]  # CUDA allocator peak; None on the CPU
+    peak_gib: float | None  # CUDA allocator peak; None on the CPU
     micro_batch: int
 
     def table_row(self, peak_tflops: float) -> dict:
         tokens_per_s = self.tokens_per_step / self.step_ms * 1e3
         tflops = tokens_per_s * self.flops_per_token / 1e12
-        return {"precision": self.precision, "attn_res": self.attn_res, "linear_backend": self.backend,
-                "micro_batch": self.micro_batch, "step_ms": round(self.step_ms, 2),
-                "tokens_per_s": round(tokens_per_s), "tflops": round(tflops, 1), "mfu": round(tflops / peak_tflops, 4),
-                "peak_memory_gib": None if self.peak_gib is None else round(self.peak_gib, 2)}
+        return {
+            "precision": self.precision,
+            "attn_res": self.attn_res,
+            "linear_backend": self.backend,
+            "micro_batch": self.micro_batch,
+            "step_ms": round(self.step_ms, 2),
+            "tokens_per_s": round(tokens_per_s),
+            "tflops": round(tflops, 1),
+            "mfu": round(tflops / peak_tflops, 4),
+            "peak_memory_gib": None if self.peak_gib is None else round(self.peak_gib, 2),
+        }
 
 
 def k3_1gpu_config(ctx: Context):
@@ -85,20 +92,37 @@ def k3_1gpu_config(ctx: Context):
     job = load_config(str(CHECKOUT / "recipes" / "k3-1gpu.yaml"))
     if ctx.cuda and not ctx.quick:
         return job
-    model = job.model.replace(hidden_size=64, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=32,
-                              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-                              linear_attn_config=dataclasses.replace(job.model.linear_attn_config, num_heads=2, head_dim=16),
-                              intermediate_size=128, num_experts=8, num_experts_per_token=2,
-                              moe_intermediate_size=32, routed_expert_hidden_size=32, attn_res_block_size=2,
-                              vocab_size=512)
+    model = job.model.replace(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        linear_attn_config=dataclasses.replace(job.model.linear_attn_config, num_heads=2, head_dim=16),
+        intermediate_size=128,
+        num_experts=8,
+        num_experts_per_token=2,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=32,
+        attn_res_block_size=2,
+        vocab_size=512,
+    )
     if ctx.cuda:  # --quick on a GPU: the recipe's widths, 8 layers
         model = job.model.replace(num_hidden_layers=8, attn_res_block_size=2)
-    return dataclasses.replace(job, model=model, data=dataclasses.replace(job.data, seq_length=ctx.pick(4096, 64)),
-                               train=dataclasses.replace(job.train, micro_batch_size=ctx.pick(2, 2)))
+    return dataclasses.replace(
+        job,
+        model=model,
+        data=dataclasses.replace(job.data, seq_length=ctx.pick(4096, 64)),
+        train=dataclasses.replace(job.train, micro_batch_size=ctx.pick(2, 2)),
+    )
 
 
-def markov_batches(vocab: int, steps: int, batch: int, seq: int, device: torch.device
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def markov_batches(
+    vocab: int, steps: int, batch: int, seq: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Learnable tokens, one (tokens, labels) batch per step: walks on a fixed random chain over
     min(vocab, 4096) tokens where each token is followed by one of 4 successors (loss floor
     ln 4 ≈ 1.39). All walks advance together, one position at a time."""
@@ -118,8 +142,9 @@ def train_k3_1gpu(ctx: Context, job, precision: str, attn_res: str, steps: int, 
     """`steps` optimizer steps of one micro-batch each (Per-Head Muon, the recipe's optimizer, constant
     lr), the forward under training.build's precision context; the step time is the median after
     warm-up (CUDA events), peak memory the allocator's."""
-    job = dataclasses.replace(job, model=job.model.replace(attn_res=attn_res),
-                              train=dataclasses.replace(job.train, precision=precision))
+    job = dataclasses.replace(
+        job, model=job.model.replace(attn_res=attn_res), train=dataclasses.replace(job.train, precision=precision)
+    )
     model_config = job.model
     backend = te_kernels.resolve_linear_backend("te" if precision == "fp8" else model_config.linear_backend, ctx.device)
     factory = te_kernels.linear_factory_for(backend, ctx.device, job.train.fp8_recipe)
@@ -153,11 +178,20 @@ def train_k3_1gpu(ctx: Context, job, precision: str, attn_res: str, steps: int, 
             times.append(begin.elapsed_time(end))
         else:
             times.append(1e3 * (time.perf_counter() - start))
-    warm = times[min(5, len(times) - 1):]
+    warm = times[min(5, len(times) - 1) :]
     tokens_per_step = batches[0][0].numel()
     peak = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.cuda else None
-    run = TrainRun(precision, attn_res, backend, [float(x) for x in losses], statistics.median(warm), tokens_per_step,
-                   training_flops_per_token(model_config, tokens.shape[1]).total, peak, tokens.shape[0])
+    run = TrainRun(
+        precision,
+        attn_res,
+        backend,
+        [float(x) for x in losses],
+        statistics.median(warm),
+        tokens_per_step,
+        training_flops_per_token(model_config, tokens.shape[1]).total,
+        peak,
+        tokens.shape[0],
+    )
     del model, optimizer, logits, loss
     return run
 
@@ -208,11 +242,14 @@ def check_k3_1gpu(ctx: Context) -> Iterator[Row]:
                 name = f"k3_1gpu {precision} attn_res={attn_res}"
                 try:
                     runs[(precision, attn_res)] = train_k3_1gpu(
-                        ctx, job, precision, attn_res, steps if attn_res == "block" else timing_steps, batches)
+                        ctx, job, precision, attn_res, steps if attn_res == "block" else timing_steps, batches
+                    )
                 except torch.cuda.OutOfMemoryError as exc:
                     out_of_memory = True
-                    failures.append(Row(name, "FAIL", note=f"out of memory at micro-batch {batch} x {seq}: {describe(exc)}"))
-                except Exception as exc:  # noqa: BLE001 - a row, the run goes on
+                    failures.append(
+                        Row(name, "FAIL", note=f"out of memory at micro-batch {batch} x {seq}: {describe(exc)}")
+                    )
+                except Exception as exc:
                     traceback.print_exc(file=sys.stderr)
                     failures.append(Row(name, "FAIL", note=describe(exc)))
                 finally:
@@ -230,9 +267,17 @@ def check_k3_1gpu(ctx: Context) -> Iterator[Row]:
         worst, tail = compare_loss_curves(bf16, fp8)
         finite = all(math.isfinite(x) for x in bf16 + fp8)
         tol = TOL["k3_1gpu_loss_fp8"]
-        yield Row("k3_1gpu loss fp8-vs-bf16", verdict(tail, tol, finite), None, tail, tol, None, None,
-                  f"{len(bf16)} steps, B={batch} T={seq}; loss bf16 {bf16[0]:.3f} -> {bf16[-1]:.3f}, fp8 "
-                  f"{fp8[0]:.3f} -> {fp8[-1]:.3f}; rel diff mean of last 10 {tail:.2e}, max {worst:.2e} (not gated)")
+        yield Row(
+            "k3_1gpu loss fp8-vs-bf16",
+            verdict(tail, tol, finite),
+            None,
+            tail,
+            tol,
+            None,
+            None,
+            f"{len(bf16)} steps, B={batch} T={seq}; loss bf16 {bf16[0]:.3f} -> {bf16[-1]:.3f}, fp8 "
+            f"{fp8[0]:.3f} -> {fp8[-1]:.3f}; rel diff mean of last 10 {tail:.2e}, max {worst:.2e} (not gated)",
+        )
     else:
         yield skip("k3_1gpu loss fp8-vs-bf16", why or "a training run failed")
     table = []
@@ -248,14 +293,24 @@ def check_k3_1gpu(ctx: Context) -> Iterator[Row]:
             table.append(row)
             finite = all(math.isfinite(x) for x in run.losses)
             plain = runs.get((precision, "none"))
-            overhead = (f"; AttnRes overhead {run.step_ms / plain.step_ms:.3f}x" if attn_res == "block" and plain else "")
-            yield Row(name, "PASS" if finite else "FAIL", None, None, None, None, run.step_ms,
-                      f"{row['tokens_per_s']:,} tok/s, {row['tflops']} TFLOP/s, MFU {row['mfu']:.1%} (peak "
-                      f"{peak_tflops:g} TFLOP/s bf16, {peak_source}), peak {row['peak_memory_gib']} GiB, "
-                      f"{run.backend} linears, B={run.micro_batch} T={seq}{overhead}")
+            overhead = f"; AttnRes overhead {run.step_ms / plain.step_ms:.3f}x" if attn_res == "block" and plain else ""
+            yield Row(
+                name,
+                "PASS" if finite else "FAIL",
+                None,
+                None,
+                None,
+                None,
+                run.step_ms,
+                f"{row['tokens_per_s']:,} tok/s, {row['tflops']} TFLOP/s, MFU {row['mfu']:.1%} (peak "
+                f"{peak_tflops:g} TFLOP/s bf16, {peak_source}), peak {row['peak_memory_gib']} GiB, "
+                f"{run.backend} linears, B={run.micro_batch} T={seq}{overhead}",
+            )
     ctx.results["k3_1gpu"] = {
         "recipe": "recipes/k3-1gpu.yaml" if ctx.cuda and not ctx.quick else "k3-1gpu stand-in (small)",
-        "peak_bf16_tflops": peak_tflops, "peak_source": peak_source, "throughput": table,
+        "peak_bf16_tflops": peak_tflops,
+        "peak_source": peak_source,
+        "throughput": table,
         "loss_curves": {f"{p}/{a}": run.losses for (p, a), run in runs.items()},
         "loss_tolerance": TOL["k3_1gpu_loss_fp8"],
     }
@@ -265,8 +320,17 @@ def check_k3_1gpu(ctx: Context) -> Iterator[Row]:
 def print_throughput_table(table: list[dict]) -> None:
     if not table:
         return
-    keys = ["precision", "attn_res", "linear_backend", "micro_batch", "step_ms", "tokens_per_s", "tflops", "mfu",
-            "peak_memory_gib"]
+    keys = [
+        "precision",
+        "attn_res",
+        "linear_backend",
+        "micro_batch",
+        "step_ms",
+        "tokens_per_s",
+        "tflops",
+        "mfu",
+        "peak_memory_gib",
+    ]
     print("  | " + " | ".join(keys) + " |")
     print("  |" + "---|" * len(keys))
     for row in table:

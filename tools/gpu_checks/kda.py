@@ -3,7 +3,7 @@ float64 token-by-token recurrence, and fla against the PyTorch path at training 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -12,11 +12,10 @@ from k3train.kernels.kda import chunk_kda, fla_backend, naive_recurrent_kda
 
 from .common import BF16, F32, TOL, Context, Row, compare, guarded, skip, to_cpu64, verdict
 
-
 KDA_TENSORS = ("q", "k", "v", "g", "beta", "initial_state")
 
 
-def fla_unavailable_reason(ctx: Context) -> Optional[str]:
+def fla_unavailable_reason(ctx: Context) -> str | None:
     """None when fla's kernel can run here; otherwise why not (fla is only imported on CUDA)."""
     if not ctx.cuda:
         return "needs CUDA (fla's Triton kernels)"
@@ -25,8 +24,9 @@ def fla_unavailable_reason(ctx: Context) -> Optional[str]:
     return None
 
 
-def kda_inputs(ctx: Context, batch: int, seq: int, heads: int, dim: int, dtype: torch.dtype,
-               seed: int) -> dict[str, torch.Tensor]:
+def kda_inputs(
+    ctx: Context, batch: int, seq: int, heads: int, dim: int, dtype: torch.dtype, seed: int
+) -> dict[str, torch.Tensor]:
     """Inputs as the model makes them: q, k L2-normalised and v in `dtype`; g in K3's bounded gate
     range (−5, 0) and beta in (0, 1), both fp32; an fp32 initial state. All require grad."""
     gen = ctx.generator(seed)
@@ -49,13 +49,13 @@ def kda_cotangents(ctx: Context, inputs: dict[str, torch.Tensor], seed: int) -> 
     return ctx.randn(*v.shape, gen=gen, dtype=v.dtype), ctx.randn(*state.shape, gen=gen)
 
 
-def kda_forward_backward(kernel: Callable, inputs: dict[str, torch.Tensor],
-                         cotangents: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+def kda_forward_backward(
+    kernel: Callable, inputs: dict[str, torch.Tensor], cotangents: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Output, final state and the gradients of every input under the given cotangents."""
     o, state = kernel(**inputs, output_final_state=True)
     do, dstate = cotangents
-    grads = torch.autograd.grad((o, state), [inputs[n] for n in KDA_TENSORS],
-                                (do.to(o.dtype), dstate.to(state.dtype)))
+    grads = torch.autograd.grad((o, state), [inputs[n] for n in KDA_TENSORS], (do.to(o.dtype), dstate.to(state.dtype)))
     return {"o": o, "final_state": state, **{f"d{n}": g for n, g in zip(KDA_TENSORS, grads)}}
 
 
@@ -65,8 +65,9 @@ def kda_reference(inputs: dict[str, torch.Tensor], cotangents: tuple[torch.Tenso
     return kda_forward_backward(naive_recurrent_kda, inputs64, tuple(to_cpu64(*cotangents)))
 
 
-def kda_accuracy_row(ctx: Context, name: str, kernel: Callable, ref_kernel: Callable, dtype: torch.dtype,
-                     tol: float, note: str) -> Row:
+def kda_accuracy_row(
+    ctx: Context, name: str, kernel: Callable, ref_kernel: Callable, dtype: torch.dtype, tol: float, note: str
+) -> Row:
     # T not a multiple of 64; on CUDA the heads of kda_speed, so fla's autotuner sees one shape.
     batch, seq, heads, dim = ctx.pick((1, 150, 16, 128), (1, 100, 2, 32))
     inputs = kda_inputs(ctx, batch, seq, heads, dim, dtype, seed=1)
@@ -75,12 +76,20 @@ def kda_accuracy_row(ctx: Context, name: str, kernel: Callable, ref_kernel: Call
     fast = kda_forward_backward(kernel, inputs, cotangents)
     ref = kda_reference(inputs, cotangents)
     max_abs, rel, worst = compare({key: (fast[key], ref[key]) for key in ref})
-    ref_ms = ctx.time_ms(lambda: kda_forward_backward(ref_kernel, inputs, cotangents), reps=ctx.pick(5, 1),
-                         warmup=ctx.pick(2, 0))
+    ref_ms = ctx.time_ms(
+        lambda: kda_forward_backward(ref_kernel, inputs, cotangents), reps=ctx.pick(5, 1), warmup=ctx.pick(2, 0)
+    )
     fast_ms = ctx.time_ms(lambda: kda_forward_backward(kernel, inputs, cotangents))
-    return Row(name, verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
-               f"B={batch} T={seq} H={heads} K=V={dim} fwd+bwd, h0; worst {worst}; {note}; "
-               f"first call {first_ms:.0f} ms")
+    return Row(
+        name,
+        verdict(rel, tol),
+        max_abs,
+        rel,
+        tol,
+        ref_ms,
+        fast_ms,
+        f"B={batch} T={seq} H={heads} K=V={dim} fwd+bwd, h0; worst {worst}; {note}; first call {first_ms:.0f} ms",
+    )
 
 
 def check_kda_chunk(ctx: Context) -> Iterator[Row]:
@@ -89,8 +98,13 @@ def check_kda_chunk(ctx: Context) -> Iterator[Row]:
     torch_chunk = lambda **kw: chunk_kda(**kw, backend="torch")  # noqa: E731
     for dtype, tol in ((F32, TOL["kda_torch_fp32"]), (BF16, TOL["kda_torch_bf16"])):
         name = f"kda_chunk {'fp32' if dtype == F32 else 'bf16'}"
-        yield guarded(ctx, name, lambda: kda_accuracy_row(
-            ctx, name, torch_chunk, naive_recurrent_kda, dtype, tol, "ref ms: naive recurrence"))
+        yield guarded(
+            ctx,
+            name,
+            lambda: kda_accuracy_row(
+                ctx, name, torch_chunk, naive_recurrent_kda, dtype, tol, "ref ms: naive recurrence"
+            ),
+        )
 
 
 def check_kda_fla(ctx: Context) -> Iterator[Row]:
@@ -102,9 +116,19 @@ def check_kda_fla(ctx: Context) -> Iterator[Row]:
         if reason:
             yield skip(name, reason)
             continue
-        yield guarded(ctx, name, lambda: kda_accuracy_row(
-            ctx, name, lambda **kw: chunk_kda(**kw, backend="fla"), lambda **kw: chunk_kda(**kw, backend="torch"),
-            dtype, tol, "ref ms: torch chunk path"))
+        yield guarded(
+            ctx,
+            name,
+            lambda: kda_accuracy_row(
+                ctx,
+                name,
+                lambda **kw: chunk_kda(**kw, backend="fla"),
+                lambda **kw: chunk_kda(**kw, backend="torch"),
+                dtype,
+                tol,
+                "ref ms: torch chunk path",
+            ),
+        )
 
 
 def check_kda_speed(ctx: Context) -> Iterator[Row]:
@@ -118,7 +142,7 @@ def check_kda_speed(ctx: Context) -> Iterator[Row]:
         yield guarded(ctx, name, lambda: kda_speed_row(ctx, name, seq, reason))
 
 
-def kda_speed_row(ctx: Context, name: str, seq: int, fla_missing: Optional[str]) -> Row:
+def kda_speed_row(ctx: Context, name: str, seq: int, fla_missing: str | None) -> Row:
     heads, dim = ctx.pick((16, 128), (2, 32))
     shape = f"B=1 H={heads} K=V={dim} bf16 fwd+bwd"
     inputs = kda_inputs(ctx, 1, seq, heads, dim, BF16, seed=3)
@@ -135,8 +159,16 @@ def kda_speed_row(ctx: Context, name: str, seq: int, fla_missing: Optional[str])
     fast, ref = run("fla"), run("torch")
     max_abs, rel, worst = compare({key: (fast[key], ref[key]) for key in ref})
     tol = TOL["kda_fla_vs_torch"]
-    return Row(name, verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
-               f"{shape}; fla vs torch path, worst {worst}; fla first call {first_ms:.0f} ms")
+    return Row(
+        name,
+        verdict(rel, tol),
+        max_abs,
+        rel,
+        tol,
+        ref_ms,
+        fast_ms,
+        f"{shape}; fla vs torch path, worst {worst}; fla first call {first_ms:.0f} ms",
+    )
 
 
 RAW_TENSORS = ("q", "k", "v", "gate_input", "beta_logits", "A_log", "dt_bias", "initial_state")
@@ -155,28 +187,50 @@ def check_kda_fla_raw(ctx: Context) -> Iterator[Row]:
     reason = fla_unavailable_reason(ctx)
     # (gate, fla's safe_gate, tokens): the default path for both gates; then the opt-in safe_gate
     # (TF32/bf16x3 products) and the default path at a long sequence, where rounding grows.
-    cases = [(-5.0, False, None), (None, False, None), (-5.0, True, ctx.pick(16384, 100)),
-             (-5.0, False, ctx.pick(16384, 100))]
+    cases = [
+        (-5.0, False, None),
+        (None, False, None),
+        (-5.0, True, ctx.pick(16384, 100)),
+        (-5.0, False, ctx.pick(16384, 100)),
+    ]
     for lower_bound, safe_gate, seq in cases:
-        name = (f"kda_fla_raw {'bounded' if lower_bound is not None else 'unbounded'} gate"
-                f"{', safe_gate' if safe_gate else ''}{f' T={seq}' if seq else ''}")
+        name = (
+            f"kda_fla_raw {'bounded' if lower_bound is not None else 'unbounded'} gate"
+            f"{', safe_gate' if safe_gate else ''}{f' T={seq}' if seq else ''}"
+        )
         if reason:
             yield skip(name, reason)
             continue
-        yield guarded(ctx, name, lambda: kda_raw_row(ctx, name, lower_bound, chunk_kda_from_raw, prepare_kda_inputs,
-                                                     safe_gate, seq))
+        yield guarded(
+            ctx,
+            name,
+            lambda: kda_raw_row(ctx, name, lower_bound, chunk_kda_from_raw, prepare_kda_inputs, safe_gate, seq),
+        )
 
 
-def kda_raw_row(ctx: Context, name: str, lower_bound: Optional[float], chunk_kda_from_raw: Callable,
-                prepare_kda_inputs: Callable, safe_gate: bool = False, seq: Optional[int] = None) -> Row:
+def kda_raw_row(
+    ctx: Context,
+    name: str,
+    lower_bound: float | None,
+    chunk_kda_from_raw: Callable,
+    prepare_kda_inputs: Callable,
+    safe_gate: bool = False,
+    seq: int | None = None,
+) -> Row:
     batch, default_seq, heads, dim = ctx.pick((1, 4096, 16, 128), (1, 100, 2, 32))
     seq = seq or default_seq
     gen = ctx.generator(5)
     shape = (batch, seq, heads, dim)
-    values = [ctx.randn(*shape, gen=gen, dtype=BF16), ctx.randn(*shape, gen=gen, dtype=BF16),
-              ctx.randn(*shape, gen=gen, dtype=BF16), ctx.randn(*shape, gen=gen, dtype=BF16),
-              ctx.randn(batch, seq, heads, gen=gen, dtype=BF16), ctx.randn(heads, gen=gen, scale=0.5),
-              ctx.randn(heads * dim, gen=gen), ctx.randn(batch, heads, dim, dim, gen=gen, scale=0.5)]
+    values = [
+        ctx.randn(*shape, gen=gen, dtype=BF16),
+        ctx.randn(*shape, gen=gen, dtype=BF16),
+        ctx.randn(*shape, gen=gen, dtype=BF16),
+        ctx.randn(*shape, gen=gen, dtype=BF16),
+        ctx.randn(batch, seq, heads, gen=gen, dtype=BF16),
+        ctx.randn(heads, gen=gen, scale=0.5),
+        ctx.randn(heads * dim, gen=gen),
+        ctx.randn(batch, heads, dim, dim, gen=gen, scale=0.5),
+    ]
     inputs = [t.requires_grad_() for t in values]
     do = ctx.randn(batch, seq, heads, dim, gen=gen, dtype=BF16)
     d_state = ctx.randn(batch, heads, dim, dim, gen=gen)
@@ -189,16 +243,39 @@ def kda_raw_row(ctx: Context, name: str, lower_bound: Optional[float], chunk_kda
     q, k, v, gate_input, beta_logits, a_log, dt_bias, state = inputs
 
     def fused():
-        return chunk_kda_from_raw(q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound,
-                                  initial_state=state, output_final_state=True, backend="fla", fla_safe_gate=safe_gate)
+        return chunk_kda_from_raw(
+            q,
+            k,
+            v,
+            gate_input,
+            beta_logits,
+            a_log,
+            dt_bias,
+            lower_bound,
+            initial_state=state,
+            output_final_state=True,
+            backend="fla",
+            fla_safe_gate=safe_gate,
+        )
 
     def unfused():
         q_hat, k_hat, g, beta = prepare_kda_inputs(q, k, gate_input, beta_logits, a_log, dt_bias, lower_bound)
         return chunk_kda(q_hat, k_hat, v, g, beta, initial_state=state, output_final_state=True, backend="fla")
 
     def torch_path():
-        return chunk_kda_from_raw(q, k, v, gate_input, beta_logits, a_log, dt_bias, lower_bound,
-                                  initial_state=state, output_final_state=True, backend="torch")
+        return chunk_kda_from_raw(
+            q,
+            k,
+            v,
+            gate_input,
+            beta_logits,
+            a_log,
+            dt_bias,
+            lower_bound,
+            initial_state=state,
+            output_final_state=True,
+            backend="torch",
+        )
 
     first_ms = ctx.wall_ms(lambda: run(fused))
     ref_ms = ctx.time_ms(lambda: run(unfused))
@@ -206,18 +283,32 @@ def kda_raw_row(ctx: Context, name: str, lower_bound: Optional[float], chunk_kda
     fast, ref = run(fused), run(torch_path)
     max_abs, rel, worst = compare({key: (fast[key], ref[key]) for key in ref})
     tol = TOL["kda_fla_vs_torch"]
-    return Row(name, verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
-               f"B={batch} T={seq} H={heads} K=V={dim} bf16 fwd+bwd, h0; against the torch path, worst {worst}; "
-               f"ref ms: unfused steps + fla's plain kernel; first call {first_ms:.0f} ms")
+    return Row(
+        name,
+        verdict(rel, tol),
+        max_abs,
+        rel,
+        tol,
+        ref_ms,
+        fast_ms,
+        f"B={batch} T={seq} H={heads} K=V={dim} bf16 fwd+bwd, h0; against the torch path, worst {worst}; "
+        f"ref ms: unfused steps + fla's plain kernel; first call {first_ms:.0f} ms",
+    )
 
 
-def fla_module_unavailable_reason(ctx: Context, load: Callable, module: str) -> Optional[str]:
+def fla_module_unavailable_reason(ctx: Context, load: Callable, module: str) -> str | None:
     """As `fla_unavailable_reason`, for one of fla's modules (`load` its guarded loader)."""
     return fla_unavailable_reason(ctx) or (None if load() is not None else f"fla.modules.{module} does not import")
 
 
-def fla_module_row(ctx: Context, name: str, inputs: dict[str, torch.Tensor], grad_output: torch.Tensor,
-                   forward: Callable[[str], torch.Tensor], note: str) -> Row:
+def fla_module_row(
+    ctx: Context,
+    name: str,
+    inputs: dict[str, torch.Tensor],
+    grad_output: torch.Tensor,
+    forward: Callable[[str], torch.Tensor],
+    note: str,
+) -> Row:
     """One of fla's fused modules against k3train's PyTorch path: `forward(backend)` with backend
     "auto" (fla on CUDA) and "torch"; output and every input's gradient; times of both."""
 
@@ -231,8 +322,16 @@ def fla_module_row(ctx: Context, name: str, inputs: dict[str, torch.Tensor], gra
     fast, ref = run("auto"), run("torch")
     max_abs, rel, worst = compare({key: (fast[key], ref[key]) for key in ref})
     tol = TOL["kda_fla_vs_torch"]
-    return Row(name, verdict(rel, tol), max_abs, rel, tol, ref_ms, fast_ms,
-               f"{note} fwd+bwd; against the torch path, worst {worst}; first call {first_ms:.0f} ms")
+    return Row(
+        name,
+        verdict(rel, tol),
+        max_abs,
+        rel,
+        tol,
+        ref_ms,
+        fast_ms,
+        f"{note} fwd+bwd; against the torch path, worst {worst}; first call {first_ms:.0f} ms",
+    )
 
 
 def check_short_conv_fla(ctx: Context) -> Iterator[Row]:
@@ -250,12 +349,19 @@ def check_short_conv_fla(ctx: Context) -> Iterator[Row]:
     def row() -> Row:
         batch, seq, channels = ctx.pick((1, 4096, 2048), (2, 100, 64))
         gen = ctx.generator(6)
-        inputs = {"x": ctx.randn(batch, seq, channels, gen=gen, dtype=BF16).requires_grad_(),
-                  "weight": ctx.randn(channels, 1, 4, gen=gen, scale=0.5).requires_grad_()}
+        inputs = {
+            "x": ctx.randn(batch, seq, channels, gen=gen, dtype=BF16).requires_grad_(),
+            "weight": ctx.randn(channels, 1, 4, gen=gen, scale=0.5).requires_grad_(),
+        }
         grad_output = ctx.randn(batch, seq, channels, gen=gen, dtype=BF16)
-        return fla_module_row(ctx, name, inputs, grad_output,
-                              lambda backend: short_conv_silu(*inputs.values(), backend=backend)[0],
-                              f"B={batch} T={seq} C={channels} W=4 bf16")
+        return fla_module_row(
+            ctx,
+            name,
+            inputs,
+            grad_output,
+            lambda backend: short_conv_silu(*inputs.values(), backend=backend)[0],
+            f"B={batch} T={seq} C={channels} W=4 bf16",
+        )
 
     yield guarded(ctx, name, row)
 
@@ -275,12 +381,19 @@ def check_gated_norm_fla(ctx: Context) -> Iterator[Row]:
     def row() -> Row:
         batch, seq, heads, dim = ctx.pick((1, 4096, 16, 128), (2, 100, 2, 32))
         gen = ctx.generator(7)
-        inputs = {"x": ctx.randn(batch, seq, heads, dim, gen=gen, dtype=BF16).requires_grad_(),
-                  "gate": ctx.randn(batch, seq, heads, dim, gen=gen, dtype=BF16).requires_grad_(),
-                  "weight": (1 + ctx.randn(dim, gen=gen, scale=0.1)).requires_grad_()}
+        inputs = {
+            "x": ctx.randn(batch, seq, heads, dim, gen=gen, dtype=BF16).requires_grad_(),
+            "gate": ctx.randn(batch, seq, heads, dim, gen=gen, dtype=BF16).requires_grad_(),
+            "weight": (1 + ctx.randn(dim, gen=gen, scale=0.1)).requires_grad_(),
+        }
         grad_output = ctx.randn(batch, seq, heads, dim, gen=gen, dtype=BF16)
-        return fla_module_row(ctx, name, inputs, grad_output,
-                              lambda backend: gated_rms_norm(*inputs.values(), 1e-5, backend=backend),
-                              f"B={batch} T={seq} H={heads} D={dim} bf16")
+        return fla_module_row(
+            ctx,
+            name,
+            inputs,
+            grad_output,
+            lambda backend: gated_rms_norm(*inputs.values(), 1e-5, backend=backend),
+            f"B={batch} T={seq} H={heads} D={dim} bf16",
+        )
 
     yield guarded(ctx, name, row)

@@ -7,7 +7,7 @@ import copy
 import math
 import sys
 import traceback
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -21,12 +21,23 @@ from .common import BF16, F64, TOL, Context, Row, describe, error, guarded, skip
 def large_config() -> ModelConfig:
     """A ~0.4B-parameter K3-shaped model: hidden 1024, 8 layers, 64 experts (top-8)."""
     return ModelConfig(
-        vocab_size=32768, hidden_size=1024, num_hidden_layers=8,
-        num_attention_heads=8, q_lora_rank=384, kv_lora_rank=256,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        vocab_size=32768,
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
         linear_attn_config=LinearAttnConfig(num_heads=8, head_dim=128),
-        intermediate_size=2816, num_experts=64, num_experts_per_token=8, num_shared_experts=1,
-        moe_intermediate_size=384, routed_expert_hidden_size=512, attn_res_block_size=2,
+        intermediate_size=2816,
+        num_experts=64,
+        num_experts_per_token=8,
+        num_shared_experts=1,
+        moe_intermediate_size=384,
+        routed_expert_hidden_size=512,
+        attn_res_block_size=2,
     )
 
 
@@ -40,8 +51,9 @@ def train_step(model: K3Model, tokens: torch.Tensor, labels: torch.Tensor, bf16:
     return loss.detach()
 
 
-def token_batch(config: ModelConfig, batch: int, seq: int, device: torch.device,
-                seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(
+    config: ModelConfig, batch: int, seq: int, device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=gen)
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
@@ -66,18 +78,28 @@ def model_speed_row(ctx: Context, name: str, config: ModelConfig, batch: int, se
     loss16 = train_step(model, tokens, labels, bf16=True)
     finite = all(bool(torch.isfinite(g).all()) for g in gradients(model).values())
     fast_ms = ctx.time_ms(lambda: train_step(model, tokens, labels, bf16=True), reps=reps, warmup=warmup)
-    note = (f"{params / 1e6:.1f}M params, B={batch} T={seq}: {batch * seq / fast_ms * 1e3:,.0f} tok/s bf16; "
-            f"loss {float(loss16):.4f}; grads finite: {finite}; KDA backend {kda_backend_in_use(ctx)}")
+    note = (
+        f"{params / 1e6:.1f}M params, B={batch} T={seq}: {batch * seq / fast_ms * 1e3:,.0f} tok/s bf16; "
+        f"loss {float(loss16):.4f}; grads finite: {finite}; KDA backend {kda_backend_in_use(ctx)}"
+    )
     try:
         loss32 = train_step(model, tokens, labels, bf16=False)
         ref_ms = ctx.time_ms(lambda: train_step(model, tokens, labels, bf16=False), reps=reps, warmup=warmup)
-    except Exception as exc:  # noqa: BLE001 - keep the bf16 numbers
+    except Exception as exc:
         traceback.print_exc(file=sys.stderr)
         return Row(name, "FAIL", fast_ms=fast_ms, note=f"{note}; fp32 step failed: {describe(exc)}")
     max_abs, rel = error(loss16, loss32)
     tol = TOL["model_loss_bf16"]
-    return Row(name, verdict(rel, tol, finite), max_abs, rel, tol, ref_ms, fast_ms,
-               f"{note}; {batch * seq / ref_ms * 1e3:,.0f} tok/s fp32")
+    return Row(
+        name,
+        verdict(rel, tol, finite),
+        max_abs,
+        rel,
+        tol,
+        ref_ms,
+        fast_ms,
+        f"{note}; {batch * seq / ref_ms * 1e3:,.0f} tok/s fp32",
+    )
 
 
 def check_model_debug(ctx: Context) -> Iterator[Row]:
@@ -106,9 +128,17 @@ def model_debug_accuracy_row(ctx: Context) -> Row:
     grad_rel = math.sqrt(diff2 / ref2) if ref2 > 0 else math.inf
     max_abs, rel = error(loss_fast, loss_ref)
     tol = TOL["model_loss_bf16"]
-    return Row("model_debug bf16-vs-cpu-fp32", verdict(rel, tol, finite, same_params), max_abs, rel, tol, None, None,
-               f"B=2 T=64; loss {float(loss_ref):.4f} vs {float(loss_fast):.4f}; {len(grads_fast)} grads, "
-               f"finite: {finite}; global grad rel diff {grad_rel:.2e} (not gated)")
+    return Row(
+        "model_debug bf16-vs-cpu-fp32",
+        verdict(rel, tol, finite, same_params),
+        max_abs,
+        rel,
+        tol,
+        None,
+        None,
+        f"B=2 T=64; loss {float(loss_ref):.4f} vs {float(loss_fast):.4f}; {len(grads_fast)} grads, "
+        f"finite: {finite}; global grad rel diff {grad_rel:.2e} (not gated)",
+    )
 
 
 def check_model_large(ctx: Context) -> Iterator[Row]:

@@ -3,14 +3,13 @@ singular-value band), and the compute dtype it picks on the device."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from k3train.optim.newton_schulz import newton_schulz, ns_compute_dtype
 
 from .common import BF16, F32, F64, TOL, Context, Row, error, guarded, verdict
-
 
 NS_SINGULAR_BAND = (0.5, 1.5)
 
@@ -67,7 +66,15 @@ def newton_schulz_row(ctx: Context, name: str, shape: tuple[int, int, int], chec
     ref_ms = ctx.time_ms(lambda: newton_schulz(momentum, compute_dtype=F32), reps=reps, warmup=1)
     fast_ms = ctx.time_ms(lambda: newton_schulz(momentum, compute_dtype=BF16), reps=reps, warmup=1)
     tol = TOL["newton_schulz_bf16"]
-    return Row(name, verdict(rel, tol, in_band, default_ok), max_abs, rel, tol, ref_ms, fast_ms,
-               f"timed {batch}x[{rows},{cols}]; checked {check_batch} of them vs fp64 NS; "
-               f"sv bf16 [{low:.3f}, {high:.3f}] fp64 [{float(sv_ref.min()):.3f}, {float(sv_ref.max()):.3f}] "
-               f"band {list(NS_SINGULAR_BAND)}; default compute dtype {str(default_dtype)[6:]}")
+    return Row(
+        name,
+        verdict(rel, tol, in_band, default_ok),
+        max_abs,
+        rel,
+        tol,
+        ref_ms,
+        fast_ms,
+        f"timed {batch}x[{rows},{cols}]; checked {check_batch} of them vs fp64 NS; "
+        f"sv bf16 [{low:.3f}, {high:.3f}] fp64 [{float(sv_ref.min()):.3f}, {float(sv_ref.max()):.3f}] "
+        f"band {list(NS_SINGULAR_BAND)}; default compute dtype {str(default_dtype)[6:]}",
+    )

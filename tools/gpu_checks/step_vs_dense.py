@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 from .common import Context, Row, guarded
 
@@ -35,28 +35,51 @@ def check_step_vs_dense(ctx: Context) -> Iterator[Row]:
         precision, steps = "bf16", ctx.pick(8, 2)
         cases = [("wide512 2k tokens", MODELS["wide512"], not ctx.small)]
         if not ctx.small:
-            cases.append(("wide512 16k tokens", MODELS["wide512"] + [
-                "train.global_batch_size=32", "train.micro_batch_size=8"], False))
+            cases.append(
+                (
+                    "wide512 16k tokens",
+                    MODELS["wide512"] + ["train.global_batch_size=32", "train.micro_batch_size=8"],
+                    False,
+                )
+            )
     else:
         precision, steps = "fp32", 1
         cases = [("debug", MODELS["debug"], False)]
     for label, overrides, with_compile in cases:
         name = f"step_vs_dense {label} {precision}"
 
-        def row(label: str = label, overrides: list[str] = overrides, name: str = name,
-                with_compile: bool = with_compile) -> Row:
+        def row(
+            label: str = label, overrides: list[str] = overrides, name: str = name, with_compile: bool = with_compile
+        ) -> Row:
             peak = measure_matmul_tflops(ctx.device, precision)
-            result = compare(label, overrides, steps, peak, with_compile=with_compile, profile=ctx.cuda,
-                             device=ctx.device, precision=precision, compiled=[COMPILED_ALL])
+            result = compare(
+                label,
+                overrides,
+                steps,
+                peak,
+                with_compile=with_compile,
+                profile=ctx.cuda,
+                device=ctx.device,
+                precision=precision,
+                compiled=[COMPILED_ALL],
+            )
             finite = all(math.isfinite(loss) for loss in result.final_losses.values())
             seconds = result.step_seconds
-            compiled = "".join(f"; {contender.removeprefix('k3train, AdamW, ')}: "
-                               f"{seconds[DENSE] / seconds[contender]:.2f}x"
-                               for contender in COMPILED if contender in seconds)
-            return Row(name, "PASS" if finite else "FAIL", ref_ms=1e3 * seconds[DENSE], fast_ms=1e3 * seconds[ADAMW],
-                       note=f"{result.tokens} tokens/step; tokens/s vs the dense peer: AdamW "
-                            f"{result.adamw_vs_dense:.2f}x (target 0.9x){compiled}, Per-Head Muon "
-                            f"{seconds[DENSE] / seconds[MUON]:.2f}x; aten compute ops per step: AdamW "
-                            f"{result.operations[ADAMW][0]:,}, dense {result.operations[DENSE][0]:,}; "
-                            f"losses finite: {finite}")
+            compiled = "".join(
+                f"; {contender.removeprefix('k3train, AdamW, ')}: {seconds[DENSE] / seconds[contender]:.2f}x"
+                for contender in COMPILED
+                if contender in seconds
+            )
+            return Row(
+                name,
+                "PASS" if finite else "FAIL",
+                ref_ms=1e3 * seconds[DENSE],
+                fast_ms=1e3 * seconds[ADAMW],
+                note=f"{result.tokens} tokens/step; tokens/s vs the dense peer: AdamW "
+                f"{result.adamw_vs_dense:.2f}x (target 0.9x){compiled}, Per-Head Muon "
+                f"{seconds[DENSE] / seconds[MUON]:.2f}x; aten compute ops per step: AdamW "
+                f"{result.operations[ADAMW][0]:,}, dense {result.operations[DENSE][0]:,}; "
+                f"losses finite: {finite}",
+            )
+
         yield guarded(ctx, name, row)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,6 @@ from k3train.model.k3 import K3Model
 from .common import BF16, F64, TOL, Context, Row, compare, error, guarded, skip, to_cpu64, verdict
 from .grouped_gemm import group_ends
 from .model import token_batch
-
 
 TE_SHAPES = (  # (in, out, what) of recipes/k3-1gpu.yaml's projections
     (1536, 1536, "KDA q/k/v/g/o, shared experts"),
@@ -47,7 +46,7 @@ def fp8_recipes_here(ctx: Context) -> list[str]:
     return [name for name in te_kernels.FP8_RECIPES if name != "mxfp8" or major >= 10]
 
 
-def precision_region(te, precision: str, recipe: Optional[str], device: torch.device):
+def precision_region(te, precision: str, recipe: str | None, device: torch.device):
     """bf16 autocast, plus TE's FP8 region for precision fp8 (what training.build sets up)."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast(device.type, dtype=BF16))
@@ -72,8 +71,11 @@ def check_transformer_engine(ctx: Context) -> Iterator[Row]:
     for in_features, out_features, what in ctx.pick(TE_SHAPES, TE_SHAPES[:2] + TE_SHAPES[-1:]):
         for precision, recipe in [("bf16", None)] + [("fp8", name) for name in fp8_recipes_here(ctx)]:
             name = f"transformer_engine linear {in_features}x{out_features} {recipe or precision}"
-            yield guarded(ctx, name, lambda: te_linear_row(ctx, te, name, tokens, in_features, out_features,
-                                                             precision, recipe, what))
+            yield guarded(
+                ctx,
+                name,
+                lambda: te_linear_row(ctx, te, name, tokens, in_features, out_features, precision, recipe, what),
+            )
     groups, latent, inner, slots = ctx.pick((128, 768, 768, 16384), (8, 64, 32, 200))
     for precision, recipe in [("bf16", None)] + [("fp8", name) for name in fp8_recipes_here(ctx)]:
         name = f"transformer_engine grouped {recipe or precision}"
@@ -89,8 +91,10 @@ def te_names_row(ctx: Context, te) -> Row:
     with torch.device(ctx.device):
         te_model = K3Model(config, linear_factory=te_kernels.TELinearFactory(te, ctx.device))
     te_model.load_state_dict(torch_model.state_dict(), strict=False)  # TE adds only _extra_state keys
-    described = [{n: (tuple(p.shape), getattr(p, "head_blocks", None)) for n, p in m.named_parameters()}
-                 for m in (torch_model, te_model)]
+    described = [
+        {n: (tuple(p.shape), getattr(p, "head_blocks", None)) for n, p in m.named_parameters()}
+        for m in (torch_model, te_model)
+    ]
     extra = [k for k in te_model.state_dict() if k not in torch_model.state_dict()]
     tokens, labels = token_batch(config, 2, 64, ctx.device, seed=31)
     losses = []
@@ -100,17 +104,33 @@ def te_names_row(ctx: Context, te) -> Row:
     max_abs, rel = error(losses[1], losses[0])
     same = described[0] == described[1]
     only_extra_state = all(k.endswith("._extra_state") for k in extra)
-    return Row("transformer_engine names", verdict(rel, TOL["te_linear_bf16"], same, only_extra_state), max_abs, rel,
-               TOL["te_linear_bf16"], None, None,
-               f"{len(described[1])} parameters, same names/shapes/head blocks: {same}; {len(extra)} extra state "
-               f"keys only: {only_extra_state}; loss torch {float(losses[0]):.4f} TE {float(losses[1]):.4f} (bf16)")
+    return Row(
+        "transformer_engine names",
+        verdict(rel, TOL["te_linear_bf16"], same, only_extra_state),
+        max_abs,
+        rel,
+        TOL["te_linear_bf16"],
+        None,
+        None,
+        f"{len(described[1])} parameters, same names/shapes/head blocks: {same}; {len(extra)} extra state "
+        f"keys only: {only_extra_state}; loss torch {float(losses[0]):.4f} TE {float(losses[1]):.4f} (bf16)",
+    )
 
 
-def te_linear_row(ctx: Context, te, name: str, tokens: int, in_features: int, out_features: int,
-                  precision: str, recipe: Optional[str], what: str) -> Row:
+def te_linear_row(
+    ctx: Context,
+    te,
+    name: str,
+    tokens: int,
+    in_features: int,
+    out_features: int,
+    precision: str,
+    recipe: str | None,
+    what: str,
+) -> Row:
     gen = ctx.generator(41)
     x = ctx.randn(tokens, in_features, gen=gen, dtype=BF16)
-    weight = ctx.randn(out_features, in_features, gen=gen, scale=in_features ** -0.5)
+    weight = ctx.randn(out_features, in_features, gen=gen, scale=in_features**-0.5)
     grad_out = ctx.randn(tokens, out_features, gen=gen, dtype=BF16)
     x64, w64, g64 = x.to(F64), weight.to(F64), grad_out.to(F64)
     ref = {"y": x64 @ w64.T, "dx": g64 @ w64, "dw": g64.T @ x64}
@@ -142,26 +162,36 @@ def te_linear_row(ctx: Context, te, name: str, tokens: int, in_features: int, ou
     tol_grad = TOL["te_linear_fp8_grad"] if fp8_gemm else TOL["te_linear_bf16"]
     ref_ms = ctx.time_ms(torch_step)
     fast_ms = ctx.time_ms(te_step)
-    return Row(name, verdict(rel_y, tol_y, math.isfinite(rel_grad) and rel_grad <= tol_grad), max_abs, rel_y, tol_y,
-               ref_ms, fast_ms, f"{what}; {tokens} tokens fwd+bwd; grads rel {rel_grad:.2e} (worst {worst}, tol "
-               f"{tol_grad:.0e}); FP8 GEMM: {fp8_gemm}")
+    return Row(
+        name,
+        verdict(rel_y, tol_y, math.isfinite(rel_grad) and rel_grad <= tol_grad),
+        max_abs,
+        rel_y,
+        tol_y,
+        ref_ms,
+        fast_ms,
+        f"{what}; {tokens} tokens fwd+bwd; grads rel {rel_grad:.2e} (worst {worst}, tol "
+        f"{tol_grad:.0e}); FP8 GEMM: {fp8_gemm}",
+    )
 
 
-def te_grouped_row(ctx: Context, te, name: str, groups: int, latent: int, inner: int, slots: int,
-                   precision: str, recipe: Optional[str]) -> Row:
+def te_grouped_row(
+    ctx: Context, te, name: str, groups: int, latent: int, inner: int, slots: int, precision: str, recipe: str | None
+) -> Row:
     """One grouped expert GEMM `[slots, latent] -> [slots, inner]` through GroupedExpertGEMM on a
     stack (uneven groups, one empty) vs float64 per-group matmuls; ref ms: grouped_mm bf16."""
     gen = ctx.generator(43)
     ends = group_ends(ctx, groups, slots, seed=44, empty=[1])
     rows = ctx.randn(slots, latent, gen=gen, dtype=BF16)
-    stack = ctx.randn(groups, inner, latent, gen=gen, scale=latent ** -0.5).requires_grad_(True)
+    stack = ctx.randn(groups, inner, latent, gen=gen, scale=latent**-0.5).requires_grad_(True)
     grad_out = ctx.randn(slots, inner, gen=gen, dtype=BF16)
     rows64, stack64 = to_cpu64(rows.requires_grad_(True), stack)
     rows = rows.detach()
     out64 = grouped_mm_reference(rows64, stack64.transpose(1, 2), ends.cpu())
     out64.backward(grad_out.to("cpu", F64))
-    gemm = te_kernels.TELinearFactory(te, ctx.device, fp8_rows=te_kernels.FP8_GROUP_ROWS.get(recipe, 16)
-                                      ).grouped(groups, latent, inner)
+    gemm = te_kernels.TELinearFactory(te, ctx.device, fp8_rows=te_kernels.FP8_GROUP_ROWS.get(recipe, 16)).grouped(
+        groups, latent, inner
+    )
 
     def te_step():
         xi = rows.clone().requires_grad_(True)
@@ -185,9 +215,17 @@ def te_grouped_row(ctx: Context, te, name: str, groups: int, latent: int, inner:
     tol_y = TOL["te_linear_fp8_fwd"] if fp8 else TOL["te_linear_bf16"]
     tol_grad = TOL["te_linear_fp8_grad"] if fp8 else TOL["te_linear_bf16"]
     ref_ms, fast_ms = ctx.time_ms(torch_step), ctx.time_ms(te_step)
-    return Row(name, verdict(rel_y, tol_y, math.isfinite(rel_grad) and rel_grad <= tol_grad), max_abs, rel_y, tol_y,
-               ref_ms, fast_ms, f"E={groups} l={latent} I={inner} slots={slots} fwd+bwd, gradients into the stack; "
-               f"grads rel {rel_grad:.2e} (worst {worst}, tol {tol_grad:.0e})")
+    return Row(
+        name,
+        verdict(rel_y, tol_y, math.isfinite(rel_grad) and rel_grad <= tol_grad),
+        max_abs,
+        rel_y,
+        tol_y,
+        ref_ms,
+        fast_ms,
+        f"E={groups} l={latent} I={inner} slots={slots} fwd+bwd, gradients into the stack; "
+        f"grads rel {rel_grad:.2e} (worst {worst}, tol {tol_grad:.0e})",
+    )
 
 
 def te_state_row(ctx: Context, te) -> Row:
@@ -211,6 +249,11 @@ def te_state_row(ctx: Context, te) -> Row:
     same_state = torch.equal(saved, te_kernels.fp8_state_tensor(fresh))
     extra = state["_extra_state"]
     ok = isinstance(extra, torch.Tensor) and extra.numel() > 7 and same_out and same_state
-    return Row("transformer_engine fp8 state", "PASS" if ok else "FAIL", note=(
-        f"extra state: {type(extra).__name__} of {getattr(extra, 'numel', lambda: 0)()} fp32 values; outputs "
-        f"bit-identical after loading: {same_out}; state identical: {same_state}"))
+    return Row(
+        "transformer_engine fp8 state",
+        "PASS" if ok else "FAIL",
+        note=(
+            f"extra state: {type(extra).__name__} of {getattr(extra, 'numel', lambda: 0)()} fp32 values; outputs "
+            f"bit-identical after loading: {same_out}; state identical: {same_state}"
+        ),
+    )

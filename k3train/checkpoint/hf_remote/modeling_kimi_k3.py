@@ -15,10 +15,8 @@ layer (KDA recurrent state and short-convolution tails, MLA keys and values).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Optional
-
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -96,7 +94,9 @@ def glu(settings: TextSettings, gate: torch.Tensor, value: torch.Tensor) -> torc
         return F.silu(gate) * value
     beta, linear_beta = settings.get("activation_situ_beta", 4.0), settings.get("activation_situ_linear_beta", 25.0)
     g32, u32 = up(gate), up(value)
-    return (beta * torch.tanh(g32 / beta) * torch.sigmoid(g32) * (linear_beta * torch.tanh(u32 / linear_beta))).to(gate.dtype)
+    return (beta * torch.tanh(g32 / beta) * torch.sigmoid(g32) * (linear_beta * torch.tanh(u32 / linear_beta))).to(
+        gate.dtype
+    )
 
 
 class MLP(nn.Module):
@@ -180,10 +180,10 @@ class LatentMoE(nn.Module):
 class LayerCache:
     """One layer's state between calls: KDA's recurrent state and conv tails, or MLA's keys/values."""
 
-    state: Optional[torch.Tensor] = None
+    state: torch.Tensor | None = None
     tails: dict = field(default_factory=dict)
-    keys: Optional[torch.Tensor] = None
-    values: Optional[torch.Tensor] = None
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
 
 class KimiK3Cache:
@@ -209,7 +209,7 @@ class ShortConvolution(nn.Module):
             tail = channels_first.new_zeros(x.shape[0], x.shape[2], self.kernel - 1)
         padded = torch.cat([tail, channels_first], dim=-1)
         out = F.conv1d(padded, self.weight.to(x.dtype), groups=x.shape[2])
-        return F.silu(out).transpose(1, 2), padded[..., padded.shape[-1] - (self.kernel - 1):]
+        return F.silu(out).transpose(1, 2), padded[..., padded.shape[-1] - (self.kernel - 1) :]
 
 
 def kda_tile_size(max_decay: float, chunk_size: int, dtype: torch.dtype) -> int:
@@ -222,7 +222,7 @@ def kda_tile_size(max_decay: float, chunk_size: int, dtype: torch.dtype) -> int:
     return 1
 
 
-def chunk_kda(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor], chunk_size: int):
+def chunk_kda(q, k, v, g, beta, scale: float, initial_state: torch.Tensor | None, chunk_size: int):
     """Kimi Delta Attention over a whole piece of sequence, chunkwise (k3train's training form).
 
     Per head, `S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k_t v_tᵀ`, `o_t = S_tᵀ (scale·q_t)`.
@@ -263,7 +263,7 @@ def chunk_kda(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tens
 
     n_tiles = chunk_size // tile
     tiled_decay = log_decay.reshape(batch * heads, n_chunks, n_tiles, tile, key_dim)
-    reference = tiled_decay[..., tile // 2: tile // 2 + 1, :].contiguous()  # r: the middle token's G
+    reference = tiled_decay[..., tile // 2 : tile // 2 + 1, :].contiguous()  # r: the middle token's G
     to_reference = torch.exp((tiled_decay - reference).to(dtype))  # e^{G − r}
     from_reference = to_reference.reciprocal()  # e^{r − G}
 
@@ -281,11 +281,15 @@ def chunk_kda(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tens
         later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=q.device).triu(1)
         bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp()
         keys_seen = (bridge.unsqueeze(-2) * k_columns.unsqueeze(-4)).reshape(
-            batch * heads, n_chunks, n_tiles, chunk_size, key_dim)
+            batch * heads, n_chunks, n_tiles, chunk_size, key_dim
+        )
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     key_gram, query_gram = (
-        (rows @ keys_seen.transpose(-1, -2)).reshape(batch * heads, n_chunks, chunk_size, chunk_size)
-        .masked_fill(~causal, 0.0) for rows in (k_rows, q_rows))
+        (rows @ keys_seen.transpose(-1, -2))
+        .reshape(batch * heads, n_chunks, chunk_size, chunk_size)
+        .masked_fill(~causal, 0.0)
+        for rows in (k_rows, q_rows)
+    )
     strict_key_gram = (beta_chunks * key_gram).tril(-1)  # A
     query_gram = query_gram * scale  # P
 
@@ -298,15 +302,18 @@ def chunk_kda(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tens
 
     identity = torch.eye(chunk_size, dtype=dtype, device=q.device)
     ut_transform = torch.linalg.solve_triangular(
-        strict_key_gram, identity, upper=False, unitriangular=True) * beta_chunks.transpose(-1, -2)
+        strict_key_gram, identity, upper=False, unitriangular=True
+    ) * beta_chunks.transpose(-1, -2)
     u_base = ut_transform @ v_chunks  # u = u_base − W S_0
     w = ut_transform @ k_from_start
     o_base = query_gram @ u_base  # o = o_base + q_state S_0
-    q_state = torch.baddbmm(q_from_start.flatten(0, 1), query_gram.flatten(0, 1), w.flatten(0, 1),
-                            beta=scale, alpha=-1.0).view_as(q_chunks)
+    q_state = torch.baddbmm(
+        q_from_start.flatten(0, 1), query_gram.flatten(0, 1), w.flatten(0, 1), beta=scale, alpha=-1.0
+    ).view_as(q_chunks)
     chunk_outputs = []
     for o_base_n, q_state_n, u_base_n, w_n, k_to_end_n, chunk_decay_n in zip(
-            *(x.unbind(1) for x in (o_base, q_state, u_base, w, k_to_end, chunk_decay.unsqueeze(-1)))):
+        *(x.unbind(1) for x in (o_base, q_state, u_base, w, k_to_end, chunk_decay.unsqueeze(-1)))
+    ):
         chunk_outputs.append(torch.baddbmm(o_base_n, q_state_n, state))
         u = torch.baddbmm(u_base_n, w_n, state, alpha=-1.0)
         state = torch.baddbmm(state * chunk_decay_n, k_to_end_n, u)
@@ -357,7 +364,7 @@ class KimiDeltaAttention(nn.Module):
         x32 = up(x)
         return x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + 1e-6)
 
-    def forward(self, x, cache: Optional[LayerCache]):
+    def forward(self, x, cache: LayerCache | None):
         batch, seq, _ = x.shape
         heads, dim = self.heads, self.head_dim
         tails = cache.tails if cache is not None else {}
@@ -377,9 +384,9 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(up(self.b_proj(x)))
         state = cache.state if cache is not None else None
         if seq == 1 and state is not None:  # decoding: one step of the recurrence
-            o, state = recurrent_kda_step(q, k, v, g, beta, dim ** -0.5, state)
+            o, state = recurrent_kda_step(q, k, v, g, beta, dim**-0.5, state)
         else:  # a prompt (or any piece of several tokens): chunkwise, as k3train computes it
-            o, state = chunk_kda(q, k, v, g, beta, dim ** -0.5, state, self.chunk_size)
+            o, state = chunk_kda(q, k, v, g, beta, dim**-0.5, state, self.chunk_size)
         if cache is not None:
             cache.state, cache.tails = state, tails
         o = o.to(x.dtype)
@@ -409,9 +416,9 @@ class GatedMLA(nn.Module):
         if s.get("mla_use_output_gate", True):
             self.g_proj = nn.Linear(hidden, heads * self.v_dim, bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
-        self.scale = qk ** -0.5
+        self.scale = qk**-0.5
 
-    def forward(self, x, cache: Optional[LayerCache]):
+    def forward(self, x, cache: LayerCache | None):
         batch, seq, _ = x.shape
         heads = self.heads
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -427,12 +434,14 @@ class GatedMLA(nn.Module):
                 k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)
             cache.keys, cache.values = k, v
         if past == 0:
-            attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                      is_causal=True, scale=self.scale)
+            attended = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
+            )
         else:
             mask = torch.arange(seq, device=x.device)[:, None] + past >= torch.arange(past + seq, device=x.device)[None]
-            attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                      attn_mask=mask, scale=self.scale)
+            attended = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale
+            )
         attended = attended.transpose(1, 2)
         if hasattr(self, "g_proj"):
             attended = attended * torch.sigmoid(self.g_proj(x)).view(batch, seq, heads, -1)
@@ -478,16 +487,20 @@ class DecoderLayer(nn.Module):
         if self.s.attn_res == "none":
             return blocks, partial + run(norm(partial))
         sources = blocks + [partial]
-        mixed = sources[0] if len(sources) == 1 else attn_res_mix(
-            sources, getattr(self, f"{name}_norm"), getattr(self, f"{name}_proj"))
+        mixed = (
+            sources[0]
+            if len(sources) == 1
+            else attn_res_mix(sources, getattr(self, f"{name}_norm"), getattr(self, f"{name}_proj"))
+        )
         output = run(norm(mixed))
         if self.s.closes_block(self.index, sublayer_kind):
             return blocks + [partial], output
         return blocks, partial + output
 
-    def forward(self, blocks, partial, cache: Optional[LayerCache]):
-        blocks, partial = self.sublayer(blocks, partial, "self_attention_res", "mixer", self.input_layernorm,
-                                        lambda h: self.self_attn(h, cache))
+    def forward(self, blocks, partial, cache: LayerCache | None):
+        blocks, partial = self.sublayer(
+            blocks, partial, "self_attention_res", "mixer", self.input_layernorm, lambda h: self.self_attn(h, cache)
+        )
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
         return self.sublayer(blocks, partial, "mlp_res", "ffn", self.post_attention_layernorm, ffn)
 
@@ -503,7 +516,7 @@ class KimiK3TextModel(nn.Module):
             self.output_attn_res_proj = nn.Linear(s.hidden_size, 1, bias=False)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, input_ids, cache: Optional[KimiK3Cache]):
+    def forward(self, input_ids, cache: KimiK3Cache | None):
         blocks, partial = [], self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers):
             blocks, partial = layer(blocks, partial, cache.layers[index] if cache is not None else None)
@@ -542,14 +555,13 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.language_model.model.embed_tokens
 
-    def forward(self, input_ids=None, cache=None, past_key_values=None, use_cache=None, attention_mask=None,
-                **kwargs):
+    def forward(self, input_ids=None, cache=None, past_key_values=None, use_cache=None, attention_mask=None, **kwargs):
         given = cache if cache is not None else past_key_values
         cache = given if isinstance(given, KimiK3Cache) else None
         if cache is None and use_cache:
             cache = KimiK3Cache(len(self.language_model.model.layers))
         if cache is not None:
-            input_ids = input_ids[:, cache.seen:]  # the tokens not yet in the cache
+            input_ids = input_ids[:, cache.seen :]  # the tokens not yet in the cache
         hidden = self.language_model.model(input_ids, cache)
         logits = self.language_model.lm_head(hidden)
         if cache is not None:
