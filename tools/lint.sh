@@ -9,4 +9,5 @@ if ! python -c "import importlib.metadata as m; assert m.version('ruff') == '0.1
 fi
 python -m ruff check .
 python -m ruff format --check .
-python -m mypy
+# the cache in k3train's cache directory: a fresh clone (CI) reuses it
+python -m mypy --cache-dir "${K3TRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/k3train}/mypy"
