@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ class TrafficCounter:
 
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     messages: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    last_launched: Optional[tuple[str, str]] = None
+    last_launched: tuple[str, str] | None = None
     """(group name, operation) of the last collective this rank launched (a failure report names it)."""
 
     def add(self, group_name: str, tensor: torch.Tensor, operation: str = "all_reduce") -> None:
@@ -57,7 +56,7 @@ class Group:
     name: str
     ranks: tuple[int, ...]
     rank: int  # this process's index within `ranks`
-    process_group: Optional[dist.ProcessGroup]
+    process_group: dist.ProcessGroup | None
     counter: TrafficCounter
 
     @property
@@ -68,7 +67,9 @@ class Group:
         return self.ranks[index]
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
         if self.size > 1:
             self.counter.add(self.name, tensor)
             dist.all_reduce(tensor, op=op, group=self.process_group)
@@ -119,8 +120,9 @@ class Group:
         dist.all_to_all_single(output, tensor.contiguous(), group=self.process_group)
         return output
 
-    def all_to_all_uneven(self, tensor: torch.Tensor, send: list[int], receive: list[int],
-                          label: Optional[str] = None) -> torch.Tensor:
+    def all_to_all_uneven(
+        self, tensor: torch.Tensor, send: list[int], receive: list[int], label: str | None = None
+    ) -> torch.Tensor:
         """Along dim 0 with host split sizes: `send[j]` rows go to rank j, `receive[j]` come from it.
         Counted under `label` (default: the group's name)."""
         if self.size == 1:
@@ -139,17 +141,20 @@ class Group:
         dist.recv(tensor, src=self.ranks[source_index], group=self.process_group)
         return tensor
 
-    def isend(self, tensor: torch.Tensor, destination_index: int, tag: int = 0,
-              label: Optional[str] = None) -> dist.Work:
+    def isend(self, tensor: torch.Tensor, destination_index: int, tag: int = 0, label: str | None = None) -> dist.Work:
         """Non-blocking send of a contiguous `tensor` (unchanged until the work completes),
         counted under `label` (default: the group's name, e.g. `pp.forward` for pipeline hops)."""
         self.counter.add(label or self.name, tensor, "isend")
-        return dist.isend(tensor, dst=self.ranks[destination_index], group=self.process_group, tag=tag)
+        work = dist.isend(tensor, dst=self.ranks[destination_index], group=self.process_group, tag=tag)
+        assert work is not None, "torch returns no work only to a rank outside the group"
+        return work
 
     def irecv(self, tensor: torch.Tensor, source_index: int, tag: int = 0) -> dist.Work:
         """Non-blocking receive into `tensor` (matched by source and tag on gloo)."""
         self.counter.note(self.name, "irecv")
-        return dist.irecv(tensor, src=self.ranks[source_index], group=self.process_group, tag=tag)
+        work = dist.irecv(tensor, src=self.ranks[source_index], group=self.process_group, tag=tag)
+        assert work is not None, "torch returns no work only to a rank outside the group"
+        return work
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -159,26 +164,35 @@ class Group:
 
 # What gloo and NCCL say when a peer stops answering or goes away (they name no group).
 _TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog caught collective")
-_PEER_LOST_MARKERS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused",
-                      "socket closed", "remote process exited")
+_PEER_LOST_MARKERS = (
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "connection refused",
+    "socket closed",
+    "remote process exited",
+)
 
 
-def describe_collective_failure(error: BaseException, counter: Optional[TrafficCounter],
-                                timeout_s: Optional[float]) -> Optional[str]:
+def describe_collective_failure(
+    error: BaseException, counter: TrafficCounter | None, timeout_s: float | None
+) -> str | None:
     """One line for a collective that failed because a peer died or stopped answering, naming
     the group and operation this rank launched last; None when `error` is not such a failure."""
     text = " ".join(str(error).split()).lower()
     distributed_error = isinstance(error, getattr(dist, "DistError", ())) or any(
-        marker in text for marker in ("gloo", "nccl", "c10d", "process group",
-                                      "caused pair closure"))  # gloo's async work.wait() timeout
+        marker in text for marker in ("gloo", "nccl", "c10d", "process group", "caused pair closure")
+    )  # gloo's async work.wait() timeout
     if not distributed_error:
         return None
     group, operation = counter.last_launched if counter and counter.last_launched else ("?", "collective")
     where = f"collective {operation} on group '{group}'" if group != "?" else "a collective"
     if any(marker in text for marker in _TIMEOUT_MARKERS):
         bound = f" after {timeout_s:g}s" if timeout_s else ""
-        return (f"{where} timed out{bound} (a rank stopped answering?); raise parallel.collective_timeout_s "
-                f"if a rank legitimately needs longer")
+        return (
+            f"{where} timed out{bound} (a rank stopped answering?); raise parallel.collective_timeout_s "
+            f"if a rank legitimately needs longer"
+        )
     if any(marker in text for marker in _PEER_LOST_MARKERS):
         return f"{where} failed: a peer rank closed its connection (it died?)"
     return f"{where} failed: {str(error).strip().splitlines()[0][:300]}"

@@ -11,12 +11,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, Optional
+from typing import Literal
 
 from k3train.recipe import ConfigError, check
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "LayoutError", "ParallelConfig", "check_context_split", "check_model_split",
-           "check_pipeline_sizes", "collective_timeout_seconds", "divisors"]
+__all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "LayoutError",
+    "ParallelConfig",
+    "check_context_split",
+    "check_model_split",
+    "check_pipeline_sizes",
+    "collective_timeout_seconds",
+    "divisors",
+]
 
 # The bound on one collective when `parallel.collective_timeout_s` is 0, per backend.
 # gloo (CPU): collectives of CPU runs take milliseconds to seconds; the longest legitimate wait is
@@ -31,7 +39,11 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = MappingProxyType({"gloo": 300.0, "nccl": 1200.0})
 def collective_timeout_seconds(configured: float, backend: str) -> float:
     """The timeout every process group gets: `parallel.collective_timeout_s`, or the backend's
     default when it is 0."""
-    return configured if configured > 0 else DEFAULT_COLLECTIVE_TIMEOUT_S.get(backend, DEFAULT_COLLECTIVE_TIMEOUT_S["gloo"])
+    return (
+        configured
+        if configured > 0
+        else DEFAULT_COLLECTIVE_TIMEOUT_S.get(backend, DEFAULT_COLLECTIVE_TIMEOUT_S["gloo"])
+    )
 
 
 class LayoutError(ConfigError):
@@ -49,8 +61,10 @@ def check_pipeline_sizes(pp: int, virtual_stages: int) -> None:
         if size < 1:
             raise LayoutError(f"parallel.{name} must be at least 1, got {size}")
     if virtual_stages > 1 and pp == 1:
-        raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.pp > 1 (interleaving splits "
-                          f"pipeline stages); set parallel.pp or parallel.virtual_stages=1")
+        raise LayoutError(
+            f"parallel.virtual_stages={virtual_stages} needs parallel.pp > 1 (interleaving splits "
+            f"pipeline stages); set parallel.pp or parallel.virtual_stages=1"
+        )
 
 
 def check_model_split(tp: int, ep: int, mla_heads: int, kda_heads: int, vocab_size: int, num_experts: int) -> None:
@@ -69,8 +83,9 @@ def check_model_split(tp: int, ep: int, mla_heads: int, kda_heads: int, vocab_si
             )
 
 
-def check_context_split(cp: int, seq_length: int, short_conv_kernel_size: int, tp: int = 1,
-                        sequence_parallel: bool = False) -> None:
+def check_context_split(
+    cp: int, seq_length: int, short_conv_kernel_size: int, tp: int = 1, sequence_parallel: bool = False
+) -> None:
     """Raise LayoutError unless a sequence of `seq_length` tokens splits into the 2 * cp
     load-balanced pieces of context parallelism (each at least as long as a short convolution's
     tail, and dividing over tp under sequence parallelism)."""
@@ -79,16 +94,22 @@ def check_context_split(cp: int, seq_length: int, short_conv_kernel_size: int, t
     pieces = 2 * cp
     if seq_length % pieces:
         fits = [c for c in range(1, 65) if seq_length % (2 * c) == 0]
-        raise LayoutError(f"data.seq_length={seq_length} does not split into 2*parallel.cp = {pieces} equal pieces "
-                          f"(each cp rank holds a front and a back piece); use a seq_length divisible by {pieces} "
-                          f"or parallel.cp from {fits}")
+        raise LayoutError(
+            f"data.seq_length={seq_length} does not split into 2*parallel.cp = {pieces} equal pieces "
+            f"(each cp rank holds a front and a back piece); use a seq_length divisible by {pieces} "
+            f"or parallel.cp from {fits}"
+        )
     piece = seq_length // pieces
     if piece < short_conv_kernel_size - 1:
-        raise LayoutError(f"data.seq_length={seq_length} over parallel.cp={cp} gives pieces of {piece} tokens, fewer "
-                          f"than the short convolution's tail of {short_conv_kernel_size - 1}; lower parallel.cp")
+        raise LayoutError(
+            f"data.seq_length={seq_length} over parallel.cp={cp} gives pieces of {piece} tokens, fewer "
+            f"than the short convolution's tail of {short_conv_kernel_size - 1}; lower parallel.cp"
+        )
     if sequence_parallel and tp > 1 and (2 * piece) % tp:
-        raise LayoutError(f"data.seq_length={seq_length} over parallel.cp={cp} leaves {2 * piece} tokens per rank, "
-                          f"not divisible by parallel.tp={tp} (sequence parallelism)")
+        raise LayoutError(
+            f"data.seq_length={seq_length} over parallel.cp={cp} leaves {2 * piece} tokens per rank, "
+            f"not divisible by parallel.tp={tp} (sequence parallelism)"
+        )
 
 
 @dataclass
@@ -116,7 +137,7 @@ class ParallelConfig:
     """Split the sequence dimension of norms and residual activations across the TP ranks."""
     zero1: bool = True
     """Shard the optimizer state across the data-parallel ranks (ZeRO-1)."""
-    pipeline_layers: Optional[list[int]] = None
+    pipeline_layers: list[int] | None = None
     """Decoder layers per pipeline chunk, overriding the even split: pp * virtual_stages entries in
     chunk order (chunk c runs on rank c mod pp), each at least 1, summing to
     model.num_hidden_layers; null splits evenly."""
@@ -146,15 +167,25 @@ class ParallelConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""
-        check([(value >= 1, f"parallel.{name} must be at least 1, got {value}")
-               for name, value in (("tp", self.tp), ("ep", self.ep), ("cp", self.cp))])
+        check(
+            [
+                (value >= 1, f"parallel.{name} must be at least 1, got {value}")
+                for name, value in (("tp", self.tp), ("ep", self.ep), ("cp", self.cp))
+            ]
+        )
         check_pipeline_sizes(self.pp, self.virtual_stages)
-        check([
-            (self.dp >= 0, f"parallel.dp must be 0 (the rest of the world size) or positive, got {self.dp}"),
-            (self.capacity_factor > 0, f"parallel.capacity_factor must be positive, got {self.capacity_factor}"),
-            (self.max_replicas_per_rank >= 1,
-             f"parallel.max_replicas_per_rank must be at least 1, got {self.max_replicas_per_rank}"),
-            (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s >= 0,
-             f"parallel.collective_timeout_s must be 0 (the backend's default) or a positive number of seconds, "
-             f"got {self.collective_timeout_s}"),
-        ])
+        check(
+            [
+                (self.dp >= 0, f"parallel.dp must be 0 (the rest of the world size) or positive, got {self.dp}"),
+                (self.capacity_factor > 0, f"parallel.capacity_factor must be positive, got {self.capacity_factor}"),
+                (
+                    self.max_replicas_per_rank >= 1,
+                    f"parallel.max_replicas_per_rank must be at least 1, got {self.max_replicas_per_rank}",
+                ),
+                (
+                    math.isfinite(self.collective_timeout_s) and self.collective_timeout_s >= 0,
+                    f"parallel.collective_timeout_s must be 0 (the backend's default) or a positive number of seconds, "
+                    f"got {self.collective_timeout_s}",
+                ),
+            ]
+        )

@@ -64,10 +64,9 @@ class _HandOffStates(torch.autograd.Function):
     never waits on a later node of another's)."""
 
     @staticmethod
-    def forward(ctx, transition, offset, cp: "ContextParallel"):
+    def forward(ctx, transition, offset, cp: ContextParallel):
         group, rank, last = cp.group, cp.rank, cp.size - 1
-        entering_front = (torch.zeros_like(offset[0]) if rank == 0
-                          else group.recv(torch.empty_like(offset[0]), rank - 1))
+        entering_front = torch.zeros_like(offset[0]) if rank == 0 else group.recv(torch.empty_like(offset[0]), rank - 1)
         leaving_front = transition[0] @ entering_front + offset[0]
         if rank < last:
             group.send(leaving_front, rank + 1)
@@ -89,8 +88,11 @@ class _HandOffStates(torch.autograd.Function):
         group, rank, last = cp.group, cp.rank, cp.size - 1
         grad_entering = grad_entering.contiguous()
         # The back piece first: its leaving state entered rank r − 1's back piece (rank 0's is the last piece).
-        leaving_back_grad = (torch.zeros_like(grad_entering[1]) if rank == 0
-                             else group.recv(torch.empty_like(grad_entering[1]), rank - 1))
+        leaving_back_grad = (
+            torch.zeros_like(grad_entering[1])
+            if rank == 0
+            else group.recv(torch.empty_like(grad_entering[1]), rank - 1)
+        )
         entering_back_grad = grad_entering[1] + transition[1].mT @ leaving_back_grad
         if rank < last:
             group.send(entering_back_grad, rank + 1)
@@ -121,7 +123,7 @@ class ContextParallel:
         self.state_exchange = state_exchange
 
     @classmethod
-    def single(cls) -> "ContextParallel":
+    def single(cls) -> ContextParallel:
         return cls(Group("cp", (0,), 0, None, TrafficCounter()))
 
     @property
@@ -156,8 +158,10 @@ class ContextParallel:
             return x
         length = x.shape[dim]
         if length % self.num_pieces:
-            raise ValueError(f"sequence of {length} tokens does not split into 2*cp = {self.num_pieces} pieces "
-                             f"(data.seq_length must be divisible by {self.num_pieces})")
+            raise ValueError(
+                f"sequence of {length} tokens does not split into 2*cp = {self.num_pieces} pieces "
+                f"(data.seq_length must be divisible by {self.num_pieces})"
+            )
         pieces = x.chunk(self.num_pieces, dim=dim)
         front, back = self.local_pieces()
         return torch.cat([pieces[front], pieces[back]], dim=dim)
@@ -166,14 +170,20 @@ class ContextParallel:
         """True sequence positions of the `local_length` local tokens (front piece, then back)."""
         piece = local_length // 2
         front, back = self.local_pieces()
-        return torch.cat([torch.arange(front * piece, (front + 1) * piece, device=device),
-                          torch.arange(back * piece, (back + 1) * piece, device=device)])
+        return torch.cat(
+            [
+                torch.arange(front * piece, (front + 1) * piece, device=device),
+                torch.arange(back * piece, (back + 1) * piece, device=device),
+            ]
+        )
 
     def split_pieces(self, x: torch.Tensor) -> torch.Tensor:
         """`[B, 2L, ...]` → `[2B, L, ...]`: the front pieces of the batch, then the back pieces,
         each a sequence of its own for the token mixer."""
         batch, local = x.shape[:2]
-        return x.reshape(batch, 2, local // 2, *x.shape[2:]).transpose(0, 1).reshape(2 * batch, local // 2, *x.shape[2:])
+        return (
+            x.reshape(batch, 2, local // 2, *x.shape[2:]).transpose(0, 1).reshape(2 * batch, local // 2, *x.shape[2:])
+        )
 
     def merge_pieces(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of `split_pieces`."""
@@ -204,9 +214,11 @@ class ContextParallel:
         channels first as `ShortConvolution` takes them: `[2B, L, C]` → `[2B, C, width]`."""
         batch = pieces.shape[0] // 2
         if pieces.shape[1] < width:
-            raise ValueError(f"pieces of {pieces.shape[1]} tokens are shorter than a convolution tail of {width}; "
-                             f"lower parallel.cp or raise data.seq_length")
-        tails = pieces[:, pieces.shape[1] - width:].reshape(2, batch, width, pieces.shape[2])
+            raise ValueError(
+                f"pieces of {pieces.shape[1]} tokens are shorter than a convolution tail of {width}; "
+                f"lower parallel.cp or raise data.seq_length"
+            )
+        tails = pieces[:, pieces.shape[1] - width :].reshape(2, batch, width, pieces.shape[2])
         every = self.gather_pieces(tails)  # [2C, B, width, C] in sequence order
         every = torch.cat([torch.zeros_like(every[:1]), every[:-1]])  # piece p gets piece p − 1's tail
         front, back = self.local_pieces()
@@ -220,8 +232,11 @@ class ContextParallel:
         batch = transition.shape[0] // 2
         key_dim = transition.shape[-1]
         if self.state_exchange == "handoff":
-            entering = _HandOffStates.apply(transition.reshape(2, batch, *transition.shape[1:]).contiguous(),
-                                            offset.reshape(2, batch, *offset.shape[1:]).contiguous(), self)
+            entering = _HandOffStates.apply(
+                transition.reshape(2, batch, *transition.shape[1:]).contiguous(),
+                offset.reshape(2, batch, *offset.shape[1:]).contiguous(),
+                self,
+            )
             return entering.reshape(offset.shape)
         local = torch.cat([transition, offset], dim=-1).reshape(2, batch, *offset.shape[1:3], -1)
         every = self.gather_pieces(local)  # [2C, B, H, K, K + V]
@@ -243,8 +258,10 @@ class ContextParallel:
         extended_v = torch.cat([v.to(dtype), v.new_zeros(*v.shape[:-1], key_dim, dtype=dtype)], dim=-1)
         identity = torch.eye(key_dim, dtype=dtype, device=v.device).expand(pieces, heads, key_dim, key_dim)
         start = torch.cat([identity.new_zeros(pieces, heads, key_dim, value_dim), identity], dim=-1)
-        o, final = chunk_kda(q, k, extended_v, g, beta, scale=scale, initial_state=start,
-                             output_final_state=True, chunk_size=chunk_size)
+        o, final = chunk_kda(
+            q, k, extended_v, g, beta, scale=scale, initial_state=start, output_final_state=True, chunk_size=chunk_size
+        )
+        assert final is not None, "chunk_kda returns the final state when asked for it"
         o_zero, query_map = o.split([value_dim, key_dim], dim=-1)
         # The states cross the pieces in fp32 (float64 for float64 inputs), also under bf16 autocast.
         with without_autocast(v.device):
@@ -254,13 +271,15 @@ class ContextParallel:
         return o.to(v.dtype)
 
 
-def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-                      scale: float) -> torch.Tensor:
+def context_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, scale: float
+) -> torch.Tensor:
     """Causal attention of the local queries `[B, 2L, H, D]` over the whole sequence's keys and
     values `[B, T, H, D]` (true order); returns `[B, 2L, H, Dv]`."""
     mask = cp.causal_mask(q.shape[1], q.device)
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          attn_mask=mask, scale=scale).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    ).transpose(1, 2)
 
 
 __all__ = ["ContextParallel", "context_attention"]

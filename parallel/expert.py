@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Protocol
+from typing import Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,28 @@ from torch import nn
 
 from k3train.parallel.comm import Group
 from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the planner's public names)
-    RelayCapacity, RelayPlan, ReplicaPlacement, ReplicaPlan, apply_placement, capacity_per_destination,
-    capacity_per_pair, destination_room, home_route, pack_slots, pair_positions, pair_slots, plan_from_load,
-    plan_relay, plan_replicas, proportional_pairs, proportional_route, proportional_shares, relay_capacity,
-    relay_forward, relay_route, replica_route,
+    RelayCapacity,
+    RelayPlan,
+    ReplicaPlacement,
+    ReplicaPlan,
+    apply_placement,
+    capacity_per_destination,
+    capacity_per_pair,
+    destination_room,
+    home_route,
+    pack_slots,
+    pair_positions,
+    pair_slots,
+    plan_from_load,
+    plan_relay,
+    plan_replicas,
+    proportional_pairs,
+    proportional_route,
+    proportional_shares,
+    relay_capacity,
+    relay_forward,
+    relay_route,
+    replica_route,
 )
 
 Mode = Literal["balanced", "capacity"]
@@ -47,6 +65,8 @@ def resolve_transport(configured: str, backend: str) -> Transport:
     if configured not in ("relay", "padded", "splits"):
         raise ValueError(f"parallel.ep_transport must be 'auto', 'relay', 'padded' or 'splits', got {configured!r}")
     return configured  # type: ignore[return-value]
+
+
 ExpertStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """An experts module's weights `(w1, w3, w2)`: `[G, I, l]`, `[G, I, l]`, `[G, l, I]`."""
 
@@ -59,12 +79,11 @@ class GroupedExperts(Protocol):
     w3: nn.Parameter  # [G, I, l]
     w2: nn.Parameter  # [G, l, I]
 
-    def stacks(self) -> ExpertStacks:
-        ...
+    def stacks(self) -> ExpertStacks: ...
 
-    def grouped_forward(self, rows: torch.Tensor, ids: torch.Tensor,
-                        weights: Optional[ExpertStacks] = None,
-                        compute: str = "grouped") -> torch.Tensor:
+    def grouped_forward(
+        self, rows: torch.Tensor, ids: torch.Tensor, weights: ExpertStacks | None = None, compute: str = "grouped"
+    ) -> torch.Tensor:
         """Each row through expert `ids[row]` (other ids: zero rows), with `weights` (stacks
         `(w1, w3, w2)`) instead of the module's own when given."""
         ...
@@ -105,8 +124,9 @@ def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _AllToAll.apply(x, group)
 
 
-def all_to_all_splits(group: Group, x: torch.Tensor, send: list[int], receive: list[int],
-                      label: Optional[str] = None) -> torch.Tensor:
+def all_to_all_splits(
+    group: Group, x: torch.Tensor, send: list[int], receive: list[int], label: str | None = None
+) -> torch.Tensor:
     """All-to-all along dim 0 with host split sizes: `send[j]` rows to rank j, `receive[j]` from it."""
     return group.all_to_all_uneven(x, send, receive, label)
 
@@ -128,6 +148,19 @@ class _AllToAllSplits(torch.autograd.Function):
 # The dispatcher
 
 
+class ExpertParameter(Protocol):
+    """The marks of a rank's expert stack (attributes torch does not declare, set by
+    `ExpertParallel.mark_expert_params`): experts `expert_offset` … of `num_global_experts`, and
+    the sharding the checkpoints read (`parallel.tensor.ShardedParameter`)."""
+
+    expert_parallel: bool
+    expert_offset: int
+    num_global_experts: int
+    full_shape: tuple[int, ...]
+    shard_group: Group
+    partition_dim: int
+
+
 @dataclass
 class DispatchInfo:
     """What one dispatch did (device tensors; read them after the step, not on the dispatch path)."""
@@ -137,7 +170,7 @@ class DispatchInfo:
     dropped: torch.Tensor  # () int64
     received: torch.Tensor  # () int64 slots this rank's experts computed
     replicas: torch.Tensor  # () int64 replica placements in the EP group (0 in capacity mode)
-    plan: Optional[ReplicaPlan]
+    plan: ReplicaPlan | None
     capacity: int
     wire_bytes: torch.Tensor  # () int64 token bytes this rank sends, dispatch + combine, forward + backward
     replica_bytes: torch.Tensor  # () int64 replica bytes this rank sends this step (counted once)
@@ -151,8 +184,8 @@ class _LayerReplicas:
 
     placement: ReplicaPlacement
     load: torch.Tensor  # [E] int64: this step's slots per expert over the EP group
-    stacks: Optional[ExpertStacks] = None
-    flat: Optional[torch.Tensor] = None  # [M, F] leaf behind `stacks`
+    stacks: ExpertStacks | None = None
+    flat: torch.Tensor | None = None  # [M, F] leaf behind `stacks`
     versions: tuple[int, ...] = ()
     splits: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     fetch_bytes: int = 0
@@ -163,9 +196,18 @@ class ExpertParallel:
     placement and weights; `finish_step` (after gradient reduction) returns the replicas'
     gradients home and plans the next step."""
 
-    def __init__(self, group: Group, num_experts: int, mode: Mode = "balanced", capacity_factor: float = 1.25,
-                 max_replicas_per_rank: int = 2, compute: Compute = "grouped", transport: Transport = "relay",
-                 replica_tolerance: float = 0.05, spare_replicas: bool = True):
+    def __init__(
+        self,
+        group: Group,
+        num_experts: int,
+        mode: Mode = "balanced",
+        capacity_factor: float = 1.25,
+        max_replicas_per_rank: int = 2,
+        compute: Compute = "grouped",
+        transport: Transport = "relay",
+        replica_tolerance: float = 0.05,
+        spare_replicas: bool = True,
+    ):
         if num_experts % group.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
         if mode not in ("balanced", "capacity"):
@@ -186,8 +228,9 @@ class ExpertParallel:
         self._restored: dict[int, list[tuple[int, int, int]]] = {}  # placements loaded before a layer ran
 
     @classmethod
-    def from_state(cls, state, parallel_config, num_experts: int,
-                   compute: Compute = "grouped") -> Optional["ExpertParallel"]:
+    def from_state(
+        cls, state, parallel_config, num_experts: int, compute: Compute = "grouped"
+    ) -> ExpertParallel | None:
         """The dispatcher for `state.ep`, or None when `ep == 1` (experts replicated: the
         single-process path)."""
         if state.ep.size == 1:
@@ -196,12 +239,20 @@ class ExpertParallel:
             raise ValueError(
                 f"parallel.ep={state.ep.size} with parallel.tp={state.layout.tp} needs "
                 "parallel.sequence_parallel=true: without it every tensor-parallel rank routes the same tokens "
-                "and each would be dispatched tp times")
+                "and each would be dispatched tp times"
+            )
         # A plan has no process groups: it prices the transport a GPU cluster would run.
         backend = dist.get_backend(state.ep.process_group) if state.ep.process_group is not None else "nccl"
         transport = resolve_transport(getattr(parallel_config, "ep_transport", "auto"), backend)
-        return cls(state.ep, num_experts, parallel_config.expert_dispatch, parallel_config.capacity_factor,
-                   parallel_config.max_replicas_per_rank, compute, transport=transport)
+        return cls(
+            state.ep,
+            num_experts,
+            parallel_config.expert_dispatch,
+            parallel_config.capacity_factor,
+            parallel_config.max_replicas_per_rank,
+            compute,
+            transport=transport,
+        )
 
     # ------------------------------------------------------------------ layout
     @property
@@ -235,31 +286,45 @@ class ExpertParallel:
         replica_weights = (self.max_replicas, 3 * inner * latent)
         if self.transport == "relay":
             hop = relay_capacity(tokens, top_k, r, self.capacity_factor)
-            return {"dispatch": (r, hop.first, latent), "dispatch_ids": (r, hop.first),
-                    "forward": (r, hop.second, latent), "forward_ids": (r, hop.second),
-                    "combine_forwarded": (r, hop.second, latent), "combine": (r, hop.first, latent),
-                    "received": (r * hop.rows, latent), "slot_counts": (r, self.num_experts),
-                    "replica_weights": replica_weights}
+            return {
+                "dispatch": (r, hop.first, latent),
+                "dispatch_ids": (r, hop.first),
+                "forward": (r, hop.second, latent),
+                "forward_ids": (r, hop.second),
+                "combine_forwarded": (r, hop.second, latent),
+                "combine": (r, hop.first, latent),
+                "received": (r * hop.rows, latent),
+                "slot_counts": (r, self.num_experts),
+                "replica_weights": replica_weights,
+            }
         pair = tokens * top_k
-        return {"dispatch": (r, pair, latent), "dispatch_ids": (r, pair), "combine": (r, pair, latent),
-                "received": (c, latent), "slot_counts": (r, self.num_experts), "replica_weights": replica_weights}
+        return {
+            "dispatch": (r, pair, latent),
+            "dispatch_ids": (r, pair),
+            "combine": (r, pair, latent),
+            "received": (c, latent),
+            "slot_counts": (r, self.num_experts),
+            "replica_weights": replica_weights,
+        }
 
     def mark_expert_params(self, experts: GroupedExperts) -> None:
         """Tag this rank's expert stacks: distinct across `ep`, replicated over `expert_dp`."""
         for param in (experts.w1, experts.w3, experts.w2):
-            param.expert_parallel = True
-            param.expert_offset = self.expert_offset
-            param.num_global_experts = self.num_experts
-            param.full_shape = (self.num_experts, *param.shape[1:])
+            marks = cast(ExpertParameter, param)
+            marks.expert_parallel = True
+            marks.expert_offset = self.expert_offset
+            marks.num_global_experts = self.num_experts
+            marks.full_shape = (self.num_experts, *param.shape[1:])
             # Checkpoints store the stack as one tensor of all experts, sharded over `ep`.
-            param.shard_group = self.group
-            param.partition_dim = 0
+            marks.shard_group = self.group
+            marks.partition_dim = 0
         if id(experts) not in self._order:
             self._order.append(id(experts))
 
     # ------------------------------------------------------------------ forward
-    def __call__(self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                 experts: GroupedExperts) -> tuple[torch.Tensor, DispatchInfo]:
+    def __call__(
+        self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: GroupedExperts
+    ) -> tuple[torch.Tensor, DispatchInfo]:
         """`latent [s, l]`, `expert_ids [s, k]` (global ids), `weights [s, k]` → `Σ_k p·E(latent)`
         `[s, l]` in `latent`'s dtype, and what the dispatch did."""
         tokens, top_k = expert_ids.shape
@@ -299,8 +364,17 @@ class ExpertParallel:
         slot_output = torch.cat([returned, returned.new_zeros(1, width)]).index_select(0, buffer_index)
         zero = torch.zeros((), dtype=torch.int64, device=slot_latent.device)
         rows = num_ranks * capacity
-        info = DispatchInfo(keep, dest, (~keep).sum(), (received_ids >= 0).sum(), zero, None, capacity,
-                            self._wire_bytes(rows, rows, width, slot_latent.element_size()), zero)
+        info = DispatchInfo(
+            keep,
+            dest,
+            (~keep).sum(),
+            (received_ids >= 0).sum(),
+            zero,
+            None,
+            capacity,
+            self._wire_bytes(rows, rows, width, slot_latent.element_size()),
+            zero,
+        )
         return slot_output, info
 
     def _balanced(self, slot_latent, expert_flat, weights_flat, experts):
@@ -313,7 +387,8 @@ class ExpertParallel:
         training = _building_graph()  # loads of a training forward plan the next step's replicas
         with torch.no_grad():
             mine = torch.zeros(self.num_experts, dtype=torch.int64, device=device).scatter_add_(
-                0, expert_flat, torch.ones_like(expert_flat))
+                0, expert_flat, torch.ones_like(expert_flat)
+            )
             counts = self.group.all_gather(mine.view(1, -1), dim=0)  # [R, E], a few KB
             if training:
                 state.load += counts.sum(0)
@@ -326,7 +401,8 @@ class ExpertParallel:
                 dest, local_id = replica_route(expert_flat, counts, me, plan)
         if self.transport == "relay":
             slot_output, keep, received, wire_bytes = self._relay(
-                slot_latent, weights_flat, pairs, dest, local_id, experts, state)
+                slot_latent, weights_flat, pairs, dest, local_id, experts, state
+            )
             return slot_output, self._balanced_info(state, keep, dest, received, plan, capacity, wire_bytes)
         with torch.no_grad():
             # `splits` sizes its receive buffer to what arrives, so its only capacity is the R·s·k
@@ -336,8 +412,12 @@ class ExpertParallel:
             buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, room[me])  # [R, s·k] layout
             into_me = room[:, me]  # rows from each source, placed one source after another
             source_start = into_me.cumsum(0) - into_me
-        ids = torch.full((slots + 1,) if self.transport == "splits" else (num_ranks * slots + 1,), -1,
-                         dtype=torch.int32, device=device)
+        ids = torch.full(
+            (slots + 1,) if self.transport == "splits" else (num_ranks * slots + 1,),
+            -1,
+            dtype=torch.int32,
+            device=device,
+        )
         if self.transport == "padded":
             # send [R, s·k] per pair; the receiver gathers its rows into [C_dest] by source offsets
             send = slot_latent.new_zeros(num_ranks * slots + 1, width).index_copy(0, buffer_index, slot_latent)
@@ -351,8 +431,9 @@ class ExpertParallel:
                 source = source.clamp(max=num_ranks - 1)
                 gather = torch.where(inside, source * slots + row - source_start[source], num_ranks * slots)
                 pair_row = torch.arange(slots, device=device)
-                scatter = torch.where(pair_row[None, :] < into_me[:, None], source_start[:, None] + pair_row[None, :],
-                                      capacity).reshape(-1)  # [R·s·k] -> received row (or trash)
+                scatter = torch.where(
+                    pair_row[None, :] < into_me[:, None], source_start[:, None] + pair_row[None, :], capacity
+                ).reshape(-1)  # [R·s·k] -> received row (or trash)
             rows = torch.cat([received, received.new_zeros(1, width)]).index_select(0, gather)
             row_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, gather).long()
             output = self._experts(rows, row_ids, experts, state)
@@ -366,13 +447,13 @@ class ExpertParallel:
             with torch.no_grad():
                 first = room[me].cumsum(0) - room[me]
                 packed = torch.where(keep, first[dest] + buffer_index - dest * slots, slots)
-            send = slot_latent.new_zeros(slots + 1, width).index_copy(0, packed, slot_latent)[:sum(sent)]
-            send_ids = ids.index_copy(0, packed, local_id.to(torch.int32))[:sum(sent)]
+            send = slot_latent.new_zeros(slots + 1, width).index_copy(0, packed, slot_latent)[: sum(sent)]
+            send_ids = ids.index_copy(0, packed, local_id.to(torch.int32))[: sum(sent)]
             received = _AllToAllSplits.apply(send, self.group, sent, taken)
             received_ids = all_to_all_splits(self.group, send_ids, sent, taken)
             rows, row_ids = received, received_ids.long()
             output = self._experts(rows, row_ids, experts, state)
-            returned = _AllToAllSplits.apply(output[:received.shape[0]], self.group, taken, sent)
+            returned = _AllToAllSplits.apply(output[: received.shape[0]], self.group, taken, sent)
             returned = torch.cat([returned, returned.new_zeros(slots + 1 - returned.shape[0], width)])
             slot_output = returned.index_select(0, packed)
             sent_rows, returned_rows = room[me].sum(), into_me.sum()
@@ -383,9 +464,17 @@ class ExpertParallel:
         # the step's replica traffic, counted with the micro-batch that fetched it (the same ops every time)
         replica_bytes = torch.tensor(state.fetch_bytes, dtype=torch.int64, device=keep.device)
         state.fetch_bytes = 0
-        return DispatchInfo(keep, dest, (~keep).sum(), received,
-                            torch.as_tensor(state.placement.num_replicas, device=keep.device), plan, capacity,
-                            wire_bytes, replica_bytes)
+        return DispatchInfo(
+            keep,
+            dest,
+            (~keep).sum(),
+            received,
+            torch.as_tensor(state.placement.num_replicas, device=keep.device),
+            plan,
+            capacity,
+            wire_bytes,
+            replica_bytes,
+        )
 
     def _relay(self, slot_latent, weights_flat, pairs, dest, local_id, experts, state):
         """The `relay` transport: two equal-split all-to-alls of fixed shape, no size exchange.
@@ -403,11 +492,13 @@ class ExpertParallel:
             hop1_index, keep = relay_route(dest, pair_positions(dest, weights_flat, num_ranks), me, relay_plan)
             to_hop2, direct = relay_forward(relay_plan, me)  # [R·first] each received row's hop-2 row
             from_hop1 = torch.full((second_rows + 1,), first_rows, dtype=torch.int64, device=device).scatter_(
-                0, to_hop2, torch.arange(first_rows, device=device))[:second_rows]  # trash entry sliced off
+                0, to_hop2, torch.arange(first_rows, device=device)
+            )[:second_rows]  # trash entry sliced off
         zero_row = slot_latent.new_zeros(1, width)
         send = torch.cat([slot_latent.new_zeros(first_rows, width), zero_row]).index_copy(0, hop1_index, slot_latent)
         send_ids = torch.full((first_rows + 1,), -1, dtype=torch.int32, device=device).index_copy(
-            0, hop1_index, local_id.to(torch.int32))
+            0, hop1_index, local_id.to(torch.int32)
+        )
         received = all_to_all(send[:-1].view(num_ranks, cap.first, width), self.group).reshape(-1, width)
         received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, cap.first)).reshape(-1)
         forward = torch.cat([received, zero_row]).index_select(0, from_hop1)
@@ -464,8 +555,10 @@ class ExpertParallel:
         versions = tuple(w._version for w in experts.stacks())
         if state.stacks is not None:
             if versions != state.versions:
-                raise RuntimeError("expert weights changed since this step's replicas were fetched: call "
-                                   "ExpertParallel.finish_step after the gradient reduction of every step")
+                raise RuntimeError(
+                    "expert weights changed since this step's replicas were fetched: call "
+                    "ExpertParallel.finish_step after the gradient reduction of every step"
+                )
             return state.stacks
         stacks = experts.stacks()
         shapes = [w.shape[1:] for w in stacks]
@@ -505,9 +598,12 @@ class ExpertParallel:
         sums replica gradients in the same order) as the uninterrupted run."""
         if (int(state.get("ep", -1)), int(state.get("max_replicas_per_rank", -1))) != (self.size, self.max_replicas):
             # another layout (the expert stacks reshard): the first step plans without replicas, as step 0
-            warnings.warn(f"checkpointed expert replicas are for ep={state.get('ep')}, max_replicas_per_rank="
-                          f"{state.get('max_replicas_per_rank')}; this run has ep={self.size}, max_replicas_per_rank="
-                          f"{self.max_replicas}: the first resumed step places no replicas", stacklevel=2)
+            warnings.warn(
+                f"checkpointed expert replicas are for ep={state.get('ep')}, max_replicas_per_rank="
+                f"{state.get('max_replicas_per_rank')}; this run has ep={self.size}, max_replicas_per_rank="
+                f"{self.max_replicas}: the first resumed step places no replicas",
+                stacklevel=2,
+            )
             return
         for name, entries in state.get("layers", {}).items():
             index = int(name)
@@ -515,8 +611,9 @@ class ExpertParallel:
             key = self._order[index] if index < len(self._order) else None
             if key in self._layers:
                 layer = self._layers[key][1]
-                layer.placement = ReplicaPlacement.from_host(entries, self.size, self.max_replicas,
-                                                             layer.placement.expert.device)
+                layer.placement = ReplicaPlacement.from_host(
+                    entries, self.size, self.max_replicas, layer.placement.expert.device
+                )
             else:
                 self._restored[index] = entries
 
@@ -541,18 +638,21 @@ class ExpertParallel:
     @torch.no_grad()
     def _return_gradients(self, experts: GroupedExperts, layer: _LayerReplicas, state) -> None:
         outgoing, send, slots, receive = self._replica_lists(layer.placement)
-        grad = layer.flat.grad if layer.flat.grad is not None else torch.zeros_like(layer.flat)
-        grad = grad.index_select(0, torch.tensor(slots, dtype=torch.int64, device=layer.flat.device))
+        flat = layer.flat
+        assert flat is not None, "called for a layer that fetched replicas this step"
+        grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
+        grad = grad.index_select(0, torch.tensor(slots, dtype=torch.int64, device=flat.device))
         home = all_to_all_splits(self.group, grad, receive, send, f"{self.group.name}.replicas")
         stacks = experts.stacks()
         delta = home.new_zeros(self.num_local_experts, home.shape[1]).index_add_(
-            0, torch.tensor(outgoing, dtype=torch.int64, device=home.device), home)
+            0, torch.tensor(outgoing, dtype=torch.int64, device=home.device), home
+        )
         if state is not None:  # as grad_reduce.py reduces expert gradients: SUM over expert_dp, / dp
             delta.mul_(1.0 / state.layout.dp)
             state.expert_dp.all_reduce(delta)
         offset = 0
         for param in stacks:
-            part = delta[:, offset:offset + param[0].numel()].reshape(param.shape).to(param.dtype)
+            part = delta[:, offset : offset + param[0].numel()].reshape(param.shape).to(param.dtype)
             offset += param[0].numel()
             if param.grad is None:
                 param.grad = part.clone()

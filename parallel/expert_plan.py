@@ -82,8 +82,9 @@ def plan_replicas(counts: torch.Tensor, max_replicas_per_rank: int, tolerance: f
     return plan_from_load(counts.sum(0), counts.shape[0], max_replicas_per_rank, tolerance)
 
 
-def plan_from_load(load: torch.Tensor, num_ranks: int, max_replicas_per_rank: int,
-                   tolerance: float = 0.0) -> ReplicaPlan:
+def plan_from_load(
+    load: torch.Tensor, num_ranks: int, max_replicas_per_rank: int, tolerance: float = 0.0
+) -> ReplicaPlan:
     """`plan_replicas` on the per-expert loads `[E]` of an EP group of `num_ranks`."""
     num_experts = load.shape[0]
     local = num_experts // num_ranks
@@ -135,13 +136,13 @@ class ReplicaPlacement:
     host: list[tuple[int, int, int]]  # (expert, dest, slot) of every valid entry
 
     @classmethod
-    def from_plan(cls, plan: ReplicaPlan) -> "ReplicaPlacement":
+    def from_plan(cls, plan: ReplicaPlan) -> ReplicaPlacement:
         entries = torch.stack([plan.expert, plan.dest, plan.slot, plan.valid.long()], dim=1).tolist()
         host = [(e, d, s) for e, d, s, v in entries if v]
         return cls(plan.expert, plan.dest, plan.slot, plan.valid, host)
 
     @classmethod
-    def empty(cls, num_ranks: int, max_replicas_per_rank: int, device=None) -> "ReplicaPlacement":
+    def empty(cls, num_ranks: int, max_replicas_per_rank: int, device=None) -> ReplicaPlacement:
         entries = num_ranks * max_replicas_per_rank
         zeros = torch.zeros(entries, dtype=torch.int64, device=device)
         return cls(zeros, zeros.clone(), zeros.clone(), zeros.bool(), [])
@@ -150,7 +151,7 @@ class ReplicaPlacement:
     def num_replicas(self) -> int:
         return len(self.host)
 
-    def with_spares(self, load: torch.Tensor, rank_load: torch.Tensor, max_replicas_per_rank: int) -> "ReplicaPlacement":
+    def with_spares(self, load: torch.Tensor, rank_load: torch.Tensor, max_replicas_per_rank: int) -> ReplicaPlacement:
         """Fill the replica slots the plan left free with the hottest experts not yet replicated,
         each on the least loaded rank with a free slot (not its home): headroom for the micro-
         batches of the step whose loads differ from the previous step's. Host work, at the step
@@ -178,21 +179,24 @@ class ReplicaPlacement:
         return ReplicaPlacement.from_host(entries, num_ranks, max_replicas_per_rank, self.expert.device)
 
     @classmethod
-    def from_host(cls, entries: list[tuple[int, int, int]], num_ranks: int, max_replicas_per_rank: int,
-                  device=None) -> "ReplicaPlacement":
+    def from_host(
+        cls, entries: list[tuple[int, int, int]], num_ranks: int, max_replicas_per_rank: int, device=None
+    ) -> ReplicaPlacement:
         """The placement of the `(expert, dest, slot)` entries (as `host` lists them; e.g. restored
         from a checkpoint)."""
         size = num_ranks * max_replicas_per_rank
-        entries = [tuple(int(v) for v in entry) for entry in entries]
+        entries = [(int(e), int(d), int(s)) for e, d, s in entries]
         padded = entries + [(0, 0, 0)] * (size - len(entries))
-        expert, dest, slot = (torch.tensor([entry[i] for entry in padded], dtype=torch.int64, device=device)
-                              for i in range(3))
+        expert, dest, slot = (
+            torch.tensor([entry[i] for entry in padded], dtype=torch.int64, device=device) for i in range(3)
+        )
         valid = torch.arange(size, device=device) < len(entries)
         return cls(expert, dest, slot, valid, entries)
 
 
-def _capped_in_order(want: torch.Tensor, group: torch.Tensor, room: torch.Tensor,
-                     earlier: torch.Tensor) -> torch.Tensor:
+def _capped_in_order(
+    want: torch.Tensor, group: torch.Tensor, room: torch.Tensor, earlier: torch.Tensor
+) -> torch.Tensor:
     """`want [N]` reduced so that, in entry order, each group's running total stays within its
     `room` (`group [N]` the entry's group, `room` indexed by group; `earlier [N, N]` float
     `[j, j'] = j' < j`): `min(want_j, room − Σ_{earlier j' of the group} want_j')⁺`."""
@@ -201,8 +205,9 @@ def _capped_in_order(want: torch.Tensor, group: torch.Tensor, room: torch.Tensor
     return torch.minimum(want, (room[group] - before).clamp(min=0))
 
 
-def apply_placement(counts: torch.Tensor, placement: ReplicaPlacement, capacity: int | None = None,
-                    rounds: int = 4) -> ReplicaPlan:
+def apply_placement(
+    counts: torch.Tensor, placement: ReplicaPlacement, capacity: int | None = None, rounds: int = 4
+) -> ReplicaPlan:
     """This micro-batch's plan under the step's placement, from its all-gathered `counts [R, E]`:
     each placed replica takes from its expert's home share what brings the home rank down, or
     its own rank up, to the even share. With `capacity` (the receive buffer per destination) a
@@ -265,11 +270,13 @@ def index_within_expert(expert_flat: torch.Tensor, mine: torch.Tensor) -> torch.
     order = torch.sort(expert_flat, stable=True).indices
     first = mine.cumsum(0) - mine
     return torch.empty_like(order).scatter_(
-        0, order, torch.arange(slots, device=expert_flat.device) - first[expert_flat[order]])
+        0, order, torch.arange(slots, device=expert_flat.device) - first[expert_flat[order]]
+    )
 
 
-def replica_route(expert_flat: torch.Tensor, counts: torch.Tensor, source: int,
-                  plan: ReplicaPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def replica_route(
+    expert_flat: torch.Tensor, counts: torch.Tensor, source: int, plan: ReplicaPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`balanced` mode: (destination, local id) of each slot of `source` under `plan`.
 
     Source `s`'s slots of expert `e` take the contiguous positions `[o, o + c)` of the expert's
@@ -287,8 +294,12 @@ def replica_route(expert_flat: torch.Tensor, counts: torch.Tensor, source: int,
     sorted_keys, key_order = torch.sort(keys, stable=True)
     found = torch.searchsorted(sorted_keys, expert_flat * span + position, right=True) - 1
     entry = key_order[found.clamp(min=0)]
-    is_replica = ((found >= 0) & plan.valid[entry] & (plan.expert[entry] == expert_flat)
-                  & (position < plan.start[entry] + plan.amount[entry]))
+    is_replica = (
+        (found >= 0)
+        & plan.valid[entry]
+        & (plan.expert[entry] == expert_flat)
+        & (position < plan.start[entry] + plan.amount[entry])
+    )
     home_dest, home_id = home_route(expert_flat, local)
     dest = torch.where(is_replica, plan.dest[entry], home_dest)
     local_id = torch.where(is_replica, local + plan.slot[entry], home_id)
@@ -318,8 +329,13 @@ def proportional_shares(counts: torch.Tensor, plan: ReplicaPlan) -> tuple[torch.
     return home, share
 
 
-def proportional_route(expert_flat: torch.Tensor, counts: torch.Tensor, source: int, plan: ReplicaPlan,
-                       shares: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def proportional_route(
+    expert_flat: torch.Tensor,
+    counts: torch.Tensor,
+    source: int,
+    plan: ReplicaPlan,
+    shares: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(destination, local id) of each slot of `source` under `proportional_shares`: its slots
     of an expert in slot order, the first `home` to the home rank, then each replica entry's share."""
     num_ranks, num_experts = counts.shape
@@ -336,14 +352,18 @@ def proportional_route(expert_flat: torch.Tensor, counts: torch.Tensor, source: 
     sorted_keys, key_order = torch.sort(keys, stable=True)
     found = torch.searchsorted(sorted_keys, expert_flat * span + position, right=True) - 1
     entry = key_order[found.clamp(min=0)]
-    is_replica = ((found >= 0) & valid[entry] & (plan.expert[entry] == expert_flat)
-                  & (position < start[entry] + share[entry]))
+    is_replica = (
+        (found >= 0) & valid[entry] & (plan.expert[entry] == expert_flat) & (position < start[entry] + share[entry])
+    )
     home_dest, home_id = home_route(expert_flat, local)
-    return torch.where(is_replica, plan.dest[entry], home_dest), torch.where(is_replica, local + plan.slot[entry], home_id)
+    return torch.where(is_replica, plan.dest[entry], home_dest), torch.where(
+        is_replica, local + plan.slot[entry], home_id
+    )
 
 
-def proportional_pairs(counts: torch.Tensor, plan: ReplicaPlan,
-                       shares: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def proportional_pairs(
+    counts: torch.Tensor, plan: ReplicaPlan, shares: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """`[R, R]` slots each source sends each destination under `proportional_route`."""
     num_ranks, num_experts = counts.shape
     home, share = shares
@@ -362,8 +382,9 @@ def pair_slots(counts: torch.Tensor, plan: ReplicaPlan) -> torch.Tensor:
     home_part = (torch.minimum(high, plan.home[None, :]) - low).clamp(min=0)  # home holds [0, home)
     pairs = home_part.view(num_ranks, num_ranks, local).sum(2)
     end = plan.start + plan.amount
-    replica_part = (torch.minimum(high[:, plan.expert], end[None, :])
-                    - torch.maximum(low[:, plan.expert], plan.start[None, :])).clamp(min=0)
+    replica_part = (
+        torch.minimum(high[:, plan.expert], end[None, :]) - torch.maximum(low[:, plan.expert], plan.start[None, :])
+    ).clamp(min=0)
     replica_part = torch.where(plan.valid[None, :], replica_part, 0)  # [R, N]
     return pairs.index_add(1, plan.dest, replica_part)
 
@@ -387,8 +408,9 @@ def pair_positions(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: in
     return torch.empty_like(order).scatter_(0, order, torch.arange(slots, device=device) - first[dest[order]])
 
 
-def pack_slots(dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int,
-               capacity) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_slots(
+    dest: torch.Tensor, weights_flat: torch.Tensor, num_ranks: int, capacity
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop policy: per destination keep the `capacity` slots of highest routing weight (ties:
     lower slot index first); `capacity` an int or an `[R]` tensor (per destination). Returns
     (buffer_index [S] = `dest · max_capacity + position`, or the trash row `R · max_capacity`;
@@ -501,8 +523,9 @@ def _rows_before(at: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(at, query)
 
 
-def relay_route(dest: torch.Tensor, position: torch.Tensor, source: int,
-                plan: RelayPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def relay_route(
+    dest: torch.Tensor, position: torch.Tensor, source: int, plan: RelayPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Hop-1 row of each slot of `source` (`dest`, and `position` within its pair from
     `pair_positions`): `hop1_index [S]` = `rank · first + row`, or the trash row `R · first`;
     keep [S] (false where hop 2 has no room for the slot)."""
@@ -517,10 +540,13 @@ def relay_route(dest: torch.Tensor, position: torch.Tensor, source: int,
     order = torch.argsort(flat)
     found = order[torch.searchsorted(flat[order], t).clamp(max=flat.numel() - 1)]
     relay, level = torch.div(found, first, rounding_mode="floor"), found % first
-    index_in_pair = level - _rows_before(plan.at[source:source + 1], plan.start[source:source + 1])[0][relay, dest]
+    index_in_pair = level - _rows_before(plan.at[source : source + 1], plan.start[source : source + 1])[0][relay, dest]
     relayed = ~straight & (index_in_pair < plan.room[source][relay, dest])
-    hop1 = torch.where(straight, dest * first + position,
-                       torch.where(relayed, relay * first + direct[relay] + level, num_ranks * first))
+    hop1 = torch.where(
+        straight,
+        dest * first + position,
+        torch.where(relayed, relay * first + direct[relay] + level, num_ranks * first),
+    )
     return hop1, straight | relayed
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, Optional
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,7 @@ def gradient_reduction(param: torch.Tensor, state: ParallelState) -> Reduction:
     return Reduction(state.dp, 1.0 / dp)
 
 
-def owner_scatter(param: torch.Tensor, state: ParallelState) -> Optional[tuple[Group, Optional[Group]]]:
+def owner_scatter(param: torch.Tensor, state: ParallelState) -> tuple[Group, Group | None] | None:
     """How `param`'s gradient reaches its ZeRO-1 owner alone: (the group to reduce-scatter over,
     the group the owner's segment is then all-reduced over, or None). A gradient summed over its
     replica group (`dp`, or `expert_dp` for experts) is reduce-scattered over it; a TP-partial
@@ -106,7 +107,7 @@ def owner_scatter(param: torch.Tensor, state: ParallelState) -> Optional[tuple[G
     return None
 
 
-def row_class(param: torch.Tensor, state: ParallelState) -> Optional[tuple]:
+def row_class(param: torch.Tensor, state: ParallelState) -> tuple | None:
     """What parameters must share for one ZeRO-1 owner row (see `owner_rows`): their reduction
     (group and scale), dtype and element count; None when `param`'s gradient cannot be
     reduce-scattered to its owner (`owner_scatter`)."""
@@ -115,8 +116,9 @@ def row_class(param: torch.Tensor, state: ParallelState) -> Optional[tuple]:
     return gradient_reduction(param, state).key, param.dtype, param.numel()
 
 
-def owner_rows(named_params: Iterable[tuple[str, nn.Parameter]], owners: Mapping[str, int],
-               state: ParallelState) -> list[list[tuple[str, nn.Parameter]]]:
+def owner_rows(
+    named_params: Iterable[tuple[str, nn.Parameter]], owners: Mapping[str, int], state: ParallelState
+) -> list[list[tuple[str, nn.Parameter]]]:
     """ZeRO-1 owner rows: groups of `p` parameters (p = their replica group's size) of one
     `row_class`, one owned by each rank of the group, in rank order. A bucket of whole rows
     reduce-scatters with no padding at all: every rank's segment holds one parameter of each row,
@@ -143,7 +145,7 @@ def owner_rows(named_params: Iterable[tuple[str, nn.Parameter]], owners: Mapping
     return rows
 
 
-def _all_reduce_async(group: Group, tensor: torch.Tensor) -> Optional[dist.Work]:
+def _all_reduce_async(group: Group, tensor: torch.Tensor) -> dist.Work | None:
     """SUM all-reduce of `tensor` over `group`, launched asynchronously and counted like
     comm.py's synchronous collectives (bytes this rank contributes, one message)."""
     if group.size == 1:
@@ -152,13 +154,12 @@ def _all_reduce_async(group: Group, tensor: torch.Tensor) -> Optional[dist.Work]
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group.process_group, async_op=True)
 
 
-def _reduce_scatter_async(group: Group, tensor: torch.Tensor, output: torch.Tensor) -> Optional[dist.Work]:
+def _reduce_scatter_async(group: Group, tensor: torch.Tensor, output: torch.Tensor) -> dist.Work | None:
     """SUM reduce-scatter of `tensor` (equal segments, rank order) into `output` over `group`,
     launched asynchronously and counted like comm.py's `reduce_scatter` (its full input, one
     message)."""
     group.counter.add(group.name, tensor)
-    return dist.reduce_scatter_single(output, tensor, op=dist.ReduceOp.SUM, group=group.process_group,
-                                      async_op=True)
+    return dist.reduce_scatter_single(output, tensor, op=dist.ReduceOp.SUM, group=group.process_group, async_op=True)
 
 
 def average_over_dp(value: torch.Tensor, state: ParallelState) -> torch.Tensor:
@@ -170,6 +171,13 @@ def average_over_dp(value: torch.Tensor, state: ParallelState) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Gradient reduction
+
+
+class OwnerOnlyMark(Protocol):
+    """The mark `GradientReducer` sets on every parameter (an attribute torch does not declare):
+    whether its gradient is reduce-scattered to its ZeRO-1 owner alone (`is_owner_only`)."""
+
+    grad_on_owner_only: bool
 
 
 @dataclass(eq=False)
@@ -192,11 +200,11 @@ class GradBucket:
     """Position of each parameter's gradient in the flat buffer."""
     numel: int = 0
     """Gradient elements (without flags and padding)."""
-    owners: Optional[list[int]] = None
+    owners: list[int] | None = None
     """Owner-sharded: each parameter's owner (index in `scatter_group`); None: all-reduced."""
-    scatter_group: Optional[Group] = None
+    scatter_group: Group | None = None
     """Owner-sharded: the group reduce-scattered over (the parameters' replica group)."""
-    then_over: Optional[Group] = None
+    then_over: Group | None = None
     """Owner-sharded TP-partial gradients: the group the owner's segment is then all-reduced over
     (`tp`); None otherwise (`owner_scatter`)."""
     segment: int = 0
@@ -205,10 +213,10 @@ class GradBucket:
     """Position of each parameter's has-gradient flag in the flat buffer."""
     # Per-step state, reset by `GradientReducer.finish`.
     pending: set[int] = field(default_factory=set)
-    buffer: Optional[torch.Tensor] = None
-    result: Optional[torch.Tensor] = None
+    buffer: torch.Tensor | None = None
+    result: torch.Tensor | None = None
     """The reduced values this rank receives: the whole buffer, or its segment when sharded."""
-    work: Optional[dist.Work] = None
+    work: dist.Work | None = None
     launched: bool = False
 
     def reset(self) -> None:
@@ -220,9 +228,21 @@ class GradBucket:
         return self.owners is not None
 
     @property
+    def launched_result(self) -> torch.Tensor:
+        """`result` of a launched bucket."""
+        assert self.result is not None, "the bucket has not been launched this step"
+        return self.result
+
+    @property
+    def owner_group(self) -> Group:
+        """Owner-sharded: `scatter_group` (`shard_by_owner` sets it with `owners`)."""
+        assert self.scatter_group is not None, "not an owner-sharded bucket"
+        return self.scatter_group
+
+    @property
     def length(self) -> int:
         """Elements of the flat buffer (the collective's input)."""
-        return self.scatter_group.size * self.segment if self.sharded else self.numel + len(self.params)
+        return self.owner_group.size * self.segment if self.sharded else self.numel + len(self.params)
 
     @property
     def nbytes(self) -> int:
@@ -236,7 +256,7 @@ class GradBucket:
         if not self.sharded:
             group = self.reduction.group
             return {group.name: (self.nbytes, 1)} if group.size > 1 else {}
-        out = {self.scatter_group.name: (self.nbytes, 1)}
+        out = {self.owner_group.name: (self.nbytes, 1)}
         if self.then_over is not None and self.then_over.size > 1:
             out[self.then_over.name] = (self.segment * element, 1)
         return out
@@ -248,8 +268,8 @@ class GradBucket:
         if not self.sharded:
             p = self.reduction.group.size
             return {self.reduction.group.name: 2 * (p - 1) / p * self.nbytes} if p > 1 else {}
-        p = self.scatter_group.size
-        out = {self.scatter_group.name: (p - 1) / p * self.nbytes}
+        p = self.owner_group.size
+        out = {self.owner_group.name: (p - 1) / p * self.nbytes}
         if self.then_over is not None and self.then_over.size > 1:
             q = self.then_over.size
             out[self.then_over.name] = 2 * (q - 1) / q * self.segment * element
@@ -258,14 +278,16 @@ class GradBucket:
     def received(self, rank: int) -> list[tuple[nn.Parameter, int, int]]:
         """(parameter, gradient position, flag position) in `result` for the parameters whose
         reduced gradient rank `rank` receives (all of them unless sharded)."""
-        if not self.sharded:
+        if self.owners is None:  # not sharded
             return list(zip(self.params, self.offsets, self.flag_positions))
         base = rank * self.segment
-        return [(p, offset - base, flag - base)
-                for p, offset, flag, owner in zip(self.params, self.offsets, self.flag_positions, self.owners)
-                if owner == rank]
+        return [
+            (p, offset - base, flag - base)
+            for p, offset, flag, owner in zip(self.params, self.offsets, self.flag_positions, self.owners)
+            if owner == rank
+        ]
 
-    def shard_by_owner(self, owners: list[int], scatter_group: Group, then_over: Optional[Group] = None) -> None:
+    def shard_by_owner(self, owners: list[int], scatter_group: Group, then_over: Group | None = None) -> None:
         """Lay the buffer out as per-owner segments of `scatter_group` (see the class docstring)."""
         self.scatter_group, self.then_over = scatter_group, then_over
         size = scatter_group.size
@@ -315,9 +337,9 @@ class GradientReducer:
         model: nn.Module,
         state: ParallelState,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        reduce_dtype: Optional[torch.dtype] = None,
+        reduce_dtype: torch.dtype | None = None,
         overlap: bool = True,
-        owners: Optional[Mapping[str, int]] = None,
+        owners: Mapping[str, int] | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -329,10 +351,10 @@ class GradientReducer:
             if not bucket.sharded:
                 bucket.flag_positions = [bucket.numel + i for i in range(len(bucket.params))]
         for _, param in model.named_parameters():  # clip_grad_norm's share of owner-only gradients
-            param.grad_on_owner_only = False
+            cast(OwnerOnlyMark, param).grad_on_owner_only = False
         for bucket in self.buckets:
             for param in bucket.params:
-                param.grad_on_owner_only = bucket.sharded
+                cast(OwnerOnlyMark, param).grad_on_owner_only = bucket.sharded
         self._bucket_of: dict[int, GradBucket] = {id(p): b for b in self.buckets for p in b.params}
         self._sync = True
         self._next_launch = 0
@@ -340,10 +362,11 @@ class GradientReducer:
             bucket.reset()
         self._hooks = []
         if overlap:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                           for b in self.buckets for p in b.params]
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params
+            ]
 
-    def _build_buckets(self, model: nn.Module, owners: Optional[Mapping[str, int]]) -> list[GradBucket]:
+    def _build_buckets(self, model: nn.Module, owners: Mapping[str, int] | None) -> list[GradBucket]:
         """Without owners: reverse registration order, one open bucket per (reduction, dtype); a
         bucket closes when the next parameter would take it past `bucket_bytes`. With owners
         (ZeRO-1): the owner rows (`owner_rows`) are packed the same way, whole rows at a time, into
@@ -352,8 +375,11 @@ class GradientReducer:
         twice its plain size (`_shard_by_owner`). Buckets are launched in the order their last
         parameter becomes ready (reverse registration order of their earliest parameter), the
         same order on every rank."""
-        named = [(name, param) for name, param in reversed(list(model.named_parameters()))
-                 if param.requires_grad and not gradient_reduction(param, self.state).is_identity]
+        named = [
+            (name, param)
+            for name, param in reversed(list(model.named_parameters()))
+            if param.requires_grad and not gradient_reduction(param, self.state).is_identity
+        ]
         position = {id(param): i for i, (_, param) in enumerate(named)}
         rows = owner_rows(named, owners, self.state) if owners is not None else []
         in_rows = {id(param) for row in rows for _, param in row}
@@ -372,17 +398,18 @@ class GradientReducer:
             unsharded = [param for bucket in pools if not bucket.sharded for param in bucket.params]
             buckets += [bucket for bucket in pools if bucket.sharded] + self._pack([[param] for param in unsharded])
         row_buckets = self._pack([[param for _, param in row] for row in rows])
-        owner_of = {id(param): owners[name] for row in rows for name, param in row}
+        owner_of = {id(param): owners[name] for row in rows for name, param in row} if owners is not None else {}
         for bucket in row_buckets:
-            bucket.shard_by_owner([owner_of[id(param)] for param in bucket.params],
-                                  *owner_scatter(bucket.params[0], self.state))
+            scatter = owner_scatter(bucket.params[0], self.state)
+            assert scatter is not None, "owner rows are formed of reduce-scattered parameters (row_class)"
+            bucket.shard_by_owner([owner_of[id(param)] for param in bucket.params], *scatter)
         buckets += row_buckets
         buckets.sort(key=lambda bucket: max(position[id(param)] for param in bucket.params))
         for index, bucket in enumerate(buckets):
             bucket.index = index
         return buckets
 
-    def _pack(self, units: list[list[nn.Parameter]], bucket_bytes: Optional[int] = -1) -> list[GradBucket]:
+    def _pack(self, units: list[list[nn.Parameter]], bucket_bytes: int | None = -1) -> list[GradBucket]:
         """Pack units (one parameter, or one owner row) in the order given, one open bucket per
         (reduction, dtype); a bucket closes when the next unit would take it past `bucket_bytes`
         (default `self.bucket_bytes`; None: no limit; a unit larger than that gets a bucket of
@@ -464,7 +491,7 @@ class GradientReducer:
         buffer = torch.zeros(bucket.length, dtype=bucket.dtype, device=bucket.params[0].device)
         for param, offset in zip(bucket.params, bucket.offsets):
             if param.grad is not None:  # an unused parameter contributes zeros (and flag 0)
-                buffer[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+                buffer[offset : offset + param.numel()].copy_(param.grad.reshape(-1))
         flags = torch.tensor([float(param.grad is not None) for param in bucket.params], dtype=bucket.dtype)
         positions = torch.tensor(bucket.flag_positions, dtype=torch.long)
         buffer[positions.to(buffer.device)] = flags.to(buffer.device)
@@ -474,7 +501,7 @@ class GradientReducer:
         group = bucket.reduction.group
         if bucket.sharded:
             bucket.result = buffer.new_empty(bucket.segment)
-            bucket.work = _reduce_scatter_async(bucket.scatter_group, buffer, bucket.result)
+            bucket.work = _reduce_scatter_async(bucket.owner_group, buffer, bucket.result)
         else:
             bucket.result = buffer
             bucket.work = _all_reduce_async(group, buffer)
@@ -483,19 +510,22 @@ class GradientReducer:
     def finish(self) -> None:
         """Reduce what backward has not launched yet, wait for everything and write the reduced
         gradients into `p.grad` (in the parameter's dtype); then ready for the next step."""
-        for bucket in self.buckets[self._next_launch:]:
+        for bucket in self.buckets[self._next_launch :]:
             self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
             if bucket.then_over is not None:  # TP-partial: the owner segment's sum over TP, in place
-                bucket.then_over.all_reduce(bucket.result)
+                bucket.then_over.all_reduce(bucket.launched_result)
         if not self.buckets:
             return
         received = [bucket.received((bucket.scatter_group or bucket.reduction.group).rank) for bucket in self.buckets]
         # One host read of every flag (one device synchronisation per step, not per bucket).
-        flag_tensors = [bucket.result[[flag for _, _, flag in mine]] for bucket, mine in zip(self.buckets, received)
-                        if mine]
+        flag_tensors = [
+            bucket.launched_result[[flag for _, _, flag in mine]]
+            for bucket, mine in zip(self.buckets, received)
+            if mine
+        ]
         flags = torch.cat(flag_tensors).tolist() if flag_tensors else []
         position = 0
         for bucket, mine in zip(self.buckets, received):
@@ -510,7 +540,7 @@ class GradientReducer:
                 if not has_grad:
                     param.grad = None  # no rank has a gradient for it: None, as in one process
                     continue
-                reduced = bucket.result[offset:offset + param.numel()].view(param.shape)
+                reduced = bucket.launched_result[offset : offset + param.numel()].view(param.shape)
                 if param.grad is None:
                     param.grad = reduced.to(param.dtype).clone()
                 else:
@@ -536,9 +566,11 @@ class GradientReducer:
         per_group: dict[str, list[GradBucket]] = defaultdict(list)
         for bucket in self.buckets:
             per_group[bucket.reduction.group.name].append(bucket)
-        parts = [f"{name}: {len(bs)} buckets ({sum(b.sharded for b in bs)} reduce-scattered to their owners), "
-                 f"{sum(b.numel for b in bs) / 1e6:.3g}M elements, {sum(b.nbytes for b in bs) / 2**20:.3g} MiB"
-                 for name, bs in per_group.items()]
+        parts = [
+            f"{name}: {len(bs)} buckets ({sum(b.sharded for b in bs)} reduce-scattered to their owners), "
+            f"{sum(b.numel for b in bs) / 1e6:.3g}M elements, {sum(b.nbytes for b in bs) / 2**20:.3g} MiB"
+            for name, bs in per_group.items()
+        ]
         return "gradient reduction: " + ("; ".join(parts) if parts else "none (no replicas)")
 
 
@@ -568,9 +600,13 @@ def norm_shares(state: ParallelState, owner_only: bool = False) -> list[NormShar
     stage, which spans the owners of both the dense and the expert parameters). Every rank of a
     stage runs the same reductions (the EP one is free when ep == 1), so the collectives match
     whatever parameters a rank holds."""
-    shares = [NormShare(lambda p: not is_owner_only(p) and not is_expert_parallel(p) and counts_in_norm(p, state),
-                        _sum_over(state.tp)),
-              NormShare(lambda p: not is_owner_only(p) and is_expert_parallel(p), _sum_over(state.ep))]
+    shares = [
+        NormShare(
+            lambda p: not is_owner_only(p) and not is_expert_parallel(p) and counts_in_norm(p, state),
+            _sum_over(state.tp),
+        ),
+        NormShare(lambda p: not is_owner_only(p) and is_expert_parallel(p), _sum_over(state.ep)),
+    ]
     if owner_only:
         shares.append(NormShare(lambda p: is_owner_only(p) and counts_in_norm(p, state), _sum_over(state.data_tensor)))
     return shares

@@ -16,12 +16,11 @@ The optimizer side (`k3train.optim.muon.PerHeadMuon.split`) asks `computes(param
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from k3train.parallel.comm import Group
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, replica_group
 from k3train.parallel.state import ParallelState
 from k3train.parallel.zero1 import FlatExchange
@@ -35,8 +34,13 @@ class MuonSplit:
     whose replica group has one rank are always computed here and never exchanged.
     """
 
-    def __init__(self, muon_params: Mapping[str, nn.Parameter], owners: Mapping[str, int], state: ParallelState,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        muon_params: Mapping[str, nn.Parameter],
+        owners: Mapping[str, int],
+        state: ParallelState,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
         missing = [name for name in muon_params if name not in owners]
         if missing:
             raise ValueError(f"the owner plan has no owner for Muon parameters {missing[:5]}")
@@ -65,7 +69,7 @@ class MuonSplit:
     def computes(self, param: torch.Tensor) -> bool:
         return id(param) in self._computed_here
 
-    def share(self, params: Sequence[torch.Tensor], updates: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    def share(self, params: Sequence[torch.Tensor], updates: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """Every rank's updates of `params` (those with a gradient this step: the same set on every
         rank, since gradients are reduced over the replica group); this rank's own in `updates`.
         An owned parameter that is not in `params` sends zeros its peers never read."""
@@ -75,12 +79,19 @@ class MuonSplit:
             self._all_gather(exchange, position, updates, shared)
         missing = [i for i, update in enumerate(shared) if update is None]
         if missing:
-            raise RuntimeError(f"no rank orthogonalised {len(missing)} Muon parameters "
-                               f"(shapes {[tuple(params[i].shape) for i in missing[:3]]})")
-        return shared
+            raise RuntimeError(
+                f"no rank orthogonalised {len(missing)} Muon parameters "
+                f"(shapes {[tuple(params[i].shape) for i in missing[:3]]})"
+            )
+        return [update for update in shared if update is not None]  # all of them, as checked
 
-    def _all_gather(self, exchange: FlatExchange, position: dict[int, int],
-                    updates: list[Optional[torch.Tensor]], shared: list[Optional[torch.Tensor]]) -> None:
+    def _all_gather(
+        self,
+        exchange: FlatExchange,
+        position: dict[int, int],
+        updates: list[torch.Tensor | None],
+        shared: list[torch.Tensor | None],
+    ) -> None:
         """Padded flat buffers in the parameter dtype, all-gathered in chunks of about `bucket_bytes`."""
         group, me = exchange.group, exchange.group.rank
         received: dict[int, torch.Tensor] = {}
@@ -91,7 +102,7 @@ class MuonSplit:
                 if id(param) in position:
                     received[id(param)] = torch.empty(param.numel(), dtype=exchange.dtype, device=exchange.device)
 
-        def source(param: nn.Parameter) -> Optional[torch.Tensor]:
+        def source(param: nn.Parameter) -> torch.Tensor | None:
             index = position.get(id(param))
             update = updates[index] if index is not None else None
             return update.reshape(-1) if update is not None else None
@@ -103,9 +114,13 @@ class MuonSplit:
                     shared[position[id(param)]] = received[id(param)].view(param.shape)
 
 
-def install_muon_split(optimizer: torch.optim.Optimizer, named_params: Iterable[tuple[str, nn.Parameter]],
-                       owners: Mapping[str, int], state: ParallelState,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[MuonSplit]:
+def install_muon_split(
+    optimizer: torch.optim.Optimizer,
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    owners: Mapping[str, int],
+    state: ParallelState,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> MuonSplit | None:
     """Give `optimizer` (a Per-Head Muon: it has a `split` slot and `work_items()`) the split
     over data-parallel ranks, with `owners` from the ZeRO-1 plan; returns it, or None when no
     Muon parameter has a replica group of more than one rank (nothing to split) or the optimizer

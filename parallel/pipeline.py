@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Optional, Sequence
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -21,20 +22,31 @@ from k3train.contracts.stage_io import ResidualState
 from k3train.parallel.comm import Group
 from k3train.parallel.pipeline_cache import BlockCache, BlockCacheError
 from k3train.parallel.pipeline_schedule import (  # noqa: F401  (re-exported)
-    PROTOCOLS, PipelineConfigError, PipelinePlan, Step, blocks_before_layer, bubble_formula,
-    interleaved_one_f_one_b, one_f_one_b, partition_layers, schedule_steps, simulate,
+    PROTOCOLS,
+    PipelineConfigError,
+    PipelinePlan,
+    Step,
+    blocks_before_layer,
+    bubble_formula,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    partition_layers,
+    schedule_steps,
+    simulate,
 )
 
 FORWARD, BACKWARD = 0, 1
 
 
-def residual_shape(micro_batch_size: int, seq_length: int, hidden_size: int, tp_size: int = 1,
-                   sequence_parallel: bool = False) -> tuple[int, int, int]:
+def residual_shape(
+    micro_batch_size: int, seq_length: int, hidden_size: int, tp_size: int = 1, sequence_parallel: bool = False
+) -> tuple[int, int, int]:
     """Shape of the partial sum and of every block on the wire (`[mb, seq / tp under SP, d]`)."""
     if sequence_parallel and tp_size > 1:
         if seq_length % tp_size:
-            raise PipelineConfigError(f"data.seq_length={seq_length} does not split over tp={tp_size} "
-                                      f"(sequence parallelism)")
+            raise PipelineConfigError(
+                f"data.seq_length={seq_length} does not split over tp={tp_size} (sequence parallelism)"
+            )
         seq_length //= tp_size
     return (micro_batch_size, seq_length, hidden_size)
 
@@ -73,11 +85,11 @@ class PipelineStats:
 class _ChunkRecord:
     """One chunk's forward for one micro-batch, kept until its backward."""
 
-    partial_in: Optional[torch.Tensor]  # received leaf (None on chunk 0)
+    partial_in: torch.Tensor | None  # received leaf (None on chunk 0)
     leaves: list[torch.Tensor]  # leaves of blocks 0 … blocks_at[c]-1 in this graph
-    partial_out: Optional[torch.Tensor] = None
+    partial_out: torch.Tensor | None = None
     produced: dict[int, torch.Tensor] = field(default_factory=dict)  # block id → tensor in the graph
-    loss: Optional[torch.Tensor] = None
+    loss: torch.Tensor | None = None
 
 
 class PipelineSchedule:
@@ -97,13 +109,19 @@ class PipelineSchedule:
         trace_cache: record every cache change in `self.cache.trace`.
     """
 
-    def __init__(self, plan: PipelinePlan, group: Group, tensor_shape: Sequence[int],
-                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
-                 forward_context: Optional[Callable[[], ContextManager]] = None,
-                 grad_group: Optional[Group] = None,
-                 before_backward: Optional[Callable[[int, bool], None]] = None,
-                 after_step: Optional[Callable[[Step, "PipelineSchedule"], None]] = None,
-                 trace_cache: bool = False):
+    def __init__(
+        self,
+        plan: PipelinePlan,
+        group: Group,
+        tensor_shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        forward_context: Callable[[], ContextManager] | None = None,
+        grad_group: Group | None = None,
+        before_backward: Callable[[int, bool], None] | None = None,
+        after_step: Callable[[Step, PipelineSchedule], None] | None = None,
+        trace_cache: bool = False,
+    ):
         if group.size != plan.pp:
             raise PipelineConfigError(f"the pipeline group has {group.size} ranks but the plan has pp={plan.pp}")
         self.plan = plan
@@ -112,8 +130,9 @@ class PipelineSchedule:
         self.rank = group.rank
         self.tensor_shape = tuple(tensor_shape)
         self.dtype = dtype
-        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                                 else torch.device("cpu"))
+        self.device = device or (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self.forward_context = forward_context or contextlib.nullcontext
         self.before_backward = before_backward
         self.after_step = after_step
@@ -123,16 +142,23 @@ class PipelineSchedule:
         self._pending: list[tuple[torch.distributed.Work, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ the step
-    def run(self, model_chunks: Sequence[nn.Module], micro_batches: Sequence[Optional[torch.Tensor]],
-            forward_only: bool = False, loss_scale: Optional[float] = None) -> torch.Tensor:
+    def run(
+        self,
+        model_chunks: Sequence[nn.Module],
+        micro_batches: Sequence[torch.Tensor | None],
+        forward_only: bool = False,
+        loss_scale: float | None = None,
+    ) -> torch.Tensor:
         """One step over `micro_batches` (token tensors `[mb, seq+1]`, needed on the ranks holding
         the first or last chunk); returns the mean micro-batch loss on every rank of the group.
         Gradients of `loss_scale · Σ losses` (default `1/M`: the mean) accumulate into the chunks'
         parameters."""
         plan, rank = self.plan, self.rank
         if len(model_chunks) != plan.virtual_stages:
-            raise PipelineConfigError(f"rank {rank} got {len(model_chunks)} model chunks; the plan gives it "
-                                      f"{plan.virtual_stages} (one per virtual stage)")
+            raise PipelineConfigError(
+                f"rank {rank} got {len(model_chunks)} model chunks; the plan gives it "
+                f"{plan.virtual_stages} (one per virtual stage)"
+            )
         self._chunks = list(model_chunks)
         self._micro_batches = micro_batches
         self._count = len(micro_batches)
@@ -177,8 +203,9 @@ class PipelineSchedule:
         self.stats.peak_live_blocks = self.cache.peak
         self.stats.peak_block_grads = self.cache.peak_grads
         if self._records or self.cache.micro_batches():
-            raise BlockCacheError(f"step ended with records {sorted(self._records)} and cached micro-batches "
-                                  f"{self.cache.micro_batches()}")
+            raise BlockCacheError(
+                f"step ended with records {sorted(self._records)} and cached micro-batches {self.cache.micro_batches()}"
+            )
 
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if self._losses:
@@ -186,7 +213,7 @@ class PipelineSchedule:
         return self.group.broadcast(loss, source_index=plan.rank_of(plan.num_chunks - 1))
 
     # ------------------------------------------------------------------ forward
-    def _forward(self, step: Step, received: Optional[list[torch.Tensor]]) -> None:
+    def _forward(self, step: Step, received: list[torch.Tensor] | None) -> None:
         plan, cache, mb = self.plan, self.cache, step.micro_batch
         chunk_index = plan.chunk_index(self.rank, step.virtual_stage)
         chunk = self._chunks[step.virtual_stage]
@@ -198,15 +225,17 @@ class PipelineSchedule:
                 if chunk_index == 0:
                     output = chunk(self._tokens(mb, chunk_index)[:, :-1])
                 else:
+                    assert received is not None, "a forward after chunk 0 receives its inputs"
                     record.partial_in = received[0].requires_grad_(grad)
                     for block, buffer in zip(plan.received_blocks(chunk_index), received[1:]):
                         cache.put(mb, block, buffer, "receive")
                     count = plan.blocks_at[chunk_index]
-                    record.leaves = (cache.leaves(mb, count) if grad
-                                     else [cache.value(mb, j) for j in range(count)])
+                    record.leaves = cache.leaves(mb, count) if grad else [cache.value(mb, j) for j in range(count)]
                     output = chunk(state=ResidualState(record.partial_in, list(record.leaves)))
             if is_last:
-                record.loss = chunk.loss(output, self._tokens(mb, chunk_index)[:, 1:])
+                loss_head = chunk.loss  # the last chunk's loss (K3Model.loss)
+                assert callable(loss_head), "the last model chunk has a loss method"
+                record.loss = loss_head(output, self._tokens(mb, chunk_index)[:, 1:])
                 self._losses.append(record.loss.detach())
             else:
                 self._check_output(output, chunk_index, record.leaves)
@@ -215,8 +244,13 @@ class PipelineSchedule:
                     record.produced[block] = output.blocks[block]
                     cache.put(mb, block, output.blocks[block], "produce")
                 hop = plan.hop_blocks(chunk_index)
-                self._send([output.partial] + [cache.value(mb, j) for j in hop], FORWARD, chunk_index, mb,
-                           plan.rank_of(chunk_index + 1))
+                self._send(
+                    [output.partial] + [cache.value(mb, j) for j in hop],
+                    FORWARD,
+                    chunk_index,
+                    mb,
+                    plan.rank_of(chunk_index + 1),
+                )
         if grad:
             self._records[(step.virtual_stage, mb)] = record
         elif step.virtual_stage == plan.virtual_stages - 1:
@@ -228,25 +262,33 @@ class PipelineSchedule:
             got = len(output.blocks) if isinstance(output, ResidualState) else type(output).__name__
             raise PipelineConfigError(
                 f"chunk {chunk_index} (layers {self.plan.chunks[chunk_index]}) returned {got} blocks; the plan "
-                f"expects {expected}: the plan's attn_res/block size disagree with the model's")
+                f"expects {expected}: the plan's attn_res/block size disagree with the model's"
+            )
         if any(output.blocks[j] is not leaf for j, leaf in enumerate(leaves)):
             raise PipelineConfigError(f"chunk {chunk_index} replaced a block it received (blocks are append-only)")
 
     def _tokens(self, micro_batch: int, chunk_index: int) -> torch.Tensor:
         tokens = self._micro_batches[micro_batch]
         if tokens is None:
-            raise PipelineConfigError(f"chunk {chunk_index} needs the tokens of micro-batch {micro_batch} "
-                                      f"(the first and last stages read inputs and labels)")
+            raise PipelineConfigError(
+                f"chunk {chunk_index} needs the tokens of micro-batch {micro_batch} "
+                f"(the first and last stages read inputs and labels)"
+            )
         return tokens.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ backward
-    def _backward(self, step: Step, received: Optional[list[torch.Tensor]]) -> None:
+    def _backward(self, step: Step, received: list[torch.Tensor] | None) -> None:
         plan, cache, mb = self.plan, self.cache, step.micro_batch
         chunk_index = plan.chunk_index(self.rank, step.virtual_stage)
         record = self._records.pop((step.virtual_stage, mb))
+        roots: list[torch.Tensor]
+        grads: list[torch.Tensor | None]
         if chunk_index == plan.num_chunks - 1:
+            assert record.loss is not None, "the last chunk's forward records its loss"
             roots, grads = [record.loss * self._scale], [None]
         else:
+            assert record.partial_out is not None, "a chunk before the last records its output"
+            assert received is not None, "a backward before the last chunk receives its gradients"
             roots = [record.partial_out]
             grads = [received[0].to(record.partial_out.dtype)]
             hop_grads = dict(zip(plan.hop_blocks(chunk_index), received[1:]))
@@ -261,12 +303,18 @@ class PipelineSchedule:
         for block, leaf in enumerate(record.leaves):
             cache.accumulate(mb, block, leaf.grad)
         if chunk_index > 0:
+            assert record.partial_in is not None, "a chunk after the first records its received input"
             incoming = plan.received_blocks(chunk_index)
             zeros = lambda: torch.zeros(self.tensor_shape, dtype=self.dtype, device=self.device)  # noqa: E731
             partial_grad = record.partial_in.grad if record.partial_in.grad is not None else zeros()
             block_grads = [cache.pop_grad(mb, j) for j in incoming]
-            self._send([partial_grad] + [g if g is not None else zeros() for g in block_grads], BACKWARD,
-                       chunk_index - 1, mb, plan.rank_of(chunk_index - 1))
+            self._send(
+                [partial_grad] + [g if g is not None else zeros() for g in block_grads],
+                BACKWARD,
+                chunk_index - 1,
+                mb,
+                plan.rank_of(chunk_index - 1),
+            )
             cache.release(mb, incoming, "release")
         cache.release(mb, record.produced, "release")
         if step.virtual_stage == 0:
@@ -274,10 +322,11 @@ class PipelineSchedule:
 
     # ------------------------------------------------------------------ communication
     def _tag(self, direction: int, hop: int, micro_batch: int, index: int) -> int:
-        return ((direction * self.plan.num_chunks + hop) * self._count + micro_batch) * self.plan.max_hop_tensors + index
+        return (
+            (direction * self.plan.num_chunks + hop) * self._count + micro_batch
+        ) * self.plan.max_hop_tensors + index
 
-    def _send(self, tensors: list[torch.Tensor], direction: int, hop: int, micro_batch: int,
-              destination: int) -> None:
+    def _send(self, tensors: list[torch.Tensor], direction: int, hop: int, micro_batch: int, destination: int) -> None:
         group = self.group if direction == FORWARD else self.grad_group
         label = f"{self.group.name}.{'forward' if direction == FORWARD else 'backward'}"
         for index, tensor in enumerate(tensors):
@@ -285,7 +334,7 @@ class PipelineSchedule:
             work = group.isend(tensor, destination, tag=self._tag(direction, hop, micro_batch, index), label=label)
             self._pending.append((work, tensor))
 
-    def _post_receives(self, step: Step) -> Optional[list[tuple[torch.Tensor, torch.distributed.Work]]]:
+    def _post_receives(self, step: Step) -> list[tuple[torch.Tensor, torch.distributed.Work]] | None:
         """Post the receives a step needs (its inputs: activations for a forward, gradients for a
         backward); None when it needs none."""
         plan = self.plan
@@ -304,7 +353,7 @@ class PipelineSchedule:
             posted.append((buffer, group.irecv(buffer, source, tag=self._tag(direction, hop, step.micro_batch, index))))
         return posted
 
-    def _wait(self, posted) -> Optional[list[torch.Tensor]]:
+    def _wait(self, posted) -> list[torch.Tensor] | None:
         if posted is None:
             return None
         start = time.perf_counter()

@@ -15,7 +15,7 @@ recorded as `(event, micro_batch, live)` so a test can hold the count to the the
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 
@@ -31,7 +31,7 @@ class BlockCache:
         self.live = 0
         self.peak = 0
         self.peak_grads = 0
-        self.trace: Optional[list[tuple[str, int, int]]] = [] if trace else None
+        self.trace: list[tuple[str, int, int]] | None = [] if trace else None
 
     # ------------------------------------------------------------------ values
     def put(self, micro_batch: int, block: int, value: torch.Tensor, event: str = "put") -> None:
@@ -51,8 +51,10 @@ class BlockCache:
         try:
             return self._values[micro_batch][block]
         except KeyError:
-            raise BlockCacheError(f"block {block} of micro-batch {micro_batch} is not cached on this rank "
-                                  f"(holds {self.held(micro_batch)})") from None
+            raise BlockCacheError(
+                f"block {block} of micro-batch {micro_batch} is not cached on this rank "
+                f"(holds {self.held(micro_batch)})"
+            ) from None
 
     def leaves(self, micro_batch: int, count: int) -> list[torch.Tensor]:
         """Blocks `0 … count-1` as fresh leaves for one chunk's graph (sharing the cached storage)."""
@@ -65,8 +67,9 @@ class BlockCache:
         grads = self._grads.get(micro_batch, {})
         undelivered = [block for block in blocks if block in grads]
         if undelivered:
-            raise BlockCacheError(f"blocks {undelivered} of micro-batch {micro_batch} are released with an "
-                                  f"undelivered gradient")
+            raise BlockCacheError(
+                f"blocks {undelivered} of micro-batch {micro_batch} are released with an undelivered gradient"
+            )
         for block in blocks:
             if values.pop(block, None) is not None:
                 self.live -= 1
@@ -77,8 +80,10 @@ class BlockCache:
         values = self._values.pop(micro_batch, {})
         grads = self._grads.pop(micro_batch, {})
         if values or grads:
-            raise BlockCacheError(f"micro-batch {micro_batch} finished with blocks {sorted(values)} and gradients "
-                                  f"{sorted(grads)} still cached")
+            raise BlockCacheError(
+                f"micro-batch {micro_batch} finished with blocks {sorted(values)} and gradients "
+                f"{sorted(grads)} still cached"
+            )
 
     def drop(self, micro_batch: int) -> None:
         """Forget a micro-batch without checks (forward-only passes)."""
@@ -87,14 +92,14 @@ class BlockCache:
         self._record("drop", micro_batch)
 
     # ------------------------------------------------------------------ gradients
-    def accumulate(self, micro_batch: int, block: int, grad: Optional[torch.Tensor]) -> None:
+    def accumulate(self, micro_batch: int, block: int, grad: torch.Tensor | None) -> None:
         if grad is None:
             return
         grads = self._grads.setdefault(micro_batch, {})
         grads[block] = grad if block not in grads else grads[block] + grad
         self.peak_grads = max(self.peak_grads, sum(len(g) for g in self._grads.values()))
 
-    def pop_grad(self, micro_batch: int, block: int) -> Optional[torch.Tensor]:
+    def pop_grad(self, micro_batch: int, block: int) -> torch.Tensor | None:
         return self._grads.get(micro_batch, {}).pop(block, None)
 
     # ------------------------------------------------------------------ accounting

@@ -7,8 +7,9 @@ are described in docs/pipeline.md ("The plan").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Literal
 
 from k3train.contracts import stage_io
 from k3train.parallel.config import LayoutError, check_pipeline_sizes
@@ -22,15 +23,17 @@ class PipelineConfigError(LayoutError):
 
 
 # ---------------------------------------------------------------------------- partition
-def partition_layers(num_layers: int, pp: int, virtual_stages: int = 1,
-                     pipeline_layers: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
+def partition_layers(
+    num_layers: int, pp: int, virtual_stages: int = 1, pipeline_layers: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
     """`[start, end)` layer range of every chunk, in chunk order (chunk c on rank c mod pp)."""
     chunks = pp * virtual_stages
     if pipeline_layers is None:
         if num_layers < chunks:
             raise PipelineConfigError(
                 f"model.num_hidden_layers={num_layers} cannot fill pp*virtual_stages = {pp}*{virtual_stages} = "
-                f"{chunks} pipeline chunks (each chunk needs at least one layer); use fewer stages")
+                f"{chunks} pipeline chunks (each chunk needs at least one layer); use fewer stages"
+            )
         base, extra = divmod(num_layers, chunks)
         counts = [base + (1 if c < extra else 0) for c in range(chunks)]
     else:
@@ -38,14 +41,17 @@ def partition_layers(num_layers: int, pp: int, virtual_stages: int = 1,
         if len(counts) != chunks:
             raise PipelineConfigError(
                 f"parallel.pipeline_layers has {len(counts)} entries but pp*virtual_stages = {chunks}: "
-                f"give one layer count per chunk, in chunk order (chunk c runs on rank c mod {pp})")
+                f"give one layer count per chunk, in chunk order (chunk c runs on rank c mod {pp})"
+            )
         if sum(counts) != num_layers:
             raise PipelineConfigError(
                 f"parallel.pipeline_layers {counts} sums to {sum(counts)}, but the model has "
-                f"model.num_hidden_layers={num_layers}; give counts that sum to {num_layers}")
+                f"model.num_hidden_layers={num_layers}; give counts that sum to {num_layers}"
+            )
         if min(counts) < 1:
             raise PipelineConfigError(
-                f"parallel.pipeline_layers {counts} has an empty chunk; every chunk needs at least one layer")
+                f"parallel.pipeline_layers {counts} has an empty chunk; every chunk needs at least one layer"
+            )
     ranges, start = [], 0
     for count in counts:
         ranges.append((start, start + count))
@@ -73,24 +79,42 @@ class PipelinePlan:
     blocks_at: tuple[int, ...]  # blocks in the state at the input of chunk c; [C]: after the last layer
 
     @classmethod
-    def build(cls, num_layers: int, pp: int, virtual_stages: int = 1, attn_res: str = "block",
-              block_size: int = 1, pipeline_layers: Optional[Sequence[int]] = None) -> "PipelinePlan":
+    def build(
+        cls,
+        num_layers: int,
+        pp: int,
+        virtual_stages: int = 1,
+        attn_res: str = "block",
+        block_size: int = 1,
+        pipeline_layers: Sequence[int] | None = None,
+    ) -> PipelinePlan:
         check_pipeline_sizes(pp, virtual_stages)
         chunks = partition_layers(num_layers, pp, virtual_stages, pipeline_layers)
         boundaries = [start for start, _ in chunks] + [num_layers]
-        return cls(pp, virtual_stages, tuple(chunks),
-                   tuple(blocks_before_layer(attn_res, block_size, layer) for layer in boundaries))
+        return cls(
+            pp,
+            virtual_stages,
+            tuple(chunks),
+            tuple(blocks_before_layer(attn_res, block_size, layer) for layer in boundaries),
+        )
 
     @classmethod
-    def from_config(cls, model_config, parallel_config) -> "PipelinePlan":
+    def from_config(cls, model_config, parallel_config) -> PipelinePlan:
         """From `ModelConfig` (num_hidden_layers, attn_res, attn_res_block_size) and `ParallelConfig`
         (pp, virtual_stages, pipeline_layers)."""
         if parallel_config.pp > 1 and model_config.tie_word_embeddings:
             raise PipelineConfigError(
                 "model.tie_word_embeddings=true with parallel.pp > 1 is not supported (the embedding and the "
-                "head live on different stages); untie them or use pp=1")
-        return cls.build(model_config.num_hidden_layers, parallel_config.pp, parallel_config.virtual_stages,
-                         model_config.attn_res, model_config.attn_res_block_size, parallel_config.pipeline_layers)
+                "head live on different stages); untie them or use pp=1"
+            )
+        return cls.build(
+            model_config.num_hidden_layers,
+            parallel_config.pp,
+            parallel_config.virtual_stages,
+            model_config.attn_res,
+            model_config.attn_res_block_size,
+            parallel_config.pipeline_layers,
+        )
 
     # ------------------------------------------------------------------ chunks and ranks
     @property
@@ -158,8 +182,9 @@ class PipelinePlan:
         """Tensors one micro-batch's forward hops carry: a partial sum plus the blocks, per hop."""
         return (self.num_chunks - 1) + self.blocks_per_micro_batch(protocol)
 
-    def step_bytes(self, tensor_bytes: int, micro_batches: int, protocol: Protocol = "exact",
-                   backward: bool = True) -> int:
+    def step_bytes(
+        self, tensor_bytes: int, micro_batches: int, protocol: Protocol = "exact", backward: bool = True
+    ) -> int:
         """Bytes all hops carry in one step (forward, plus the same again for the gradients)."""
         return self.tensors_per_micro_batch(protocol) * tensor_bytes * micro_batches * (2 if backward else 1)
 
@@ -168,23 +193,27 @@ class PipelinePlan:
         hops) and backward (the hops into its chunks, in reverse)."""
         forward = sum(1 + len(self.hop_blocks(c)) for c in self.chunks_of_rank(rank) if c < self.num_chunks - 1)
         backward = sum(1 + len(self.hop_blocks(c - 1)) for c in self.chunks_of_rank(rank) if c > 0)
-        return {"forward": forward * tensor_bytes * micro_batches,
-                "backward": backward * tensor_bytes * micro_batches}
+        return {"forward": forward * tensor_bytes * micro_batches, "backward": backward * tensor_bytes * micro_batches}
 
     @property
     def max_hop_tensors(self) -> int:
         return 1 + max([len(self.hop_blocks(c)) for c in range(self.num_chunks - 1)], default=0)
 
     def describe(self) -> str:
-        lines = [f"pipeline plan: pp={self.pp} virtual_stages={self.virtual_stages} "
-                 f"({self.num_chunks} chunks, {self.blocks_at[-1]} blocks)"]
+        lines = [
+            f"pipeline plan: pp={self.pp} virtual_stages={self.virtual_stages} "
+            f"({self.num_chunks} chunks, {self.blocks_at[-1]} blocks)"
+        ]
         for c, (start, end) in enumerate(self.chunks):
-            hop = (f"→ carries blocks {list(self.hop_blocks(c))}" if c < self.num_chunks - 1 else "→ head")
-            lines.append(f"  chunk {c} (rank {self.rank_of(c)}, v{self.virtual_stage_of(c)}): layers {start}–{end - 1}, "
-                         f"in {self.blocks_at[c]} blocks, pushes {list(self.produced_blocks(c))} {hop}")
+            hop = f"→ carries blocks {list(self.hop_blocks(c))}" if c < self.num_chunks - 1 else "→ head"
+            lines.append(
+                f"  chunk {c} (rank {self.rank_of(c)}, v{self.virtual_stage_of(c)}): layers {start}–{end - 1}, "
+                f"in {self.blocks_at[c]} blocks, pushes {list(self.produced_blocks(c))} {hop}"
+            )
         counts = {p: self.blocks_per_micro_batch(p) for p in PROTOCOLS}
-        lines.append(f"  blocks sent per micro-batch: naive {counts['naive']}, paper {counts['paper']}, "
-                     f"exact {counts['exact']}")
+        lines.append(
+            f"  blocks sent per micro-batch: naive {counts['naive']}, paper {counts['paper']}, exact {counts['exact']}"
+        )
         return "\n".join(lines)
 
 
@@ -221,7 +250,8 @@ def check_interleaved_micro_batches(pp: int, micro_batches: int) -> None:
             f"the interleaved schedule needs the number of micro-batches ({micro_batches}) to be a multiple of "
             f"parallel.pp={pp}; use {max(pp, micro_batches // pp * pp)} or {(micro_batches // pp + 1) * pp} "
             f"micro-batches (train.global_batch_size / train.micro_batch_size per data-parallel rank), "
-            f"or parallel.virtual_stages=1")
+            f"or parallel.virtual_stages=1"
+        )
 
 
 def interleaved_one_f_one_b(pp: int, virtual_stages: int, rank: int, micro_batches: int) -> list[Step]:
@@ -251,13 +281,17 @@ def interleaved_one_f_one_b(pp: int, virtual_stages: int, rank: int, micro_batch
     return steps
 
 
-def schedule_steps(pp: int, virtual_stages: int, rank: int, micro_batches: int,
-                   forward_only: bool = False) -> list[Step]:
+def schedule_steps(
+    pp: int, virtual_stages: int, rank: int, micro_batches: int, forward_only: bool = False
+) -> list[Step]:
     """This rank's steps for one optimizer step (or, `forward_only`, one evaluation pass)."""
     if micro_batches < 1:
         raise PipelineConfigError(f"a pipeline step needs at least one micro-batch, got {micro_batches}")
-    steps = (interleaved_one_f_one_b(pp, virtual_stages, rank, micro_batches) if virtual_stages > 1
-             else one_f_one_b(pp, rank, micro_batches))
+    steps = (
+        interleaved_one_f_one_b(pp, virtual_stages, rank, micro_batches)
+        if virtual_stages > 1
+        else one_f_one_b(pp, rank, micro_batches)
+    )
     if forward_only:
         steps = [s for s in steps if s.kind == "forward"]
     return steps
@@ -276,8 +310,14 @@ class SimulationResult:
         return sum(1 - b / self.makespan for b in self.busy) / len(self.busy)
 
 
-def simulate(pp: int, virtual_stages: int, micro_batches: int, forward_time: float = 1.0,
-             backward_time: float = 2.0, comm_time: float = 0.0) -> SimulationResult:
+def simulate(
+    pp: int,
+    virtual_stages: int,
+    micro_batches: int,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    comm_time: float = 0.0,
+) -> SimulationResult:
     """Run every rank's step list against the data dependencies (a chunk's forward needs the
     previous chunk's, its backward the next chunk's backward); each chunk step takes `forward_time
     / V` or `backward_time / V`. Raises PipelineConfigError if the orders deadlock."""
@@ -299,13 +339,15 @@ def simulate(pp: int, virtual_stages: int, micro_batches: int, forward_time: flo
                     dependency = ("forward", chunk - 1, step.micro_batch) if chunk > 0 else None
                     duration = forward_time / virtual_stages
                 else:
-                    dependency = (("backward", chunk + 1, step.micro_batch) if chunk < chunks - 1
-                                  else ("forward", chunk, step.micro_batch))
+                    dependency = (
+                        ("backward", chunk + 1, step.micro_batch)
+                        if chunk < chunks - 1
+                        else ("forward", chunk, step.micro_batch)
+                    )
                     duration = backward_time / virtual_stages
                 if dependency is not None and dependency not in done:
                     break
-                ready = 0.0 if dependency is None else done[dependency] + (
-                    comm_time if dependency[1] != chunk else 0.0)
+                ready = 0.0 if dependency is None else done[dependency] + (comm_time if dependency[1] != chunk else 0.0)
                 start = max(clock[rank], ready)
                 clock[rank] = start + duration
                 busy[rank] += duration

@@ -30,7 +30,6 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -59,8 +58,12 @@ class Layout:
 
     def cp_groups(self) -> list[list[int]]:
         """Consecutive replica indices `dp_rank = cp_rank + cp * data_rank` of one (tp, pp) position."""
-        return [[self.rank_of(t, d * self.cp + c, p) for c in range(self.cp)]
-                for p in range(self.pp) for d in range(self.data_parallel) for t in range(self.tp)]
+        return [
+            [self.rank_of(t, d * self.cp + c, p) for c in range(self.cp)]
+            for p in range(self.pp)
+            for d in range(self.data_parallel)
+            for t in range(self.tp)
+        ]
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, dp_rank, pp_rank) of a global rank."""
@@ -90,33 +93,54 @@ class Layout:
 
     def ep_groups(self) -> list[list[int]]:
         block = self.tp * self.dp
-        return [[p * block + start + i for i in range(self.ep)]
-                for p in range(self.pp) for start in range(0, block, self.ep)]
+        return [
+            [p * block + start + i for i in range(self.ep)]
+            for p in range(self.pp)
+            for start in range(0, block, self.ep)
+        ]
 
     def expert_dp_groups(self) -> list[list[int]]:
         block = self.tp * self.dp
-        return [[p * block + offset + start for start in range(0, block, self.ep)]
-                for p in range(self.pp) for offset in range(self.ep)]
+        return [
+            [p * block + offset + start for start in range(0, block, self.ep)]
+            for p in range(self.pp)
+            for offset in range(self.ep)
+        ]
 
 
 def resolve_layout(
-    world_size: int, tp: int, pp: int, dp: int, ep: int, virtual_stages: int,
-    mla_heads: int, kda_heads: int, vocab_size: int, num_experts: int, num_layers: int, cp: int = 1,
+    world_size: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    ep: int,
+    virtual_stages: int,
+    mla_heads: int,
+    kda_heads: int,
+    vocab_size: int,
+    num_experts: int,
+    num_layers: int,
+    cp: int = 1,
 ) -> Layout:
     """Check a layout against the world size and the model; raise LayoutError with a fix."""
     if world_size < 1:
         raise LayoutError(f"world size must be at least 1 process, got {world_size}")
     if cp > 1:
         if world_size % (tp * pp * cp):
-            raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}; "
-                              f"launch a multiple of {tp * pp * cp} processes or change parallel.cp")
+            raise LayoutError(
+                f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}; "
+                f"launch a multiple of {tp * pp * cp} processes or change parallel.cp"
+            )
         data = world_size // (tp * pp * cp)
         if dp not in (0, data):
-            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / (tp*pp*cp = {tp * pp * cp}) leaves "
-                              f"dp={data}; set parallel.dp=0 (automatic) or {data}, or launch {dp * tp * pp * cp} "
-                              f"processes")
-        replicas = resolve_layout(world_size, tp, pp, data * cp, ep, virtual_stages, mla_heads, kda_heads,
-                                  vocab_size, num_experts, num_layers)
+            raise LayoutError(
+                f"parallel.dp={dp} but world size {world_size} / (tp*pp*cp = {tp * pp * cp}) leaves "
+                f"dp={data}; set parallel.dp=0 (automatic) or {data}, or launch {dp * tp * pp * cp} "
+                f"processes"
+            )
+        replicas = resolve_layout(
+            world_size, tp, pp, data * cp, ep, virtual_stages, mla_heads, kda_heads, vocab_size, num_experts, num_layers
+        )
         return Layout(world_size, tp, pp, replicas.dp, ep, virtual_stages, cp)
     if world_size % (tp * pp):
         fits = [f"tp={t} pp={p}" for t in divisors(world_size) for p in divisors(world_size // t)][:6]
@@ -145,8 +169,14 @@ class ParallelState:
     `expert_dp`, `data_tensor`, `model`, `cp`), each a counted `Group`. `collective_timeout_s` bounds
     every collective of every sub-group (None: torch's default)."""
 
-    def __init__(self, layout: Layout, rank: int, sequence_parallel: bool = False, counter: Optional[TrafficCounter] = None,
-                 collective_timeout_s: Optional[float] = None):
+    def __init__(
+        self,
+        layout: Layout,
+        rank: int,
+        sequence_parallel: bool = False,
+        counter: TrafficCounter | None = None,
+        collective_timeout_s: float | None = None,
+    ):
         self.layout = layout
         self.rank = rank
         self.collective_timeout_s = collective_timeout_s
@@ -173,8 +203,11 @@ class ParallelState:
         for ranks in all_groups:
             process_group = None
             if distributed and len(ranks) > 1:
-                timeout = (datetime.timedelta(seconds=self.collective_timeout_s)
-                           if self.collective_timeout_s is not None else None)
+                timeout = (
+                    datetime.timedelta(seconds=self.collective_timeout_s)
+                    if self.collective_timeout_s is not None
+                    else None
+                )
                 process_group = dist.new_group(ranks, timeout=timeout, group_desc=name)
             if self.rank in ranks:
                 mine = Group(name, tuple(ranks), ranks.index(self.rank), process_group, self.counter)
@@ -182,21 +215,29 @@ class ParallelState:
         return mine
 
     @classmethod
-    def single(cls) -> "ParallelState":
+    def single(cls) -> ParallelState:
         return cls(Layout(1, 1, 1, 1, 1), rank=0)
 
     @classmethod
-    def from_environment(cls, parallel_config, model_config, device_type: str = "cpu") -> "ParallelState":
+    def from_environment(cls, parallel_config, model_config, device_type: str = "cpu") -> ParallelState:
         """Read torchrun's RANK/WORLD_SIZE, check the layout, initialise torch.distributed
         (gloo on CPU, NCCL on CUDA) and build the groups, all with `parallel.collective_timeout_s`
         (or the backend's default)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         layout = resolve_layout(
-            world_size, parallel_config.tp, parallel_config.pp, parallel_config.dp, parallel_config.ep,
-            parallel_config.virtual_stages, model_config.num_attention_heads,
-            model_config.linear_attn_config.num_heads, model_config.vocab_size,
-            model_config.num_experts, model_config.num_hidden_layers, parallel_config.cp,
+            world_size,
+            parallel_config.tp,
+            parallel_config.pp,
+            parallel_config.dp,
+            parallel_config.ep,
+            parallel_config.virtual_stages,
+            model_config.num_attention_heads,
+            model_config.linear_attn_config.num_heads,
+            model_config.vocab_size,
+            model_config.num_experts,
+            model_config.num_hidden_layers,
+            parallel_config.cp,
         )
         backend = "nccl" if device_type == "cuda" else "gloo"
         timeout_s = collective_timeout_seconds(parallel_config.collective_timeout_s, backend)
@@ -206,8 +247,9 @@ class ParallelState:
 
     def describe(self) -> str:
         layout = self.layout
-        return (f"rank {self.rank}/{layout.world_size}: tp {self.tp_rank}/{layout.tp}, dp {self.dp_rank}/{layout.dp}, "
-                f"pp {self.pp_rank}/{layout.pp}, ep {self.ep.rank}/{layout.ep}"
-                f"{f', cp {self.cp_rank}/{layout.cp}' if layout.cp > 1 else ''}"
-                f"{', sequence parallel' if self.sequence_parallel else ''}")
-
+        return (
+            f"rank {self.rank}/{layout.world_size}: tp {self.tp_rank}/{layout.tp}, dp {self.dp_rank}/{layout.dp}, "
+            f"pp {self.pp_rank}/{layout.pp}, ep {self.ep.rank}/{layout.ep}"
+            f"{f', cp {self.cp_rank}/{layout.cp}' if layout.cp > 1 else ''}"
+            f"{', sequence parallel' if self.sequence_parallel else ''}"
+        )

@@ -24,18 +24,45 @@ With a TP group of size 1 every function here is the identity and nothing is mar
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3train.contracts.param_roles import HeadBlocks
 from k3train.kernels.precision import upcast
 from k3train.kernels.te import torch_linear
-from k3train.contracts.param_roles import HeadBlocks
 from k3train.parallel.comm import Group
 
 SEQUENCE_DIM = 1
+
+
+class ShardedParameter(Protocol):
+    """The marks of a sharded parameter (attributes torch does not declare, set on the tensor):
+    it is the slice along `partition_dim` over `shard_group` of a tensor of shape `full_shape`.
+    Set by `TensorParallel.mark_sharded` (a TP shard) and `ExpertParallel.mark_expert_params`
+    (an expert-parallel stack); read and written through `cast(ShardedParameter, param)`."""
+
+    full_shape: tuple[int, ...]
+    partition_dim: int
+    shard_group: Group
+
+
+class TensorParallelShard(ShardedParameter, Protocol):
+    """A TP shard's further marks (`TensorParallel.mark_sharded`): Muon gathers whole matrices
+    over `tensor_parallel_group`; `head_blocks` counts this shard's heads only."""
+
+    tensor_parallel: bool
+    tensor_parallel_group: Group
+    head_blocks: HeadBlocks
+
+
+class PartialGradParameter(Protocol):
+    """A replicated parameter whose gradient each TP rank sees only in part (`mark_partial_grad`)."""
+
+    tp_partial_grad: bool
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -103,25 +130,24 @@ class TensorParallel:
     default, `nn.Linear(bias=False)`) or a `kernels.te.TELinearFactory` (Transformer Engine,
     with `tp_size=1` on this rank's shard: the regions here stay k3train's)."""
 
-    def __init__(self, group: Group, sequence_parallel: bool, linear_factory: Optional[Callable] = None):
+    def __init__(self, group: Group, sequence_parallel: bool, linear_factory: Callable | None = None):
         self.group = group
         self.sequence_parallel = sequence_parallel and group.size > 1
         self.linear_factory = linear_factory or torch_linear
 
     @classmethod
-    def single(cls, linear_factory: Optional[Callable] = None) -> "TensorParallel":
+    def single(cls, linear_factory: Callable | None = None) -> TensorParallel:
         """No tensor parallelism: every region boundary is the identity."""
         from k3train.parallel.comm import TrafficCounter
 
-        return cls(Group("tp", (0,), 0, None, TrafficCounter()), sequence_parallel=False,
-                   linear_factory=linear_factory)
+        return cls(Group("tp", (0,), 0, None, TrafficCounter()), sequence_parallel=False, linear_factory=linear_factory)
 
     def linear(self, in_features: int, out_features: int) -> nn.Module:
         """A dense projection `[out, in]` without bias, built by the linear backend."""
         return self.linear_factory(in_features, out_features)
 
     @property
-    def grouped_gemm_factory(self) -> Optional[Callable]:
+    def grouped_gemm_factory(self) -> Callable | None:
         """`factory(groups, in, out)` of the routed experts' grouped GEMMs, None for the torch path."""
         return getattr(self.linear_factory, "grouped", None)
 
@@ -167,38 +193,42 @@ class TensorParallel:
         1 = row-parallel."""
         if self.size == 1:
             return linear
-        full_shape = tuple(linear.weight.shape)
+        weight, in_features, out_features = linear.weight, linear.in_features, linear.out_features
+        assert isinstance(weight, torch.Tensor), "a projection's weight is a tensor"
+        assert isinstance(in_features, int) and isinstance(out_features, int), "a projection's sizes are ints"
+        full_shape = tuple(weight.shape)
         if full_shape[partition_dim] % self.size:
             raise ValueError(f"cannot split {full_shape} along {partition_dim} over {self.size} TP ranks")
-        in_features, out_features = linear.in_features, linear.out_features
+        in_shard: int
+        out_shard: int
         if partition_dim == 0:
-            out_features //= self.size
+            in_shard, out_shard = in_features, out_features // self.size
         else:
-            in_features //= self.size
-        shard = self.linear_factory(in_features, out_features, device=linear.weight.device,
-                                    dtype=linear.weight.dtype)
-        for attribute, value in vars(linear.weight).items():  # keep role markers (head blocks etc.)
+            in_shard, out_shard = in_features // self.size, out_features
+        shard = self.linear_factory(in_shard, out_shard, device=weight.device, dtype=weight.dtype)
+        for attribute, value in vars(weight).items():  # keep role markers (head blocks etc.)
             setattr(shard.weight, attribute, value)
         self.mark_sharded(shard.weight, partition_dim, full_shape)
         return shard
 
-    def mark_sharded(self, param: nn.Parameter, partition_dim: int, full_shape: tuple[int, ...]) -> None:
+    def mark_sharded(self, param: torch.Tensor, partition_dim: int, full_shape: tuple[int, ...]) -> None:
         if self.size == 1:
             return
-        param.tensor_parallel = True
-        param.partition_dim = partition_dim
-        param.full_shape = full_shape
-        param.tensor_parallel_group = self.group  # Muon gathers whole matrices through it
-        param.shard_group = self.group  # checkpoints store the full tensor, sharded over this group
+        marks = cast(TensorParallelShard, param)
+        marks.tensor_parallel = True
+        marks.partition_dim = partition_dim
+        marks.full_shape = full_shape
+        marks.tensor_parallel_group = self.group  # Muon gathers whole matrices through it
+        marks.shard_group = self.group  # checkpoints store the full tensor, sharded over this group
         head_blocks = getattr(param, "head_blocks", None)
         if head_blocks is not None:  # whole heads per rank: the shard has fewer heads
-            param.head_blocks = HeadBlocks(head_blocks.dim, head_blocks.num_heads // self.size)
+            marks.head_blocks = HeadBlocks(head_blocks.dim, head_blocks.num_heads // self.size)
 
     def mark_partial_grad(self, params: Iterable[nn.Parameter]) -> None:
         if self.size == 1:
             return
         for param in params:
-            param.tp_partial_grad = True
+            cast(PartialGradParameter, param).tp_partial_grad = True
 
 
 def reduce_tensor_parallel_grads(model: nn.Module, group: Group) -> None:
@@ -216,7 +246,7 @@ def reduce_tensor_parallel_grads(model: nn.Module, group: Group) -> None:
     group.all_reduce(flat)
     offset = 0
     for grad in grads:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
 
 
@@ -267,12 +297,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         exp, sum_exp, local_labels, inside = ctx.saved_tensors
         grad = exp / sum_exp.unsqueeze(-1)
-        one_hot = torch.zeros_like(grad).scatter_(-1, local_labels.clamp(0, grad.shape[-1] - 1).unsqueeze(-1),
-                                                  inside.unsqueeze(-1).to(grad.dtype))
+        one_hot = torch.zeros_like(grad).scatter_(
+            -1, local_labels.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), inside.unsqueeze(-1).to(grad.dtype)
+        )
         return (grad - one_hot) * grad_loss.unsqueeze(-1), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: Group) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: Group
+) -> torch.Tensor:
     """Per-token loss `[...]` from this rank's logits `[..., vocab/tp]` (vocabulary from `vocab_start`)."""
     return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, group)
 
@@ -289,6 +322,7 @@ class _MeshCache:
 
         key = (id(group), device_type)
         if key not in self.meshes:
+            assert group.process_group is not None, f"{group.name}: sharded over one process"
             self.meshes[key] = DeviceMesh.from_group(group.process_group, device_type=device_type)
         return self.meshes[key]
 
@@ -304,10 +338,15 @@ def as_global_dtensor(local: torch.Tensor, param: torch.Tensor, meshes: _MeshCac
     `local`'s storage (loading into it writes `local` in place)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    full_shape = torch.Size(param.full_shape)
+    marks = cast(ShardedParameter, param)
+    full_shape = torch.Size(marks.full_shape)
     return DTensor.from_local(
-        local, meshes.get(param.shard_group, local.device.type), [Shard(param.partition_dim)],
-        run_check=False, shape=full_shape, stride=torch.empty(full_shape, device="meta").stride(),
+        local,
+        meshes.get(marks.shard_group, local.device.type),
+        [Shard(marks.partition_dim)],
+        run_check=False,
+        shape=full_shape,
+        stride=torch.empty(full_shape, device="meta").stride(),
     )
 
 
@@ -317,9 +356,10 @@ def local_from_saved(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
     if isinstance(value, DTensor):
         return value.to_local()
-    if tuple(value.shape) == tuple(param.full_shape) != tuple(param.shape):
-        group = param.shard_group
-        return value.chunk(group.size, dim=param.partition_dim)[group.rank]
+    marks = cast(ShardedParameter, param)
+    if tuple(value.shape) == tuple(marks.full_shape) != tuple(param.shape):
+        group = marks.shard_group
+        return value.chunk(group.size, dim=marks.partition_dim)[group.rank]
     return value
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Mapping, Optional
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -111,8 +112,11 @@ def plan_ownership(model: nn.Module, costs: ParameterCosts, state: ParallelState
             key = row_class(params[name], state)
             if key is not None and size > 1:
                 classes[key].append(name)
-        runs = [members[i:i + size] for members in classes.values()
-                for i in range(0, len(members) - len(members) % size, size)]
+        runs = [
+            members[i : i + size]
+            for members in classes.values()
+            for i in range(0, len(members) - len(members) % size, size)
+        ]
         runs.sort(key=lambda run: (-max(costs[n][1] for n in run), run[0]))
         for run in runs:
             by_cost = sorted(run, key=lambda n: (-costs[n][1], n))
@@ -122,9 +126,9 @@ def plan_ownership(model: nn.Module, costs: ParameterCosts, state: ParallelState
         # The rest (the reducer pools the reduce-scatterable part into one bucket per reduction,
         # padded to its fullest owner): Muon by cost (the step's compute), then AdamW by elements,
         # counted per pool, so that they even out each pool's segments.
-        pool_count: dict[Optional[tuple], list[int]] = defaultdict(lambda: [0] * size)
+        pool_count: dict[tuple | None, list[int]] = defaultdict(lambda: [0] * size)
 
-        def pool_of(name: str) -> Optional[tuple]:
+        def pool_of(name: str) -> tuple | None:
             key = row_class(params[name], state)
             return None if key is None else key[0]
 
@@ -172,8 +176,12 @@ class FlatExchange:
             if lo < hi:
                 yield param, lo - offset, hi - lo, lo - start
 
-    def all_gather(self, chunk_bytes: int, source: Callable[[nn.Parameter], Optional[torch.Tensor]],
-                   sink: Callable[[nn.Parameter], Optional[torch.Tensor]]) -> None:
+    def all_gather(
+        self,
+        chunk_bytes: int,
+        source: Callable[[nn.Parameter], torch.Tensor | None],
+        sink: Callable[[nn.Parameter], torch.Tensor | None],
+    ) -> None:
         """All-gather the padded flat buffers in chunks of about `chunk_bytes`: this rank's
         pieces are read from `source(param)` (a flat tensor; None sends zeros), every other
         rank's are written into `sink(param)` (a flat tensor; None drops them)."""
@@ -186,7 +194,7 @@ class FlatExchange:
             for param, first, n, at in self.pieces(me, start, start + count):
                 flat = source(param)
                 if flat is not None:
-                    local[at:at + n].copy_(flat[first:first + n])
+                    local[at : at + n].copy_(flat[first : first + n])
             gathered = group.all_gather(local)
             for rank in range(group.size):
                 if rank == me:
@@ -195,7 +203,7 @@ class FlatExchange:
                 for param, first, n, at in self.pieces(rank, start, start + count):
                     flat = sink(param)
                     if flat is not None:
-                        flat[first:first + n].copy_(gathered[base + at:base + at + n])
+                        flat[first : first + n].copy_(gathered[base + at : base + at + n])
 
 
 @dataclass(frozen=True)
@@ -213,8 +221,10 @@ class _Exchange(FlatExchange):
         padded buffer in chunks, and the broadcasts of the parameters it owns."""
         element = torch.empty((), dtype=self.dtype).element_size()
         mine = [p for p, owner in self.broadcast if owner == self.group.rank]
-        return (self.length * element + sum(p.numel() for p in mine) * element,
-                math.ceil(self.length / chunk_elements) + len(mine))
+        return (
+            self.length * element + sum(p.numel() for p in mine) * element,
+            math.ceil(self.length / chunk_elements) + len(mine),
+        )
 
     def wire_bytes(self) -> float:
         """Bytes this rank puts on the wire per step on a ring: (p−1) × the padded buffer for
@@ -272,8 +282,11 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self._params_by_name = named
         self._meshes = _MeshCache()
-        self._owned_names = [name for name in self.plan.owners
-                             if not zero1 or self.plan.owners[name] == replica_group(named[name], state).rank]
+        self._owned_names = [
+            name
+            for name in self.plan.owners
+            if not zero1 or self.plan.owners[name] == replica_group(named[name], state).rank
+        ]
         if zero1:
             owned = set(self._owned_names)
             for group in self.optimizer.param_groups:
@@ -289,7 +302,7 @@ class DistributedOptimizer:
     def owned_parameter_names(self) -> list[str]:
         return list(self._owned_names)
 
-    def gradient_owners(self) -> Optional[dict[str, int]]:
+    def gradient_owners(self) -> dict[str, int] | None:
         """Under ZeRO-1, each parameter's owner (index in its replica group), for the
         `GradientReducer` to reduce-scatter gradients to their owners; None without ZeRO-1
         (every rank steps every parameter, so every rank needs every gradient)."""
@@ -310,7 +323,9 @@ class DistributedOptimizer:
                 exchanges[key] = _Exchange(group, param.dtype, param.device, [[] for _ in range(group.size)], [])
             exchanges[key].in_order.append((param, self.plan.owners[name]))
         for exchange in exchanges.values():
-            left_out = _broadcast_instead(exchange.in_order, exchange.group.size) if self.exchange == "all_gather" else set()
+            left_out = (
+                _broadcast_instead(exchange.in_order, exchange.group.size) if self.exchange == "all_gather" else set()
+            )
             for param, owner in exchange.in_order:
                 if id(param) in left_out:
                     exchange.broadcast.append((param, owner))
@@ -357,9 +372,12 @@ class DistributedOptimizer:
         param = self._params_by_name[name]
         if not is_sharded(param):
             return param_state
-        return {key: local_from_saved(value, param).clone()
-                if isinstance(value, torch.Tensor) and value.ndim == param.ndim else value
-                for key, value in param_state.items()}
+        return {
+            key: local_from_saved(value, param).clone()
+            if isinstance(value, torch.Tensor) and value.ndim == param.ndim
+            else value
+            for key, value in param_state.items()
+        }
 
     def _positional_names(self) -> list[str]:
         return [name for group in self.optimizer.param_groups for name in group["param_names"]]
@@ -380,9 +398,12 @@ class DistributedOptimizer:
         param = self._params_by_name[name]
         if not is_sharded(param):
             return param_state
-        return {key: as_global_dtensor(value, param, self._meshes)
-                if isinstance(value, torch.Tensor) and value.shape == param.shape else value
-                for key, value in param_state.items()}
+        return {
+            key: as_global_dtensor(value, param, self._meshes)
+            if isinstance(value, torch.Tensor) and value.shape == param.shape
+            else value
+            for key, value in param_state.items()
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the entries of the parameters this rank owns now from a by-name state dict (one
@@ -391,13 +412,20 @@ class DistributedOptimizer:
         saved = state_dict["state"]
         state = {i: self._local_view(name, saved[name]) for i, name in enumerate(names) if name in saved}
         if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
-            raise ValueError(f"state dict has {len(state_dict['param_groups'])} param groups, "
-                             f"the optimizer {len(self.optimizer.param_groups)}")
+            raise ValueError(
+                f"state dict has {len(state_dict['param_groups'])} param groups, "
+                f"the optimizer {len(self.optimizer.param_groups)}"
+            )
         groups, position = [], 0
         for options, group in zip(state_dict["param_groups"], self.optimizer.param_groups):
             count = len(group["params"])
-            groups.append({**options, "params": list(range(position, position + count)),
-                           "param_names": list(group["param_names"])})
+            groups.append(
+                {
+                    **options,
+                    "params": list(range(position, position + count)),
+                    "param_names": list(group["param_names"]),
+                }
+            )
             position += count
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
@@ -427,8 +455,7 @@ def _broadcast_instead(in_order: list[tuple[nn.Parameter, int]], size: int) -> s
         lengths[longest] -= biggest.numel()
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
-                     costs: ParameterCosts) -> None:
+def _check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], costs: ParameterCosts) -> None:
     """The handed-in optimizer must be fresh, name its parameters, and hold exactly the model's
     parameters that `costs` places (else ownership and stepping would disagree)."""
     if optimizer.state:
@@ -445,5 +472,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Para
     if missing:
         raise ValueError(f"costs name parameters the model does not have: {sorted(missing)[:5]}")
     if sorted(names) != sorted(costs):
-        raise ValueError("the optimizer's parameters and the costs' parameters differ: "
-                         f"{sorted(set(names) ^ set(costs))[:5]}")
+        raise ValueError(
+            f"the optimizer's parameters and the costs' parameters differ: {sorted(set(names) ^ set(costs))[:5]}"
+        )

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, cast, overload
 
 import torch
 from torch.optim.adamw import adamw as adamw_functional
@@ -28,6 +29,9 @@ from k3train.optim.newton_schulz import (
     ns_flops,
     resolve_ns_dtype,
 )
+
+if TYPE_CHECKING:
+    from k3train.parallel.tensor import TensorParallelShard
 
 BlockKind = Literal["matrix", "heads", "experts"]
 
@@ -46,7 +50,7 @@ class BlockLayout:
     num_blocks: int
     rows: int
     cols: int
-    split_dim: Optional[int] = None
+    split_dim: int | None = None
     """Parameter dimension cut into heads ("heads" only)."""
 
     def to_blocks(self, t: torch.Tensor) -> torch.Tensor:
@@ -136,16 +140,18 @@ def sharded_matrix_update(param: torch.Tensor, momentum_input: torch.Tensor, opt
     (`param.tensor_parallel_group`, set by `k3train.parallel.tensor`), the whole matrix is
     orthogonalised and scaled by its own shape, and each rank keeps its slice. Orthogonalising
     the shards separately would be a different optimizer."""
-    tp_group = param.tensor_parallel_group
-    full = tp_group.all_gather(momentum_input, dim=param.partition_dim)
+    shard = cast("TensorParallelShard", param)
+    tp_group = shard.tensor_parallel_group
+    full = tp_group.all_gather(momentum_input, dim=shard.partition_dim)
     update = orthogonalized_update(full, BlockLayout("matrix", 1, full.shape[0], full.shape[1]), **options)
-    return update.chunk(tp_group.size, dim=param.partition_dim)[tp_group.rank]
+    return update.chunk(tp_group.size, dim=shard.partition_dim)[tp_group.rank]
 
 
 def sharded_matrix_layout(param: torch.Tensor) -> BlockLayout:
     """The whole-matrix layout `sharded_matrix_update` orthogonalises for a TP shard `param`."""
+    shard = cast("TensorParallelShard", param)
     shape = list(param.shape)
-    shape[param.partition_dim] *= param.tensor_parallel_group.size
+    shape[shard.partition_dim] *= shard.tensor_parallel_group.size
     return BlockLayout("matrix", 1, shape[0], shape[1])
 
 
@@ -169,7 +175,7 @@ class OrthogonalizationSplit(Protocol):
     def computes(self, param: torch.Tensor) -> bool:
         """Whether this rank orthogonalises `param`."""
 
-    def share(self, params: Sequence[torch.Tensor], updates: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    def share(self, params: Sequence[torch.Tensor], updates: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """`updates[i]` for `params[i]`: this rank's own filled in, the others' received."""
 
 
@@ -229,20 +235,31 @@ class PerHeadMuon(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
         algorithm: Literal["muon", "adamw"] = "muon",
-        foreach: Optional[bool] = None,
+        foreach: bool | None = None,
         fused: bool = False,
         ns_dtype: NsDtype = "auto",
     ) -> None:
         if lr < 0 or weight_decay < 0 or momentum < 0:
             raise ValueError(f"need lr, weight_decay, momentum >= 0: {lr}, {weight_decay}, {momentum}")
         defaults = dict(
-            algorithm=algorithm, lr=lr, weight_decay=weight_decay, momentum=momentum,
-            nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients),
-            ns_eps=ns_eps, update_rms=update_rms, per_head=per_head, betas=tuple(betas),
-            adam_eps=adam_eps, foreach=foreach, fused=fused, ns_dtype=ns_dtype,
+            algorithm=algorithm,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_eps=ns_eps,
+            update_rms=update_rms,
+            per_head=per_head,
+            betas=tuple(betas),
+            adam_eps=adam_eps,
+            foreach=foreach,
+            fused=fused,
+            ns_dtype=ns_dtype,
         )
         super().__init__(params, defaults)
-        self.split: Optional[OrthogonalizationSplit] = None
+        self.split: OrthogonalizationSplit | None = None
         """Set by `k3train.parallel.muon_split` under data parallelism without ZeRO-1."""
         self.step_stats = MuonStepStats()
         for group in self.param_groups:
@@ -261,8 +278,14 @@ class PerHeadMuon(torch.optim.Optimizer):
             for p in group["params"]
         ]
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One optimizer step over every group (Muon blocks, then AdamW groups)."""
         loss = None
         if closure is not None:
@@ -289,16 +312,20 @@ class PerHeadMuon(torch.optim.Optimizer):
         if cuda:
             torch.cuda.synchronize()
         started, flops = time.perf_counter(), 0
-        updates: list[Optional[torch.Tensor]] = []
+        updates: list[torch.Tensor | None] = []
         for item, group in pending:
             momentum_input = self._momentum_input(item.param, group)
             if self.split is not None and not self.split.computes(item.param):
                 updates.append(None)
                 continue
             # A group restored from a checkpoint written before `ns_dtype` existed lacks the key.
-            options = dict(update_rms=group["update_rms"], ns_steps=group["ns_steps"],
-                           ns_coefficients=group["ns_coefficients"], ns_eps=group["ns_eps"],
-                           ns_dtype=group.get("ns_dtype", "auto"))
+            options = dict(
+                update_rms=group["update_rms"],
+                ns_steps=group["ns_steps"],
+                ns_coefficients=group["ns_coefficients"],
+                ns_eps=group["ns_eps"],
+                ns_dtype=group.get("ns_dtype", "auto"),
+            )
             if item.layout.kind == "matrix" and getattr(item.param, "tensor_parallel", False):
                 update = sharded_matrix_update(item.param, momentum_input, options)
                 flops += sharded_matrix_layout(item.param).flops(group["ns_steps"])
@@ -323,6 +350,7 @@ class PerHeadMuon(torch.optim.Optimizer):
     def _momentum_input(self, param: torch.Tensor, group: dict) -> torch.Tensor:
         """Advance the momentum buffer with `param.grad`; return what NS orthogonalises."""
         grad = param.grad
+        assert grad is not None, "only parameters with a gradient step"
         if grad.is_sparse:
             raise RuntimeError("Muon does not support sparse gradients")
         state = self.state[param]
@@ -374,8 +402,19 @@ class PerHeadMuon(torch.optim.Optimizer):
             return
         beta1, beta2 = group["betas"]
         adamw_functional(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            foreach=None if fused else group["foreach"], fused=fused or None, amsgrad=False,
-            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-            eps=group["adam_eps"], maximize=False,
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=None if fused else group["foreach"],
+            fused=fused or None,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["adam_eps"],
+            maximize=False,
         )
