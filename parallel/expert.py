@@ -380,7 +380,7 @@ class ExpertParallel:
     def _balanced(self, slot_latent, expert_flat, weights_flat, experts):
         """One receive buffer `[C_dest]` per destination, filled in source order; replicas
         placed for the step take their share of hot experts' slots."""
-        num_ranks, local, width, me = self.size, self.num_local_experts, slot_latent.shape[-1], self.rank
+        num_ranks, width, me = self.size, slot_latent.shape[-1], self.rank
         slots, device = expert_flat.shape[0], slot_latent.device
         capacity = capacity_per_destination(slots, 1, num_ranks, self.capacity_factor)
         state = self._layer(experts, device)

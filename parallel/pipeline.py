@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
-from typing import ContextManager
 
 import torch
 from torch import nn
@@ -209,7 +209,7 @@ class PipelineSchedule:
 
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if self._losses:
-            loss = torch.stack([l.double() for l in self._losses]).sum() / self._count
+            loss = torch.stack([loss.double() for loss in self._losses]).sum() / self._count
         return self.group.broadcast(loss, source_index=plan.rank_of(plan.num_chunks - 1))
 
     # ------------------------------------------------------------------ forward
