@@ -12,6 +12,7 @@ and on every gradient (largest entries O(1e-1)); the runs reach about 1e-15.
 """
 
 from collections import defaultdict
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,7 @@ from tests.distributed.harness import run_workers
 
 TOLERANCE = 1e-12
 
-CHECKS_2 = [
+CHECKS_2: list[dict[str, Any]] = [
     # 1F1B: any number of micro-batches; block size 3 over a 3 + 5 split (a block spans the boundary).
     {"name": "pp2_v1_block", "pp": 2, "micro_batches": 3, "pipeline_layers": [3, 5], "probe": True},
     {"name": "pp2_v1_full", "pp": 2, "micro_batches": 2, "config": {"attn_res": "full"}},
@@ -63,7 +64,7 @@ CHECKS_2 = [
     },
 ]
 
-CHECKS_4 = [
+CHECKS_4: list[dict[str, Any]] = [
     {"name": "pp4_v1_block", "pp": 4, "micro_batches": 5, "pipeline_layers": [1, 3, 2, 2]},
     {"name": "pp4_v1_none", "pp": 4, "micro_batches": 3, "config": {"attn_res": "none"}},
     {"name": "pp4_v2_block", "pp": 4, "virtual_stages": 2, "micro_batches": 4, "probe": True, "forward_only": True},

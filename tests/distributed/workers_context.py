@@ -11,7 +11,7 @@ Only numbers travel back to the test (tolerances are stated there).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -21,8 +21,10 @@ from k3train.model.config import LinearAttnConfig, ModelConfig
 from k3train.model.k3 import K3Model
 from k3train.model.moe import finish_expert_step
 from k3train.parallel.config import ParallelConfig
+from k3train.parallel.expert import ExpertParameter
 from k3train.parallel.grad_reduce import average_over_dp
 from k3train.parallel.state import ParallelState, resolve_layout
+from k3train.parallel.tensor import ShardedParameter
 from k3train.planning.context import context_step_bytes
 from k3train.training.build import build_rank
 from k3train.training.config import TrainConfig
@@ -76,9 +78,9 @@ def job_config(spec: dict[str, Any]) -> JobConfig:
 
 def reference_view(full: torch.Tensor, param: torch.Tensor, state: ParallelState) -> torch.Tensor:
     if getattr(param, "expert_parallel", False):
-        return full.narrow(0, param.expert_offset, param.shape[0])
+        return full.narrow(0, cast(ExpertParameter, param).expert_offset, param.shape[0])
     if getattr(param, "tensor_parallel", False):
-        return full.chunk(state.tp.size, dim=param.partition_dim)[state.tp.rank]
+        return full.chunk(state.tp.size, dim=cast(ShardedParameter, param).partition_dim)[state.tp.rank]
     return full
 
 

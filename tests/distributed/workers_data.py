@@ -19,7 +19,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,10 @@ from k3train.optim.clip import clip_grad_norm_
 from k3train.optim.config import OptimizerConfig
 from k3train.parallel.grad_reduce import GradientReducer, average_over_dp, clip_grad_norm
 from k3train.parallel.state import Layout, ParallelState
+from k3train.parallel.tensor import PartialGradParameter
 from k3train.parallel.zero1 import DistributedOptimizer
+
+Exchange = Literal["all_gather", "broadcast"]  # DistributedOptimizer's `exchange`
 
 SEED = 3
 STEPS = 3
@@ -64,7 +67,7 @@ CONFIG = ModelConfig(
 
 
 def _distributed_optimizer(
-    model: K3Model, state: ParallelState, zero1: bool, exchange: str = "all_gather"
+    model: K3Model, state: ParallelState, zero1: bool, exchange: Exchange = "all_gather"
 ) -> DistributedOptimizer:
     """The job's optimizer (built here, as the job builds it) under the ZeRO-1 wrapper."""
     config = OptimizerConfig(lr=LR)
@@ -139,7 +142,7 @@ def train(
     batches: torch.Tensor,
     *,
     zero1: bool,
-    exchange: str = "all_gather",
+    exchange: Exchange = "all_gather",
     micro_batches: int = 1,
     overlap: bool = True,
     steps: int = STEPS,
@@ -224,9 +227,9 @@ def _expected_exchange(optimizer: DistributedOptimizer) -> tuple[int, int]:
             total_bytes += exchange.length * element + sum(p.numel() for p in mine) * element
             messages += math.ceil(exchange.length / chunk) + len(mine)
         else:
-            mine = exchange.per_rank[exchange.group.rank]
-            total_bytes += sum(p.numel() for p, _ in mine) * element
-            messages += len(mine)
+            owned = exchange.per_rank[exchange.group.rank]
+            total_bytes += sum(p.numel() for p, _ in owned) * element
+            messages += len(owned)
     return total_bytes, messages
 
 
@@ -293,7 +296,7 @@ def tp_partial_check(
     owners' gradients must be the global ones."""
     model = _model(torch.float64)
     for param in model.parameters():
-        param.tp_partial_grad = True
+        cast(PartialGradParameter, param).tp_partial_grad = True
     owners = _distributed_optimizer(model, state, zero1=True).gradient_owners() if zero1 else None
     reducer = GradientReducer(model, state, bucket_bytes=BUCKET_BYTES, owners=owners)
     tp = state.layout.tp
@@ -331,6 +334,7 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
     box = [reference(batches) if env.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     ref = box[0]
+    assert ref is not None  # rank 0's reference, broadcast to every rank
     trained = len(ref["grads"])  # tensors with a gradient (layer 0's unused AttnRes has none)
     results: dict[str, Any] = {"seconds": {}, "trained_tensors": trained}
     dp4 = ParallelState(Layout(4, tp=1, pp=1, dp=4, ep=1), env.rank)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 import torch.distributed
@@ -28,13 +29,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3train.model.config import ModelConfig
+from k3train.model.decoder import DecoderLayer
 from k3train.model.k3 import K3Model
 from k3train.model.moe import LatentMoE, LocalExperts, finish_expert_step
-from k3train.parallel.expert import ExpertParallel, routing_statistics_group
+from k3train.parallel.expert import ExpertParallel, ExpertParameter, routing_statistics_group
 from k3train.parallel.expert_plan import capacity_per_pair, home_route
 from k3train.parallel.grad_reduce import GradientReducer
 from k3train.parallel.state import ParallelState, resolve_layout
-from k3train.parallel.tensor import TensorParallel
+from k3train.parallel.tensor import ShardedParameter, TensorParallel
 
 
 def small_config(**changes) -> ModelConfig:
@@ -97,7 +99,8 @@ def install_reference_drops(reference: K3Model, sources: list[list[int]], ep: in
     zero routing weight). Returns a list that collects `(layer, keep [tokens, k])` per forward."""
     record = []
     local_experts = reference.config.num_experts // ep
-    for layer_name, layer in reference.layers.items():
+    for layer_name, module in reference.layers.items():
+        layer = cast(DecoderLayer, module)  # the ModuleDict holds DecoderLayers only
         if not layer.is_moe:
             continue
         experts = layer.block_sparse_moe.experts
@@ -113,7 +116,7 @@ def install_reference_drops(reference: K3Model, sources: list[list[int]], ep: in
             record.append((_layer, keep))
             return _original(latent, expert_ids, weights * keep)
 
-        experts.forward = forward
+        experts.forward = forward  # type: ignore[method-assign]  # the test patches this instance's forward on purpose
     return record
 
 
@@ -146,9 +149,9 @@ def reduce_gradients(models: list, state: ParallelState) -> str:
 
 def reference_view(full: torch.Tensor, param: torch.Tensor, state: ParallelState) -> torch.Tensor:
     if getattr(param, "expert_parallel", False):
-        return full.narrow(0, param.expert_offset, param.shape[0])
+        return full.narrow(0, cast(ExpertParameter, param).expert_offset, param.shape[0])
     if getattr(param, "tensor_parallel", False):
-        return full.chunk(state.tp.size, dim=param.partition_dim)[state.tp.rank]
+        return full.chunk(state.tp.size, dim=cast(ShardedParameter, param).partition_dim)[state.tp.rank]
     return full
 
 
@@ -210,7 +213,8 @@ def routing_checks(models: list, reference: K3Model, state: ParallelState) -> di
     """Next step's bias (combined over every rank that routed distinct tokens) and the step's
     expert loads against the single-process model's."""
     moes = [moe for model in models for moe in model.moe_layers()]
-    reference_moes = {name: layer.block_sparse_moe for name, layer in reference.layers.items() if layer.is_moe}
+    reference_layers = {name: cast(DecoderLayer, layer) for name, layer in reference.layers.items()}
+    reference_moes = {name: layer.block_sparse_moe for name, layer in reference_layers.items() if layer.is_moe}
     mine = [name for model in models for name, layer in model.layers.items() if layer.is_moe]
     group = routing_statistics_group(state)
     stats = [moe.pop_step_stats(group) for moe in moes]
@@ -360,7 +364,7 @@ class StaticShapeGuard(TorchDispatchMode):
     """Fails on every device-to-host read and every op whose output shape depends on tensor
     values; records `(op, output shapes)` of every op it sees (forward and backward)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.trace: list[tuple[str, tuple]] = []
 
@@ -444,7 +448,7 @@ def static_shapes(env, spec: dict) -> dict:
         exchanged.append(("all_gather", tuple(tensor.shape)))
         return original_all_gather(tensor, dim)
 
-    group.all_to_all, group.all_gather = all_to_all, all_gather
+    group.all_to_all, group.all_gather = all_to_all, all_gather  # type: ignore[method-assign]  # counting wrappers patched on this instance
     batch, seq = 2, 16
     x = torch.randn(batch, seq, config.hidden_size, generator=generator, dtype=torch.float64)
     experts = config.num_experts
@@ -471,14 +475,15 @@ def static_shapes(env, spec: dict) -> dict:
         traces[name] = guard.trace
         exchanges[name] = list(exchanged)
         info = moe.last_dispatch
+        assert info is not None  # set by the expert-parallel forward above
         facts[name] = {"dropped": int(info.dropped), "replicas": int(info.replicas), "received": int(info.received)}
-    group.all_to_all, group.all_gather = original_all_to_all, original_all_gather
+    group.all_to_all, group.all_gather = original_all_to_all, original_all_gather  # type: ignore[method-assign]  # restores the originals
     names = list(traces)
     identical = all(traces[n] == traces[names[0]] for n in names) and all(
         exchanges[n] == exchanges[names[0]] for n in names
     )
     expected = expert_parallel.buffer_shapes(
-        batch * seq, config.num_experts_per_token, config.routed_expert_hidden_size, config.moe_intermediate_size
+        batch * seq, config.num_experts_per_token, config.expert_width, config.moe_intermediate_size
     )
     return {
         "identical": identical,
@@ -504,7 +509,7 @@ def skewed_sources(env, spec: dict) -> dict:
     rank's output must equal the single-process experts on its tokens, and after `finish_step`
     the home experts' gradients the sum of the single-process gradients over all ranks."""
     config = small_config(num_experts=8 * env.world_size, num_experts_per_token=4)
-    experts, top_k, width = config.num_experts, config.num_experts_per_token, config.routed_expert_hidden_size
+    experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
     layout = resolve_layout(
         env.world_size,
         1,
@@ -532,7 +537,7 @@ def skewed_sources(env, spec: dict) -> dict:
     dispatcher.mark_expert_params(mine)
     local, ranks, tokens = dispatcher.num_local_experts, env.world_size, 64
     hot_home = (env.rank + 1) % ranks
-    worst = {"output_error": 0.0, "grad_error": 0.0, "dropped": [], "replicas": [], "max_home_pair": 0}
+    worst: dict[str, Any] = {"output_error": 0.0, "grad_error": 0.0, "dropped": [], "replicas": [], "max_home_pair": 0}
     for step in range(3):
         generator = torch.Generator().manual_seed(100 * step + env.rank)
         logits = torch.randn(tokens, experts, generator=generator, dtype=torch.float64)

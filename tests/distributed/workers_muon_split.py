@@ -14,8 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from k3train.model.k3 import K3Model
 from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.optim.config import OptimizerConfig
+from k3train.optim.muon import PerHeadMuon
 from k3train.optim.newton_schulz import ns_flops
 from k3train.parallel.grad_reduce import GradientReducer, average_over_dp
 from k3train.parallel.muon_split import install_muon_split
@@ -64,7 +66,9 @@ def _train(state: ParallelState, batches: torch.Tensor, split: bool) -> dict[str
         state.counter.reset()
         optimizer.step()
         out["exchange"].append(state.counter.snapshot().get("dp", (0, 0)))
-        stats = optimizer.optimizer.step_stats
+        muon = optimizer.optimizer
+        assert isinstance(muon, PerHeadMuon)  # OptimizerConfig's default optimizer
+        stats = muon.step_stats
         out["ns_flops"].append(stats.ns_flops)
         out["ns_seconds"].append(stats.ns_seconds)
         optimizer.zero_grad()
@@ -81,11 +85,14 @@ def run(env, payload: Any) -> dict[str, Any]:
     box = [reference(batches) if env.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     ref = box[0]
+    assert ref is not None  # rank 0's reference, broadcast to every rank
     state = ParallelState(Layout(2, tp=1, pp=1, dp=2, ep=1), env.rank)
     plain = _train(state, batches, split=False)
     split = _train(state, batches, split=True)
     one = _model(torch.float64)
-    total_ns_flops = sum(item.layout.flops() for item in build_optimizer(one, OptimizerConfig(lr=LR)).work_items())
+    single = build_optimizer(one, OptimizerConfig(lr=LR))
+    assert isinstance(single, PerHeadMuon)  # OptimizerConfig's default optimizer
+    total_ns_flops = sum(item.layout.flops() for item in single.work_items())
     return {
         "split_vs_plain": _max_diff(split["params"], plain["params"]),
         "split_vs_single": _max_diff(split["params"], ref["params"][STEPS]),
@@ -115,17 +122,16 @@ def run_tensor_parallel(env, payload: Any) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, config.vocab_size, (4, 17), generator=generator) for _ in range(STEPS)]
 
-    def trained(parallel: ParallelState | None, split: bool) -> dict[str, torch.Tensor]:
-        from k3train.model.k3 import K3Model
-
+    def trained(parallel: ParallelState | None, split: bool) -> tuple[dict[str, torch.Tensor], K3Model]:
         model = (K3Model(config, parallel=parallel) if parallel is not None else K3Model(config)).double()
         model.init_weights(seed=7)
         optimizer_config = OptimizerConfig(lr=LR)
-        optimizer = build_optimizer(model, optimizer_config)
+        inner = build_optimizer(model, optimizer_config)
+        optimizer: torch.optim.Optimizer | DistributedOptimizer = inner
         reducer = None
         if parallel is not None:
             optimizer = DistributedOptimizer(
-                optimizer, model, parallel, parameter_costs(model, optimizer_config), zero1=False
+                inner, model, parallel, parameter_costs(model, optimizer_config), zero1=False
             )
             if split:
                 assert (

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ from k3train.parallel.pipeline import (
     theoretical_peak_blocks,
 )
 from k3train.parallel.state import ParallelState, resolve_layout
-from k3train.parallel.tensor import reduce_tensor_parallel_grads
+from k3train.parallel.tensor import ShardedParameter, reduce_tensor_parallel_grads
 from k3train.training.build import build_model
 
 SEED = 7
@@ -56,7 +58,7 @@ def small_config(**changes) -> ModelConfig:
 
 def local_view(full: torch.Tensor, param: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
     if getattr(param, "tensor_parallel", False):
-        return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        return full.chunk(tp_size, dim=cast(ShardedParameter, param).partition_dim)[tp_rank]
     return full
 
 
@@ -65,7 +67,7 @@ class DataParallelAverage:
     with the pipeline's backward: reduction is switched on for each chunk's last backward), or a
     plain all-reduce if that module is not there."""
 
-    def __init__(self, chunks: list[nn.Module], state: ParallelState):
+    def __init__(self, chunks: Sequence[nn.Module], state: ParallelState):
         self.chunks, self.state, self.reducer = chunks, state, None
         self.kind = "none" if state.dp.size == 1 else "all_reduce"
         if state.dp.size > 1:

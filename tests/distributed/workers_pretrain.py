@@ -10,6 +10,7 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 
 def run_pretrain(env, argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("pretrain_k3", CHECKOUT / "pretrain_k3.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     try:

@@ -9,13 +9,14 @@ of the single-process one.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import torch
 
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model
 from k3train.parallel.state import ParallelState, resolve_layout
-from k3train.parallel.tensor import reduce_tensor_parallel_grads
+from k3train.parallel.tensor import ShardedParameter, reduce_tensor_parallel_grads
 
 
 def small_config(**changes) -> ModelConfig:
@@ -41,7 +42,7 @@ def build_state(world_size: int, rank: int, tp: int, sequence_parallel: bool, co
 
 def local_view(full: torch.Tensor, param: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
     if getattr(param, "tensor_parallel", False):
-        return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        return full.chunk(tp_size, dim=cast(ShardedParameter, param).partition_dim)[tp_rank]
     return full
 
 
