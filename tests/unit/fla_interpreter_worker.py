@@ -76,7 +76,7 @@ def patch_interpreter() -> None:
             module = importlib.import_module(info.name)
         except Exception:  # modules for other hardware
             continue
-        module.range = kernel_range
+        vars(module)["range"] = kernel_range  # a global of the module, shadowing the builtin
         for attribute, value in list(vars(module).items()):
             if id(value) in builtins_by_id and not isinstance(value, type):
                 setattr(module, attribute, late_bound(*builtins_by_id[id(value)]))

@@ -14,10 +14,19 @@ from __future__ import annotations
 
 import contextlib
 from types import SimpleNamespace
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class MegatronMarks(Protocol):
+    """Megatron's TP marks, which TE sets on its weights (attributes torch does not declare)."""
+
+    tensor_model_parallel: bool
+    partition_dim: int
+    partition_stride: int
 
 
 class FP8GlobalStateManager:
@@ -77,6 +86,9 @@ def make_stand_in(history: int = 4):
             self.fp8_calls = 0
             self.bf16_calls = 0
 
+        def _all_weights(self) -> list[nn.Parameter]:
+            raise NotImplementedError
+
         def init_fp8_metadata(self, num_gemms: int = 1) -> None:
             if "scaling_fwd" not in self.fp8_meta:
                 device = next(iter(self._all_weights())).device
@@ -96,9 +108,10 @@ def make_stand_in(history: int = 4):
                 self.bf16_calls += 1
 
     def te_marks(weight: nn.Parameter, dim: int) -> None:
-        weight.tensor_model_parallel = True
-        weight.partition_dim = dim
-        weight.partition_stride = 1
+        marks = cast(MegatronMarks, weight)
+        marks.tensor_model_parallel = True
+        marks.partition_dim = dim
+        marks.partition_stride = 1
 
     class Linear(BaseModule):
         def __init__(
@@ -116,14 +129,14 @@ def make_stand_in(history: int = 4):
             self.in_features, self.out_features = in_features, out_features
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
             if bias:
-                self.bias = nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device))
+                self.bias: torch.Tensor = nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device))
             else:
                 self.bias = torch.Tensor()  # TE keeps an empty tensor, not a parameter
             if not self.weight.is_meta:
                 nn.init.normal_(self.weight, std=0.023)
             te_marks(self.weight, 0)
 
-        def _all_weights(self):
+        def _all_weights(self) -> list[nn.Parameter]:
             return [self.weight]
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +163,7 @@ def make_stand_in(history: int = 4):
                 self.register_parameter(f"weight{index}", weight)
                 setattr(self, f"bias{index}", torch.Tensor())
 
-        def _all_weights(self):
+        def _all_weights(self) -> list[nn.Parameter]:
             return [getattr(self, f"weight{index}") for index in range(self.num_gemms)]
 
         def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:

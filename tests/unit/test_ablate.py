@@ -29,6 +29,7 @@ from k3train.recipe import ConfigError
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(CHECKOUT / "recipes" / "ladder" / "cpu-tiny.yaml")
 spec = importlib.util.spec_from_file_location("ablate_cli", CHECKOUT / "tools" / "ablate.py")
+assert spec is not None and spec.loader is not None
 ablate = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ablate)
 

@@ -18,6 +18,7 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 LADDER = ["cpu-tiny", "cpu-small", "1gpu", "8gpu", "64gpu", "k3"]
 H200_GIB = 141.0
 spec = importlib.util.spec_from_file_location("plan_cli", CHECKOUT / "tools" / "plan.py")
+assert spec is not None and spec.loader is not None
 plan_cli = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plan_cli)
 

@@ -35,7 +35,8 @@ def two_mixes(leaves, gains, queries, fused: bool, cached: str, plain: bool = Fa
     (what `train.compile=true` compiles; with the fused norm, `rms_norm` of it) instead of the
     written-out mixes."""
     blocks, partial = leaves[:-1], leaves[-1]
-    norms, dots = None, [None, None]
+    norms = None
+    dots: list[list[torch.Tensor | None] | None] = [None, None]
     if cached == "norms":
         norms = [key_inverse_rms(block, 1e-6) for block in blocks] + [None]
     elif cached == "keys":

@@ -2,11 +2,14 @@
 recompute mode gives one loss and one set of gradients, and a state rebuilt from bare blocks (as
 a pipeline stage receives them, with no keys) continues to the same output. float64."""
 
+from typing import cast
+
 import pytest
 import torch
 
 from k3train.contracts.stage_io import ResidualState
 from k3train.model.attn_res import KeyedResidualState
+from k3train.model.decoder import DecoderLayer
 from k3train.model.k3 import K3Model, lm_loss
 from tests.unit.test_model import randomize_attn_res_queries, small_config
 
@@ -52,7 +55,7 @@ def test_state_without_keys_continues_to_the_same_result(mode):
 
     def stripped(model: K3Model) -> torch.Tensor:
         state = model.embed(INPUT_IDS)
-        layers = list(model.layers.values())
+        layers = [cast(DecoderLayer, layer) for layer in model.layers.values()]
         mixes = [mix for layer in layers for mix in layer.attn_res_mixes()] + [model.output_attn_res]
         for index, layer in enumerate(layers[:2]):
             state = layer(state, later=mixes[2 * index + 2 :])

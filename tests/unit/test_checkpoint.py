@@ -10,6 +10,7 @@ import signal
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,7 +48,8 @@ class Net(nn.Module):
 def make_adamw(model: nn.Module) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
+    groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 123) -> None:
@@ -59,7 +61,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 
         loss.backward()
         opt.step()
         with torch.no_grad():
-            model.qb_bias.add_(0.01)  # a buffer that changes during training (like QB biases)
+            model.get_buffer("qb_bias").add_(0.01)  # a buffer that changes during training (like QB biases)
 
 
 def assert_same_tree(a, b, where="") -> None:

@@ -24,6 +24,7 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 def _load_tool(name: str):
     spec = importlib.util.spec_from_file_location(f"_tool_int_{name}", CHECKOUT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -166,7 +167,9 @@ def _async_gloo_worker(rank: int, world: int, root: str, init_file: str, out: st
         assert ck.wait() == path
         model2, opt2 = _state(seed=9)
         shard2 = {"x": torch.zeros(3)}
-        ck.load(ck.resolve_resume("auto"), {"model": model2, "optimizer": opt2, "shard": PerRank(shard2)})
+        resume = ck.resolve_resume("auto")
+        assert resume is not None
+        ck.load(resume, {"model": model2, "optimizer": opt2, "shard": PerRank(shard2)})
         assert torch.equal(shard2["x"], shard["x"])
         for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
             assert torch.equal(a, b)

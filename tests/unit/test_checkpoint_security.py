@@ -29,6 +29,7 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 def _load_tool(name: str):
     spec = importlib.util.spec_from_file_location(f"_tool_sec_{name}", CHECKOUT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -15,7 +15,7 @@ import torch
 from k3train.model.attn_res import AttentionResidual
 from k3train.model.config import LinearAttnConfig, ModelConfig
 from k3train.model.k3 import K3Model, lm_loss
-from k3train.training.compile import REGIONS, compile_elementwise
+from k3train.training.compile import REGIONS, CompiledMixNorm, compile_elementwise
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor on the CPU needs a C++ compiler"
@@ -58,7 +58,9 @@ def _losses(compiled: bool, regions=REGIONS) -> tuple[list[float], list[str]]:
         losses.append(loss.item())
     if compiled and "attn_res" in regions:  # the AttnRes mixes ran compiled (one function per source count)
         mixes = [m for m in model.modules() if isinstance(m, AttentionResidual)]
-        assert mixes and len(mixes[0].compiled_mix_norm.compiled) > 1
+        assert mixes
+        mix_norm = mixes[0].compiled_mix_norm
+        assert isinstance(mix_norm, CompiledMixNorm) and len(mix_norm.compiled) > 1
     return losses, list(model.state_dict())
 
 

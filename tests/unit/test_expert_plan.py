@@ -15,7 +15,7 @@ from k3train.model.balance import Balancer
 from k3train.model.config import ModelConfig
 from k3train.model.moe import LatentMoE
 from k3train.parallel.comm import Group, TrafficCounter
-from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.expert import Compute, ExpertParallel, Mode
 from k3train.parallel.expert_plan import (
     RelayCapacity,
     ReplicaPlacement,
@@ -475,7 +475,7 @@ def test_replica_placement_round_trips_through_checkpoint_values():
 
 
 # ---------------------------------------------------------------------------- the layer in one process
-def moe_pair(mode: str, capacity_factor: float, compute: str = "grouped"):
+def moe_pair(mode: Mode, capacity_factor: float, compute: Compute = "grouped"):
     config = dataclasses.replace(ModelConfig(), num_experts=8, num_experts_per_token=3)
     torch.manual_seed(0)
     reference = LatentMoE(config).double()

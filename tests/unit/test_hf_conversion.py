@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ P = "language_model.model."
 
 def _load_tool(name: str):
     spec = importlib.util.spec_from_file_location(f"_tool_{name}", CHECKOUT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
@@ -73,7 +75,7 @@ def _save_run(run: Path, config: ModelConfig, step: int = 3, with_optimizer: boo
     job = JobConfig()
     job.model = config
     save_config(job, str(run / "config.yaml"))
-    app_state = {"model": model}
+    app_state: dict[str, Any] = {"model": model}
     if with_optimizer:  # optimizer entries must not confuse the converter
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
         for p in model.parameters():
@@ -87,7 +89,9 @@ def _save_run(run: Path, config: ModelConfig, step: int = 3, with_optimizer: boo
 def _load_run(run: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config = load_config(str(run / "config.yaml"), []).model
     model = K3Model(config)
-    Checkpointer(run / "checkpoints").load(Checkpointer(run / "checkpoints").latest(), {"model": model})
+    latest = Checkpointer(run / "checkpoints").latest()
+    assert latest is not None
+    Checkpointer(run / "checkpoints").load(latest, {"model": model})
     return config, model.state_dict()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -79,7 +80,9 @@ def _k3_logits(model: K3Model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _load_transformers(path: Path):
-    model, info = KimiLinearForCausalLM.from_pretrained(str(path), output_loading_info=True, dtype=torch.float32)
+    loaded = KimiLinearForCausalLM.from_pretrained(str(path), output_loading_info=True, dtype=torch.float32)
+    # with output_loading_info, (model, info): transformers' annotation gives the model alone
+    model, info = cast(tuple[KimiLinearForCausalLM, dict[str, Any]], loaded)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model.eval()
 
@@ -144,7 +147,8 @@ def test_kimi_linear_export_writes_no_latent_projections_and_a_4d_a_log(k3train_
 
 
 def _transformers_model() -> KimiLinearForCausalLM:
-    config = KimiLinearConfig(
+    # the published config.json's keys, which __post_init__ takes as extra kwargs; its typed fields omit them
+    config = KimiLinearConfig(  # type: ignore[call-arg]
         vocab_size=300,
         hidden_size=64,
         intermediate_size=96,

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Literal, cast
 
 import pytest
 import torch
@@ -30,11 +31,11 @@ TOLERANCE = 1e-5
 REMOTE = CHECKOUT / "k3train" / "checkpoint" / "hf_remote"
 
 
-def _model_config(attn_res: str) -> ModelConfig:
+def _model_config(attn_res: Literal["block", "full", "none"]) -> ModelConfig:
     return ModelConfig(attn_res=attn_res, linear_attn_config=LinearAttnConfig(chunk_size=16))
 
 
-def _export(root: Path, attn_res: str, *options: str) -> Path:
+def _export(root: Path, attn_res: Literal["block", "full", "none"], *options: str) -> Path:
     _save_run(root / "run", _model_config(attn_res))
     assert (
         convert.main(
@@ -72,9 +73,11 @@ def remote_module(model):
 
 
 def _load_remote(path: Path):
-    model, info = AutoModelForCausalLM.from_pretrained(
+    loaded = AutoModelForCausalLM.from_pretrained(
         str(path), trust_remote_code=True, dtype=torch.float32, output_loading_info=True
     )
+    # with output_loading_info, (model, info): transformers' annotation gives the model alone
+    model, info = cast(tuple[Any, dict[str, Any]], loaded)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model.eval()
 

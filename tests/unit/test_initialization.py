@@ -4,6 +4,7 @@ for tensors of at most one tile."""
 
 import dataclasses
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from k3train.model.k3 import K3Model
 from k3train.model.kda import KimiDeltaAttention
 from k3train.parallel.comm import Group, TrafficCounter
 from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.tensor import ShardedParameter
 
 TINY_TILE = 64  # elements: every debug-model matrix spans many tiles
 
@@ -44,7 +46,7 @@ def tp_rank_model(config: ModelConfig, tp: int, rank: int, ep: int = 1) -> K3Mod
 
 def reassembled(shards: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     if getattr(like, "tensor_parallel", False):
-        return torch.cat(shards, dim=like.partition_dim)
+        return torch.cat(shards, dim=cast(ShardedParameter, like).partition_dim)
     if getattr(like, "expert_parallel", False):
         return torch.cat(shards, dim=0)
     assert all(torch.equal(shard, shards[0]) for shard in shards)  # replicated

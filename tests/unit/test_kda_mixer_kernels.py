@@ -34,6 +34,7 @@ def assert_same_values_and_gradients(fast, reference, inputs: list[torch.Tensor]
     sum((out * probe).sum() for out, probe in zip(fast_out, probes)).backward()
     sum((out * probe).sum() for out, probe in zip(reference_out, probes)).backward()
     for a, b in zip(fast_inputs, reference_inputs):
+        assert a.grad is not None and b.grad is not None
         assert (a.grad - b.grad).abs().max() < TOLERANCE, "gradients differ"
 
 

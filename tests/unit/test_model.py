@@ -10,6 +10,7 @@ from k3train.kernels.attn_res import attn_res_mix
 from k3train.kernels.situ_glu import situ_glu, swiglu
 from k3train.model.balance import ExactQuantileBalancer, HistogramQuantileBalancer, SignBalancer, histogram_quantile
 from k3train.model.config import ModelConfig
+from k3train.model.decoder import DecoderLayer
 from k3train.model.k3 import K3Model, lm_loss
 from k3train.model.kda import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
@@ -97,6 +98,7 @@ def direct_attn_res_forward(model: K3Model, input_ids: torch.Tensor) -> torch.Te
     # (the model mixes through AttentionResidual.normalized_input; this calls the kernel directly)
 
     for index, layer in enumerate(model.layers.values()):
+        assert isinstance(layer, DecoderLayer)
         hidden = mix(layer.self_attention_res, sources_for(2 * index))
         outputs.append(layer.self_attn(layer.input_layernorm(hidden)))
         hidden = mix(layer.mlp_res, sources_for(2 * index + 1))
@@ -310,6 +312,7 @@ def saved_activation_bytes(config: ModelConfig, layer_index: int) -> int:
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     state = model.embed(torch.randint(0, config.vocab_size, (2, 64)))
     for index, layer in model.layers.items():
+        assert isinstance(layer, DecoderLayer)
         if int(index) != layer_index:
             state = layer(state)
             continue

@@ -2,6 +2,7 @@
 plain indexing (`LocalExperts.forward_reference`: weights applied to the expert outputs)."""
 
 import dataclasses
+from typing import Literal
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from k3train.model.config import ModelConfig
 from k3train.model.moe import LocalExperts
 
 
-def _experts(hidden_act: str) -> LocalExperts:
+def _experts(hidden_act: Literal["situ", "silu"]) -> LocalExperts:
     config = dataclasses.replace(ModelConfig(), hidden_act=hidden_act)
     experts = LocalExperts(config, 6).double()
     generator = torch.Generator().manual_seed(0)

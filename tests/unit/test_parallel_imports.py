@@ -11,7 +11,7 @@ PARALLEL = Path(__file__).resolve().parents[2] / "parallel"
 
 
 def imported_modules(path: Path) -> set[str]:
-    modules = set()
+    modules: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             modules.update(alias.name for alias in node.names)

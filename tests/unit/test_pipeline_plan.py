@@ -106,7 +106,7 @@ def test_closed_forms_one_block_per_chunk(pp, v):
 
 def _brute_force_deltas(plan: PipelinePlan) -> list[list[int]]:
     """Simulate what every rank holds, hop by hop, with sets."""
-    held = [set() for _ in range(plan.pp)]
+    held: list[set[int]] = [set() for _ in range(plan.pp)]
     deltas = []
     for c in range(plan.num_chunks):
         rank = plan.rank_of(c)

@@ -39,7 +39,7 @@ def test_impossible_layout_is_one_line():
 
 
 def test_k3_plan_prints_memory_traffic_bubble_and_step_time():
-    """The issue's done-when: K3 at 1,024 H200s prints memory with activations per pipeline rank,
+    """K3 at 1,024 H200s prints memory with activations per pipeline rank,
     the bytes of every group including PP and EP, the ZeRO-1 wire bytes, the bubble and the step
     time with MFU."""
     result = plan("--recipe", "recipes/k3.yaml", "--world-size", "1024", "--hardware", "h200")

@@ -4,6 +4,7 @@ model's forward actually executes."""
 
 import dataclasses
 import math
+from typing import Literal
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from k3train.parallel.pipeline_schedule import blocks_before_layer as plan_block
 CASES = [(mode, size) for mode in ("block", "full", "none") for size in (1, 2, 3)]
 
 
-def tiny_config(attn_res: str, block_size: int, layers: int = 7) -> ModelConfig:
+def tiny_config(attn_res: Literal["block", "full", "none"], block_size: int, layers: int = 7) -> ModelConfig:
     return dataclasses.replace(
         ModelConfig(
             num_hidden_layers=layers,

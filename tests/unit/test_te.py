@@ -17,6 +17,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from typing import cast
 
 import pytest
 import torch
@@ -329,7 +330,7 @@ def run_fp8_steps(model: K3Model, te, steps: int, seed: int) -> None:
 
 def fp8_states(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {
-        name: te_kernels.fp8_state_tensor(m)
+        name: te_kernels.fp8_state_tensor(cast(torch.nn.Module, m))  # a TE module: the mixin on an nn.Module
         for name, m in model.named_modules()
         if isinstance(m, te_kernels.FP8StateMixin)
     }
