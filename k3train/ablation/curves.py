@@ -82,7 +82,8 @@ def ema(values: Sequence[float | None], alpha: float) -> list[float | None]:
     weight of the past, 0 returns the values unchanged. None entries are carried over."""
     if not 0.0 <= alpha < 1.0:
         raise ValueError(f"smoothing must lie in [0, 1), got {alpha}")
-    smoothed, average, weight = [], 0.0, 0.0
+    smoothed: list[float | None] = []
+    average, weight = 0.0, 0.0
     for value in values:
         if value is None:
             smoothed.append(None)

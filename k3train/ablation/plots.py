@@ -61,11 +61,12 @@ def difference_bands(results: Sequence[RunResult], series: Series, baselines: di
     reference = {(r.spec.arm, r.spec.seed_index): dict(zip(*series(r))) for r in results}
     by_arm: dict[str, list] = {}
     for result in results:
-        base = reference.get((baselines.get(result.spec.arm), result.spec.seed_index))
-        if baselines.get(result.spec.arm) == result.spec.arm or base is None:
+        baseline_arm = baselines.get(result.spec.arm)
+        base = reference.get((baseline_arm, result.spec.seed_index)) if baseline_arm is not None else None
+        if baseline_arm == result.spec.arm or base is None:
             continue
         xs, ys = series(result)
-        pairs = [(x, y - base[x]) for x, y in zip(xs, ys) if y is not None and base.get(x) is not None]
+        pairs = [(x, y - b) for x, y in zip(xs, ys) if y is not None and (b := base.get(x)) is not None]
         by_arm.setdefault(result.spec.arm, []).append(([p[0] for p in pairs], [p[1] for p in pairs]))
     bands = {arm: band(members) for arm, members in by_arm.items()}
     return {arm: b for arm, b in bands.items() if b is not None}

@@ -57,7 +57,7 @@ class ArmSummary:
     arm: str
     final: dict[int, float]
     """Seed index → the compared final loss."""
-    final_train: dict[int, float]
+    final_train: dict[int, float | None]
     steps: int
     tokens: int
     trained_flops: float
@@ -121,7 +121,8 @@ def summarise(
         )
     by_key = {(s.size, s.arm): s for s in summaries}
     for summary in summaries:
-        base = by_key.get((summary.size, baselines.get(summary.arm)))
+        baseline_arm = baselines.get(summary.arm)
+        base = by_key.get((summary.size, baseline_arm)) if baseline_arm is not None else None
         if base is not None and base is not summary and summary.final and base.final:
             summary.difference = stats.difference_interval(summary.final, base.final, confidence)
             summary.baseline = base.arm

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from io import TextIOWrapper
 
 from k3train.ablation.grid import RunSpec
 from k3train.ablation.progress import MetricsFollower, RunProgress, format_elapsed, planned_steps
@@ -243,7 +244,7 @@ def run_sweep(
     )
     if summary:
         say(summary)
-    running: dict[int, tuple[subprocess.Popen, int, float, object]] = {}
+    running: dict[int, tuple[subprocess.Popen, int, float, TextIOWrapper]] = {}
     followers: dict[int, MetricsFollower] = {}
     last_progress = time.monotonic()
     free_slots = list(range(options.parallel))

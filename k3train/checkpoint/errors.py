@@ -44,7 +44,7 @@ def describe_failure(e: BaseException) -> str:
 
 def _causes(e: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
-    todo = [e]
+    todo: list[BaseException | None] = [e]
     while todo:
         current = todo.pop()
         if current is None or id(current) in seen:

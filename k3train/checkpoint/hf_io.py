@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -89,16 +89,20 @@ class CheckpointTensorReader:
             if hasattr(md, "chunks"):  # tensors only
                 self.fqns[name] = fqn
 
+    def _tensor_metadata(self, name: str) -> TensorStorageMetadata:
+        md = self.metadata.state_dict_metadata[self.fqns[name]]
+        assert isinstance(md, TensorStorageMetadata), "fqns holds tensors only (entries with chunks)"
+        return md
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        sdm = self.metadata.state_dict_metadata
-        return {name: tuple(sdm[fqn].size) for name, fqn in self.fqns.items()}
+        return {name: tuple(self._tensor_metadata(name).size) for name in self.fqns}
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.metadata.state_dict_metadata[self.fqns[name]].properties.dtype
+        return self._tensor_metadata(name).properties.dtype
 
     def dim0_boundaries(self, name: str) -> list[int]:
         """Where saved chunks start or end along dim 0 (e.g. expert-parallel shards)."""
-        md = self.metadata.state_dict_metadata[self.fqns[name]]
+        md = self._tensor_metadata(name)
         cuts = {0, int(md.size[0])}
         for chunk in md.chunks:
             cuts.add(int(chunk.offsets[0]))
@@ -129,12 +133,11 @@ class CheckpointTensorReader:
     def read(self, requests: Sequence[tuple[str, tuple[int, int] | None]]) -> list[torch.Tensor]:
         """One `dcp.load`: each request is (name, None) for a whole tensor or (name, (start, end))
         for rows [start, end) along dim 0; tensors come back in the checkpoint's dtype."""
-        sdm = self.metadata.state_dict_metadata
         targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
         out = []
         for name, rows in requests:
             fqn = self.fqns[name]
-            md = sdm[fqn]
+            md = self._tensor_metadata(name)
             size = list(md.size)
             offsets = [0] * len(size)
             if rows is not None:
@@ -157,15 +160,17 @@ class _SliceLoadPlanner(LoadPlanner):
 
     def __init__(self, targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> None:
         self.targets = targets
-        self.metadata = None
+        self.metadata: Metadata | None = None
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         self.metadata = metadata
 
     def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None, "set_up_planner runs before create_local_plan"
         items = []
         for fqn, (tensor, offsets) in self.targets.items():
             md = self.metadata.state_dict_metadata[fqn]
+            assert isinstance(md, TensorStorageMetadata), "targets are tensors only"
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.size())
             items += create_read_items_for_chunk_list(fqn, md, [chunk])
         return LoadPlan(items)
@@ -201,19 +206,20 @@ class HFDirectory:
         self.config = _read_json_object(config_path)
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
+        indexed: dict[str, Path] | None  # tensor name → shard file, from the index (None: one file)
         if index.is_file():
             weight_map = _read_json_object(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise HFConversionError(f"{index}: weight_map must be a non-empty object of tensor name → shard file")
-            self.files = {str(name): self._shard_path(index, name, file) for name, file in weight_map.items()}
+            indexed = {str(name): self._shard_path(index, name, file) for name, file in weight_map.items()}
         elif single.is_file():
-            self.files = None
+            indexed = None
             self._single = single
         else:
             raise HFConversionError(f"{self.path} has neither model.safetensors.index.json nor model.safetensors")
         self._open: dict[Path, Any] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
-        files = sorted(set(self.files.values())) if self.files is not None else [single]
+        files = sorted(set(indexed.values())) if indexed is not None else [single]
         for file in files:
             if not file.is_file():
                 raise HFConversionError(f"{file} is listed in the index but missing")
@@ -225,12 +231,13 @@ class HFDirectory:
                 raise HFConversionError(
                     f"{file} is not a valid safetensors file ({type(e).__name__}: {one_line(e, 200)})"
                 ) from None
-        if self.files is None:
-            self.files = {name: single for name in self._shapes}
+        if indexed is None:
+            self.files: dict[str, Path] = {name: single for name in self._shapes}
         else:
-            absent = [n for n in self.files if n not in self._shapes]
+            absent = [n for n in indexed if n not in self._shapes]
             if absent:
                 raise HFConversionError(f"index names tensors its shards do not hold: {short_listing(absent)}")
+            self.files = indexed
 
     @staticmethod
     def is_hf_dir(path: str | Path) -> bool:

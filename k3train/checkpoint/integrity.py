@@ -50,6 +50,7 @@ class ChecksummingWriter(FileSystemWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)  # a completed future: the writes are done
-        results = future.wait() if hasattr(future, "wait") else future.result()
+        # the else branch is for a concurrent.futures.Future (no wait()), outside DCP's declared type
+        results = future.wait() if hasattr(future, "wait") else future.result()  # type: ignore[attr-defined]
         self.written = sorted({r.storage_data.relative_path for r in results})
         return future

@@ -89,5 +89,7 @@ class SafeFileSystemReader(FileSystemReader):
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"checkpoint {self._checkpoint_path}: per-rank metadata files are not supported")
         metadata = self._metadata if self._metadata is not None else read_metadata_safely(self._checkpoint_path)
+        # read_metadata_safely fills in a missing storage_meta; a metadata object passed in came from it
+        assert metadata.storage_meta is not None, "metadata not read through read_metadata_safely"
         metadata.storage_meta.load_id = self.load_id
         return metadata

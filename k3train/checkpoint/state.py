@@ -72,7 +72,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, by_id: dict[int, str]) ->
     names = [name for name, _ in optimizer_param_names(optimizer, by_id)]
     osd = optimizer.state_dict()
     state = {names[pid]: value for pid, value in osd["state"].items()}
-    groups: dict[str, dict[str, Any]] = {}
+    groups: dict[str, tuple[tuple[str, Any], ...]] = {}
     for group in osd["param_groups"]:
         # One value per parameter (a tuple is never split by DCP), not one per option.
         options = tuple((k, v) for k, v in group.items() if k not in ("params", "param_names"))
@@ -97,7 +97,7 @@ def _set_path(root: dict, path: tuple, value: Any) -> None:
     node: Any = root
     for i, key in enumerate(path):
         last = i == len(path) - 1
-        nxt = None if last else ({} if isinstance(path[i + 1], str) else [])
+        nxt: Any = None if last else ({} if isinstance(path[i + 1], str) else [])
         if isinstance(node, list):
             while len(node) <= key:
                 node.append(None)

@@ -64,7 +64,7 @@ def _to_json(value: Any, where: str) -> Any:
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy is a dependency
-        np = None
+        np = None  # type: ignore[assignment]  # optional-import idiom; checked for None below
     if np is not None and isinstance(value, (np.ndarray, np.generic)):
         array = np.ascontiguousarray(value)
         return {
@@ -105,10 +105,10 @@ def _from_json(value: Any) -> Any:
     if tag == "ndarray":
         import numpy as np
 
-        dtype = np.dtype(str(value["dtype"]))
-        if dtype.hasobject:
+        np_dtype = np.dtype(str(value["dtype"]))
+        if np_dtype.hasobject:
             raise ValueError("object arrays are not allowed")
-        array = np.frombuffer(base64.b64decode(value["data"], validate=True), dtype=dtype)
+        array = np.frombuffer(base64.b64decode(value["data"], validate=True), dtype=np_dtype)
         array = array.reshape([int(s) for s in value["shape"]]).copy()
         return array[()] if value.get("scalar") else array
     raise ValueError(f"unknown tag {tag!r}")

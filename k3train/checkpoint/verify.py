@@ -63,8 +63,9 @@ def checkpoint_problems(path: str | Path, checksums: bool = True, share: tuple[i
         )
     if problems:
         return Verdict(None, problems, False)
+    assert manifest is not None  # a missing manifest is a problem above
     try:
-        metadata: Metadata | None = read_metadata_safely(path)
+        metadata = read_metadata_safely(path)
     except CheckpointError as e:
         return Verdict(None, [Problem("metadata", str(e))], False)
 
@@ -94,7 +95,7 @@ def checkpoint_problems(path: str | Path, checksums: bool = True, share: tuple[i
 
     files = manifest.get("files")
     checksummed = isinstance(files, dict)
-    if checksums and checksummed and not problems:
+    if checksums and isinstance(files, dict) and not problems:
         uncovered = sorted(set(needed) - set(files))
         if uncovered:
             problems.append(

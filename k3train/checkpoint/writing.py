@@ -48,7 +48,7 @@ class SaveJob:
     keys: list[str]
     kept: Callable[[], str]
     """Names the checkpoint that stays the newest if this save fails (for the error line)."""
-    finished: Callable[[Path], None]
+    finished: Callable[[Path], object]
     """Called on rank 0 after the rename (pruning)."""
 
 

@@ -8,6 +8,7 @@ Attributes on `nn.Parameter` (as Megatron marks `tensor_model_parallel`):
 """
 
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 
@@ -20,14 +21,22 @@ class HeadBlocks:
     num_heads: int
 
 
+class _HeadBlocksMarked(Protocol):
+    head_blocks: HeadBlocks
+
+
+class _AdamWOnlyMarked(Protocol):
+    adamw_only: bool
+
+
 def mark_head_blocks(param: torch.Tensor, dim: int, num_heads: int) -> None:
     if param.shape[dim] % num_heads:
         raise ValueError(f"dimension {dim} of shape {tuple(param.shape)} does not split into {num_heads} heads")
-    param.head_blocks = HeadBlocks(dim, num_heads)  # an attribute torch does not declare
+    cast(_HeadBlocksMarked, param).head_blocks = HeadBlocks(dim, num_heads)  # an attribute torch does not declare
 
 
 def mark_adamw_only(param: torch.Tensor) -> None:
-    param.adamw_only = True
+    cast(_AdamWOnlyMarked, param).adamw_only = True
 
 
 def linear_weight(linear: torch.nn.Module) -> torch.nn.Parameter:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,7 @@ def permutation(n: int, *seed_words: int) -> np.ndarray:
 
 
 def greedy_blend(
-    weights: Sequence[float], taken: Sequence[int], count: int
+    weights: Iterable[float], taken: Iterable[int], count: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The next `count` draws of the blend, given the samples `taken` from each dataset so far.
 
@@ -506,6 +506,7 @@ def _scan_vocabulary(dataset: IndexedDataset, vocab_size: int, tokenizer: Tokeni
         part = dataset.tokens[start : start + chunk]
         low = int(part.min()) if low is None else min(low, int(part.min()))
         high = int(part.max()) if high is None else max(high, int(part.max()))
+    assert low is not None and high is not None  # num_tokens > 0: the loop ran at least once
     if high >= vocab_size or low < 0:
         raise DataError(_vocab_message(dataset, np.array([low, high]), vocab_size, tokenizer))
 

@@ -29,6 +29,7 @@ from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
 from k3train.parallel.context import ContextParallel
 from k3train.parallel.tensor import (
+    ShardedParameter,
     TensorParallel,
     VocabParallelEmbedding,
     install_sharded_state_dict,
@@ -207,7 +208,13 @@ class K3Model(nn.Module):
                 )
                 sharded = getattr(param, "tensor_parallel", False)  # a TP shard of `full_shape`
                 stream = TiledStream(seed, name, tuple(getattr(param, "full_shape", param.shape)), fill, tile_elements)
-                draw_local(stream, param, self.tp.rank, self.tp.size, param.partition_dim if sharded else None)
+                draw_local(
+                    stream,
+                    param,
+                    self.tp.rank,
+                    self.tp.size,
+                    cast(ShardedParameter, param).partition_dim if sharded else None,
+                )
         for name, module in self.named_modules():
             if isinstance(module, KimiDeltaAttention):
                 module.reset_gate_parameters(seed, name, tile_elements)

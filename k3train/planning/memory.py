@@ -94,7 +94,7 @@ def moe_elements_per_token(cfg: ModelConfig, tp: int) -> tuple[float, float]:
     gathered latent and the expert output (2l), SiTU-GLU's factors and the down projection's
     input (5·I) and the routing weight, index and order scalars (8); the shared experts a GLU of
     width `n_shared·I` (its input, h, is the region's)."""
-    k, latent, inner = cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    k, latent, inner = cfg.num_experts_per_token, cfg.expert_width, cfg.moe_intermediate_size
     routed = cfg.num_experts + 2 * latent + k * (2 * latent + 5 * inner + 8)
     shared = (
         glu_elements_per_token(cfg.hidden_size, cfg.num_shared_experts * inner / tp) if cfg.num_shared_experts else 0
@@ -270,7 +270,7 @@ def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -
         return 0.0
     cfg = job.config.model
     shapes = ep.buffer_shapes(
-        int(shape.outside_tokens), cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+        int(shape.outside_tokens), cfg.num_experts_per_token, cfg.expert_width, cfg.moe_intermediate_size
     )
     return (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * shape.element_bytes * moe_layers
 
@@ -282,7 +282,7 @@ def replica_weight_bytes(job: RankJob, moe_layers: int) -> float:
     if ep is None or not moe_layers or not ep.max_replicas:
         return 0.0
     cfg = job.config.model
-    shapes = ep.buffer_shapes(1, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size)
+    shapes = ep.buffer_shapes(1, cfg.num_experts_per_token, cfg.expert_width, cfg.moe_intermediate_size)
     slots, width = shapes["replica_weights"]
     return 2 * slots * width * 4 * moe_layers
 

@@ -206,7 +206,7 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
         shapes = ep.buffer_shapes(
             int(shape.outside_tokens),
             cfg.num_experts_per_token,
-            cfg.routed_expert_hidden_size,
+            cfg.expert_width,
             cfg.moe_intermediate_size,
         )
         expert_buffers = (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * element

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from k3train.config import JobConfig
+from k3train.model.moe import LatentMoE
 from k3train.optim.builder import route_parameters
 from k3train.optim.muon import block_layout
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, is_tensor_parallel
@@ -242,12 +243,12 @@ def job_traffic_terms(
             scattered = [
                 b
                 for b in reducer.buckets
-                if b.sharded and b.scatter_group.name == group_name and (b.then_over is not None) == partial
+                if b.sharded and b.owner_group.name == group_name and (b.then_over is not None) == partial
             ]
             if not scattered:
                 continue
             tensors = sum(len(b.params) for b in scattered)
-            padded = sum(b.scatter_group.size * b.segment - b.numel - len(b.params) for b in scattered)
+            padded = sum(b.owner_group.size * b.segment - b.numel - len(b.params) for b in scattered)
             add(
                 group_name,
                 "gradient buckets, ZeRO-1 reduce-scatter to owners"
@@ -310,7 +311,7 @@ def job_traffic_terms(
         # One all-reduce pools every layer's summable statistics (`moe.pool_routing_statistics`).
         # Per layer: E token loads plus the dispatch counters, read off the built model.
         counters = next(
-            module.step_dispatch_counts.numel() for module in model.modules() if hasattr(module, "step_dispatch_counts")
+            module.step_dispatch_counts.numel() for module in model.modules() if isinstance(module, LatentMoE)
         )
         pooled_elements = moe_layers * (experts + counters)
         described = f"{moe_layers} × (E+{counters}) loads and dispatch counters"

@@ -22,7 +22,9 @@ elementwise maths is unchanged (inductor may reorder fp32 reductions: losses mat
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -73,7 +75,7 @@ class CompiledMixNorm:
     so a model with many distinct counts, as `attn_res: full` has, never meets dynamo's recompile
     limit)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.compiled: dict[tuple, Callable] = {}
 
     def __call__(
@@ -113,6 +115,7 @@ def _mix_norm(
 def _activation_key(activation: Callable) -> object:
     """Equal activations (a `functools.partial` of the same function and arguments) share a key."""
     keywords = getattr(activation, "keywords", None)
-    if keywords is not None:
-        return (activation.func, activation.args, tuple(sorted(keywords.items())))
+    if keywords is not None:  # a functools.partial: it has func and args as well
+        partial = cast("functools.partial[object]", activation)
+        return (partial.func, partial.args, tuple(sorted(keywords.items())))
     return activation

@@ -279,7 +279,7 @@ class Trainer:
     def run(self, should_stop: Callable[[], bool], save_checkpoint: Callable[[int], None]) -> list[dict[str, Any]]:
         """Train until `train.steps`, or until `should_stop()` (SIGTERM/SIGINT): then save and return."""
         config = self.config
-        history = []
+        history: list[dict[str, Any]] = []
         self._run_start = time.perf_counter()
         if self.progress.step >= config.train.steps:
             print(

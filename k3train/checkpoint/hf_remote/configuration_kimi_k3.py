@@ -24,4 +24,5 @@ class KimiK3Config(PretrainedConfig):
         if isinstance(text_config, dict) or text_config is None:
             text_config = KimiK3TextConfig(**dict(text_config or {}))
         self.text_config = text_config
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        # transformers' @strict(accept_kwargs=True) wraps the dataclass __init__ to take extra kwargs
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)  # type: ignore[call-arg]

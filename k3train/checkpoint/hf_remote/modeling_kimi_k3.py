@@ -27,7 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 try:
     from .configuration_kimi_k3 import KimiK3Config
 except ImportError:  # loaded as a top-level module (tests)
-    from configuration_kimi_k3 import KimiK3Config
+    from configuration_kimi_k3 import KimiK3Config  # type: ignore[no-redef]  # same class, other import path
 
 LATENT_NORM_EPS = 1e-6  # MLA's q_a/kv_a layernorms
 # The cache's name in model outputs and generation kwargs: `cache` from transformers 5.24 on,
@@ -430,6 +430,7 @@ class GatedMLA(nn.Module):
         past = 0
         if cache is not None:
             if cache.keys is not None:
+                assert cache.values is not None, "keys and values are cached together"
                 past = cache.keys.shape[1]
                 k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)
             cache.keys, cache.values = k, v
@@ -517,7 +518,8 @@ class KimiK3TextModel(nn.Module):
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
     def forward(self, input_ids, cache: KimiK3Cache | None):
-        blocks, partial = [], self.embed_tokens(input_ids)
+        blocks: list[torch.Tensor] = []
+        partial = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers):
             blocks, partial = layer(blocks, partial, cache.layers[index] if cache is not None else None)
         sources = blocks + [partial]
