@@ -85,7 +85,8 @@ def build(
     if before:
         for module in model.modules():
             if isinstance(module, AttentionResidual):
-                module.normalized_input = types.MethodType(stacked_checkpointed_input, module)
+                # Per-instance swap to the earlier mix, on purpose.
+                module.normalized_input = types.MethodType(stacked_checkpointed_input, module)  # type: ignore[method-assign]
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4), config
 
 

@@ -155,7 +155,7 @@ def main() -> None:
         )
         big = big_state(args.gb)
         io_costs(f"{args.gb:g} GB state", lambda: big, root / "big", args.repeats)
-        big = None  # free the state before the stall test (the lambda reads the name, not the value)
+        big = {}  # free the state before the stall test (the lambda reads the name, not the value)
         stall(root / "stall", args.steps)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -109,8 +109,17 @@ def kda_inputs(piece: int, heads: int, key: int, value: int, seed: int = 0) -> d
 def time_kda(inputs: dict[str, torch.Tensor], initial_state: torch.Tensor, chunk_size: int) -> float:
     started = time.perf_counter()
     o, state = chunk_kda(
-        **inputs, initial_state=initial_state, output_final_state=True, chunk_size=chunk_size, backend="torch"
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        initial_state=initial_state,
+        output_final_state=True,
+        chunk_size=chunk_size,
+        backend="torch",
     )
+    assert state is not None, "chunk_kda returns the final state when asked for it"
     (o.sum() + state.sum()).backward()
     return time.perf_counter() - started
 

@@ -4,7 +4,7 @@ Runs the real planner, slot routing, relay plan and drop rules (`parallel/expert
 every simulated source rank, on synthetic routing with K3's shapes (896 experts, top-16, latent
 3584, expert width 3072, 2,048 tokens per rank and micro-batch, at most 2 replicas per rank), and
 the same for two earlier revisions loaded from git into temporary modules, side by side:
-`--old-revision` (the code the issue measured: per-pair buffers, replicas fetched per
+`--old-revision` (the earlier dispatch code: per-pair buffers, replicas fetched per
 micro-batch) and `--previous-revision` (per-destination receive buffers and replicas once per
 step, with its `padded` default and its exact `splits` transport).
 
@@ -52,6 +52,7 @@ def load_old_module(revision: str, path: str = "parallel/expert.py"):
     file = Path(tempfile.mkdtemp()) / f"{name}.py"
     file.write_text(source)
     spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None, f"{file} is a .py file, which always has a loader"
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -211,7 +212,7 @@ def main() -> None:
     parser.add_argument(
         "--old-revision",
         default="222b10e",
-        help="git revision of the code the issue measured (per-pair buffers, replicas per micro-batch); '' to skip",
+        help="git revision of the earlier dispatch code (per-pair buffers, replicas per micro-batch); '' to skip",
     )
     parser.add_argument(
         "--previous-revision",

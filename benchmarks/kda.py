@@ -24,8 +24,9 @@ import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ from k3train.kernels.kda import chunk_kda, naive_recurrent_kda
 from k3train.model.flops import kda_chunk_flops_per_chunk
 
 
-def load_chunk_module(path: str, siblings: list[str] = ()):
+def load_chunk_module(path: str, siblings: Sequence[str] = ()):
     """Another version of `kernels/kda/chunk.py`, imported inside the `kda` package so its
     relative imports resolve. `siblings`: other versions of the modules it imports (e.g.
     `tiles.py`, then `chunk_training.py`), which its relative imports then bind to instead of the
@@ -43,11 +44,12 @@ def load_chunk_module(path: str, siblings: list[str] = ()):
 
     def load(name: str, file: str):
         spec = importlib.util.spec_from_file_location(name, file)
+        assert spec is not None and spec.loader is not None, f"{file} is a .py file, which always has a loader"
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
 
-    replaced = {}
+    replaced: dict[str, ModuleType | None] = {}
     try:
         for file in siblings:
             name = f"k3train.kernels.kda.{Path(file).stem}"
@@ -56,7 +58,8 @@ def load_chunk_module(path: str, siblings: list[str] = ()):
         return load("k3train.kernels.kda._chunk_before", path)
     finally:
         for name, module in replaced.items():
-            sys.modules[name] = module
+            # None is a valid sys.modules value (it blocks the import); typeshed's type omits it.
+            sys.modules[name] = module  # type: ignore[assignment]
 
 
 def time_matmul(clock: Callable[[], float], size: int = 1024) -> float:

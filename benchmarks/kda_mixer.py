@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -64,7 +65,7 @@ def _home(name: str):
 
 
 @contextlib.contextmanager
-def patched(names: dict[str, object]):
+def patched(names: Mapping[str, object]):
     saved = {name: getattr(_home(name), name) for name in names}
     for name, value in names.items():
         setattr(_home(name), name, value)
@@ -75,7 +76,7 @@ def patched(names: dict[str, object]):
             setattr(_home(name), name, value)
 
 
-def time_step(mixer: torch.nn.Module, x: torch.Tensor, probe: torch.Tensor, swaps: dict[str, object]) -> float:
+def time_step(mixer: torch.nn.Module, x: torch.Tensor, probe: torch.Tensor, swaps: Mapping[str, object]) -> float:
     with patched(swaps):
         start = time.process_time()
         (mixer(x) * probe).sum().backward()
@@ -106,12 +107,15 @@ def main() -> None:
         f"{config.hidden_size}, {lac.num_heads} heads x {lac.head_dim}, B={args.batch} T={args.seq}, fp32; "
         f"forward + backward, median of {args.repeats} (process CPU time)\n"
     )
-    rows = {"mixer with chunk_kda": {}, "mixer around chunk_kda (stand-in kernel)": {"chunk_kda": stand_in_kernel}}
+    rows: dict[str, dict[str, object]] = {
+        "mixer with chunk_kda": {},
+        "mixer around chunk_kda (stand-in kernel)": {"chunk_kda": stand_in_kernel},
+    }
     print("| | reference kernels (ms) | fast kernels (ms) | reference / fast |")
     print("|---|---:|---:|---:|")
     for row, kernel_swap in rows.items():
         contenders = {"reference": {**REFERENCES, **kernel_swap}, "fast": dict(kernel_swap)}
-        times = {name: [] for name in contenders}
+        times: dict[str, list[float]] = {name: [] for name in contenders}
         for swaps in contenders.values():  # warm-up
             time_step(mixer, x, probe, swaps)
         for _ in range(args.repeats):
@@ -187,8 +191,8 @@ def time_training_step(repeats: int) -> None:
         [*step_vs_dense.WIDE_MODEL, f"train.steps={2 * repeats + 4}", "logging.jsonl=false", "optimizer.name=adamw"],
     )
     trainer = step_vs_dense.k3_trainer(config)
-    contenders = {"reference": REFERENCES, "fast": {}}
-    times = {name: [] for name in contenders}
+    contenders: dict[str, Mapping[str, object]] = {"reference": REFERENCES, "fast": {}}
+    times: dict[str, list[float]] = {name: [] for name in contenders}
     for swaps in contenders.values():  # warm-up
         with patched(swaps):
             trainer.train_step()

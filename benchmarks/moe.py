@@ -46,7 +46,7 @@ from k3train.model.balance import (
 from k3train.model.config import ModelConfig
 from k3train.model.moe import LocalExperts
 from k3train.parallel.comm import Group, TrafficCounter
-from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.expert import ExpertParallel, Mode
 from k3train.parallel.expert_plan import (
     capacity_per_destination,
     capacity_per_pair,
@@ -99,7 +99,7 @@ def dispatch_bytes(
     width: int,
     ep: int,
     tokens: int,
-    mode: str,
+    mode: Mode,
     capacity_factor: float,
     max_replicas: int,
     dtype=torch.bfloat16,
@@ -113,14 +113,14 @@ def dispatch_bytes(
     latent = torch.empty(tokens, width, device="meta", dtype=dtype, requires_grad=True)
     ids = torch.empty(tokens, k, device="meta", dtype=torch.int64)
     weights = torch.empty(tokens, k, device="meta", dtype=torch.float32, requires_grad=True)
-    recorded = []
+    recorded: list[tuple[tuple[int, ...], torch.dtype, int]] = []
     original_add = counter.add
 
-    def add(name, tensor):
+    def add(group_name: str, tensor: torch.Tensor, operation: str = "all_reduce") -> None:
         recorded.append((tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size()))
-        original_add(name, tensor)
+        original_add(group_name, tensor, operation)
 
-    counter.add = add
+    counter.add = add  # type: ignore[method-assign]  # this one counter records each send, on purpose
     routed, _ = expert_parallel(latent, ids, weights, experts)
     routed.sum().backward()
     capacity = expert_parallel.capacity(tokens, k)
@@ -138,8 +138,10 @@ def dispatch_bytes(
 def table_a(args) -> None:
     config = ModelConfig.preset("k3")
     d, latent, k = config.hidden_size, config.routed_expert_hidden_size, config.num_experts_per_token
+    assert latent is not None, "the k3 preset has a latent width"
     rows = []
-    for mode in ("capacity", "balanced"):
+    modes: tuple[Mode, ...] = ("capacity", "balanced")
+    for mode in modes:
         for width, label in ((latent, f"latent {latent}"), (d, f"full {d}")):
             counted = dispatch_bytes(config, width, args.ep, args.tokens, mode, args.capacity_factor, args.max_replicas)
             per_token = {key: value / args.tokens for key, value in counted.items() if key != "capacity"}
@@ -222,7 +224,7 @@ def table_b(args) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         "same-batch floor": None,
     }
     biases = {name: torch.zeros(experts) for name in balancers}
-    history = {name: [] for name in balancers}
+    history: dict[str, list[float]] = {name: [] for name in balancers}
     kept_scores, kept_biases = [], []
     started = time.perf_counter()
     for step in range(args.steps):
@@ -277,6 +279,7 @@ def table_c(args, scores_list=None, biases=None) -> None:
             balancer = HistogramQuantileBalancer(experts, k, bins)
             balancer.observe(scores, bias)
             low, high = HistogramQuantileBalancer.margin_range(bias)
+            assert balancer.counts is not None, "observe() counted this batch"
             raw = histogram_quantile(balancer.counts, k / experts, low, high)
             new_bias = balancer.next_bias(bias).double()
             width = (high - low).item() / bins
@@ -435,7 +438,7 @@ def table_e(args: argparse.Namespace) -> None:
         if hasattr(torch, "_grouped_mm"):
             kernels["torch._grouped_mm"] = torch_grouped_mm
         dense_stacks = [stack[:1].detach().clone().requires_grad_() for stack in stacks]  # one expert's matrices
-        times = {name: [] for name in kernels}
+        times: dict[str, list[float]] = {name: [] for name in kernels}
 
         def run(name: str) -> float:
             return expert_glu_pass(
@@ -477,7 +480,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kept = (None, None)
+    kept: tuple[list[torch.Tensor], list[torch.Tensor]] | tuple[None, None] = (None, None)
     if "a" in args.tables:
         table_a(args)
     if "b" in args.tables:

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from k3train.benchmarking.step_comparison import DEBUG_RECIPE, WIDE_MODEL
 from k3train.config import load_config
+from k3train.optim.muon import PerHeadMuon
 from k3train.parallel.state import Layout, ParallelState
 from k3train.training.build import build_rank
 
@@ -44,7 +45,9 @@ def optimizer_times(cases: dict[str, list[str]], parallel: ParallelState) -> dic
             for param in job.model.parameters():  # the same gradients on every rank, as after the all-reduce
                 param.grad = torch.randn(param.shape, generator=generator) * 1e-2
             job.optimizer.step()
-            stats = job.optimizer.optimizer.step_stats
+            muon = job.optimizer.optimizer
+            assert isinstance(muon, PerHeadMuon), "the debug recipe's optimizer is Muon"
+            stats = muon.step_stats
             if step:
                 samples[label].append((stats.ns_seconds, stats.exchange_seconds, stats.ns_flops))
     return {

@@ -31,6 +31,7 @@ import struct
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 # k3train runs from its checkout without installation (as Megatron-LM does): put the checkout
 # root on sys.path so `python tools/convert_checkpoint.py` finds the package from any directory.
@@ -163,7 +164,7 @@ class ShardWriter:
         self.names = [shard_file_name(i, len(shards)) for i in range(len(shards))]
         self._queue: Iterator[tuple[int, TensorSpec]] = ((i, s) for i, shard in enumerate(shards) for s in shard)
         self._shard = -1
-        self._file = None
+        self._file: BinaryIO | None = None
         self._remaining = 0
 
     def _open(self, index: int) -> None:
@@ -208,6 +209,7 @@ class ShardWriter:
                 f"{spec.hf_name}: {tensor.dtype} {tuple(tensor.shape)}, planned {want_dtype} {spec.shape}"
             )
         if tensor.numel():
+            assert self._file is not None, "the shard this tensor belongs to is open until its last tensor"
             self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         self._remaining -= 1
         if self._remaining == 0:
@@ -230,7 +232,7 @@ class ReadUnit:
     """Specs served by one group of reads: whole tensors, or a slab of experts [start, end)."""
 
     requests: list[tuple[str, tuple[int, int] | None]]
-    specs: list[TensorSpec]
+    specs: Sequence[TensorSpec]
     start: int = 0
     nbytes: int = 0
 

@@ -63,7 +63,7 @@ def rank_stage(config, layout, pp_rank: int, plan: PipelinePlan) -> K3Stage:
 def memory_estimate(stage: K3Stage, config, dp: int) -> tuple[int, float]:
     """(parameters on this rank, GiB of fp32 parameters + gradients + optimizer state)."""
     parameters = sum(p.numel() for p in stage.parameters())
-    state_elements = 0
+    state_elements: float = 0
     for route in route_parameters(stage, config.optimizer):
         state_elements += route.param.numel() * (1 if route.route == "muon" else 2)
     if config.parallel.zero1:

@@ -61,11 +61,12 @@ from k3train.checkpoint.hf_io import (  # noqa: E402
     run_config_path,
 )
 from k3train.config import ConfigError, load_config  # noqa: E402
+from k3train.model.k3 import K3Model  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
-def load_model(path: str, config: str | None = None) -> tuple[torch.nn.Module, str]:
+def load_model(path: str, config: str | None = None) -> tuple[K3Model, str]:
     """(K3Model with the weights of `path`, a description of where they came from)."""
     if HFDirectory.is_hf_dir(path):
         hf = HFDirectory(path)

@@ -91,7 +91,8 @@ def check_situ_glu(ctx: Context) -> Iterator[Row]:
 
     gate, up, dout = inputs(BF16, seed=13)
     fast = run(gate, up, dout)
-    ref = run(*to_cpu64(gate, up), dout.to("cpu", F64))
+    gate64, up64 = to_cpu64(gate, up)
+    ref = run(gate64, up64, dout.to("cpu", F64))
     max_abs, rel, worst = compare({key: (fast[key], ref[key]) for key in ref})
     timed = {dtype: inputs(dtype, seed=14) for dtype in (F32, BF16)}
     ref_ms = ctx.time_ms(lambda: run(*timed[F32]))
@@ -194,8 +195,10 @@ def fused_path_cases(ctx: Context) -> dict[str, tuple[Callable, Callable, Callab
             ],
         ),
         "kda_chunk_backward": (
-            lambda *t: chunk_kda(*t[:5], initial_state=t[5], output_final_state=True)[0],
-            lambda *t: chunk_kda_autograd_reference(*t[:5], t[0].shape[-1] ** -0.5, t[5], True, 64)[0],
+            lambda *t: chunk_kda(t[0], t[1], t[2], t[3], t[4], initial_state=t[5], output_final_state=True)[0],
+            lambda *t: chunk_kda_autograd_reference(
+                t[0], t[1], t[2], t[3], t[4], t[0].shape[-1] ** -0.5, t[5], True, 64
+            )[0],
             kda_inputs,
         ),
         "attn_res_mix_rmsnorm": (

@@ -62,7 +62,8 @@ def kda_forward_backward(
 def kda_reference(inputs: dict[str, torch.Tensor], cotangents: tuple[torch.Tensor, torch.Tensor]) -> dict:
     """The token-by-token recurrence in float64 on the CPU, on exactly the same inputs."""
     inputs64 = dict(zip(inputs, to_cpu64(*inputs.values())))
-    return kda_forward_backward(naive_recurrent_kda, inputs64, tuple(to_cpu64(*cotangents)))
+    do64, dstate64 = to_cpu64(*cotangents)
+    return kda_forward_backward(naive_recurrent_kda, inputs64, (do64, dstate64))
 
 
 def kda_accuracy_row(
@@ -359,7 +360,7 @@ def check_short_conv_fla(ctx: Context) -> Iterator[Row]:
             name,
             inputs,
             grad_output,
-            lambda backend: short_conv_silu(*inputs.values(), backend=backend)[0],
+            lambda backend: short_conv_silu(inputs["x"], inputs["weight"], backend=backend)[0],
             f"B={batch} T={seq} C={channels} W=4 bf16",
         )
 
@@ -392,7 +393,7 @@ def check_gated_norm_fla(ctx: Context) -> Iterator[Row]:
             name,
             inputs,
             grad_output,
-            lambda backend: gated_rms_norm(*inputs.values(), 1e-5, backend=backend),
+            lambda backend: gated_rms_norm(inputs["x"], inputs["gate"], inputs["weight"], 1e-5, backend=backend),
             f"B={batch} T={seq} H={heads} D={dim} bf16",
         )
 

@@ -51,6 +51,7 @@ def precision_region(te, precision: str, recipe: str | None, device: torch.devic
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast(device.type, dtype=BF16))
     if precision == "fp8":
+        assert recipe is not None, "precision fp8 runs under a named FP8 recipe"
         stack.enter_context(te_kernels.fp8_autocast(te, True, te_kernels.make_fp8_recipe(te, recipe)))
     return stack
 
@@ -135,6 +136,7 @@ def te_linear_row(
     x64, w64, g64 = x.to(F64), weight.to(F64), grad_out.to(F64)
     ref = {"y": x64 @ w64.T, "dx": g64 @ w64, "dw": g64.T @ x64}
     module = te_kernels.TELinearFactory(te, ctx.device)(in_features, out_features)
+    assert isinstance(module.weight, torch.Tensor), "te.Linear's weight is a parameter"
     with torch.no_grad():
         module.weight.copy_(weight)
     fp8_gemm = precision == "fp8" and not module.keep_out_of_fp8
@@ -189,9 +191,9 @@ def te_grouped_row(
     rows = rows.detach()
     out64 = grouped_mm_reference(rows64, stack64.transpose(1, 2), ends.cpu())
     out64.backward(grad_out.to("cpu", F64))
-    gemm = te_kernels.TELinearFactory(te, ctx.device, fp8_rows=te_kernels.FP8_GROUP_ROWS.get(recipe, 16)).grouped(
-        groups, latent, inner
-    )
+    assert rows64.grad is not None and stack64.grad is not None, "both are leaves that require grad"
+    fp8_rows = 16 if recipe is None else te_kernels.FP8_GROUP_ROWS.get(recipe, 16)
+    gemm = te_kernels.TELinearFactory(te, ctx.device, fp8_rows=fp8_rows).grouped(groups, latent, inner)
 
     def te_step():
         xi = rows.clone().requires_grad_(True)
