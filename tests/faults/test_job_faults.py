@@ -108,11 +108,24 @@ def test_sigterm_stops_with_the_stopped_status(tmp_path):
     assert complete_checkpoints(run_dir) == [int(stopped[0].split()[3])]
 
 
+SLOW_START_UP = (
+    "model.hidden_size=1024",
+    "model.num_hidden_layers=48",
+    "model.num_experts=64",
+    "model.intermediate_size=4096",
+    "model.routed_expert_hidden_size=64",
+    "model.linear_attn_config.head_dim=32",
+    "train.steps=3000",
+)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_during_start_up_is_one_line_and_the_unsaved_status(tmp_path, signum):
     """Before the loop there is nothing to save: status 4 and one line, not SIGTERM's silent
     death (-15) or Ctrl-C's KeyboardInterrupt traceback."""
-    job = single(tmp_path / "early")
+    # A model that takes a second or more to build and more steps than could finish: the signal
+    # lands in the start-up however late a loaded machine lets this process send it.
+    job = single(tmp_path / "early", *SLOW_START_UP)
     job.wait_for(r"run directory:")  # torch is loaded, the model not built yet
     job.signal(signum)
     assert job.finish() == STOPPED_UNSAVED, job.stderr[-3000:]
