@@ -5,7 +5,7 @@ naive full-history protocol, the paper's increments (arXiv 2603.15031 §4.1) and
 for several `(P, V, layers, block size)`; each hop also carries the partial sum, and backward
 sends the same again as gradients.
 
-Part 2 (measured, gloo on CPU): P ranks run a small float32 K3 model through `PipelineSchedule`
+Part 2 (measured, gloo on CPU): P ranks run a small float32 K3 model through `PipelineExecutor`
 with a fixed sleep added to every decoder layer (forward `t`, backward `2t`, through an autograd
 function on the residual stream), so stage times are even and dominate the small real compute.
 It prints the bytes comm.py counted on the pipeline hops beside the plan's exact count, and the
@@ -80,7 +80,7 @@ def bench_worker(env, payload) -> list[dict]:
 
     from k3train.contracts.stage_io import ResidualState
     from k3train.model.config import ModelConfig
-    from k3train.parallel.pipeline import PipelineSchedule, residual_shape
+    from k3train.parallel.pipeline import PipelineExecutor, residual_shape
     from k3train.parallel.state import ParallelState, resolve_layout
     from k3train.training.build import build_model
 
@@ -125,7 +125,7 @@ def bench_worker(env, payload) -> list[dict]:
         tokens = torch.randint(
             0, config.vocab_size, (micro_batches * mb, seq + 1), generator=torch.Generator().manual_seed(0)
         )
-        schedule = PipelineSchedule(plan, state.pp, residual_shape(mb, seq, config.hidden_size))
+        schedule = PipelineExecutor(plan, state.pp, residual_shape(mb, seq, config.hidden_size))
         bubbles, waits = [], []
         for repeat in range(payload["repeats"] + 1):
             state.counter.reset()

@@ -92,7 +92,7 @@ class _ChunkRecord:
     loss: torch.Tensor | None = None
 
 
-class PipelineSchedule:
+class PipelineExecutor:
     """Runs one step of micro-batches through this rank's model chunks (see the module docstring).
 
     Args:
@@ -119,7 +119,7 @@ class PipelineSchedule:
         forward_context: Callable[[], ContextManager] | None = None,
         grad_group: Group | None = None,
         before_backward: Callable[[int, bool], None] | None = None,
-        after_step: Callable[[Step, PipelineSchedule], None] | None = None,
+        after_step: Callable[[Step, PipelineExecutor], None] | None = None,
         trace_cache: bool = False,
     ):
         if group.size != plan.pp:

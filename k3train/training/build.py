@@ -28,7 +28,7 @@ from k3train.parallel.comm import Group
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, GradientReducer
 from k3train.parallel.muon_split import install_muon_split
-from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
+from k3train.parallel.pipeline import PipelineExecutor, PipelinePlan, residual_shape
 from k3train.parallel.state import Layout, ParallelState
 from k3train.parallel.zero1 import DistributedOptimizer
 from k3train.recipe import ConfigError
@@ -50,7 +50,7 @@ class RankJob:
     model: K3Stage  # this rank's chunks under the whole model's parameter names
     reducer: GradientReducer
     optimizer: DistributedOptimizer
-    schedule: PipelineSchedule
+    schedule: PipelineExecutor
 
 
 class _PlanningState(ParallelState):
@@ -243,7 +243,7 @@ def build_rank(
     reducer = GradientReducer(
         model, parallel, bucket_bytes=bucket_bytes, overlap=overlap, owners=optimizer.gradient_owners()
     )
-    schedule = PipelineSchedule(
+    schedule = PipelineExecutor(
         plan,
         parallel.pp,
         residual_shape(

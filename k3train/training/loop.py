@@ -29,7 +29,7 @@ from k3train.model.k3 import K3Stage
 from k3train.model.moe import finish_expert_step, pool_routing_statistics
 from k3train.optim.schedules import lr_at, set_lr
 from k3train.parallel.grad_reduce import GradientReducer, average_over_dp, clip_grad_norm
-from k3train.parallel.pipeline import PipelineSchedule
+from k3train.parallel.pipeline import PipelineExecutor
 from k3train.parallel.pipeline_schedule import PipelineConfigError, check_interleaved_micro_batches
 from k3train.parallel.state import ParallelState
 from k3train.training.metrics import MetricsLogger
@@ -102,7 +102,7 @@ class Trainer:
         logger: MetricsLogger | None,
         parallel: ParallelState,
         reducer: GradientReducer,
-        schedule: PipelineSchedule,
+        schedule: PipelineExecutor,
     ):
         self.config, self.model, self.optimizer, self.data = config, model, optimizer, data
         self.schedule = schedule

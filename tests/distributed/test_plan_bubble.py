@@ -1,6 +1,6 @@
 """The planner's pipeline bubble (`bubble_formula`, which `k3train/planning/time.py` charges as
 `(P−1)/V` micro-batch times) against the bubble the real schedule shows, measured as
-`benchmarks/pipeline.py` measures it: 2 gloo ranks run `PipelineSchedule` over a model whose
+`benchmarks/pipeline.py` measures it: 2 gloo ranks run `PipelineExecutor` over a model whose
 layers sleep 25 ms forward and 50 ms backward (even stages, no compute noise), and the bubble of
 a rank is `1 − time inside chunk forward/backward / step`.
 

@@ -3,7 +3,7 @@ runs one real training step and reports what comm.py counted beside the formula'
 
 One launch runs several layouts in turn. Each is built the way `pretrain_k3.main` builds a job
 (`k3train.training.build.build_rank`: model chunks from the seed, `GradientReducer`,
-`DistributedOptimizer`, `PipelineSchedule`; then data and `Trainer`), its counter is reset after set-up, and `Trainer.train_step()`
+`DistributedOptimizer`, `PipelineExecutor`; then data and `Trainer`), its counter is reset after set-up, and `Trainer.train_step()`
 runs once: the counter then holds exactly one step (schedule, reduction, loss average, clipping,
 optimizer step, routing statistics). A layout with fewer ranks than the launch (DP2, TP2 in a
 4-rank launch) runs on ranks 0..world-1; the other ranks only take part in creating its groups

@@ -307,8 +307,8 @@ def equivalence(env, spec: dict) -> dict:
 
 
 def pipeline_equivalence(env, spec: dict) -> dict:
-    """EP inside pipeline stages: `PipelineSchedule` over several micro-batches per DP rank."""
-    from k3train.parallel.pipeline import PipelinePlan, PipelineSchedule, residual_shape
+    """EP inside pipeline stages: `PipelineExecutor` over several micro-batches per DP rank."""
+    from k3train.parallel.pipeline import PipelineExecutor, PipelinePlan, residual_shape
     from k3train.training.build import build_model
 
     started = time.perf_counter()
@@ -328,9 +328,9 @@ def pipeline_equivalence(env, spec: dict) -> dict:
     micro_batches = list(tokens.split(micro_batch_size))[state.dp_rank * count : (state.dp_rank + 1) * count]
     shape = residual_shape(micro_batch_size, seq, config.hidden_size, state.tp.size, state.sequence_parallel)
     if spec["mode"] == "balanced":  # step 0 places no replicas: plan them from a first step's loads
-        PipelineSchedule(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
+        PipelineExecutor(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
         forget_warm_up_step(chunks, state)
-    loss = PipelineSchedule(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
+    loss = PipelineExecutor(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
     reducer = reduce_gradients(chunks, state)
     finish_expert_step([moe for chunk in chunks for moe in chunk.moe_layers()], state)
     global_loss = state.dp.all_reduce(loss.clone()) / dp

@@ -3,7 +3,7 @@
 `run_checks` runs a list of pipeline configurations in one group of gloo workers. For each, every
 rank builds the single-process reference model in-process from the same seed (initialisation
 depends only on the seed and parameter names), computes the mean loss of the global batch and its
-gradients in float64, then runs its own pipeline chunks through `PipelineSchedule` on the same
+gradients in float64, then runs its own pipeline chunks through `PipelineExecutor` on the same
 micro-batches and compares the loss and the gradient of every parameter it holds. It also returns
 the bytes its pipeline hops sent (`pp.forward` / `pp.backward` counters of comm.py) beside the
 plan's exact-delta prediction, and, when asked, the block-cache accounting: the live block count
@@ -27,8 +27,8 @@ from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model
 from k3train.parallel.pipeline import (
     PROTOCOLS,
+    PipelineExecutor,
     PipelinePlan,
-    PipelineSchedule,
     residual_shape,
     theoretical_peak_blocks,
 )
@@ -188,7 +188,7 @@ def run_one(env, check: dict) -> dict:
         last_backward_calls[virtual_stage] += int(last)
         data_parallel.before_backward(virtual_stage, last)
 
-    schedule = PipelineSchedule(
+    schedule = PipelineExecutor(
         plan,
         state.pp,
         shape,

@@ -15,7 +15,7 @@ import torch
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3Model
 from k3train.parallel.comm import Group, TrafficCounter
-from k3train.parallel.pipeline import PipelineSchedule, residual_shape, theoretical_peak_blocks
+from k3train.parallel.pipeline import PipelineExecutor, residual_shape, theoretical_peak_blocks
 from k3train.parallel.pipeline_cache import BlockCache, BlockCacheError
 from k3train.parallel.pipeline_schedule import (
     PROTOCOLS,
@@ -259,7 +259,7 @@ def test_single_stage_schedule_is_gradient_accumulation():
 
     plan = PipelinePlan.build(2, 1, 1, config.attn_res, config.attn_res_block_size)
     group = Group("pp", (0,), 0, None, TrafficCounter())
-    schedule = PipelineSchedule(plan, group, residual_shape(2, 8, config.hidden_size), dtype=torch.float64)
+    schedule = PipelineExecutor(plan, group, residual_shape(2, 8, config.hidden_size), dtype=torch.float64)
     loss = schedule.run([model], list(tokens.split(2)))
     assert abs(loss.item() - expected.item()) < 1e-12
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
