@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh machine and run the test suite (the README's second command).
+# Set up a fresh machine, run the lint/format/type checks (tools/lint.sh), then the test suite
+# (the README's second command, and what .ci/run runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_env.sh
@@ -23,4 +24,5 @@ if ! PYTHONPATH="$K3TRAIN_INTERPRETER_PACKAGES" python -c "import triton, fla; a
         echo "setup_and_test: triton/fla-core not installed; tests/unit/test_kda_fla_interpreter.py will skip" >&2
     fi
 fi
+bash tools/lint.sh
 exec python -m pytest tests "$@"
