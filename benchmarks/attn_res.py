@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from k3train.benchmarking.step_comparison import WIDE_MODEL
 from k3train.config import JobConfig
 from k3train.kernels.attn_res import attn_res_mix_reference
 from k3train.model.attn_res import AttentionResidual
@@ -35,25 +36,6 @@ from k3train.recipe import load_recipe
 from k3train.training.compile import compile_elementwise
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"
-# A K3-shaped model of hidden 512, 4 layers (3 KDA + 1 MLA), 2,048 tokens per step.
-WIDE_MODEL = [
-    "model.hidden_size=512",
-    "model.num_hidden_layers=4",
-    "model.num_attention_heads=8",
-    "model.q_lora_rank=256",
-    "model.kv_lora_rank=128",
-    "model.qk_nope_head_dim=64",
-    "model.qk_rope_head_dim=32",
-    "model.v_head_dim=64",
-    "model.linear_attn_config.num_heads=8",
-    "model.linear_attn_config.head_dim=64",
-    "model.intermediate_size=1408",
-    "model.moe_intermediate_size=256",
-    "model.routed_expert_hidden_size=256",
-    "data.seq_length=512",
-    "train.global_batch_size=4",
-    "train.micro_batch_size=2",
-]
 
 
 def stacked_checkpointed_input(
