@@ -123,7 +123,9 @@ def test_under_torchrun_ranks_tell_its_default_from_the_users(tmp_path, user_omp
         "import os, sys\n"
         f"sys.path.insert(0, {str(checkout)!r})\n"
         "from k3train.training.threads import choose_num_threads, launcher_environment\n"
-        "print('LINE', choose_num_threads(None, os.environ, 8, 0.0, launcher_environment(os.environ))[1], flush=True)\n"
+        "line = choose_num_threads(None, os.environ, 8, 0.0, launcher_environment(os.environ))[1]\n"
+        # Each rank writes its own file: two ranks printing to one pipe can interleave mid-line.
+        f"open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w').write(line)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if user_omp:
@@ -135,8 +137,8 @@ def test_under_torchrun_ranks_tell_its_default_from_the_users(tmp_path, user_omp
         timeout=150,
         env=env,
     )
-    lines = [line[5:] for line in result.stdout.splitlines() if line.startswith("LINE ")]
-    assert result.returncode == 0 and len(lines) == 2, result.stdout + result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
     if user_omp:
         assert all(line == "threads: 1 per rank (OMP_NUM_THREADS=1)" for line in lines), lines
     else:
