@@ -37,12 +37,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 # Only torch-free modules here: `--help`, recipe errors and missing files answer before torch and
 # the model are imported, and a signal during the imports already ends in one line.
-from k3train.checkpoint.signals import StoppedOutsideTheLoop, exit_unsaved, stop_signals_raise
-from k3train.command_line import parse_job_args_or_exit
 from k3train.config import save_config
+from k3train.config.command_line import parse_job_args_or_exit
 from k3train.data.indexed_dataset import DataError
-from k3train.job_ending import exit_same_on_every_rank, write_torchrun_error_file
-from k3train.preflight import check_input_files
+from k3train.job.ending import exit_same_on_every_rank, write_torchrun_error_file
+from k3train.job.preflight import check_input_files
+from k3train.job.signals import StoppedOutsideTheLoop, exit_unsaved, stop_signals_raise
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +55,7 @@ PEER_LOST = 5
 def fail(message: str) -> NoReturn:
     """One line on stderr and exit code 2. The errors raised here (recipe, layout, batch sizes,
     non-finite steps) are the same on every rank, so under torchrun only rank 0 prints them, and
-    ends first (k3train/job_ending.py)."""
+    ends first (k3train/job/ending.py)."""
     exit_same_on_every_rank(f"error: {message}", ERROR)
 
 
@@ -166,9 +166,9 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     import torch
 
     from k3train.cache import locate_cache
-    from k3train.checkpoint import Checkpointer, CheckpointError, GracefulExit, PerRank, RNGState, read_manifest
-    from k3train.checkpoint.signals import STOPPED, signal_name
+    from k3train.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState, read_manifest
     from k3train.data import DataError, build_data
+    from k3train.job.signals import STOPPED, GracefulExit, signal_name
     from k3train.model.flops import parameter_counts, training_flops_per_token
     from k3train.optim.builder import describe_param_groups, summarize_param_groups
     from k3train.parallel.pipeline import PipelineConfigError

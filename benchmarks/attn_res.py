@@ -29,10 +29,10 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.benchmarking.step_comparison import WIDE_MODEL
 from k3train.config import JobConfig
+from k3train.config.recipe import load_recipe
 from k3train.kernels.attn_res import attn_res_mix_reference
 from k3train.model.attn_res import AttentionResidual
-from k3train.model.k3 import K3Model
-from k3train.recipe import load_recipe
+from k3train.model.k3 import K3ModelChunk
 from k3train.training.compile import compile_elementwise
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"
@@ -56,12 +56,12 @@ def stacked_checkpointed_input(
 
 def build(
     model_overrides: list[str], mode: str, compiled: bool = False
-) -> tuple[K3Model, torch.optim.Optimizer, JobConfig]:
+) -> tuple[K3ModelChunk, torch.optim.Optimizer, JobConfig]:
     """`mode`: an `attn_res` value, or `<value>@3c49d31` for the earlier mix. `compiled`: what
     `train.compile=true` compiles (`compile_elementwise`), the AttnRes mixes among it."""
     attn_res, _, before = mode.partition("@")
     config = load_recipe(JobConfig, str(RECIPE), model_overrides + [f"model.attn_res={attn_res}"])
-    model = K3Model(config.model, seed=0)
+    model = K3ModelChunk(config.model, seed=0)
     if compiled:
         compile_elementwise(model)
     if before:
@@ -72,7 +72,7 @@ def build(
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4), config
 
 
-def step(model: K3Model, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor], clock) -> float:
+def step(model: K3ModelChunk, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor], clock) -> float:
     start = clock()
     for tokens in batches:
         model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()

@@ -32,11 +32,11 @@ from k3train.checkpoint.verify import verify_checkpoint
 
 def debug_model_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     from k3train.config import load_config
-    from k3train.model.k3 import K3Model
+    from k3train.model.k3 import K3ModelChunk
 
     config = load_config(str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"), [])
     torch.manual_seed(0)
-    model = K3Model(config.model)
+    model = K3ModelChunk(config.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, config.model.vocab_size, (config.train.micro_batch_size, config.data.seq_length))
 

@@ -7,7 +7,7 @@ the same process, alternated, on a shared machine:
   on the routed experts' `[4096, 256]` and the dense MLP's `[2, 512, 1408]`;
 - the routed experts' slot gather: `latent.index_select(0, token_of_slot)` (backward: an
   `index_add_`) vs `latent[token_of_slot]` (backward: an accumulating `index_put_`), and
-  `LocalExperts.forward` (that gather, routing weights folded into the activation) vs
+  `GroupedExperts.forward` (that gather, routing weights folded into the activation) vs
   `forward_reference` (weights applied to a copy of the expert outputs), GEMMs included;
 - the routed experts' SiTU-GLU as they run it (routing weights as the row scale, the GEMM
   outputs overwritten by the saved tensors) vs the formula times the weights;
@@ -43,7 +43,7 @@ from k3train.kernels.norms import rms_norm, rms_norm_reference
 from k3train.kernels.situ_glu import situ_glu, situ_glu_reference
 from k3train.model.config import ModelConfig
 from k3train.model.mlp import GLUMLP
-from k3train.model.moe import LocalExperts
+from k3train.model.moe import GroupedExperts
 from k3train.model.norm import RMSNorm
 
 
@@ -98,7 +98,7 @@ def kernel_rows(rounds: int) -> list[list[str]]:
             f"SiTU-GLU {list(shape)}", situ_glu_reference, situ_glu, inputs, torch.randn(shape, generator=generator), 10
         )
 
-    # The routed experts' activation as LocalExperts runs it: routing weights as the row scale,
+    # The routed experts' activation as GroupedExperts runs it: routing weights as the row scale,
     # the gate/up GEMM outputs (fresh copies here) overwritten by the saved tensors.
     shape = (4096, 256)
     gate, up = (torch.randn(shape, generator=generator).requires_grad_() for _ in range(2))
@@ -142,7 +142,7 @@ def kernel_rows(rounds: int) -> list[list[str]]:
         moe_intermediate_size=256,
         routed_expert_hidden_size=width,
     )
-    local = LocalExperts(config, experts)
+    local = GroupedExperts(config, experts)
     for stack in local.stacks():
         torch.nn.init.normal_(stack, std=0.05)
     expert_ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
@@ -187,12 +187,12 @@ def use_references(model: torch.nn.Module) -> None:
     attention: `reference_attention`)."""
     for module in model.modules():
         if (
-            isinstance(module, (GLUMLP, LocalExperts))
+            isinstance(module, (GLUMLP, GroupedExperts))
             and isinstance(module.activation, partial)
             and module.activation.func is situ_glu
         ):
             module.activation = partial(reference_activation, **module.activation.keywords)
-        if isinstance(module, LocalExperts):
+        if isinstance(module, GroupedExperts):
             module.forward = module.forward_reference  # type: ignore[method-assign]  # per-instance swap to the reference, on purpose
         if isinstance(module, RMSNorm):
             module.forward = partial(  # type: ignore[method-assign]  # per-instance swap to the reference, on purpose

@@ -44,7 +44,7 @@ from k3train.model.balance import (
     kth_largest_cutoff,
 )
 from k3train.model.config import ModelConfig
-from k3train.model.moe import LocalExperts
+from k3train.model.moe import GroupedExperts
 from k3train.parallel.comm import Group, TrafficCounter
 from k3train.parallel.expert import ExpertParallel, Mode
 from k3train.parallel.expert_plan import (
@@ -88,10 +88,10 @@ class LoopbackGroup(Group):
         return tensor.new_zeros(sum(receive), *tensor.shape[1:])
 
 
-def meta_experts(config: ModelConfig, count: int, latent: int, dtype) -> LocalExperts:
+def meta_experts(config: ModelConfig, count: int, latent: int, dtype) -> GroupedExperts:
     """The model's own experts module on the meta device, in the latent width `latent`."""
     with torch.device("meta"):
-        return LocalExperts(dataclasses.replace(config, routed_expert_hidden_size=latent), count).to(dtype)
+        return GroupedExperts(dataclasses.replace(config, routed_expert_hidden_size=latent), count).to(dtype)
 
 
 def dispatch_bytes(
@@ -394,7 +394,7 @@ def table_d(args) -> None:
 # ---------------------------------------------------------------------------------------------- (e)
 def expert_glu_pass(rows, stacks, group_ends, activation, mm) -> float:
     """Seconds for `w2 · act(w1 x, w3 x)` forward + backward with the grouped GEMM `mm`
-    (as `LocalExperts.forward_sorted`)."""
+    (as `GroupedExperts.forward_sorted`)."""
     w1, w3, w2 = stacks
     start = time.process_time()
     gate = mm(rows, w1.transpose(1, 2), group_ends)
@@ -427,7 +427,7 @@ def table_e(args: argparse.Namespace) -> None:
             num_experts=args.glu_experts,
             num_experts_per_token=args.glu_top_k,
         )
-        experts = LocalExperts(config, args.glu_experts)
+        experts = GroupedExperts(config, args.glu_experts)
         generator = torch.Generator().manual_seed(0)
         stacks = [torch.randn(p.shape, generator=generator).mul_(0.05).requires_grad_() for p in experts.stacks()]
         ids = torch.rand(tokens, args.glu_experts, generator=generator).topk(args.glu_top_k, dim=-1).indices

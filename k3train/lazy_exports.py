@@ -1,6 +1,6 @@
 """Package names that load their submodule on first use (PEP 562).
 
-`k3train.data`, `k3train.optim` and `k3train.checkpoint` export names from submodules that
+`k3train.data`, `k3train.optim`, `k3train.checkpoint` and `k3train.config` export names from submodules that
 import torch, while their `config` submodules must stay importable without it (the recipe loader
 and `pretrain_k3.py --help` answer before torch loads). Each package lists `name -> submodule`
 and installs the two hooks made here; static tools see the names through an

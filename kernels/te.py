@@ -273,7 +273,7 @@ def te_linear_class(te: Any) -> type:
 @functools.cache
 def te_grouped_linear_class(te: Any) -> type:
     """`te.pytorch.GroupedLinear` whose weights are not its own parameters but the slices of an
-    expert stack `[groups, out, in]` given with each call (`LocalExperts.w1/w3/w2`, or the
+    expert stack `[groups, out, in]` given with each call (`GroupedExperts.w1/w3/w2`, or the
     replicas expert parallelism fetched): the stack stays the one parameter the optimizer,
     ZeRO-1 and checkpoints see, and gradients flow into it through the slices."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from k3train.recipe import ConfigError, check
+from k3train.config.recipe import ConfigError, check
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",

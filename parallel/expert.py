@@ -9,7 +9,7 @@ experts placed once per step and keeps every rank under a per-destination capaci
 pair's overflow relayed through the source's spare rows), `padded` and `splits` one
 per-destination receive buffer; `capacity` mode sends each slot home through per-pair buffers
 and drops overflow. The experts compute through their own module
-(`GroupedExperts.grouped_forward`). Planning: `parallel/expert_plan.py`; layout, replicas,
+(`SupportsGroupedForward.grouped_forward`). Planning: `parallel/expert_plan.py`; layout, replicas,
 gradients and statistics: docs/expert_parallel.md.
 """
 
@@ -71,8 +71,8 @@ ExpertStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """An experts module's weights `(w1, w3, w2)`: `[G, I, l]`, `[G, I, l]`, `[G, l, I]`."""
 
 
-class GroupedExperts(Protocol):
-    """What the dispatcher needs of a layer's experts module (the model's `LocalExperts`): the
+class SupportsGroupedForward(Protocol):
+    """What the dispatcher needs of a layer's experts module (the model's `GroupedExperts`): the
     weight stacks it marks and fetches replicas of, and the module's own computation."""
 
     w1: nn.Parameter  # [G, I, l]
@@ -223,7 +223,7 @@ class ExpertParallel:
         self.transport = transport
         self.replica_tolerance = replica_tolerance
         self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
-        self._layers: dict[int, tuple[GroupedExperts, _LayerReplicas]] = {}
+        self._layers: dict[int, tuple[SupportsGroupedForward, _LayerReplicas]] = {}
         self._order: list[int] = []  # the experts modules in the order they were marked (checkpoint keys)
         self._restored: dict[int, list[tuple[int, int, int]]] = {}  # placements loaded before a layer ran
 
@@ -307,7 +307,7 @@ class ExpertParallel:
             "replica_weights": replica_weights,
         }
 
-    def mark_expert_params(self, experts: GroupedExperts) -> None:
+    def mark_expert_params(self, experts: SupportsGroupedForward) -> None:
         """Tag this rank's expert stacks: distinct across `ep`, replicated over `expert_dp`."""
         for param in (experts.w1, experts.w3, experts.w2):
             marks = cast(ExpertParameter, param)
@@ -323,7 +323,7 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ forward
     def __call__(
-        self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: GroupedExperts
+        self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: SupportsGroupedForward
     ) -> tuple[torch.Tensor, DispatchInfo]:
         """`latent [s, l]`, `expert_ids [s, k]` (global ids), `weights [s, k]` → `Σ_k p·E(latent)`
         `[s, l]` in `latent`'s dtype, and what the dispatch did."""
@@ -523,7 +523,7 @@ class ExpertParallel:
         return output + experts.grouped_forward(rows, ids - self.num_local_experts, replicas, compute=self.compute)
 
     # ------------------------------------------------------------------ replicas, once per step
-    def _layer(self, experts: GroupedExperts, device=None) -> _LayerReplicas:
+    def _layer(self, experts: SupportsGroupedForward, device=None) -> _LayerReplicas:
         key = id(experts)
         if key not in self._layers:
             restored = self._restored.pop(self._order.index(key), None) if key in self._order else None
@@ -546,7 +546,7 @@ class ExpertParallel:
         receive = [sum(1 for h, _ in incoming if h == r) for r in range(self.size)]
         return [e - self.expert_offset for _, _, e in outgoing], send, [s for _, s in incoming], receive
 
-    def step_replicas(self, experts: GroupedExperts) -> ExpertStacks:
+    def step_replicas(self, experts: SupportsGroupedForward) -> ExpertStacks:
         """This step's replica weights `[M, …]` (zeros in unused slots): fetched from their home
         ranks at the layer's first dispatch of the step and kept for every micro-batch; their
         gradients collect there until `finish_step`. Exact splits: each placed replica moves
@@ -636,7 +636,7 @@ class ExpertParallel:
             layer.fetch_bytes = 0
 
     @torch.no_grad()
-    def _return_gradients(self, experts: GroupedExperts, layer: _LayerReplicas, state) -> None:
+    def _return_gradients(self, experts: SupportsGroupedForward, layer: _LayerReplicas, state) -> None:
         outgoing, send, slots, receive = self._replica_lists(layer.placement)
         flat = layer.flat
         assert flat is not None, "called for a layer that fetched replicas this step"

@@ -233,7 +233,7 @@ class PipelineExecutor:
                     record.leaves = cache.leaves(mb, count) if grad else [cache.value(mb, j) for j in range(count)]
                     output = chunk(state=ResidualState(record.partial_in, list(record.leaves)))
             if is_last:
-                loss_head = chunk.loss  # the last chunk's loss (K3Model.loss)
+                loss_head = chunk.loss  # the last chunk's loss (K3ModelChunk.loss)
                 assert callable(loss_head), "the last model chunk has a loss method"
                 record.loss = loss_head(output, self._tokens(mb, chunk_index)[:, 1:])
                 self._losses.append(record.loss.detach())

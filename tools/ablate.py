@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from
 
 from k3train.ablation.grid import MATCH_MODES, Sweep, Variant, expand, load_sweep_file, parse_grid_option
 from k3train.ablation.runner import LaunchOptions, SweepError, run_sweep
-from k3train.recipe import ConfigError
+from k3train.config.recipe import ConfigError
 from k3train.training.threads import available_cores
 
 

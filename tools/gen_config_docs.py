@@ -17,7 +17,7 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 if str(CHECKOUT) not in sys.path:
     sys.path.insert(0, str(CHECKOUT))  # k3train runs from the checkout, uninstalled
 
-from k3train.config_docs import config_reference_markdown  # noqa: E402
+from k3train.config.reference import config_reference_markdown  # noqa: E402
 
 DOC_PATH = CHECKOUT / "docs" / "config.md"
 

@@ -28,7 +28,7 @@ import torch
 
 from k3train.config import ConfigError, load_config
 from k3train.model.flops import parameter_counts, training_flops_per_token
-from k3train.model.k3 import K3Stage
+from k3train.model.k3 import K3RankModel
 from k3train.optim.builder import route_parameters
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan
@@ -53,14 +53,14 @@ DATA_GROUPS = ("dp", "data_tensor", "expert_dp")
 """The groups whose step time uses ring wire bytes (gradient buckets and the ZeRO-1 exchange)."""
 
 
-def rank_stage(config, layout, pp_rank: int, plan: PipelinePlan) -> K3Stage:
+def rank_stage(config, layout, pp_rank: int, plan: PipelinePlan) -> K3RankModel:
     """Pipeline rank `pp_rank`'s model (its tp/dp/ep rank 0), on the meta device."""
     state = planning_parallel_state(layout, layout.rank_of(0, 0, pp_rank), config.parallel.sequence_parallel)
     expert_parallel = ExpertParallel.from_state(state, config.parallel, config.model.num_experts)
     return build_model(config.model, plan, state, expert_parallel, device=torch.device("meta"))
 
 
-def memory_estimate(stage: K3Stage, config, dp: int) -> tuple[int, float]:
+def memory_estimate(stage: K3RankModel, config, dp: int) -> tuple[int, float]:
     """(parameters on this rank, GiB of fp32 parameters + gradients + optimizer state)."""
     parameters = sum(p.numel() for p in stage.parameters())
     state_elements: float = 0

@@ -6,7 +6,7 @@
 
 `tokens.json` holds a list of token-id lists of equal length (a batch). `OUT.json` is
 `{"logits_shape": [B, T, V], "logits": [[[...]]]}` with float32 values, computed in eval mode by
-`K3Model` in float32 (or float64 with `--dtype fp64`, then rounded to float32 for the file).
+`K3ModelChunk` in float32 (or float64 with `--dtype fp64`, then rounded to float32 for the file).
 
 A k3train checkpoint is read with the trainer's own `Checkpointer` (config: `--config`, else the
 run's `config.yaml` two directories up); an HF directory (config.json + safetensors) through the
@@ -61,13 +61,13 @@ from k3train.checkpoint.hf_io import (  # noqa: E402
     run_config_path,
 )
 from k3train.config import ConfigError, load_config  # noqa: E402
-from k3train.model.k3 import K3Model  # noqa: E402
+from k3train.model.k3 import K3ModelChunk  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
-def load_model(path: str, config: str | None = None) -> tuple[K3Model, str]:
-    """(K3Model with the weights of `path`, a description of where they came from)."""
+def load_model(path: str, config: str | None = None) -> tuple[K3ModelChunk, str]:
+    """(K3ModelChunk with the weights of `path`, a description of where they came from)."""
     if HFDirectory.is_hf_dir(path):
         hf = HFDirectory(path)
         model_config = from_hf_config(hf.config, source=str(hf.path / "config.json"))

@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from k3train.recipe import ConfigError
+from k3train.config.recipe import ConfigError
 
 SWEEP_KEYS = (
     "base",

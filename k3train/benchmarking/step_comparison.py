@@ -206,7 +206,7 @@ def _label_modules(model: nn.Module) -> list:
     """Forward hooks that open a profiler range per part; returns the hook handles."""
     from k3train.model.kda import KimiDeltaAttention
     from k3train.model.mla import GatedMLA
-    from k3train.model.moe import LatentMoE, LocalExperts
+    from k3train.model.moe import GroupedExperts, LatentMoE
 
     labels: dict[nn.Module, str] = {}
     for module in model.modules():
@@ -221,7 +221,7 @@ def _label_modules(model: nn.Module) -> list:
                     labels[sub] = "routed experts"  # the latent projections of the routed path
             if module.shared_experts is not None:
                 labels[module.shared_experts] = "shared experts"
-        elif isinstance(module, LocalExperts):
+        elif isinstance(module, GroupedExperts):
             labels[module] = "dispatch"  # the grouped GEMMs inside are "routed experts"
     handles, open_ranges = [], []
 

@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # static tools and IDEs see the real imports
         write_manifest,
     )
     from k3train.checkpoint.rng import PerRank, RNGState, capture_rng_state, restore_rng_state
-    from k3train.checkpoint.signals import GracefulExit
     from k3train.checkpoint.verify import checkpoint_problems, verify_checkpoint
 
 # Each name loads its submodule on first use, so that importing `k3train.checkpoint.config` (as the
@@ -26,7 +25,6 @@ _SUBMODULE_OF = {
     "MANIFEST": "k3train.checkpoint.manifest",
     "CheckpointError": "k3train.checkpoint.errors",
     "Checkpointer": "k3train.checkpoint.checkpointer",
-    "GracefulExit": "k3train.checkpoint.signals",
     "PerRank": "k3train.checkpoint.rng",
     "RNGState": "k3train.checkpoint.rng",
     "capture_rng_state": "k3train.checkpoint.rng",
@@ -43,7 +41,6 @@ __all__ = [
     "MANIFEST",
     "CheckpointError",
     "Checkpointer",
-    "GracefulExit",
     "PerRank",
     "RNGState",
     "capture_rng_state",

@@ -5,7 +5,7 @@ The layout, the atomic save/rename protocol, checksums, what is saved for each k
 pieces: `manifest.py` (layout, manifest), `verify.py` (is a directory usable?), `writing.py` (one
 save), `integrity.py` (checksums), `safe_metadata.py` and `values.py` (reading without running
 code), `state.py` (what is saved), `load_plan.py` (what a load reads and how it is put back),
-`rng.py` (`RNGState`, `PerRank`), `signals.py` (`GracefulExit`), `process_group.py`.
+`rng.py` (`RNGState`, `PerRank`), `process_group.py`.
 """
 
 from __future__ import annotations

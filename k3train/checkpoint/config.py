@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3train.recipe import check
+from k3train.config.recipe import check
 
 __all__ = ["CheckpointConfig"]
 

@@ -1,6 +1,6 @@
 """Kimi K3 Hugging Face hub format ⇄ k3train: tensor names, shapes and values.
 
-The list of tensors is read from the model itself (`K3Model` built on the meta device); what this
+The list of tensors is read from the model itself (`K3ModelChunk` built on the meta device); what this
 module states is only the renaming rules (`hf_name`, `k3train_name`), the hub's name vocabulary
 (`HF_TEXT_TENSOR_NAME`) and the file order. The layout, the name mapping and the `A_log`
 variants are described in docs/hf_conversion.md. Everything here is pure (config in,
@@ -130,13 +130,13 @@ def _keeps_fp32(k3_name: str) -> bool:
 
 
 def k3_state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of `K3Model(config).state_dict()` (persistent buffers included) and its shape,
+    """Every tensor of `K3ModelChunk(config).state_dict()` (persistent buffers included) and its shape,
     in the model's order: the model is built on the meta device, so no weight is allocated. A tied
     head keeps its own key, as in the model."""
-    from k3train.model.k3 import K3Model  # the model's code is imported only when a list is needed
+    from k3train.model.k3 import K3ModelChunk  # the model's code is imported only when a list is needed
 
     with torch.device("meta"):
-        model = K3Model(config)
+        model = K3ModelChunk(config)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 

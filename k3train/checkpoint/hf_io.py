@@ -1,6 +1,6 @@
 """Read-only I/O for the Hugging Face conversion: finding a k3train checkpoint and its run config,
 reading its model tensors a few at a time (`CheckpointTensorReader`), reading a hub-format
-directory (`HFDirectory`) and loading its weights into a `K3Model`. Nothing here modifies what
+directory (`HFDirectory`) and loading its weights into a `K3ModelChunk`. Nothing here modifies what
 it reads; the name/shape mapping and config.json conversion it relies on are in `hf.py`."""
 
 from __future__ import annotations
@@ -298,12 +298,12 @@ def _read_json_object(path: Path) -> dict:
 
 
 def build_empty_model(config: ModelConfig):
-    """`K3Model(config)` with uninitialised (CPU) parameters, for loading every tensor: built on
+    """`K3ModelChunk(config)` with uninitialised (CPU) parameters, for loading every tensor: built on
     the meta device, so nothing is initialised twice; non-persistent buffers are zeroed."""
-    from k3train.model.k3 import K3Model
+    from k3train.model.k3 import K3ModelChunk
 
     with torch.device("meta"):
-        model = K3Model(config)
+        model = K3ModelChunk(config)
     # to_empty() gives every module its own new Parameter, which unties shared ones (a tied
     # head): remember who shared what and tie again afterwards.
     shared: dict[int, list[str]] = {}

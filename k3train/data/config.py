@@ -3,7 +3,7 @@
 import math
 from dataclasses import dataclass, field
 
-from k3train.recipe import check
+from k3train.config.recipe import check
 
 
 @dataclass

@@ -211,7 +211,7 @@ class ParameterCounts:
 
 
 def parameter_counts(config: ModelConfig) -> ParameterCounts:
-    """Exact parameter counts of `K3Model(config)` (the whole model, not a pipeline slice)."""
+    """Exact parameter counts of `K3ModelChunk(config)` (the whole model, not a pipeline slice)."""
     moe_layers = num_moe_layers(config)
     embedding = config.vocab_size * config.hidden_size
     routed_total = moe_layers * routed_experts_parameters(config, config.num_experts)

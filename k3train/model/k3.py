@@ -1,8 +1,9 @@
 """The K3 model: embedding → decoder layers → output AttnRes → final norm → head.
 
 Read top to bottom with `decoder.py` (one layer), `attn_res.py` (one sublayer's update) and
-`k3train/contracts/stage_io.py` (the residual state and when a block closes). The model can be built as a slice `[start, end)` of the layers, with the embedding only on the first
-slice and the head only on the last: a pipeline stage runs `forward_layers` on the
+`k3train/contracts/stage_io.py` (the residual state and when a block closes). `K3ModelChunk` is the
+whole model, or a slice `[start, end)` of its layers with the embedding only on the first slice
+and the head only on the last: a pipeline stage runs `forward_layers` on the
 `ResidualState(partial, blocks)` it receives. Layers keep their global index in parameter names
 (`layers.5.…`), so checkpoints do not depend on how the layers were split.
 """
@@ -37,7 +38,10 @@ from k3train.parallel.tensor import (
 )
 
 
-class K3Model(nn.Module):
+class K3ModelChunk(nn.Module):
+    """Layers `[start, end)` of the K3 model (a pipeline stage's chunk), with the embedding on the
+    first chunk and the head on the last; with no `layer_range`, the whole model in one module."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -137,7 +141,7 @@ class K3Model(nn.Module):
         """Logits `[batch, seq, vocab / tp]` on a model with a head (this rank's vocabulary rows,
         every token); otherwise the outgoing `ResidualState`."""
         if state is None:
-            assert input_ids is not None, "K3Model.forward needs input_ids or a state"
+            assert input_ids is not None, "K3ModelChunk.forward needs input_ids or a state"
             state = self.embed(self.cp.shard_sequence(input_ids))  # this rank's pieces under cp
         state = self.forward_layers(state)
         if not self.with_head:
@@ -225,7 +229,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-class K3Stage(nn.Module):
+class K3RankModel(nn.Module):
     """This rank's model chunks (one per virtual pipeline stage) as one module with the names of
     the whole model: `layers.<global index>`, and `embed_tokens` / `norm` / `lm_head` where this
     rank holds them. The gradient reducer, the optimizer and checkpoints see one set of names
@@ -233,7 +237,7 @@ class K3Stage(nn.Module):
     The chunks keep running the forward passes; this module only owns the same submodules.
     """
 
-    def __init__(self, chunks: list[K3Model]):
+    def __init__(self, chunks: list[K3ModelChunk]):
         super().__init__()
         self.chunks = chunks  # a plain list: the submodules are registered below under global names
         self.layers = nn.ModuleDict()

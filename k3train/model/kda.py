@@ -87,7 +87,7 @@ class KimiDeltaAttention(nn.Module):
         self.num_heads, self.head_dim = lac.num_heads // tp.size, lac.head_dim  # heads on this rank
         self.gate_lower_bound = lac.gate_lower_bound
         self.chunk_size = lac.chunk_size
-        self.context_parallel: ContextParallel | None = None  # set by K3Model when cp > 1
+        self.context_parallel: ContextParallel | None = None  # set by K3ModelChunk when cp > 1
         hidden, heads, width = config.hidden_size, lac.num_heads, lac.num_heads * lac.head_dim
         local_width = width // tp.size
 
@@ -128,7 +128,7 @@ class KimiDeltaAttention(nn.Module):
         if output_rank is not None:
             replicated.append(linear_weight(self.g_a_proj))
         tp.mark_partial_grad(replicated)
-        self.reset_gate_parameters(seed=0, key="")  # K3Model.init_weights redraws it from its name
+        self.reset_gate_parameters(seed=0, key="")  # K3ModelChunk.init_weights redraws it from its name
 
     @torch.no_grad()
     def reset_gate_parameters(self, seed: int, key: str, tile_elements: int = TILE_ELEMENTS) -> None:

@@ -87,7 +87,7 @@ class GatedMLA(nn.Module):
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
-        self.context_parallel: ContextParallel | None = None  # set by K3Model when cp > 1
+        self.context_parallel: ContextParallel | None = None  # set by K3ModelChunk when cp > 1
         heads, hidden, qk_head_dim = config.num_attention_heads, config.hidden_size, config.qk_head_dim
 
         if config.q_lora_rank is None:

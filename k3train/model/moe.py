@@ -5,7 +5,7 @@
 The router reads the full-width `x` in fp32: scores `s = sigmoid(x W_r)`, top-k on `s + b`
 (`b` the balancing bias, a buffer updated between steps), weights `p` from the raw `s` of the
 chosen experts, renormalised and scaled. Routed experts live in the latent width
-(`routed_expert_hidden_size`); `LocalExperts` computes them over tokens grouped by expert. With
+(`routed_expert_hidden_size`); `GroupedExperts` computes them over tokens grouped by expert. With
 expert parallelism (`LatentMoE(..., expert_parallel=...)`, see `k3train/parallel/expert.py`) this
 rank keeps only its home experts and the dispatcher sends latent token slots to the experts'
 ranks and brings the outputs back into the same slots. `pop_step_stats()` gives a step's
@@ -74,7 +74,7 @@ class MoEGate(nn.Module):
         return scores, expert_ids, weights * self.scaling
 
 
-class LocalExperts(nn.Module):
+class GroupedExperts(nn.Module):
     """All routed experts of a layer as stacked weights `[experts, out, in]` (w1 gate, w3 up, w2 down)."""
 
     def __init__(self, config: ModelConfig, num_experts: int, grouped_gemm_factory=None):
@@ -255,7 +255,7 @@ class LatentMoE(nn.Module):
         latent = config.routed_expert_hidden_size  # None: a plain MoE, no latent projections (Kimi Linear)
         self.routed_expert_down_proj = tp.linear(config.hidden_size, latent) if latent is not None else None
         num_local = config.num_experts if expert_parallel is None else expert_parallel.num_local_experts
-        self.experts = LocalExperts(config, num_local, tp.grouped_gemm_factory)
+        self.experts = GroupedExperts(config, num_local, tp.grouped_gemm_factory)
         if expert_parallel is not None:
             expert_parallel.mark_expert_params(self.experts)
         self.routed_expert_norm = (

@@ -4,7 +4,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from k3train.recipe import check
+from k3train.config.recipe import check
 
 
 @dataclass

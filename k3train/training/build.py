@@ -4,8 +4,8 @@
     job = build_planning_rank(config, layout, rank)     # the same objects on the meta device, no process groups
     model = build_model(config.model, plan, parallel)   # only this rank's model (planner, tests)
 
-The model is this rank's pipeline chunks (one `K3Model` slice per virtual stage, with its TP
-shards and EP experts) owned by one `K3Stage`, initialised from the seed alone, so the weights
+The model is this rank's pipeline chunks (one `K3ModelChunk` slice per virtual stage, with its TP
+shards and EP experts) owned by one `K3RankModel`, initialised from the seed alone, so the weights
 are the same under any layout. A planning build has the groups' ranks and sizes but no process
 groups (`planning_parallel_state`): shapes, names, bucket packing and ZeRO-1 ownership are exact,
 and no collective may run on it.
@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from k3train.config import JobConfig
+from k3train.config.recipe import ConfigError
 from k3train.kernels import te as te_kernels
 from k3train.model.config import ModelConfig
-from k3train.model.k3 import K3Model, K3Stage
+from k3train.model.k3 import K3ModelChunk, K3RankModel
 from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.parallel.comm import Group
 from k3train.parallel.expert import ExpertParallel
@@ -31,7 +32,6 @@ from k3train.parallel.muon_split import install_muon_split
 from k3train.parallel.pipeline import PipelineExecutor, PipelinePlan, residual_shape
 from k3train.parallel.state import Layout, ParallelState
 from k3train.parallel.zero1 import DistributedOptimizer
-from k3train.recipe import ConfigError
 from k3train.training.compile import compile_elementwise
 from k3train.training.loop import precision_context
 
@@ -47,7 +47,7 @@ class RankJob:
     device: torch.device
     plan: PipelinePlan  # the pipeline partition (the same on every rank)
     expert_parallel: ExpertParallel | None  # None when ep = 1 (experts replicated)
-    model: K3Stage  # this rank's chunks under the whole model's parameter names
+    model: K3RankModel  # this rank's chunks under the whole model's parameter names
     reducer: GradientReducer
     optimizer: DistributedOptimizer
     schedule: PipelineExecutor
@@ -86,8 +86,8 @@ def build_model(
     dtype: torch.dtype | None = None,
     fp8_recipe: str = "delayed",
     fp8_excluded: Sequence[int] | None = None,
-) -> K3Stage:
-    """This rank's model: one `K3Model` slice per virtual stage (`model.chunks`, in virtual-stage
+) -> K3RankModel:
+    """This rank's model: one `K3ModelChunk` slice per virtual stage (`model.chunks`, in virtual-stage
     order), initialised from `seed` (0 when not given), in `dtype`, on `device`. On the meta device
     nothing is allocated or initialised. `model.linear_backend` is resolved for `device`
     (`kernels.te.resolve_linear_backend`); with Transformer Engine the layers `fp8_excluded`
@@ -100,12 +100,12 @@ def build_model(
     for layer_range in plan.layer_ranges(parallel.pp_rank):
         if on_meta:
             with torch.device(META):
-                chunk = K3Model(
+                chunk = K3ModelChunk(
                     model_config, layer_range=layer_range, parallel=parallel, expert_parallel=expert_parallel
                 )
         else:
             # Initialised once, in the constructor (a second draw would double the start-up time).
-            chunk = K3Model(
+            chunk = K3ModelChunk(
                 model_config,
                 layer_range=layer_range,
                 parallel=parallel,
@@ -126,7 +126,7 @@ def build_model(
                 ]
             )
         chunks.append(chunk)
-    return K3Stage(chunks)
+    return K3RankModel(chunks)
 
 
 def check_precision_support(config: JobConfig, device: torch.device) -> None:
@@ -191,7 +191,7 @@ def forward_precision_context(
 
 
 def _build_optimizer(
-    model: K3Stage, config: JobConfig, parallel: ParallelState, bucket_bytes: int
+    model: K3RankModel, config: JobConfig, parallel: ParallelState, bucket_bytes: int
 ) -> DistributedOptimizer:
     """Per-Head Muon + AdamW over `model`, its state sharded over DP (ZeRO-1) when asked; the
     one place the job's optimizer is made: built here and handed, with each parameter's cost (which

@@ -44,7 +44,7 @@ def compile_elementwise(model: nn.Module, regions: Sequence[str] = REGIONS) -> d
     from k3train.model.attn_res import AttentionResidual
     from k3train.model.kda import GatedRMSNorm
     from k3train.model.mlp import GLUMLP
-    from k3train.model.moe import LocalExperts
+    from k3train.model.moe import GroupedExperts
     from k3train.model.norm import RMSNorm
 
     compiled_activations: dict[object, Callable] = {}
@@ -59,7 +59,7 @@ def compile_elementwise(model: nn.Module, regions: Sequence[str] = REGIONS) -> d
             if "norms" in regions:
                 module.compile()
                 counts["norms"] += 1
-        elif isinstance(module, (GLUMLP, LocalExperts)) and "activations" in regions:
+        elif isinstance(module, (GLUMLP, GroupedExperts)) and "activations" in regions:
             activation = module.activation
             key = _activation_key(activation)
             if key not in compiled_activations:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from k3train.recipe import ConfigError, check
+from k3train.config.recipe import ConfigError, check
 
 __all__ = ["LoggingConfig", "TrainConfig"]
 

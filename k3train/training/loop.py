@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from k3train.config import ConfigError, JobConfig
-from k3train.model.k3 import K3Stage
+from k3train.model.k3 import K3RankModel
 from k3train.model.moe import finish_expert_step, pool_routing_statistics
 from k3train.optim.schedules import lr_at, set_lr
 from k3train.parallel.grad_reduce import GradientReducer, average_over_dp, clip_grad_norm
@@ -88,12 +88,12 @@ class Trainer:
     `k3train.parallel.state.ParallelState`; `ParallelState.single()` for one process, where every
     collective is the identity), `schedule` (the pipeline schedule over this rank's model chunks;
     with one stage it is plain gradient accumulation) and `reducer` (the data-parallel gradient
-    reducer over `model`, the `K3Stage` that owns this rank's chunks)."""
+    reducer over `model`, the `K3RankModel` that owns this rank's chunks)."""
 
     def __init__(
         self,
         config: JobConfig,
-        model: K3Stage,
+        model: K3RankModel,
         optimizer,
         data,
         device: torch.device,

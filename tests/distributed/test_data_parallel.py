@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from k3train.model.config import ModelConfig
-from k3train.model.k3 import K3Model, lm_loss
+from k3train.model.k3 import K3ModelChunk, lm_loss
 from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.optim.clip import clip_grad_norm_
 from k3train.optim.config import OptimizerConfig
@@ -226,7 +226,7 @@ def test_single_process_is_plain_pytorch():
     parameter like `build_optimizer`'s, and the norm is `clip_grad_norm_`'s to the bit."""
     config = ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2)
     tokens = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    models = [K3Model(config), K3Model(config)]
+    models = [K3ModelChunk(config), K3ModelChunk(config)]
     state = ParallelState.single()
     reducer = GradientReducer(models[0], state)
     optimizer_config = OptimizerConfig(lr=1e-2)
@@ -258,7 +258,7 @@ def test_single_process_is_plain_pytorch():
 def test_distributed_optimizer_takes_the_jobs_optimizer_and_checks_it():
     """The job builds the optimizer; the wrapper plans owners from the handed-in costs alone and
     refuses an optimizer that has stepped, lacks parameter names, or holds other parameters."""
-    model = K3Model(ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2))
+    model = K3ModelChunk(ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2))
     state = ParallelState.single()
     config = OptimizerConfig(lr=1e-2)
     costs = parameter_costs(model, config)
@@ -270,7 +270,7 @@ def test_distributed_optimizer_takes_the_jobs_optimizer_and_checks_it():
         DistributedOptimizer(build_optimizer(model, config), model, state, dict(list(costs.items())[1:]), zero1=True)
     with pytest.raises(ValueError, match="named param groups"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, state, costs)
-    other = K3Model(ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2))
+    other = K3ModelChunk(ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_token=2))
     with pytest.raises(ValueError, match="not the model's parameter"):
         DistributedOptimizer(build_optimizer(other, config), model, state, costs)
     stepped = build_optimizer(model, config)

@@ -18,7 +18,7 @@ import torch
 from k3train.config import JobConfig
 from k3train.data.config import DataConfig
 from k3train.model.config import LinearAttnConfig, ModelConfig
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 from k3train.model.moe import finish_expert_step
 from k3train.parallel.config import ParallelConfig
 from k3train.parallel.expert import ExpertParameter
@@ -110,7 +110,7 @@ def compare(env, spec: dict[str, Any]) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, CONFIG.vocab_size, (spec["global_batch"], spec["seq"] + 1), generator=generator)
 
-    reference = K3Model(CONFIG, seed=config.train.seed).double()
+    reference = K3ModelChunk(CONFIG, seed=config.train.seed).double()
     reference_loss = reference.loss(reference(tokens[:, :-1]), tokens[:, 1:])
     reference_loss.backward()
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from k3train.checkpoint import Checkpointer
 from k3train.model.config import LinearAttnConfig, ModelConfig
-from k3train.model.k3 import K3Model, lm_loss
+from k3train.model.k3 import K3ModelChunk, lm_loss
 from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.optim.clip import clip_grad_norm_
 from k3train.optim.config import OptimizerConfig
@@ -67,7 +67,7 @@ CONFIG = ModelConfig(
 
 
 def _distributed_optimizer(
-    model: K3Model, state: ParallelState, zero1: bool, exchange: Exchange = "all_gather"
+    model: K3ModelChunk, state: ParallelState, zero1: bool, exchange: Exchange = "all_gather"
 ) -> DistributedOptimizer:
     """The job's optimizer (built here, as the job builds it) under the ZeRO-1 wrapper."""
     config = OptimizerConfig(lr=LR)
@@ -82,8 +82,8 @@ def _distributed_optimizer(
     )
 
 
-def _model(dtype: torch.dtype) -> K3Model:
-    model = K3Model(CONFIG).to(dtype)
+def _model(dtype: torch.dtype) -> K3ModelChunk:
+    model = K3ModelChunk(CONFIG).to(dtype)
     model.init_weights(SEED)
     return model
 
@@ -94,7 +94,7 @@ def _batches(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=generator)
 
 
-def _loss(model: K3Model, tokens: torch.Tensor) -> torch.Tensor:
+def _loss(model: K3ModelChunk, tokens: torch.Tensor) -> torch.Tensor:
     return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
 
 
@@ -103,11 +103,11 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def _params(model: K3Model) -> dict[str, torch.Tensor]:
+def _params(model: K3ModelChunk) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _grads(model: K3Model) -> dict[str, torch.Tensor]:
+def _grads(model: K3ModelChunk) -> dict[str, torch.Tensor]:
     """Gradients by name; parameters without one (layer 0's unused AttnRes) are left out, so
     the comparison also checks that the same ones have none."""
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -146,10 +146,10 @@ def train(
     micro_batches: int = 1,
     overlap: bool = True,
     steps: int = STEPS,
-    model: K3Model | None = None,
+    model: K3ModelChunk | None = None,
     optimizer: DistributedOptimizer | None = None,
     first_step: int = 0,
-    after_step: Callable[[int, K3Model, DistributedOptimizer], None] | None = None,
+    after_step: Callable[[int, K3ModelChunk, DistributedOptimizer], None] | None = None,
 ) -> dict[str, Any]:
     """`steps` optimizer steps from `first_step` on this rank's rows of the global batches;
     `after_step(steps done, model, optimizer)` runs after each."""
@@ -346,7 +346,7 @@ def run(env, payload: dict[str, Any]) -> dict[str, Any]:
     checkpointer = Checkpointer(payload["checkpoint_dir"], keep_last=0)
     saved: dict[str, Any] = {}
 
-    def save_after_two(done: int, model: K3Model, optimizer: DistributedOptimizer) -> None:
+    def save_after_two(done: int, model: K3ModelChunk, optimizer: DistributedOptimizer) -> None:
         if done != 2:
             return
         states: list[Any] = [None] * env.world_size

@@ -30,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
-from k3train.model.k3 import K3Model
-from k3train.model.moe import LatentMoE, LocalExperts, finish_expert_step
+from k3train.model.k3 import K3ModelChunk
+from k3train.model.moe import GroupedExperts, LatentMoE, finish_expert_step
 from k3train.parallel.expert import ExpertParallel, ExpertParameter, routing_statistics_group
 from k3train.parallel.expert_plan import capacity_per_pair, home_route
 from k3train.parallel.grad_reduce import GradientReducer
@@ -52,7 +52,7 @@ def use_expert_parallel(moe: LatentMoE, expert_parallel: ExpertParallel) -> None
     values) and route through `expert_parallel`."""
     full = moe.experts
     offset, count = expert_parallel.expert_offset, expert_parallel.num_local_experts
-    local = LocalExperts(moe.config, count).to(device=full.w1.device, dtype=full.w1.dtype)
+    local = GroupedExperts(moe.config, count).to(device=full.w1.device, dtype=full.w1.dtype)
     for name in ("w1", "w3", "w2"):
         getattr(local, name).copy_(getattr(full, name)[offset : offset + count])
     expert_parallel.mark_expert_params(local)
@@ -94,7 +94,7 @@ def source_token_indices(batch: int, seq: int, dp: int, tp: int, sequence_parall
     return sources
 
 
-def install_reference_drops(reference: K3Model, sources: list[list[int]], ep: int, capacity: int) -> list:
+def install_reference_drops(reference: K3ModelChunk, sources: list[list[int]], ep: int, capacity: int) -> list:
     """Make the reference's experts drop, per source, what `reference_capacity_keep` says (as a
     zero routing weight). Returns a list that collects `(layer, keep [tokens, k])` per forward."""
     record = []
@@ -121,7 +121,7 @@ def install_reference_drops(reference: K3Model, sources: list[list[int]], ep: in
 
 
 # ---------------------------------------------------------------------------- equivalence
-def skew_gate_bias(model: K3Model, num_skewed: int, skew: float) -> None:
+def skew_gate_bias(model: K3ModelChunk, num_skewed: int, skew: float) -> None:
     for moe in model.moe_layers():
         bias = torch.zeros(model.config.num_experts)
         bias[:num_skewed] = skew
@@ -155,7 +155,7 @@ def reference_view(full: torch.Tensor, param: torch.Tensor, state: ParallelState
     return full
 
 
-def compare_gradients(models: list, reference: K3Model, state: ParallelState) -> dict:
+def compare_gradients(models: list, reference: K3ModelChunk, state: ParallelState) -> dict:
     reference_params = dict(reference.named_parameters())
     worst, worst_name, checked, worst_expert, experts = 0.0, "", 0, 0.0, 0
     for model in models:
@@ -209,7 +209,7 @@ def dispatch_facts(models: list, reference_keeps, my_source) -> dict:
     return layers
 
 
-def routing_checks(models: list, reference: K3Model, state: ParallelState) -> dict:
+def routing_checks(models: list, reference: K3ModelChunk, state: ParallelState) -> dict:
     """Next step's bias (combined over every rank that routed distinct tokens) and the step's
     expert loads against the single-process model's."""
     moes = [moe for model in models for moe in model.moe_layers()]
@@ -257,7 +257,7 @@ def setup(env, spec: dict):
         spec.get("max_replicas", 2),
         transport=spec.get("transport", "relay"),
     )
-    reference = K3Model(config).double()
+    reference = K3ModelChunk(config).double()
     reference.init_weights(seed=7)
     skew_gate_bias(reference, config.num_experts // ep, spec.get("skew", 0.0))
     return config, state, expert_parallel, reference
@@ -268,7 +268,7 @@ def equivalence(env, spec: dict) -> dict:
     started = time.perf_counter()
     config, state, expert_parallel, reference = setup(env, spec)
     tp, ep, sp, dp = state.tp.size, state.ep.size, state.sequence_parallel, state.layout.dp
-    model = K3Model(config, parallel=state).double()
+    model = K3ModelChunk(config, parallel=state).double()
     model.init_weights(seed=7)
     for moe in model.moe_layers():
         use_expert_parallel(moe, expert_parallel)
@@ -525,12 +525,12 @@ def skewed_sources(env, spec: dict) -> dict:
     )
     state = ParallelState(layout, env.rank)
     dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport=spec.get("transport", "relay"))
-    full = LocalExperts(config, experts).double()
+    full = GroupedExperts(config, experts).double()
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for param in full.parameters():
             param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
-    mine = LocalExperts(config, dispatcher.num_local_experts).double()
+    mine = GroupedExperts(config, dispatcher.num_local_experts).double()
     with torch.no_grad():
         for name in ("w1", "w3", "w2"):
             getattr(mine, name).copy_(getattr(full, name)[dispatcher.expert_offset :][: dispatcher.num_local_experts])

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.optim.config import OptimizerConfig
 from k3train.optim.muon import PerHeadMuon
@@ -122,8 +122,8 @@ def run_tensor_parallel(env, payload: Any) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, config.vocab_size, (4, 17), generator=generator) for _ in range(STEPS)]
 
-    def trained(parallel: ParallelState | None, split: bool) -> tuple[dict[str, torch.Tensor], K3Model]:
-        model = (K3Model(config, parallel=parallel) if parallel is not None else K3Model(config)).double()
+    def trained(parallel: ParallelState | None, split: bool) -> tuple[dict[str, torch.Tensor], K3ModelChunk]:
+        model = (K3ModelChunk(config, parallel=parallel) if parallel is not None else K3ModelChunk(config)).double()
         model.init_weights(seed=7)
         optimizer_config = OptimizerConfig(lr=LR)
         inner = build_optimizer(model, optimizer_config)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.model.config import ModelConfig
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 from k3train.parallel.pipeline import (
     PROTOCOLS,
     PipelineExecutor,
@@ -170,7 +170,7 @@ def run_one(env, check: dict) -> dict:
     tokens = torch.randint(
         0, config.vocab_size, (local_count * state.dp.size * MICRO_BATCH_SIZE, SEQ + 1), generator=generator
     )
-    reference = K3Model(config).double()
+    reference = K3ModelChunk(config).double()
     reference.init_weights(seed=SEED)
     reference_loss = reference.loss(reference(tokens[:, :-1]), tokens[:, 1:])
     reference_loss.backward()

@@ -14,7 +14,7 @@ from typing import cast
 import torch
 
 from k3train.model.config import ModelConfig
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.parallel.tensor import ShardedParameter, reduce_tensor_parallel_grads
 
@@ -50,9 +50,9 @@ def compare_one_step(env, payload) -> dict:
     """Loss and gradients of a TP(+SP) model against the single-process model, float64."""
     config = small_config(**payload.get("config", {}))
     state = build_state(env.world_size, env.rank, payload["tp"], payload["sequence_parallel"], config)
-    reference = K3Model(config).double()
+    reference = K3ModelChunk(config).double()
     reference.init_weights(seed=7)
-    sharded = K3Model(config, parallel=state).double()
+    sharded = K3ModelChunk(config, parallel=state).double()
     sharded.init_weights(seed=7)
 
     generator = torch.Generator().manual_seed(3)
@@ -99,9 +99,9 @@ def compare_three_steps(env, payload) -> dict:
 
     config = small_config(**payload.get("config", {}))
     state = build_state(env.world_size, env.rank, payload["tp"], payload["sequence_parallel"], config)
-    reference = K3Model(config).double()
+    reference = K3ModelChunk(config).double()
     reference.init_weights(seed=7)
-    sharded = K3Model(config, parallel=state).double()
+    sharded = K3ModelChunk(config, parallel=state).double()
     sharded.init_weights(seed=7)
     optimizer_config = OptimizerConfig(lr=1e-2)
     reference_optimizer = build_optimizer(reference, optimizer_config)

@@ -78,7 +78,7 @@ def test_failed_save_is_one_line_saying_what_was_kept(tmp_path):
 
 
 def _watched(grace_s: float):
-    from k3train.checkpoint.signals import GracefulExit
+    from k3train.job.signals import GracefulExit
 
     calls: list[tuple[int, str]] = []
     done = threading.Event()

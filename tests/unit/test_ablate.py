@@ -24,7 +24,7 @@ from k3train.ablation.report import (
     summary_table,
 )
 from k3train.ablation.results import ArmSummary
-from k3train.recipe import ConfigError
+from k3train.config.recipe import ConfigError
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(CHECKOUT / "recipes" / "ladder" / "cpu-tiny.yaml")

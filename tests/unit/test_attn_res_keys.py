@@ -10,22 +10,22 @@ import torch
 from k3train.contracts.stage_io import ResidualState
 from k3train.model.attn_res import KeyedResidualState
 from k3train.model.decoder import DecoderLayer
-from k3train.model.k3 import K3Model, lm_loss
+from k3train.model.k3 import K3ModelChunk, lm_loss
 from tests.unit.test_model import randomize_attn_res_queries, small_config
 
 INPUT_IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
 
 
-def build(mode: str, recompute: str) -> K3Model:
+def build(mode: str, recompute: str) -> K3ModelChunk:
     config = small_config(
         attn_res=mode, attn_res_block_size=2, hidden_size=64, vocab_size=64, num_hidden_layers=3, recompute=recompute
     )
-    model = K3Model(config).double()
+    model = K3ModelChunk(config).double()
     randomize_attn_res_queries(model)
     return model
 
 
-def loss_and_grads(model: K3Model, forward) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(model: K3ModelChunk, forward) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss = lm_loss(forward(model), INPUT_IDS)
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -53,7 +53,7 @@ def test_state_without_keys_continues_to_the_same_result(mode):
     """Layers 0..1 with keys, then the state stripped to `ResidualState(partial, blocks)` (what a
     pipeline stage rebuilds from received tensors): the later mixes compute the missing keys."""
 
-    def stripped(model: K3Model) -> torch.Tensor:
+    def stripped(model: K3ModelChunk) -> torch.Tensor:
         state = model.embed(INPUT_IDS)
         layers = [cast(DecoderLayer, layer) for layer in model.layers.values()]
         mixes = [mix for layer in layers for mix in layer.attn_res_mixes()] + [model.output_attn_res]

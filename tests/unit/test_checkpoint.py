@@ -23,7 +23,6 @@ from k3train.checkpoint import (
     MANIFEST,
     Checkpointer,
     CheckpointError,
-    GracefulExit,
     PerRank,
     RNGState,
     capture_rng_state,
@@ -32,6 +31,7 @@ from k3train.checkpoint import (
     restore_rng_state,
 )
 from k3train.checkpoint.safe_metadata import read_metadata_safely
+from k3train.job.signals import GracefulExit
 
 
 class Net(nn.Module):

@@ -14,7 +14,7 @@ import torch
 
 from k3train.model.attn_res import AttentionResidual
 from k3train.model.config import LinearAttnConfig, ModelConfig
-from k3train.model.k3 import K3Model, lm_loss
+from k3train.model.k3 import K3ModelChunk, lm_loss
 from k3train.training.compile import REGIONS, CompiledMixNorm, compile_elementwise
 
 pytestmark = pytest.mark.skipif(
@@ -41,7 +41,7 @@ TINY = ModelConfig(
 
 
 def _losses(compiled: bool, regions=REGIONS) -> tuple[list[float], list[str]]:
-    model = K3Model(TINY, seed=0)
+    model = K3ModelChunk(TINY, seed=0)
     if compiled:
         counts = compile_elementwise(model, regions)
         expected = {"norms": "norms", "activations": "activations", "attn_res_mixes": "attn_res"}
@@ -92,8 +92,8 @@ def test_only_the_attn_res_region_matches_eager():
 
 def test_unknown_or_empty_regions_are_refused():
     with pytest.raises(ValueError, match="unknown compile regions"):
-        compile_elementwise(K3Model(TINY, seed=0), ["attn_res", "everything"])
-    from k3train.recipe import ConfigError
+        compile_elementwise(K3ModelChunk(TINY, seed=0), ["attn_res", "everything"])
+    from k3train.config.recipe import ConfigError
     from k3train.training.config import TrainConfig
 
     with pytest.raises(ConfigError, match="train.compile_regions is empty"):

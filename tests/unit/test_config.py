@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from k3train.command_line import parse_job_args, parse_job_args_or_exit
 from k3train.config import (
     ConfigError,
     JobConfig,
@@ -18,7 +17,8 @@ from k3train.config import (
     load_config,
     save_config,
 )
-from k3train.config_docs import config_reference_markdown
+from k3train.config.command_line import parse_job_args, parse_job_args_or_exit
+from k3train.config.reference import config_reference_markdown
 from k3train.model.config import ModelConfig
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
@@ -260,14 +260,14 @@ def test_config_and_command_line_do_not_import_torch():
     """`pretrain_k3.py --help` and config errors must answer before torch loads (seconds)."""
     code = (
         "import sys\n"
-        "import k3train.command_line, k3train.config, k3train.config_docs, k3train.training.threads\n"
-        "import k3train.cache, k3train.checkpoint.signals, k3train.data.indexed_dataset, k3train.job_ending\n"
-        "import k3train.path_arguments, k3train.preflight\n"
+        "import k3train.config.command_line, k3train.config, k3train.config.reference, k3train.training.threads\n"
+        "import k3train.cache, k3train.job.signals, k3train.data.indexed_dataset, k3train.job.ending\n"
+        "import k3train.path_arguments, k3train.job.preflight\n"
         "from k3train.data.config import DataConfig\n"
         "from k3train.optim.config import OptimizerConfig\n"
         "from k3train.checkpoint.config import CheckpointConfig\n"
         f"k3train.config.load_config({DEBUG!r}, ['train.steps=2'])\n"
-        "k3train.config_docs.config_reference_markdown()\n"
+        "k3train.config.reference.config_reference_markdown()\n"
         "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=CHECKOUT, capture_output=True, text=True, timeout=120)

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from k3train.model import flops
 from k3train.model.config import ModelConfig
-from k3train.model.k3 import K3Model, lm_loss
+from k3train.model.k3 import K3ModelChunk, lm_loss
 from k3train.model.kda import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from k3train.model.mlp import GLUMLP
@@ -122,7 +122,7 @@ def test_dense_mlp_and_moe_flops_match_executed_matmuls():
 def test_model_training_flops_within_5_percent_of_executed_matmuls(attn_res):
     config = debug_config(attn_res=attn_res)
     torch.manual_seed(0)
-    model = K3Model(config)
+    model = K3ModelChunk(config)
     input_ids = torch.randint(0, config.vocab_size, (BATCH, SEQ_LENGTH))
     counted = counted_training_flops_per_token(model, lambda m: lm_loss(m(input_ids), input_ids))
     analytic = flops.training_flops_per_token(config, SEQ_LENGTH, attention="full")
@@ -167,7 +167,7 @@ def test_flop_breakdown_structure():
 def test_parameter_counts_equal_built_model(changes):
     config = ModelConfig().replace(**changes)
     counts = flops.parameter_counts(config)
-    assert counts.total == sum(p.numel() for p in K3Model(config).parameters())
+    assert counts.total == sum(p.numel() for p in K3ModelChunk(config).parameters())
     moe_layers = config.num_hidden_layers - config.first_k_dense_replace
     inactive = (
         moe_layers
@@ -183,7 +183,7 @@ def test_k3_parameter_counts_equal_meta_model():
     config = ModelConfig.preset("k3")
     counts = flops.parameter_counts(config)
     with torch.device("meta"):
-        model = K3Model(config)
+        model = K3ModelChunk(config)
     assert counts.total == sum(p.numel() for p in model.parameters())
     assert 2.6e12 <= counts.total <= 3.0e12
     assert counts.active == 105_363_935_328

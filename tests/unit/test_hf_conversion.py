@@ -36,7 +36,7 @@ from k3train.checkpoint.hf import (
 from k3train.checkpoint.hf_config import from_hf_config, to_hf_config
 from k3train.config import JobConfig, load_config, save_config
 from k3train.model.config import LinearAttnConfig, ModelConfig
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 P = "language_model.model."
@@ -54,7 +54,7 @@ def _load_tool(name: str):
 convert = _load_tool("convert_checkpoint")
 
 
-def _randomise(model: K3Model, seed: int = 7) -> None:
+def _randomise(model: K3ModelChunk, seed: int = 7) -> None:
     """Make the tensors that start as constants (AttnRes queries and gains, QB biases, A_log,
     norms) random, so a round trip really checks them."""
     g = torch.Generator().manual_seed(seed)
@@ -70,7 +70,7 @@ def _randomise(model: K3Model, seed: int = 7) -> None:
 
 def _save_run(run: Path, config: ModelConfig, step: int = 3, with_optimizer: bool = True) -> dict[str, torch.Tensor]:
     """A run directory like pretrain_k3.py leaves: config.yaml + checkpoints/step_XXXXXXXX."""
-    model = K3Model(config)
+    model = K3ModelChunk(config)
     _randomise(model)
     job = JobConfig()
     job.model = config
@@ -88,7 +88,7 @@ def _save_run(run: Path, config: ModelConfig, step: int = 3, with_optimizer: boo
 
 def _load_run(run: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config = load_config(str(run / "config.yaml"), []).model
-    model = K3Model(config)
+    model = K3ModelChunk(config)
     latest = Checkpointer(run / "checkpoints").latest()
     assert latest is not None
     Checkpointer(run / "checkpoints").load(latest, {"model": model})
@@ -432,7 +432,7 @@ def test_k3_preset_tensor_list_matches_the_hub_without_building_weights():
 )
 def test_mapping_covers_the_model_and_config_round_trips(config):
     with torch.device("meta"):
-        model = K3Model(config)
+        model = K3ModelChunk(config)
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == k3_state_shapes(config)
     specs = hf_tensor_specs(config)
     assert len({s.hf_name for s in specs}) == len(specs)
@@ -466,7 +466,7 @@ def test_every_model_tensor_has_one_hub_name_and_back(config):
     """The renaming rules are a bijection between the meta model's tensors (experts split) and hub
     names: a parameter added to the model without a rule fails here (hf_name refuses it)."""
     with torch.device("meta"):
-        model = K3Model(config)
+        model = K3ModelChunk(config)
     by_hub: dict[str, tuple[str, object]] = {}
     count = 0
     for name, tensor in model.state_dict().items():
@@ -490,12 +490,12 @@ def test_every_model_tensor_has_one_hub_name_and_back(config):
 def test_a_model_tensor_the_mapping_does_not_cover_is_refused(monkeypatch):
     import k3train.model.k3 as k3_module
 
-    class GrownModel(K3Model):
+    class GrownModel(K3ModelChunk):
         def __init__(self, config):
             super().__init__(config)
             self.get_submodule("layers.0.self_attn").new_gain = torch.nn.Parameter(torch.ones(4))
 
-    monkeypatch.setattr(k3_module, "K3Model", GrownModel)
+    monkeypatch.setattr(k3_module, "K3ModelChunk", GrownModel)
     assert "layers.0.self_attn.new_gain" in k3_state_shapes(ModelConfig())
     with pytest.raises(
         HFConversionError, match=r"layers\.0\.self_attn\.new_gain has no name in the Kimi K3 hub layout"

@@ -16,7 +16,7 @@ import torch
 
 from k3train.checkpoint.hf_config import kimi_linear_refusal
 from k3train.model.config import LinearAttnConfig, ModelConfig
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 from tests.unit.test_hf_conversion import _assert_identical, _load_run, _load_tool, _save_run, convert
 
 transformers = pytest.importorskip("transformers")
@@ -74,7 +74,7 @@ def _hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens, use_cache=False).logits.float()
 
 
-def _k3_logits(model: K3Model, tokens: torch.Tensor) -> torch.Tensor:
+def _k3_logits(model: K3ModelChunk, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.eval()(tokens).float()
 

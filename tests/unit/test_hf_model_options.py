@@ -9,7 +9,7 @@ import torch
 
 from k3train.model.config import LinearAttnConfig, ModelConfig
 from k3train.model.flops import parameter_counts
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 
 
 def _config(**changes) -> ModelConfig:
@@ -25,13 +25,13 @@ def _config(**changes) -> ModelConfig:
 
 def test_low_rank_output_gate_and_plain_moe_parameters():
     config = _config()
-    shapes = {name: tuple(t.shape) for name, t in K3Model(config).state_dict().items()}
+    shapes = {name: tuple(t.shape) for name, t in K3ModelChunk(config).state_dict().items()}
     assert shapes["layers.0.self_attn.g_a_proj.weight"] == (8, 64)
     assert shapes["layers.0.self_attn.g_b_proj.weight"] == (64, 8)
     assert "layers.0.self_attn.g_proj.weight" not in shapes
     assert not [name for name in shapes if "routed_expert" in name]
     assert shapes["layers.1.block_sparse_moe.experts.w1"] == (config.num_experts, config.moe_intermediate_size, 64)
-    assert parameter_counts(config).total == sum(p.numel() for p in K3Model(config).parameters())
+    assert parameter_counts(config).total == sum(p.numel() for p in K3ModelChunk(config).parameters())
 
 
 def test_output_gate_rank_defaults_to_head_dim_and_full_rank_has_none():
@@ -43,7 +43,7 @@ def test_output_gate_rank_defaults_to_head_dim_and_full_rank_has_none():
 
 def test_plain_moe_trains_and_a_latent_norm_without_latent_width_is_refused():
     config = _config()
-    model = K3Model(config)
+    model = K3ModelChunk(config)
     tokens = torch.randint(0, config.vocab_size, (2, 9))
     model.loss(model(tokens), tokens).backward()
     assert [n for n, p in model.named_parameters() if p.grad is None] == [  # one source: softmax of one

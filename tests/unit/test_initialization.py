@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3train.model.config import ModelConfig
 from k3train.model.initialization import TiledStream, normal_fill, stream_seed
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 from k3train.model.kda import KimiDeltaAttention
 from k3train.parallel.comm import Group, TrafficCounter
 from k3train.parallel.expert import ExpertParallel
@@ -28,7 +28,7 @@ def unbounded_gate_config() -> ModelConfig:
     )
 
 
-def tp_rank_model(config: ModelConfig, tp: int, rank: int, ep: int = 1) -> K3Model:
+def tp_rank_model(config: ModelConfig, tp: int, rank: int, ep: int = 1) -> K3ModelChunk:
     """The model TP rank `rank` of `tp` (and EP rank `rank % ep` of `ep`) builds, in one process
     (no collective runs while building and initialising)."""
     parallel = SimpleNamespace(
@@ -41,7 +41,7 @@ def tp_rank_model(config: ModelConfig, tp: int, rank: int, ep: int = 1) -> K3Mod
         expert_parallel = ExpertParallel(
             Group("ep", tuple(range(ep)), rank % ep, None, TrafficCounter()), config.num_experts, "capacity", 1.0
         )
-    return K3Model(config, parallel=parallel, expert_parallel=expert_parallel)
+    return K3ModelChunk(config, parallel=parallel, expert_parallel=expert_parallel)
 
 
 def reassembled(shards: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ def reassembled(shards: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     ids=["tp2-bounded-gate", "tp4-ep2-unbounded-gate"],
 )
 def test_shards_drawn_in_tiny_tiles_reassemble_to_the_one_process_tensor(config, tp, ep):
-    whole = K3Model(config)
+    whole = K3ModelChunk(config)
     whole.init_weights(seed=7, tile_elements=TINY_TILE)
     ranks = [tp_rank_model(config, tp, rank, ep) for rank in range(tp)]
     for model in ranks:
@@ -77,7 +77,7 @@ def test_shards_drawn_in_tiny_tiles_reassemble_to_the_one_process_tensor(config,
 
 
 def test_tensors_of_one_tile_keep_the_whole_tensor_draw_and_larger_ones_are_tiled():
-    default, tiny = K3Model(ModelConfig()), K3Model(ModelConfig())
+    default, tiny = K3ModelChunk(ModelConfig()), K3ModelChunk(ModelConfig())
     default.init_weights(seed=3)
     tiny.init_weights(seed=3, tile_elements=TINY_TILE)
     tiny_params = dict(tiny.named_parameters())
@@ -144,7 +144,7 @@ def test_a_tp_rank_allocates_at_most_one_tile(config):
         model.init_weights(seed=7, tile_elements=SMALL_TILE)
     assert 0 < recorder.largest <= bound < lm_head.numel(), (recorder.largest, recorder.operator)
     # and the values are the one-process model's slice
-    whole = K3Model(config)
+    whole = K3ModelChunk(config)
     whole.init_weights(seed=7, tile_elements=SMALL_TILE)
     assert torch.equal(lm_head, whole.lm_head.weight.chunk(2, 0)[1])
     assert torch.equal(

@@ -1,7 +1,7 @@
-"""The job's ending line in torchrun's error file (k3train/job_ending.py): torch's agent
+"""The job's ending line in torchrun's error file (k3train/job/ending.py): torch's agent
 reads it back as the failed rank's message and shows it in its failure summary."""
 
-from k3train.job_ending import write_torchrun_error_file
+from k3train.job.ending import write_torchrun_error_file
 
 
 def test_torchrun_reads_the_line_as_the_failure_message(tmp_path):
@@ -40,7 +40,7 @@ def test_under_torchrun_other_ranks_let_rank_zero_end_first(tmp_path):
     checkout = Path(__file__).resolve().parents[2]
     code = (
         f"import sys; sys.path.insert(0, {str(checkout)!r})\n"
-        "from k3train.job_ending import exit_same_on_every_rank\n"
+        "from k3train.job.ending import exit_same_on_every_rank\n"
         "print('ready', flush=True)\n"
         "exit_same_on_every_rank('error: x; fix y', 2)\n"
     )

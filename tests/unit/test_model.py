@@ -11,7 +11,7 @@ from k3train.kernels.situ_glu import situ_glu, swiglu
 from k3train.model.balance import ExactQuantileBalancer, HistogramQuantileBalancer, SignBalancer, histogram_quantile
 from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
-from k3train.model.k3 import K3Model, lm_loss
+from k3train.model.k3 import K3ModelChunk, lm_loss
 from k3train.model.kda import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from k3train.model.moe import LatentMoE
@@ -21,7 +21,7 @@ def small_config(**changes) -> ModelConfig:
     return dataclasses.replace(ModelConfig(), **changes)
 
 
-def randomize_attn_res_queries(model: K3Model, seed: int = 0) -> None:
+def randomize_attn_res_queries(model: K3ModelChunk, seed: int = 0) -> None:
     """Zero-initialised queries average uniformly; random ones make the wiring tests sharper."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -73,7 +73,7 @@ def test_kda_gate_is_bounded():
 
 
 # ---------------------------------------------------------------------------- AttnRes
-def direct_attn_res_forward(model: K3Model, input_ids: torch.Tensor) -> torch.Tensor:
+def direct_attn_res_forward(model: K3ModelChunk, input_ids: torch.Tensor) -> torch.Tensor:
     """Keep every sublayer output and build each sublayer's sources from the definition."""
     config = model.config
     outputs = [model.embed_tokens(input_ids)]  # v_0 = embedding, then f_1, f_2, ...
@@ -112,7 +112,7 @@ def test_attn_res_wiring_matches_direct_definition(mode, block_size):
     config = small_config(
         attn_res=mode, attn_res_block_size=block_size, hidden_size=64, vocab_size=64, recompute="none"
     )
-    model = K3Model(config).double().eval()
+    model = K3ModelChunk(config).double().eval()
     randomize_attn_res_queries(model)
     input_ids = torch.randint(0, 64, (2, 9))
     difference = (model(input_ids) - direct_attn_res_forward(model, input_ids)).abs().max()
@@ -121,7 +121,7 @@ def test_attn_res_wiring_matches_direct_definition(mode, block_size):
 
 def test_plain_residual_baseline():
     config = small_config(attn_res="none", hidden_size=64, vocab_size=64, num_hidden_layers=2)
-    model = K3Model(config).double().eval()
+    model = K3ModelChunk(config).double().eval()
     input_ids = torch.randint(0, 64, (1, 6))
     hidden = model.embed_tokens(input_ids)
     for layer in model.layers.values():
@@ -140,9 +140,9 @@ def test_attn_res_starts_as_uniform_average_in_fp32():
 def test_sliced_model_matches_whole_model():
     """The pipeline contract: slices handing over (partial, blocks) equal one model."""
     config = small_config(hidden_size=64, vocab_size=64, num_hidden_layers=5, attn_res_block_size=2)
-    whole = K3Model(config).double().eval()
-    first = K3Model(config, layer_range=(0, 3)).double().eval()
-    second = K3Model(config, layer_range=(3, 5)).double().eval()
+    whole = K3ModelChunk(config).double().eval()
+    first = K3ModelChunk(config, layer_range=(0, 3)).double().eval()
+    second = K3ModelChunk(config, layer_range=(3, 5)).double().eval()
     assert not hasattr(first, "lm_head") and not hasattr(second, "embed_tokens")
     input_ids = torch.randint(0, 64, (2, 7))
     state = first(input_ids)
@@ -262,7 +262,7 @@ def test_sign_balancer_moves_bias_against_load():
 
 
 def test_bias_changes_only_after_the_step_and_is_saved():
-    model = K3Model(small_config(balancer="quantile"))
+    model = K3ModelChunk(small_config(balancer="quantile"))
     moe = model.moe_layers()[0]
     input_ids = torch.randint(0, 384, (2, 16))
     lm_loss(model(input_ids)[:, :-1], input_ids[:, 1:]).backward()
@@ -275,7 +275,7 @@ def test_bias_changes_only_after_the_step_and_is_saved():
 # ---------------------------------------------------------------------------- whole model
 def test_debug_model_trains_on_a_fixed_batch():
     torch.manual_seed(0)
-    model = K3Model(ModelConfig())
+    model = K3ModelChunk(ModelConfig())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     input_ids = torch.randint(0, 384, (4, 33))
     losses = []
@@ -294,7 +294,7 @@ def test_debug_model_trains_on_a_fixed_batch():
 def test_k3_preset_builds_on_meta_device():
     config = ModelConfig.preset("k3")
     with torch.device("meta"):
-        model = K3Model(config)
+        model = K3ModelChunk(config)
     assert len(model.layers) == 93
     mla_layers = [i for i, layer in model.layers.items() if layer.is_mla]
     assert len(mla_layers) == 24 and mla_layers[-1] == "92" and "3" in mla_layers
@@ -308,7 +308,7 @@ def saved_activation_bytes(config: ModelConfig, layer_index: int) -> int:
     the block representations and their keys (shared by every later layer, held once per
     micro-batch)."""
     torch.manual_seed(0)
-    model = K3Model(config)
+    model = K3ModelChunk(config)
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     state = model.embed(torch.randint(0, config.vocab_size, (2, 64)))
     for index, layer in model.layers.items():
@@ -358,7 +358,7 @@ def test_checkpointed_attn_res_layer_saves_no_more_than_plain_residual(layer_ind
 
 def test_router_and_attn_res_stay_fp32_under_bf16_autocast():
     """Precision (docs/design.md §1.3, §1.4): AttnRes scores and the router in fp32 even inside a bf16 autocast region."""
-    model = K3Model(small_config(hidden_size=64, vocab_size=64, num_hidden_layers=2))
+    model = K3ModelChunk(small_config(hidden_size=64, vocab_size=64, num_hidden_layers=2))
     randomize_attn_res_queries(model)
     moe = model.moe_layers()[0]
     x = torch.randn(1, 5, 64)
@@ -393,7 +393,7 @@ def test_attn_res_gradients_equal_across_recompute_modes_and_the_stacked_referen
             num_hidden_layers=3,
             recompute=recompute,
         )
-        model = K3Model(config).double()
+        model = K3ModelChunk(config).double()
         randomize_attn_res_queries(model)
         loss = lm_loss(model(input_ids), input_ids)
         loss.backward()

@@ -1,5 +1,5 @@
 """The routed experts' combine with the routing weights folded into the GLU activation, against
-plain indexing (`LocalExperts.forward_reference`: weights applied to the expert outputs)."""
+plain indexing (`GroupedExperts.forward_reference`: weights applied to the expert outputs)."""
 
 import dataclasses
 from typing import Literal
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from k3train.model.config import ModelConfig
-from k3train.model.moe import LocalExperts
+from k3train.model.moe import GroupedExperts
 
 
-def _experts(hidden_act: Literal["situ", "silu"]) -> LocalExperts:
+def _experts(hidden_act: Literal["situ", "silu"]) -> GroupedExperts:
     config = dataclasses.replace(ModelConfig(), hidden_act=hidden_act)
-    experts = LocalExperts(config, 6).double()
+    experts = GroupedExperts(config, 6).double()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for stack in experts.stacks():

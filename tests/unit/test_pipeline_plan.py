@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3train.model.config import ModelConfig
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 from k3train.parallel.comm import Group, TrafficCounter
 from k3train.parallel.pipeline import PipelineExecutor, residual_shape, theoretical_peak_blocks
 from k3train.parallel.pipeline_cache import BlockCache, BlockCacheError
@@ -59,7 +59,7 @@ def test_blocks_before_layer():
 
 
 def test_plan_matches_the_model_pushes():
-    """blocks_at agrees with what K3Model slices actually push (block, full, none)."""
+    """blocks_at agrees with what K3ModelChunk slices actually push (block, full, none)."""
     for attn_res in ("block", "full", "none"):
         config = ModelConfig(
             num_hidden_layers=5,
@@ -71,7 +71,7 @@ def test_plan_matches_the_model_pushes():
             recompute="none",
         )
         plan = PipelinePlan.build(5, 2, 1, attn_res, 2, [2, 3])
-        model = K3Model(config, layer_range=(0, 2))
+        model = K3ModelChunk(config, layer_range=(0, 2))
         state = model(torch.zeros(1, 3, dtype=torch.long))
         assert len(state.blocks) == plan.blocks_at[1], attn_res
 
@@ -249,9 +249,9 @@ def test_single_stage_schedule_is_gradient_accumulation():
         moe_intermediate_size=16,
         routed_expert_hidden_size=16,
     )
-    reference = K3Model(config).double()
+    reference = K3ModelChunk(config).double()
     reference.init_weights(5)
-    model = K3Model(config).double()
+    model = K3ModelChunk(config).double()
     model.init_weights(5)
     tokens = torch.randint(0, config.vocab_size, (4, 9), generator=torch.Generator().manual_seed(0))
     expected = reference.loss(reference(tokens[:, :-1]), tokens[:, 1:])

@@ -13,7 +13,7 @@ from k3train.contracts.stage_io import ResidualState, blocks_before_layer, close
 from k3train.model import flops
 from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan
 from k3train.parallel.pipeline_schedule import blocks_before_layer as plan_blocks_before_layer
 
@@ -59,7 +59,7 @@ def test_decoder_plan_and_flops_follow_closes_block(attn_res, block_size):
     config = tiny_config(attn_res, block_size)
     layers = config.num_hidden_layers
     with torch.device("meta"):
-        model = K3Model(config)
+        model = K3ModelChunk(config)
     for index, layer in model.layers.items():
         assert isinstance(layer, DecoderLayer)
         assert layer.pushes_block_before_mixer() == closes_block(attn_res, block_size, int(index), "mixer")
@@ -83,7 +83,7 @@ def test_forward_closes_blocks_where_the_rule_says(attn_res, block_size):
     """The blocks a real forward holds after each layer are the count `blocks_before_layer` gives."""
     config = tiny_config(attn_res, block_size, layers=5)
     torch.manual_seed(0)
-    model = K3Model(config).eval()
+    model = K3ModelChunk(config).eval()
     state = model.embed(torch.randint(0, config.vocab_size, (1, 8)))
     with torch.no_grad():
         for index, layer in model.layers.items():

@@ -24,15 +24,15 @@ import torch
 
 from k3train.checkpoint import Checkpointer
 from k3train.config import JobConfig, apply_overrides
+from k3train.config.recipe import ConfigError
 from k3train.kernels import te as te_kernels
 from k3train.model.config import ModelConfig
-from k3train.model.k3 import K3Model
-from k3train.model.moe import LocalExperts
+from k3train.model.k3 import K3ModelChunk
+from k3train.model.moe import GroupedExperts
 from k3train.optim.builder import parameter_costs
 from k3train.optim.config import OptimizerConfig
 from k3train.parallel.pipeline import PipelinePlan
 from k3train.parallel.state import Layout, ParallelState
-from k3train.recipe import ConfigError
 from k3train.training.build import (
     build_model,
     check_precision_support,
@@ -62,8 +62,8 @@ def small_model(**changes) -> ModelConfig:
     return base.replace(**changes)
 
 
-def te_model(config: ModelConfig, te, **kwargs) -> K3Model:
-    return K3Model(config, seed=3, linear_factory=te_kernels.TELinearFactory(te, CPU), **kwargs)
+def te_model(config: ModelConfig, te, **kwargs) -> K3ModelChunk:
+    return K3ModelChunk(config, seed=3, linear_factory=te_kernels.TELinearFactory(te, CPU), **kwargs)
 
 
 def description(model: torch.nn.Module) -> dict:
@@ -190,7 +190,7 @@ def test_cpu_job_never_imports_transformer_engine():
 def test_te_model_has_the_torch_models_parameters(changes):
     config = small_model(**changes)
     te = make_stand_in()
-    torch_model = K3Model(config, seed=3)
+    torch_model = K3ModelChunk(config, seed=3)
     te_built = te_model(config, te)
     assert description(te_built) == description(torch_model)
     for (name, a), (_, b) in zip(torch_model.named_parameters(), te_built.named_parameters()):
@@ -230,8 +230,8 @@ def test_te_shards_under_tensor_parallelism_match_the_torch_shards():
     for rank in range(2):
         state = planning_parallel_state(layout, rank, sequence_parallel=True)
         with torch.device("meta"):
-            torch_model = K3Model(config, parallel=state)
-            te_built = K3Model(
+            torch_model = K3ModelChunk(config, parallel=state)
+            te_built = K3ModelChunk(
                 config, parallel=state, linear_factory=te_kernels.TELinearFactory(make_stand_in(), torch.device("meta"))
             )
         assert description(te_built) == description(torch_model)
@@ -279,8 +279,8 @@ def test_grouped_experts_run_on_the_stacks_and_send_gradients_to_them():
     config = small_model()
     factory = te_kernels.TELinearFactory(te, CPU)
     torch.manual_seed(0)
-    reference = LocalExperts(config, 4)
-    grouped = LocalExperts(config, 4, factory.grouped)
+    reference = GroupedExperts(config, 4)
+    grouped = GroupedExperts(config, 4, factory.grouped)
     for mine, theirs in zip(grouped.stacks(), reference.stacks()):
         torch.nn.init.normal_(theirs, std=0.1)
         mine.data.copy_(theirs.data)
@@ -320,7 +320,7 @@ def test_pad_groups():
 
 
 # ------------------------------------------------------------------ FP8 state and checkpoints
-def run_fp8_steps(model: K3Model, te, steps: int, seed: int) -> None:
+def run_fp8_steps(model: K3ModelChunk, te, steps: int, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=generator)
@@ -386,7 +386,7 @@ def test_checkpoints_carry_fp8_state_and_load_across_precisions_and_backends(tmp
     # fp8 → bf16 TE model (the state is kept, unused) and → the torch backend (the state is dropped).
     bf16_te = te_model(config, te)
     checkpointer.load(fp8_path, {"model": bf16_te})
-    torch_model = K3Model(config, seed=0)
+    torch_model = K3ModelChunk(config, seed=0)
     checkpointer.load(fp8_path, {"model": torch_model})
     for (name, a), (_, b) in zip(fp8_model.named_parameters(), torch_model.named_parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
@@ -398,10 +398,10 @@ def test_checkpoints_carry_fp8_state_and_load_across_precisions_and_backends(tmp
     before = fp8_states(target)
     Checkpointer(tmp_path / "bf16").load(bf16_path, {"model": target})
     assert {k: v.tolist() for k, v in fp8_states(target).items()} == {k: v.tolist() for k, v in before.items()}
-    torch_path = Checkpointer(tmp_path / "torch").save(1, {"model": K3Model(config, seed=11)})
+    torch_path = Checkpointer(tmp_path / "torch").save(1, {"model": K3ModelChunk(config, seed=11)})
     from_torch = te_model(config, te)
     Checkpointer(tmp_path / "torch").load(torch_path, {"model": from_torch})
-    for (name, a), (_, b) in zip(K3Model(config, seed=11).named_parameters(), from_torch.named_parameters()):
+    for (name, a), (_, b) in zip(K3ModelChunk(config, seed=11).named_parameters(), from_torch.named_parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 

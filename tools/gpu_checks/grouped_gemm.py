@@ -59,7 +59,7 @@ def grouped_mm_row(ctx: Context, name: str, dtype: torch.dtype, layout: str) -> 
         w_leaf = ctx.randn(groups, d_out, d_in, gen=gen, dtype=dtype, scale=d_in**-0.5).requires_grad_()
         x_of, w_of = (lambda x: x[:, :d_in]), (lambda w: w.transpose(1, 2))
     dout = ctx.randn(rows, d_out, gen=gen, dtype=dtype)
-    dout[end:] = 0  # as LocalExperts.grouped_forward masks the rows of empty slots
+    dout[end:] = 0  # as GroupedExperts.grouped_forward masks the rows of empty slots
 
     def run(mm: Callable) -> dict[str, torch.Tensor]:
         out = mm(x_of(x_leaf), w_of(w_leaf), ends)
@@ -94,7 +94,7 @@ def grouped_mm_row(ctx: Context, name: str, dtype: torch.dtype, layout: str) -> 
 def expert_glu_chain(
     mm: Callable, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor
 ) -> torch.Tensor:
-    """The routed experts as `LocalExperts.forward_sorted` runs them (weights `[E, out, in]`)."""
+    """The routed experts as `GroupedExperts.forward_sorted` runs them (weights `[E, out, in]`)."""
     gate = mm(x, w1.transpose(1, 2), ends)
     up = mm(x, w3.transpose(1, 2), ends)
     return mm(situ_glu(gate, up), w2.transpose(1, 2), ends)

@@ -18,7 +18,7 @@ import torch
 from k3train.config import load_config
 from k3train.kernels import te as te_kernels
 from k3train.model.flops import training_flops_per_token
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 from k3train.optim.builder import build_optimizer
 from k3train.planning.hardware import load_profile
 from k3train.training.build import forward_precision_context, fp8_excluded_layers
@@ -30,8 +30,8 @@ from .common import TOL, Context, Row, describe, release, skip, verdict
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 
-class DeviceInitModel(K3Model):
-    """K3Model initialised on its own device with the rules of `K3Model.init_weights` (norms 1,
+class DeviceInitModel(K3ModelChunk):
+    """K3ModelChunk initialised on its own device with the rules of `K3ModelChunk.init_weights` (norms 1,
     AttnRes queries 0, convolutions uniform, KDA gates from their streams, the rest normal), from a
     device generator: seconds instead of a minute of CPU draws for 6B parameters. Timing runs only:
     the values are not the seeded layout-independent ones."""

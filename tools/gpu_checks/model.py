@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from k3train.model.config import LinearAttnConfig, ModelConfig
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 
 from . import kda as kda_checks
 from .common import BF16, F64, TOL, Context, Row, describe, error, guarded, skip, verdict
@@ -41,7 +41,7 @@ def large_config() -> ModelConfig:
     )
 
 
-def train_step(model: K3Model, tokens: torch.Tensor, labels: torch.Tensor, bf16: bool) -> torch.Tensor:
+def train_step(model: K3ModelChunk, tokens: torch.Tensor, labels: torch.Tensor, bf16: bool) -> torch.Tensor:
     """Forward (under bf16 autocast if asked) and backward; returns the loss."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(tokens.device.type, dtype=BF16, enabled=bf16):
@@ -59,7 +59,7 @@ def token_batch(
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def gradients(model: K3Model) -> dict[str, torch.Tensor]:
+def gradients(model: K3ModelChunk) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
@@ -71,7 +71,7 @@ def model_speed_row(ctx: Context, name: str, config: ModelConfig, batch: int, se
     """bf16-autocast vs fp32 training steps of one model on the device: the loss difference,
     finite gradients, tokens/s. The bf16 step (what training runs) goes first; if the fp32 step
     fails the row fails but keeps the bf16 numbers. ref ms: the fp32 step; fast ms: the bf16 step."""
-    model = K3Model(config).to(ctx.device)
+    model = K3ModelChunk(config).to(ctx.device)
     params = sum(p.numel() for p in model.parameters())
     tokens, labels = token_batch(config, batch, seq, ctx.device, seed=17)
     reps, warmup = ctx.pick(5, 1), ctx.pick(2, 0)  # the step before each timing warms up too
@@ -115,7 +115,7 @@ def check_model_debug(ctx: Context) -> Iterator[Row]:
 
 def model_debug_accuracy_row(ctx: Context) -> Row:
     config = ModelConfig()
-    cpu_model = K3Model(config)
+    cpu_model = K3ModelChunk(config)
     device_model = copy.deepcopy(cpu_model).to(ctx.device)
     tokens, labels = token_batch(config, 2, 64, torch.device("cpu"), seed=18)
     loss_ref = train_step(cpu_model, tokens, labels, bf16=False)

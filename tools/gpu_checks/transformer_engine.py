@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from k3train.kernels import te as te_kernels
 from k3train.kernels.grouped_gemm import grouped_mm, grouped_mm_reference
 from k3train.model.config import ModelConfig
-from k3train.model.k3 import K3Model
+from k3train.model.k3 import K3ModelChunk
 
 from .common import BF16, F64, TOL, Context, Row, compare, error, guarded, skip, to_cpu64, verdict
 from .grouped_gemm import group_ends
@@ -88,9 +88,9 @@ def te_names_row(ctx: Context, te) -> Row:
     """The debug model through TE's modules has the torch model's parameters (names, shapes,
     head blocks) and one forward on the same weights gives the same loss (bf16)."""
     config = ModelConfig()
-    torch_model = K3Model(config).to(ctx.device)
+    torch_model = K3ModelChunk(config).to(ctx.device)
     with torch.device(ctx.device):
-        te_model = K3Model(config, linear_factory=te_kernels.TELinearFactory(te, ctx.device))
+        te_model = K3ModelChunk(config, linear_factory=te_kernels.TELinearFactory(te, ctx.device))
     te_model.load_state_dict(torch_model.state_dict(), strict=False)  # TE adds only _extra_state keys
     described = [
         {n: (tuple(p.shape), getattr(p, "head_blocks", None)) for n, p in m.named_parameters()}

@@ -1,7 +1,7 @@
 """Kimi K3 text model for `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`.
 
 Written by k3train's `tools/convert_checkpoint.py to-hf` beside the weights; needs torch and
-transformers only (never k3train). It computes what k3train's `K3Model` computes, in eval mode:
+transformers only (never k3train). It computes what k3train's model (`K3ModelChunk`) computes, in eval mode:
 Block/Full Attention Residuals with the output aggregation (or plain residuals), Gated MLA with
 NoPE, Kimi Delta Attention with the bounded (or unbounded) decay gate and a full- or low-rank
 output gate, Stable LatentMoE (latent RMSNorm, SiTU-GLU or SwiGLU experts, shared experts, the

@@ -2,7 +2,7 @@
 names, and the coercion of YAML values to those types.
 
 Generic: it walks any dataclass tree and knows nothing of k3train's sections; the recipe loader
-(`k3train/recipe.py`) and the docs generator (`k3train/config_docs.py`) build on it.
+(`k3train/config/recipe.py`) and the docs generator (`k3train/config/reference.py`) build on it.
 """
 
 from __future__ import annotations

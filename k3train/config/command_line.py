@@ -10,8 +10,8 @@ import sys
 from collections.abc import Sequence
 
 from k3train.config import ConfigError, JobConfig, load_config
-from k3train.config_docs import config_reference_markdown
-from k3train.job_ending import exit_same_on_every_rank
+from k3train.config.reference import config_reference_markdown
+from k3train.job.ending import exit_same_on_every_rank
 
 __all__ = ["parse_job_args", "parse_job_args_or_exit"]
 

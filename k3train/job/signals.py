@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from k3train.job_ending import write_torchrun_error_file
+from k3train.job.ending import write_torchrun_error_file
 
 # torch is imported where the stop flag is agreed (`GracefulExit.requested`), not here: the job
 # installs `stop_signals_raise` before torch loads, so a Ctrl-C during the imports is one line too.

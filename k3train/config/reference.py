@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from k3train.config import JobConfig
-from k3train.typed_fields import field_docs, field_types, nested_dataclass, plain, type_name
+from k3train.config.typed_fields import field_docs, field_types, nested_dataclass, plain, type_name
 
 __all__ = ["config_reference_markdown"]
 

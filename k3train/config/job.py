@@ -4,7 +4,7 @@ Each section is a dataclass next to the package it configures (`k3train/model/co
 `parallel/config.py`, `k3train/data/config.py`, `k3train/optim/config.py`,
 `k3train/training/config.py`, `k3train/checkpoint/config.py`) and checks its own fields in its
 `validate`; `JobConfig.validate` adds only the rules that tie sections together. Loading,
-overrides and saving are the generic strict recipe machinery of `k3train/recipe.py`. Nothing here
+overrides and saving are the generic strict recipe machinery of `k3train/config/recipe.py`. Nothing here
 imports torch, so `--help`, `--help-config` and config errors answer at once.
 
     cfg = load_config("recipes/debug.yaml", ["train.steps=5"])
@@ -18,14 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3train import recipe
 from k3train.checkpoint.config import CheckpointConfig
+from k3train.config import recipe
+from k3train.config.recipe import ConfigError
 from k3train.data.config import DataConfig
 from k3train.model.config import ModelConfig
 from k3train.optim.config import OptimizerConfig, ScheduleConfig
 from k3train.parallel.config import ParallelConfig, check_context_split, check_model_split
 from k3train.parallel.pipeline_schedule import partition_layers
-from k3train.recipe import ConfigError
 from k3train.training.config import LoggingConfig, TrainConfig
 
 __all__ = [

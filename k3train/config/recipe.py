@@ -4,7 +4,7 @@ A recipe is a YAML mapping of the root dataclass's fields; nested dataclasses ne
 take more dots on the command line (`model.linear_attn_config.num_heads=8`). Loading is strict:
 an unknown key, a wrong type or an inconsistent combination is a `ConfigError` whose message
 names the field, the file or override it came from, and what would be accepted. Generic: the
-root class is a parameter (k3train's is `JobConfig`, in `k3train/config.py`), and a field added to
+root class is a parameter (k3train's is `JobConfig`, in `k3train/config/job.py`), and a field added to
 any dataclass in the tree is loadable and overridable without touching this module. After
 loading, the root's `validate()` runs once.
 """
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from k3train.typed_fields import (
+from k3train.config.typed_fields import (
     FieldMismatch,
     coerce,
     field_types,
