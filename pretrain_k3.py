@@ -32,14 +32,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, NoReturn
 
-# k3train runs from its checkout, as Megatron-LM does (see k3train/__init__.py).
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
 # Only torch-free modules here: `--help`, recipe errors and missing files answer before torch and
 # the model are imported, and a signal during the imports already ends in one line.
 from k3train.config import save_config
 from k3train.config.command_line import parse_job_args_or_exit
-from k3train.data.indexed_dataset import DataError
+from k3train.errors import RunDirectoryError, UserError
 from k3train.job.ending import exit_same_on_every_rank, write_torchrun_error_file
 from k3train.job.preflight import check_input_files
 from k3train.job.signals import StoppedOutsideTheLoop, exit_unsaved, stop_signals_raise
@@ -110,11 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         # 1. Recipe → config and the files it names (seconds, not the minutes of a model build);
         #    then torch and the model code.
         config, run_dir_arg = parse_job_args_or_exit(argv)
-        try:
-            check_input_files(config, run_dir_arg)
-        except DataError as error:
-            fail(str(error))
+        check_input_files(config, run_dir_arg)
         return start_job(config, run_dir_arg)
+    except UserError as error:  # every failure the user can fix, from any step: one line, status 2
+        fail(str(error))
     except StoppedOutsideTheLoop as stop:  # every rank got it (torchrun forwards to all): rank 0 prints
         exit_unsaved(
             stop.signum, "it arrived outside the training loop", print_line=int(os.environ.get("RANK", "0")) == 0
@@ -132,20 +128,16 @@ def start_job(config, run_dir_arg: str | None) -> int:
     """Steps 2-6 of the job: the parallel state, then `run_job`; a collective that fails on the
     way means a dead or frozen peer (status 5)."""
     from k3train.parallel.config import collective_timeout_seconds
-    from k3train.parallel.state import LayoutError, ParallelState
+    from k3train.parallel.state import ParallelState
+    from k3train.training.build import check_precision_support
 
     # 2. Parallel state from torchrun's environment (one process without it).
     device = select_device(config.train.device)
-    from k3train.training.build import check_precision_support
-
-    try:  # fp8 / Transformer Engine need CUDA and transformer-engine: say so before anything starts
-        check_precision_support(config, device)
-    except ValueError as error:
-        fail(str(error))
+    check_precision_support(config, device)  # fp8 / Transformer Engine: say so before anything starts
     try:
         parallel = ParallelState.from_environment(config.parallel, config.model, device.type)
-    except LayoutError as error:
-        fail(str(error))
+    except UserError:
+        raise
     except Exception as error:  # a peer that never joined or died while the groups were built
         exit_on_collective_failure(
             error,
@@ -156,45 +148,28 @@ def start_job(config, run_dir_arg: str | None) -> int:
         raise
     try:
         return run_job(config, run_dir_arg, parallel, device)
+    except UserError:
+        raise
     except Exception as error:  # a dead or frozen peer surfaces as whatever collective waited on it
         exit_on_collective_failure(error, parallel)
         raise
 
 
-def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
-    """Steps 2-6 of the job on this rank (after the parallel state is up)."""
+def set_up_rank(config, parallel) -> str:
+    """One rank prints; the thread count for this rank (returns its line); the cache's
+    deprecation notice; the seed."""
     import torch
 
     from k3train.cache import locate_cache
-    from k3train.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState, read_manifest
-    from k3train.data import DataError, build_data
-    from k3train.job.signals import STOPPED, GracefulExit, signal_name
-    from k3train.model.flops import parameter_counts, training_flops_per_token
-    from k3train.optim.builder import describe_param_groups, summarize_param_groups
-    from k3train.parallel.pipeline import PipelineConfigError
-    from k3train.training.build import build_rank
-    from k3train.training.loop import Trainer, TrainingError
-    from k3train.training.metrics import MetricsLogger, SinkError, require_sinks
-    from k3train.training.summary import done_line
     from k3train.training.threads import (
         available_cores,
         choose_num_threads,
         launcher_environment,
         machine_busy_fraction,
     )
-    from k3train.training.throughput import peak_flops
 
-    is_logging_rank = parallel.rank == 0
-    if not is_logging_rank:
-        sys.stdout = open(os.devnull, "w")  # one rank prints; errors still reach stderr
-    run_dir = shared_run_dir(run_dir_arg)
-    print(f"run directory: {run_dir}")
-    layout = parallel.layout
-    print(
-        f"parallel: world {layout.world_size} = tp {layout.tp} × cp {layout.cp} × dp {layout.data_parallel} × pp {layout.pp} "
-        f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
-        f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}"
-    )
+    if parallel.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # errors still reach stderr
     threads, threads_line = choose_num_threads(
         config.train.num_threads,
         os.environ,
@@ -203,21 +178,77 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         launcher_environment(os.environ),
     )
     torch.set_num_threads(threads)  # torch's default, every core in every rank, oversubscribes
-    print(threads_line)
     cache = locate_cache()
-    if cache.deprecation and is_logging_rank:
+    if cache.deprecation and parallel.rank == 0:
         print(cache.deprecation, file=sys.stderr)
     torch.manual_seed(config.train.seed)
+    return threads_line
+
+
+def writable(action: str, path, fix: str):
+    """A context that turns an OSError while `action`-ing `path` into a one-line RunDirectoryError."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def context():
+        try:
+            yield
+        except RunDirectoryError:
+            raise
+        except OSError as error:
+            raise RunDirectoryError(f"{action} {path} failed ({error.strerror or error}){fix}") from error
+
+    return context()
+
+
+def resume(checkpointer, resume_setting: str, model, app_state, progress) -> None:
+    """Load the checkpoint `checkpoint.resume` names, if any: a whole training state, or a
+    model-only checkpoint (tools/convert_checkpoint.py from-hf) to fine-tune from."""
+    from k3train.checkpoint import read_manifest
+
+    resume_from = checkpointer.resolve_resume(resume_setting)
+    if resume_from is None:
+        return
+    if (read_manifest(resume_from) or {}).get("keys") == ["model"]:
+        # Fresh optimizer, data position, step counter and RNG streams.
+        checkpointer.load(resume_from, {"model": model})
+        print(f"initialised the model from {resume_from} (model-only checkpoint: fresh optimizer, step 0)")
+    else:
+        checkpointer.load(resume_from, app_state())
+        print(f"resumed from {resume_from} at step {progress.step}")
+
+
+def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
+    """Steps 3-6 of the job on this rank (after the parallel state is up). Raises `UserError`
+    for anything the user can fix; `main` prints it."""
+
+    from k3train.checkpoint import Checkpointer, PerRank, RNGState
+    from k3train.data import build_data
+    from k3train.model.flops import parameter_counts, training_flops_per_token
+    from k3train.optim.builder import describe_param_groups, summarize_param_groups
+    from k3train.training.build import build_rank
+    from k3train.training.loop import Trainer
+    from k3train.training.metrics import MetricsLogger, require_sinks
+    from k3train.training.throughput import peak_flops
+
+    is_logging_rank = parallel.rank == 0
+    threads_line = set_up_rank(config, parallel)
+    run_dir = shared_run_dir(run_dir_arg)
+    print(f"run directory: {run_dir}")
+    layout = parallel.layout
+    print(
+        f"parallel: world {layout.world_size} = tp {layout.tp} × cp {layout.cp} × dp {layout.data_parallel} × pp {layout.pp} "
+        f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
+        f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}"
+    )
+    print(threads_line)
 
     # 3. What this rank runs (k3train/training/build.py): its pipeline chunks with their TP shards
     #    and EP experts, initialised from the seed alone (the same weights under any layout); the
     #    gradient reducer over data parallelism; the optimizer (Per-Head Muon + AdamW, its state
     #    sharded over DP with ZeRO-1); the pipeline schedule (1F1B, interleaved with virtual stages;
     #    one stage is plain gradient accumulation), which reduces gradients on the last backward.
-    try:
-        job = build_rank(config, parallel, device)
-    except (PipelineConfigError, ValueError) as error:
-        fail(str(error))
+    job = build_rank(config, parallel, device)
     model, optimizer = job.model, job.optimizer
     counts = parameter_counts(config.model)
     print(
@@ -230,53 +261,36 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
 
     # 4. Data: samples of seq_length + 1 tokens, deterministic and resumable; the LR schedule is a
     #    pure function of the step.
-    try:
-        data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
-    except DataError as error:
-        fail(str(error))
+    data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
     print(data.describe())
 
     # 5. Metrics, the step loop and checkpoints; resume from the newest complete checkpoint if asked.
     peak = peak_flops(device, config.logging.peak_tflops)
     print(peak.describe())
-    try:
-        require_sinks(config)
-    except SinkError as error:
-        fail(str(error))
-    try:
+    require_sinks(config)
+    with writable("creating or writing the run directory", run_dir, "; pass a writable --run-dir"):
         if is_logging_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
         logger = MetricsLogger(config, run_dir, peak.label) if is_logging_rank else None
-    except OSError as error:
-        fail(
-            f"run directory {run_dir} cannot be created or written ({error.strerror or error}); "
-            f"pass a writable --run-dir"
-        )
-    try:
-        trainer = Trainer(
-            config,
-            model,
-            optimizer,
-            data,
-            device,
-            training_flops_per_token(config.model, config.data.seq_length).total,
-            peak,
-            logger,
-            parallel,
-            job.reducer,
-            job.schedule,
-        )
-    except TrainingError as error:
-        fail(str(error))
+    trainer = Trainer(
+        config,
+        model,
+        optimizer,
+        data,
+        device,
+        training_flops_per_token(config.model, config.data.seq_length).total,
+        peak,
+        logger,
+        parallel,
+        job.reducer,
+        job.schedule,
+    )
     checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
-    try:
+    with writable(
+        "creating or reading the checkpoint directory", checkpoint_dir, "; set checkpoint.dir to a writable directory"
+    ):
         checkpointer = Checkpointer(
             checkpoint_dir, keep_last=config.checkpoint.keep_last, async_save=config.checkpoint.async_save
-        )
-    except OSError as error:
-        fail(
-            f"checkpoint directory {checkpoint_dir} cannot be created or read ({error.strerror or error}); "
-            f"set checkpoint.dir to a writable directory"
         )
 
     def app_state() -> dict:
@@ -286,37 +300,33 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
             state["expert_replicas"] = PerRank(job.expert_parallel)
         return state
 
-    try:
-        resume_from = checkpointer.resolve_resume(config.checkpoint.resume)
-        if resume_from is not None:
-            if (read_manifest(resume_from) or {}).get("keys") == ["model"]:
-                # A model-only checkpoint (tools/convert_checkpoint.py from-hf): fine-tune from its
-                # weights with a fresh optimizer, data position, step counter and RNG streams.
-                checkpointer.load(resume_from, {"model": model})
-                print(f"initialised the model from {resume_from} (model-only checkpoint: fresh optimizer, step 0)")
-            else:
-                checkpointer.load(resume_from, app_state())
-                print(f"resumed from {resume_from} at step {trainer.progress.step}")
-    except (CheckpointError, DataError) as error:
-        fail(str(error))
+    resume(checkpointer, config.checkpoint.resume, model, app_state, trainer.progress)
     resumed_at = trainer.progress.step  # 0 for a fresh start (a model-only checkpoint too)
 
     # Everything checked: the resolved config goes next to what the run writes (a failed start
     # leaves an earlier run's config.yaml untouched).
     if is_logging_rank:
-        try:
+        with writable("writing", run_dir / "config.yaml", ""):
             save_config(config, str(run_dir / "config.yaml"))
-        except OSError as error:
-            fail(f"writing {run_dir / 'config.yaml'} failed ({error.strerror or error})")
+
+    return train(config, trainer, checkpointer, app_state, logger, parallel, run_dir, resumed_at)
+
+
+def train(config, trainer, checkpointer, app_state, logger, parallel, run_dir, resumed_at: int) -> int:
+    """6. Train to `train.steps`, saving every `checkpoint.interval`. A signal stops after the step
+    in progress (saved, status 3); one the loop cannot answer within train.stop_grace_s (blocked
+    on a collective) ends the process unsaved (status 4)."""
+    import torch
+
+    from k3train.checkpoint import CheckpointError
+    from k3train.job.signals import STOPPED, GracefulExit, signal_name
+    from k3train.training.summary import done_line
+
+    is_logging_rank = parallel.rank == 0
 
     def save_checkpoint(step: int) -> None:
-        try:
+        with writable(f"saving the checkpoint of step {step} in", checkpointer.directory, ""):
             path = checkpointer.save(step, app_state())
-        except OSError as error:  # e.g. the checkpoint directory vanished or became a file
-            raise CheckpointError(
-                f"saving the checkpoint of step {step} in {checkpointer.directory} failed "
-                f"({error.strerror or error}{': ' + str(error.filename) if error.filename else ''})"
-            ) from error
         # An asynchronous save returns once the state is copied; the write finishes in the background.
         print(f"checkpoint {'started' if config.checkpoint.async_save else 'saved'}: {path}", flush=True)
 
@@ -327,8 +337,6 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
             kept = None
         return f"the newest complete checkpoint is {kept}" if kept else "no complete checkpoint is kept"
 
-    # 6. Train. A signal stops after the step in progress (saved); one the loop cannot answer
-    #    within train.stop_grace_s (blocked on a collective) ends the process unsaved.
     try:
         with GracefulExit(
             grace_s=config.train.stop_grace_s,
@@ -338,14 +346,16 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
             checkpointer.wait()  # the last asynchronous write, complete (renamed, checksummed) before exit
     except KeyboardInterrupt:  # a second SIGINT (GracefulExit raises it): every rank got it, rank 0 prints
         exit_unsaved(signal.SIGINT, "SIGINT received twice", trainer.progress.step, print_line=is_logging_rank)
-    except TrainingError as error:
-        fail(str(error))
     except CheckpointError as error:
         if error.__cause__ is not None:  # a save that waited on a dead or frozen peer
             exit_on_collective_failure(error.__cause__, parallel)
-        fail(f"{error}; {newest_kept()}")
+        raise CheckpointError(f"{error}; {newest_kept()}") from error
+    except RunDirectoryError as error:
+        raise RunDirectoryError(f"{error}; {newest_kept()}") from error
     except OSError as error:  # the metrics file (disk full, directory removed): checkpoints are unaffected
-        fail(f"writing {error.filename or 'the run directory'} failed ({error.strerror or error}); {newest_kept()}")
+        raise RunDirectoryError(
+            f"writing {error.filename or 'the run directory'} failed ({error.strerror or error}); {newest_kept()}"
+        ) from error
     finally:
         if logger is not None:
             logger.close()

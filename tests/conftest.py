@@ -1,4 +1,4 @@
-"""Make the checkout importable (k3train runs from a checkout, as Megatron-LM does), keep every
+"""Make the checkout under test the k3train every test process imports, keep every
 test on one intra-op thread unless it asks otherwise (CI has two cores), and sort the tests into
 tiers by folder.
 
@@ -12,14 +12,15 @@ without the plugin the suite refuses to start rather than run without deadlines.
 
 import os
 import pathlib
-import sys
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
-if str(CHECKOUT) not in sys.path:
-    sys.path.insert(0, str(CHECKOUT))
+# pytest puts the checkout first on this process's path (`pythonpath` in pyproject.toml); the
+# processes the tests start (gloo workers, the job, the tools) find it through PYTHONPATH, ahead
+# of whichever k3train is installed.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 import torch  # noqa: E402  (after the thread count is set)
 

@@ -27,8 +27,6 @@ import pathlib
 import shlex
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from the checkout
-
 from k3train.ablation.grid import MATCH_MODES, Sweep, Variant, expand, load_sweep_file, parse_grid_option
 from k3train.ablation.runner import LaunchOptions, SweepError, run_sweep
 from k3train.config.recipe import ConfigError

@@ -33,13 +33,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
-# k3train runs from its checkout without installation (as Megatron-LM does): put the checkout
-# root on sys.path so `python tools/convert_checkpoint.py` finds the package from any directory.
-CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
-if str(CHECKOUT) not in sys.path:
-    sys.path.insert(0, str(CHECKOUT))
+from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing
 
-from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing  # noqa: E402  (stdlib only)
+CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 
 PATH_ARGUMENTS = (
     PathArgument(

@@ -14,8 +14,6 @@ import pathlib
 import sys
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
-if str(CHECKOUT) not in sys.path:
-    sys.path.insert(0, str(CHECKOUT))  # k3train runs from the checkout, uninstalled
 
 from k3train.config.reference import config_reference_markdown  # noqa: E402
 

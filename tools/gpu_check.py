@@ -46,7 +46,7 @@ goes. The whole script is sized for under
 8 minutes on one H200.
 
 This file is the driver: the registry of checks (it fixes the order of the table), the CLI and
-the table. The checks live beside it in tools/gpu_checks/, one module per subject; its common
+the table. The checks live beside it in k3train/benchmarking/gpu_checks/, one module per subject; its common
 module holds the rows, the timing, the error measures and the tolerances.
 """
 
@@ -64,19 +64,19 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-# The checkout root goes first on sys.path: this script checks the kernels of *this* working tree
-# (run as `python tools/gpu_check.py`, sys.path[0] would be tools/, and an installed k3train wheel
-# could shadow the checkout). `import k3train` then mounts kernels/ and parallel/ as
-# k3train.kernels and k3train.parallel. tools/ comes next, for the checks package gpu_checks
-# (already on sys.path when run as a script, not when the file is loaded by path as the unit
-# test does).
-CHECKOUT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(CHECKOUT / "tools"))
-sys.path.insert(0, str(CHECKOUT))
+import torch
 
-import torch  # noqa: E402
-from gpu_checks import fused_paths, grouped_gemm, k3_1gpu, kda, model, newton_schulz, step_vs_dense, transformer_engine  # noqa: E402
-from gpu_checks.common import Context, Row, describe, release  # noqa: E402
+from k3train.benchmarking.gpu_checks import (
+    fused_paths,
+    grouped_gemm,
+    k3_1gpu,
+    kda,
+    model,
+    newton_schulz,
+    step_vs_dense,
+    transformer_engine,
+)
+from k3train.benchmarking.gpu_checks.common import Context, Row, describe, release
 
 NO_GPU = 2
 """Exit status when CUDA is wanted (the default) and torch sees no device."""

@@ -19,10 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-# Run from the checkout, as pretrain_k3.py is (see k3train/__init__.py).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

@@ -22,13 +22,7 @@ import pathlib
 import sys
 from collections.abc import Iterator
 
-# k3train runs from its checkout without installation (as Megatron-LM does): put the checkout
-# root on sys.path so `python tools/preprocess_data.py` finds the package from any directory.
-CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
-if str(CHECKOUT) not in sys.path:
-    sys.path.insert(0, str(CHECKOUT))
-
-from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing  # noqa: E402  (stdlib only)
+from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing
 
 PATH_ARGUMENTS = (
     PathArgument("--input", "pass existing .txt or .jsonl files", several=True),

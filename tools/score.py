@@ -23,13 +23,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-# k3train runs from its checkout without installation (as Megatron-LM does): put the checkout
-# root on sys.path so `python tools/score.py` finds the package from any directory.
-CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
-if str(CHECKOUT) not in sys.path:
-    sys.path.insert(0, str(CHECKOUT))
-
-from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing  # noqa: E402  (stdlib only)
+from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing
 
 PATH_ARGUMENTS = (
     PathArgument(

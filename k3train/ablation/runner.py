@@ -31,6 +31,7 @@ from io import TextIOWrapper
 
 from k3train.ablation.grid import RunSpec
 from k3train.ablation.progress import MetricsFollower, RunProgress, format_elapsed, planned_steps
+from k3train.errors import UserError
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 RUN_FILE = "ablate_run.json"
@@ -39,7 +40,7 @@ RESUME_OVERRIDES = ("checkpoint.resume=auto", "checkpoint.dir=null")
 recipe's fixed `checkpoint.dir` would make all runs share one)."""
 
 
-class SweepError(RuntimeError):
+class SweepError(UserError, RuntimeError):
     """A run directory that cannot be used (made by other overrides); the message says the fix."""
 
 

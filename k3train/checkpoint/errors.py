@@ -9,11 +9,13 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from k3train.errors import UserError
+
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _DISK_FULL_TEXT = ("no space left on device", "disk quota exceeded")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used: missing, incomplete, truncated or not matching the model."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3train.errors import UserError
 from k3train.model.config import ModelConfig
 
 HF_TEXT_PREFIX = "language_model.model."
@@ -89,7 +90,7 @@ HF_TEXT_TENSOR_NAME = _layout_pattern(HF_TEXT_PREFIX, HF_LM_HEAD)
 _STORED_ALIASES = ((re.compile(r"(.*layers\.\d+\.)mlp\.((gate|up|down)_proj\.weight)"), r"\1block_sparse_moe.\2"),)
 
 
-class HFConversionError(ValueError):
+class HFConversionError(UserError, ValueError):
     """A configuration, tensor or checkpoint that cannot be converted; the message (one line) says
     which and why."""
 

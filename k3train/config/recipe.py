@@ -31,13 +31,14 @@ from k3train.config.typed_fields import (
     type_name,
     union_args,
 )
+from k3train.errors import UserError
 
 __all__ = ["ConfigError", "check", "from_mapping", "load_recipe", "save_recipe", "to_mapping", "with_overrides"]
 
 Config = TypeVar("Config")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A recipe, override or combination of fields that cannot be used; the message says which
     field, where it came from, and how to fix it (one line, or a few short ones)."""
 

@@ -39,6 +39,8 @@ from types import MappingProxyType
 
 import numpy as np
 
+from k3train.errors import UserError
+
 MAGIC = b"MMIDIDX\x00\x00"
 """The first nine bytes of every `.idx` file."""
 VERSION = 1
@@ -63,7 +65,7 @@ DTYPE_CODES: Mapping[int, np.dtype] = MappingProxyType(
 PathLike = str | os.PathLike
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Anything wrong with the data or its settings; the message names the file or key and the fix."""
 
 

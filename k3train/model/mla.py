@@ -35,7 +35,7 @@ def causal_attention(
 
     SDPA's fused (flash) kernels want one head dim for q, k and v; MLA's v (64) is narrower than
     q/k (96), which sends the call to the math path (a materialised score matrix and its mask
-    passes: CPU fwd+bwd ~1.3x slower at 2×8 heads × 512 tokens, benchmarks/fused_paths.py).
+    passes, slower on CPU too: benchmarks/fused_paths.py measures it).
     Zero columns of v only add zero columns to the output, sliced off after, so the result is
     the same attention (vLLM's MLA prefill pads v the same way). Without autograd (evaluation,
     scoring, generation) the unpadded call runs: the exported remote code makes that same call,

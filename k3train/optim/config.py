@@ -25,8 +25,8 @@ class OptimizerConfig:
     """AdamW's denominator epsilon."""
     adamw_fused: bool = True
     """Run AdamW (the 'adamw' optimizer and Muon's AdamW groups) through torch's fused kernel,
-    one pass per parameter on CPU and CUDA (3.4x faster than the for-loop kernel on one CPU
-    thread); false: the for-loop kernel on CPU, foreach on CUDA. The same update up to rounding."""
+    one pass per parameter on CPU and CUDA (faster than the for-loop kernel: docs/performance.md);
+    false: the for-loop kernel on CPU, foreach on CUDA. The same update up to rounding."""
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
     muon_nesterov: bool = True

@@ -22,17 +22,16 @@ NS_EPS: float = 1e-7
 
 @functools.cache
 def cpu_has_bf16_matrix_units() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles): oneDNN's bf16 matmuls
-    then run 5-8x faster than fp32 on one core (Sapphire Rapids: 818 against 173 GFLOP/s at
-    256³, 1,459 against 191 at 1024³); without AMX they are slower than fp32."""
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles), where oneDNN's bf16
+    matmuls outrun fp32 (docs/performance.md has the measured rates)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe()) if probe is not None else False
 
 
 CPU_BF16_MIN_FLOPS = 10**8
 """On a CPU with AMX, the Newton–Schulz FLOPs of one call (a batch of blocks) from which bf16
-pays: its matmuls carry ~0.35 ms of fixed cost per call, then run ~3x faster than fp32 (one core:
-16×[64,64] 1.28x faster at 126 MFLOP, 1×[128,128] 0.94x at 63 MFLOP, 16×[32,128] 0.88x at 47)."""
+pays: its matmuls carry a fixed cost per call (the casts and oneDNN's set-up), which smaller
+calls do not earn back (docs/performance.md has the measured crossover)."""
 
 
 def ns_compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -220,22 +220,27 @@ def build_rank(
     dtype: torch.dtype | None = None,
 ) -> RankJob:
     """The job of this rank: plan, experts, model (from `config.train.seed`), gradient reducer,
-    optimizer and pipeline schedule. Raises `PipelineConfigError` or `ValueError` (a layout the
-    plan, the experts or the schedule cannot run) before anything communicates."""
+    optimizer and pipeline schedule. Raises `ConfigError` (`PipelineConfigError` among them: a
+    layout the plan, the experts or the model cannot run) before anything communicates."""
     check_precision_support(config, device)
-    plan = PipelinePlan.from_config(config.model, config.parallel)
-    expert_parallel = ExpertParallel.from_state(parallel, config.parallel, config.model.num_experts)
-    model = build_model(
-        config.model,
-        plan,
-        parallel,
-        expert_parallel,
-        seed=config.train.seed,
-        device=device,
-        dtype=dtype,
-        fp8_recipe=config.train.fp8_recipe,
-        fp8_excluded=config.train.fp8_excluded_layers,
-    )
+    try:
+        plan = PipelinePlan.from_config(config.model, config.parallel)
+        expert_parallel = ExpertParallel.from_state(parallel, config.parallel, config.model.num_experts)
+        model = build_model(
+            config.model,
+            plan,
+            parallel,
+            expert_parallel,
+            seed=config.train.seed,
+            device=device,
+            dtype=dtype,
+            fp8_recipe=config.train.fp8_recipe,
+            fp8_excluded=config.train.fp8_excluded_layers,
+        )
+    except ConfigError:
+        raise
+    except ValueError as error:  # the layers' own shape checks: the message names the sizes
+        raise ConfigError(str(error)) from error
     if config.train.compile and device.type != "meta":
         compile_elementwise(model, config.train.compile_regions)  # in place: parameters, names and hooks unchanged
     optimizer = _build_optimizer(model, config, parallel, bucket_bytes)

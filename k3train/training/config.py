@@ -63,10 +63,9 @@ class TrainConfig:
     )
     """What `train.compile=true` compiles: `norms` (every RMSNorm and KDA's gated output norm),
     `activations` (the GLU of every dense MLP, shared expert and routed-expert stack), `attn_res`
-    (every AttnRes mix with its sublayer's input norm). On the CPU, `[attn_res]` alone is the
-    fastest: 1.03x per step of the 512-wide K3-shaped model and 1.06x of the debug model against
-    eager, while `norms` and `activations` trace plain formulas that run slower than the eager
-    written-out backwards (all three: 0.98x)."""
+    (every AttnRes mix with its sublayer's input norm). On the CPU `norms` and `activations`
+    trace plain formulas that can run slower than the eager written-out backwards; measure with
+    `benchmarks/step_vs_dense.py --compile` (docs/performance.md has the measured ratios)."""
     stop_grace_s: float = 60.0
     """After SIGTERM/SIGINT, seconds the step in progress may take before the process exits without
     saving (status 4): a rank blocked on a collective whose peer stopped answering cannot finish

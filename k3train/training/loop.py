@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from k3train.config import ConfigError, JobConfig
+from k3train.errors import UserError
 from k3train.model.k3 import K3RankModel
 from k3train.model.moe import finish_expert_step, pool_routing_statistics
 from k3train.optim.schedules import lr_at, set_lr
@@ -36,7 +37,7 @@ from k3train.training.metrics import MetricsLogger
 from k3train.training.throughput import PeakFlops, format_eta, muon_step_stats, rank_memory_gib
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """The run cannot continue (e.g. too many non-finite steps in a row); the message says why."""
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from k3train.config import JobConfig
+from k3train.errors import UserError
 
 
 def format_step_line(metrics: dict[str, Any], total_steps: int, mfu_label: str) -> str:
@@ -49,7 +50,7 @@ def format_step_line(metrics: dict[str, Any], total_steps: int, mfu_label: str) 
     return " | ".join(parts)
 
 
-class SinkError(RuntimeError):
+class SinkError(UserError, RuntimeError):
     """An enabled metric sink cannot start (its package is missing); the message says the fix."""
 
 

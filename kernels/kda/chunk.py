@@ -53,7 +53,7 @@ checks) the plain operations above run, in the order the standalone HF remote co
 `ChunkKDA` to in float64 (values and gradients).
 
 Two CPU cliffs the `ChunkKDA` forward avoids: PyTorch's vectorised fp32 `exp` leaves its fast
-path for arguments below ≈ −87 (results subnormal or 0) and runs ~60× slower, so the small
+path for arguments below ≈ −87 (results subnormal or 0) and runs over an order of magnitude slower, so the small
 chunk- and tile-level factors with wide exponents (`e^{r}`, `e^{G_C − r}`, `e^{G_C}`, bridges) are
 exponentiated in float64 and rounded once (closer, too); and it reads `q`, `k` from the caller's
 token layout and its backward writes `dq`, `dk`, `dv` into it, instead of chunked copies.

@@ -93,8 +93,8 @@ def _causal_multipliers(
     `query_scale` on the query Gram's lower triangle, 0 elsewhere. Multiplying by it masks (and
     scales) in one pass; what it clears is finite (the Gram matrices' entries above the diagonal
     are bounded by the tile span, their gradients are plain products), so the product there is
-    exactly 0. (A multiply, not `masked_fill_`: with a broadcast mask that runs ~10x slower on
-    CPU.)"""
+    exactly 0. (A multiply, not `masked_fill_`: with a broadcast mask that runs an order of
+    magnitude slower on CPU.)"""
     masks = _causal_masks(chunk, tile, device)
     multipliers = masks.to(dtype)
     multipliers[:, 1].mul_(query_scale)

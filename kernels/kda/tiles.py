@@ -103,7 +103,7 @@ def keys_seen_from_row_tiles(
     `exp_in_float64`: exponentiate the (float64) exponents as they are and round the bridges
     once, instead of rounding the exponents first. Besides being closer, this is much faster on
     CPU: PyTorch's vectorised fp32 exp leaves its fast path for arguments below ≈ −87 (results
-    subnormal or 0) and runs ~60× slower; the float64 exp has no such cliff here. The no-grad
+    subnormal or 0) and runs over an order of magnitude slower; the float64 exp has no such cliff here. The no-grad
     path keeps the fp32 form (its numbers are the HF remote code's)."""
     *batch_shape, n_tiles, tile, dim = key_columns.shape
     if n_tiles == 1:

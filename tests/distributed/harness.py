@@ -16,7 +16,6 @@ import datetime
 import importlib
 import os
 import pathlib
-import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
@@ -37,8 +36,6 @@ def _worker(rank: int, world_size: int, store_path: str, target: str, payload: A
     os.environ.update(
         OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1"
     )
-    if str(CHECKOUT) not in sys.path:
-        sys.path.insert(0, str(CHECKOUT))
     import torch
     import torch.distributed as dist
 

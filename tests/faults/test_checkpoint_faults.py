@@ -86,7 +86,6 @@ def test_failed_async_save_surfaces_at_the_next_save(tmp_path, monkeypatch):
 
 _SLOW_ASYNC_SAVE = textwrap.dedent("""
     import sys, time
-    sys.path.insert(0, {checkout!r})
     import torch
     import torch.distributed.checkpoint.filesystem as fs
     from torch import nn

@@ -115,7 +115,6 @@ def test_sigterm_stops_the_sweep_with_checkpoints_and_the_same_sweep_resumes(tmp
     out = tmp_path / "out"
     driver = textwrap.dedent(f"""
         import os, pathlib, sys
-        sys.path.insert(0, {str(CHECKOUT)!r})
         from k3train.ablation.grid import Sweep, Variant, expand
         from k3train.ablation.runner import LaunchOptions, run_sweep
         os.environ["FAKE_STEP_S"] = "0.05"

@@ -3,6 +3,7 @@ shuffling, the resumable sampler and tools/preprocess_data.py. Tiny datasets onl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import struct
@@ -433,12 +434,11 @@ def test_preprocess_cli_txt_and_jsonl(tmp_path):
 
 def _preprocess_module():
     """tools/preprocess_data.py imported as a module, to call its `main` in-process."""
-    sys.path.insert(0, str(CHECKOUT / "tools"))
-    try:
-        import preprocess_data
-    finally:
-        sys.path.remove(str(CHECKOUT / "tools"))
-    return preprocess_data
+    spec = importlib.util.spec_from_file_location("preprocess_data", CHECKOUT / "tools" / "preprocess_data.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_preprocess_reports_bad_jsonl(tmp_path, capsys):

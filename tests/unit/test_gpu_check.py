@@ -38,9 +38,9 @@ def load_gpu_check():
 
 
 def check_module(name: str):
-    """tools/gpu_checks/<name>.py as the script imported it (loading the script puts tools/ on
-    sys.path): stand-ins are patched there, where the checks look them up."""
-    return importlib.import_module(f"gpu_checks.{name}")
+    """k3train/benchmarking/gpu_checks/<name>.py, the module the script imported: stand-ins are
+    patched there, where the checks look them up."""
+    return importlib.import_module(f"k3train.benchmarking.gpu_checks.{name}")
 
 
 def table_rows(stdout: str) -> list[list[str]]:

@@ -35,11 +35,8 @@ def test_under_torchrun_other_ranks_let_rank_zero_end_first(tmp_path):
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
-    checkout = Path(__file__).resolve().parents[2]
     code = (
-        f"import sys; sys.path.insert(0, {str(checkout)!r})\n"
         "from k3train.job.ending import exit_same_on_every_rank\n"
         "print('ready', flush=True)\n"
         "exit_same_on_every_rank('error: x; fix y', 2)\n"

@@ -526,7 +526,6 @@ class Recorder(importlib.abc.MetaPathFinder):
         return None  # let the import go on: where fla is installed it would land in sys.modules
 
 sys.meta_path.insert(0, Recorder())
-sys.path.insert(0, sys.argv[1])
 import torch
 from k3train.kernels.kda import chunk_kda
 from k3train.kernels.kda import chunk as chunk_module

@@ -87,7 +87,7 @@ def test_newton_schulz_compute_dtype(monkeypatch):
 
 NS_BF16_REL_TOL = 5e-2
 """bf16 vs fp32 Newton–Schulz, norm-wise relative: the `newton_schulz_bf16` tolerance of
-`tools/gpu_check.py` (in `tools/gpu_checks/common.py`; five bf16 steps through NS's steep slope;
+`tools/gpu_check.py` (in `k3train/benchmarking/gpu_checks/common.py`; five bf16 steps through NS's steep slope;
 Muon only needs the singular-value band)."""
 
 

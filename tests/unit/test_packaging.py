@@ -116,7 +116,7 @@ def test_pretrain_script_imports_torch_only_after_parsing():
         "k3train.config",
         "k3train.config.command_line",  # test_config checks they stay torch-free
         "k3train.job.signals",
-        "k3train.data.indexed_dataset",
+        "k3train.errors",
         "k3train.job.ending",
         "k3train.job.preflight",
     }

@@ -143,7 +143,6 @@ class Recorder(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Recorder())
-sys.path.insert(0, sys.argv[1])
 import dataclasses, torch
 from k3train.config import JobConfig, apply_overrides
 from k3train.model.config import ModelConfig

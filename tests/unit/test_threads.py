@@ -113,15 +113,12 @@ def test_under_torchrun_ranks_tell_its_default_from_the_users(tmp_path, user_omp
     """Two ranks under the real torchrun: unset, the cores are divided (the ranks only print
     their choice, so OMP_NUM_THREADS may stay unset here); set to 1 by the user, it is kept."""
     import os
-    import pathlib
     import subprocess
     import sys
 
-    checkout = pathlib.Path(__file__).resolve().parents[2]
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import os, sys\n"
-        f"sys.path.insert(0, {str(checkout)!r})\n"
         "from k3train.training.threads import choose_num_threads, launcher_environment\n"
         "line = choose_num_threads(None, os.environ, 8, 0.0, launcher_environment(os.environ))[1]\n"
         # Each rank writes its own file: two ranks printing to one pipe can interleave mid-line.

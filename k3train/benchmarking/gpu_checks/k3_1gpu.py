@@ -27,7 +27,7 @@ from k3train.training.throughput import peak_flops
 from . import transformer_engine as te_checks
 from .common import TOL, Context, Row, describe, release, skip, verdict
 
-CHECKOUT = Path(__file__).resolve().parents[2]
+CHECKOUT = Path(__file__).resolve().parents[3]  # k3train/benchmarking/gpu_checks/ → the checkout
 
 
 class DeviceInitModel(K3ModelChunk):

@@ -1,3 +1,3 @@
 """The checks of tools/gpu_check.py, one module per subject; each `check_*` function takes the
 run's `common.Context` and yields table rows (`common.Row`). tools/gpu_check.py registers them
-in table order and puts the checkout root and tools/ on sys.path before importing this package."""
+in table order."""
