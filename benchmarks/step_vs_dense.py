@@ -14,7 +14,8 @@ step), in one process and with steps alternated (a busy machine slows every cont
   causal attention counted as its half, training = 3 × forward) equal k3train's.
 
 It prints each contender's median step time, model FLOP/s over the measured fp32 matmul rate of
-this machine (`measure_cpu_matmul_tflops`, median of trials), tokens/s against the dense peer,
+this machine (`measure_cpu_matmul_tflops`, median of trials) and, on a CPU, its bf16/fp32 matmul
+rate ratio (runs on CPUs with and without bf16 matrix units read side by side), tokens/s against the dense peer,
 the aten operations of one step (counted by a dispatch mode on one more, untimed step: those that
 run a kernel, about one launch each on a GPU, and views),
 and, for the Muon step, Newton–Schulz's GFLOP and time (optimizer FLOPs, outside MFU). Then one

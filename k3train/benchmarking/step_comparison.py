@@ -377,6 +377,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def bf16_over_fp32_matmul_rate(size: int = 1024, seconds: float = 0.2) -> float:
+    """This CPU's bf16 matmul rate over its fp32 rate at `size`², with this process's threads
+    (printed beside the step ratios, so that runs on CPUs with and without bf16 matrix units
+    can be read side by side)."""
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
+        a @ b  # warm-up
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            calls += 1
+        rates.append(calls / (time.perf_counter() - start))
+    return rates[1] / rates[0]
+
+
 def measure_matmul_tflops(device: torch.device, precision: str) -> float:
     """The rate the step's matmuls are held to: on a CPU the fp32 1024² rate of this process's
     threads (`measure_cpu_matmul_tflops`, one trial); on a GPU an 8192² GEMM in the compute
@@ -532,7 +548,12 @@ def compare(
         ],
         rows,
         f"{name}: {steps} alternated steps each on {device.type}, {precision}; matmul rate {1e3 * peak_tflops:,.1f} GFLOP/s (median of "
-        f"{len(matmul_rates)} samples taken between the steps)",
+        f"{len(matmul_rates)} samples taken between the steps)"
+        + (
+            f"; bf16/fp32 matmul rate {bf16_over_fp32_matmul_rate():.2f}× (1024², this machine)"
+            if device.type == "cpu"
+            else ""
+        ),
     )
     ns_s = statistics.median(s for s, _ in newton_schulz)
     muon_s = statistics.median(times[MUON])

@@ -41,9 +41,10 @@ class OptimizerConfig:
     """Orthogonalise attention projections per head (Per-Head Muon) instead of whole."""
     newton_schulz_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype of the Newton–Schulz iterations: 'auto' is bf16 on CUDA (as Moonlight and
-    torch.optim.Muon) and, on a CPU with AMX (bf16 matrix units), for each call of at least 1e8
-    FLOPs; fp32 on other CPUs and for smaller calls (where bf16's fixed cost outweighs its
-    speed); float64 parameters always iterate in float64. bf16 matches fp32 within 5e-2
+    torch.optim.Muon) and, on a CPU, bf16 for each call at least as large as the crossover this
+    machine measured (a probe of about a second timing Newton–Schulz in both dtypes with the
+    job's thread count, cached per machine; rank 0's value for every rank), fp32 for smaller
+    calls and where bf16 never measured faster; float64 parameters always iterate in float64. bf16 matches fp32 within 5e-2
     norm-wise relative (tools/gpu_check.py)."""
     muon_split_over_dp: bool = True
     """Without ZeRO-1, each data-parallel rank orthogonalises only the Muon matrices it would own

@@ -122,15 +122,17 @@ def orthogonalized_update(
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     ns_eps: float = NS_EPS,
     ns_dtype: NsDtype = "auto",
+    ns_cpu_bf16_min_flops: float | None = None,
 ) -> torch.Tensor:
     """Muon's update for one parameter from its (Nesterov) momentum: each block orthogonalised
     by one batched Newton–Schulz call and scaled by its own `layout.scale(update_rms)`.
 
     Pure: no state, no parameters touched. Returned in parameter shape, in NS's compute dtype
-    (`resolve_ns_dtype(ns_dtype, blocks)`: it depends on the blocks' sizes on a CPU).
+    (`resolve_ns_dtype`: on a CPU it depends on the blocks' sizes and the measured crossover).
     """
     blocks = layout.to_blocks(momentum_input)
-    blocks = newton_schulz(blocks, ns_steps, ns_coefficients, ns_eps, compute_dtype=resolve_ns_dtype(ns_dtype, blocks))
+    compute_dtype = resolve_ns_dtype(ns_dtype, blocks, ns_cpu_bf16_min_flops)
+    blocks = newton_schulz(blocks, ns_steps, ns_coefficients, ns_eps, compute_dtype=compute_dtype)
     return layout.from_blocks(blocks * layout.scale(update_rms), momentum_input.shape)
 
 
@@ -260,6 +262,11 @@ class PerHeadMuon(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.split: OrthogonalizationSplit | None = None
+        # Not a group option: a checkpoint's groups override the optimizer's own on load, and the
+        # crossover belongs to the machine that resumes, not the one that saved.
+        self.ns_cpu_bf16_min_flops: float | None = None
+        """Where "auto" Newton–Schulz switches to bf16 on a CPU (`bf16_probe`); None: this
+        process's own probe. The job sets one value agreed by every rank."""
         """Set by `k3train.parallel.muon_split` under data parallelism without ZeRO-1."""
         self.step_stats = MuonStepStats()
         for group in self.param_groups:
@@ -325,6 +332,7 @@ class PerHeadMuon(torch.optim.Optimizer):
                 ns_coefficients=group["ns_coefficients"],
                 ns_eps=group["ns_eps"],
                 ns_dtype=group.get("ns_dtype", "auto"),
+                ns_cpu_bf16_min_flops=self.ns_cpu_bf16_min_flops,
             )
             if item.layout.kind == "matrix" and getattr(item.param, "tensor_parallel", False):
                 update = sharded_matrix_update(item.param, momentum_input, options)

@@ -4,7 +4,6 @@ Pure tensor functions with no knowledge of models or optimizers, so they can be 
 distributed Muon (one owner rank per block), benchmarked alone, and tested against an SVD.
 """
 
-import functools
 from typing import Literal
 
 import torch
@@ -20,48 +19,42 @@ NS_EPS: float = 1e-7
 """Added to the Frobenius norm before dividing, so a zero gradient stays zero."""
 
 
-@functools.cache
-def cpu_has_bf16_matrix_units() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles), where oneDNN's bf16
-    matmuls outrun fp32 (docs/performance.md has the measured rates)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe()) if probe is not None else False
-
-
-CPU_BF16_MIN_FLOPS = 10**8
-"""On a CPU with AMX, the Newton–Schulz FLOPs of one call (a batch of blocks) from which bf16
-pays: its matmuls carry a fixed cost per call (the casts and oneDNN's set-up), which smaller
-calls do not earn back (docs/performance.md has the measured crossover)."""
-
-
-def ns_compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the iteration runs in for the blocks `x` (`[..., rows, cols]`): bf16 on CUDA,
-    and on CPUs with bf16 matrix units (AMX) for calls of at least `CPU_BF16_MIN_FLOPS`; fp32
-    otherwise; float64 kept as is.
+def ns_compute_dtype(x: torch.Tensor, cpu_bf16_min_flops: float | None = None) -> torch.dtype:
+    """The dtype the iteration runs in for the blocks `x` (`[..., rows, cols]`): bf16 on CUDA;
+    on a CPU, bf16 for calls of at least `cpu_bf16_min_flops` Newton–Schulz FLOPs (the
+    crossover this machine measured, `k3train/optim/bf16_probe.py`; `math.inf`: never), fp32
+    below; float64 kept as is.
 
     bf16 is what Moonlight and torch.optim.Muon run (NS output only needs singular values in
-    roughly [0.5, 1.5], which bf16 easily resolves: about 1e-2 relative to float64); on a CPU
-    without AMX bf16 matmuls are slower than fp32, and with AMX small calls are, so those keep
-    fp32; float64 input stays float64 so tests can compare against exact maths.
+    roughly [0.5, 1.5], which bf16 easily resolves: about 1e-2 relative to float64); a CPU runs
+    it only where it measured bf16 faster; float64 input stays float64 so tests can compare
+    against exact maths. The job measures the crossover once and gives every rank the same one
+    (`k3train/training/build.py`); without it the probe of this process decides.
     """
     if x.dtype == torch.float64:
         return torch.float64
     if x.is_cuda:
         return torch.bfloat16
-    if x.device.type == "cpu" and x.ndim >= 2 and cpu_has_bf16_matrix_units():
+    if x.device.type == "cpu" and x.ndim >= 2:
+        if cpu_bf16_min_flops is None:
+            # Imported here: the probe times `newton_schulz` of this module.
+            from k3train.optim.bf16_probe import cpu_bf16_min_flops as measured_crossover
+
+            cpu_bf16_min_flops = measured_crossover()
         rows, cols = x.shape[-2:]
         blocks = x.numel() // max(rows * cols, 1)
-        if blocks * ns_flops(rows, cols) >= CPU_BF16_MIN_FLOPS:
+        if blocks * ns_flops(rows, cols) >= cpu_bf16_min_flops:
             return torch.bfloat16
     return torch.float32
 
 
-def resolve_ns_dtype(setting: NsDtype, x: torch.Tensor) -> torch.dtype:
+def resolve_ns_dtype(setting: NsDtype, x: torch.Tensor, cpu_bf16_min_flops: float | None = None) -> torch.dtype:
     """The dtype Newton–Schulz runs in for the blocks `x` under the `optimizer.newton_schulz_dtype`
-    setting: "auto" picks per device and size (`ns_compute_dtype`); "float32"/"bfloat16" force it, except that
-    float64 input stays float64 (the exact-maths tests and the float64 parallel checks)."""
+    setting: "auto" picks per device and size (`ns_compute_dtype`, with the CPU crossover given);
+    "float32"/"bfloat16" force it, except that float64 input stays float64 (the exact-maths
+    tests and the float64 parallel checks)."""
     if setting == "auto" or x.dtype == torch.float64:
-        return ns_compute_dtype(x)
+        return ns_compute_dtype(x, cpu_bf16_min_flops)
     if setting == "float32":
         return torch.float32
     if setting == "bfloat16":

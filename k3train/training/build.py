@@ -25,6 +25,7 @@ from k3train.kernels import te as te_kernels
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3ModelChunk, K3RankModel
 from k3train.optim.builder import build_optimizer, parameter_costs
+from k3train.optim.muon import PerHeadMuon
 from k3train.parallel.comm import Group
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, GradientReducer
@@ -210,6 +211,20 @@ def _build_optimizer(
     return optimizer
 
 
+def agreed_cpu_bf16_min_flops() -> float:
+    """Where "auto" Newton–Schulz switches to bf16 on this CPU (k3train/optim/bf16_probe.py), as
+    rank 0 measured it (or read it from the cache), the same on every rank: replicas that
+    orthogonalise the same matrix must do it in the same dtype."""
+    from k3train.optim.bf16_probe import cpu_bf16_min_flops
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    crossover = [cpu_bf16_min_flops() if rank == 0 else 0.0]
+    if distributed:
+        torch.distributed.broadcast_object_list(crossover, src=0)
+    return float(crossover[0])
+
+
 def build_rank(
     config: JobConfig,
     parallel: ParallelState,
@@ -244,6 +259,8 @@ def build_rank(
     if config.train.compile and device.type != "meta":
         compile_elementwise(model, config.train.compile_regions)  # in place: parameters, names and hooks unchanged
     optimizer = _build_optimizer(model, config, parallel, bucket_bytes)
+    if device.type == "cpu" and isinstance(optimizer.optimizer, PerHeadMuon):
+        optimizer.optimizer.ns_cpu_bf16_min_flops = agreed_cpu_bf16_min_flops()
     # Under ZeRO-1 the gradients are reduce-scattered to their owners (the optimizer's plan).
     reducer = GradientReducer(
         model, parallel, bucket_bytes=bucket_bytes, overlap=overlap, owners=optimizer.gradient_owners()

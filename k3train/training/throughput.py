@@ -16,22 +16,18 @@ FLOPs: reported beside MFU (`muon_step_stats`), never counted in it.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from k3train.cache import cache_dir
+from k3train.machine_rates import cached_measurement, machine_key
 
 # Dense (non-sparse) bf16 tensor-core peaks in TFLOP/s, by a substring of the device name.
 GPU_PEAK_BF16_TFLOPS = (
@@ -85,54 +81,24 @@ def _matmul_trials(size: int, seconds: float, trials: int) -> list[float]:
     return rates
 
 
-def cpu_model_name() -> str:
-    """The CPU's model name (`/proc/cpuinfo` on Linux, else `platform.processor()`)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
-
-
 def cpu_peak_key(threads: int) -> str:
-    """The cache key of a CPU peak: CPU model, thread count and torch version (its matmul kernels)."""
-    # "cpu-time": rates measured over the process's CPU time (entries of the earlier wall-clock
-    # measurement, depressed by load, are not reused).
-    return f"{cpu_model_name()} | {threads} thread(s) | torch {torch.__version__} | cpu-time"
+    """The cache key of a CPU peak (`machine_key`: CPU model, thread count, torch version)."""
+    return machine_key(threads)
 
 
 def cached_cpu_peak(
     threads: int | None = None, directory: Path | None = None, measure: Callable[[], float] = measure_cpu_matmul_tflops
 ) -> tuple[float, str]:
     """The CPU matmul peak for `threads` (default: torch's current count) and where it came from:
-    the cached rate of this machine if there is one, else `measure()` (written to the cache; an
-    unreadable or unwritable cache only means measuring again)."""
+    the cached rate of this machine if there is one, else `measure()` (written to the cache)."""
     threads = threads or torch.get_num_threads()
-    path = (directory or cache_dir()) / CPU_PEAK_CACHE_FILE
-    key = cpu_peak_key(threads)
-    entries: dict[str, Any] = {}
-    try:
-        entries = json.loads(path.read_text())
-        entry = entries[key]
-        return float(entry["tflops"]), f"fp32 matmul rate measured {entry['measured']}, cached in {path}"
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, KeyError, TypeError):
-        entries = entries if isinstance(entries, dict) else {}
-    tflops = measure()
-    entries[key] = {"tflops": tflops, "measured": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
-        os.replace(temporary, path)  # atomic: ranks starting together never read half a file
-        where = f"cached in {path}"
-    except OSError as error:
-        where = f"not cached ({path}: {error.strerror or error})"
-    return tflops, f"fp32 matmul rate measured now with {threads} thread(s), median of trials, {where}"
+    tflops, where = cached_measurement(CPU_PEAK_CACHE_FILE, cpu_peak_key(threads), "tflops", measure, directory)
+    if where.startswith("measured now"):
+        return (
+            float(tflops),
+            f"fp32 matmul rate {where.replace('measured now', f'measured now with {threads} thread(s), median of trials')}",
+        )
+    return float(tflops), f"fp32 matmul rate {where}"
 
 
 def peak_flops(device: torch.device, override_tflops: float | None = None) -> PeakFlops:

@@ -16,7 +16,8 @@ from tests.distributed.harness import CHECKOUT, run_workers
 
 TOLERANCE = 2e-5
 # Validation at step 3 runs the same 4 x 4 validation rows under every layout. Newton–Schulz in
-# fp32: in bf16 (the default for the debug model's larger matrices on CPUs with AMX, as on GPUs)
+# fp32: in bf16 (the default for the debug model's larger matrices where a CPU measured bf16
+# faster, as on GPUs)
 # the layouts' ~1e-7 differences in the momenta would flip bf16 roundings (2^-8) and the losses
 # would differ by ~1e-4, whatever the layouts compute.
 SMALL = [

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from k3train.cache import locate_cache
+from k3train.cache import cache_dir, locate_cache
 
 
 @pytest.mark.parametrize(
@@ -44,6 +44,6 @@ def test_corpus_and_matmul_peak_share_the_directory(tmp_path, monkeypatch, varia
     for name in ("K3TRAIN_CACHE_DIR", "K3TRAIN_CACHE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, str(tmp_path))
-    assert resolve_cache_dir() == throughput.cache_dir() == tmp_path
+    assert resolve_cache_dir() == cache_dir() == tmp_path
     tflops, source = throughput.cached_cpu_peak(threads=1, measure=lambda: 1.5)
     assert tflops == 1.5 and (tmp_path / throughput.CPU_PEAK_CACHE_FILE).is_file(), source

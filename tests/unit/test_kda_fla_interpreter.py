@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from k3train.training.throughput import cache_dir
+from k3train.cache import cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = Path(os.environ.get("K3TRAIN_INTERPRETER_PACKAGES") or cache_dir() / "triton-interpreter")

@@ -66,23 +66,57 @@ def test_newton_schulz_keeps_singular_vectors_and_blocks_independent():
     assert torch.equal(newton_schulz(torch.zeros(2, 4, 6)), torch.zeros(2, 4, 6))
 
 
-def test_newton_schulz_compute_dtype(monkeypatch):
-    """bf16 on CUDA and on CPUs with AMX (bf16 matmuls in hardware), fp32 on other CPUs, float64
-    kept."""
-    from k3train.optim import newton_schulz as ns_module
-
+def test_newton_schulz_compute_dtype():
+    """bf16 on CUDA; on a CPU bf16 from the crossover call size on (fp32 below, never with an
+    infinite crossover); float64 kept."""
     large, small = torch.zeros(16, 64, 64), torch.zeros(16, 32, 128)  # 126 and 47 MFLOP per call
-    cpu_default = torch.bfloat16 if ns_module.cpu_has_bf16_matrix_units() else torch.float32
-    assert ns_compute_dtype(torch.zeros(2, 2, dtype=torch.float64)) == torch.float64
-    assert ns_compute_dtype(torch.zeros(2, 2)) == torch.float32  # small: fp32 everywhere on a CPU
-    assert ns_compute_dtype(large) == ns_compute_dtype(large.bfloat16()) == cpu_default
-    for has_amx, expected in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(ns_module, "cpu_has_bf16_matrix_units", lambda has_amx=has_amx: has_amx)
-        assert ns_compute_dtype(large) == expected
-        assert ns_compute_dtype(small) == torch.float32
-        assert ns_compute_dtype(large.double()) == torch.float64
+    assert ns_compute_dtype(large, 1e8) == ns_compute_dtype(large.bfloat16(), 1e8) == torch.bfloat16
+    assert ns_compute_dtype(small, 1e8) == torch.float32
+    assert ns_compute_dtype(large, math.inf) == torch.float32
+    assert ns_compute_dtype(large.double(), 0.0) == torch.float64
     if torch.cuda.is_available():
-        assert ns_compute_dtype(torch.zeros(2, 2, device="cuda")) == torch.bfloat16
+        assert ns_compute_dtype(torch.zeros(2, 2, device="cuda"), math.inf) == torch.bfloat16
+
+
+def test_auto_newton_schulz_dtype_follows_the_measured_probe(tmp_path, monkeypatch):
+    """ "auto" on a CPU is decided by the probe's measurement (patched both ways here), not by a
+    CPU feature flag: where bf16 measured faster it runs bf16, where slower fp32; the value is
+    cached per machine, so a second process reads it instead of measuring."""
+    from k3train.optim import bf16_probe
+
+    monkeypatch.setenv("K3TRAIN_CACHE_DIR", str(tmp_path))
+    large, small = torch.zeros(16, 64, 64), torch.zeros(16, 32, 128)
+    faster = [[16, 64, 64, 2.3], [16, 32, 128, 0.9], [4, 256, 256, 2.5]]  # an AVX512-BF16 CPU
+    slower = [[16, 64, 64, 0.6], [16, 32, 128, 0.5], [4, 256, 256, 0.7]]  # a CPU without bf16
+    for speedups, expected in ((faster, torch.bfloat16), (slower, torch.float32)):
+        calls = []
+        monkeypatch.setattr(bf16_probe, "measure_bf16_speedups", lambda s=speedups, c=calls: c.append(1) or s)
+        for file in tmp_path.glob("*.json"):
+            file.unlink()
+        for _ in range(2):
+            bf16_probe.cpu_bf16_min_flops.cache_clear()  # a new process: the file cache answers
+            assert resolve_ns_dtype("auto", large) == expected
+            assert resolve_ns_dtype("auto", small) == torch.float32  # the 47 MFLOP call did not pay
+        assert calls == [1]
+    bf16_probe.cpu_bf16_min_flops.cache_clear()
+
+
+def test_bf16_crossover_is_where_every_larger_call_pays():
+    from k3train.optim.bf16_probe import bf16_crossover_flops
+    from k3train.optim.newton_schulz import ns_flops
+
+    assert bf16_crossover_flops([[1, 64, 64, 1.5], [1, 128, 128, 2.0]]) == ns_flops(64, 64)
+    assert bf16_crossover_flops([[1, 64, 64, 1.5], [1, 128, 128, 0.9], [1, 256, 256, 2.0]]) == ns_flops(256, 256)
+    assert bf16_crossover_flops([[1, 64, 64, 3.0], [1, 256, 256, 1.05]]) == math.inf
+
+
+def test_probe_measures_real_newton_schulz_calls():
+    """The probe itself, run small: one speedup per shape, positive and finite."""
+    from k3train.optim.bf16_probe import measure_bf16_speedups
+
+    speedups = measure_bf16_speedups([(2, 32, 32), (1, 64, 64)], min_seconds=0.005, trials=1)
+    assert [row[:3] for row in speedups] == [[2, 32, 32], [1, 64, 64]]
+    assert all(0 < row[3] < math.inf for row in speedups)
 
 
 NS_BF16_REL_TOL = 5e-2
@@ -191,7 +225,7 @@ def test_update_rms_per_block(shape, heads, expected_layout):
     assert ((rms > 0.15) & (rms < 0.22)).all(), rms
     # Exactly 0.2·sqrt(max(rows, cols)) times each block's own NS output.
     ns_rms = newton_schulz(layout.to_blocks(grad)).float().pow(2).mean(dim=(-2, -1)).sqrt()
-    # (Where NS runs in bf16, CPUs with AMX, the scaled update is rounded to bf16 once more:
+    # (Where NS runs in bf16 (a CPU whose probe measured bf16 faster), the scaled update is rounded to bf16 once more:
     # 2^-8 relative per element; any other scale rule is off by a factor of at least √2.)
     bf16 = resolve_ns_dtype("auto", grad) == torch.bfloat16
     torch.testing.assert_close(

@@ -37,7 +37,7 @@ def check_newton_schulz(ctx: Context) -> Iterator[Row]:
     """newton_schulz with bf16 iterations (its CUDA compute dtype, also forced on the CPU) vs
     the same iteration in float64: relative difference of the update, and every singular value of
     the bf16 result in [0.5, 1.5] (on well-conditioned blocks); on CUDA, ns_compute_dtype must
-    pick bf16 (a CPU's pick, by its AMX and the call's size, is reported). Timed on random fp32 momenta.
+    pick bf16 (a CPU's pick, by its measured crossover and the call's size, is reported). Timed on random fp32 momenta.
     ref ms: compute_dtype=fp32 on the device; fast ms: bf16."""
     cases = {
         "heads": (ctx.pick((96, 128, 7168), (6, 16, 96)), ctx.pick(8, 3)),  # per-head blocks of a projection
