@@ -1,0 +1,171 @@
+"""Packed documents: the segment kernels against their references, and the model over a packed
+sequence against the same documents run one by one (logits and gradients, float64)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3train.kernels.kda.varlen import chunk_kda_varlen, chunk_kda_varlen_reference
+from k3train.kernels.segments import pack_segments, segment_ids, segment_offsets, unpack_segments
+from k3train.kernels.short_conv import short_conv_silu_varlen, short_conv_silu_varlen_reference
+from k3train.model.config import ModelConfig
+from k3train.model.k3 import K3ModelChunk
+from k3train.model.mla import causal_attention, document_causal_attention
+
+F64 = torch.float64
+TOLERANCE = 1e-12
+
+
+def starts_of(lengths_per_row: list[list[int]]) -> torch.Tensor:
+    """`[rows, T]` bool: True at the first token of every document."""
+    seq = sum(lengths_per_row[0])
+    starts = torch.zeros(len(lengths_per_row), seq, dtype=torch.bool)
+    for row, lengths in enumerate(lengths_per_row):
+        assert sum(lengths) == seq
+        position = 0
+        for length in lengths:
+            starts[row, position] = True
+            position += length
+    return starts
+
+
+ROWS = [[5, 11, 1, 15], [20, 12]]
+
+
+def test_segment_offsets_pack_and_unpack():
+    starts = starts_of(ROWS)
+    starts[1, 0] = False  # a row always starts a segment
+    cu_seqlens = segment_offsets(starts)
+    assert cu_seqlens.tolist() == [0, 5, 16, 17, 32, 52, 64]
+    x = torch.arange(64.0).reshape(64, 1)
+    packed = pack_segments(x, cu_seqlens)
+    assert packed.shape == (6, 20, 1)
+    assert packed[1, :11, 0].tolist() == list(range(5, 16)) and not packed[1, 11:].any()
+    assert torch.equal(unpack_segments(packed, cu_seqlens), x)
+    assert segment_ids(starts)[0].tolist() == [0] * 5 + [1] * 11 + [2] + [3] * 15
+
+
+@pytest.mark.parametrize("chunk_size", [4, 8])
+def test_varlen_kda_matches_reference_with_states_float64(chunk_size):
+    torch.manual_seed(0)
+    cu_seqlens = segment_offsets(starts_of(ROWS))
+    segments, tokens, heads, key_dim, value_dim = len(cu_seqlens) - 1, 64, 2, 8, 4
+    q = F.normalize(torch.randn(1, tokens, heads, key_dim, dtype=F64), dim=-1).requires_grad_()
+    k = F.normalize(torch.randn(1, tokens, heads, key_dim, dtype=F64), dim=-1).requires_grad_()
+    v = torch.randn(1, tokens, heads, value_dim, dtype=F64, requires_grad=True)
+    g = (-torch.rand(1, tokens, heads, key_dim, dtype=F64)).requires_grad_()
+    beta = torch.rand(1, tokens, heads, dtype=F64, requires_grad=True)
+    initial = torch.randn(segments, heads, key_dim, value_dim, dtype=F64, requires_grad=True)
+    inputs = (q, k, v, g, beta, initial)
+    results = []
+    for kernel in (chunk_kda_varlen_reference, chunk_kda_varlen):
+        extra = {"chunk_size": chunk_size} if kernel is chunk_kda_varlen else {}
+        o, final = kernel(q, k, v, g, beta, cu_seqlens, initial_state=initial, output_final_state=True, **extra)
+        (o.square().sum() + final.sum()).backward()
+        results.append([o.detach(), final.detach()] + [t.grad.clone() for t in inputs])
+        for t in inputs:
+            t.grad = None
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_varlen_short_conv_matches_reference_with_tails_float64():
+    torch.manual_seed(1)
+    cu_seqlens = segment_offsets(starts_of(ROWS))
+    x = torch.randn(1, 64, 6, dtype=F64, requires_grad=True)
+    weight = torch.randn(6, 1, 4, dtype=F64, requires_grad=True)
+    tails = torch.randn(len(cu_seqlens) - 1, 6, 3, dtype=F64, requires_grad=True)
+    grads = []
+    for kernel in (short_conv_silu_varlen_reference, short_conv_silu_varlen):
+        out = kernel(x, weight, cu_seqlens, tails)
+        out.square().sum().backward()
+        grads.append([out.detach()] + [t.grad.clone() for t in (x, weight, tails)])
+        x.grad = weight.grad = tails.grad = None
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_document_attention_is_each_document_alone():
+    torch.manual_seed(2)
+    starts = starts_of(ROWS)
+    q, k_nope = torch.randn(2, 32, 3, 8, dtype=F64), torch.randn(2, 32, 3, 5, dtype=F64)
+    k_rope, v = torch.randn(2, 32, 3, 3, dtype=F64), torch.randn(2, 32, 3, 4, dtype=F64)
+    out = document_causal_attention(q, k_nope, k_rope, v, 0.3, starts)
+    for row, lengths in enumerate(ROWS):
+        position = 0
+        for length in lengths:
+            part = slice(position, position + length)
+            alone = causal_attention(*(t[row : row + 1, part] for t in (q, k_nope, k_rope, v)), 0.3)
+            torch.testing.assert_close(out[row : row + 1, part], alone, rtol=TOLERANCE, atol=TOLERANCE)
+            position += length
+
+
+def document_config(**changes) -> ModelConfig:
+    """The default small model, with KDA chunks of 8 so documents cross chunk boundaries."""
+    config = ModelConfig()
+    return dataclasses.replace(
+        config, linear_attn_config=dataclasses.replace(config.linear_attn_config, chunk_size=8), **changes
+    )
+
+
+def packed_against_alone(model: K3ModelChunk, tokens: torch.Tensor, rows: list[list[int]]):
+    """Largest logit and gradient differences between the packed rows and their documents alone
+    (loss: the sum of every token's cross-entropy, so both sides weigh each token once)."""
+    starts = starts_of(rows)
+    logits = model(tokens[:, :-1], document_starts=starts)
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum").backward()
+    packed_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    logit_error = 0.0
+    for row, lengths in enumerate(rows):
+        position = 0
+        for length in lengths:
+            inputs = tokens[row : row + 1, position : position + length]
+            labels = tokens[row : row + 1, position + 1 : position + length + 1]
+            alone = model(inputs)
+            logit_error = max(
+                logit_error, (alone - logits[row : row + 1, position : position + length]).abs().max().item()
+            )
+            F.cross_entropy(alone.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+            position += length
+    grad_error = max(
+        (p.grad - packed_grads[name]).abs().max().item() for name, p in model.named_parameters() if p.grad is not None
+    )
+    assert set(packed_grads) == {name for name, p in model.named_parameters() if p.grad is not None}
+    return logit_error, grad_error
+
+
+@pytest.mark.parametrize("changes", [{}, {"attn_res": "none", "recompute": "sublayer"}])
+def test_packed_sequence_equals_documents_one_by_one_float64(changes):
+    torch.manual_seed(3)
+    model = K3ModelChunk(document_config(**changes), seed=5).double()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 33))
+    logit_error, grad_error = packed_against_alone(model, tokens, ROWS)
+    assert logit_error < TOLERANCE and grad_error < TOLERANCE, (logit_error, grad_error)
+
+
+def test_without_resets_documents_see_each_other():
+    """The check can fail: the stream of one row is not its documents alone."""
+    torch.manual_seed(3)
+    model = K3ModelChunk(document_config(), seed=5).double()
+    tokens = torch.randint(0, model.config.vocab_size, (1, 17))
+    logits = model(tokens[:, :-1])
+    alone = model(tokens[:, 6:16])
+    assert (logits[:, 6:16] - alone).abs().max() > 1e-3
+
+
+def test_eod_loss_mask_drops_masked_tokens():
+    torch.manual_seed(4)
+    model = K3ModelChunk(document_config(), seed=5).double()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 9))
+    logits = model(tokens[:, :-1])
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, 3] = mask[1, 6] = False
+    per_token = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+    expected = per_token[mask.flatten()].sum() / per_token.numel()
+    torch.testing.assert_close(model.loss(logits, tokens[:, 1:], mask), expected, rtol=1e-14, atol=1e-14)
+    assert not torch.allclose(model.loss(logits, tokens[:, 1:]), expected)
