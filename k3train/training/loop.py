@@ -149,9 +149,7 @@ class Trainer:
         # the mean loss accumulated, the data-parallel reduction launched during the last backward.
         # Under context parallelism the cp ranks read the same rows; the model keeps its own pieces of
         # every sequence (parallel/context.py), and the loss averaged over dp × cp is the global mean.
-        batch = self.data.next_global_batch(
-            config.train.global_batch_size, parallel.data_rank, parallel.layout.data_parallel
-        )
+        batch = self.data.next_batch(config.train.global_batch_size, parallel.data_rank, parallel.layout.data_parallel)
         micro_batches = [mb.to(self.device, non_blocking=True) for mb in batch.split(config.train.micro_batch_size)]
         with self._poisoned_gradients(step in self._nan_gradient_steps):
             local_loss = self.schedule.run(self.model.chunks, micro_batches)
@@ -263,7 +261,7 @@ class Trainer:
         dp = parallel.layout.data_parallel
         batches = [
             micro.to(self.device)
-            for batch in self.data.validation_batches(
+            for batch in self.data.validation_token_batches(
                 train.global_batch_size, train.eval_batches, dp_rank=parallel.data_rank, dp_size=dp
             )
             for micro in batch.split(train.micro_batch_size)
