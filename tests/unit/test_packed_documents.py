@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from k3train.contracts.token_batch import TokenBatch
+from k3train.data import DataConfig, IndexedDataset, PackedDataset, build_data, write_indexed_dataset
+from k3train.data.documents import token_batch
 from k3train.kernels.kda.varlen import chunk_kda_varlen, chunk_kda_varlen_reference
 from k3train.kernels.segments import pack_segments, segment_ids, segment_offsets, unpack_segments
 from k3train.kernels.short_conv import short_conv_silu_varlen, short_conv_silu_varlen_reference
@@ -169,3 +173,36 @@ def test_eod_loss_mask_drops_masked_tokens():
     expected = per_token[mask.flatten()].sum() / per_token.numel()
     torch.testing.assert_close(model.loss(logits, tokens[:, 1:], mask), expected, rtol=1e-14, atol=1e-14)
     assert not torch.allclose(model.loss(logits, tokens[:, 1:]), expected)
+
+
+def test_document_starts_come_from_the_document_index(tmp_path):
+    # eos = 0; the second document holds an eos of its own, which starts nothing.
+    write_indexed_dataset(tmp_path / "ds", [[1, 2], [3, 0, 4], [5]], vocab_size=10)
+    packed = PackedDataset(
+        IndexedDataset(tmp_path / "ds"), np.arange(3), 4, 0, seed=0, salt=0, shuffle=False, name="ds"
+    )
+    tokens, starts = packed.samples_with_starts(np.arange(2))
+    assert tokens.tolist() == [[1, 2, 0, 3, 0], [0, 4, 0, 5, 0]]
+    assert starts.tolist() == [[True, False, False, True], [False, False, False, True]]
+    batch = token_batch(torch.from_numpy(tokens), torch.from_numpy(starts), 0, reset=True, eod_mask_loss=True)
+    assert batch.document_starts is not None and batch.loss_mask is not None
+    assert batch.document_starts.tolist() == [[True, False, False, True], [True, False, False, True]]
+    assert batch.loss_mask.tolist() == [[True, True, False, True], [False, True, False, True]]
+    plain = token_batch(torch.from_numpy(tokens), torch.from_numpy(starts), 0, reset=False, eod_mask_loss=False)
+    assert plain.document_starts is None and plain.loss_mask is None
+
+
+def test_training_data_yields_starts_only_with_reset(tmp_path):
+    documents = [np.full(n, 7 + i) for i, n in enumerate([5, 9, 3, 12, 6, 8, 4, 10])]
+    write_indexed_dataset(tmp_path / "ds", documents, vocab_size=259)
+    common = dict(paths=[str(tmp_path / "ds")], seq_length=8, validation_fraction=0.0)
+    reset = build_data(DataConfig(document_boundaries="reset", **common), 4, 1, 259).next_batch(4)
+    none = build_data(DataConfig(**common), 4, 1, 259).next_batch(4)
+    assert torch.equal(reset.tokens, none.tokens) and none.document_starts is None
+    assert reset.document_starts is not None and reset.document_starts[:, 0].all()
+    # every start after position 0 follows an eos (the packing puts one after each document)
+    rows, columns = torch.nonzero(reset.document_starts[:, 1:], as_tuple=True)
+    assert len(rows) > 0 and (reset.tokens[rows, columns] == 256).all()
+    parts = reset.split(2)
+    assert [p.tokens.shape[0] for p in parts] == [2, 2] and isinstance(parts[1], TokenBatch)
+    assert parts[1].document_starts is not None and torch.equal(parts[1].document_starts, reset.document_starts[2:])
