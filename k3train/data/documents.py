@@ -29,4 +29,15 @@ def token_batch(
     return TokenBatch(tokens, document_starts, loss_mask)
 
 
-__all__ = ["token_batch"]
+def document_lengths(document_starts: torch.Tensor) -> list[list[int]]:
+    """The lengths of the documents of every row of `document_starts [rows, seq]` (position 0
+    starts one whatever it says)."""
+    seq = document_starts.shape[1]
+    lengths = []
+    for row in document_starts.to(torch.bool).cpu():
+        begins = [0] + [int(i) for i in torch.nonzero(row[1:]).flatten() + 1]
+        lengths.append([end - begin for begin, end in zip(begins, begins[1:] + [seq])])
+    return lengths
+
+
+__all__ = ["document_lengths", "token_batch"]

@@ -206,3 +206,27 @@ def test_training_data_yields_starts_only_with_reset(tmp_path):
     parts = reset.split(2)
     assert [p.tokens.shape[0] for p in parts] == [2, 2] and isinstance(parts[1], TokenBatch)
     assert parts[1].document_starts is not None and torch.equal(parts[1].document_starts, reset.document_starts[2:])
+
+
+def test_flop_count_of_packed_documents():
+    from k3train.model import flops
+    from k3train.planning.time import layer_training_flops
+
+    config = ModelConfig()
+    one_stream = flops.training_flops_per_token(config, 128)
+    assert flops.training_flops_per_token(config, 128, document_lengths=[128]) == one_stream
+    documents = flops.documents_of_length(128, 48)
+    assert documents == [48, 48, 32]
+    apart = flops.training_flops_per_token(config, 128, document_lengths=documents)
+    pairs = sum(d * (d + 1) / 2 for d in documents)
+    per_pair = 2 * config.num_attention_heads * (config.qk_head_dim + config.v_head_dim)
+    expected = flops.TRAINING_MULTIPLIER * flops.num_mla_layers(config) * per_pair * pairs / 128
+    assert apart.mla_attention == pytest.approx(expected, rel=1e-12)
+    assert apart.mla_attention < one_stream.mla_attention
+    assert apart.mla_projections == one_stream.mla_projections  # every token still projects
+    # KDA pads every document to whole chunks of 64: 1 + 1 + 1 chunks against 2 for the stream.
+    assert apart.kda_chunk == pytest.approx(one_stream.kda_chunk * 3 / 2, rel=1e-12)
+    mla_layer = min(config.full_attn_layer_set)
+    assert layer_training_flops(config, mla_layer, 128, documents) < layer_training_flops(config, mla_layer, 128)
+    with pytest.raises(ValueError, match="fill a sequence"):
+        flops.training_flops_per_token(config, 128, document_lengths=[100])
