@@ -58,6 +58,9 @@ def pack_segments(x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int | None
     if int(cu_seqlens[-1]) != x.shape[0]:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but x has {x.shape[0]} tokens")
     max_len = max_segment_length(cu_seqlens) if max_len is None else max_len
+    segments = len(cu_seqlens) - 1
+    if segments * max_len == x.shape[0]:  # every segment full length (rows without a boundary): a view
+        return x.reshape(segments, max_len, *x.shape[1:])
     token, _ = _packed_index(cu_seqlens, max_len)
     padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
     return padded.index_select(0, token).reshape(len(cu_seqlens) - 1, max_len, *x.shape[1:])
@@ -68,6 +71,8 @@ def unpack_segments(packed: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Ten
     segments, max_len = packed.shape[:2]
     if segments != len(cu_seqlens) - 1:
         raise ValueError(f"packed batch has {segments} rows but cu_seqlens describes {len(cu_seqlens) - 1} segments")
+    if segments * max_len == int(cu_seqlens[-1]):  # no padding: the inverse of the view above
+        return packed.reshape(segments * max_len, *packed.shape[2:])
     _, slot = _packed_index(cu_seqlens, max_len)
     return packed.reshape(segments * max_len, *packed.shape[2:]).index_select(0, slot)
 

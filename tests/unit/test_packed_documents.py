@@ -51,6 +51,10 @@ def test_segment_offsets_pack_and_unpack():
     assert packed[1, :11, 0].tolist() == list(range(5, 16)) and not packed[1, 11:].any()
     assert torch.equal(unpack_segments(packed, cu_seqlens), x)
     assert segment_ids(starts)[0].tolist() == [0] * 5 + [1] * 11 + [2] + [3] * 15
+    # rows without a boundary: the packed batch is the rows themselves
+    whole = segment_offsets(torch.zeros(2, 32, dtype=torch.bool))
+    assert torch.equal(pack_segments(x, whole), x.view(2, 32, 1))
+    assert torch.equal(unpack_segments(pack_segments(x, whole), whole), x)
 
 
 @pytest.mark.parametrize("chunk_size", [4, 8])
