@@ -10,7 +10,9 @@ starts at the beginning of every row and wherever `starts` is True.
 that only knows whole sequences (the chunkwise KDA, the short convolution, causal SDPA) runs
 every segment at once; `unpack_segments` scatters its output back. Both are index gathers, so
 autograd carries gradients through them, and padding sits after each segment's last token,
-where a causal kernel never reads it.
+where a causal kernel never reads it. `length_buckets` groups the segments by their length in
+units (a kernel's chunk), so that each group pads only to its own longest segment
+(`pack_segments(..., segments=ids)` per group, `unpack_buckets` to put them back together).
 """
 
 from __future__ import annotations
@@ -53,10 +55,47 @@ def max_segment_length(cu_seqlens: torch.Tensor) -> int:
     return int(segment_lengths(cu_seqlens).max()) if len(cu_seqlens) > 1 else 0
 
 
-def pack_segments(x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
-    """`x [N, ...]` → `[S, max_len, ...]`: segment `s` in row `s`, zeros after its last token."""
+def length_buckets(cu_seqlens: torch.Tensor, unit: int) -> list[torch.Tensor]:
+    """The segment indices grouped by `ceil(length / unit)` (one int64 tensor per group, shortest
+    group first, segments in order within each)."""
+    units = (segment_lengths(cu_seqlens) + unit - 1) // unit
+    return [torch.nonzero(units == count).flatten() for count in torch.unique(units)]
+
+
+def _subset_tokens(cu_seqlens: torch.Tensor, segments: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the tokens of `segments` (in that order): their index in the stream, and their slot
+    `row · max_len + position` in the batch `pack_segments(..., segments=segments)` makes."""
+    lengths = segment_lengths(cu_seqlens)[segments]
+    row = torch.repeat_interleave(torch.arange(len(segments), device=cu_seqlens.device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    position = torch.arange(int(lengths.sum()), device=cu_seqlens.device) - first[row]
+    return cu_seqlens[segments][row] + position, row * max_len + position
+
+
+def unpack_buckets(packed: list[torch.Tensor], cu_seqlens: torch.Tensor, buckets: list[torch.Tensor]) -> torch.Tensor:
+    """`[N, ...]` from one padded batch per group of segments (`pack_segments(..., segments=ids)`)."""
+    tokens, values = [], []
+    for batch, segments in zip(packed, buckets):
+        token, slot = _subset_tokens(cu_seqlens, segments, batch.shape[1])
+        tokens.append(token)
+        values.append(batch.reshape(-1, *batch.shape[2:]).index_select(0, slot))
+    return torch.cat(values).index_select(0, torch.argsort(torch.cat(tokens)))
+
+
+def pack_segments(
+    x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int | None = None, segments: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x [N, ...]` → `[S, max_len, ...]`: segment `s` in row `s`, zeros after its last token;
+    with `segments`, only those (row `j` holds segment `segments[j]`), padded to `max_len`
+    (default: their longest)."""
     if int(cu_seqlens[-1]) != x.shape[0]:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but x has {x.shape[0]} tokens")
+    if segments is not None:
+        lengths = segment_lengths(cu_seqlens)[segments]
+        max_len = int(lengths.max()) if max_len is None else max_len
+        token, slot = _subset_tokens(cu_seqlens, segments, max_len)
+        out = x.new_zeros(len(segments) * max_len, *x.shape[1:])
+        return out.index_copy(0, slot, x.index_select(0, token)).view(len(segments), max_len, *x.shape[1:])
     max_len = max_segment_length(cu_seqlens) if max_len is None else max_len
     segments = len(cu_seqlens) - 1
     if segments * max_len == x.shape[0]:  # every segment full length (rows without a boundary): a view
@@ -86,10 +125,12 @@ def segment_ids(starts: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "length_buckets",
     "max_segment_length",
     "pack_segments",
     "segment_ids",
     "segment_lengths",
     "segment_offsets",
+    "unpack_buckets",
     "unpack_segments",
 ]

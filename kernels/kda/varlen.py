@@ -7,17 +7,18 @@ of its own, and `final_state` is `[S, H, K, V]`: the state after each segment's 
 
 - `chunk_kda_varlen_reference`: one `naive_recurrent_kda` call per segment.
 - `chunk_kda_varlen`: on CUDA with fla, its `chunk_kda` with `cu_seqlens` (the segments in
-  place, no padding); elsewhere the segments packed into a zero-padded batch
-  (`kernels.segments.pack_segments`) and one `chunk_kda` call. Padding follows each segment's
-  last token with `k = v = β = 0` and `g = 0`, which leaves the state exactly as it was, so the
-  final states are those of the segments themselves.
+  place, no padding); elsewhere the segments grouped by their number of chunks
+  (`kernels.segments.length_buckets`), each group packed into a zero-padded batch and run by one
+  `chunk_kda` call, so a segment is padded to whole chunks as it would be alone, not to the
+  longest segment. Padding follows each segment's last token with `k = v = β = 0` and `g = 0`,
+  which leaves the state exactly as it was, so the final states are those of the segments.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..segments import max_segment_length, pack_segments, unpack_segments
+from ..segments import length_buckets, pack_segments, unpack_buckets
 from . import fla_backend
 from .chunk import chunk_kda
 from .naive import naive_recurrent_kda
@@ -89,21 +90,29 @@ def chunk_kda_varlen(
         return fla_backend.run_fla_chunk_kda(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens
         )
-    max_len = max_segment_length(cu_seqlens)
-    q, k, v, g, beta = (pack_segments(t[0], cu_seqlens, max_len) for t in (q, k, v, g, beta))
-    o, final = chunk_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        chunk_size=chunk_size,
-        backend="torch" if backend == "auto" else backend,
-    )
-    return unpack_segments(o, cu_seqlens).unsqueeze(0), final
+    buckets = length_buckets(cu_seqlens, chunk_size)
+    outputs, finals = [], []
+    for segments in buckets:
+        q_b, k_b, v_b, g_b, beta_b = (pack_segments(t[0], cu_seqlens, segments=segments) for t in (q, k, v, g, beta))
+        o, final = chunk_kda(
+            q_b,
+            k_b,
+            v_b,
+            g_b,
+            beta_b,
+            scale=scale,
+            initial_state=None if initial_state is None else initial_state.index_select(0, segments),
+            output_final_state=output_final_state,
+            chunk_size=chunk_size,
+            backend="torch" if backend == "auto" else backend,
+        )
+        outputs.append(o)
+        finals.append(final)
+    output = unpack_buckets(outputs, cu_seqlens, buckets).unsqueeze(0)
+    if not output_final_state:
+        return output, None
+    order = torch.argsort(torch.cat(buckets))  # the final states back in segment order
+    return output, torch.cat([f for f in finals if f is not None]).index_select(0, order)
 
 
 __all__ = ["chunk_kda_varlen", "chunk_kda_varlen_reference"]
