@@ -74,6 +74,8 @@ def _subset_tokens(cu_seqlens: torch.Tensor, segments: torch.Tensor, max_len: in
 
 def unpack_buckets(packed: list[torch.Tensor], cu_seqlens: torch.Tensor, buckets: list[torch.Tensor]) -> torch.Tensor:
     """`[N, ...]` from one padded batch per group of segments (`pack_segments(..., segments=ids)`)."""
+    if len(packed) == 1:  # one group holds every segment, in order
+        return unpack_segments(packed[0], cu_seqlens)
     tokens, values = [], []
     for batch, segments in zip(packed, buckets):
         token, slot = _subset_tokens(cu_seqlens, segments, batch.shape[1])
@@ -90,16 +92,16 @@ def pack_segments(
     (default: their longest)."""
     if int(cu_seqlens[-1]) != x.shape[0]:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but x has {x.shape[0]} tokens")
-    if segments is not None:
+    if segments is not None and len(segments) < len(cu_seqlens) - 1:
         lengths = segment_lengths(cu_seqlens)[segments]
         max_len = int(lengths.max()) if max_len is None else max_len
         token, slot = _subset_tokens(cu_seqlens, segments, max_len)
         out = x.new_zeros(len(segments) * max_len, *x.shape[1:])
         return out.index_copy(0, slot, x.index_select(0, token)).view(len(segments), max_len, *x.shape[1:])
     max_len = max_segment_length(cu_seqlens) if max_len is None else max_len
-    segments = len(cu_seqlens) - 1
-    if segments * max_len == x.shape[0]:  # every segment full length (rows without a boundary): a view
-        return x.reshape(segments, max_len, *x.shape[1:])
+    count = len(cu_seqlens) - 1
+    if count * max_len == x.shape[0]:  # every segment full length (rows without a boundary): a view
+        return x.reshape(count, max_len, *x.shape[1:])
     token, _ = _packed_index(cu_seqlens, max_len)
     padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
     return padded.index_select(0, token).reshape(len(cu_seqlens) - 1, max_len, *x.shape[1:])

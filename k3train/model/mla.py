@@ -12,13 +12,14 @@ from torch import nn
 from torch.utils import flop_counter
 
 from k3train.contracts.param_roles import linear_weight, mark_head_blocks
-from k3train.kernels.segments import max_segment_length, pack_segments, segment_offsets, unpack_segments
+from k3train.kernels.segments import length_buckets, pack_segments, segment_offsets, unpack_buckets
 from k3train.model.config import ModelConfig
 from k3train.model.norm import RMSNorm
 from k3train.parallel.context import ContextParallel, context_attention
 from k3train.parallel.tensor import TensorParallel
 
 LATENT_NORM_EPS = 1e-6  # q_a/kv_a layernorms use 1e-6, not rms_norm_eps
+DOCUMENT_LENGTH_UNIT = 64  # packed documents attend in groups padded to whole multiples of this
 
 
 def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -62,17 +63,19 @@ def document_causal_attention(
     """`causal_attention` with every query restricted to its own document's earlier keys
     (block-diagonal causal; `document_starts [batch, seq]` bool, True where a document begins).
 
-    The documents are packed into a zero-padded batch `[documents, longest, heads, dim]`
-    (`kernels.segments`) and run through the plain causal call, so no `[T, T]` mask exists, the
-    fused kernels stay reachable, and the work is `Σ longest²` rather than `T²` per row."""
+    The documents, grouped by length in units of `DOCUMENT_LENGTH_UNIT` tokens, are packed into
+    one zero-padded batch per group (`kernels.segments`) and each group runs the plain causal
+    call: no `[T, T]` mask exists, the fused kernels stay reachable, and the work is about
+    `Σ D²` over the documents rather than `T²` per row."""
     batch, seq = q.shape[:2]
     cu_seqlens = segment_offsets(document_starts.to(q.device))
-    longest = max_segment_length(cu_seqlens)
-    q, k_nope, k_rope, v = (
-        pack_segments(t.reshape(batch * seq, *t.shape[2:]), cu_seqlens, longest) for t in (q, k_nope, k_rope, v)
-    )
-    attended = causal_attention(q, k_nope, k_rope, v, scale)
-    return unpack_segments(attended, cu_seqlens).view(batch, seq, *attended.shape[2:])
+    buckets = length_buckets(cu_seqlens, DOCUMENT_LENGTH_UNIT)
+    flat = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k_nope, k_rope, v)]
+    attended = []
+    for segments in buckets:
+        q_b, k_nope_b, k_rope_b, v_b = (pack_segments(t, cu_seqlens, segments=segments) for t in flat)
+        attended.append(causal_attention(q_b, k_nope_b, k_rope_b, v_b, scale))
+    return unpack_buckets(attended, cu_seqlens, buckets).view(batch, seq, *attended[0].shape[2:])
 
 
 def _cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
