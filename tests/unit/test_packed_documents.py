@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from k3train.contracts.token_batch import TokenBatch
 from k3train.data import DataConfig, IndexedDataset, PackedDataset, build_data, write_indexed_dataset
-from k3train.data.documents import token_batch
+from k3train.data.documents import document_lengths, token_batch
 from k3train.kernels.kda.varlen import chunk_kda_varlen, chunk_kda_varlen_reference
 from k3train.kernels.segments import pack_segments, segment_ids, segment_offsets, unpack_segments
 from k3train.kernels.short_conv import short_conv_silu_varlen, short_conv_silu_varlen_reference
@@ -192,6 +192,7 @@ def test_document_starts_come_from_the_document_index(tmp_path):
     assert batch.document_starts is not None and batch.loss_mask is not None
     assert batch.document_starts.tolist() == [[True, False, False, True], [True, False, False, True]]
     assert batch.loss_mask.tolist() == [[True, True, False, True], [False, True, False, True]]
+    assert document_lengths(batch.document_starts) == [[3, 1], [3, 1]]
     plain = token_batch(torch.from_numpy(tokens), torch.from_numpy(starts), 0, reset=False, eod_mask_loss=False)
     assert plain.document_starts is None and plain.loss_mask is None
 
