@@ -22,6 +22,11 @@ Two forms of one definition:
   saved pre-activation with one fused `silu_backward`, `∂x` the same shifted multiply-adds run
   the other way, `∂w[:, W−1−s] = Σ_{b,t} ∂pre_t ⊙ x_{t−s}` (one reduction per tap). No
   transposes, no padded copy, no `[B, C, T]` layouts on either pass.
+
+Over variable-length segments of one stream (`x [1, N, C]`, `cu_seqlens` as in
+`kernels.segments`), each segment convolves only its own inputs, from its own tail (zeros if
+none): `short_conv_silu_varlen_reference` loops over the segments; `short_conv_silu_varlen`
+runs fla's varlen convolution on CUDA, elsewhere the segments packed into one padded batch.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 
 from k3train.kernels.kda import fla_backend
 from k3train.kernels.precision import accumulation_dtype
+from k3train.kernels.segments import max_segment_length, pack_segments, unpack_segments
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None) -> int:
@@ -183,3 +189,35 @@ def short_conv_silu(
         before = x.new_zeros(x.shape[0], x.shape[2], taps - 1) if tail is None else tail.to(x.dtype)
         new_tail = torch.cat([before[..., seq:], x.transpose(1, 2)], dim=-1)
     return output, new_tail
+
+
+def short_conv_silu_varlen_reference(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, tails: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The definition over segments: `x [1, N, C]`, `tails [S, C, W − 1]` or None (zeros) →
+    `[1, N, C]`, each segment `short_conv_silu_reference` of its own tokens and tail."""
+    outputs = []
+    for s in range(len(cu_seqlens) - 1):
+        lo, hi = int(cu_seqlens[s]), int(cu_seqlens[s + 1])
+        tail = None if tails is None else tails[s : s + 1]
+        outputs.append(short_conv_silu_reference(x[:, lo:hi], weight, tail)[0])
+    return torch.cat(outputs, dim=1)
+
+
+def short_conv_silu_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    tails: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`short_conv_silu_varlen_reference` (same arguments and result): fla's causal convolution
+    with `cu_seqlens` on CUDA without tails, else the segments packed into `[S, max_len, C]`
+    and one `short_conv_silu` call (`backend` as there)."""
+    if x.dim() != 3 or x.shape[0] != 1 or int(cu_seqlens[-1]) != x.shape[1]:
+        raise ValueError(f"varlen short convolution takes [1, N, C] with cu_seqlens ending at N, got {tuple(x.shape)}")
+    if backend == "auto" and torch.is_grad_enabled() and fla_backend.use_fla_short_conv(x, tails):
+        return fla_backend.run_fla_short_conv_silu(x, weight, cu_seqlens=cu_seqlens)
+    packed = pack_segments(x[0], cu_seqlens, max_segment_length(cu_seqlens))
+    output, _ = short_conv_silu(packed, weight, tails, backend=backend)
+    return unpack_segments(output, cu_seqlens).unsqueeze(0)

@@ -24,6 +24,12 @@ per token (embeddings, norms, AttnRes over depth, MoE routing, the head) runs on
   every head) is all-gathered over cp into true order (backward: reduce-scatter), up-projected
   locally, and each local query attends the keys at or before its true position.
 
+Packed documents (`document_starts`, the whole sequence's, on every cp rank): a piece is cut
+into its documents, each run as a sequence of its own; a piece's first document continues from
+the piece before unless the piece begins one, so the state handed across a boundary is used only
+up to the first document start in the piece (`A = 0`, `M = 0` after it), and a convolution tail
+keeps only the inputs of the document it continues. MLA's mask adds "same document".
+
 With a cp group of size 1 nothing here is called; `ContextParallel.single()` is the identity.
 """
 
@@ -33,7 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from k3train.kernels.kda import chunk_kda
+from k3train.kernels.kda.varlen import chunk_kda_varlen
 from k3train.kernels.precision import without_autocast
+from k3train.kernels.segments import segment_ids, segment_offsets
 from k3train.parallel.comm import Group, TrafficCounter
 
 SEQUENCE_DIM = 1
@@ -209,6 +217,24 @@ class ContextParallel:
         keys = torch.arange(local_length * self.size, device=device)
         return keys.unsqueeze(0) <= self.positions(local_length, device).unsqueeze(1)
 
+    def tail_mask(self, document_starts: torch.Tensor, width: int) -> torch.Tensor:
+        """`[2B, 1, width]` bool (`split_pieces` order): which of the `width` inputs before each
+        local piece belong to the document its first token is in (none where the piece begins a
+        document: no document start may lie after the input and at or before the piece's start)."""
+        batch, total = document_starts.shape
+        piece = total // self.num_pieces
+        masks = []
+        for index in self.local_pieces():
+            begin = index * piece
+            # window[i]: whether true position begin − width + 1 + i starts a document
+            window = document_starts.new_zeros(batch, width, dtype=torch.bool)
+            lo = max(begin - width + 1, 0)
+            window[:, width - (begin + 1 - lo) :] = document_starts[:, lo : begin + 1]
+            # input j (position begin − width + j) is kept iff no start in window[j:]
+            later_starts = torch.flip(torch.cumsum(torch.flip(window.to(torch.int64), [1]), 1), [1])
+            masks.append(later_starts == 0)
+        return torch.cat(masks).unsqueeze(1)
+
     def previous_tails(self, pieces: torch.Tensor, width: int) -> torch.Tensor:
         """The last `width` inputs of the piece before each local piece (zeros before the first),
         channels first as `ShortConvolution` takes them: `[2B, L, C]` → `[2B, C, width]`."""
@@ -248,19 +274,41 @@ class ContextParallel:
             state = every[piece][..., :key_dim] @ state + every[piece][..., key_dim:]
         return torch.cat([entering[front], entering[back]])
 
-    def chunk_kda(self, q, k, v, g, beta, chunk_size: int, scale: float | None = None) -> torch.Tensor:
+    def chunk_kda(
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        chunk_size: int,
+        scale: float | None = None,
+        piece_starts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """KDA over the local pieces (`split_pieces` layout, `[2B, L, H, *]`) as if the whole
-        sequence ran in order; returns `o` `[2B, L, H, V]` in `v.dtype`."""
-        pieces, _, heads, key_dim = q.shape
+        sequence ran in order; returns `o` `[2B, L, H, V]` in `v.dtype`. `piece_starts`
+        (`[2B, L]` bool, or None): where documents begin, the state starts afresh."""
+        pieces, length, heads, key_dim = q.shape
         value_dim = v.shape[-1]
         dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
         # Columns V..V+K: zero values from the identity state give the maps M (outputs) and A (state).
         extended_v = torch.cat([v.to(dtype), v.new_zeros(*v.shape[:-1], key_dim, dtype=dtype)], dim=-1)
         identity = torch.eye(key_dim, dtype=dtype, device=v.device).expand(pieces, heads, key_dim, key_dim)
         start = torch.cat([identity.new_zeros(pieces, heads, key_dim, value_dim), identity], dim=-1)
-        o, final = chunk_kda(
-            q, k, extended_v, g, beta, scale=scale, initial_state=start, output_final_state=True, chunk_size=chunk_size
-        )
+        if piece_starts is None:
+            o, final = chunk_kda(
+                q,
+                k,
+                extended_v,
+                g,
+                beta,
+                scale=scale,
+                initial_state=start,
+                output_final_state=True,
+                chunk_size=chunk_size,
+            )
+        else:
+            o, final = self._documents_kda(q, k, extended_v, g, beta, start, piece_starts, chunk_size, scale)
         assert final is not None, "chunk_kda returns the final state when asked for it"
         o_zero, query_map = o.split([value_dim, key_dim], dim=-1)
         # The states cross the pieces in fp32 (float64 for float64 inputs), also under bf16 autocast.
@@ -270,13 +318,56 @@ class ContextParallel:
             o = o_zero.to(dtype) + torch.einsum("bthk,bhkv->bthv", query_map.to(dtype), entering)
         return o.to(v.dtype)
 
+    @staticmethod
+    def _documents_kda(q, k, extended_v, g, beta, start, piece_starts, chunk_size, scale):
+        """The extended run over the documents of every piece: a piece's first document starts
+        from `start` (`[0 | I]`) unless the piece begins a document, every other document from
+        zeros (its columns of `M` and `A` are then zero); the piece's final state is its last
+        document's."""
+        pieces, length = q.shape[:2]
+        cu_seqlens = segment_offsets(piece_starts)
+        segments = len(cu_seqlens) - 1
+        first = torch.searchsorted(cu_seqlens, torch.arange(pieces, device=q.device) * length)
+        last = torch.cat([first[1:], first.new_tensor([segments])]) - 1
+        continues = ~piece_starts[:, 0].to(torch.bool)
+        initial = start.new_zeros(segments, *start.shape[1:])
+        initial = initial.index_copy(0, first, start * continues.to(start.dtype)[:, None, None, None])
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(1, pieces * length, *t.shape[2:])
+
+        o, final = chunk_kda_varlen(
+            flat(q),
+            flat(k),
+            flat(extended_v),
+            flat(g),
+            flat(beta),
+            cu_seqlens,
+            scale=scale,
+            initial_state=initial,
+            output_final_state=True,
+            chunk_size=chunk_size,
+        )
+        assert final is not None  # asked for
+        return o.view(pieces, length, *o.shape[2:]), final[last]
+
 
 def context_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: ContextParallel,
+    scale: float,
+    document_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the local queries `[B, 2L, H, D]` over the whole sequence's keys and
-    values `[B, T, H, D]` (true order); returns `[B, 2L, H, Dv]`."""
+    values `[B, T, H, D]` (true order); returns `[B, 2L, H, Dv]`. With `document_starts`
+    (`[B, T]` bool) a query sees only the keys of its own document."""
     mask = cp.causal_mask(q.shape[1], q.device)
+    if document_starts is not None:
+        documents = segment_ids(document_starts.to(q.device))  # [B, T]
+        local = cp.shard_sequence(documents)  # [B, 2L]
+        mask = (mask & (local[:, :, None] == documents[:, None, :])).unsqueeze(1)  # [B, 1, 2L, T]
     return F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
     ).transpose(1, 2)

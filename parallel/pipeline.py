@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from k3train.contracts.stage_io import ResidualState
+from k3train.contracts.token_batch import TokenBatch, token_rows
 from k3train.parallel.comm import Group
 from k3train.parallel.pipeline_cache import BlockCache, BlockCacheError
 from k3train.parallel.pipeline_schedule import (  # noqa: F401  (re-exported)
@@ -35,7 +36,7 @@ from k3train.parallel.pipeline_schedule import (  # noqa: F401  (re-exported)
     simulate,
 )
 
-FORWARD, BACKWARD = 0, 1
+FORWARD, BACKWARD, DOCUMENTS = 0, 1, 2  # message directions (tags); DOCUMENTS: a forward hop's document starts
 
 
 def residual_shape(
@@ -107,6 +108,9 @@ class PipelineExecutor:
             True for the last backward of that chunk in the step (turn on gradient reduction there).
         after_step: `fn(step, schedule)` called after every step (tests: cache accounting).
         trace_cache: record every cache change in `self.cache.trace`.
+        document_starts_shape: `(micro_batch_size, seq_length)` when micro-batches carry document
+            starts (`TokenBatch.document_starts`, the whole sequence): every chunk runs with them,
+            and each forward hop carries them to the next stage with the activations.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class PipelineExecutor:
         before_backward: Callable[[int, bool], None] | None = None,
         after_step: Callable[[Step, PipelineExecutor], None] | None = None,
         trace_cache: bool = False,
+        document_starts_shape: Sequence[int] | None = None,
     ):
         if group.size != plan.pp:
             raise PipelineConfigError(f"the pipeline group has {group.size} ranks but the plan has pp={plan.pp}")
@@ -137,6 +142,7 @@ class PipelineExecutor:
         self.before_backward = before_backward
         self.after_step = after_step
         self.trace_cache = trace_cache
+        self.document_starts_shape = None if document_starts_shape is None else tuple(document_starts_shape)
         self.cache = BlockCache(trace_cache)
         self.stats = PipelineStats()
         self._pending: list[tuple[torch.distributed.Work, torch.Tensor]] = []
@@ -145,12 +151,13 @@ class PipelineExecutor:
     def run(
         self,
         model_chunks: Sequence[nn.Module],
-        micro_batches: Sequence[torch.Tensor | None],
+        micro_batches: Sequence[torch.Tensor | TokenBatch | None],
         forward_only: bool = False,
         loss_scale: float | None = None,
     ) -> torch.Tensor:
-        """One step over `micro_batches` (token tensors `[mb, seq+1]`, needed on the ranks holding
-        the first or last chunk); returns the mean micro-batch loss on every rank of the group.
+        """One step over `micro_batches` (token tensors `[mb, seq+1]` or `TokenBatch`es, needed on
+        the ranks holding the first or last chunk; later stages receive the document starts with
+        the activations); returns the mean micro-batch loss on every rank of the group.
         Gradients of `loss_scale · Σ losses` (default `1/M`: the mean) accumulate into the chunks'
         parameters."""
         plan, rank = self.plan, self.rank
@@ -220,10 +227,12 @@ class PipelineExecutor:
         is_last = chunk_index == plan.num_chunks - 1
         grad = not self._forward_only
         record = _ChunkRecord(partial_in=None, leaves=[])
+        starts = self._document_starts(mb, chunk_index, received)
+        documents = {} if starts is None else {"document_starts": starts}
         with torch.set_grad_enabled(grad):
             with self.forward_context():
                 if chunk_index == 0:
-                    output = chunk(self._tokens(mb, chunk_index)[:, :-1])
+                    output = chunk(self._tokens(mb, chunk_index)[:, :-1], **documents)
                 else:
                     assert received is not None, "a forward after chunk 0 receives its inputs"
                     record.partial_in = received[0].requires_grad_(grad)
@@ -231,11 +240,13 @@ class PipelineExecutor:
                         cache.put(mb, block, buffer, "receive")
                     count = plan.blocks_at[chunk_index]
                     record.leaves = cache.leaves(mb, count) if grad else [cache.value(mb, j) for j in range(count)]
-                    output = chunk(state=ResidualState(record.partial_in, list(record.leaves)))
+                    output = chunk(state=ResidualState(record.partial_in, list(record.leaves)), **documents)
             if is_last:
                 loss_head = chunk.loss  # the last chunk's loss (K3ModelChunk.loss)
                 assert callable(loss_head), "the last model chunk has a loss method"
-                record.loss = loss_head(output, self._tokens(mb, chunk_index)[:, 1:])
+                loss_mask = self._loss_mask(mb)
+                labels = self._tokens(mb, chunk_index)[:, 1:]
+                record.loss = loss_head(output, labels) if loss_mask is None else loss_head(output, labels, loss_mask)
                 self._losses.append(record.loss.detach())
             else:
                 self._check_output(output, chunk_index, record.leaves)
@@ -251,6 +262,8 @@ class PipelineExecutor:
                     mb,
                     plan.rank_of(chunk_index + 1),
                 )
+                if starts is not None:
+                    self._send([starts], DOCUMENTS, chunk_index, mb, plan.rank_of(chunk_index + 1))
         if grad:
             self._records[(step.virtual_stage, mb)] = record
         elif step.virtual_stage == plan.virtual_stages - 1:
@@ -267,8 +280,32 @@ class PipelineExecutor:
         if any(output.blocks[j] is not leaf for j, leaf in enumerate(leaves)):
             raise PipelineConfigError(f"chunk {chunk_index} replaced a block it received (blocks are append-only)")
 
+    def _document_starts(
+        self, micro_batch: int, chunk_index: int, received: list[torch.Tensor] | None
+    ) -> torch.Tensor | None:
+        """The micro-batch's document starts: its own on the first chunk, else the ones that came
+        with the activations (the last tensor received); None when micro-batches carry none."""
+        if self.document_starts_shape is None:
+            return None
+        if chunk_index > 0:
+            assert received is not None, "a forward after chunk 0 receives its inputs"
+            return received.pop() > 0.5
+        batch = self._micro_batches[micro_batch]
+        starts = batch.document_starts if isinstance(batch, TokenBatch) else None
+        if starts is None:
+            raise PipelineConfigError(
+                f"micro-batch {micro_batch} carries no document starts, but the executor was built to pass them on"
+            )
+        return starts.to(self.device, non_blocking=True)
+
+    def _loss_mask(self, micro_batch: int) -> torch.Tensor | None:
+        batch = self._micro_batches[micro_batch]
+        mask = batch.loss_mask if isinstance(batch, TokenBatch) else None
+        return None if mask is None else mask.to(self.device, non_blocking=True)
+
     def _tokens(self, micro_batch: int, chunk_index: int) -> torch.Tensor:
-        tokens = self._micro_batches[micro_batch]
+        batch = self._micro_batches[micro_batch]
+        tokens = None if batch is None else token_rows(batch)
         if tokens is None:
             raise PipelineConfigError(
                 f"chunk {chunk_index} needs the tokens of micro-batch {micro_batch} "
@@ -327,8 +364,8 @@ class PipelineExecutor:
         ) * self.plan.max_hop_tensors + index
 
     def _send(self, tensors: list[torch.Tensor], direction: int, hop: int, micro_batch: int, destination: int) -> None:
-        group = self.group if direction == FORWARD else self.grad_group
-        label = f"{self.group.name}.{'forward' if direction == FORWARD else 'backward'}"
+        group = self.grad_group if direction == BACKWARD else self.group
+        label = f"{self.group.name}.{'backward' if direction == BACKWARD else 'forward'}"
         for index, tensor in enumerate(tensors):
             tensor = tensor.detach().to(self.dtype).contiguous()
             work = group.isend(tensor, destination, tag=self._tag(direction, hop, micro_batch, index), label=label)
@@ -351,6 +388,9 @@ class PipelineExecutor:
         for index in range(1 + len(plan.hop_blocks(hop))):
             buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
             posted.append((buffer, group.irecv(buffer, source, tag=self._tag(direction, hop, step.micro_batch, index))))
+        if direction == FORWARD and self.document_starts_shape is not None:  # the starts come last
+            buffer = torch.empty(self.document_starts_shape, dtype=self.dtype, device=self.device)
+            posted.append((buffer, group.irecv(buffer, source, tag=self._tag(DOCUMENTS, hop, step.micro_batch, 0))))
         return posted
 
     def _wait(self, posted) -> list[torch.Tensor] | None:

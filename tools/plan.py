@@ -23,7 +23,7 @@ import sys
 import torch
 
 from k3train.config import ConfigError, load_config
-from k3train.model.flops import parameter_counts, training_flops_per_token
+from k3train.model.flops import documents_of_length, parameter_counts, training_flops_per_token
 from k3train.model.k3 import K3RankModel
 from k3train.optim.builder import route_parameters
 from k3train.parallel.expert import ExpertParallel
@@ -180,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument(
+        "--document-length",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="with data.document_boundaries=reset: sequences packed with documents of this many tokens, "
+        "each kept apart (MLA attends within each: the FLOP count and step time say what that saves)",
+    )
+    parser.add_argument(
         "--budget",
         type=float,
         default=None,
@@ -223,12 +231,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     counts = parameter_counts(config.model)
-    flops = training_flops_per_token(config.model, config.data.seq_length)
+    documents = None
+    if args.document_length is not None and config.data.document_boundaries == "reset":
+        documents = documents_of_length(config.data.seq_length, args.document_length)
+    flops = training_flops_per_token(config.model, config.data.seq_length, document_lengths=documents)
     tokens = config.train.global_batch_size * config.data.seq_length
     print(
         f"model: {counts.total / 1e9:.3f}B parameters, {counts.active / 1e9:.3f}B active per token; "
         f"{flops.total / 1e9:.2f} GFLOP per token for training, {flops.total * tokens / 1e15:.3f} PFLOP per step"
     )
+    if documents is not None:
+        stream = training_flops_per_token(config.model, config.data.seq_length)
+        print(
+            f"documents: {len(documents)} of at most {args.document_length} tokens per sequence, kept apart "
+            f"(data.document_boundaries=reset): MLA attention {flops.mla_attention / 1e9:.3f} GFLOP per token "
+            f"against {stream.mla_attention / 1e9:.3f} as one stream; training {flops.total / stream.total:.4f}x"
+        )
     print(
         f"layout: world {world} = tp {layout.tp} × cp {layout.cp} × dp {layout.data_parallel} × pp {layout.pp} (virtual stages "
         f"{layout.virtual_stages}); ep {layout.ep} within dp×tp; sequence parallel {parallel.sequence_parallel}; "
@@ -303,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             precision=config.train.precision,
             comm_bytes={**step_bytes, **{g: v for g, v in wire.items() if g in DATA_GROUPS}},
             efficiency=args.efficiency,
+            document_lengths=documents,
         )
         print(
             f"\n{hardware.name}, {args.efficiency:.0%} of the dense peak: step {estimate.step_s:.2f} s, "

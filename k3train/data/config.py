@@ -2,8 +2,12 @@
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from k3train.config.recipe import check
+
+DOCUMENT_BOUNDARIES = ("none", "reset")
+"""The values of `data.document_boundaries`."""
 
 
 @dataclass
@@ -31,6 +35,11 @@ class DataConfig:
     $XDG_CACHE_HOME/k3train, else ~/.cache/k3train."""
     corpus_max_bytes: int = 8_000_000
     """Size cap in bytes of the embedded default corpus (Python standard-library sources; used when paths is empty)."""
+    document_boundaries: Literal["none", "reset"] = "none"
+    """'none': a packed sample is one stream (KDA's state and MLA's attention run across documents); 'reset': each
+    document starts afresh (KDA state and convolution tails reset, MLA attends within the document only)."""
+    eod_mask_loss: bool = False
+    """Drop the loss on the token after every end-of-document token (predicting the next document's first token)."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting that cannot mean anything."""
@@ -38,6 +47,11 @@ class DataConfig:
             [
                 (self.seq_length >= 1, f"data.seq_length must be at least 1, got {self.seq_length}"),
                 (self.max_epochs >= 1, f"data.max_epochs must be at least 1, got {self.max_epochs}"),
+                (
+                    self.document_boundaries in DOCUMENT_BOUNDARIES,
+                    f"data.document_boundaries must be one of {', '.join(DOCUMENT_BOUNDARIES)}, "
+                    f"got {self.document_boundaries!r}",
+                ),
                 (
                     0.0 <= self.validation_fraction < 1.0,
                     f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}",

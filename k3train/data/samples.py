@@ -37,8 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from k3train.contracts.token_batch import TokenBatch
 from k3train.data.config import DataConfig
 from k3train.data.corpus import default_corpus_prefix, resolve_cache_dir
+from k3train.data.documents import token_batch
 from k3train.data.indexed_dataset import DataError, IndexedDataset
 from k3train.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer
 
@@ -178,20 +180,28 @@ class PackedDataset:
 
     def samples(self, sample_ids: np.ndarray) -> np.ndarray:
         """Tokens of the given samples, int64 `[len(sample_ids), seq_length + 1]`."""
+        return self.samples_with_starts(sample_ids)[0]
+
+    def samples_with_starts(self, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`(tokens, starts)`: the tokens of the given samples as `samples` gives them, and bool
+        `[len(sample_ids), seq_length]`, True at every input position where a document begins
+        (from the document index: its first token, not a guess from eos tokens)."""
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
         out = np.empty((len(sample_ids), self.seq_length + 1), dtype=np.int64)
+        starts = np.zeros((len(sample_ids), self.seq_length), dtype=bool)
         if not len(sample_ids):
-            return out
+            return out, starts
         if self.samples_per_epoch == 0:
             raise DataError(f"{self.name} has no complete sample of {self.seq_length + 1} tokens")
         epochs = sample_ids // self.samples_per_epoch
         for epoch in np.unique(epochs):
             rows = epochs == epoch
-            out[rows] = self._read(self._epoch(int(epoch)), sample_ids[rows] % self.samples_per_epoch)
-        return out
+            out[rows], starts[rows] = self._read(self._epoch(int(epoch)), sample_ids[rows] % self.samples_per_epoch)
+        return out, starts
 
-    def _read(self, epoch: _Epoch, slots: np.ndarray) -> np.ndarray:
-        """Gather the tokens of packed samples `slots` of one epoch (vectorised over tokens)."""
+    def _read(self, epoch: _Epoch, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Gather the tokens of packed samples `slots` of one epoch (vectorised over tokens), and
+        where their documents start."""
         length = self.seq_length
         positions = epoch.sample_order[slots][:, None] * length + np.arange(length + 1)
         # Which document (in epoch order) each stream position falls in, and where in it.
@@ -202,7 +212,7 @@ class PackedDataset:
         tokens = self.dataset.tokens[self._doc_start[document] + np.minimum(offset, doc_len - 1)]
         tokens = tokens.astype(np.int64)
         tokens[offset >= doc_len] = self.eos_id  # the position just past a document is its eos
-        return tokens
+        return tokens, offset[:, :length] == 0
 
 
 class TrainingData:
@@ -238,6 +248,10 @@ class TrainingData:
         """Digest of the data settings and files a position is only valid for."""
         self.consumed_samples = 0
         """Training samples handed out so far (all ranks together)."""
+        self.document_boundaries = "none"
+        """`data.document_boundaries`: with "reset", batches carry their document starts."""
+        self.eod_mask_loss = False
+        """`data.eod_mask_loss`: batches carry a loss mask that drops the label after an eos."""
         self._taken = np.zeros(len(train), dtype=np.int64)
 
     # -- training stream -------------------------------------------------------------------
@@ -245,6 +259,11 @@ class TrainingData:
     def next_global_batch(self, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> torch.Tensor:
         """This rank's rows of the next global batch: LongTensor `[global_batch_size // dp_size,
         seq_length + 1]` (inputs `[:, :-1]`, labels `[:, 1:]`). Every rank must call it every step."""
+        return self.next_batch(global_batch_size, dp_rank, dp_size).tokens
+
+    def next_batch(self, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> TokenBatch:
+        """`next_global_batch` as a `TokenBatch`: with the rows' document starts when
+        `data.document_boundaries` is reset, their loss mask with `data.eod_mask_loss`."""
         rows = _local_rows(global_batch_size, dp_rank, dp_size)
         dataset_ids, sample_ids, taken = greedy_blend(self.weights, self._taken, global_batch_size)
         for d, dataset in enumerate(self.train):
@@ -255,21 +274,28 @@ class TrainingData:
                         dataset, int(mine.max()) + 1, self.max_epochs, f"after {self.consumed_samples} samples, the run"
                     )
                 )
-        batch = self._gather(self.train, dataset_ids[rows], sample_ids[rows])
+        batch = self._token_batch(*self._gather_with_starts(self.train, dataset_ids[rows], sample_ids[rows]))
         self._taken = taken
         self.consumed_samples += global_batch_size
         return batch
 
     def _gather(self, datasets: list[PackedDataset], dataset_ids: np.ndarray, sample_ids: np.ndarray) -> torch.Tensor:
         """Rows of the given (dataset, sample) pairs, as one LongTensor."""
+        return self._gather_with_starts(datasets, dataset_ids, sample_ids)[0]
+
+    def _gather_with_starts(
+        self, datasets: list[PackedDataset], dataset_ids: np.ndarray, sample_ids: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the given (dataset, sample) pairs, and where their documents start."""
         out = np.empty((len(dataset_ids), self.seq_length + 1), dtype=np.int64)
+        starts = np.zeros((len(dataset_ids), self.seq_length), dtype=bool)
         for d in np.unique(dataset_ids):
             rows = dataset_ids == d
-            tokens = datasets[d].samples(sample_ids[rows])
+            tokens, starts[rows] = datasets[d].samples_with_starts(sample_ids[rows])
             if tokens.size and (int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0):
                 raise DataError(_vocab_message(datasets[d].dataset, tokens, self.vocab_size, self.tokenizer))
             out[rows] = tokens
-        return torch.from_numpy(out)
+        return torch.from_numpy(out), torch.from_numpy(starts)
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the training stream (plain Python values), with the data fingerprint."""
@@ -330,18 +356,34 @@ class TrainingData:
         still sees all of them; nothing is shuffled. Yields nothing when the validation split
         cannot fill one batch (see `num_validation_batches`).
         """
+        for batch in self.validation_token_batches(global_batch_size, max_batches, dp_rank=dp_rank, dp_size=dp_size):
+            yield batch.tokens
+
+    def validation_token_batches(
+        self, global_batch_size: int, max_batches: int | None = None, *, dp_rank: int = 0, dp_size: int = 1
+    ) -> Iterator[TokenBatch]:
+        """`validation_batches` as `TokenBatch`es (document starts and loss mask as `next_batch`)."""
         rows = _local_rows(global_batch_size, dp_rank, dp_size)
         num_batches = self.num_validation_batches(global_batch_size)
         if max_batches is not None:
             num_batches = min(num_batches, max_batches)
-        sizes = np.array([dataset.samples_per_epoch for dataset in self.valid], dtype=np.float64)
         if not num_batches:
             return
-        weights = sizes / sizes.sum()
-        taken = np.zeros(len(self.valid), dtype=np.int64)
+        sizes = np.array([dataset.samples_per_epoch for dataset in self.valid], dtype=np.float64)
+        weights, taken = sizes / sizes.sum(), np.zeros(len(self.valid), dtype=np.int64)
         for _ in range(num_batches):
             dataset_ids, sample_ids, taken = greedy_blend(weights, taken, global_batch_size)
-            yield self._gather(self.valid, dataset_ids[rows], sample_ids[rows])
+            yield self._token_batch(*self._gather_with_starts(self.valid, dataset_ids[rows], sample_ids[rows]))
+
+    def _token_batch(self, tokens: torch.Tensor, starts: torch.Tensor) -> TokenBatch:
+        """The rows with what `data.document_boundaries` and `data.eod_mask_loss` ask for."""
+        return token_batch(
+            tokens,
+            starts,
+            self.tokenizer.eos_id,
+            reset=self.document_boundaries == "reset",
+            eod_mask_loss=self.eod_mask_loss,
+        )
 
     def describe(self) -> str:
         """A few lines for the log: tokenizer, and per dataset its split, samples and weight."""
@@ -435,7 +477,9 @@ def build_data(config: DataConfig, global_batch_size: int, total_steps: int, voc
             for dataset, weight in zip(datasets, weights)
         ],
     }
-    return TrainingData(tokenizer, train, valid, weights, config.seq_length, config.max_epochs, vocab_size, fingerprint)
+    data = TrainingData(tokenizer, train, valid, weights, config.seq_length, config.max_epochs, vocab_size, fingerprint)
+    data.document_boundaries, data.eod_mask_loss = config.document_boundaries, config.eod_mask_loss
+    return data
 
 
 def _check_size(

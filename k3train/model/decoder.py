@@ -6,8 +6,10 @@ that follows it; with `recompute: sublayer` each whole sublayer is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from k3train.contracts.stage_io import ResidualState, closes_block
@@ -79,16 +81,28 @@ class DecoderLayer(nn.Module):
             if mix is not None
         ]
 
-    def forward(self, state: ResidualState, later: Sequence[AttentionResidual] = ()) -> ResidualState:
+    def forward(
+        self,
+        state: ResidualState,
+        later: Sequence[AttentionResidual] = (),
+        document_starts: torch.Tensor | None = None,
+    ) -> ResidualState:
         """`later`: the AttnRes mixes after this layer's in the model chunk (they read the blocks
-        this layer closes; their keys are computed once, at the close)."""
+        this layer closes; their keys are computed once, at the close). `document_starts`
+        (`[batch, seq]` bool, or None): the token mixer keeps packed documents apart."""
         after_mixer = self.attn_res_mixes()[1:] + list(later)
+        # bound here, not set on the module: a recomputed forward must see this micro-batch's documents
+        mixer = (
+            self.self_attn
+            if document_starts is None
+            else functools.partial(self.self_attn, document_starts=document_starts)
+        )
         state = apply_sublayer(
             state,
             self.self_attention_res,
             self.pushes_block_before_mixer(),
             self.input_layernorm,
-            self.self_attn,
+            mixer,
             self.recompute_sublayers,
             after_mixer,
         )

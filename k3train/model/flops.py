@@ -30,11 +30,16 @@ FLOP conventions
   computed but unused without `output_final_state`, gets none.
   flash-linear-attention's Triton kernel (CUDA) tiles differently; its count is of the same order.
 * Per token = per sequence divided by `seq_length`; KDA pads a sequence to whole chunks.
+* **Packed documents** (`data.document_boundaries: reset`; `document_lengths`, the documents
+  filling one sequence): MLA attends within each document, `Σ D(D+1)/2` pairs instead of
+  `T(T+1)/2`, and KDA runs each document as its own sequence, padded to whole chunks
+  (`Σ ceil(D / C)` chunks, what fla's varlen kernel tiles). MFU then counts the work done.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -269,11 +274,15 @@ def kda_chunk_flops_per_chunk(chunk: int, key_dim: int, value_dim: int) -> int:
     return gram + ut_transform + intra_output + state_passing + state_output
 
 
-def kda_chunk_flops_per_token(config: ModelConfig, seq_length: int) -> float:
+def kda_chunk_flops_per_token(
+    config: ModelConfig, seq_length: int, document_lengths: Sequence[int] | None = None
+) -> float:
     """One KDA layer's chunkwise recurrence, forward per token:
-    `H · ceil(T / C) · per_chunk(C, dh, dh) / T` (the last chunk padded to `C` tokens)."""
+    `H · ceil(T / C) · per_chunk(C, dh, dh) / T` (the last chunk padded to `C` tokens); with
+    `document_lengths`, `Σ ceil(D / C)` chunks (each document padded on its own)."""
     lac = config.linear_attn_config
-    chunks = math.ceil(seq_length / lac.chunk_size)
+    lengths = _documents(seq_length, document_lengths)
+    chunks = sum(math.ceil(length / lac.chunk_size) for length in lengths)
     per_chunk = kda_chunk_flops_per_chunk(lac.chunk_size, lac.head_dim, lac.head_dim)
     return lac.num_heads * chunks * per_chunk / seq_length
 
@@ -292,13 +301,22 @@ def mla_projection_flops(config: ModelConfig) -> int:
     return 2 * (query + key_value + gate + heads * c.v_head_dim * d)
 
 
-def mla_attention_flops(config: ModelConfig, seq_length: int, attention: AttentionCount = "causal") -> float:
+def mla_attention_flops(
+    config: ModelConfig,
+    seq_length: int,
+    attention: AttentionCount = "causal",
+    document_lengths: Sequence[int] | None = None,
+) -> float:
     """`QKᵀ` and `AV` of one MLA layer, forward per token: `2·H·(dqk + dv)` per (query, key) pair,
     times the keys per query: `(T + 1)/2` on average for `causal` (the `T(T+1)/2` pairs `j ≤ i`),
-    `T` for `full` (the whole square, as PyTorch's math SDPA computes it)."""
+    `T` for `full` (the whole square, as PyTorch's math SDPA computes it). With
+    `document_lengths` each query sees its own document only: `Σ D(D+1)/2 / T` (causal) or
+    `Σ D² / T` (full) keys per query."""
     if attention not in ("causal", "full"):
         raise ValueError(f"attention must be 'causal' or 'full', got {attention!r}")
-    keys_per_query = (seq_length + 1) / 2 if attention == "causal" else seq_length
+    lengths = _documents(seq_length, document_lengths)
+    pairs = sum(length * (length + 1) / 2 if attention == "causal" else length * length for length in lengths)
+    keys_per_query = pairs / seq_length
     return 2 * config.num_attention_heads * (config.qk_head_dim + config.v_head_dim) * keys_per_query
 
 
@@ -401,13 +419,36 @@ class FlopBreakdown:
         return {**{name: getattr(self, name) for name in self.PARTS}, "total": self.total}
 
 
+def _documents(seq_length: int, document_lengths: Sequence[int] | None) -> list[int]:
+    """The documents of one sequence: `[seq_length]` (one stream) unless given; they must fill it."""
+    if document_lengths is None:
+        return [seq_length]
+    lengths = [int(length) for length in document_lengths]
+    if sum(lengths) != seq_length or min(lengths, default=0) < 1:
+        raise ValueError(f"document lengths {lengths} must be positive and fill a sequence of {seq_length} tokens")
+    return lengths
+
+
+def documents_of_length(seq_length: int, document_length: int) -> list[int]:
+    """A sequence packed with documents of `document_length` tokens (the last one cut short)."""
+    if document_length < 1:
+        raise ValueError(f"document length must be positive, got {document_length}")
+    whole, rest = divmod(seq_length, document_length)
+    return [document_length] * whole + ([rest] if rest else [])
+
+
 def training_flops_per_token(
-    config: ModelConfig, seq_length: int, attention: AttentionCount = "causal"
+    config: ModelConfig,
+    seq_length: int,
+    attention: AttentionCount = "causal",
+    document_lengths: Sequence[int] | None = None,
 ) -> FlopBreakdown:
     """Model FLOPs of one training token (forward + backward = 3 × forward), per part.
 
     `seq_length` is the length of the sequences trained on (MLA's attention grows with it, KDA
     pads to whole chunks). `attention` picks the causal-half or full-square count for MLA.
+    `document_lengths`: the documents packed into one sequence when each is kept apart
+    (`data.document_boundaries: reset`); None, one stream.
     """
     if seq_length < 1:
         raise ValueError(f"seq_length must be positive, got {seq_length}")
@@ -419,9 +460,9 @@ def training_flops_per_token(
         attention=attention,
         kda_projections=x * kda * kda_projection_flops(config),
         kda_short_conv=x * kda * kda_short_conv_flops(config),
-        kda_chunk=x * kda * kda_chunk_flops_per_token(config, seq_length),
+        kda_chunk=x * kda * kda_chunk_flops_per_token(config, seq_length, document_lengths),
         mla_projections=x * mla * mla_projection_flops(config),
-        mla_attention=x * mla * mla_attention_flops(config, seq_length, attention),
+        mla_attention=x * mla * mla_attention_flops(config, seq_length, attention, document_lengths),
         dense_mlp=x * dense * dense_mlp_flops(config),
         routed_experts=x * moe * routed_expert_flops(config),
         shared_experts=x * moe * shared_expert_flops(config),

@@ -115,7 +115,7 @@ class K3ModelChunk(nn.Module):
         """`self.layers` in order, typed: the ModuleDict holds DecoderLayers only."""
         return [cast(DecoderLayer, layer) for layer in self.layers.values()]
 
-    def forward_layers(self, state: ResidualState) -> ResidualState:
+    def forward_layers(self, state: ResidualState, document_starts: torch.Tensor | None = None) -> ResidualState:
         layers = self._decoder_layers()
         # The AttnRes mixes of this chunk in order: a block closed before mix k is read by mixes
         # k+1.. (its keys for them are computed once, when it closes).
@@ -126,7 +126,7 @@ class K3ModelChunk(nn.Module):
         done = 0
         for layer in layers:
             done += len(layer.attn_res_mixes())
-            state = layer(state, later=mixes[done:])
+            state = layer(state, later=mixes[done:], document_starts=document_starts)
         return state
 
     def output_hidden(self, state: ResidualState) -> torch.Tensor:
@@ -137,26 +137,46 @@ class K3ModelChunk(nn.Module):
             state.sources(), self.norm, *source_keys(state, self.output_attn_res)
         )
 
-    def forward(self, input_ids: torch.Tensor | None = None, state: ResidualState | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        state: ResidualState | None = None,
+        document_starts: torch.Tensor | None = None,
+    ):
         """Logits `[batch, seq, vocab / tp]` on a model with a head (this rank's vocabulary rows,
-        every token); otherwise the outgoing `ResidualState`."""
+        every token); otherwise the outgoing `ResidualState`. `document_starts` (`[batch, seq]`
+        bool over the whole sequence, also under cp; None: one stream per row): the token
+        mixers restart at every True, so each packed document sees only itself."""
         if state is None:
             assert input_ids is not None, "K3ModelChunk.forward needs input_ids or a state"
             state = self.embed(self.cp.shard_sequence(input_ids))  # this rank's pieces under cp
-        state = self.forward_layers(state)
+        state = self.forward_layers(state, document_starts)
         if not self.with_head:
             return state
         return self.lm_head(self.tp.enter(self.output_hidden(state)))
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token cross-entropy (vocabulary-parallel under TP), fp32 or wider. Under
         context parallelism, over this rank's pieces of `labels` (the whole sequences): every cp
-        rank holds as many tokens, so the mean over dp × cp of these means is the global mean."""
+        rank holds as many tokens, so the mean over dp × cp of these means is the global mean.
+
+        `loss_mask` (`[batch, seq]`, the whole sequences; `data.eod_mask_loss`): tokens where it
+        is False add nothing; the sum over the kept tokens is divided by all the tokens, so every
+        rank's mean keeps the same weight and the mean over ranks is still the global one."""
         labels = self.cp.shard_sequence(labels)
-        if self.tp.size == 1:
+        if loss_mask is None and self.tp.size == 1:
             return lm_loss(logits, labels)
-        vocab_start = self.tp.rank * logits.shape[-1]
-        return vocab_parallel_cross_entropy(logits, labels, vocab_start, self.tp.group).mean()
+        if self.tp.size == 1:
+            per_token = F.cross_entropy(
+                upcast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+            )
+        else:
+            vocab_start = self.tp.rank * logits.shape[-1]
+            per_token = vocab_parallel_cross_entropy(logits, labels, vocab_start, self.tp.group).reshape(-1)
+        if loss_mask is None:
+            return per_token.mean()
+        keep = self.cp.shard_sequence(loss_mask).reshape(-1).to(device=per_token.device, dtype=per_token.dtype)
+        return (per_token * keep).sum() / per_token.numel()
 
     # ------------------------------------------------------------------ MoE hooks
     def moe_layers(self) -> list[LatentMoE]:

@@ -4,6 +4,10 @@ Per head, the delta rule with a channel-wise decay: `S_t = (I − β k kᵀ) Dia
 `o_t = S_tᵀ q_t`. The model side builds the inputs of that recurrence; the kernels compute it.
 A `KDACache` (recurrent state plus the short convolutions' last inputs) can be passed in and
 returned, so a sequence can be processed in pieces (inference, context parallelism).
+
+With `document_starts` (`[batch, seq]` bool over the whole sequence, True where a packed
+document begins) the recurrent state and the convolutions' tails start afresh at every
+document: each document runs as a sequence of its own (`kernels.kda.varlen`).
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from torch import nn
 
 from k3train.contracts.param_roles import linear_weight, mark_adamw_only, mark_head_blocks
 from k3train.kernels.kda.raw_inputs import chunk_kda_from_raw, prepare_kda_inputs
+from k3train.kernels.kda.varlen import chunk_kda_varlen
 from k3train.kernels.norms import gated_rms_norm
-from k3train.kernels.short_conv import short_conv_silu
+from k3train.kernels.segments import segment_offsets
+from k3train.kernels.short_conv import short_conv_silu, short_conv_silu_varlen
 from k3train.model.config import ModelConfig
 from k3train.model.initialization import TILE_ELEMENTS, TiledStream, TileFill, draw_local
 from k3train.parallel.context import ContextParallel
@@ -147,8 +153,63 @@ class KimiDeltaAttention(nn.Module):
             self.A_log.zero_()
         draw_local(stream, self.dt_bias, self.tp.rank, self.tp.size, 0, first_row=a_log_draws)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_starts: torch.Tensor | None = None) -> torch.Tensor:
+        if document_starts is not None:
+            return self.forward_documents(x, document_starts)
         return self.forward_with_cache(x, None, return_cache=False)[0]
+
+    def forward_documents(self, x: torch.Tensor, document_starts: torch.Tensor) -> torch.Tensor:
+        """The layer over packed documents: state and convolution tails reset where
+        `document_starts` (`[batch, seq]`, the whole sequence) is True."""
+        x = self.tp.enter(x)
+        cp = self.context_parallel if self.context_parallel is not None and self.context_parallel.size > 1 else None
+        starts = document_starts.to(device=x.device, dtype=torch.bool)
+        if cp is not None:  # each local piece runs as a sequence of its own, with its documents
+            tail_mask = cp.tail_mask(starts, self.q_conv1d.kernel_size - 1)
+            starts = cp.split_pieces(cp.shard_sequence(starts))
+            x = cp.split_pieces(x)
+        batch, seq, _ = x.shape
+        heads, head_dim = self.num_heads, self.head_dim
+        cu_seqlens = segment_offsets(starts)
+        q_in, k_in, v_in = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        tails: tuple[torch.Tensor | None, ...] = (None, None, None)
+        if cp is not None:  # a piece's first document continues from the piece before, unless it starts there
+            width = self.q_conv1d.kernel_size - 1
+            piece_tails = cp.previous_tails(torch.cat([q_in, k_in, v_in], dim=-1), width) * tail_mask
+            first = torch.searchsorted(cu_seqlens, torch.arange(batch, device=x.device) * seq)
+            every = piece_tails.new_zeros(len(cu_seqlens) - 1, *piece_tails.shape[1:])
+            tails = every.index_copy(0, first, piece_tails).split(q_in.shape[-1], dim=1)
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(1, batch * seq, *t.shape[2:])
+
+        q, k, v = (
+            short_conv_silu_varlen(flat(t), conv.weight, cu_seqlens, tail)
+            for t, conv, tail in zip((q_in, k_in, v_in), (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails)
+        )
+        q, k, v = (t.view(batch, seq, heads, head_dim) for t in (q, k, v))
+        gate_input = self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, head_dim)
+        q, k, g, beta = prepare_kda_inputs(
+            q, k, gate_input, self.b_proj(x), self.A_log, self.dt_bias, self.gate_lower_bound
+        )
+        if cp is not None:
+            output = cp.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, piece_starts=starts)
+        else:
+            output = chunk_kda_varlen(
+                flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens, chunk_size=self.chunk_size
+            )[0].view(batch, seq, heads, -1)
+        return self._output(x, output, cp)
+
+    def _output(self, x: torch.Tensor, output: torch.Tensor, cp: ContextParallel | None) -> torch.Tensor:
+        """The gated norm and `o_proj` of the kernel's output `[batch, seq, heads, head_dim]`."""
+        batch, seq = x.shape[:2]
+        heads, head_dim = self.num_heads, self.head_dim
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        output = self.o_norm(output, gate.view(batch, seq, heads, head_dim))
+        output = self.o_proj(output.reshape(batch, seq, heads * head_dim))
+        if cp is not None:
+            output = cp.merge_pieces(output)
+        return self.tp.leave(output)
 
     def forward_with_cache(
         self, x: torch.Tensor, cache: KDACache | None, return_cache: bool = True
@@ -190,12 +251,7 @@ class KimiDeltaAttention(nn.Module):
                 output_final_state=return_cache,
                 chunk_size=self.chunk_size,
             )
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        output = self.o_norm(output, gate.view(batch, seq, heads, head_dim))
-        output = self.o_proj(output.reshape(batch, seq, heads * head_dim))
-        if cp is not None:
-            output = cp.merge_pieces(output)
-        output = self.tp.leave(output)
+        output = self._output(x, output, cp)
         new_cache = None
         if return_cache:
             assert final_state is not None  # asked for: output_final_state=return_cache

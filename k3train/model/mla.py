@@ -12,12 +12,14 @@ from torch import nn
 from torch.utils import flop_counter
 
 from k3train.contracts.param_roles import linear_weight, mark_head_blocks
+from k3train.kernels.segments import length_buckets, pack_segments, segment_offsets, unpack_buckets
 from k3train.model.config import ModelConfig
 from k3train.model.norm import RMSNorm
 from k3train.parallel.context import ContextParallel, context_attention
 from k3train.parallel.tensor import TensorParallel
 
 LATENT_NORM_EPS = 1e-6  # q_a/kv_a layernorms use 1e-6, not rms_norm_eps
+DOCUMENT_LENGTH_UNIT = 64  # packed documents attend in groups padded to whole multiples of this
 
 
 def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -48,6 +50,32 @@ def causal_attention(
         return causal_attention_reference(q, k, v, scale)
     v_padded = F.pad(v, (0, qk_dim - v_dim))  # separate from k's cat: no cat of their gradients
     return causal_attention_reference(q, k, v_padded, scale)[..., :v_dim]
+
+
+def document_causal_attention(
+    q: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    document_starts: torch.Tensor,
+) -> torch.Tensor:
+    """`causal_attention` with every query restricted to its own document's earlier keys
+    (block-diagonal causal; `document_starts [batch, seq]` bool, True where a document begins).
+
+    The documents, grouped by length in units of `DOCUMENT_LENGTH_UNIT` tokens, are packed into
+    one zero-padded batch per group (`kernels.segments`) and each group runs the plain causal
+    call: no `[T, T]` mask exists, the fused kernels stay reachable, and the work is about
+    `Σ D²` over the documents rather than `T²` per row."""
+    batch, seq = q.shape[:2]
+    cu_seqlens = segment_offsets(document_starts.to(q.device))
+    buckets = length_buckets(cu_seqlens, DOCUMENT_LENGTH_UNIT)
+    flat = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k_nope, k_rope, v)]
+    attended = []
+    for segments in buckets:
+        q_b, k_nope_b, k_rope_b, v_b = (pack_segments(t, cu_seqlens, segments=segments) for t in flat)
+        attended.append(causal_attention(q_b, k_nope_b, k_rope_b, v_b, scale))
+    return unpack_buckets(attended, cu_seqlens, buckets).view(batch, seq, *attended[0].shape[2:])
 
 
 def _cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -122,7 +150,9 @@ class GatedMLA(nn.Module):
             replicated += [linear_weight(self.q_a_proj), self.q_a_layernorm.weight]
         tp.mark_partial_grad(replicated)  # each rank back-propagates only its own heads into them
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_starts: torch.Tensor | None = None) -> torch.Tensor:
+        """`document_starts` (`[batch, seq]` bool over the whole sequence, or None): each query
+        attends only the keys of its own document."""
         x = self.tp.enter(x)
         batch, seq, _ = x.shape
         heads = self.num_heads
@@ -144,7 +174,9 @@ class GatedMLA(nn.Module):
 
         if cp is not None:
             k = torch.cat([k_nope, k_rope], dim=-1)
-            attended = context_attention(q, k, v, cp, self.softmax_scale)
+            attended = context_attention(q, k, v, cp, self.softmax_scale, document_starts)
+        elif document_starts is not None:
+            attended = document_causal_attention(q, k_nope, k_rope, v, self.softmax_scale, document_starts)
         else:
             attended = causal_attention(q, k_nope, k_rope, v, self.softmax_scale)  # [batch, seq, heads, v_head_dim]
         if self.use_output_gate:

@@ -18,6 +18,7 @@ Assumptions (stated, and printed by tools/plan.py):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from k3train.model import flops as F
@@ -29,12 +30,17 @@ from k3train.planning.hardware import HardwareProfile
 DEFAULT_EFFICIENCY = 0.45
 
 
-def layer_training_flops(cfg: ModelConfig, layer: int, seq_length: int) -> float:
-    """Training FLOPs per token of decoder layer `layer` (3 × forward), AttnRes included."""
+def layer_training_flops(
+    cfg: ModelConfig, layer: int, seq_length: int, document_lengths: Sequence[int] | None = None
+) -> float:
+    """Training FLOPs per token of decoder layer `layer` (3 × forward), AttnRes included;
+    `document_lengths`: the documents of a sequence, each kept apart (`flops.py`)."""
     mixer = (
-        F.mla_projection_flops(cfg) + F.mla_attention_flops(cfg, seq_length)
+        F.mla_projection_flops(cfg) + F.mla_attention_flops(cfg, seq_length, document_lengths=document_lengths)
         if cfg.is_mla_layer(layer)
-        else F.kda_projection_flops(cfg) + F.kda_short_conv_flops(cfg) + F.kda_chunk_flops_per_token(cfg, seq_length)
+        else F.kda_projection_flops(cfg)
+        + F.kda_short_conv_flops(cfg)
+        + F.kda_chunk_flops_per_token(cfg, seq_length, document_lengths)
     )
     if cfg.is_moe_layer(layer):
         ffn = (
@@ -49,14 +55,14 @@ def layer_training_flops(cfg: ModelConfig, layer: int, seq_length: int) -> float
     return F.TRAINING_MULTIPLIER * (mixer + ffn + 2 * attn_res)
 
 
-def layer_flops_table(cfg: ModelConfig, seq_length: int) -> list[float]:
+def layer_flops_table(cfg: ModelConfig, seq_length: int, document_lengths: Sequence[int] | None = None) -> list[float]:
     """Training FLOPs per token of every decoder layer, then (last entry) the output mix and head."""
     kinds: dict[tuple[bool, bool], float] = {}
     table = []
     for layer in range(cfg.num_hidden_layers):
         kind = (cfg.is_mla_layer(layer), cfg.is_moe_layer(layer))
         if kind not in kinds:
-            kinds[kind] = layer_training_flops(cfg, layer, seq_length)
+            kinds[kind] = layer_training_flops(cfg, layer, seq_length, document_lengths)
         table.append(kinds[kind])
     table.append(F.TRAINING_MULTIPLIER * (F.head_flops(cfg) + F.attn_res_flops(cfg) / (2 * cfg.num_hidden_layers + 1)))
     return table
@@ -136,15 +142,17 @@ def estimate_step_time(
     comm_bytes: dict[str, float],
     efficiency: float = DEFAULT_EFFICIENCY,
     gpus_per_node: int | None = None,
+    document_lengths: Sequence[int] | None = None,
 ) -> StepTime:
     """The step time of `layout`; `comm_bytes` per group is what one rank sends in one step
-    (`traffic_terms.layout_step_bytes`)."""
+    (`traffic_terms.layout_step_bytes`); `document_lengths`: the documents each sequence is
+    packed with when they are kept apart (MLA's attention within each: fewer FLOPs)."""
     gpn = gpus_per_node or hardware.gpus_per_node
     peak = hardware.peak_flops(precision)
     rate = peak * efficiency
     tokens = micro_batch_size * seq_length
     recompute = 4 / 3 if cfg.recompute == "sublayer" else 1.0
-    table = layer_flops_table(cfg, seq_length)
+    table = layer_flops_table(cfg, seq_length, document_lengths)
     stage_s = [
         sum(chunk_training_flops(cfg, r, seq_length, table) for r in plan.layer_ranges(rank))
         * tokens

@@ -281,6 +281,11 @@ def build_rank(
         # The pipeline's last backward of each chunk turns on gradient reduction (DP overlap).
         before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
         grad_group=parallel.pp_grad,  # backward messages on their own communicator (NCCL order)
+        document_starts_shape=(
+            (config.train.micro_batch_size, config.data.seq_length)
+            if config.data.document_boundaries == "reset"
+            else None
+        ),
     )
     return RankJob(config, parallel, device, plan, expert_parallel, model, reducer, optimizer, schedule)
 

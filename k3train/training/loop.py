@@ -25,7 +25,10 @@ from typing import Any
 import torch
 
 from k3train.config import ConfigError, JobConfig
+from k3train.contracts.token_batch import TokenBatch
+from k3train.data.documents import document_lengths
 from k3train.errors import UserError
+from k3train.model import flops
 from k3train.model.k3 import K3RankModel
 from k3train.model.moe import finish_expert_step, pool_routing_statistics
 from k3train.optim.schedules import lr_at, set_lr
@@ -109,6 +112,7 @@ class Trainer:
         self.schedule = schedule
         self.device = device
         self.training_flops_per_token = training_flops_per_token
+        self._step_flops_per_token = training_flops_per_token  # this step's, with packed documents
         self.peak = peak
         self.logger = logger
         self.parallel = parallel
@@ -150,9 +154,8 @@ class Trainer:
         # the mean loss accumulated, the data-parallel reduction launched during the last backward.
         # Under context parallelism the cp ranks read the same rows; the model keeps its own pieces of
         # every sequence (parallel/context.py), and the loss averaged over dp × cp is the global mean.
-        batch = self.data.next_global_batch(
-            config.train.global_batch_size, parallel.data_rank, parallel.layout.data_parallel
-        )
+        batch = self.data.next_batch(config.train.global_batch_size, parallel.data_rank, parallel.layout.data_parallel)
+        self._step_flops_per_token = self._flops_per_token(batch)
         micro_batches = [mb.to(self.device, non_blocking=True) for mb in batch.split(config.train.micro_batch_size)]
         with self._poisoned_gradients(step in self._nan_gradient_steps):
             local_loss = self.schedule.run(self.model.chunks, micro_batches)
@@ -221,12 +224,24 @@ class Trainer:
         ranks = pool_routing_statistics(moe_layers, self.routing_group)  # one all-reduce per step
         return [moe.pop_step_stats(ranks=ranks) for moe in moe_layers]
 
+    def _flops_per_token(self, batch: TokenBatch) -> float:
+        """Model FLOPs per training token of this step: with packed documents kept apart, those
+        of this rank's rows' documents (MLA within each document: fewer), else the fixed count."""
+        if batch.document_starts is None:
+            return self.training_flops_per_token
+        seq = self.config.data.seq_length
+        rows = [
+            flops.training_flops_per_token(self.config.model, seq, document_lengths=lengths).total
+            for lengths in document_lengths(batch.document_starts)
+        ]
+        return sum(rows) / len(rows)
+
     def _step_metrics(self, step, loss, grad_norm, lr, expert_stats, seconds) -> dict[str, Any]:
         self._steps_this_run += 1
         elapsed = time.perf_counter() - self._run_start if self._run_start else seconds
         world_size = self.parallel.layout.world_size
         tokens_per_s = self.tokens_per_step / seconds
-        tflops = tokens_per_s * self.training_flops_per_token / world_size / 1e12  # per device
+        tflops = tokens_per_s * self._step_flops_per_token / world_size / 1e12  # per device
         load_ratios = [stats.load_max_over_mean for stats in expert_stats]
         dropped = sum(stats.dropped_slots for stats in expert_stats)
         remaining = self.config.train.steps - step
@@ -264,7 +279,7 @@ class Trainer:
         dp = parallel.layout.data_parallel
         batches = [
             micro.to(self.device)
-            for batch in self.data.validation_batches(
+            for batch in self.data.validation_token_batches(
                 train.global_batch_size, train.eval_batches, dp_rank=parallel.data_rank, dp_size=dp
             )
             for micro in batch.split(train.micro_batch_size)

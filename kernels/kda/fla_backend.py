@@ -66,14 +66,17 @@ def use_fla_short_conv(x: torch.Tensor, tail: torch.Tensor | None) -> bool:
     return x.is_cuda and x.dtype in _FLA_DTYPES and tail is None and load_fla_causal_conv1d() is not None
 
 
-def run_fla_short_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def run_fla_short_conv_silu(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
     """`silu(causal depthwise conv(x))` by fla's Triton kernel: `x [B, T, C]`, `weight [C, 1, W]`,
     zeros before the first token; forward and backward one launch each (fla computes in fp32 and
-    returns x's dtype)."""
+    returns x's dtype). `cu_seqlens`: `x` is `[1, N, C]` and every segment starts from zeros."""
     causal_conv1d = load_fla_causal_conv1d()
     if causal_conv1d is None:
         raise RuntimeError("fla.modules.causal_conv1d does not import")
-    output, _ = causal_conv1d(x, weight.view(weight.shape[0], weight.shape[-1]), activation="silu")
+    extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    output, _ = causal_conv1d(x, weight.view(weight.shape[0], weight.shape[-1]), activation="silu", **extra)
     return output
 
 
@@ -135,8 +138,10 @@ def run_fla_chunk_kda(
     scale: float,
     initial_state: torch.Tensor | None,
     output_final_state: bool,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Call fla's `chunk_kda` with our layouts (q/k already normalised, g in log space)."""
+    """Call fla's `chunk_kda` with our layouts (q/k already normalised, g in log space);
+    `cu_seqlens`: fla's varlen form (`[1, N, ...]` inputs, one state per segment)."""
     fla_chunk_kda = load_fla_chunk_kda()
     if fla_chunk_kda is None:
         raise RuntimeError("fla.ops.kda does not import")
@@ -151,6 +156,7 @@ def run_fla_chunk_kda(
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
+        **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}),
     )
 
 

@@ -233,6 +233,58 @@ def gated_norm_case(batch, seq, heads, head_dim, seed):
     return deviations(fast, reference, ["y", "dx", "dgate", "dweight"])
 
 
+def varlen_kda_case(seed):
+    """`run_fla_chunk_kda` with `cu_seqlens` (segments of 5, 37, 1 and 21 tokens, one initial
+    state each) against `chunk_kda_varlen(backend="torch")`."""
+    from k3train.kernels.kda import fla_backend
+    from k3train.kernels.kda.varlen import chunk_kda_varlen
+
+    generator = torch.Generator().manual_seed(seed)
+    cu_seqlens = torch.tensor([0, 5, 42, 43, 64])
+    heads, key_dim, value_dim, tokens = 2, 32, 16, 64
+    shape = (1, tokens, heads, key_dim)
+    inputs = [
+        torch.nn.functional.normalize(torch.randn(shape, generator=generator), dim=-1),
+        torch.nn.functional.normalize(torch.randn(shape, generator=generator), dim=-1),
+        torch.randn(1, tokens, heads, value_dim, generator=generator),
+        -5 * torch.rand(shape, generator=generator),
+        torch.rand(1, tokens, heads, generator=generator),
+        torch.randn(4, heads, key_dim, value_dim, generator=generator),
+    ]
+    inputs = [x.requires_grad_() for x in inputs]
+    scale = key_dim**-0.5
+    fast = kda_values_and_grads(
+        inputs, lambda: fla_backend.run_fla_chunk_kda(*inputs[:5], scale, inputs[5], True, cu_seqlens=cu_seqlens)
+    )
+    reference = kda_values_and_grads(
+        inputs,
+        lambda: chunk_kda_varlen(
+            *inputs[:5], cu_seqlens, scale=scale, initial_state=inputs[5], output_final_state=True, backend="torch"
+        ),
+    )
+    return deviations(fast, reference, ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "d_initial_state"])
+
+
+def varlen_short_conv_case(seed):
+    """`run_fla_short_conv_silu` with `cu_seqlens` against `short_conv_silu_varlen(backend="torch")`."""
+    from k3train.kernels.kda import fla_backend
+    from k3train.kernels.short_conv import short_conv_silu_varlen
+
+    generator = torch.Generator().manual_seed(seed)
+    cu_seqlens = torch.tensor([0, 2, 19, 20, 37])
+    x = torch.randn(1, 37, 24, generator=generator).requires_grad_()
+    weight = torch.randn(24, 1, 4, generator=generator).requires_grad_()
+    grad_output = torch.randn(1, 37, 24, generator=generator)
+
+    def run(conv):
+        output = conv()
+        return [output, *torch.autograd.grad((output * grad_output).sum(), [x, weight])]
+
+    fast = run(lambda: fla_backend.run_fla_short_conv_silu(x, weight, cu_seqlens=cu_seqlens))
+    reference = run(lambda: short_conv_silu_varlen(x, weight, cu_seqlens, backend="torch"))
+    return deviations(fast, reference, ["y", "dx", "dweight"])
+
+
 CASES = {
     "plain, T=80 (padded)": lambda: plain_case(2, 80, 2, 32, 16, seed=0),
     "raw inputs, bounded gate (-5)": lambda: raw_case(2, 80, 2, 32, 16, lower_bound=-5.0, seed=1),
@@ -240,6 +292,8 @@ CASES = {
     "raw inputs, bounded gate, safe_gate": lambda: raw_case(1, 80, 2, 32, 16, lower_bound=-5.0, seed=3, safe_gate=True),
     "short conv + SiLU, T=37": lambda: short_conv_case(2, 37, 24, 4, seed=4),
     "gated RMSNorm": lambda: gated_norm_case(2, 37, 3, 32, seed=5),
+    "varlen KDA (4 segments)": lambda: varlen_kda_case(seed=6),
+    "varlen short conv + SiLU (4 segments)": lambda: varlen_short_conv_case(seed=7),
 }
 
 

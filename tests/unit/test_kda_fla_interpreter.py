@@ -3,7 +3,8 @@ Triton's CPU interpreter (`TRITON_INTERPRET=1`) against k3train's PyTorch path: 
 states and every gradient, in fp32, T padded to whole chunks, with an initial state; for the raw
 inputs, both gates (K3's bounded one also through fla's `safe_gate`) with the gradients of `A_log` and
 `dt_bias`; fla's causal convolution with SiLU (the q/k/v short convolutions on CUDA) against
-`short_conv_silu`'s PyTorch path; and fla's fused gated RMSNorm (KDA's output norm on CUDA)
+`short_conv_silu`'s PyTorch path; both over variable-length segments (`cu_seqlens`, packed
+documents) against the varlen PyTorch paths; and fla's fused gated RMSNorm (KDA's output norm on CUDA)
 against `gated_rms_norm`'s. This is what holds our calling convention (layouts, scale, log-space gates, the fp32
 state, which step fla fuses) to fla's kernels on a machine without a GPU.
 
@@ -74,6 +75,8 @@ def test_fla_kernels_under_the_interpreter_match_the_pytorch_path():
         "raw inputs, bounded gate, safe_gate",
         "short conv + SiLU, T=37",
         "gated RMSNorm",
+        "varlen KDA (4 segments)",
+        "varlen short conv + SiLU (4 segments)",
     }
     failures = {
         f"{case}: {name}": deviation
