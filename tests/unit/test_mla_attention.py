@@ -90,7 +90,7 @@ def test_context_parallel_path_gets_the_unpadded_values(monkeypatch):
         def gather_sequence(x):
             return x
 
-    def recording_attention(q, k, v, cp, scale):
+    def recording_attention(q, k, v, cp, scale, document_starts=None):
         seen["k"], seen["v"] = k.shape[-1], v.shape[-1]
         return causal_attention_reference(q, k, v, scale)
 
