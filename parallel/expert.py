@@ -49,10 +49,12 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
     relay_route,
     replica_route,
 )
+from k3train.parallel.expert_replicas import all_to_all, fetch_replicas
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
 Transport = Literal["relay", "padded", "splits"]
+ReplicaPlanning = Literal["online", "step"]
 
 
 def resolve_transport(configured: str, backend: str) -> Transport:
@@ -103,25 +105,6 @@ def _building_graph() -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Autograd pieces
-
-
-class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all along dim 0; its own adjoint (slice j came from and goes back to j)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return group.all_to_all(x.contiguous())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.group.all_to_all(grad.contiguous()), None
-
-
-def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if group.size == 1:
-        return x
-    return _AllToAll.apply(x, group)
 
 
 def all_to_all_splits(
@@ -207,6 +190,7 @@ class ExpertParallel:
         transport: Transport = "relay",
         replica_tolerance: float = 0.05,
         spare_replicas: bool = True,
+        replica_planning: ReplicaPlanning = "online",
     ):
         if num_experts % group.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
@@ -214,8 +198,14 @@ class ExpertParallel:
             raise ValueError(f"expert_dispatch must be 'balanced' or 'capacity', got {mode!r}")
         if transport not in ("relay", "padded", "splits"):
             raise ValueError(f"parallel.ep_transport must be 'relay', 'padded' or 'splits', got {transport!r}")
+        if replica_planning not in ("online", "step"):
+            raise ValueError(f"parallel.ep_replica_planning must be 'online' or 'step', got {replica_planning!r}")
         self.group = group
         self.num_experts = num_experts
+        # `online`: each micro-batch plans its replicas from its own loads and fetches their
+        # weights (`parallel/expert_replicas.py`); `step`: one placement per step, planned from
+        # the previous step's loads, weights fetched once per step
+        self.replica_planning = replica_planning
         self.mode = mode
         self.capacity_factor = capacity_factor
         self.max_replicas = max_replicas_per_rank if mode == "balanced" else 0
@@ -252,6 +242,7 @@ class ExpertParallel:
             parallel_config.max_replicas_per_rank,
             compute,
             transport=transport,
+            replica_planning=getattr(parallel_config, "ep_replica_planning", "online"),
         )
 
     # ------------------------------------------------------------------ layout
@@ -284,6 +275,8 @@ class ExpertParallel:
         if self.mode == "capacity":
             return {"dispatch": (r, c, latent), "dispatch_ids": (r, c), "combine": (r, c, latent)}
         replica_weights = (self.max_replicas, 3 * inner * latent)
+        if self.replica_planning == "online":  # the per-micro-batch exchange of the planned replicas
+            replica_weights = (r, self.max_replicas, 3 * inner * latent)
         if self.transport == "relay":
             hop = relay_capacity(tokens, top_k, r, self.capacity_factor)
             return {
@@ -390,18 +383,22 @@ class ExpertParallel:
                 0, expert_flat, torch.ones_like(expert_flat)
             )
             counts = self.group.all_gather(mine.view(1, -1), dim=0)  # [R, E], a few KB
-            if training:
-                state.load += counts.sum(0)
-            plan = apply_placement(counts, state.placement, capacity)
+            if self.replica_planning == "online":  # this micro-batch's own loads place its replicas
+                plan = plan_from_load(counts.sum(0), num_ranks, self.max_replicas)
+            else:
+                if training:
+                    state.load += counts.sum(0)
+                plan = apply_placement(counts, state.placement, capacity)
             if self.transport == "relay":  # a source's slots of an expert split over its holders
                 shares = proportional_shares(counts, plan)
                 dest, local_id = proportional_route(expert_flat, counts, me, plan, shares)
                 pairs = proportional_pairs(counts, plan, shares)
             else:
                 dest, local_id = replica_route(expert_flat, counts, me, plan)
+        replicas = self._replicas(experts, state, plan)
         if self.transport == "relay":
             slot_output, keep, received, wire_bytes = self._relay(
-                slot_latent, weights_flat, pairs, dest, local_id, experts, state
+                slot_latent, weights_flat, pairs, dest, local_id, experts, replicas
             )
             return slot_output, self._balanced_info(state, keep, dest, received, plan, capacity, wire_bytes)
         with torch.no_grad():
@@ -436,7 +433,7 @@ class ExpertParallel:
                 ).reshape(-1)  # [R·s·k] -> received row (or trash)
             rows = torch.cat([received, received.new_zeros(1, width)]).index_select(0, gather)
             row_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, gather).long()
-            output = self._experts(rows, row_ids, experts, state)
+            output = self._experts(rows, row_ids, experts, replicas)
             back = torch.cat([output, output.new_zeros(1, width)]).index_select(0, scatter)
             returned = all_to_all(back.view(num_ranks, slots, width), self.group).reshape(-1, width)
             slot_output = torch.cat([returned, returned.new_zeros(1, width)]).index_select(0, buffer_index)
@@ -452,7 +449,7 @@ class ExpertParallel:
             received = _AllToAllSplits.apply(send, self.group, sent, taken)
             received_ids = all_to_all_splits(self.group, send_ids, sent, taken)
             rows, row_ids = received, received_ids.long()
-            output = self._experts(rows, row_ids, experts, state)
+            output = self._experts(rows, row_ids, experts, replicas)
             returned = _AllToAllSplits.apply(output[: received.shape[0]], self.group, taken, sent)
             returned = torch.cat([returned, returned.new_zeros(slots + 1 - returned.shape[0], width)])
             slot_output = returned.index_select(0, packed)
@@ -469,14 +466,16 @@ class ExpertParallel:
             dest,
             (~keep).sum(),
             received,
-            torch.as_tensor(state.placement.num_replicas, device=keep.device),
+            plan.num_replicas
+            if self.replica_planning == "online"
+            else torch.as_tensor(state.placement.num_replicas, device=keep.device),
             plan,
             capacity,
             wire_bytes,
             replica_bytes,
         )
 
-    def _relay(self, slot_latent, weights_flat, pairs, dest, local_id, experts, state):
+    def _relay(self, slot_latent, weights_flat, pairs, dest, local_id, experts, replicas):
         """The `relay` transport: two equal-split all-to-alls of fixed shape, no size exchange.
         Hop 1 `[R, first]`: each pair's first `direct` slots (highest routing weight) straight to
         their destination, its overflow round robin through other ranks' spare rows; hop 2
@@ -507,7 +506,7 @@ class ExpertParallel:
         relayed_ids = self.group.all_to_all(forward_ids.view(num_ranks, cap.second)).reshape(-1)
         rows = torch.cat([received, relayed])
         row_ids = torch.cat([torch.where(direct, received_ids, -1), relayed_ids]).long()
-        output = self._experts(rows, row_ids, experts, state)
+        output = self._experts(rows, row_ids, experts, replicas)
         returned = all_to_all(output[first_rows:].view(num_ranks, cap.second, width), self.group).reshape(-1, width)
         back = output[:first_rows] + torch.cat([returned, zero_row]).index_select(0, to_hop2)
         combined = all_to_all(back.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
@@ -516,10 +515,18 @@ class ExpertParallel:
         wire_bytes = self._wire_bytes(wire_rows, wire_rows, width, slot_latent.element_size())
         return slot_output, keep, (row_ids >= 0).sum(), wire_bytes
 
-    def _experts(self, rows, ids, experts, state: _LayerReplicas) -> torch.Tensor:
+    def _replicas(self, experts: SupportsGroupedForward, state: _LayerReplicas, plan: ReplicaPlan) -> ExpertStacks:
+        """The replica stacks this micro-batch computes with: fetched now for `plan` (`online`), or
+        the step's cached ones (`step`)."""
+        if self.replica_planning == "step":
+            return self.step_replicas(experts)
+        stacks, sent_bytes = fetch_replicas(experts.stacks(), plan, self.group, self.max_replicas)
+        state.fetch_bytes = sent_bytes
+        return cast(ExpertStacks, stacks)
+
+    def _experts(self, rows, ids, experts, replicas: ExpertStacks) -> torch.Tensor:
         """Received rows through the home experts, then the replica slots (ids `G … G + M − 1`)."""
         output = experts.grouped_forward(rows, ids, compute=self.compute)
-        replicas = self.step_replicas(experts)
         return output + experts.grouped_forward(rows, ids - self.num_local_experts, replicas, compute=self.compute)
 
     # ------------------------------------------------------------------ replicas, once per step
@@ -626,7 +633,8 @@ class ExpertParallel:
         for experts, layer in self._layers.values():
             if layer.flat is not None:  # every EP rank ran the same layers: the collectives match
                 self._return_gradients(experts, layer, state)
-            if self.mode == "balanced" and self.size > 1 and int(layer.load.sum()) > 0:
+            planned = self.replica_planning == "step" and self.mode == "balanced" and self.size > 1
+            if planned and int(layer.load.sum()) > 0:  # `online` plans in the dispatch: nothing here
                 plan = plan_from_load(layer.load, self.size, self.max_replicas, self.replica_tolerance)
                 layer.placement = ReplicaPlacement.from_plan(plan)
                 if self.spare_replicas:

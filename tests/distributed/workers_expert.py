@@ -569,12 +569,80 @@ def skewed_sources(env, spec: dict) -> dict:
     return worst
 
 
+# ---------------------------------------------------------------------------- one set of experts
+def concentrated_routing(env, spec: dict) -> dict:
+    """The dispatcher alone when every token of every rank picks the same top-k experts, from the
+    first micro-batch on (no earlier loads to plan from), then a sudden shift to another rank's
+    experts: every slot must reach its expert (nothing dropped), outputs must equal the
+    single-process experts on the same tokens, and the home experts' gradients the sum of the
+    single-process gradients over the ranks (after `finish_step`, which `step` planning needs)."""
+    config = small_config(num_experts=spec.get("experts_per_rank", 4) * env.world_size, num_experts_per_token=4)
+    experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
+    layout = resolve_layout(
+        env.world_size,
+        1,
+        1,
+        0,
+        env.world_size,
+        1,
+        config.num_attention_heads,
+        config.linear_attn_config.num_heads,
+        config.vocab_size,
+        experts,
+        config.num_hidden_layers,
+    )
+    state = ParallelState(layout, env.rank)
+    dispatcher = ExpertParallel(
+        state.ep,
+        experts,
+        "balanced",
+        1.25,
+        spec.get("max_replicas", 2),
+        transport=spec.get("transport", "relay"),
+        replica_planning=spec.get("replica_planning", "online"),
+    )
+    full = GroupedExperts(config, experts).double()
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for param in full.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
+    mine = GroupedExperts(config, dispatcher.num_local_experts).double()
+    with torch.no_grad():
+        for name in ("w1", "w3", "w2"):
+            getattr(mine, name).copy_(getattr(full, name)[dispatcher.expert_offset :][: dispatcher.num_local_experts])
+    dispatcher.mark_expert_params(mine)
+    local, tokens = dispatcher.num_local_experts, spec.get("tokens", 64)
+    chosen = {"first_rank": list(range(top_k)), "last_rank": list(range(experts - top_k, experts))}
+    worst: dict[str, Any] = {"output_error": 0.0, "grad_error": 0.0, "dropped": [], "replicas": []}
+    for step, name in enumerate(chosen):
+        generator = torch.Generator().manual_seed(200 * step + env.rank)
+        ids = torch.tensor(chosen[name]).expand(tokens, top_k).contiguous()
+        weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64)
+        latent = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
+        upstream = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
+        out, info = dispatcher(latent, ids, weights, mine)
+        (out * upstream).sum().backward()
+        expected = full(latent, ids, weights)
+        (expected * upstream).sum().backward()
+        dispatcher.finish_step()
+        worst["output_error"] = max(worst["output_error"], (out - expected).abs().max().item())
+        worst["dropped"].append(int(state.ep.all_reduce(info.dropped.clone())))
+        worst["replicas"].append(int(info.replicas))
+        for weight in ("w1", "w3", "w2"):
+            total = state.ep.all_reduce(getattr(full, weight).grad.clone())
+            expected_grad = total[dispatcher.expert_offset :][:local]
+            error = (getattr(mine, weight).grad - expected_grad).abs().max().item()
+            worst["grad_error"] = max(worst["grad_error"], error)
+    return worst
+
+
 # ---------------------------------------------------------------------------- entry point
 CHECKS = {
     "equivalence": equivalence,
     "pipeline": pipeline_equivalence,
     "static_shapes": static_shapes,
     "skewed_sources": skewed_sources,
+    "concentrated_routing": concentrated_routing,
 }
 
 
