@@ -148,7 +148,14 @@ class ParallelConfig:
     """Receive capacity as a multiple of the even share: 'balanced', rows per destination rank
     (tokens * top_k each); 'capacity', slots per (source, destination) pair (tokens * top_k / ep)."""
     max_replicas_per_rank: int = 2
-    """'balanced' dispatch: the most replicated experts one rank hosts in a step."""
+    """'balanced' dispatch: the most replicated experts one rank hosts in a micro-batch."""
+    ep_replica_planning: Literal["online", "step"] = "online"
+    """'balanced' dispatch, when replicas are placed. 'online': every micro-batch plans its own from
+    its all-gathered loads and fetches their weights (a fixed-shape all-to-all of ep *
+    max_replicas_per_rank expert matrices per rank; gradients return home in backward), so no
+    routing, not even the first step's, finds its hot experts without replicas. 'step': one
+    placement per step planned from the previous step's loads, weights fetched once per step (less
+    replica traffic; the first step and a sudden shift of the routing can drop, counted)."""
     ep_transport: Literal["auto", "relay", "padded", "splits"] = "auto"
     """'balanced' dispatch, how token rows cross the EP group. 'auto': 'splits' on gloo (CPU, where
     reading split sizes costs no device synchronisation), 'relay' on GPUs. 'splits': exactly the

@@ -274,7 +274,7 @@ class ExpertParallel:
         r, c = self.size, self.capacity(tokens, top_k)
         if self.mode == "capacity":
             return {"dispatch": (r, c, latent), "dispatch_ids": (r, c), "combine": (r, c, latent)}
-        replica_weights = (self.max_replicas, 3 * inner * latent)
+        replica_weights: tuple[int, ...] = (self.max_replicas, 3 * inner * latent)
         if self.replica_planning == "online":  # the per-micro-batch exchange of the planned replicas
             replica_weights = (r, self.max_replicas, 3 * inner * latent)
         if self.transport == "relay":
@@ -376,7 +376,8 @@ class ExpertParallel:
         num_ranks, width, me = self.size, slot_latent.shape[-1], self.rank
         slots, device = expert_flat.shape[0], slot_latent.device
         capacity = capacity_per_destination(slots, 1, num_ranks, self.capacity_factor)
-        state = self._layer(experts, device)
+        # `online` keeps nothing across micro-batches; `step` the step's placement, loads and weights
+        state = self._layer(experts, device) if self.replica_planning == "step" else None
         training = _building_graph()  # loads of a training forward plan the next step's replicas
         with torch.no_grad():
             mine = torch.zeros(self.num_experts, dtype=torch.int64, device=device).scatter_add_(
@@ -386,6 +387,7 @@ class ExpertParallel:
             if self.replica_planning == "online":  # this micro-batch's own loads place its replicas
                 plan = plan_from_load(counts.sum(0), num_ranks, self.max_replicas)
             else:
+                assert state is not None
                 if training:
                     state.load += counts.sum(0)
                 plan = apply_placement(counts, state.placement, capacity)
@@ -395,12 +397,12 @@ class ExpertParallel:
                 pairs = proportional_pairs(counts, plan, shares)
             else:
                 dest, local_id = replica_route(expert_flat, counts, me, plan)
-        replicas = self._replicas(experts, state, plan)
+        replicas, replica_bytes = self._replicas(experts, state, plan)
         if self.transport == "relay":
             slot_output, keep, received, wire_bytes = self._relay(
                 slot_latent, weights_flat, pairs, dest, local_id, experts, replicas
             )
-            return slot_output, self._balanced_info(state, keep, dest, received, plan, capacity, wire_bytes)
+            return slot_output, self._balanced_info(keep, dest, received, plan, capacity, wire_bytes, replica_bytes)
         with torch.no_grad():
             # `splits` sizes its receive buffer to what arrives, so its only capacity is the R·s·k
             # slots that exist (dropless); `padded` keeps the fixed [C_dest] receive layout
@@ -455,24 +457,21 @@ class ExpertParallel:
             slot_output = returned.index_select(0, packed)
             sent_rows, returned_rows = room[me].sum(), into_me.sum()
         wire_bytes = self._wire_bytes(sent_rows, returned_rows, width, slot_latent.element_size())
-        return slot_output, self._balanced_info(state, keep, dest, (row_ids >= 0).sum(), plan, capacity, wire_bytes)
+        return slot_output, self._balanced_info(
+            keep, dest, (row_ids >= 0).sum(), plan, capacity, wire_bytes, replica_bytes
+        )
 
-    def _balanced_info(self, state: _LayerReplicas, keep, dest, received, plan, capacity, wire_bytes) -> DispatchInfo:
-        # the step's replica traffic, counted with the micro-batch that fetched it (the same ops every time)
-        replica_bytes = torch.tensor(state.fetch_bytes, dtype=torch.int64, device=keep.device)
-        state.fetch_bytes = 0
+    def _balanced_info(self, keep, dest, received, plan, capacity, wire_bytes, replica_bytes: int) -> DispatchInfo:
         return DispatchInfo(
             keep,
             dest,
             (~keep).sum(),
             received,
-            plan.num_replicas
-            if self.replica_planning == "online"
-            else torch.as_tensor(state.placement.num_replicas, device=keep.device),
+            plan.num_replicas,
             plan,
             capacity,
             wire_bytes,
-            replica_bytes,
+            torch.tensor(replica_bytes, dtype=torch.int64, device=keep.device),
         )
 
     def _relay(self, slot_latent, weights_flat, pairs, dest, local_id, experts, replicas):
@@ -515,14 +514,18 @@ class ExpertParallel:
         wire_bytes = self._wire_bytes(wire_rows, wire_rows, width, slot_latent.element_size())
         return slot_output, keep, (row_ids >= 0).sum(), wire_bytes
 
-    def _replicas(self, experts: SupportsGroupedForward, state: _LayerReplicas, plan: ReplicaPlan) -> ExpertStacks:
-        """The replica stacks this micro-batch computes with: fetched now for `plan` (`online`), or
-        the step's cached ones (`step`)."""
-        if self.replica_planning == "step":
-            return self.step_replicas(experts)
-        stacks, sent_bytes = fetch_replicas(experts.stacks(), plan, self.group, self.max_replicas)
-        state.fetch_bytes = sent_bytes
-        return cast(ExpertStacks, stacks)
+    def _replicas(
+        self, experts: SupportsGroupedForward, state: _LayerReplicas | None, plan: ReplicaPlan
+    ) -> tuple[ExpertStacks, int]:
+        """The replica stacks this micro-batch computes with and the replica bytes it sends: fetched
+        now for `plan` (`online`), or the step's cached ones (`step`; their traffic counted with
+        the micro-batch that fetched them)."""
+        if state is None:
+            stacks, sent_bytes = fetch_replicas(experts.stacks(), plan, self.group, self.max_replicas)
+            return cast(ExpertStacks, stacks), sent_bytes
+        replicas = self.step_replicas(experts)
+        sent_bytes, state.fetch_bytes = state.fetch_bytes, 0
+        return replicas, sent_bytes
 
     def _experts(self, rows, ids, experts, replicas: ExpertStacks) -> torch.Tensor:
         """Received rows through the home experts, then the replica slots (ids `G … G + M − 1`)."""

@@ -27,7 +27,8 @@ def expert_layer_traffic(
     and in `balanced` mode the all-gather of the `[1, E]` int64 loads the routing plan is made
     from), and per step in `balanced` mode (None otherwise) the replica weights this rank sends
     out and, at the step's end, their gradients back: two uneven all-to-alls, sent even when
-    empty as on the first step, `replica_matrices` expert matrices each way. With `recompute`
+    empty as on the first step, `replica_matrices` expert matrices each way; with `online` replica
+    planning instead, per micro-batch, the `[R, M, F]` replica exchange and its adjoint. With `recompute`
     (`recompute: sublayer`) backward reruns the layer's forward, all-to-alls included (the
     replicas are the step's cached ones). Shapes from the dispatcher's own
     `ExpertParallel.buffer_shapes`."""
@@ -45,6 +46,10 @@ def expert_layer_traffic(
     messages = (2 if recompute else 1) * forward_messages + 2 * len(hops)
     if "replica_weights" not in shapes:
         return (nbytes, messages), None
+    if len(shapes["replica_weights"]) == 3:  # `online` replicas: `[R, M, F]` per micro-batch, no step exchange
+        exchange = math.prod(shapes["replica_weights"]) * weight
+        forwards = 2 if recompute else 1
+        return (nbytes + (forwards + 1) * exchange, messages + forwards + 1), None
     matrix = math.prod(shapes["replica_weights"][1:]) * weight
     return (nbytes, messages), (2 * replica_matrices * matrix, 2)
 

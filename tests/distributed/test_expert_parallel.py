@@ -50,6 +50,7 @@ def dropping(ep, capacity_factor, **extra):
 
 
 SP = {"tp": 2, "sequence_parallel": True}
+TE = {"linear_backend": "te"}  # the experts' GEMMs through kernels/te.py on the CPU stand-in of TE
 PP = {"check": "pipeline", "pp": 2, "config": {"num_hidden_layers": 4}, "micro_batches": 2}
 
 CHECKS = {
@@ -69,6 +70,12 @@ CHECKS = {
         {"check": "skewed_sources"},
         {"check": "skewed_sources", "transport": "padded"},
         {"check": "skewed_sources", "transport": "splits"},
+        {"check": "skewed_sources", "replica_planning": "step"},
+        balanced(2, replica_planning="step"),
+        {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "replica_planning": "step"},
+        {"check": "concentrated_routing"},
+        {"check": "concentrated_routing", **TE},
+        {"check": "skewed_sources", "replica_planning": "step", **TE},
     ],
     4: [
         balanced(4),
@@ -87,12 +94,21 @@ CHECKS = {
         {"check": "skewed_sources"},
         {"check": "skewed_sources", "transport": "padded"},
         {"check": "skewed_sources", "transport": "splits"},
+        {"check": "skewed_sources", "replica_planning": "step"},
+        {"check": "skewed_sources", "transport": "padded", "replica_planning": "step"},
+        balanced(4, replica_planning="step"),
+        {**balanced(2), **PP, "replica_planning": "step"},
+        {"check": "concentrated_routing"},
+        {"check": "concentrated_routing", "transport": "padded"},
+        {"check": "concentrated_routing", "transport": "splits"},
+        {"check": "concentrated_routing", "replica_planning": "step"},
     ],
 }
 
 
 def name(spec):
-    parts = [spec["check"], spec.get("mode", ""), spec.get("transport", "")]
+    parts = [spec["check"], spec.get("mode", ""), spec.get("transport", ""), spec.get("replica_planning", "")]
+    parts.append(spec.get("linear_backend", ""))
     for key in ("ep", "tp", "pp"):
         if spec.get(key, 1) > 1:
             parts.append(f"{key}{spec[key]}")
@@ -140,22 +156,49 @@ def check_static(spec, result):
 
 def check_skewed_sources(spec, result, world_size):
     """Per-source hot experts on some ranks only: the old per-pair layout would overflow (a home
-    pair above C_pair); the per-destination layouts (`padded`, `splits`) drop nothing once
-    replicas are planned from the previous step's loads (step 0 has none and may drop, counted);
-    the `relay` transport neither on 2 ranks, while on 4 ranks this skew (a source sending up to
-    ~77% of its slots to one rank's experts, 64 tokens) is past its boundary (3 relays of `C2`
-    rows cannot forward a pair's overflow within 1.25× of the wire; docs/expert_parallel.md) and
-    it drops, counted (measured: 95 and 86 of 1,024 slots after step 0). Outputs (a dropped slot weighs zero) and home gradients (replica
-    gradients returned by finish_step) match one process in every case."""
+    pair above C_pair). Replicas planned per micro-batch (`online`, the default) are there from
+    step 0 and nothing drops under any transport. With `step` planning (replicas from the
+    previous step's loads; step 0 has none and may drop, counted) the per-destination layouts
+    (`padded`, `splits`) drop nothing from step 1, and the `relay` transport neither on 2 ranks,
+    while on 4 ranks this skew (a source sending up to ~77% of its slots to one rank's experts,
+    64 tokens) is past its boundary (3 relays of `C2` rows cannot forward a pair's overflow within
+    1.25× of the wire; docs/expert_parallel.md) and it drops, counted (measured: 95 and 86 of
+    1,024 slots after step 0). Outputs (a dropped slot weighs zero) and home gradients match one
+    process in every case."""
     label = (name(spec), result)
     assert result["max_home_pair"] > result["pair_capacity"], label
-    assert result["replicas"][0] == 0 and result["replicas"][-1] > 0, label
-    past_boundary = spec.get("transport", "relay") == "relay" and world_size > 2
-    if past_boundary:
-        assert all(dropped > 0 for dropped in result["dropped"]), label
+    if spec.get("replica_planning", "online") == "online":
+        assert all(replicas > 0 for replicas in result["replicas"]), label
+        assert result["dropped"] == [0, 0, 0], label
     else:
-        assert result["dropped"][1:] == [0, 0], label
+        assert result["replicas"][0] == 0 and result["replicas"][-1] > 0, label
+        past_boundary = spec.get("transport", "relay") == "relay" and world_size > 2
+        if past_boundary:
+            assert all(dropped > 0 for dropped in result["dropped"]), label
+        else:
+            assert result["dropped"][1:] == [0, 0], label
     assert result["output_error"] < TOLERANCE and result["grad_error"] < TOLERANCE, label
+
+
+def check_te_calls(spec, result):
+    """With the TE stand-in, both the home and the replica GEMMs ran through GroupedLinear (whose
+    stand-in, as TE, refuses a splits list whose length is not its number of GEMMs)."""
+    if spec.get("linear_backend") == "te":
+        assert result["te_calls"]["home"] > 0 and result["te_calls"]["replica"] > 0, (name(spec), result)
+
+
+def check_concentrated(spec, result):
+    """Every token on every rank picks the same top-k experts (all homed on the first rank), from
+    the first micro-batch, then all switch to the last rank's: with `online` replicas nothing is
+    dropped and the outputs and home gradients match one process; `step` replicas (none in the
+    first step, the wrong ones after the switch) drop, and count it (the outputs then differ from
+    the undropped reference, which is why they are not compared)."""
+    label = (name(spec), result)
+    if spec.get("replica_planning", "online") == "online":
+        assert result["dropped"] == [0, 0] and all(r > 0 for r in result["replicas"]), label
+        assert result["output_error"] < TOLERANCE and result["grad_error"] < TOLERANCE, label
+    else:
+        assert all(dropped > 0 for dropped in result["dropped"]), label
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -168,6 +211,10 @@ def test_expert_parallel_matches_single_process(world_size):
                 check_static(spec, result)
             elif spec["check"] == "skewed_sources":
                 check_skewed_sources(spec, result, world_size)
+                check_te_calls(spec, result)
+            elif spec["check"] == "concentrated_routing":
+                check_concentrated(spec, result)
+                check_te_calls(spec, result)
             else:
                 check_equivalence(spec, rank, result)
     summary = {

@@ -256,6 +256,7 @@ def setup(env, spec: dict):
         spec["capacity_factor"],
         spec.get("max_replicas", 2),
         transport=spec.get("transport", "relay"),
+        replica_planning=spec.get("replica_planning", "online"),
     )
     reference = K3ModelChunk(config).double()
     reference.init_weights(seed=7)
@@ -290,7 +291,8 @@ def equivalence(env, spec: dict) -> dict:
 
     reference_loss = reference.loss(reference(inputs), labels)
     reference_loss.backward()
-    if spec["mode"] == "balanced":  # step 0 places no replicas: plan them from a first step's loads
+    if spec["mode"] == "balanced" and expert_parallel.replica_planning == "step":
+        # step 0 places no replicas: plan them from a first step's loads
         model.loss(model(inputs[rows]), labels[rows]).backward()
         forget_warm_up_step([model], state)
     loss = model.loss(model(inputs[rows]), labels[rows])
@@ -327,7 +329,8 @@ def pipeline_equivalence(env, spec: dict) -> dict:
     reference_loss.backward()
     micro_batches = list(tokens.split(micro_batch_size))[state.dp_rank * count : (state.dp_rank + 1) * count]
     shape = residual_shape(micro_batch_size, seq, config.hidden_size, state.tp.size, state.sequence_parallel)
-    if spec["mode"] == "balanced":  # step 0 places no replicas: plan them from a first step's loads
+    if spec["mode"] == "balanced" and expert_parallel.replica_planning == "step":
+        # step 0 places no replicas: plan them from a first step's loads
         PipelineExecutor(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
         forget_warm_up_step(chunks, state)
     loss = PipelineExecutor(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
@@ -430,6 +433,7 @@ def static_shapes(env, spec: dict) -> dict:
         spec.get("max_replicas", 2),
         compute="gather",
         transport=spec.get("transport", "relay"),
+        replica_planning=spec.get("replica_planning", "online"),
     )
     moe = LatentMoE(config, TensorParallel.single(), expert_parallel=expert_parallel).double()
     generator = torch.Generator().manual_seed(11)
@@ -465,7 +469,7 @@ def static_shapes(env, spec: dict) -> dict:
         # replica fetch happen outside the dispatch path, so outside the guard
         expert_parallel.finish_step()
         moe.zero_grad()
-        if spec["mode"] == "balanced":
+        if spec["mode"] == "balanced" and expert_parallel.replica_planning == "step":
             expert_parallel.step_replicas(moe.experts)
         exchanged.clear()
         guard = StaticShapeGuard()
@@ -502,6 +506,34 @@ def _first_difference(a, b):
     return None if len(a) == len(b) else (min(len(a), len(b)), "length", (len(a), len(b)))
 
 
+# ---------------------------------------------------------------------------- the dispatcher alone
+def home_experts(config: ModelConfig, dispatcher: ExpertParallel, full: GroupedExperts, spec: dict) -> GroupedExperts:
+    """This rank's home experts (slices of `full`), marked for `dispatcher`; with
+    `spec["linear_backend"] == "te"` their GEMMs (home and replica slots) run through
+    `kernels.te`'s GroupedLinear adapters on the CPU stand-in of Transformer Engine."""
+    factory = None
+    if spec.get("linear_backend", "torch") == "te":
+        from k3train.kernels.te import TELinearFactory
+        from tests.unit.te_stand_in import make_stand_in
+
+        factory = TELinearFactory(make_stand_in(), device="cpu").grouped
+    mine = GroupedExperts(config, dispatcher.num_local_experts, factory, dispatcher.max_replicas).double()
+    with torch.no_grad():
+        for name in ("w1", "w3", "w2"):
+            getattr(mine, name).copy_(getattr(full, name)[dispatcher.expert_offset :][: dispatcher.num_local_experts])
+    dispatcher.mark_expert_params(mine)
+    return mine
+
+
+def te_calls(experts: GroupedExperts) -> dict[str, int]:
+    """GroupedLinear calls of the home and the replica GEMMs (zeros on the torch path)."""
+    calls = {"home": 0, "replica": 0}
+    for key, gemms in (("home", experts.te_gemms), ("replica", experts.te_replica_gemms)):
+        for gemm in cast(Any, gemms) or []:
+            calls[key] += gemm.gemm.fp8_calls + gemm.gemm.bf16_calls
+    return calls
+
+
 # ---------------------------------------------------------------------------- per-source skew
 def skewed_sources(env, spec: dict) -> dict:
     """The dispatcher alone under per-source skew: each rank routes its own hot experts (all on
@@ -524,17 +556,21 @@ def skewed_sources(env, spec: dict) -> dict:
         config.num_hidden_layers,
     )
     state = ParallelState(layout, env.rank)
-    dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport=spec.get("transport", "relay"))
+    dispatcher = ExpertParallel(
+        state.ep,
+        experts,
+        "balanced",
+        1.25,
+        2,
+        transport=spec.get("transport", "relay"),
+        replica_planning=spec.get("replica_planning", "online"),
+    )
     full = GroupedExperts(config, experts).double()
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for param in full.parameters():
             param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
-    mine = GroupedExperts(config, dispatcher.num_local_experts).double()
-    with torch.no_grad():
-        for name in ("w1", "w3", "w2"):
-            getattr(mine, name).copy_(getattr(full, name)[dispatcher.expert_offset :][: dispatcher.num_local_experts])
-    dispatcher.mark_expert_params(mine)
+    mine = home_experts(config, dispatcher, full, spec)
     local, ranks, tokens = dispatcher.num_local_experts, env.world_size, 64
     hot_home = (env.rank + 1) % ranks
     worst: dict[str, Any] = {"output_error": 0.0, "grad_error": 0.0, "dropped": [], "replicas": [], "max_home_pair": 0}
@@ -566,6 +602,7 @@ def skewed_sources(env, spec: dict) -> dict:
                 worst["grad_error"], (getattr(mine, name).grad - expected_grad).abs().max().item()
             )
     worst["pair_capacity"] = capacity_per_pair(tokens, top_k, ranks, 1.25)
+    worst["te_calls"] = te_calls(mine)
     return worst
 
 
@@ -606,11 +643,7 @@ def concentrated_routing(env, spec: dict) -> dict:
     with torch.no_grad():
         for param in full.parameters():
             param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
-    mine = GroupedExperts(config, dispatcher.num_local_experts).double()
-    with torch.no_grad():
-        for name in ("w1", "w3", "w2"):
-            getattr(mine, name).copy_(getattr(full, name)[dispatcher.expert_offset :][: dispatcher.num_local_experts])
-    dispatcher.mark_expert_params(mine)
+    mine = home_experts(config, dispatcher, full, spec)
     local, tokens = dispatcher.num_local_experts, spec.get("tokens", 64)
     chosen = {"first_rank": list(range(top_k)), "last_rank": list(range(experts - top_k, experts))}
     worst: dict[str, Any] = {"output_error": 0.0, "grad_error": 0.0, "dropped": [], "replicas": []}
@@ -633,6 +666,7 @@ def concentrated_routing(env, spec: dict) -> dict:
             expected_grad = total[dispatcher.expert_offset :][:local]
             error = (getattr(mine, weight).grad - expected_grad).abs().max().item()
             worst["grad_error"] = max(worst["grad_error"], error)
+    worst["te_calls"] = te_calls(mine)
     return worst
 
 
