@@ -156,7 +156,7 @@ class ParallelConfig:
     routing, not even the first step's, finds its hot experts without replicas. 'step': one
     placement per step planned from the previous step's loads, weights fetched once per step (less
     replica traffic; the first step and a sudden shift of the routing can drop, counted)."""
-    ep_transport: Literal["auto", "relay", "padded", "splits"] = "auto"
+    ep_transport: Literal["auto", "spread", "relay", "padded", "splits"] = "auto"
     """'balanced' dispatch, how token rows cross the EP group. 'auto': 'splits' on gloo (CPU, where
     reading split sizes costs no device synchronisation), 'relay' on GPUs. 'splits': exactly the
     rows that exist, the receive buffer sized to what arrives (never drops; on GPUs the split sizes

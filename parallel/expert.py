@@ -50,10 +50,12 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
     replica_route,
 )
 from k3train.parallel.expert_replicas import all_to_all, fetch_replicas
+from k3train.parallel.expert_spread import plan_spread, spread_capacity, spread_forward, spread_kept, spread_route
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
-Transport = Literal["relay", "padded", "splits"]
+Transport = Literal["spread", "relay", "padded", "splits"]
+TRANSPORTS = ("spread", "relay", "padded", "splits")
 ReplicaPlanning = Literal["online", "step"]
 
 
@@ -63,9 +65,9 @@ def resolve_transport(configured: str, backend: str) -> Transport:
     `relay` on GPU back-ends (static shapes, no host read, within `capacity_factor` of the
     unpadded bytes; it drops, and counts, only beyond its stated bound)."""
     if configured == "auto":
-        return "splits" if backend == "gloo" else "relay"
-    if configured not in ("relay", "padded", "splits"):
-        raise ValueError(f"parallel.ep_transport must be 'auto', 'relay', 'padded' or 'splits', got {configured!r}")
+        return "splits" if backend == "gloo" else "spread"
+    if configured not in TRANSPORTS:
+        raise ValueError(f"parallel.ep_transport must be 'auto' or one of {TRANSPORTS}, got {configured!r}")
     return configured  # type: ignore[return-value]
 
 
@@ -196,8 +198,8 @@ class ExpertParallel:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
         if mode not in ("balanced", "capacity"):
             raise ValueError(f"expert_dispatch must be 'balanced' or 'capacity', got {mode!r}")
-        if transport not in ("relay", "padded", "splits"):
-            raise ValueError(f"parallel.ep_transport must be 'relay', 'padded' or 'splits', got {transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"parallel.ep_transport must be one of {TRANSPORTS}, got {transport!r}")
         if replica_planning not in ("online", "step"):
             raise ValueError(f"parallel.ep_replica_planning must be 'online' or 'step', got {replica_planning!r}")
         self.group = group
@@ -277,6 +279,19 @@ class ExpertParallel:
         replica_weights: tuple[int, ...] = (self.max_replicas, 3 * inner * latent)
         if self.replica_planning == "online":  # the per-micro-batch exchange of the planned replicas
             replica_weights = (r, self.max_replicas, 3 * inner * latent)
+        if self.transport == "spread":
+            spread = spread_capacity(tokens * top_k, r, c)
+            return {
+                "dispatch": (r, spread.first, latent),
+                "dispatch_ids": (r, spread.first),
+                "forward": (r, spread.second, latent),
+                "forward_ids": (r, spread.second),
+                "combine_forwarded": (r, spread.second, latent),
+                "combine": (r, spread.first, latent),
+                "received": (r * spread.second, latent),
+                "slot_counts": (r, self.num_experts),
+                "replica_weights": replica_weights,
+            }
         if self.transport == "relay":
             hop = relay_capacity(tokens, top_k, r, self.capacity_factor)
             return {
@@ -398,6 +413,13 @@ class ExpertParallel:
             else:
                 dest, local_id = replica_route(expert_flat, counts, me, plan)
         replicas, replica_bytes = self._replicas(experts, state, plan)
+        if self.transport == "spread":
+            with torch.no_grad():
+                pairs = pair_slots(counts, plan)
+            slot_output, keep, received, wire_bytes = self._spread(
+                slot_latent, weights_flat, pairs, dest, local_id, experts, replicas, capacity
+            )
+            return slot_output, self._balanced_info(keep, dest, received, plan, capacity, wire_bytes, replica_bytes)
         if self.transport == "relay":
             slot_output, keep, received, wire_bytes = self._relay(
                 slot_latent, weights_flat, pairs, dest, local_id, experts, replicas
@@ -473,6 +495,44 @@ class ExpertParallel:
             wire_bytes,
             torch.tensor(replica_bytes, dtype=torch.int64, device=keep.device),
         )
+
+    def _spread(self, slot_latent, weights_flat, pairs, dest, local_id, experts, replicas, capacity: int):
+        """The `spread` transport (`parallel/expert_spread.py`): hop 1 `[R, C1]` spreads each
+        source's slots evenly over all ranks, hop 2 `[R, C2]` forwards them to their
+        destinations; combine runs both backwards. No drop while every destination is within
+        `capacity`."""
+        num_ranks, me, width = self.size, self.rank, slot_latent.shape[-1]
+        device = slot_latent.device
+        cap = spread_capacity(slot_latent.shape[0], num_ranks, capacity)
+        first_rows, second_rows = num_ranks * cap.first, num_ranks * cap.second
+        with torch.no_grad():
+            spread = plan_spread(pairs, cap)
+            position = pair_positions(dest, weights_flat, num_ranks)
+            hop1_index = spread_route(dest, position, me, spread)
+            keep = spread_kept(dest, position, me, spread)
+            to_hop2, _ = spread_forward(spread, me)  # [R·C1] each received row's hop-2 row (or trash)
+            from_hop1 = torch.full((second_rows + 1,), first_rows, dtype=torch.int64, device=device).scatter_(
+                0, to_hop2, torch.arange(first_rows, device=device)
+            )[:second_rows]  # trash entry sliced off
+        zero_row = slot_latent.new_zeros(1, width)
+        send = slot_latent.new_zeros(first_rows, width).index_copy(0, hop1_index, slot_latent)
+        send_ids = torch.full((first_rows,), -1, dtype=torch.int32, device=device).index_copy(
+            0, hop1_index, local_id.to(torch.int32)
+        )
+        received = all_to_all(send.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
+        received_ids = self.group.all_to_all(send_ids.view(num_ranks, cap.first)).reshape(-1)
+        forward = torch.cat([received, zero_row]).index_select(0, from_hop1)
+        forward_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, from_hop1)
+        rows = all_to_all(forward.view(num_ranks, cap.second, width), self.group).reshape(-1, width)
+        row_ids = self.group.all_to_all(forward_ids.view(num_ranks, cap.second)).reshape(-1).long()
+        output = self._experts(rows, row_ids, experts, replicas)
+        returned = all_to_all(output.view(num_ranks, cap.second, width), self.group).reshape(-1, width)
+        back = torch.cat([returned, zero_row]).index_select(0, to_hop2)
+        combined = all_to_all(back.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
+        slot_output = combined.index_select(0, hop1_index)
+        wire_rows = num_ranks * cap.rows
+        wire_bytes = self._wire_bytes(wire_rows, wire_rows, width, slot_latent.element_size())
+        return slot_output, keep, (row_ids >= 0).sum(), wire_bytes
 
     def _relay(self, slot_latent, weights_flat, pairs, dest, local_id, experts, replicas):
         """The `relay` transport: two equal-split all-to-alls of fixed shape, no size exchange.
