@@ -5,6 +5,7 @@ drops), and slots beyond a destination's capacity must be the ones counted as dr
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3train.parallel.expert_plan import pair_positions
 from k3train.parallel.expert_spread import plan_spread, spread_capacity, spread_forward, spread_kept, spread_route
@@ -80,3 +81,39 @@ def test_spread_counts_what_a_destination_over_capacity_cannot_take():
     assert len(delivered) == ranks * slots - dropped
     # hop 2 holds C2 rows per (intermediate, destination): what reaches rank 1 is at least C_dest
     assert len(delivered) >= capacity
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the tensor operations (kernel launches on a GPU) run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def spread_planning_ops(ranks: int) -> int:
+    slots = 64
+    generator = torch.Generator().manual_seed(ranks)
+    pairs = random_pairs(ranks, slots, 1.0, generator)
+    dest = torch.repeat_interleave(torch.arange(ranks), pairs[0])
+    weights = torch.rand(slots, generator=generator)
+    counter = OpCounter()
+    with counter:
+        cap = spread_capacity(slots, ranks, 2 * slots)
+        plan = plan_spread(pairs, cap)
+        position = pair_positions(dest, weights, ranks)
+        spread_route(dest, position, 0, plan)
+        spread_kept(dest, position, 0, plan)
+        spread_forward(plan, 0)
+    return counter.ops
+
+
+def test_spread_planning_is_a_fixed_number_of_operations():
+    # no loop over ranks or slots: the same operations (kernel launches) at every EP size
+    counts = {ranks: spread_planning_ops(ranks) for ranks in (2, 4, 16)}
+    assert len(set(counts.values())) == 1, counts
+    assert counts[4] <= 120, counts
