@@ -50,7 +50,8 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
     replica_route,
 )
 from k3train.parallel.expert_replicas import all_to_all, fetch_replicas
-from k3train.parallel.expert_spread import plan_spread, spread_capacity, spread_forward, spread_kept, spread_route
+from k3train.parallel.expert_spread import spread_capacity
+from k3train.parallel.expert_transports import TRANSPORT_CLASSES, all_to_all_splits, wire_bytes
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
@@ -107,26 +108,6 @@ def _building_graph() -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Autograd pieces
-
-
-def all_to_all_splits(
-    group: Group, x: torch.Tensor, send: list[int], receive: list[int], label: str | None = None
-) -> torch.Tensor:
-    """All-to-all along dim 0 with host split sizes: `send[j]` rows to rank j, `receive[j]` from it."""
-    return group.all_to_all_uneven(x, send, receive, label)
-
-
-class _AllToAllSplits(torch.autograd.Function):
-    """`all_to_all_splits` whose backward sends the gradients back the way the rows came."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, send: list[int], receive: list[int]) -> torch.Tensor:
-        ctx.group, ctx.send, ctx.receive = group, send, receive
-        return all_to_all_splits(group, x, send, receive)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_to_all_splits(ctx.group, grad, ctx.receive, ctx.send), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,6 +194,7 @@ class ExpertParallel:
         self.max_replicas = max_replicas_per_rank if mode == "balanced" else 0
         self.compute = compute
         self.transport = transport
+        self.token_transport = TRANSPORT_CLASSES[transport](group, capacity_factor)
         self.replica_tolerance = replica_tolerance
         self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
         self._layers: dict[int, tuple[SupportsGroupedForward, _LayerReplicas]] = {}
@@ -349,12 +331,6 @@ class ExpertParallel:
         info.keep, info.dest = info.keep.view(tokens, top_k), info.dest.view(tokens, top_k)
         return routed.to(latent.dtype), info
 
-    def _wire_bytes(self, sent_rows, returned_rows, width: int, element: int) -> torch.Tensor:
-        """Token bytes this rank sends for one micro-batch: rows and ids forward, the rows' gradients
-        backward (each all-to-all's backward sends what the other one sent forward)."""
-        rows = torch.as_tensor(sent_rows + returned_rows, dtype=torch.int64)
-        return 2 * rows * width * element + torch.as_tensor(sent_rows, dtype=torch.int64) * 4
-
     def _capacity(self, slot_latent, expert_flat, weights_flat, experts):
         """Per-pair buffers `[R, C_pair]`: every slot to its home rank, overflow dropped."""
         num_ranks, width = self.size, slot_latent.shape[-1]
@@ -380,15 +356,15 @@ class ExpertParallel:
             zero,
             None,
             capacity,
-            self._wire_bytes(rows, rows, width, slot_latent.element_size()),
+            wire_bytes(rows, rows, width, slot_latent.element_size()),
             zero,
         )
         return slot_output, info
 
     def _balanced(self, slot_latent, expert_flat, weights_flat, experts):
-        """One receive buffer `[C_dest]` per destination, filled in source order; replicas
-        placed for the step take their share of hot experts' slots."""
-        num_ranks, width, me = self.size, slot_latent.shape[-1], self.rank
+        """Plan (replicas and each slot's holder), fetch the replicas, then the transport:
+        `dispatch`, the local experts, `combine`."""
+        num_ranks = self.size
         slots, device = expert_flat.shape[0], slot_latent.device
         capacity = capacity_per_destination(slots, 1, num_ranks, self.capacity_factor)
         # `online` keeps nothing across micro-batches; `step` the step's placement, loads and weights
@@ -399,180 +375,30 @@ class ExpertParallel:
                 0, expert_flat, torch.ones_like(expert_flat)
             )
             counts = self.group.all_gather(mine.view(1, -1), dim=0)  # [R, E], a few KB
-            if self.replica_planning == "online":  # this micro-batch's own loads place its replicas
+            if state is None:  # this micro-batch's own loads place its replicas
                 plan = plan_from_load(counts.sum(0), num_ranks, self.max_replicas)
             else:
-                assert state is not None
                 if training:
                     state.load += counts.sum(0)
                 plan = apply_placement(counts, state.placement, capacity)
-            if self.transport == "relay":  # a source's slots of an expert split over its holders
-                shares = proportional_shares(counts, plan)
-                dest, local_id = proportional_route(expert_flat, counts, me, plan, shares)
-                pairs = proportional_pairs(counts, plan, shares)
-            else:
-                dest, local_id = replica_route(expert_flat, counts, me, plan)
+            dest, local_id, pairs = self.token_transport.route(expert_flat, counts, plan)
         replicas, replica_bytes = self._replicas(experts, state, plan)
-        if self.transport == "spread":
-            with torch.no_grad():
-                pairs = pair_slots(counts, plan)
-            slot_output, keep, received, wire_bytes = self._spread(
-                slot_latent, weights_flat, pairs, dest, local_id, experts, replicas, capacity
-            )
-            return slot_output, self._balanced_info(keep, dest, received, plan, capacity, wire_bytes, replica_bytes)
-        if self.transport == "relay":
-            slot_output, keep, received, wire_bytes = self._relay(
-                slot_latent, weights_flat, pairs, dest, local_id, experts, replicas
-            )
-            return slot_output, self._balanced_info(keep, dest, received, plan, capacity, wire_bytes, replica_bytes)
-        with torch.no_grad():
-            # `splits` sizes its receive buffer to what arrives, so its only capacity is the R·s·k
-            # slots that exist (dropless); `padded` keeps the fixed [C_dest] receive layout
-            receive_capacity = num_ranks * slots if self.transport == "splits" else capacity
-            room = destination_room(pair_slots(counts, plan), receive_capacity)  # [R, R]: rows each pair carries
-            buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, room[me])  # [R, s·k] layout
-            into_me = room[:, me]  # rows from each source, placed one source after another
-            source_start = into_me.cumsum(0) - into_me
-        ids = torch.full(
-            (slots + 1,) if self.transport == "splits" else (num_ranks * slots + 1,),
-            -1,
-            dtype=torch.int32,
-            device=device,
-        )
-        if self.transport == "padded":
-            # send [R, s·k] per pair; the receiver gathers its rows into [C_dest] by source offsets
-            send = slot_latent.new_zeros(num_ranks * slots + 1, width).index_copy(0, buffer_index, slot_latent)
-            send_ids = ids.index_copy(0, buffer_index, local_id.to(torch.int32))
-            received = all_to_all(send[:-1].view(num_ranks, slots, width), self.group).reshape(-1, width)
-            received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, slots)).reshape(-1)
-            with torch.no_grad():
-                row = torch.arange(capacity, device=device)
-                source = torch.searchsorted(source_start + into_me, row, right=True)
-                inside = source < num_ranks
-                source = source.clamp(max=num_ranks - 1)
-                gather = torch.where(inside, source * slots + row - source_start[source], num_ranks * slots)
-                pair_row = torch.arange(slots, device=device)
-                scatter = torch.where(
-                    pair_row[None, :] < into_me[:, None], source_start[:, None] + pair_row[None, :], capacity
-                ).reshape(-1)  # [R·s·k] -> received row (or trash)
-            rows = torch.cat([received, received.new_zeros(1, width)]).index_select(0, gather)
-            row_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, gather).long()
-            output = self._experts(rows, row_ids, experts, replicas)
-            back = torch.cat([output, output.new_zeros(1, width)]).index_select(0, scatter)
-            returned = all_to_all(back.view(num_ranks, slots, width), self.group).reshape(-1, width)
-            slot_output = torch.cat([returned, returned.new_zeros(1, width)]).index_select(0, buffer_index)
-            sent_rows = returned_rows = num_ranks * slots
-        else:
-            # exactly the rows that exist: split sizes read on the host (a device sync on CUDA)
-            sent, taken = room[me].tolist(), into_me.tolist()
-            with torch.no_grad():
-                first = room[me].cumsum(0) - room[me]
-                packed = torch.where(keep, first[dest] + buffer_index - dest * slots, slots)
-            send = slot_latent.new_zeros(slots + 1, width).index_copy(0, packed, slot_latent)[: sum(sent)]
-            send_ids = ids.index_copy(0, packed, local_id.to(torch.int32))[: sum(sent)]
-            received = _AllToAllSplits.apply(send, self.group, sent, taken)
-            received_ids = all_to_all_splits(self.group, send_ids, sent, taken)
-            rows, row_ids = received, received_ids.long()
-            output = self._experts(rows, row_ids, experts, replicas)
-            returned = _AllToAllSplits.apply(output[: received.shape[0]], self.group, taken, sent)
-            returned = torch.cat([returned, returned.new_zeros(slots + 1 - returned.shape[0], width)])
-            slot_output = returned.index_select(0, packed)
-            sent_rows, returned_rows = room[me].sum(), into_me.sum()
-        wire_bytes = self._wire_bytes(sent_rows, returned_rows, width, slot_latent.element_size())
-        return slot_output, self._balanced_info(
-            keep, dest, (row_ids >= 0).sum(), plan, capacity, wire_bytes, replica_bytes
-        )
-
-    def _balanced_info(self, keep, dest, received, plan, capacity, wire_bytes, replica_bytes: int) -> DispatchInfo:
-        return DispatchInfo(
+        delivery = self.token_transport.dispatch(slot_latent, weights_flat, dest, local_id, pairs, capacity)
+        output = self._experts(delivery.rows, delivery.ids, experts, replicas)
+        slot_output = self.token_transport.combine(output, delivery)
+        keep = delivery.keep
+        info = DispatchInfo(
             keep,
             dest,
             (~keep).sum(),
-            received,
+            (delivery.ids >= 0).sum(),
             plan.num_replicas,
             plan,
             capacity,
-            wire_bytes,
+            delivery.wire_bytes,
             torch.tensor(replica_bytes, dtype=torch.int64, device=keep.device),
         )
-
-    def _spread(self, slot_latent, weights_flat, pairs, dest, local_id, experts, replicas, capacity: int):
-        """The `spread` transport (`parallel/expert_spread.py`): hop 1 `[R, C1]` spreads each
-        source's slots evenly over all ranks, hop 2 `[R, C2]` forwards them to their
-        destinations; combine runs both backwards. No drop while every destination is within
-        `capacity`."""
-        num_ranks, me, width = self.size, self.rank, slot_latent.shape[-1]
-        device = slot_latent.device
-        cap = spread_capacity(slot_latent.shape[0], num_ranks, capacity)
-        first_rows, second_rows = num_ranks * cap.first, num_ranks * cap.second
-        with torch.no_grad():
-            spread = plan_spread(pairs, cap)
-            position = pair_positions(dest, weights_flat, num_ranks)
-            hop1_index = spread_route(dest, position, me, spread)
-            keep = spread_kept(dest, position, me, spread)
-            to_hop2, _ = spread_forward(spread, me)  # [R·C1] each received row's hop-2 row (or trash)
-            from_hop1 = torch.full((second_rows + 1,), first_rows, dtype=torch.int64, device=device).scatter_(
-                0, to_hop2, torch.arange(first_rows, device=device)
-            )[:second_rows]  # trash entry sliced off
-        zero_row = slot_latent.new_zeros(1, width)
-        send = slot_latent.new_zeros(first_rows, width).index_copy(0, hop1_index, slot_latent)
-        send_ids = torch.full((first_rows,), -1, dtype=torch.int32, device=device).index_copy(
-            0, hop1_index, local_id.to(torch.int32)
-        )
-        received = all_to_all(send.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
-        received_ids = self.group.all_to_all(send_ids.view(num_ranks, cap.first)).reshape(-1)
-        forward = torch.cat([received, zero_row]).index_select(0, from_hop1)
-        forward_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, from_hop1)
-        rows = all_to_all(forward.view(num_ranks, cap.second, width), self.group).reshape(-1, width)
-        row_ids = self.group.all_to_all(forward_ids.view(num_ranks, cap.second)).reshape(-1).long()
-        output = self._experts(rows, row_ids, experts, replicas)
-        returned = all_to_all(output.view(num_ranks, cap.second, width), self.group).reshape(-1, width)
-        back = torch.cat([returned, zero_row]).index_select(0, to_hop2)
-        combined = all_to_all(back.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
-        slot_output = combined.index_select(0, hop1_index)
-        wire_rows = num_ranks * cap.rows
-        wire_bytes = self._wire_bytes(wire_rows, wire_rows, width, slot_latent.element_size())
-        return slot_output, keep, (row_ids >= 0).sum(), wire_bytes
-
-    def _relay(self, slot_latent, weights_flat, pairs, dest, local_id, experts, replicas):
-        """The `relay` transport: two equal-split all-to-alls of fixed shape, no size exchange.
-        Hop 1 `[R, first]`: each pair's first `direct` slots (highest routing weight) straight to
-        their destination, its overflow round robin through other ranks' spare rows; hop 2
-        `[R, second]`: each relay forwards what it holds for others. Combine runs the two hops
-        backwards. Every rank derives every row's place from the all-gathered counts
-        (`parallel/expert_plan.py` `plan_relay`); what no buffer takes is dropped and counted."""
-        num_ranks, me, width = self.size, self.rank, slot_latent.shape[-1]
-        slots, device = slot_latent.shape[0], slot_latent.device
-        cap = relay_capacity(slots, 1, num_ranks, self.capacity_factor)
-        first_rows, second_rows = num_ranks * cap.first, num_ranks * cap.second
-        with torch.no_grad():
-            relay_plan = plan_relay(pairs, cap)
-            hop1_index, keep = relay_route(dest, pair_positions(dest, weights_flat, num_ranks), me, relay_plan)
-            to_hop2, direct = relay_forward(relay_plan, me)  # [R·first] each received row's hop-2 row
-            from_hop1 = torch.full((second_rows + 1,), first_rows, dtype=torch.int64, device=device).scatter_(
-                0, to_hop2, torch.arange(first_rows, device=device)
-            )[:second_rows]  # trash entry sliced off
-        zero_row = slot_latent.new_zeros(1, width)
-        send = torch.cat([slot_latent.new_zeros(first_rows, width), zero_row]).index_copy(0, hop1_index, slot_latent)
-        send_ids = torch.full((first_rows + 1,), -1, dtype=torch.int32, device=device).index_copy(
-            0, hop1_index, local_id.to(torch.int32)
-        )
-        received = all_to_all(send[:-1].view(num_ranks, cap.first, width), self.group).reshape(-1, width)
-        received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, cap.first)).reshape(-1)
-        forward = torch.cat([received, zero_row]).index_select(0, from_hop1)
-        forward_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, from_hop1)
-        relayed = all_to_all(forward.view(num_ranks, cap.second, width), self.group).reshape(-1, width)
-        relayed_ids = self.group.all_to_all(forward_ids.view(num_ranks, cap.second)).reshape(-1)
-        rows = torch.cat([received, relayed])
-        row_ids = torch.cat([torch.where(direct, received_ids, -1), relayed_ids]).long()
-        output = self._experts(rows, row_ids, experts, replicas)
-        returned = all_to_all(output[first_rows:].view(num_ranks, cap.second, width), self.group).reshape(-1, width)
-        back = output[:first_rows] + torch.cat([returned, zero_row]).index_select(0, to_hop2)
-        combined = all_to_all(back.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
-        slot_output = torch.cat([combined, zero_row]).index_select(0, hop1_index)
-        wire_rows = num_ranks * cap.rows
-        wire_bytes = self._wire_bytes(wire_rows, wire_rows, width, slot_latent.element_size())
-        return slot_output, keep, (row_ids >= 0).sum(), wire_bytes
+        return slot_output, info
 
     def _replicas(
         self, experts: SupportsGroupedForward, state: _LayerReplicas | None, plan: ReplicaPlan
