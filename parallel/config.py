@@ -158,7 +158,11 @@ class ParallelConfig:
     replica traffic; the first step and a sudden shift of the routing can drop, counted)."""
     ep_transport: Literal["auto", "spread", "relay", "padded", "splits"] = "auto"
     """'balanced' dispatch, how token rows cross the EP group. 'auto': 'splits' on gloo (CPU, where
-    reading split sizes costs no device synchronisation), 'relay' on GPUs. 'splits': exactly the
+    reading split sizes costs no device synchronisation), 'spread' on GPUs. 'spread': two
+    fixed-shape all-to-alls that spread each source's rows evenly over all ranks and forward them
+    (no host read; no drop while every destination is within capacity_factor of the even share,
+    whatever the (source, destination) pairs; about (1 + capacity_factor) times the unpadded rows
+    plus ep rows per pair). 'splits': exactly the
     rows that exist, the receive buffer sized to what arrives (never drops; on GPUs the split sizes
     are read on the host, a device synchronisation per dispatch). 'relay': two fixed-shape
     all-to-alls (a pair's overflow goes through other ranks' spare rows; wire within

@@ -4,11 +4,13 @@ The routed experts of a MoE layer are split over `state.ep` (each rank holds its
 as stacks); the MoE layer hands the dispatcher latent token slots with expert ids and routing
 weights and gets `Σ_k p_k · E_k(latent)` back per token. Buffer shapes depend only on the config
 and the micro-batch size (CUDA-graph safe). `balanced` mode (the default) hosts replicas of hot
-experts placed once per step and keeps every rank under a per-destination capacity; its default
-`relay` transport sends two fixed-shape hops within `capacity_factor` of the unpadded bytes (a
-pair's overflow relayed through the source's spare rows), `padded` and `splits` one
-per-destination receive buffer; `capacity` mode sends each slot home through per-pair buffers
-and drops overflow. The experts compute through their own module
+experts, planned per micro-batch from its own all-gathered loads (`online`,
+`parallel/expert_replicas.py`) or once per step (`step`), and keeps every rank under a
+per-destination capacity; the token rows travel through a transport behind one interface
+(`parallel/expert_transports.py`: `spread`, the GPU default, two fixed-shape hops that never drop
+while destinations are within capacity; `relay`, two hops within `capacity_factor` of the
+unpadded bytes; `padded`; `splits`, the gloo default); `capacity` mode sends each slot home
+through per-pair buffers and drops overflow. The experts compute through their own module
 (`SupportsGroupedForward.grouped_forward`). Planning: `parallel/expert_plan.py`; layout, replicas,
 gradients and statistics: docs/expert_parallel.md.
 """
@@ -63,8 +65,8 @@ ReplicaPlanning = Literal["online", "step"]
 def resolve_transport(configured: str, backend: str) -> Transport:
     """`parallel.ep_transport: auto` → `splits` on gloo (tensors live in host memory, so reading
     the split sizes costs no device synchronisation, and the exact receive layout never drops),
-    `relay` on GPU back-ends (static shapes, no host read, within `capacity_factor` of the
-    unpadded bytes; it drops, and counts, only beyond its stated bound)."""
+    `spread` on GPU back-ends (static shapes, no host read, no drop while every destination is
+    within its capacity, which the replica planner ensures; about twice the relay's bytes)."""
     if configured == "auto":
         return "splits" if backend == "gloo" else "spread"
     if configured not in TRANSPORTS:

@@ -35,7 +35,7 @@ def expert_layer_traffic(
     shapes = ep.buffer_shapes(
         tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     )
-    # The relay transport (balanced, on GPUs) adds a second hop: `forward [R, C2, l]` and its ids.
+    # The two-hop transports (spread, the GPU default, and relay) add `forward [R, C2, l]` and its ids.
     hops = ("dispatch", "forward") if "forward" in shapes else ("dispatch",)
     rows = sum(math.prod(shapes[hop]) for hop in hops) * activation
     ids = sum(math.prod(shapes[f"{hop}_ids"]) for hop in hops) * 4
