@@ -83,6 +83,7 @@ CHECKS = {
         {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "replica_planning": "step"},
         {"check": "concentrated_routing"},
         {"check": "concentrated_routing", **TE},
+        {"check": "concentrated_routing", **TE, "fp8": True},
         {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "transport": "spread"},
         balanced(2, transport="spread"),
         {"check": "skewed_sources", "replica_planning": "step", **TE},
@@ -122,7 +123,7 @@ CHECKS = {
 
 def name(spec):
     parts = [spec["check"], spec.get("mode", ""), spec.get("transport", ""), spec.get("replica_planning", "")]
-    parts.append(spec.get("linear_backend", ""))
+    parts.append(spec.get("linear_backend", "") + (" fp8" if spec.get("fp8") else ""))
     for key in ("ep", "tp", "pp"):
         if spec.get(key, 1) > 1:
             parts.append(f"{key}{spec[key]}")
@@ -197,7 +198,10 @@ def check_te_calls(spec, result):
     """With the TE stand-in, both the home and the replica GEMMs ran through GroupedLinear (whose
     stand-in, as TE, refuses a splits list whose length is not its number of GEMMs)."""
     if spec.get("linear_backend") == "te":
-        assert result["te_calls"]["home"] > 0 and result["te_calls"]["replica"] > 0, (name(spec), result)
+        calls = result["te_calls"]
+        assert calls["home"] > 0 and calls["replica"] > 0, (name(spec), result)
+        # inside the FP8 region every GEMM ran in FP8 (groups padded to 16 rows, as TE requires)
+        assert calls["fp8"] == (calls["home"] + calls["replica"] if spec.get("fp8") else 0), (name(spec), result)
 
 
 def check_concentrated(spec, result):

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from contextlib import contextmanager
@@ -516,7 +517,9 @@ def home_experts(config: ModelConfig, dispatcher: ExpertParallel, full: GroupedE
         from k3train.kernels.te import TELinearFactory
         from tests.unit.te_stand_in import make_stand_in
 
-        factory = TELinearFactory(make_stand_in(), device="cpu").grouped
+        te = make_stand_in()
+        STAND_IN["te"] = te
+        factory = TELinearFactory(te, device="cpu").grouped
     mine = GroupedExperts(config, dispatcher.num_local_experts, factory, dispatcher.max_replicas).double()
     with torch.no_grad():
         for name in ("w1", "w3", "w2"):
@@ -525,12 +528,27 @@ def home_experts(config: ModelConfig, dispatcher: ExpertParallel, full: GroupedE
     return mine
 
 
+STAND_IN: dict[str, Any] = {}  # the TE stand-in namespace `home_experts` built last
+
+
+def fp8_region(spec: dict):
+    """`spec["fp8"]`: the stand-in's FP8 region (its GroupedLinear then also asserts every split
+    is a multiple of 16 rows, as TE's FP8 GEMMs need; `kernels.te` pads the groups)."""
+    if not spec.get("fp8"):
+        return contextlib.nullcontext()
+    from k3train.kernels.te import fp8_autocast
+
+    return fp8_autocast(STAND_IN["te"], enabled=True)
+
+
 def te_calls(experts: GroupedExperts) -> dict[str, int]:
-    """GroupedLinear calls of the home and the replica GEMMs (zeros on the torch path)."""
-    calls = {"home": 0, "replica": 0}
+    """GroupedLinear calls of the home and the replica GEMMs (zeros on the torch path), and of
+    those the FP8 ones."""
+    calls = {"home": 0, "replica": 0, "fp8": 0}
     for key, gemms in (("home", experts.te_gemms), ("replica", experts.te_replica_gemms)):
         for gemm in cast(Any, gemms) or []:
             calls[key] += gemm.gemm.fp8_calls + gemm.gemm.bf16_calls
+            calls["fp8"] += gemm.gemm.fp8_calls
     return calls
 
 
@@ -653,7 +671,8 @@ def concentrated_routing(env, spec: dict) -> dict:
         weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64)
         latent = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
         upstream = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
-        out, info = dispatcher(latent, ids, weights, mine)
+        with fp8_region(spec):
+            out, info = dispatcher(latent, ids, weights, mine)
         (out * upstream).sum().backward()
         expected = full(latent, ids, weights)
         (expected * upstream).sum().backward()
