@@ -156,7 +156,7 @@ class ParallelConfig:
     routing, not even the first step's, finds its hot experts without replicas. 'step': one
     placement per step planned from the previous step's loads, weights fetched once per step (less
     replica traffic; the first step and a sudden shift of the routing can drop, counted)."""
-    ep_transport: Literal["auto", "spread", "relay", "padded", "splits"] = "auto"
+    ep_transport: Literal["auto", "spread", "relay", "padded", "splits", "nodes"] = "auto"
     """'balanced' dispatch, how token rows cross the EP group. 'auto': 'splits' on gloo (CPU, where
     reading split sizes costs no device synchronisation), 'spread' on GPUs. 'spread': two
     fixed-shape all-to-alls that spread each source's rows evenly over all ranks and forward them
@@ -168,7 +168,13 @@ class ParallelConfig:
     all-to-alls (a pair's overflow goes through other ranks' spare rows; wire within
     capacity_factor of the unpadded rows, no host read; drops, and counts, beyond that bound).
     'padded': one all-to-all of tokens * top_k rows per pair (ep times the rows: a reference with
-    a fixed [capacity_factor * tokens * top_k] receive buffer). docs/expert_parallel.md."""
+    a fixed [capacity_factor * tokens * top_k] receive buffer). 'nodes': a token's row crosses
+    between nodes (gpus_per_node) once per destination node and is forwarded inside the node;
+    combine adds the outputs at the node before they cross back (host split sizes: the gloo
+    reference). docs/expert_parallel.md."""
+    gpus_per_node: int = 0
+    """GPUs (ranks) per node, for ep_transport 'nodes': ranks r and r' share a node when
+    r // gpus_per_node equals r' // gpus_per_node. 0: torchrun's local world size."""
     collective_timeout_s: float = 0.0
     """Seconds any collective may wait for its peers before this rank exits with one line naming
     the group (a rank that died or stopped answering); 0 means the backend's default: 300 on

@@ -18,6 +18,7 @@ gradients and statistics: docs/expert_parallel.md.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
@@ -53,12 +54,12 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
 )
 from k3train.parallel.expert_replicas import all_to_all, fetch_replicas
 from k3train.parallel.expert_spread import spread_capacity
-from k3train.parallel.expert_transports import TRANSPORT_CLASSES, all_to_all_splits, wire_bytes
+from k3train.parallel.expert_transports import TRANSPORT_CLASSES, all_to_all_splits, weighted_sum, wire_bytes
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
-Transport = Literal["spread", "relay", "padded", "splits"]
-TRANSPORTS = ("spread", "relay", "padded", "splits")
+Transport = Literal["spread", "relay", "padded", "splits", "nodes"]
+TRANSPORTS = ("spread", "relay", "padded", "splits", "nodes")
 ReplicaPlanning = Literal["online", "step"]
 
 
@@ -72,6 +73,11 @@ def resolve_transport(configured: str, backend: str) -> Transport:
     if configured not in TRANSPORTS:
         raise ValueError(f"parallel.ep_transport must be 'auto' or one of {TRANSPORTS}, got {configured!r}")
     return configured  # type: ignore[return-value]
+
+
+def resolve_gpus_per_node(configured: int) -> int:
+    """`parallel.gpus_per_node: 0` → torchrun's local world size (1 without torchrun)."""
+    return configured if configured > 0 else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 ExpertStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -176,6 +182,7 @@ class ExpertParallel:
         replica_tolerance: float = 0.05,
         spare_replicas: bool = True,
         replica_planning: ReplicaPlanning = "online",
+        gpus_per_node: int = 0,
     ):
         if num_experts % group.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
@@ -196,7 +203,7 @@ class ExpertParallel:
         self.max_replicas = max_replicas_per_rank if mode == "balanced" else 0
         self.compute = compute
         self.transport = transport
-        self.token_transport = TRANSPORT_CLASSES[transport](group, capacity_factor)
+        self.token_transport = TRANSPORT_CLASSES[transport](group, capacity_factor, gpus_per_node)
         self.replica_tolerance = replica_tolerance
         self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
         self._layers: dict[int, tuple[SupportsGroupedForward, _LayerReplicas]] = {}
@@ -229,6 +236,7 @@ class ExpertParallel:
             compute,
             transport=transport,
             replica_planning=getattr(parallel_config, "ep_replica_planning", "online"),
+            gpus_per_node=resolve_gpus_per_node(getattr(parallel_config, "gpus_per_node", 0)),
         )
 
     # ------------------------------------------------------------------ layout
@@ -325,11 +333,10 @@ class ExpertParallel:
         weights_flat = weights.reshape(-1)
         slot_latent = latent.unsqueeze(1).expand(tokens, top_k, width).reshape(-1, width)
         if self.mode == "balanced":
-            slot_output, info = self._balanced(slot_latent, expert_flat, weights_flat, experts)
+            routed, info = self._balanced(slot_latent, expert_flat, weights_flat, experts, top_k)
         else:
             slot_output, info = self._capacity(slot_latent, expert_flat, weights_flat, experts)
-        wide = torch.promote_types(slot_output.dtype, torch.float32)
-        routed = (slot_output.to(wide) * weights_flat.to(wide)[:, None]).view(tokens, top_k, width).sum(1)
+            routed = weighted_sum(slot_output, weights_flat, top_k)
         info.keep, info.dest = info.keep.view(tokens, top_k), info.dest.view(tokens, top_k)
         return routed.to(latent.dtype), info
 
@@ -363,7 +370,7 @@ class ExpertParallel:
         )
         return slot_output, info
 
-    def _balanced(self, slot_latent, expert_flat, weights_flat, experts):
+    def _balanced(self, slot_latent, expert_flat, weights_flat, experts, top_k: int):
         """Plan (replicas and each slot's holder), fetch the replicas, then the transport:
         `dispatch`, the local experts, `combine`."""
         num_ranks = self.size
@@ -385,9 +392,9 @@ class ExpertParallel:
                 plan = apply_placement(counts, state.placement, capacity)
             dest, local_id, pairs = self.token_transport.route(expert_flat, counts, plan)
         replicas, replica_bytes = self._replicas(experts, state, plan)
-        delivery = self.token_transport.dispatch(slot_latent, weights_flat, dest, local_id, pairs, capacity)
+        delivery = self.token_transport.dispatch(slot_latent, weights_flat, dest, local_id, pairs, capacity, top_k)
         output = self._experts(delivery.rows, delivery.ids, experts, replicas)
-        slot_output = self.token_transport.combine(output, delivery)
+        routed = self.token_transport.combine_weighted(output, delivery, weights_flat, top_k)
         keep = delivery.keep
         info = DispatchInfo(
             keep,
@@ -400,7 +407,7 @@ class ExpertParallel:
             delivery.wire_bytes,
             torch.tensor(replica_bytes, dtype=torch.int64, device=keep.device),
         )
-        return slot_output, info
+        return routed, info
 
     def _replicas(
         self, experts: SupportsGroupedForward, state: _LayerReplicas | None, plan: ReplicaPlan

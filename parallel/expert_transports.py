@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from k3train.parallel.comm import Group
+from k3train.parallel.expert_nodes import NodeLayout, node_combine, node_dispatch
 from k3train.parallel.expert_plan import (
     ReplicaPlan,
     destination_room,
@@ -71,6 +72,13 @@ def wire_bytes(sent_rows, returned_rows, width: int, element: int) -> torch.Tens
     return 2 * rows * width * element + torch.as_tensor(sent_rows, dtype=torch.int64) * 4
 
 
+def weighted_sum(slot_output: torch.Tensor, weights_flat: torch.Tensor, top_k: int) -> torch.Tensor:
+    """`Σ_k p_k · E_k` per token from the slots' outputs `[s·k, l]` (accumulated in at least fp32)."""
+    wide = torch.promote_types(slot_output.dtype, torch.float32)
+    weighted = slot_output.to(wide) * weights_flat.to(wide)[:, None]
+    return weighted.view(-1, top_k, slot_output.shape[-1]).sum(1)
+
+
 @dataclass
 class Delivery:
     """What `dispatch` handed this rank's experts and what `combine` needs to bring them back."""
@@ -88,7 +96,7 @@ class TokenTransport:
 
     name = ""
 
-    def __init__(self, group: Group, capacity_factor: float):
+    def __init__(self, group: Group, capacity_factor: float, gpus_per_node: int = 0):
         self.group = group
         self.capacity_factor = capacity_factor
 
@@ -99,11 +107,16 @@ class TokenTransport:
         dest, local_id = replica_route(expert_flat, counts, self.group.rank, plan)
         return dest, local_id, pair_slots(counts, plan)
 
-    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int) -> Delivery:
+    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
         raise NotImplementedError
 
     def combine(self, output: torch.Tensor, delivery: Delivery) -> torch.Tensor:
+        """The outputs back into the source's slots `[s·k, l]`."""
         raise NotImplementedError
+
+    def combine_weighted(self, output, delivery: Delivery, weights_flat, top_k: int) -> torch.Tensor:
+        """`Σ_k p_k · E_k` per token `[s, l]`; a transport may reduce before the rows travel back."""
+        return weighted_sum(self.combine(output, delivery), weights_flat, top_k)
 
 
 class SpreadTransport(TokenTransport):
@@ -112,7 +125,7 @@ class SpreadTransport(TokenTransport):
 
     name = "spread"
 
-    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int) -> Delivery:
+    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
         num_ranks, me, width = self.group.size, self.group.rank, slot_latent.shape[-1]
         device = slot_latent.device
         cap = spread_capacity(slot_latent.shape[0], num_ranks, capacity)
@@ -165,7 +178,7 @@ class RelayTransport(TokenTransport):
         dest, local_id = proportional_route(expert_flat, counts, self.group.rank, plan, shares)
         return dest, local_id, proportional_pairs(counts, plan, shares)
 
-    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int) -> Delivery:
+    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
         num_ranks, me, width = self.group.size, self.group.rank, slot_latent.shape[-1]
         slots, device = slot_latent.shape[0], slot_latent.device
         cap = relay_capacity(slots, 1, num_ranks, self.capacity_factor)
@@ -210,7 +223,7 @@ class PaddedTransport(TokenTransport):
 
     name = "padded"
 
-    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int) -> Delivery:
+    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
         num_ranks, me, width = self.group.size, self.group.rank, slot_latent.shape[-1]
         slots, device = slot_latent.shape[0], slot_latent.device
         with torch.no_grad():
@@ -253,7 +266,7 @@ class SplitsTransport(TokenTransport):
 
     name = "splits"
 
-    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int) -> Delivery:
+    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
         num_ranks, me, width = self.group.size, self.group.rank, slot_latent.shape[-1]
         slots, device = slot_latent.shape[0], slot_latent.device
         with torch.no_grad():
@@ -278,6 +291,39 @@ class SplitsTransport(TokenTransport):
         return returned.index_select(0, packed)
 
 
+class NodeTransport(TokenTransport):
+    """Rows cross between nodes once per (token, node) and are forwarded inside the node;
+    combine reduces at the node's gateway (`parallel/expert_nodes.py`; host splits: the gloo
+    reference). Every slot is delivered (no capacity)."""
+
+    name = "nodes"
+
+    def __init__(self, group: Group, capacity_factor: float, gpus_per_node: int = 0):
+        super().__init__(group, capacity_factor, gpus_per_node)
+        self.layout = NodeLayout(group, max(1, gpus_per_node))
+
+    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
+        width = slot_latent.shape[-1]
+        token_latent = slot_latent.view(-1, top_k, width)[:, 0]
+        rows, ids, saved = node_dispatch(
+            self.group,
+            self.layout,
+            token_latent,
+            dest.view(-1, top_k),
+            local_id.view(-1, top_k),
+            weights_flat.view(-1, top_k),
+        )
+        (send_a, receive_a, send_b, receive_b) = saved[0]
+        sent_rows = sum(send_a) + sum(send_b)
+        returned_rows = sum(receive_a) + sum(receive_b)
+        keep = torch.ones_like(dest, dtype=torch.bool)
+        sent = wire_bytes(sent_rows, returned_rows, width, slot_latent.element_size())
+        return Delivery(rows, ids.long(), keep, sent, saved)
+
+    def combine_weighted(self, output, delivery: Delivery, weights_flat, top_k: int) -> torch.Tensor:
+        return node_combine(self.group, output, delivery.saved)
+
+
 TRANSPORT_CLASSES: dict[str, type[TokenTransport]] = {
-    cls.name: cls for cls in (SpreadTransport, RelayTransport, PaddedTransport, SplitsTransport)
+    cls.name: cls for cls in (SpreadTransport, RelayTransport, PaddedTransport, SplitsTransport, NodeTransport)
 }

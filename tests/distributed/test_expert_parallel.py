@@ -114,6 +114,8 @@ CHECKS = {
         {"check": "concentrated_routing", "transport": "spread", **TE},
         {"check": "skewed_sources", "transport": "spread"},
         balanced(4, transport="spread"),
+        {"check": "node_dedup", "gpus_per_node": 2},
+        {"check": "node_dedup", "gpus_per_node": 2, **TE},
         {"check": "concentrated_routing", "transport": "padded"},
         {"check": "concentrated_routing", "transport": "splits"},
         {"check": "concentrated_routing", "replica_planning": "step"},
@@ -194,6 +196,20 @@ def check_skewed_sources(spec, result, world_size):
     assert result["output_error"] < TOLERANCE and result["grad_error"] < TOLERANCE, label
 
 
+def check_node_dedup(spec, results):
+    """`nodes` on 4 ranks as 2 nodes of 2: outputs and gradients (experts and routing weights) as
+    one process; the bytes counted between nodes (summed over the ranks, who send them) are
+    exactly one row per (token, remote node), fewer than one per slot with a remote expert."""
+    for result in results:
+        label = (name(spec), result)
+        assert result["dropped"] == 0 and result["replicas"] > 0, label
+        errors = (result["output_error"], result["grad_error"], result["weight_grad_error"])
+        assert max(errors) < TOLERANCE, label
+    rows = sum(result["remote_rows"] for result in results)
+    assert sum(result["internode_bytes"] for result in results) == rows * results[0]["bytes_per_remote_row"]
+    assert 0 < rows < sum(result["remote_slots"] for result in results)
+
+
 def check_te_calls(spec, result):
     """With the TE stand-in, both the home and the replica GEMMs ran through GroupedLinear (whose
     stand-in, as TE, refuses a splits list whose length is not its number of GEMMs)."""
@@ -222,8 +238,13 @@ def check_concentrated(spec, result):
 def test_expert_parallel_matches_single_process(world_size):
     checks = CHECKS[world_size]
     results = run_workers(world_size, TARGET, checks, timeout_s=240)
+    for index, spec in enumerate(checks):
+        if spec["check"] == "node_dedup":
+            check_node_dedup(spec, [per_rank[index] for per_rank in results])
     for rank, per_rank in enumerate(results):
         for spec, result in zip(checks, per_rank):
+            if spec["check"] == "node_dedup":
+                continue
             if spec["check"] == "static_shapes":
                 check_static(spec, result)
             elif spec["check"] == "skewed_sources":

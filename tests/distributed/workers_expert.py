@@ -689,6 +689,76 @@ def concentrated_routing(env, spec: dict) -> dict:
     return worst
 
 
+# ---------------------------------------------------------------------------- nodes
+def node_dedup(env, spec: dict) -> dict:
+    """The `nodes` transport on ranks taken as nodes of `gpus_per_node`: outputs, expert and
+    routing-weight gradients as one process, and the inter-node bytes exactly one row (with its
+    `k` destinations, ids and weights) per (token, remote node) its slots go to."""
+    gpus_per_node = spec.get("gpus_per_node", 2)
+    config = small_config(num_experts=4 * env.world_size, num_experts_per_token=4)
+    experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
+    layout = resolve_layout(
+        env.world_size,
+        1,
+        1,
+        0,
+        env.world_size,
+        1,
+        config.num_attention_heads,
+        config.linear_attn_config.num_heads,
+        config.vocab_size,
+        experts,
+        config.num_hidden_layers,
+    )
+    state = ParallelState(layout, env.rank)
+    dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport="nodes", gpus_per_node=gpus_per_node)
+    full = GroupedExperts(config, experts).double()
+    generator = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for param in full.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
+    mine = home_experts(config, dispatcher, full, spec)
+    tokens = 48
+    generator = torch.Generator().manual_seed(300 + env.rank)
+    logits = torch.randn(tokens, experts, generator=generator, dtype=torch.float64)
+    logits[:, : experts // 4] += 1.0  # some skew: replicas are placed too
+    top, ids = logits.sigmoid().topk(top_k, dim=-1)
+    weights = top.clone().requires_grad_(True)
+    reference_weights = top.clone().requires_grad_(True)
+    latent = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
+    upstream = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
+    before = dict(state.ep.counter.bytes)
+    out, info = dispatcher(latent, ids, weights, mine)
+    internode = state.ep.counter.bytes.get("ep.internode", 0) - before.get("ep.internode", 0)  # forward
+    (out * upstream).sum().backward()
+    expected = full(latent, ids, reference_weights)
+    (expected * upstream).sum().backward()
+    node = torch.tensor([rank // gpus_per_node for rank in state.ep.ranks])
+    slot_node = node[info.dest]  # [s, k]
+    mine_node = int(node[state.ep.rank])
+    remote_rows = sum(len({int(n) for n in row if int(n) != mine_node}) for row in slot_node)
+    remote_slots = int((slot_node != mine_node).sum())
+    grad_error = 0.0
+    for name in ("w1", "w3", "w2"):
+        total = state.ep.all_reduce(getattr(full, name).grad.clone())
+        expected_grad = total[dispatcher.expert_offset :][: dispatcher.num_local_experts]
+        grad_error = max(grad_error, (getattr(mine, name).grad - expected_grad).abs().max().item())
+    assert weights.grad is not None and reference_weights.grad is not None
+    return {
+        "output_error": (out - expected).abs().max().item(),
+        "grad_error": grad_error,
+        "weight_grad_error": (weights.grad - reference_weights.grad).abs().max().item(),
+        "dropped": int(info.dropped),
+        "replicas": int(info.replicas),
+        "internode_bytes": internode,
+        # per (token, remote node) row in the forward pass, float64 and int64: the latent out and
+        # the node's weighted sum back (2 rows of `width`), the k destinations, k ids and k weights
+        "bytes_per_remote_row": 2 * width * 8 + 3 * top_k * 8,
+        "remote_rows": remote_rows,
+        "remote_slots": remote_slots,
+    }
+
+
 # ---------------------------------------------------------------------------- entry point
 CHECKS = {
     "equivalence": equivalence,
@@ -696,6 +766,7 @@ CHECKS = {
     "static_shapes": static_shapes,
     "skewed_sources": skewed_sources,
     "concentrated_routing": concentrated_routing,
+    "node_dedup": node_dedup,
 }
 
 
