@@ -151,14 +151,22 @@ def online_code(args, ranks, ids, weights, counts, transport):
         pairs = plan.pair_slots(counts, replica_plan)
         spread_cap = spread.spread_capacity(slots, ranks, destination)
         spread_plan = spread.plan_spread(pairs, spread_cap)
-        dropped = 0
+        dropped = node_rows = remote_slots = 0
         for source in range(ranks):  # the real per-source routing
             dest, _ = plan.replica_route(ids[source].flatten(), counts, source, replica_plan)
             position = plan.pair_positions(dest, weights[source].flatten(), ranks)
             dropped += int((~spread.spread_kept(dest, position, source, spread_plan)).sum())
+            # the `nodes` transport at `--gpus-per-node`: rows crossing between nodes, once per
+            # (token, remote node), against one per slot with a remote expert
+            node = (dest // args.gpus_per_node).view(args.tokens, args.top_k)
+            remote = node != source // args.gpus_per_node
+            remote_slots += int(remote.sum())
+            keys = torch.arange(args.tokens)[:, None] * ranks + node
+            node_rows += int(torch.unique(keys[remote]).numel())
         assert dropped == int(spread_plan.dropped.sum())
         first, second = spread_cap.first, spread_cap.second
     rows = ranks * (first + second)
+    per_node = f"{remote_slots / max(node_rows, 1):.2f}" if transport == "spread" else "-"
     return {
         "dropped": dropped / (ranks * slots),
         "over": int((replica_plan.rank_load - destination).max()),
@@ -168,6 +176,7 @@ def online_code(args, ranks, ids, weights, counts, transport):
         # the [R, M, F] equal-split exchange, weights and their gradients: 2·R·M matrices
         "replica_matrices_micro_batch": 2 * ranks * args.max_replicas,
         "replicas": replicas,
+        "slots_per_node_row": per_node,
     }
 
 
@@ -263,6 +272,7 @@ def main() -> None:
         help="git revision before the relay transport (destination buffers, padded/splits); '' to skip",
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="for the once-per-node row count")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for ranks in args.ranks:
@@ -294,6 +304,7 @@ def main() -> None:
         "×min",
         "replica GiB",
         "replica/token",
+        "slots/node row",
     )
     print(" | ".join(f"{h:>11}" for h in header))
     for ranks in args.ranks:
@@ -340,6 +351,7 @@ def main() -> None:
                     f"{token_bytes / minimum:.3f}",
                     f"{replica_bytes / 2**30:.3f}",
                     f"{100 * replica_bytes / token_bytes:.1f}%",
+                    result.get("slots_per_node_row", "-"),
                 )
                 print(" | ".join(f"{str(c):>11}" for c in cells))
             print(f"{'':>11}   ({time.perf_counter() - started:.0f} s)", flush=True)
