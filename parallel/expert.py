@@ -9,8 +9,9 @@ experts, planned per micro-batch from its own all-gathered loads (`online`,
 per-destination capacity; the token rows travel through a transport behind one interface
 (`parallel/expert_transports.py`: `spread`, the GPU default, two fixed-shape hops that never drop
 while destinations are within capacity; `relay`, two hops within `capacity_factor` of the
-unpadded bytes; `padded`; `splits`, the gloo default); `capacity` mode sends each slot home
-through per-pair buffers and drops overflow. The experts compute through their own module
+unpadded bytes; `padded`; `splits`, the gloo default; `nodes`, once per destination node,
+`parallel/expert_nodes.py`); `capacity` mode sends each slot home through per-pair buffers and
+drops overflow. The experts compute through their own module
 (`SupportsGroupedForward.grouped_forward`). Planning: `parallel/expert_plan.py`; layout, replicas,
 gradients and statistics: docs/expert_parallel.md.
 """

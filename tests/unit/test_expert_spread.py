@@ -117,3 +117,13 @@ def test_spread_planning_is_a_fixed_number_of_operations():
     counts = {ranks: spread_planning_ops(ranks) for ranks in (2, 4, 16)}
     assert len(set(counts.values())) == 1, counts
     assert counts[4] <= 120, counts
+
+
+def test_the_gpu_default_transport_is_spread():
+    from k3train.parallel.expert import resolve_transport
+
+    assert resolve_transport("auto", "nccl") == "spread"
+    assert resolve_transport("auto", "gloo") == "splits"
+    assert resolve_transport("nodes", "gloo") == "nodes"
+    with pytest.raises(ValueError):
+        resolve_transport("exact", "nccl")
