@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from k3train.parallel import expert_plan as plan
+from k3train.parallel import expert_spread as spread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +74,10 @@ def routing(args, ranks: int, regime: str, step: int):
         logits = torch.randn(tokens, experts, generator=noise) + global_bias
         if regime == "per_source":
             logits[:, own_hot[source]] += args.boost
+        elif regime == "lognormal":  # each source's own popularity per expert, log-normal
+            logits += torch.randn(experts, generator=biases) * args.lognormal_sigma
+        elif regime == "concentrated":  # every token picks the same top-k experts (0 … k−1)
+            logits[:, :top_k] += 100.0
         top, index = logits.sigmoid().topk(top_k, dim=-1)
         ids[source], weights[source] = index, top / top.sum(-1, keepdim=True)
     counts = torch.zeros(ranks, experts, dtype=torch.int64)
@@ -126,6 +131,52 @@ def new_code(args, ranks, ids, weights, counts, previous_load):
         "token_ids": rows,
         "replica_matrices_step": replica_traffic(args, ranks, placement),
         "replicas": placement.num_replicas,
+    }
+
+
+def online_code(args, ranks, ids, weights, counts, transport):
+    """Replicas planned per micro-batch from its own loads (`ep_replica_planning: online`), with
+    the `spread` transport (the GPU default) or the `relay` one."""
+    slots = args.tokens * args.top_k
+    destination = plan.capacity_per_destination(args.tokens, args.top_k, ranks, args.capacity_factor)
+    replica_plan = plan.plan_from_load(counts.sum(0), ranks, args.max_replicas)
+    replicas = int(replica_plan.num_replicas)
+    if transport == "relay":
+        shares = plan.proportional_shares(counts, replica_plan)
+        pairs = plan.proportional_pairs(counts, replica_plan, shares)
+        capacity = plan.relay_capacity(args.tokens, args.top_k, ranks, args.capacity_factor)
+        dropped = int(plan.plan_relay(pairs, capacity).dropped.sum())
+        first, second = capacity.first, capacity.second
+    else:
+        pairs = plan.pair_slots(counts, replica_plan)
+        spread_cap = spread.spread_capacity(slots, ranks, destination)
+        spread_plan = spread.plan_spread(pairs, spread_cap)
+        dropped = node_rows = remote_slots = 0
+        for source in range(ranks):  # the real per-source routing
+            dest, _ = plan.replica_route(ids[source].flatten(), counts, source, replica_plan)
+            position = plan.pair_positions(dest, weights[source].flatten(), ranks)
+            dropped += int((~spread.spread_kept(dest, position, source, spread_plan)).sum())
+            # the `nodes` transport at `--gpus-per-node`: rows crossing between nodes, once per
+            # (token, remote node), against one per slot with a remote expert
+            node = (dest // args.gpus_per_node).view(args.tokens, args.top_k)
+            remote = node != source // args.gpus_per_node
+            remote_slots += int(remote.sum())
+            keys = torch.arange(args.tokens)[:, None] * ranks + node
+            node_rows += int(torch.unique(keys[remote]).numel())
+        assert dropped == int(spread_plan.dropped.sum())
+        first, second = spread_cap.first, spread_cap.second
+    rows = ranks * (first + second)
+    per_node = f"{remote_slots / max(node_rows, 1):.2f}" if transport == "spread" else "-"
+    return {
+        "dropped": dropped / (ranks * slots),
+        "over": int((replica_plan.rank_load - destination).max()),
+        "capacity": f"{first}+{second}",
+        "token_rows": 4 * rows,
+        "token_ids": rows,
+        # the [R, M, F] equal-split exchange, weights and their gradients: 2·R·M matrices
+        "replica_matrices_micro_batch": 2 * ranks * args.max_replicas,
+        "replicas": replicas,
+        "slots_per_node_row": per_node,
     }
 
 
@@ -189,7 +240,8 @@ def main() -> None:
         default=[8, 64, 224],
         help="EP sizes; each must divide --experts (896 = 2^7·7: 256 does not, 224 and 448 do)",
     )
-    parser.add_argument("--regimes", nargs="*", default=["global", "per_source"])
+    parser.add_argument("--regimes", nargs="*", default=["global", "per_source"], help="also: lognormal, concentrated")
+    parser.add_argument("--lognormal-sigma", type=float, default=1.0, help="lognormal: σ of log-popularity")
     parser.add_argument("--experts", type=int, default=896)
     parser.add_argument("--top-k", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank and micro-batch")
@@ -220,6 +272,7 @@ def main() -> None:
         help="git revision before the relay transport (destination buffers, padded/splits); '' to skip",
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="for the once-per-node row count")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for ranks in args.ranks:
@@ -251,6 +304,7 @@ def main() -> None:
         "×min",
         "replica GiB",
         "replica/token",
+        "slots/node row",
     )
     print(" | ".join(f"{h:>11}" for h in header))
     for ranks in args.ranks:
@@ -272,7 +326,12 @@ def main() -> None:
                             previous_code(args, previous, ranks, ids, weights, counts, previous_load.sum(0), transport),
                         )
                     )
-            rows.append(("new relay", new_code(args, ranks, ids, weights, counts, previous_load.sum(0))))
+            rows.append(("relay step", new_code(args, ranks, ids, weights, counts, previous_load.sum(0))))
+            # the first step (or a resume at another ep, or a sudden shift): no placement to route with
+            first_step = torch.zeros(args.experts, dtype=torch.int64)
+            rows.append(("relay step 0", new_code(args, ranks, ids, weights, counts, first_step)))
+            rows.append(("relay online", online_code(args, ranks, ids, weights, counts, "relay")))
+            rows.append(("spread online", online_code(args, ranks, ids, weights, counts, "spread")))
             for label, result in rows:
                 token_bytes = (result["token_rows"] * args.latent * element + result["token_ids"] * 4) * micro
                 if "replica_matrices_step" in result:
@@ -292,6 +351,7 @@ def main() -> None:
                     f"{token_bytes / minimum:.3f}",
                     f"{replica_bytes / 2**30:.3f}",
                     f"{100 * replica_bytes / token_bytes:.1f}%",
+                    result.get("slots_per_node_row", "-"),
                 )
                 print(" | ".join(f"{str(c):>11}" for c in cells))
             print(f"{'':>11}   ({time.perf_counter() - started:.0f} s)", flush=True)

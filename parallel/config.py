@@ -148,16 +148,33 @@ class ParallelConfig:
     """Receive capacity as a multiple of the even share: 'balanced', rows per destination rank
     (tokens * top_k each); 'capacity', slots per (source, destination) pair (tokens * top_k / ep)."""
     max_replicas_per_rank: int = 2
-    """'balanced' dispatch: the most replicated experts one rank hosts in a step."""
-    ep_transport: Literal["auto", "relay", "padded", "splits"] = "auto"
+    """'balanced' dispatch: the most replicated experts one rank hosts in a micro-batch."""
+    ep_replica_planning: Literal["online", "step"] = "online"
+    """'balanced' dispatch, when replicas are placed. 'online': every micro-batch plans its own from
+    its all-gathered loads and fetches their weights (a fixed-shape all-to-all of ep *
+    max_replicas_per_rank expert matrices per rank; gradients return home in backward), so no
+    routing, not even the first step's, finds its hot experts without replicas. 'step': one
+    placement per step planned from the previous step's loads, weights fetched once per step (less
+    replica traffic; the first step and a sudden shift of the routing can drop, counted)."""
+    ep_transport: Literal["auto", "spread", "relay", "padded", "splits", "nodes"] = "auto"
     """'balanced' dispatch, how token rows cross the EP group. 'auto': 'splits' on gloo (CPU, where
-    reading split sizes costs no device synchronisation), 'relay' on GPUs. 'splits': exactly the
+    reading split sizes costs no device synchronisation), 'spread' on GPUs. 'spread': two
+    fixed-shape all-to-alls that spread each source's rows evenly over all ranks and forward them
+    (no host read; no drop while every destination is within capacity_factor of the even share,
+    whatever the (source, destination) pairs; about (1 + capacity_factor) times the unpadded rows
+    plus ep rows per pair). 'splits': exactly the
     rows that exist, the receive buffer sized to what arrives (never drops; on GPUs the split sizes
     are read on the host, a device synchronisation per dispatch). 'relay': two fixed-shape
     all-to-alls (a pair's overflow goes through other ranks' spare rows; wire within
     capacity_factor of the unpadded rows, no host read; drops, and counts, beyond that bound).
     'padded': one all-to-all of tokens * top_k rows per pair (ep times the rows: a reference with
-    a fixed [capacity_factor * tokens * top_k] receive buffer). docs/expert_parallel.md."""
+    a fixed [capacity_factor * tokens * top_k] receive buffer). 'nodes': a token's row crosses
+    between nodes (gpus_per_node) once per destination node and is forwarded inside the node;
+    combine adds the outputs at the node before they cross back (host split sizes: the gloo
+    reference). docs/expert_parallel.md."""
+    gpus_per_node: int = 0
+    """GPUs (ranks) per node, for ep_transport 'nodes': ranks r and r' share a node when
+    r // gpus_per_node equals r' // gpus_per_node. 0: torchrun's local world size."""
     collective_timeout_s: float = 0.0
     """Seconds any collective may wait for its peers before this rank exits with one line naming
     the group (a rank that died or stopped answering); 0 means the backend's default: 300 on

@@ -4,11 +4,14 @@ The routed experts of a MoE layer are split over `state.ep` (each rank holds its
 as stacks); the MoE layer hands the dispatcher latent token slots with expert ids and routing
 weights and gets `Σ_k p_k · E_k(latent)` back per token. Buffer shapes depend only on the config
 and the micro-batch size (CUDA-graph safe). `balanced` mode (the default) hosts replicas of hot
-experts placed once per step and keeps every rank under a per-destination capacity; its default
-`relay` transport sends two fixed-shape hops within `capacity_factor` of the unpadded bytes (a
-pair's overflow relayed through the source's spare rows), `padded` and `splits` one
-per-destination receive buffer; `capacity` mode sends each slot home through per-pair buffers
-and drops overflow. The experts compute through their own module
+experts, planned per micro-batch from its own all-gathered loads (`online`,
+`parallel/expert_replicas.py`) or once per step (`step`), and keeps every rank under a
+per-destination capacity; the token rows travel through a transport behind one interface
+(`parallel/expert_transports.py`: `spread`, the GPU default, two fixed-shape hops that never drop
+while destinations are within capacity; `relay`, two hops within `capacity_factor` of the
+unpadded bytes; `padded`; `splits`, the gloo default; `nodes`, once per destination node,
+`parallel/expert_nodes.py`); `capacity` mode sends each slot home through per-pair buffers and
+drops overflow. The experts compute through their own module
 (`SupportsGroupedForward.grouped_forward`). Planning: `parallel/expert_plan.py`; layout, replicas,
 gradients and statistics: docs/expert_parallel.md.
 """
@@ -16,6 +19,7 @@ gradients and statistics: docs/expert_parallel.md.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
@@ -49,22 +53,32 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
     relay_route,
     replica_route,
 )
+from k3train.parallel.expert_replicas import all_to_all, fetch_replicas
+from k3train.parallel.expert_spread import spread_capacity
+from k3train.parallel.expert_transports import TRANSPORT_CLASSES, all_to_all_splits, weighted_sum, wire_bytes
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
-Transport = Literal["relay", "padded", "splits"]
+Transport = Literal["spread", "relay", "padded", "splits", "nodes"]
+TRANSPORTS = ("spread", "relay", "padded", "splits", "nodes")
+ReplicaPlanning = Literal["online", "step"]
 
 
 def resolve_transport(configured: str, backend: str) -> Transport:
     """`parallel.ep_transport: auto` → `splits` on gloo (tensors live in host memory, so reading
     the split sizes costs no device synchronisation, and the exact receive layout never drops),
-    `relay` on GPU back-ends (static shapes, no host read, within `capacity_factor` of the
-    unpadded bytes; it drops, and counts, only beyond its stated bound)."""
+    `spread` on GPU back-ends (static shapes, no host read, no drop while every destination is
+    within its capacity, which the replica planner ensures; about twice the relay's bytes)."""
     if configured == "auto":
-        return "splits" if backend == "gloo" else "relay"
-    if configured not in ("relay", "padded", "splits"):
-        raise ValueError(f"parallel.ep_transport must be 'auto', 'relay', 'padded' or 'splits', got {configured!r}")
+        return "splits" if backend == "gloo" else "spread"
+    if configured not in TRANSPORTS:
+        raise ValueError(f"parallel.ep_transport must be 'auto' or one of {TRANSPORTS}, got {configured!r}")
     return configured  # type: ignore[return-value]
+
+
+def resolve_gpus_per_node(configured: int) -> int:
+    """`parallel.gpus_per_node: 0` → torchrun's local world size (1 without torchrun)."""
+    return configured if configured > 0 else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 ExpertStacks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -103,45 +117,6 @@ def _building_graph() -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Autograd pieces
-
-
-class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all along dim 0; its own adjoint (slice j came from and goes back to j)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return group.all_to_all(x.contiguous())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.group.all_to_all(grad.contiguous()), None
-
-
-def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if group.size == 1:
-        return x
-    return _AllToAll.apply(x, group)
-
-
-def all_to_all_splits(
-    group: Group, x: torch.Tensor, send: list[int], receive: list[int], label: str | None = None
-) -> torch.Tensor:
-    """All-to-all along dim 0 with host split sizes: `send[j]` rows to rank j, `receive[j]` from it."""
-    return group.all_to_all_uneven(x, send, receive, label)
-
-
-class _AllToAllSplits(torch.autograd.Function):
-    """`all_to_all_splits` whose backward sends the gradients back the way the rows came."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, send: list[int], receive: list[int]) -> torch.Tensor:
-        ctx.group, ctx.send, ctx.receive = group, send, receive
-        return all_to_all_splits(group, x, send, receive)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_to_all_splits(ctx.group, grad, ctx.receive, ctx.send), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,20 +182,29 @@ class ExpertParallel:
         transport: Transport = "relay",
         replica_tolerance: float = 0.05,
         spare_replicas: bool = True,
+        replica_planning: ReplicaPlanning = "online",
+        gpus_per_node: int = 0,
     ):
         if num_experts % group.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
         if mode not in ("balanced", "capacity"):
             raise ValueError(f"expert_dispatch must be 'balanced' or 'capacity', got {mode!r}")
-        if transport not in ("relay", "padded", "splits"):
-            raise ValueError(f"parallel.ep_transport must be 'relay', 'padded' or 'splits', got {transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"parallel.ep_transport must be one of {TRANSPORTS}, got {transport!r}")
+        if replica_planning not in ("online", "step"):
+            raise ValueError(f"parallel.ep_replica_planning must be 'online' or 'step', got {replica_planning!r}")
         self.group = group
         self.num_experts = num_experts
+        # `online`: each micro-batch plans its replicas from its own loads and fetches their
+        # weights (`parallel/expert_replicas.py`); `step`: one placement per step, planned from
+        # the previous step's loads, weights fetched once per step
+        self.replica_planning = replica_planning
         self.mode = mode
         self.capacity_factor = capacity_factor
         self.max_replicas = max_replicas_per_rank if mode == "balanced" else 0
         self.compute = compute
         self.transport = transport
+        self.token_transport = TRANSPORT_CLASSES[transport](group, capacity_factor, gpus_per_node)
         self.replica_tolerance = replica_tolerance
         self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
         self._layers: dict[int, tuple[SupportsGroupedForward, _LayerReplicas]] = {}
@@ -252,6 +236,8 @@ class ExpertParallel:
             parallel_config.max_replicas_per_rank,
             compute,
             transport=transport,
+            replica_planning=getattr(parallel_config, "ep_replica_planning", "online"),
+            gpus_per_node=resolve_gpus_per_node(getattr(parallel_config, "gpus_per_node", 0)),
         )
 
     # ------------------------------------------------------------------ layout
@@ -283,7 +269,22 @@ class ExpertParallel:
         r, c = self.size, self.capacity(tokens, top_k)
         if self.mode == "capacity":
             return {"dispatch": (r, c, latent), "dispatch_ids": (r, c), "combine": (r, c, latent)}
-        replica_weights = (self.max_replicas, 3 * inner * latent)
+        replica_weights: tuple[int, ...] = (self.max_replicas, 3 * inner * latent)
+        if self.replica_planning == "online":  # the per-micro-batch exchange of the planned replicas
+            replica_weights = (r, self.max_replicas, 3 * inner * latent)
+        if self.transport == "spread":
+            spread = spread_capacity(tokens * top_k, r, c)
+            return {
+                "dispatch": (r, spread.first, latent),
+                "dispatch_ids": (r, spread.first),
+                "forward": (r, spread.second, latent),
+                "forward_ids": (r, spread.second),
+                "combine_forwarded": (r, spread.second, latent),
+                "combine": (r, spread.first, latent),
+                "received": (r * spread.second, latent),
+                "slot_counts": (r, self.num_experts),
+                "replica_weights": replica_weights,
+            }
         if self.transport == "relay":
             hop = relay_capacity(tokens, top_k, r, self.capacity_factor)
             return {
@@ -333,19 +334,12 @@ class ExpertParallel:
         weights_flat = weights.reshape(-1)
         slot_latent = latent.unsqueeze(1).expand(tokens, top_k, width).reshape(-1, width)
         if self.mode == "balanced":
-            slot_output, info = self._balanced(slot_latent, expert_flat, weights_flat, experts)
+            routed, info = self._balanced(slot_latent, expert_flat, weights_flat, experts, top_k)
         else:
             slot_output, info = self._capacity(slot_latent, expert_flat, weights_flat, experts)
-        wide = torch.promote_types(slot_output.dtype, torch.float32)
-        routed = (slot_output.to(wide) * weights_flat.to(wide)[:, None]).view(tokens, top_k, width).sum(1)
+            routed = weighted_sum(slot_output, weights_flat, top_k)
         info.keep, info.dest = info.keep.view(tokens, top_k), info.dest.view(tokens, top_k)
         return routed.to(latent.dtype), info
-
-    def _wire_bytes(self, sent_rows, returned_rows, width: int, element: int) -> torch.Tensor:
-        """Token bytes this rank sends for one micro-batch: rows and ids forward, the rows' gradients
-        backward (each all-to-all's backward sends what the other one sent forward)."""
-        rows = torch.as_tensor(sent_rows + returned_rows, dtype=torch.int64)
-        return 2 * rows * width * element + torch.as_tensor(sent_rows, dtype=torch.int64) * 4
 
     def _capacity(self, slot_latent, expert_flat, weights_flat, experts):
         """Per-pair buffers `[R, C_pair]`: every slot to its home rank, overflow dropped."""
@@ -372,154 +366,66 @@ class ExpertParallel:
             zero,
             None,
             capacity,
-            self._wire_bytes(rows, rows, width, slot_latent.element_size()),
+            wire_bytes(rows, rows, width, slot_latent.element_size()),
             zero,
         )
         return slot_output, info
 
-    def _balanced(self, slot_latent, expert_flat, weights_flat, experts):
-        """One receive buffer `[C_dest]` per destination, filled in source order; replicas
-        placed for the step take their share of hot experts' slots."""
-        num_ranks, width, me = self.size, slot_latent.shape[-1], self.rank
+    def _balanced(self, slot_latent, expert_flat, weights_flat, experts, top_k: int):
+        """Plan (replicas and each slot's holder), fetch the replicas, then the transport:
+        `dispatch`, the local experts, `combine`."""
+        num_ranks = self.size
         slots, device = expert_flat.shape[0], slot_latent.device
         capacity = capacity_per_destination(slots, 1, num_ranks, self.capacity_factor)
-        state = self._layer(experts, device)
+        # `online` keeps nothing across micro-batches; `step` the step's placement, loads and weights
+        state = self._layer(experts, device) if self.replica_planning == "step" else None
         training = _building_graph()  # loads of a training forward plan the next step's replicas
         with torch.no_grad():
             mine = torch.zeros(self.num_experts, dtype=torch.int64, device=device).scatter_add_(
                 0, expert_flat, torch.ones_like(expert_flat)
             )
             counts = self.group.all_gather(mine.view(1, -1), dim=0)  # [R, E], a few KB
-            if training:
-                state.load += counts.sum(0)
-            plan = apply_placement(counts, state.placement, capacity)
-            if self.transport == "relay":  # a source's slots of an expert split over its holders
-                shares = proportional_shares(counts, plan)
-                dest, local_id = proportional_route(expert_flat, counts, me, plan, shares)
-                pairs = proportional_pairs(counts, plan, shares)
+            if state is None:  # this micro-batch's own loads place its replicas
+                plan = plan_from_load(counts.sum(0), num_ranks, self.max_replicas)
             else:
-                dest, local_id = replica_route(expert_flat, counts, me, plan)
-        if self.transport == "relay":
-            slot_output, keep, received, wire_bytes = self._relay(
-                slot_latent, weights_flat, pairs, dest, local_id, experts, state
-            )
-            return slot_output, self._balanced_info(state, keep, dest, received, plan, capacity, wire_bytes)
-        with torch.no_grad():
-            # `splits` sizes its receive buffer to what arrives, so its only capacity is the R·s·k
-            # slots that exist (dropless); `padded` keeps the fixed [C_dest] receive layout
-            receive_capacity = num_ranks * slots if self.transport == "splits" else capacity
-            room = destination_room(pair_slots(counts, plan), receive_capacity)  # [R, R]: rows each pair carries
-            buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, room[me])  # [R, s·k] layout
-            into_me = room[:, me]  # rows from each source, placed one source after another
-            source_start = into_me.cumsum(0) - into_me
-        ids = torch.full(
-            (slots + 1,) if self.transport == "splits" else (num_ranks * slots + 1,),
-            -1,
-            dtype=torch.int32,
-            device=device,
-        )
-        if self.transport == "padded":
-            # send [R, s·k] per pair; the receiver gathers its rows into [C_dest] by source offsets
-            send = slot_latent.new_zeros(num_ranks * slots + 1, width).index_copy(0, buffer_index, slot_latent)
-            send_ids = ids.index_copy(0, buffer_index, local_id.to(torch.int32))
-            received = all_to_all(send[:-1].view(num_ranks, slots, width), self.group).reshape(-1, width)
-            received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, slots)).reshape(-1)
-            with torch.no_grad():
-                row = torch.arange(capacity, device=device)
-                source = torch.searchsorted(source_start + into_me, row, right=True)
-                inside = source < num_ranks
-                source = source.clamp(max=num_ranks - 1)
-                gather = torch.where(inside, source * slots + row - source_start[source], num_ranks * slots)
-                pair_row = torch.arange(slots, device=device)
-                scatter = torch.where(
-                    pair_row[None, :] < into_me[:, None], source_start[:, None] + pair_row[None, :], capacity
-                ).reshape(-1)  # [R·s·k] -> received row (or trash)
-            rows = torch.cat([received, received.new_zeros(1, width)]).index_select(0, gather)
-            row_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, gather).long()
-            output = self._experts(rows, row_ids, experts, state)
-            back = torch.cat([output, output.new_zeros(1, width)]).index_select(0, scatter)
-            returned = all_to_all(back.view(num_ranks, slots, width), self.group).reshape(-1, width)
-            slot_output = torch.cat([returned, returned.new_zeros(1, width)]).index_select(0, buffer_index)
-            sent_rows = returned_rows = num_ranks * slots
-        else:
-            # exactly the rows that exist: split sizes read on the host (a device sync on CUDA)
-            sent, taken = room[me].tolist(), into_me.tolist()
-            with torch.no_grad():
-                first = room[me].cumsum(0) - room[me]
-                packed = torch.where(keep, first[dest] + buffer_index - dest * slots, slots)
-            send = slot_latent.new_zeros(slots + 1, width).index_copy(0, packed, slot_latent)[: sum(sent)]
-            send_ids = ids.index_copy(0, packed, local_id.to(torch.int32))[: sum(sent)]
-            received = _AllToAllSplits.apply(send, self.group, sent, taken)
-            received_ids = all_to_all_splits(self.group, send_ids, sent, taken)
-            rows, row_ids = received, received_ids.long()
-            output = self._experts(rows, row_ids, experts, state)
-            returned = _AllToAllSplits.apply(output[: received.shape[0]], self.group, taken, sent)
-            returned = torch.cat([returned, returned.new_zeros(slots + 1 - returned.shape[0], width)])
-            slot_output = returned.index_select(0, packed)
-            sent_rows, returned_rows = room[me].sum(), into_me.sum()
-        wire_bytes = self._wire_bytes(sent_rows, returned_rows, width, slot_latent.element_size())
-        return slot_output, self._balanced_info(state, keep, dest, (row_ids >= 0).sum(), plan, capacity, wire_bytes)
-
-    def _balanced_info(self, state: _LayerReplicas, keep, dest, received, plan, capacity, wire_bytes) -> DispatchInfo:
-        # the step's replica traffic, counted with the micro-batch that fetched it (the same ops every time)
-        replica_bytes = torch.tensor(state.fetch_bytes, dtype=torch.int64, device=keep.device)
-        state.fetch_bytes = 0
-        return DispatchInfo(
+                if training:
+                    state.load += counts.sum(0)
+                plan = apply_placement(counts, state.placement, capacity)
+            dest, local_id, pairs = self.token_transport.route(expert_flat, counts, plan)
+        replicas, replica_bytes = self._replicas(experts, state, plan)
+        delivery = self.token_transport.dispatch(slot_latent, weights_flat, dest, local_id, pairs, capacity, top_k)
+        output = self._experts(delivery.rows, delivery.ids, experts, replicas)
+        routed = self.token_transport.combine_weighted(output, delivery, weights_flat, top_k)
+        keep = delivery.keep
+        info = DispatchInfo(
             keep,
             dest,
             (~keep).sum(),
-            received,
-            torch.as_tensor(state.placement.num_replicas, device=keep.device),
+            (delivery.ids >= 0).sum(),
+            plan.num_replicas,
             plan,
             capacity,
-            wire_bytes,
-            replica_bytes,
+            delivery.wire_bytes,
+            torch.tensor(replica_bytes, dtype=torch.int64, device=keep.device),
         )
+        return routed, info
 
-    def _relay(self, slot_latent, weights_flat, pairs, dest, local_id, experts, state):
-        """The `relay` transport: two equal-split all-to-alls of fixed shape, no size exchange.
-        Hop 1 `[R, first]`: each pair's first `direct` slots (highest routing weight) straight to
-        their destination, its overflow round robin through other ranks' spare rows; hop 2
-        `[R, second]`: each relay forwards what it holds for others. Combine runs the two hops
-        backwards. Every rank derives every row's place from the all-gathered counts
-        (`parallel/expert_plan.py` `plan_relay`); what no buffer takes is dropped and counted."""
-        num_ranks, me, width = self.size, self.rank, slot_latent.shape[-1]
-        slots, device = slot_latent.shape[0], slot_latent.device
-        cap = relay_capacity(slots, 1, num_ranks, self.capacity_factor)
-        first_rows, second_rows = num_ranks * cap.first, num_ranks * cap.second
-        with torch.no_grad():
-            relay_plan = plan_relay(pairs, cap)
-            hop1_index, keep = relay_route(dest, pair_positions(dest, weights_flat, num_ranks), me, relay_plan)
-            to_hop2, direct = relay_forward(relay_plan, me)  # [R·first] each received row's hop-2 row
-            from_hop1 = torch.full((second_rows + 1,), first_rows, dtype=torch.int64, device=device).scatter_(
-                0, to_hop2, torch.arange(first_rows, device=device)
-            )[:second_rows]  # trash entry sliced off
-        zero_row = slot_latent.new_zeros(1, width)
-        send = torch.cat([slot_latent.new_zeros(first_rows, width), zero_row]).index_copy(0, hop1_index, slot_latent)
-        send_ids = torch.full((first_rows + 1,), -1, dtype=torch.int32, device=device).index_copy(
-            0, hop1_index, local_id.to(torch.int32)
-        )
-        received = all_to_all(send[:-1].view(num_ranks, cap.first, width), self.group).reshape(-1, width)
-        received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, cap.first)).reshape(-1)
-        forward = torch.cat([received, zero_row]).index_select(0, from_hop1)
-        forward_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, from_hop1)
-        relayed = all_to_all(forward.view(num_ranks, cap.second, width), self.group).reshape(-1, width)
-        relayed_ids = self.group.all_to_all(forward_ids.view(num_ranks, cap.second)).reshape(-1)
-        rows = torch.cat([received, relayed])
-        row_ids = torch.cat([torch.where(direct, received_ids, -1), relayed_ids]).long()
-        output = self._experts(rows, row_ids, experts, state)
-        returned = all_to_all(output[first_rows:].view(num_ranks, cap.second, width), self.group).reshape(-1, width)
-        back = output[:first_rows] + torch.cat([returned, zero_row]).index_select(0, to_hop2)
-        combined = all_to_all(back.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
-        slot_output = torch.cat([combined, zero_row]).index_select(0, hop1_index)
-        wire_rows = num_ranks * cap.rows
-        wire_bytes = self._wire_bytes(wire_rows, wire_rows, width, slot_latent.element_size())
-        return slot_output, keep, (row_ids >= 0).sum(), wire_bytes
+    def _replicas(
+        self, experts: SupportsGroupedForward, state: _LayerReplicas | None, plan: ReplicaPlan
+    ) -> tuple[ExpertStacks, int]:
+        """The replica stacks this micro-batch computes with and the replica bytes it sends: fetched
+        now for `plan` (`online`), or the step's cached ones (`step`; their traffic counted with
+        the micro-batch that fetched them)."""
+        if state is None:
+            stacks, sent_bytes = fetch_replicas(experts.stacks(), plan, self.group, self.max_replicas)
+            return cast(ExpertStacks, stacks), sent_bytes
+        replicas = self.step_replicas(experts)
+        sent_bytes, state.fetch_bytes = state.fetch_bytes, 0
+        return replicas, sent_bytes
 
-    def _experts(self, rows, ids, experts, state: _LayerReplicas) -> torch.Tensor:
+    def _experts(self, rows, ids, experts, replicas: ExpertStacks) -> torch.Tensor:
         """Received rows through the home experts, then the replica slots (ids `G … G + M − 1`)."""
         output = experts.grouped_forward(rows, ids, compute=self.compute)
-        replicas = self.step_replicas(experts)
         return output + experts.grouped_forward(rows, ids - self.num_local_experts, replicas, compute=self.compute)
 
     # ------------------------------------------------------------------ replicas, once per step
@@ -626,7 +532,8 @@ class ExpertParallel:
         for experts, layer in self._layers.values():
             if layer.flat is not None:  # every EP rank ran the same layers: the collectives match
                 self._return_gradients(experts, layer, state)
-            if self.mode == "balanced" and self.size > 1 and int(layer.load.sum()) > 0:
+            planned = self.replica_planning == "step" and self.mode == "balanced" and self.size > 1
+            if planned and int(layer.load.sum()) > 0:  # `online` plans in the dispatch: nothing here
                 plan = plan_from_load(layer.load, self.size, self.max_replicas, self.replica_tolerance)
                 layer.placement = ReplicaPlacement.from_plan(plan)
                 if self.spare_replicas:

@@ -77,7 +77,7 @@ class MoEGate(nn.Module):
 class GroupedExperts(nn.Module):
     """All routed experts of a layer as stacked weights `[experts, out, in]` (w1 gate, w3 up, w2 down)."""
 
-    def __init__(self, config: ModelConfig, num_experts: int, grouped_gemm_factory=None):
+    def __init__(self, config: ModelConfig, num_experts: int, grouped_gemm_factory=None, replica_groups: int = 0):
         super().__init__()
         latent, inner = config.expert_width, config.moe_intermediate_size
         self.num_experts = num_experts
@@ -96,6 +96,21 @@ class GroupedExperts(nn.Module):
                 ]
             )
             if grouped_gemm_factory is not None
+            else None
+        )
+        # Expert parallelism's replica stacks (`replica_groups` experts of other ranks) run through
+        # grouped GEMMs of their own: TE's GroupedLinear takes exactly one split per GEMM it was
+        # built with, and its FP8 state then covers one call per micro-batch and module.
+        self.replica_groups = replica_groups if grouped_gemm_factory is not None else 0
+        self.te_replica_gemms = (
+            nn.ModuleList(
+                [
+                    grouped_gemm_factory(replica_groups, latent, inner),
+                    grouped_gemm_factory(replica_groups, latent, inner),
+                    grouped_gemm_factory(replica_groups, inner, latent),
+                ]
+            )
+            if grouped_gemm_factory is not None and replica_groups > 0
             else None
         )
 
@@ -118,7 +133,7 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = weights if weights is not None else self.stacks()
         scale = {} if row_scale is None else {"row_scale": row_scale}
         if self.te_gemms is not None:
-            gemm1, gemm3, gemm2 = self.te_gemms
+            gemm1, gemm3, gemm2 = self._te_gemms_for(w1.shape[0])
             hidden = self.activation(gemm1(rows, group_ends, w1), gemm3(rows, group_ends, w3), **scale)
             return gemm2(hidden, group_ends, w2)
         gate = grouped_mm(rows, w1.transpose(1, 2).to(rows.dtype), group_ends)
@@ -127,6 +142,20 @@ class GroupedExperts(nn.Module):
         # the activation may keep its saved tensors in their buffers
         hidden = self.activation(gate, up, overwrite_inputs=True, **scale)
         return grouped_mm(hidden, w2.transpose(1, 2).to(rows.dtype), group_ends)
+
+    def _te_gemms_for(self, groups: int) -> nn.ModuleList:
+        """The TE grouped GEMMs built for stacks of `groups` experts (this module's own, or the
+        replica slots')."""
+        if groups == self.num_experts:
+            assert self.te_gemms is not None
+            return self.te_gemms
+        if self.te_replica_gemms is not None and groups == self.replica_groups:
+            return self.te_replica_gemms
+        raise ValueError(
+            f"no Transformer Engine grouped GEMMs for a stack of {groups} experts (this module has "
+            f"{self.num_experts} experts and {self.replica_groups} "
+            "replica slots): build it with replica_groups= the dispatcher's max_replicas"
+        )
 
     def grouped_forward(
         self, rows: torch.Tensor, ids: torch.Tensor, weights: ExpertStacks | None = None, compute: str = "grouped"
@@ -255,7 +284,8 @@ class LatentMoE(nn.Module):
         latent = config.routed_expert_hidden_size  # None: a plain MoE, no latent projections (Kimi Linear)
         self.routed_expert_down_proj = tp.linear(config.hidden_size, latent) if latent is not None else None
         num_local = config.num_experts if expert_parallel is None else expert_parallel.num_local_experts
-        self.experts = GroupedExperts(config, num_local, tp.grouped_gemm_factory)
+        replica_groups = 0 if expert_parallel is None else expert_parallel.max_replicas
+        self.experts = GroupedExperts(config, num_local, tp.grouped_gemm_factory, replica_groups)
         if expert_parallel is not None:
             expert_parallel.mark_expert_params(self.experts)
         self.routed_expert_norm = (

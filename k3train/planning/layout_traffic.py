@@ -27,14 +27,15 @@ def expert_layer_traffic(
     and in `balanced` mode the all-gather of the `[1, E]` int64 loads the routing plan is made
     from), and per step in `balanced` mode (None otherwise) the replica weights this rank sends
     out and, at the step's end, their gradients back: two uneven all-to-alls, sent even when
-    empty as on the first step, `replica_matrices` expert matrices each way. With `recompute`
+    empty as on the first step, `replica_matrices` expert matrices each way; with `online` replica
+    planning instead, per micro-batch, the `[R, M, F]` replica exchange and its adjoint. With `recompute`
     (`recompute: sublayer`) backward reruns the layer's forward, all-to-alls included (the
     replicas are the step's cached ones). Shapes from the dispatcher's own
     `ExpertParallel.buffer_shapes`."""
     shapes = ep.buffer_shapes(
         tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     )
-    # The relay transport (balanced, on GPUs) adds a second hop: `forward [R, C2, l]` and its ids.
+    # The two-hop transports (spread, the GPU default, and relay) add `forward [R, C2, l]` and its ids.
     hops = ("dispatch", "forward") if "forward" in shapes else ("dispatch",)
     rows = sum(math.prod(shapes[hop]) for hop in hops) * activation
     ids = sum(math.prod(shapes[f"{hop}_ids"]) for hop in hops) * 4
@@ -45,6 +46,10 @@ def expert_layer_traffic(
     messages = (2 if recompute else 1) * forward_messages + 2 * len(hops)
     if "replica_weights" not in shapes:
         return (nbytes, messages), None
+    if len(shapes["replica_weights"]) == 3:  # `online` replicas: `[R, M, F]` per micro-batch, no step exchange
+        exchange = math.prod(shapes["replica_weights"]) * weight
+        forwards = 2 if recompute else 1
+        return (nbytes + (forwards + 1) * exchange, messages + forwards + 1), None
     matrix = math.prod(shapes["replica_weights"][1:]) * weight
     return (nbytes, messages), (2 * replica_matrices * matrix, 2)
 
@@ -57,7 +62,9 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
     `[R, C, l]`, and in backward the adjoints of dispatch and combine. Per step and layer
     (balanced): the replica weights this rank sends and their gradients back, `replica_matrices`
     expert matrices each way; how many depends on the previous step's loads (none on the first
-    step, at most `max_replicas` per receiving rank), so the caller says. Per step: the expert
+    step, at most `max_replicas` per receiving rank), so the caller says; with expert_dp > 1
+    also the dense `[G, 3·I·l]` replica-gradient all-reduce over `expert_dp` per layer (`step`
+    replicas; `online` ones reach the home gradients in backward). Per step: the expert
     share of the gradient norm (one fp32 scalar). `recompute: sublayer` repeats the forward
     all-to-alls that autograd tracks in backward (not modelled: refused)."""
     config = job.config
@@ -89,6 +96,11 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
         out["ep"] = (micro_batches * moe * per_micro_batch[0], micro_batches * moe * per_micro_batch[1])
         if per_step is not None:
             out[f"{ep.group.name}.replicas"] = (moe * per_step[0], moe * per_step[1])
+            expert_dp = job.parallel.expert_dp
+            if expert_dp.size > 1:  # `step` replicas: finish_step all-reduces a dense [G, 3·I·l] delta per layer
+                dense = ep.num_local_experts * 3 * cfg.moe_intermediate_size * cfg.expert_width * weight
+                nbytes, messages = out.get(expert_dp.name, (0, 0))
+                out[expert_dp.name] = (nbytes + moe * dense, messages + moe)
     if ep is not None:  # the expert share of the global gradient norm: one fp32 scalar (`norm_shares`)
         nbytes, messages = out.get("ep", (0, 0))
         out["ep"] = (nbytes + 4, messages + 1)

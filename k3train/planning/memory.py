@@ -276,13 +276,19 @@ def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -
 
 
 def replica_weight_bytes(job: RankJob, moe_layers: int) -> float:
-    """`balanced` mode: the replica weights a rank holds for the whole step (fetched once per
-    step and layer, `max_replicas` expert matrices), and their gradients, in fp32."""
+    """`balanced` mode: the replica weights a rank holds, fp32. `step` planning: fetched once per
+    step and layer (`max_replicas` expert matrices) and kept with their gradients for the whole
+    step. `online` planning: per MoE layer, the `[R, M, F]` exchange buffer of the one layer
+    fetching now and the `[M, F]` replicas each layer keeps for its backward (gradients go home
+    through the exchange's adjoint, into the home experts' gradients)."""
     ep = job.expert_parallel
     if ep is None or not moe_layers or not ep.max_replicas:
         return 0.0
     cfg = job.config.model
     shapes = ep.buffer_shapes(1, cfg.num_experts_per_token, cfg.expert_width, cfg.moe_intermediate_size)
+    if len(shapes["replica_weights"]) == 3:
+        ranks, slots, width = shapes["replica_weights"]
+        return (ranks * slots * width + slots * width * moe_layers) * 4
     slots, width = shapes["replica_weights"]
     return 2 * slots * width * 4 * moe_layers
 

@@ -210,8 +210,13 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
             cfg.moe_intermediate_size,
         )
         expert_buffers = (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * element
+        exchange = 0.0  # `online` replicas: the [R, M, F] buffer of the layer fetching now
         if "replica_weights" in shapes and ep.max_replicas:
-            replica_weights = 2 * math.prod(shapes["replica_weights"]) * 4
+            if len(shapes["replica_weights"]) == 3:  # as memory.py: [M, F] held per layer, one exchange
+                exchange = math.prod(shapes["replica_weights"]) * 4
+                replica_weights = math.prod(shapes["replica_weights"][1:]) * 4
+            else:
+                replica_weights = 2 * math.prod(shapes["replica_weights"]) * 4
     worst = 0.0
     for rank in range(layout.pp):
         ranges = plan.layer_ranges(rank)
@@ -228,7 +233,7 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
             activations += moe_live * expert_buffers
             if replica_weights:
                 moe_here = sum(cfg.is_moe_layer(i) for r in ranges for i in range(*r))
-                activations += moe_here * replica_weights
+                activations += moe_here * replica_weights + (exchange if moe_here else 0.0)
         worst = max(worst, _static_bytes(config, layout, ranges, cache) + activations)
     return worst / GIB
 

@@ -25,7 +25,7 @@ from k3train.planning.memory import ActivationShape, chunk_activation_bytes
 from k3train.planning.stage_parameters import stage_parameters
 from k3train.training.build import planning_parallel_state
 
-ExpertKey = tuple[Layout, bool, str, float, int, str, int]
+ExpertKey = tuple[Layout, bool, str, float, int, str, str, int]
 StageKey = tuple[tuple[tuple[int, int], ...], int, int]
 ChunkKey = tuple[str, tuple[int, ...], ActivationShape, int]
 
@@ -57,6 +57,7 @@ class SearchCache:
             parallel.capacity_factor,
             parallel.max_replicas_per_rank,
             getattr(parallel, "ep_transport", "auto"),
+            getattr(parallel, "ep_replica_planning", "online"),
             num_experts,
         )
         if key not in self.expert_parallels:

@@ -43,6 +43,16 @@ LAYOUTS = [
     # relay: the static-shape transport whose bytes the formula gives (`auto` is `splits` on gloo,
     # exact rows that depend on the routing; the step line reports those as measured)
     dict(name="EP2 balanced", dp=2, ep=2, overrides=["parallel.ep_transport=relay"]),
+    # expert_dp = 2: replica gradients reach the home experts in backward (online replicas), so
+    # the expert_dp all-reduce is the home gradients' buckets alone; the spread transport
+    dict(name="EP2×expert_dp2 balanced spread", dp=4, ep=2, overrides=["parallel.ep_transport=spread"]),
+    # `step` replicas: their gradients return at the step boundary, a dense all-reduce over expert_dp
+    dict(
+        name="EP2×expert_dp2 balanced step relay",
+        dp=4,
+        ep=2,
+        overrides=["parallel.ep_transport=relay", "parallel.ep_replica_planning=step"],
+    ),
     dict(
         name="EP2 capacity ×TP2+SP", tp=2, ep=2, sequence_parallel=True, overrides=["parallel.expert_dispatch=capacity"]
     ),

@@ -14,34 +14,35 @@
   device-to-host read or data-dependent shape), for very different routings; the op traces
   (every op's output shapes) must be identical and the exchanged buffers have the shapes
   `ExpertParallel.buffer_shapes` derives from the config.
+
+The checks of the dispatcher alone (per-source skew, concentrated routing, the `nodes`
+transport, the TE stand-in) live in `workers_expert_dispatcher.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
 from k3train.model.k3 import K3ModelChunk
 from k3train.model.moe import GroupedExperts, LatentMoE, finish_expert_step
 from k3train.parallel.expert import ExpertParallel, ExpertParameter, routing_statistics_group
-from k3train.parallel.expert_plan import capacity_per_pair, home_route
 from k3train.parallel.grad_reduce import GradientReducer
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.parallel.tensor import ShardedParameter, TensorParallel
-
-
-def small_config(**changes) -> ModelConfig:
-    base = ModelConfig(num_hidden_layers=3, attn_res_block_size=2, recompute="none", balancer="quantile_histogram")
-    return dataclasses.replace(base, **changes)
+from tests.distributed.workers_expert_dispatcher import (
+    concentrated_routing,
+    node_dedup,
+    skewed_sources,
+    small_config,
+)
 
 
 # ---------------------------------------------------------------------------- a whole layer, then EP
@@ -256,6 +257,7 @@ def setup(env, spec: dict):
         spec["capacity_factor"],
         spec.get("max_replicas", 2),
         transport=spec.get("transport", "relay"),
+        replica_planning=spec.get("replica_planning", "online"),
     )
     reference = K3ModelChunk(config).double()
     reference.init_weights(seed=7)
@@ -290,7 +292,8 @@ def equivalence(env, spec: dict) -> dict:
 
     reference_loss = reference.loss(reference(inputs), labels)
     reference_loss.backward()
-    if spec["mode"] == "balanced":  # step 0 places no replicas: plan them from a first step's loads
+    if spec["mode"] == "balanced" and expert_parallel.replica_planning == "step":
+        # step 0 places no replicas: plan them from a first step's loads
         model.loss(model(inputs[rows]), labels[rows]).backward()
         forget_warm_up_step([model], state)
     loss = model.loss(model(inputs[rows]), labels[rows])
@@ -327,7 +330,8 @@ def pipeline_equivalence(env, spec: dict) -> dict:
     reference_loss.backward()
     micro_batches = list(tokens.split(micro_batch_size))[state.dp_rank * count : (state.dp_rank + 1) * count]
     shape = residual_shape(micro_batch_size, seq, config.hidden_size, state.tp.size, state.sequence_parallel)
-    if spec["mode"] == "balanced":  # step 0 places no replicas: plan them from a first step's loads
+    if spec["mode"] == "balanced" and expert_parallel.replica_planning == "step":
+        # step 0 places no replicas: plan them from a first step's loads
         PipelineExecutor(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
         forget_warm_up_step(chunks, state)
     loss = PipelineExecutor(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
@@ -430,6 +434,7 @@ def static_shapes(env, spec: dict) -> dict:
         spec.get("max_replicas", 2),
         compute="gather",
         transport=spec.get("transport", "relay"),
+        replica_planning=spec.get("replica_planning", "online"),
     )
     moe = LatentMoE(config, TensorParallel.single(), expert_parallel=expert_parallel).double()
     generator = torch.Generator().manual_seed(11)
@@ -465,7 +470,7 @@ def static_shapes(env, spec: dict) -> dict:
         # replica fetch happen outside the dispatch path, so outside the guard
         expert_parallel.finish_step()
         moe.zero_grad()
-        if spec["mode"] == "balanced":
+        if spec["mode"] == "balanced" and expert_parallel.replica_planning == "step":
             expert_parallel.step_replicas(moe.experts)
         exchanged.clear()
         guard = StaticShapeGuard()
@@ -502,79 +507,14 @@ def _first_difference(a, b):
     return None if len(a) == len(b) else (min(len(a), len(b)), "length", (len(a), len(b)))
 
 
-# ---------------------------------------------------------------------------- per-source skew
-def skewed_sources(env, spec: dict) -> dict:
-    """The dispatcher alone under per-source skew: each rank routes its own hot experts (all on
-    one other rank's home; half the ranks only), over several steps (replicas planned from the previous step). Every
-    rank's output must equal the single-process experts on its tokens, and after `finish_step`
-    the home experts' gradients the sum of the single-process gradients over all ranks."""
-    config = small_config(num_experts=8 * env.world_size, num_experts_per_token=4)
-    experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
-    layout = resolve_layout(
-        env.world_size,
-        1,
-        1,
-        0,
-        env.world_size,
-        1,
-        config.num_attention_heads,
-        config.linear_attn_config.num_heads,
-        config.vocab_size,
-        experts,
-        config.num_hidden_layers,
-    )
-    state = ParallelState(layout, env.rank)
-    dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport=spec.get("transport", "relay"))
-    full = GroupedExperts(config, experts).double()
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param in full.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
-    mine = GroupedExperts(config, dispatcher.num_local_experts).double()
-    with torch.no_grad():
-        for name in ("w1", "w3", "w2"):
-            getattr(mine, name).copy_(getattr(full, name)[dispatcher.expert_offset :][: dispatcher.num_local_experts])
-    dispatcher.mark_expert_params(mine)
-    local, ranks, tokens = dispatcher.num_local_experts, env.world_size, 64
-    hot_home = (env.rank + 1) % ranks
-    worst: dict[str, Any] = {"output_error": 0.0, "grad_error": 0.0, "dropped": [], "replicas": [], "max_home_pair": 0}
-    for step in range(3):
-        generator = torch.Generator().manual_seed(100 * step + env.rank)
-        logits = torch.randn(tokens, experts, generator=generator, dtype=torch.float64)
-        if env.rank < max(1, ranks // 2):  # only some sources have hot experts: the loads are skewed too
-            logits[:, hot_home * local : hot_home * local + 3] += spec.get(
-                "boost", 3.0
-            )  # three hot experts of one home
-        weights, ids = logits.sigmoid().topk(top_k, dim=-1)
-        latent = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
-        upstream = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
-        out, info = dispatcher(latent, ids, weights, mine)
-        (out * upstream).sum().backward()
-        expected = full(latent, ids, weights * info.keep)  # a dropped slot counts as weight zero
-        (expected * upstream).sum().backward()
-        dispatcher.finish_step()
-        worst["output_error"] = max(worst["output_error"], (out - expected).abs().max().item())
-        worst["dropped"].append(int(state.ep.all_reduce(info.dropped.clone())))
-        worst["replicas"].append(int(info.replicas))
-        pairs = torch.bincount(home_route(ids.flatten(), local)[0], minlength=ranks)
-        largest = state.ep.all_reduce(pairs.max().clone(), op=torch.distributed.ReduceOp.MAX)  # over all sources
-        worst["max_home_pair"] = max(worst["max_home_pair"], int(largest))
-        for name in ("w1", "w3", "w2"):
-            total = state.ep.all_reduce(getattr(full, name).grad.clone())
-            expected_grad = total[dispatcher.expert_offset :][:local]
-            worst["grad_error"] = max(
-                worst["grad_error"], (getattr(mine, name).grad - expected_grad).abs().max().item()
-            )
-    worst["pair_capacity"] = capacity_per_pair(tokens, top_k, ranks, 1.25)
-    return worst
-
-
 # ---------------------------------------------------------------------------- entry point
 CHECKS = {
     "equivalence": equivalence,
     "pipeline": pipeline_equivalence,
     "static_shapes": static_shapes,
     "skewed_sources": skewed_sources,
+    "concentrated_routing": concentrated_routing,
+    "node_dedup": node_dedup,
 }
 
 

@@ -77,7 +77,7 @@ def test_capacity_is_a_function_of_config_and_micro_batch():
         "combine": (4, 72, 32),
         "received": (320, 32),
         "slot_counts": (4, 16),
-        "replica_weights": (2, 3 * 48 * 32),
+        "replica_weights": (4, 2, 3 * 48 * 32),  # online: [R, M, F] per micro-batch
     }
     padded = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "balanced", 1.25, 2, transport="padded")
     shapes = padded.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48)
@@ -89,8 +89,14 @@ def test_capacity_is_a_function_of_config_and_micro_batch():
         "combine": (4, 256, 32),
         "received": (320, 32),
         "slot_counts": (4, 16),
-        "replica_weights": (2, 3 * 48 * 32),
+        "replica_weights": (4, 2, 3 * 48 * 32),  # online: [R, M, F] per micro-batch
     }
+    spread = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "balanced", 1.25, 2, transport="spread")
+    # spread: hop 1 ceil(s·k/R) = 64 rows per pair, hop 2 ceil(C_dest/R) + R = 84
+    assert spread.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48)["dispatch"] == (4, 64, 32)
+    assert spread.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48)["forward"] == (4, 84, 32)
+    step = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "balanced", 1.25, 2, replica_planning="step")
+    assert step.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48)["replica_weights"] == (2, 3 * 48 * 32)
     capacity_mode = ExpertParallel(SimpleNamespace(size=4, rank=1), 16, "capacity", 1.25)
     assert capacity_mode.buffer_shapes(tokens=64, top_k=4, latent=32, inner=48) == {
         "dispatch": (4, 80, 32),
@@ -449,7 +455,7 @@ def test_replica_placement_round_trips_through_checkpoint_values():
         )
         for _ in range(2)
     ]
-    saving = ExpertParallel(group, 16, "balanced", 1.25, 2)
+    saving = ExpertParallel(group, 16, "balanced", 1.25, 2, replica_planning="step")
     for module in experts_modules:
         saving.mark_expert_params(module)
     load = torch.arange(16, dtype=torch.int64) ** 2
@@ -461,7 +467,7 @@ def test_replica_placement_round_trips_through_checkpoint_values():
     placements = [saving._layer(module).placement.host for module in experts_modules]
     assert all(placements)
     state = decode_value(encode_value(saving.state_dict()))  # what the checkpoint files hold
-    restoring = ExpertParallel(group, 16, "balanced", 1.25, 2)
+    restoring = ExpertParallel(group, 16, "balanced", 1.25, 2, replica_planning="step")
     for module in experts_modules:
         restoring.mark_expert_params(module)
     restoring.load_state_dict(state)
