@@ -211,18 +211,17 @@ def _build_optimizer(
     return optimizer
 
 
-def agreed_cpu_bf16_min_flops() -> float:
+def agreed_cpu_bf16_min_flops(group: Group) -> float:
     """Where "auto" Newton–Schulz switches to bf16 on this CPU (k3train/optim/bf16_probe.py), as
-    rank 0 measured it (or read it from the cache), the same on every rank: replicas that
-    orthogonalise the same matrix must do it in the same dtype."""
+    the first rank of `group` measured it (or read it from the cache), the same on every rank of
+    the group: the ranks of a stage (data and tensor parallel) that orthogonalise the same
+    matrix must do it in the same dtype. A start-up exchange of one number, not counted traffic."""
     from k3train.optim.bf16_probe import cpu_bf16_min_flops
 
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    rank = torch.distributed.get_rank() if distributed else 0
-    crossover = [cpu_bf16_min_flops() if rank == 0 else 0.0]
-    if distributed:
-        torch.distributed.broadcast_object_list(crossover, src=0)
-    return float(crossover[0])
+    crossover = torch.tensor([cpu_bf16_min_flops() if group.rank == 0 else 0.0], dtype=torch.float64)
+    if group.size > 1:
+        torch.distributed.broadcast(crossover, src=group.ranks[0], group=group.process_group)
+    return float(crossover.item())
 
 
 def build_rank(
@@ -260,7 +259,7 @@ def build_rank(
         compile_elementwise(model, config.train.compile_regions)  # in place: parameters, names and hooks unchanged
     optimizer = _build_optimizer(model, config, parallel, bucket_bytes)
     if device.type == "cpu" and isinstance(optimizer.optimizer, PerHeadMuon):
-        optimizer.optimizer.ns_cpu_bf16_min_flops = agreed_cpu_bf16_min_flops()
+        optimizer.optimizer.ns_cpu_bf16_min_flops = agreed_cpu_bf16_min_flops(parallel.data_tensor)
     # Under ZeRO-1 the gradients are reduce-scattered to their owners (the optimizer's plan).
     reducer = GradientReducer(
         model, parallel, bucket_bytes=bucket_bytes, overlap=overlap, owners=optimizer.gradient_owners()
