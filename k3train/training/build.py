@@ -28,6 +28,7 @@ from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.parallel.comm import Group
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, GradientReducer
+from k3train.parallel.mixed_precision import MainGradReducer
 from k3train.parallel.muon_split import install_muon_split
 from k3train.parallel.pipeline import PipelineExecutor, PipelinePlan, residual_shape
 from k3train.parallel.state import Layout, ParallelState
@@ -190,6 +191,17 @@ def forward_precision_context(
     return bf16_and_fp8
 
 
+def model_weight_dtype(config: JobConfig) -> torch.dtype | None:
+    """The dtype the model's weights are cast to under sharded fp32 masters (None: fp32 weights
+    stepped in place)."""
+    return torch.bfloat16 if config.train.weights == "bf16_with_fp32_master_shards" else None
+
+
+def gradient_dtype(config: JobConfig) -> torch.dtype:
+    """`train.grad_dtype` as a torch dtype: what gradients accumulate and are reduced in."""
+    return torch.bfloat16 if config.train.grad_dtype == "bf16" else torch.float32
+
+
 def _build_optimizer(
     model: K3RankModel, config: JobConfig, parallel: ParallelState, bucket_bytes: int
 ) -> DistributedOptimizer:
@@ -203,8 +215,9 @@ def _build_optimizer(
         parameter_costs(model, config.optimizer),
         zero1=config.parallel.zero1,
         bucket_bytes=bucket_bytes,
+        model_dtype=model_weight_dtype(config),
     )
-    if not config.parallel.zero1 and config.optimizer.muon_split_over_dp:
+    if not config.parallel.zero1 and config.optimizer.muon_split_over_dp and optimizer.master_weights is None:
         # Each DP rank orthogonalises the matrices ZeRO-1 would give it; updates all-gathered.
         install_muon_split(optimizer.optimizer, model.named_parameters(), optimizer.plan.owners, parallel, bucket_bytes)
     return optimizer
@@ -240,9 +253,26 @@ def build_rank(
         compile_elementwise(model, config.train.compile_regions)  # in place: parameters, names and hooks unchanged
     optimizer = _build_optimizer(model, config, parallel, bucket_bytes)
     # Under ZeRO-1 the gradients are reduce-scattered to their owners (the optimizer's plan).
-    reducer = GradientReducer(
-        model, parallel, bucket_bytes=bucket_bytes, overlap=overlap, owners=optimizer.gradient_owners()
-    )
+    reducer: GradientReducer
+    if optimizer.master_weights is not None:  # bf16 weights: gradients accumulate in the buffers
+        reducer = MainGradReducer(
+            model,
+            parallel,
+            gradient_dtype(config),
+            bucket_bytes=bucket_bytes,
+            overlap=overlap,
+            owners=optimizer.gradient_owners(),
+        )
+        optimizer.take_gradients_from(reducer)
+    else:
+        reducer = GradientReducer(
+            model,
+            parallel,
+            bucket_bytes=bucket_bytes,
+            reduce_dtype=torch.bfloat16 if config.train.grad_dtype == "bf16" else None,
+            overlap=overlap,
+            owners=optimizer.gradient_owners(),
+        )
     schedule = PipelineExecutor(
         plan,
         parallel.pp,
@@ -284,6 +314,8 @@ __all__ = [
     "build_model",
     "check_precision_support",
     "forward_precision_context",
+    "gradient_dtype",
+    "model_weight_dtype",
     "fp8_excluded_layers",
     "planning_parallel_state",
 ]
