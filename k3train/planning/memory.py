@@ -8,9 +8,12 @@ component, counted from the tensors autograd saves on the PyTorch path (what
 in `docs/planning.md` with what they stand for. It is multiplied by the micro-batches (chunks)
 the schedule keeps in flight at its peak, read from the schedule's own step list.
 
-Precision: `fp32` stores everything in 4 bytes; `bf16` (autocast) keeps fp32 master weights,
-fp32 gradients and fp32 optimizer state, and saves activations in 2 bytes (the router, AttnRes
-and loss parts compute in fp32 and are counted at 4).
+Precision: the weights are the built parameters' bytes (fp32, or bf16 under
+`train.weights=bf16_with_fp32_master_shards`); the gradients are `p.grad` in the parameter's
+dtype plus the reducer's bucket buffers (fp32 weights), or the reducer's persistent buffers in
+`train.grad_dtype` (bf16 weights); the fp32 masters are the owned parameters' (bf16 weights
+only); the optimizer state is fp32 for the owned parameters. Activations are saved in 2 bytes
+under bf16 and fp8 (the router, AttnRes and loss parts compute in fp32 and are counted at 4).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from k3train.config import JobConfig
 from k3train.model.config import ModelConfig
 from k3train.optim.builder import route_parameters
+from k3train.parallel.mixed_precision import MainGradReducer
 from k3train.parallel.pipeline import theoretical_peak_blocks
 from k3train.parallel.pipeline_schedule import PipelinePlan, schedule_steps
 from k3train.parallel.state import Layout
@@ -198,6 +204,11 @@ class RankMemory:
     parameters: int
     weights: float
     gradients: float
+    gradient_buffers: float
+    """Bucket buffers of the reduction (fp32 weights: allocated per step beside `p.grad`) and the
+    reduce-scattered segments, alive from their bucket's launch to the end of the reduction."""
+    master: float
+    """fp32 master weights of the owned parameters (bf16 weights only)."""
     optimizer: float
     activations: float
     pipeline_blocks: float
@@ -209,6 +220,8 @@ class RankMemory:
         return (
             self.weights
             + self.gradients
+            + self.gradient_buffers
+            + self.master
             + self.optimizer
             + self.activations
             + self.pipeline_blocks
@@ -221,6 +234,8 @@ class RankMemory:
             for v in (
                 self.weights,
                 self.gradients,
+                self.gradient_buffers,
+                self.master,
                 self.optimizer,
                 self.activations,
                 self.pipeline_blocks,
@@ -241,6 +256,8 @@ MEMORY_HEADER = [
     "params",
     "weights",
     "grads",
+    "grad buckets",
+    "fp32 master",
     "optimizer",
     "activations",
     "AttnRes cache",
@@ -260,6 +277,28 @@ def optimizer_state_elements(job: RankJob) -> float:
             continue
         total += route.param.numel() * (1 if route.route == "muon" else 2)
     return total
+
+
+def gradient_bytes(job: RankJob) -> tuple[float, float]:
+    """(gradients, gradient buffers) of the built rank: with bf16 weights the reducer's
+    persistent buffers are the gradients (`MainGradReducer.buffer_bytes`) and only the sharded
+    segments come on top; with fp32 weights `p.grad` in the parameter's dtype and every bucket's
+    flat buffer (launched during backward, freed when the reduction finishes) on top."""
+    reducer = job.reducer
+    segments = sum(
+        bucket.segment * torch.empty((), dtype=bucket.dtype).element_size()
+        for bucket in reducer.buckets
+        if bucket.sharded
+    )
+    if isinstance(reducer, MainGradReducer):
+        return float(reducer.buffer_bytes), float(segments)
+    grads = sum(p.numel() * p.element_size() for p in job.model.parameters() if p.requires_grad)
+    return float(grads), float(sum(bucket.nbytes for bucket in reducer.buckets) + segments)
+
+
+def master_weight_bytes(job: RankJob) -> float:
+    masters = job.optimizer.master_weights
+    return float(sum(m.numel() * m.element_size() for m in masters.masters)) if masters is not None else 0.0
 
 
 def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -> float:
@@ -320,11 +359,14 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
     if layout.pp > 1:
         block_bytes = shape.outside_tokens * cfg.hidden_size * element
         blocks = theoretical_peak_blocks(job.plan, pp_rank, micro_batches) * block_bytes
+    gradients, gradient_buffers = gradient_bytes(job)
     return RankMemory(
         pp_rank,
         parameters,
-        parameters * 4.0,
-        parameters * 4.0,
+        float(sum(p.numel() * p.element_size() for p in job.model.parameters())),
+        gradients,
+        gradient_buffers,
+        master_weight_bytes(job),
         optimizer_state_elements(job) * 4.0,
         activations,
         blocks,

@@ -185,10 +185,18 @@ def static_memory_gib(config: JobConfig, layout: Layout, plan: PipelinePlan, cac
 
 def _static_bytes(config: JobConfig, layout: Layout, ranges: list[tuple[int, int]], cache: SearchCache) -> float:
     params, state = cache.stage_parameters(config.model, ranges, layout.tp, layout.ep)
+    shards = 1
     if config.parallel.zero1:
         expert_dp = layout.dp * layout.tp // layout.ep
-        state /= min(layout.dp, expert_dp) if layout.ep > 1 else layout.dp
-    return params * 8 + state * 4
+        shards = min(layout.dp, expert_dp) if layout.ep > 1 else layout.dp
+    gradient = 2 if config.train.grad_dtype == "bf16" else 4
+    if config.train.weights == "bf16_with_fp32_master_shards":
+        # bf16 weights, the persistent gradient buffers, fp32 masters and state of the owned share
+        return params * (2 + gradient) + (params + state) * 4 / shards
+    # fp32 weights and p.grad, the bucket buffers of the reduction (about the gradients again
+    # when anything is reduced), fp32 state of the owned share
+    buckets = params * gradient if layout.dp > 1 or layout.tp > 1 else 0.0
+    return params * 8 + buckets + state * 4 / shards
 
 
 def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache: SearchCache | None = None) -> float:
