@@ -41,18 +41,53 @@ AttentionKernel = Literal["flash", "math"]
 
 
 @dataclass(frozen=True)
+class SavedElementBytes:
+    """Bytes per saved element of each component where they are not all of one dtype: under
+    bf16 on the PyTorch path (the CPU) the GEMM inputs are saved in bf16 and what the kernels
+    compute in fp32 (KDA's chunk path, SiTU-GLU's factors, the norms) in fp32. Read off
+    `saved_tensors_hooks` on the debug model with bf16 weights (bytes saved ÷ the fp32 path's
+    elements, per component; the same within 1% at width ×2 and sequence ×2, MLA within 3%)."""
+
+    kda: float
+    mla: float
+    glu: float
+    moe: float
+    residual: float
+
+
+TORCH_PATH_BF16 = SavedElementBytes(kda=3.61, mla=2.15, glu=3.54, moe=3.58, residual=2.0)
+
+
+@dataclass(frozen=True)
 class ActivationShape:
     """What one micro-batch looks like on one rank: tokens inside a TP region (full sequence)
-    and outside it (the sequence shard under SP), and the element size."""
+    and outside it (the sequence shard under SP), and the element size (`saved`, where set, per
+    component instead)."""
 
     tokens: int  # b·s
     tp: int
     sequence_parallel: bool
     element_bytes: int  # 4 fp32, 2 bf16
+    saved: SavedElementBytes | None = None
 
     @property
     def outside_tokens(self) -> float:
         return self.tokens / self.tp if self.sequence_parallel and self.tp > 1 else self.tokens
+
+    def bytes_of(self, component: Literal["kda", "mla", "glu", "moe", "residual"]) -> float:
+        return float(self.element_bytes) if self.saved is None else getattr(self.saved, component)
+
+
+def activation_shape(config: JobConfig, tokens: int, tp: int, sequence_parallel: bool) -> ActivationShape:
+    """The micro-batch shape of `config`'s precision: 4 bytes under fp32; under bf16 and fp8
+    2 bytes on CUDA (the kernels' bf16 saves: an assumption no GPU run has measured yet), and
+    on the CPU the PyTorch path's measured mix (`TORCH_PATH_BF16`)."""
+    train = config.train
+    if train.precision == "fp32":
+        return ActivationShape(tokens, tp, sequence_parallel, 4)
+    if train.device == "cpu":
+        return ActivationShape(tokens, tp, sequence_parallel, 2, TORCH_PATH_BF16)
+    return ActivationShape(tokens, tp, sequence_parallel, 2)
 
 
 def kda_elements_per_token(cfg: ModelConfig, tp: int) -> float:
@@ -113,26 +148,25 @@ def layer_activation_bytes(
 ) -> float:
     """Saved bytes of decoder layer `layer` for one micro-batch under `cfg.recompute`."""
     h, tp = cfg.hidden_size, shape.tp
-    inside, outside, a = shape.tokens, shape.outside_tokens, shape.element_bytes
+    inside, outside = shape.tokens, shape.outside_tokens
     # Residual path: the partial sum handed to each sublayer (2 per layer); without recompute each
     # AttnRes mix's output and its normalised copy, saved by the norm that follows (2h more per
     # mix, fp32; the mix itself keeps only per-token scalars besides its sources).
-    residual = 2 * h * outside * a
+    residual = 2 * h * outside * shape.bytes_of("residual")
     if cfg.recompute == "none" and cfg.attn_res != "none":
         residual += 4 * h * outside * 4
     if cfg.recompute == "sublayer":
         return residual
-    mixer = (
-        mla_elements_per_token(cfg, tp, seq_length, kernel)
-        if cfg.is_mla_layer(layer)
-        else kda_elements_per_token(cfg, tp)
-    )
+    if cfg.is_mla_layer(layer):
+        mixer = mla_elements_per_token(cfg, tp, seq_length, kernel) * shape.bytes_of("mla")
+    else:
+        mixer = kda_elements_per_token(cfg, tp) * shape.bytes_of("kda")
     if cfg.is_moe_layer(layer):
         routed, shared = moe_elements_per_token(cfg, tp)
-        ffn = routed * outside + shared * inside
+        ffn = routed * outside * shape.bytes_of("moe") + shared * inside * shape.bytes_of("glu")
     else:
-        ffn = glu_elements_per_token(h, cfg.intermediate_size / tp) * inside
-    return residual + (mixer * inside + ffn) * a
+        ffn = glu_elements_per_token(h, cfg.intermediate_size / tp) * inside * shape.bytes_of("glu")
+    return residual + mixer * inside + ffn
 
 
 def sublayer_recompute_peak_bytes(
@@ -153,9 +187,9 @@ def ends_bytes(cfg: ModelConfig, shape: ActivationShape, embedding: bool, head: 
     if embedding:
         # Its output is saved by the first mix, and once more by the first norm unless recomputed.
         copies = 1 if cfg.recompute == "sublayer" else 2
-        total += shape.outside_tokens * copies * cfg.hidden_size * shape.element_bytes + shape.tokens * 8
+        total += shape.outside_tokens * copies * cfg.hidden_size * shape.bytes_of("residual") + shape.tokens * 8
     if head:
-        total += shape.outside_tokens * 4 * cfg.hidden_size * shape.element_bytes
+        total += shape.outside_tokens * 4 * cfg.hidden_size * shape.bytes_of("residual")
         total += shape.tokens * (cfg.vocab_size / shape.tp) * 4
     return total
 
@@ -333,11 +367,11 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
     pp_rank = job.parallel.pp_rank
     element = 2 if config.train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     # Under context parallelism a rank holds seq_length / cp tokens of every micro-batch.
-    shape = ActivationShape(
+    shape = activation_shape(
+        config,
         config.train.micro_batch_size * config.data.seq_length // layout.cp,
         layout.tp,
         bool(config.parallel.sequence_parallel and layout.tp > 1),
-        element,
     )
     parameters = sum(p.numel() for p in job.model.parameters())
     in_flight = peak_in_flight(job.plan, pp_rank, micro_batches)
@@ -378,6 +412,9 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
 
 __all__ = [
     "ActivationShape",
+    "SavedElementBytes",
+    "TORCH_PATH_BF16",
+    "activation_shape",
     "RankMemory",
     "MEMORY_HEADER",
     "rank_memory",

@@ -30,7 +30,7 @@ from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan
 from k3train.parallel.state import Layout, LayoutError, resolve_layout
 from k3train.planning.hardware import HardwareProfile
 from k3train.planning.layout_traffic import expert_layer_traffic
-from k3train.planning.memory import GIB, ActivationShape, peak_in_flight
+from k3train.planning.memory import GIB, activation_shape, peak_in_flight
 from k3train.planning.search_budget import SearchBudget
 from k3train.planning.search_cache import SearchCache
 from k3train.planning.stage_parameters import stage_parameters
@@ -206,7 +206,7 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
     micro_batches = train.micro_batches_per_rank(layout.dp)
     element = 2 if train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     sp = config.parallel.sequence_parallel and layout.tp > 1
-    shape = ActivationShape(train.micro_batch_size * config.data.seq_length, layout.tp, sp, element)
+    shape = activation_shape(config, train.micro_batch_size * config.data.seq_length, layout.tp, sp)
     expert_buffers = replica_weights = 0.0  # per MoE layer in flight; per MoE layer held
     if layout.ep > 1:  # as memory.py: dispatch and combine of every MoE layer in flight, replicas per layer
         ep = cache.expert_parallel(layout, config.parallel, cfg.num_experts)

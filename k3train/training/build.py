@@ -283,7 +283,8 @@ def build_rank(
             parallel.tp.size,
             parallel.sequence_parallel,
         ),
-        dtype=torch.float32,
+        # Stage outputs travel in the model's dtype: bf16 weights make a bf16 residual stream.
+        dtype=model_weight_dtype(config) or torch.float32,
         device=device,
         forward_context=forward_precision_context(config, device, parallel),
         # The pipeline's last backward of each chunk turns on gradient reduction (DP overlap).
