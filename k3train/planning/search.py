@@ -150,7 +150,7 @@ def analytic_step_bytes(
     micro_batches = train.micro_batches_per_rank(layout.dp)
     element = 2 if train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     sp = config.parallel.sequence_parallel and layout.tp > 1
-    tokens = train.micro_batch_size * config.data.seq_length
+    tokens = train.micro_batch_size * config.data.seq_length // layout.cp  # a rank's share of each sequence
     full = tokens * cfg.hidden_size * element
     ranks = [[i for start, end in plan.layer_ranges(rank) for i in range(start, end)] for rank in range(layout.pp)]
     comm: dict[str, float] = {}
@@ -160,8 +160,9 @@ def analytic_step_bytes(
         regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
         comm["tp"] = micro_batches * regions * 2 * (full + (full / layout.tp if sp else 0))
     comm.update(data_parallel_wire(cfg, layout, plan, cache))
-    if layout.pp > 1:  # the schedule's wire dtype is fp32 whatever the compute precision
-        block = tokens * cfg.hidden_size * 4 // (layout.tp if sp else 1)
+    if layout.pp > 1:  # the schedule's wire dtype: the model's (bf16 weights), else fp32
+        wire = 2 if train.weights == "bf16_with_fp32_master_shards" else 4
+        block = tokens * cfg.hidden_size * wire // (layout.tp if sp else 1)
         comm["pp"] = sum(plan.rank_step_bytes(1 % layout.pp, int(block), micro_batches).values())
     if layout.ep > 1:
         moe = max(sum(cfg.is_moe_layer(i) for i in layers) for layers in ranks)
@@ -206,7 +207,7 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
     micro_batches = train.micro_batches_per_rank(layout.dp)
     element = 2 if train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     sp = config.parallel.sequence_parallel and layout.tp > 1
-    shape = activation_shape(config, train.micro_batch_size * config.data.seq_length, layout.tp, sp)
+    shape = activation_shape(config, train.micro_batch_size * config.data.seq_length // layout.cp, layout.tp, sp)
     expert_buffers = replica_weights = 0.0  # per MoE layer in flight; per MoE layer held
     if layout.ep > 1:  # as memory.py: dispatch and combine of every MoE layer in flight, replicas per layer
         ep = cache.expert_parallel(layout, config.parallel, cfg.num_experts)

@@ -13,12 +13,14 @@ step) moves the loss by more than that within four steps (the loss falls by abou
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.distributed.harness import CHECKOUT, run_workers
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
-LAYOUTS = [
+LAYOUTS: list[dict[str, Any]] = [
     dict(name="TP2×DP2+SP ZeRO-1", tp=2, dp=2, sequence_parallel=True, zero1=True),
     dict(
         name="PP2×DP2 EP2 capacity ZeRO-1",
@@ -40,7 +42,7 @@ def results():
     return run_workers(4, "tests.distributed.workers_mixed_precision:train_layouts", payload, timeout_s=600)
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[layout["name"] for layout in LAYOUTS])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(layout["name"]) for layout in LAYOUTS])
 def test_losses_follow_the_fp32_run_within_bf16_rounding(results, index):
     for rank, per_layout in enumerate(results):
         run = per_layout[index]
@@ -49,7 +51,7 @@ def test_losses_follow_the_fp32_run_within_bf16_rounding(results, index):
         assert run["mixed"][-1] < run["mixed"][0], run["mixed"]  # it trains
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[layout["name"] for layout in LAYOUTS])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(layout["name"]) for layout in LAYOUTS])
 def test_bf16_weights_are_the_owners_masters_rounded(results, index):
     for rank, per_layout in enumerate(results):
         checks = per_layout[index]["checks"]
@@ -59,7 +61,7 @@ def test_bf16_weights_are_the_owners_masters_rounded(results, index):
         assert 0 < checks["owned"] < checks["parameters"], (rank, checks)  # ZeRO-1 shards the masters
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[layout["name"] for layout in LAYOUTS])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(layout["name"]) for layout in LAYOUTS])
 def test_rank_memory_within_5_percent_of_the_planner(results, index):
     for rank, per_layout in enumerate(results):
         measured, predicted = per_layout[index]["measured"], per_layout[index]["predicted"]
