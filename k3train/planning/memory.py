@@ -350,14 +350,15 @@ def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -
 
 def replica_weight_bytes(job: RankJob, moe_layers: int) -> float:
     """`balanced` mode: the replica weights a rank holds for the whole step (fetched once per
-    step and layer, `max_replicas` expert matrices), and their gradients, in fp32."""
+    step and layer, `max_replicas` expert matrices), and their gradients, in the weights' dtype."""
     ep = job.expert_parallel
     if ep is None or not moe_layers or not ep.max_replicas:
         return 0.0
     cfg = job.config.model
     shapes = ep.buffer_shapes(1, cfg.num_experts_per_token, cfg.expert_width, cfg.moe_intermediate_size)
     slots, width = shapes["replica_weights"]
-    return 2 * slots * width * 4 * moe_layers
+    element = next(job.model.parameters()).element_size()
+    return 2 * slots * width * element * moe_layers
 
 
 def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: AttentionKernel = "flash") -> RankMemory:

@@ -78,10 +78,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def data_parallel_wire(
-    cfg: ModelConfig, layout: Layout, plan: PipelinePlan, cache: SearchCache | None = None
+    cfg: ModelConfig,
+    layout: Layout,
+    plan: PipelinePlan,
+    cache: SearchCache | None = None,
+    gradient_bytes: int = 4,
+    weight_bytes: int = 4,
 ) -> dict[str, float]:
-    """Ring wire bytes per step of the fullest stage's fp32 gradient reduction and ZeRO-1
-    exchange, as `layout_traffic.data_parallel_wire_bytes` counts them on a built rank, without
+    """Ring wire bytes per step of the fullest stage's gradient reduction (`gradient_bytes` per
+    element) and ZeRO-1 exchange (`weight_bytes`), as `layout_traffic.data_parallel_wire_bytes` counts them on a built rank, without
     padding: dense parameters over `dp` (with or without ZeRO-1: an all-reduce, or the reduce-
     scatter to the owners plus the all-gather, both 2(p−1)/p of the gradients), routed experts
     over `expert_dp` (dp·tp/ep ranks). `tests/unit/test_plan_search.py` holds it to the built
@@ -98,10 +103,11 @@ def data_parallel_wire(
         routed = moe * F.routed_experts_parameters(cfg, cfg.num_experts) / layout.ep if layout.ep > 1 else 0.0
         if params - routed > dense:
             dense, experts = params - routed, routed
+    element = gradient_bytes + weight_bytes  # (p−1)/p of each: the reduce-scatter and the all-gather
     if layout.dp > 1:
-        out["dp"] = 2 * (layout.dp - 1) / layout.dp * dense * 4
+        out["dp"] = (layout.dp - 1) / layout.dp * dense * element
     if expert_dp > 1 and experts:
-        out["expert_dp"] = 2 * (expert_dp - 1) / expert_dp * experts * 4
+        out["expert_dp"] = (expert_dp - 1) / expert_dp * experts * element
     return out
 
 
@@ -159,10 +165,10 @@ def analytic_step_bytes(
         moe = sum(cfg.is_moe_layer(i) for i in layers)
         regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
         comm["tp"] = micro_batches * regions * 2 * (full + (full / layout.tp if sp else 0))
-    comm.update(data_parallel_wire(cfg, layout, plan, cache))
+    gradient = 2 if train.grad_dtype == "bf16" else 4
+    comm.update(data_parallel_wire(cfg, layout, plan, cache, gradient, weight_bytes(config)))
     if layout.pp > 1:  # the schedule's wire dtype: the model's (bf16 weights), else fp32
-        wire = 2 if train.weights == "bf16_with_fp32_master_shards" else 4
-        block = tokens * cfg.hidden_size * wire // (layout.tp if sp else 1)
+        block = tokens * cfg.hidden_size * weight_bytes(config) // (layout.tp if sp else 1)
         comm["pp"] = sum(plan.rank_step_bytes(1 % layout.pp, int(block), micro_batches).values())
     if layout.ep > 1:
         moe = max(sum(cfg.is_moe_layer(i) for i in layers) for layers in ranks)
@@ -170,11 +176,16 @@ def analytic_step_bytes(
         assert ep is not None  # ep > 1 always has a dispatcher
         local_tokens = tokens // (layout.tp if sp else 1)
         per_micro_batch, per_step = expert_layer_traffic(
-            ep, cfg, local_tokens, element, 4, ep.max_replicas, cfg.recompute == "sublayer"
+            ep, cfg, local_tokens, element, weight_bytes(config), ep.max_replicas, cfg.recompute == "sublayer"
         )
         # + the expert share of the global gradient norm (one fp32 scalar).
         comm["ep"] = moe * (micro_batches * per_micro_batch[0] + (per_step[0] if per_step else 0)) + 4
     return comm
+
+
+def weight_bytes(config: JobConfig) -> int:
+    """Bytes of one model weight element (and of the pipeline's wire and the expert replicas)."""
+    return 2 if config.train.weights == "bf16_with_fp32_master_shards" else 4
 
 
 def static_memory_gib(config: JobConfig, layout: Layout, plan: PipelinePlan, cache: SearchCache | None = None) -> float:
@@ -220,7 +231,7 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
         )
         expert_buffers = (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * element
         if "replica_weights" in shapes and ep.max_replicas:
-            replica_weights = 2 * math.prod(shapes["replica_weights"]) * 4
+            replica_weights = 2 * math.prod(shapes["replica_weights"]) * weight_bytes(config)
     worst = 0.0
     for rank in range(layout.pp):
         ranges = plan.layer_ranges(rank)
