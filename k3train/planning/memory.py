@@ -248,6 +248,10 @@ class RankMemory:
     pipeline_blocks: float
     expert_buffers: float
     in_flight: tuple[int, ...]
+    host_activations: float = 0.0
+    """`train.offload_activations`: the saved activations of the micro-batches in flight, in host
+    memory (not in `total`); `activations` is then one micro-batch of the largest chunk, the one
+    whose forward or backward runs."""
 
     @property
     def total(self) -> float:
@@ -282,6 +286,7 @@ class RankMemory:
             f"{self.parameters / 1e9:.2f}B",
             *(f"{g:,.1f}" for g in gib),
             "+".join(map(str, self.in_flight)),
+            f"{self.host_activations / GIB:,.1f}",
         ]
 
 
@@ -298,6 +303,7 @@ MEMORY_HEADER = [
     "EP buffers",
     "total GiB",
     "in flight",
+    "host (offloaded)",
 ]
 
 
@@ -390,6 +396,13 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
             element_bytes=element,
         )
     activations += sublayer_recompute_peak_bytes(cfg, range(*layer_ranges[0]), shape, config.data.seq_length, kernel)
+    host = 0.0
+    if config.train.offload_activations:
+        host = activations
+        activations = max(
+            chunk_activation_bytes(cfg, layer_range, shape, config.data.seq_length, kernel)
+            for layer_range in layer_ranges
+        )
     blocks = 0.0
     if layout.pp > 1:
         block_bytes = shape.outside_tokens * cfg.hidden_size * element
@@ -408,6 +421,7 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
         expert_buffer_bytes(job, shape, 1) * moe_in_flight
         + replica_weight_bytes(job, sum(cfg.is_moe_layer(i) for r in layer_ranges for i in range(*r))),
         tuple(in_flight),
+        host,
     )
 
 

@@ -239,6 +239,8 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
         activations = sum(
             n * cache.chunk_activation_bytes(cfg, r, shape, config.data.seq_length) for n, r in zip(in_flight, ranges)
         )
+        if train.offload_activations:  # as memory.py: one micro-batch of the largest chunk on the device
+            activations = max(cache.chunk_activation_bytes(cfg, r, shape, config.data.seq_length) for r in ranges)
         if layout.pp > 1:  # the AttnRes blocks the pipeline cache holds
             activations += (
                 cache.peak_blocks(plan, rank, micro_batches) * shape.outside_tokens * cfg.hidden_size * element

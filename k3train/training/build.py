@@ -35,6 +35,7 @@ from k3train.parallel.state import Layout, ParallelState
 from k3train.parallel.zero1 import DistributedOptimizer
 from k3train.training.compile import compile_elementwise
 from k3train.training.loop import precision_context
+from k3train.training.offload import HostOffload, with_offload
 
 META = torch.device("meta")
 
@@ -52,6 +53,7 @@ class RankJob:
     reducer: GradientReducer
     optimizer: DistributedOptimizer
     schedule: PipelineExecutor
+    offload: HostOffload | None = None  # train.offload_activations: the hooks and the bytes they moved
 
 
 class _PlanningState(ParallelState):
@@ -273,6 +275,7 @@ def build_rank(
             overlap=overlap,
             owners=optimizer.gradient_owners(),
         )
+    offload = HostOffload() if config.train.offload_activations and device.type != "meta" else None
     schedule = PipelineExecutor(
         plan,
         parallel.pp,
@@ -286,12 +289,12 @@ def build_rank(
         # Stage outputs travel in the model's dtype: bf16 weights make a bf16 residual stream.
         dtype=model_weight_dtype(config) or torch.float32,
         device=device,
-        forward_context=forward_precision_context(config, device, parallel),
+        forward_context=with_offload(forward_precision_context(config, device, parallel), offload),
         # The pipeline's last backward of each chunk turns on gradient reduction (DP overlap).
         before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
         grad_group=parallel.pp_grad,  # backward messages on their own communicator (NCCL order)
     )
-    return RankJob(config, parallel, device, plan, expert_parallel, model, reducer, optimizer, schedule)
+    return RankJob(config, parallel, device, plan, expert_parallel, model, reducer, optimizer, schedule, offload)
 
 
 def build_planning_rank(

@@ -36,6 +36,10 @@ class TrainConfig:
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype gradients are accumulated over micro-batches and reduced over data parallel in
     (Megatron's --grad-reduce-in-bf16 for bf16); under fp32 weights, the reduction's dtype only."""
+    offload_activations: bool = False
+    """Copy every tensor a chunk's forward saves for backward to host memory and back when
+    backward needs it (pinned buffers on a side stream on CUDA): exact, trades device memory for
+    host traffic (docs/planning.md, "Activation options")."""
     fp8_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
     """FP8 scaling under precision fp8: delayed (per-tensor scales from an amax history),
     current (per-tensor scales from the tensor itself) or mxfp8 (32-element blocks; Blackwell)."""
