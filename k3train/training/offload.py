@@ -41,7 +41,7 @@ class HostOffload:
     def _host_copy(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The bytes of `tensor`'s whole storage in host memory, and the event that ends the copy."""
         storage = tensor.untyped_storage()
-        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),))
+        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)  # its bytes, flat
         self.bytes_offloaded += storage.nbytes()
         if tensor.device.type != "cuda":
             return raw.clone(), None  # a host tensor: a real copy all the same
