@@ -143,6 +143,16 @@ def moe_elements_per_token(cfg: ModelConfig, tp: int) -> tuple[float, float]:
     return routed, shared
 
 
+def glu_recompute_saving(cfg: ModelConfig, shape: ActivationShape) -> float:
+    """Bytes per intermediate element `model.recompute_glu` saves: SiTU-GLU's four factors (fp32
+    on the PyTorch path and in fp32 runs; the compute dtype assumed on CUDA) replaced by the gate
+    and up outputs in the compute dtype."""
+    if not cfg.recompute_glu or cfg.hidden_act != "situ":
+        return 0.0
+    factor = 4 if shape.saved is not None or shape.element_bytes == 4 else shape.element_bytes
+    return 4 * factor - 2 * shape.element_bytes
+
+
 def layer_activation_bytes(
     cfg: ModelConfig, layer: int, shape: ActivationShape, seq_length: int, kernel: AttentionKernel = "flash"
 ) -> float:
@@ -161,11 +171,15 @@ def layer_activation_bytes(
         mixer = mla_elements_per_token(cfg, tp, seq_length, kernel) * shape.bytes_of("mla")
     else:
         mixer = kda_elements_per_token(cfg, tp) * shape.bytes_of("kda")
+    saving = glu_recompute_saving(cfg, shape)
     if cfg.is_moe_layer(layer):
         routed, shared = moe_elements_per_token(cfg, tp)
         ffn = routed * outside * shape.bytes_of("moe") + shared * inside * shape.bytes_of("glu")
+        inner = cfg.moe_intermediate_size
+        ffn -= saving * (cfg.num_experts_per_token * inner * outside + cfg.num_shared_experts * inner / tp * inside)
     else:
         ffn = glu_elements_per_token(h, cfg.intermediate_size / tp) * inside * shape.bytes_of("glu")
+        ffn -= saving * cfg.intermediate_size / tp * inside
     return residual + mixer * inside + ffn
 
 

@@ -1,5 +1,7 @@
-"""`train.offload_activations`: the saved activations go to host memory and back without changing
-a bit of the loss or the weights, and the bytes moved are what the planner's host column prices."""
+"""Activation options against the reference run and the planner: `train.offload_activations` (the
+saved activations to host memory and back) and `model.recompute_glu` (SiTU-GLU's factors rebuilt
+in backward) change not a bit of the losses or the weights; the bytes offloaded are the
+planner's host column, and the bytes recomputation saves are the planner's saving."""
 
 import pytest
 import torch
@@ -8,11 +10,12 @@ from k3train.config import load_config
 from k3train.data import build_data
 from k3train.model.flops import training_flops_per_token
 from k3train.parallel.state import ParallelState, resolve_layout
-from k3train.planning.memory import rank_memory
+from k3train.planning.memory import ActivationShape, chunk_activation_bytes, rank_memory
 from k3train.training.build import build_planning_rank, build_rank
 from k3train.training.loop import Trainer
 from k3train.training.throughput import PeakFlops
 from tests.distributed.harness import CHECKOUT
+from tests.unit.test_plan_memory import WIDER, saved_activation_bytes
 
 RECIPE = str(CHECKOUT / "recipes" / "debug.yaml")
 BASE = [
@@ -67,3 +70,26 @@ def test_offload_is_exact_and_moves_what_the_planner_prices(precision):
     assert predicted.host_activations > 0 and predicted.activations <= predicted.host_activations
     assert 0.95 <= predicted.host_activations / moved <= 1.05, (moved, predicted.host_activations)
     print(f"offload moved {moved:,.0f} B per step, planner {predicted.host_activations:,.0f} B")
+
+
+@pytest.mark.parametrize("precision", [[], MIXED], ids=["fp32", "bf16 weights, fp32 master shards"])
+def test_glu_recompute_is_exact(precision):
+    _, reference, reference_losses = train(precision)
+    _, job, losses = train([*precision, "model.recompute_glu=true"])
+    assert losses == reference_losses
+    for (name, param), (_, expected) in zip(job.model.named_parameters(), reference.model.named_parameters()):
+        assert torch.equal(param, expected), name
+
+
+@pytest.mark.parametrize("overrides", [[], WIDER], ids=["debug", "wider"])
+def test_glu_recompute_saves_what_the_planner_prices(overrides):
+    """fp32, one micro-batch of 2 × 128: the saved bytes drop by the planner's saving (4 fp32
+    factors replaced by the gate and up outputs, per intermediate element), within 5%."""
+    plain, recomputed = load_config(RECIPE, overrides), load_config(RECIPE, [*overrides, "model.recompute_glu=true"])
+    measured = saved_activation_bytes(plain, 2, 128) - saved_activation_bytes(recomputed, 2, 128)
+    shape = ActivationShape(256, 1, False, 4)
+    layers = (0, plain.model.num_hidden_layers)
+    predicted = chunk_activation_bytes(plain.model, layers, shape, 128) - chunk_activation_bytes(
+        recomputed.model, layers, shape, 128
+    )
+    assert measured > 0 and abs(predicted / measured - 1) <= 0.05, (measured, predicted)
