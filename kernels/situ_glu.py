@@ -146,7 +146,7 @@ def _situ_backward(ctx, grad_out: torch.Tensor, buffers, row_scale: torch.Tensor
     grad_up = capped.view(shape).to(up_dtype) if need_up else None
     grad_row_scale = None
     if need_scale:
-        assert sums is not None  # allocated above whenever need_scale
+        assert sums is not None and row_scale is not None  # allocated above whenever need_scale
         grad_row_scale = sums.mul_(linear_beta).view(row_scale.shape[:-1]).to(ctx.row_scale_dtype)
     return grad_gate, grad_up, None, None, grad_row_scale, None, None
 
