@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from k3train.planning.memory import MEMORY_HEADER
+
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -97,7 +99,9 @@ def verdict_line(stdout: str) -> str:
 
 def largest_rank_gib(stdout: str) -> float:
     return max(
-        float(row.split("|")[-3].replace(",", "")) for row in stdout.splitlines() if re.match(r"\| pp\d+ \|", row)
+        float(row.strip("|").split("|")[MEMORY_HEADER.index("total GiB")].replace(",", ""))
+        for row in stdout.splitlines()
+        if re.match(r"\| pp\d+ \|", row)
     )
 
 
