@@ -30,6 +30,9 @@ LAYOUTS: list[dict[str, Any]] = [
         zero1=True,
         overrides=["parallel.expert_dispatch=capacity", "model.attn_res_block_size=1"],
     ),
+    # experts' masters sharded over expert_dp = 2; the balanced dispatcher's replica gradients
+    # reach the masters after the reduction
+    dict(name="DP4 EP2 balanced ZeRO-1", dp=4, ep=2, zero1=True, overrides=["parallel.ep_transport=relay"]),
 ]
 STEPS = 4
 
