@@ -58,25 +58,15 @@ class SiTUGLUFunction(torch.autograd.Function):
         linear_beta: float,
         row_scale: torch.Tensor | None = None,
         overwrite_inputs: bool = False,
+        recompute_factors: bool = False,
     ) -> torch.Tensor:
-        dtype = accumulation_dtype(gate.dtype)
-        gate32, up32 = gate.to(dtype), up.to(dtype)
-        zero = gate32.new_zeros(())  # 0-dim: `addcmul(zero, x, y, value=c)` is `c·x·y` in one pass
-        sigmoid_gate = torch.sigmoid(gate32)
-        # A cast made a private copy; otherwise only the caller may say the inputs are scratch.
-        tanh_gate = (
-            gate32.mul_(1.0 / beta) if overwrite_inputs or gate32 is not gate else torch.mul(gate32, 1.0 / beta)
-        ).tanh_()
-        tanh_up = (
-            up32.mul_(1.0 / linear_beta) if overwrite_inputs or up32 is not up else torch.mul(up32, 1.0 / linear_beta)
-        ).tanh_()
-        capped_gate = torch.addcmul(zero, tanh_gate, sigmoid_gate, value=beta)
-        out = torch.addcmul(zero, capped_gate, tanh_up, value=linear_beta)
+        out, factors = _situ_forward(gate, up, beta, linear_beta, row_scale, overwrite_inputs and not recompute_factors)
         ctx.row_scale_dtype = None if row_scale is None else row_scale.dtype
-        if row_scale is not None:  # in place on the fresh output: a cheap pass
-            row_scale = row_scale.to(dtype).unsqueeze(-1)
-            out.mul_(row_scale)
-        ctx.save_for_backward(tanh_gate, sigmoid_gate, tanh_up, capped_gate, row_scale)
+        scale = None if row_scale is None else row_scale.to(factors[0].dtype).unsqueeze(-1)
+        # Recompute: keep gate and up (in their own dtype) and rebuild the four fp32 factors in
+        # backward with the same operations, so the gradients are the same bits.
+        ctx.recompute_factors = recompute_factors
+        ctx.save_for_backward(*((gate, up) if recompute_factors else factors), scale)
         ctx.betas = beta, linear_beta
         ctx.input_dtypes = gate.dtype, up.dtype
         return out.to(gate.dtype)
@@ -84,45 +74,81 @@ class SiTUGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         saved = ctx.saved_tensors
-        row_scale = saved[4]
-        buffers = saved[:4]  # tanh_gate, sigmoid_gate, tanh_up, capped_gate
-        if _graph_is_kept():  # the saved tensors must survive for the next backward
-            buffers = tuple(t.clone() for t in buffers)
+        row_scale = saved[-1]
         beta, linear_beta = ctx.betas
-        gate_dtype, up_dtype = ctx.input_dtypes
-        need_gate, need_up = ctx.needs_input_grad[:2]
-        need_scale = row_scale is not None and ctx.needs_input_grad[4]
-        shape, width = buffers[0].shape, buffers[0].shape[-1]
-        a, sigma, b, capped = (t.contiguous().view(-1, width) for t in buffers)
-        grad = grad_out.to(a.dtype).reshape(-1, width)
-        scale = None if row_scale is None else row_scale.reshape(-1, 1)
-        rows = a.shape[0]
-        sums = a.new_empty(rows) if need_scale else None
-        # On CPU, blocks of rows whose ~12 passes stay in the core's cache (the backward is
-        # memory-bound, unlike the forward's transcendentals); one block on accelerators.
-        block = rows if a.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // width)
-        for start in range(0, rows, block):
-            part = slice(start, start + block)
-            _backward_block(
-                a[part],
-                sigma[part],
-                b[part],
-                capped[part],
-                grad[part],
-                None if scale is None else scale[part],
-                None if sums is None else sums[part],
-                beta,
-                linear_beta,
-                need_gate,
-                need_up,
-            )
-        grad_gate = a.view(shape).to(gate_dtype) if need_gate else None
-        grad_up = capped.view(shape).to(up_dtype) if need_up else None
-        grad_row_scale = None
-        if need_scale:
-            assert sums is not None  # allocated above whenever need_scale
-            grad_row_scale = sums.mul_(linear_beta).view(row_scale.shape[:-1]).to(ctx.row_scale_dtype)
-        return grad_gate, grad_up, None, None, grad_row_scale, None
+        if ctx.recompute_factors:  # fresh buffers: nothing else reads them
+            buffers = _situ_forward(saved[0], saved[1], beta, linear_beta, None, False)[1]
+        else:
+            buffers = saved[:4]  # tanh_gate, sigmoid_gate, tanh_up, capped_gate
+            if _graph_is_kept():  # the saved tensors must survive for the next backward
+                buffers = tuple(t.clone() for t in buffers)
+        return _situ_backward(ctx, grad_out, buffers, row_scale)
+
+
+def _situ_forward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    beta: float,
+    linear_beta: float,
+    row_scale: torch.Tensor | None,
+    overwrite_inputs: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The product (times the row scale) in fp32 and the factors `(a, σ, b, P)` its backward reads."""
+    dtype = accumulation_dtype(gate.dtype)
+    gate32, up32 = gate.to(dtype), up.to(dtype)
+    zero = gate32.new_zeros(())  # 0-dim: `addcmul(zero, x, y, value=c)` is `c·x·y` in one pass
+    sigmoid_gate = torch.sigmoid(gate32)
+    # A cast made a private copy; otherwise only the caller may say the inputs are scratch.
+    tanh_gate = (
+        gate32.mul_(1.0 / beta) if overwrite_inputs or gate32 is not gate else torch.mul(gate32, 1.0 / beta)
+    ).tanh_()
+    tanh_up = (
+        up32.mul_(1.0 / linear_beta) if overwrite_inputs or up32 is not up else torch.mul(up32, 1.0 / linear_beta)
+    ).tanh_()
+    capped_gate = torch.addcmul(zero, tanh_gate, sigmoid_gate, value=beta)
+    out = torch.addcmul(zero, capped_gate, tanh_up, value=linear_beta)
+    if row_scale is not None:  # in place on the fresh output: a cheap pass
+        out.mul_(row_scale.to(dtype).unsqueeze(-1))
+    return out, (tanh_gate, sigmoid_gate, tanh_up, capped_gate)
+
+
+def _situ_backward(ctx, grad_out: torch.Tensor, buffers, row_scale: torch.Tensor | None):
+    """`SiTUGLUFunction.backward` from the factors, written into their buffers."""
+    beta, linear_beta = ctx.betas
+    gate_dtype, up_dtype = ctx.input_dtypes
+    need_gate, need_up = ctx.needs_input_grad[:2]
+    need_scale = row_scale is not None and ctx.needs_input_grad[4]
+    shape, width = buffers[0].shape, buffers[0].shape[-1]
+    a, sigma, b, capped = (t.contiguous().view(-1, width) for t in buffers)
+    grad = grad_out.to(a.dtype).reshape(-1, width)
+    scale = None if row_scale is None else row_scale.reshape(-1, 1)
+    rows = a.shape[0]
+    sums = a.new_empty(rows) if need_scale else None
+    # On CPU, blocks of rows whose ~12 passes stay in the core's cache (the backward is
+    # memory-bound, unlike the forward's transcendentals); one block on accelerators.
+    block = rows if a.device.type != "cpu" else max(1, CPU_BLOCK_ELEMENTS // width)
+    for start in range(0, rows, block):
+        part = slice(start, start + block)
+        _backward_block(
+            a[part],
+            sigma[part],
+            b[part],
+            capped[part],
+            grad[part],
+            None if scale is None else scale[part],
+            None if sums is None else sums[part],
+            beta,
+            linear_beta,
+            need_gate,
+            need_up,
+        )
+    grad_gate = a.view(shape).to(gate_dtype) if need_gate else None
+    grad_up = capped.view(shape).to(up_dtype) if need_up else None
+    grad_row_scale = None
+    if need_scale:
+        assert sums is not None and row_scale is not None  # allocated above whenever need_scale
+        grad_row_scale = sums.mul_(linear_beta).view(row_scale.shape[:-1]).to(ctx.row_scale_dtype)
+    return grad_gate, grad_up, None, None, grad_row_scale, None, None
 
 
 CPU_BLOCK_ELEMENTS = 1 << 16  # 256 KiB of fp32 per tensor: six such blocks fit a 2 MiB L2
@@ -170,6 +196,7 @@ def situ_glu(
     linear_beta: float = 25.0,
     row_scale: torch.Tensor | None = None,
     overwrite_inputs: bool = False,
+    recompute_factors: bool = False,
 ) -> torch.Tensor:
     """`β1·tanh(gate/β1)·sigmoid(gate) ⊙ β2·tanh(up/β2)`, in fp32, returned in the input dtype
     (`situ_glu_reference` with a closed-form backward). `row_scale` (`gate.shape[:-1]`, e.g. the
@@ -177,6 +204,9 @@ def situ_glu(
     it, with its gradient. `overwrite_inputs=True`: `gate` and `up` are scratch that nothing else
     reads (e.g. fresh GEMM outputs) and the training path keeps two of its saved tensors in
     their buffers instead of allocating new ones; the values of `gate` and `up` are then lost.
+    `recompute_factors=True` (`model.recompute_glu`): backward keeps `gate` and `up` in their own
+    dtype instead of four fp32 factors and recomputes the factors from them (a forward's worth
+    of elementwise passes, bit-identical gradients); `overwrite_inputs` is then ignored.
 
     The plain formula runs instead (1) under `torch.compile`: inductor fuses it, and its
     derivative, into single kernels, which the pass-counting above cannot beat; (2) without
@@ -188,14 +218,18 @@ def situ_glu(
     if torch.compiler.is_compiling() or not records:
         out = situ_glu_reference(gate, up, beta, linear_beta)
         return out if row_scale is None else _scale_rows(out, row_scale)
-    return SiTUGLUFunction.apply(gate, up, beta, linear_beta, row_scale, overwrite_inputs)
+    return SiTUGLUFunction.apply(gate, up, beta, linear_beta, row_scale, overwrite_inputs, recompute_factors)
 
 
 def swiglu(
-    gate: torch.Tensor, up: torch.Tensor, row_scale: torch.Tensor | None = None, overwrite_inputs: bool = False
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    row_scale: torch.Tensor | None = None,
+    overwrite_inputs: bool = False,
+    recompute_factors: bool = False,
 ) -> torch.Tensor:
-    """`silu(gate) ⊙ up` (each row times `row_scale`, in fp32, when given; `overwrite_inputs` is
-    accepted for `situ_glu`'s signature and changes nothing here)."""
+    """`silu(gate) ⊙ up` (each row times `row_scale`, in fp32, when given; `overwrite_inputs` and
+    `recompute_factors` are accepted for `situ_glu`'s signature and change nothing here)."""
     out = torch.nn.functional.silu(gate) * up
     return out if row_scale is None else _scale_rows(out, row_scale)
 

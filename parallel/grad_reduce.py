@@ -617,12 +617,18 @@ def _sum_over(group: Group) -> ReduceFn:
     return lambda tensor: group.all_reduce(tensor)
 
 
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, state: ParallelState) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: Iterable[torch.Tensor], max_norm: float, state: ParallelState, owner_only: bool | None = None
+) -> torch.Tensor:
     """Clip every local gradient by the global norm over the whole model,
     `pp.SUM(tp.SUM(dense counted once) + ep.SUM(expert) [+ data_tensor.SUM(owner-only)])`;
     returns that norm (before clipping, the same on every rank). `max_norm <= 0` (or inf) only
     measures. The norm itself is `k3train.optim.clip.clip_grad_norm_`'s: this only supplies the
-    shares and the PP sum."""
+    shares and the PP sum. `owner_only` None: whether any gradient is owner-only, read off the
+    marks (which every rank of a stage shares for the model's parameters; masters, which only
+    their owners hold, pass it)."""
     parameters = list(parameters)
-    shares = norm_shares(state, owner_only=any(is_owner_only(p) for p in parameters))
+    if owner_only is None:
+        owner_only = any(is_owner_only(p) for p in parameters)
+    shares = norm_shares(state, owner_only=owner_only)
     return clip_grad_norm_(parameters, max_norm, reduce_squared_norm=_sum_over(state.pp), shares=shares)

@@ -19,6 +19,7 @@ from torch import nn
 
 from k3train.parallel.comm import Group
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, replica_group, row_class
+from k3train.parallel.mixed_precision import MainGradReducer, MasterWeights, cast_trainable_parameters
 from k3train.parallel.state import ParallelState
 from k3train.parallel.tensor import _MeshCache, as_global_dtensor, is_sharded, local_from_saved
 
@@ -258,6 +259,12 @@ class DistributedOptimizer:
     DTensors of the full tensor; on load each rank takes the entries of the parameters it owns
     now, sliced to its TP shard, so a checkpoint reloads under another DP or TP size (or without
     ZeRO, or in one process).
+
+    `model_dtype` (e.g. bf16): mixed precision with sharded masters. The owned parameters get fp32
+    masters (`MasterWeights`, from the model's fp32 values) that the optimizer steps instead;
+    then the model's trainable parameters are cast to `model_dtype` and the exchange moves them
+    in it. The gradients come from a `MainGradReducer` (`take_gradients_from`); the masters are
+    saved in the state dict as each owned parameter's `master_weight` entry.
     """
 
     def __init__(
@@ -269,6 +276,7 @@ class DistributedOptimizer:
         zero1: bool = True,
         exchange: Literal["all_gather", "broadcast"] = "all_gather",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        model_dtype: torch.dtype | None = None,
     ) -> None:
         if exchange not in ("all_gather", "broadcast"):
             raise ValueError(f"exchange must be 'all_gather' or 'broadcast', got {exchange!r}")
@@ -294,6 +302,16 @@ class DistributedOptimizer:
                 keep = [i for i, name in enumerate(group["param_names"]) if name in owned]
                 group["params"] = [group["params"][i] for i in keep]
                 group["param_names"] = [group["param_names"][i] for i in keep]
+        self.master_weights: MasterWeights | None = None
+        self._reducer: MainGradReducer | None = None
+        if model_dtype is not None:
+            owned_names = set(self._owned_names)
+            self.master_weights = MasterWeights(
+                ((n, p) for n, p in model.named_parameters() if n in owned_names), state, zero1
+            )
+            for group in self.optimizer.param_groups:
+                group["params"] = [self.master_weights.by_name[n] for n in group["param_names"]]
+            cast_trainable_parameters(model, model_dtype)
         self._exchanges = self._build_exchanges(model) if zero1 else []
 
     @property
@@ -302,6 +320,26 @@ class DistributedOptimizer:
 
     def owned_parameter_names(self) -> list[str]:
         return list(self._owned_names)
+
+    def take_gradients_from(self, reducer: MainGradReducer) -> None:
+        """Mixed precision: the reducer whose buffers hold the gradients the masters step on."""
+        self._reducer = reducer
+
+    def gradients_for_step(self) -> list[torch.Tensor]:
+        """The tensors whose `.grad` the step uses, for clipping: the model's parameters, or
+        under mixed precision the owned masters with their gradients taken from the reducer now
+        (after the reduction and the expert step's replica gradients)."""
+        if self.master_weights is None:
+            return list(self.params)
+        assert self._reducer is not None, "mixed precision needs take_gradients_from(reducer) before the step"
+        return list(self.master_weights.take_gradients(self._reducer))
+
+    def owner_only_gradients(self) -> bool | None:
+        """Whether the norm needs the share of owner-only gradients (the same on every rank of a
+        stage); None: let the clip read it off the gradients' marks (fp32 weights)."""
+        if self.master_weights is None:
+            return None
+        return self.zero1 and any(replica_group(p, self.state).size > 1 for p in self.params)
 
     def gradient_owners(self) -> dict[str, int] | None:
         """Under ZeRO-1, each parameter's owner (index in its replica group), for the
@@ -340,6 +378,8 @@ class DistributedOptimizer:
     def step(self) -> None:
         """Step the owned parameters (all of them without ZeRO-1), then share the results."""
         self.optimizer.step()
+        if self.master_weights is not None:
+            self.master_weights.copy_to_model()
         for exchange in self._exchanges:
             if self.exchange == "all_gather":
                 self._all_gather(exchange)
@@ -358,7 +398,12 @@ class DistributedOptimizer:
             exchange.group.broadcast(param.data, owner)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Every parameter's gradient (owned or not: all of them were reduced)."""
+        """Every parameter's gradient (owned or not: all of them were reduced), and under mixed
+        precision the masters' gradients and the reducer's buffers."""
+        if self.master_weights is not None:
+            self.master_weights.zero_grad()
+            if self._reducer is not None:
+                self._reducer.zero_main_grads()
         for param in self.params:
             if param.grad is None:
                 continue
@@ -391,6 +436,11 @@ class DistributedOptimizer:
         names = self._positional_names()
         groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in inner["param_groups"]]
         state = {names[i]: self._global_view(names[i], value) for i, value in inner["state"].items()}
+        if self.master_weights is not None:
+            for name, master in self.master_weights.by_name.items():
+                entry = dict(state.get(name, {}))
+                entry.update(self._global_view(name, {"master_weight": master.detach()}))
+                state[name] = entry
         return {"state": state, "param_groups": groups}
 
     def _global_view(self, name: str, param_state: dict[str, Any]) -> dict[str, Any]:
@@ -411,7 +461,18 @@ class DistributedOptimizer:
         rank's, or the union of every rank's); owned parameters absent from it start fresh."""
         names = self._positional_names()
         saved = state_dict["state"]
-        state = {i: self._local_view(name, saved[name]) for i, name in enumerate(names) if name in saved}
+        local = {name: dict(self._local_view(name, saved[name])) for name in names if name in saved}
+        if self.master_weights is not None:
+            without = [name for name in names if "master_weight" not in local.get(name, {})]
+            with torch.no_grad():
+                for name, entry in local.items():
+                    if "master_weight" in entry:
+                        self.master_weights.by_name[name].data.copy_(entry["master_weight"])
+            self.master_weights.copy_from_model(without)  # a checkpoint of fp32 weights: its rounding
+            self.master_weights.copy_to_model()
+        for entry in local.values():
+            entry.pop("master_weight", None)
+        state = {i: local[name] for i, name in enumerate(names) if local.get(name)}
         if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
             raise ValueError(
                 f"state dict has {len(state_dict['param_groups'])} param groups, "

@@ -56,15 +56,22 @@ def rank_stage(config, layout, pp_rank: int, plan: PipelinePlan) -> K3RankModel:
     return build_model(config.model, plan, state, expert_parallel, device=torch.device("meta"))
 
 
-def memory_estimate(stage: K3RankModel, config, dp: int) -> tuple[int, float]:
-    """(parameters on this rank, GiB of fp32 parameters + gradients + optimizer state)."""
+def memory_estimate(stage: K3RankModel, config, shards: int) -> tuple[int, float]:
+    """(parameters on this rank, GiB of weights + gradients + fp32 masters + optimizer state,
+    before the bucket buffers: a quick estimate; the table after it counts what the job allocates)."""
     parameters = sum(p.numel() for p in stage.parameters())
     state_elements: float = 0
     for route in route_parameters(stage, config.optimizer):
         state_elements += route.param.numel() * (1 if route.route == "muon" else 2)
+    masters: float = parameters if config.train.weights == "bf16_with_fp32_master_shards" else 0
     if config.parallel.zero1:
-        state_elements /= dp  # owners spread over the data-parallel group (balanced by cost)
-    return parameters, (parameters * 8 + state_elements * 4) / GIB
+        # owners spread over the smallest replica group (the search's bound; experts replicate
+        # over expert_dp only)
+        state_elements /= shards
+        masters /= shards
+    weight = 2 if masters else 4
+    gradient = 2 if config.train.grad_dtype == "bf16" else 4
+    return parameters, (parameters * (weight + gradient) + (masters + state_elements) * 4) / GIB
 
 
 def search_hint(args, world: int) -> str:
@@ -258,11 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{micro_batches} micro-batches of {config.train.micro_batch_size} per data-parallel rank"
     )
     print()
-    print("| pp rank | layers | parameters | fp32 params+grads+optimizer (GiB) |")
+    print("| pp rank | layers | parameters | weights+grads+masters+optimizer (GiB, upper estimate) |")
     print("| --- | --- | ---: | ---: |")
     for pp_rank in range(layout.pp):
         stage = rank_stage(config, layout, pp_rank, plan)
-        parameters, gib = memory_estimate(stage, config, layout.dp)
+        expert_dp = layout.dp * layout.tp // layout.ep
+        parameters, gib = memory_estimate(stage, config, min(layout.dp, expert_dp) if layout.ep > 1 else layout.dp)
         ranges = ", ".join(f"{start}-{end - 1}" for start, end in plan.layer_ranges(pp_rank))
         print(f"| {pp_rank} | {ranges} | {parameters:,} | {gib:,.2f} |")
     print()

@@ -119,6 +119,10 @@ class ModelConfig:
     # Memory
     recompute: Literal["none", "attn_res", "sublayer"] = "attn_res"
     """Activation checkpointing: none; the AttnRes mixes (K3's default); or whole sublayers."""
+    recompute_glu: bool = False
+    """SiTU-GLU (dense MLP, shared and routed experts) keeps its gate and up projections' outputs
+    for backward, in their own dtype, instead of four fp32 factors, and recomputes the factors
+    there (exact; docs/planning.md, "Activation options")."""
 
     # Kernels
     linear_backend: Literal["auto", "torch", "te"] = "auto"

@@ -13,7 +13,12 @@ from k3train.parallel.tensor import TensorParallel
 def glu_activation(config: ModelConfig):
     """The `(gate, up) -> product` function chosen by `hidden_act`."""
     if config.hidden_act == "situ":
-        return partial(situ_glu, beta=config.activation_situ_beta, linear_beta=config.activation_situ_linear_beta)
+        return partial(
+            situ_glu,
+            beta=config.activation_situ_beta,
+            linear_beta=config.activation_situ_linear_beta,
+            recompute_factors=config.recompute_glu,
+        )
     return swiglu
 
 

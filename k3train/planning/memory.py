@@ -8,9 +8,12 @@ component, counted from the tensors autograd saves on the PyTorch path (what
 in `docs/planning.md` with what they stand for. It is multiplied by the micro-batches (chunks)
 the schedule keeps in flight at its peak, read from the schedule's own step list.
 
-Precision: `fp32` stores everything in 4 bytes; `bf16` (autocast) keeps fp32 master weights,
-fp32 gradients and fp32 optimizer state, and saves activations in 2 bytes (the router, AttnRes
-and loss parts compute in fp32 and are counted at 4).
+Precision: the weights are the built parameters' bytes (fp32, or bf16 under
+`train.weights=bf16_with_fp32_master_shards`); the gradients are `p.grad` in the parameter's
+dtype plus the reducer's bucket buffers (fp32 weights), or the reducer's persistent buffers in
+`train.grad_dtype` (bf16 weights); the fp32 masters are the owned parameters' (bf16 weights
+only); the optimizer state is fp32 for the owned parameters. Activations are saved in 2 bytes
+under bf16 and fp8 (the router, AttnRes and loss parts compute in fp32 and are counted at 4).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from k3train.config import JobConfig
 from k3train.model.config import ModelConfig
 from k3train.optim.builder import route_parameters
+from k3train.parallel.mixed_precision import MainGradReducer
 from k3train.parallel.pipeline import theoretical_peak_blocks
 from k3train.parallel.pipeline_schedule import PipelinePlan, schedule_steps
 from k3train.parallel.state import Layout
@@ -35,18 +41,53 @@ AttentionKernel = Literal["flash", "math"]
 
 
 @dataclass(frozen=True)
+class SavedElementBytes:
+    """Bytes per saved element of each component where they are not all of one dtype: under
+    bf16 on the PyTorch path (the CPU) the GEMM inputs are saved in bf16 and what the kernels
+    compute in fp32 (KDA's chunk path, SiTU-GLU's factors, the norms) in fp32. Read off
+    `saved_tensors_hooks` on the debug model with bf16 weights (bytes saved ÷ the fp32 path's
+    elements, per component; the same within 1% at width ×2 and sequence ×2, MLA within 3%)."""
+
+    kda: float
+    mla: float
+    glu: float
+    moe: float
+    residual: float
+
+
+TORCH_PATH_BF16 = SavedElementBytes(kda=3.61, mla=2.15, glu=3.54, moe=3.58, residual=2.0)
+
+
+@dataclass(frozen=True)
 class ActivationShape:
     """What one micro-batch looks like on one rank: tokens inside a TP region (full sequence)
-    and outside it (the sequence shard under SP), and the element size."""
+    and outside it (the sequence shard under SP), and the element size (`saved`, where set, per
+    component instead)."""
 
     tokens: int  # b·s
     tp: int
     sequence_parallel: bool
     element_bytes: int  # 4 fp32, 2 bf16
+    saved: SavedElementBytes | None = None
 
     @property
     def outside_tokens(self) -> float:
         return self.tokens / self.tp if self.sequence_parallel and self.tp > 1 else self.tokens
+
+    def bytes_of(self, component: Literal["kda", "mla", "glu", "moe", "residual"]) -> float:
+        return float(self.element_bytes) if self.saved is None else getattr(self.saved, component)
+
+
+def activation_shape(config: JobConfig, tokens: int, tp: int, sequence_parallel: bool) -> ActivationShape:
+    """The micro-batch shape of `config`'s precision: 4 bytes under fp32; under bf16 and fp8
+    2 bytes on CUDA (the kernels' bf16 saves: an assumption no GPU run has measured yet), and
+    on the CPU the PyTorch path's measured mix (`TORCH_PATH_BF16`)."""
+    train = config.train
+    if train.precision == "fp32":
+        return ActivationShape(tokens, tp, sequence_parallel, 4)
+    if train.device == "cpu":
+        return ActivationShape(tokens, tp, sequence_parallel, 2, TORCH_PATH_BF16)
+    return ActivationShape(tokens, tp, sequence_parallel, 2)
 
 
 def kda_elements_per_token(cfg: ModelConfig, tp: int) -> float:
@@ -102,31 +143,44 @@ def moe_elements_per_token(cfg: ModelConfig, tp: int) -> tuple[float, float]:
     return routed, shared
 
 
+def glu_recompute_saving(cfg: ModelConfig, shape: ActivationShape) -> float:
+    """Bytes per intermediate element `model.recompute_glu` saves: SiTU-GLU's four factors (fp32
+    on the PyTorch path and in fp32 runs; the compute dtype assumed on CUDA) replaced by the gate
+    and up outputs in the compute dtype."""
+    if not cfg.recompute_glu or cfg.hidden_act != "situ":
+        return 0.0
+    factor = 4 if shape.saved is not None or shape.element_bytes == 4 else shape.element_bytes
+    return 4 * factor - 2 * shape.element_bytes
+
+
 def layer_activation_bytes(
     cfg: ModelConfig, layer: int, shape: ActivationShape, seq_length: int, kernel: AttentionKernel = "flash"
 ) -> float:
     """Saved bytes of decoder layer `layer` for one micro-batch under `cfg.recompute`."""
     h, tp = cfg.hidden_size, shape.tp
-    inside, outside, a = shape.tokens, shape.outside_tokens, shape.element_bytes
+    inside, outside = shape.tokens, shape.outside_tokens
     # Residual path: the partial sum handed to each sublayer (2 per layer); without recompute each
     # AttnRes mix's output and its normalised copy, saved by the norm that follows (2h more per
     # mix, fp32; the mix itself keeps only per-token scalars besides its sources).
-    residual = 2 * h * outside * a
+    residual = 2 * h * outside * shape.bytes_of("residual")
     if cfg.recompute == "none" and cfg.attn_res != "none":
         residual += 4 * h * outside * 4
     if cfg.recompute == "sublayer":
         return residual
-    mixer = (
-        mla_elements_per_token(cfg, tp, seq_length, kernel)
-        if cfg.is_mla_layer(layer)
-        else kda_elements_per_token(cfg, tp)
-    )
+    if cfg.is_mla_layer(layer):
+        mixer = mla_elements_per_token(cfg, tp, seq_length, kernel) * shape.bytes_of("mla")
+    else:
+        mixer = kda_elements_per_token(cfg, tp) * shape.bytes_of("kda")
+    saving = glu_recompute_saving(cfg, shape)
     if cfg.is_moe_layer(layer):
         routed, shared = moe_elements_per_token(cfg, tp)
-        ffn = routed * outside + shared * inside
+        ffn = routed * outside * shape.bytes_of("moe") + shared * inside * shape.bytes_of("glu")
+        inner = cfg.moe_intermediate_size
+        ffn -= saving * (cfg.num_experts_per_token * inner * outside + cfg.num_shared_experts * inner / tp * inside)
     else:
-        ffn = glu_elements_per_token(h, cfg.intermediate_size / tp) * inside
-    return residual + (mixer * inside + ffn) * a
+        ffn = glu_elements_per_token(h, cfg.intermediate_size / tp) * inside * shape.bytes_of("glu")
+        ffn -= saving * cfg.intermediate_size / tp * inside
+    return residual + mixer * inside + ffn
 
 
 def sublayer_recompute_peak_bytes(
@@ -147,9 +201,9 @@ def ends_bytes(cfg: ModelConfig, shape: ActivationShape, embedding: bool, head: 
     if embedding:
         # Its output is saved by the first mix, and once more by the first norm unless recomputed.
         copies = 1 if cfg.recompute == "sublayer" else 2
-        total += shape.outside_tokens * copies * cfg.hidden_size * shape.element_bytes + shape.tokens * 8
+        total += shape.outside_tokens * copies * cfg.hidden_size * shape.bytes_of("residual") + shape.tokens * 8
     if head:
-        total += shape.outside_tokens * 4 * cfg.hidden_size * shape.element_bytes
+        total += shape.outside_tokens * 4 * cfg.hidden_size * shape.bytes_of("residual")
         total += shape.tokens * (cfg.vocab_size / shape.tp) * 4
     return total
 
@@ -198,17 +252,28 @@ class RankMemory:
     parameters: int
     weights: float
     gradients: float
+    gradient_buffers: float
+    """Bucket buffers of the reduction (fp32 weights: allocated per step beside `p.grad`) and the
+    reduce-scattered segments, alive from their bucket's launch to the end of the reduction."""
+    master: float
+    """fp32 master weights of the owned parameters (bf16 weights only)."""
     optimizer: float
     activations: float
     pipeline_blocks: float
     expert_buffers: float
     in_flight: tuple[int, ...]
+    host_activations: float = 0.0
+    """`train.offload_activations`: the saved activations of the micro-batches in flight, in host
+    memory (not in `total`); `activations` is then one micro-batch of the largest chunk, the one
+    whose forward or backward runs."""
 
     @property
     def total(self) -> float:
         return (
             self.weights
             + self.gradients
+            + self.gradient_buffers
+            + self.master
             + self.optimizer
             + self.activations
             + self.pipeline_blocks
@@ -221,6 +286,8 @@ class RankMemory:
             for v in (
                 self.weights,
                 self.gradients,
+                self.gradient_buffers,
+                self.master,
                 self.optimizer,
                 self.activations,
                 self.pipeline_blocks,
@@ -233,6 +300,7 @@ class RankMemory:
             f"{self.parameters / 1e9:.2f}B",
             *(f"{g:,.1f}" for g in gib),
             "+".join(map(str, self.in_flight)),
+            f"{self.host_activations / GIB:,.1f}",
         ]
 
 
@@ -241,12 +309,15 @@ MEMORY_HEADER = [
     "params",
     "weights",
     "grads",
+    "grad buckets",
+    "fp32 master",
     "optimizer",
     "activations",
     "AttnRes cache",
     "EP buffers",
     "total GiB",
     "in flight",
+    "host (offloaded)",
 ]
 
 
@@ -260,6 +331,28 @@ def optimizer_state_elements(job: RankJob) -> float:
             continue
         total += route.param.numel() * (1 if route.route == "muon" else 2)
     return total
+
+
+def gradient_bytes(job: RankJob) -> tuple[float, float]:
+    """(gradients, gradient buffers) of the built rank: with bf16 weights the reducer's
+    persistent buffers are the gradients (`MainGradReducer.buffer_bytes`) and only the sharded
+    segments come on top; with fp32 weights `p.grad` in the parameter's dtype and every bucket's
+    flat buffer (launched during backward, freed when the reduction finishes) on top."""
+    reducer = job.reducer
+    segments = sum(
+        bucket.segment * torch.empty((), dtype=bucket.dtype).element_size()
+        for bucket in reducer.buckets
+        if bucket.sharded
+    )
+    if isinstance(reducer, MainGradReducer):
+        return float(reducer.buffer_bytes), float(segments)
+    grads = sum(p.numel() * p.element_size() for p in job.model.parameters() if p.requires_grad)
+    return float(grads), float(sum(bucket.nbytes for bucket in reducer.buckets) + segments)
+
+
+def master_weight_bytes(job: RankJob) -> float:
+    masters = job.optimizer.master_weights
+    return float(sum(m.numel() * m.element_size() for m in masters.masters)) if masters is not None else 0.0
 
 
 def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -> float:
@@ -276,21 +369,22 @@ def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -
 
 
 def replica_weight_bytes(job: RankJob, moe_layers: int) -> float:
-    """`balanced` mode: the replica weights a rank holds, fp32. `step` planning: fetched once per
-    step and layer (`max_replicas` expert matrices) and kept with their gradients for the whole
-    step. `online` planning: per MoE layer, the `[R, M, F]` exchange buffer of the one layer
-    fetching now and the `[M, F]` replicas each layer keeps for its backward (gradients go home
-    through the exchange's adjoint, into the home experts' gradients)."""
+    """`balanced` mode: the replica weights a rank holds, in the weights' dtype. `step` planning:
+    fetched once per step and layer (`max_replicas` expert matrices) and kept with their
+    gradients for the whole step. `online` planning: per MoE layer, the `[R, M, F]` exchange
+    buffer of the one layer fetching now and the `[M, F]` replicas each layer keeps for its
+    backward (gradients go home through the exchange's adjoint, into the home experts' gradients)."""
     ep = job.expert_parallel
     if ep is None or not moe_layers or not ep.max_replicas:
         return 0.0
     cfg = job.config.model
     shapes = ep.buffer_shapes(1, cfg.num_experts_per_token, cfg.expert_width, cfg.moe_intermediate_size)
+    element = next(job.model.parameters()).element_size()
     if len(shapes["replica_weights"]) == 3:
         ranks, slots, width = shapes["replica_weights"]
-        return (ranks * slots * width + slots * width * moe_layers) * 4
+        return (ranks * slots * width + slots * width * moe_layers) * element
     slots, width = shapes["replica_weights"]
-    return 2 * slots * width * 4 * moe_layers
+    return 2 * slots * width * element * moe_layers
 
 
 def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: AttentionKernel = "flash") -> RankMemory:
@@ -300,11 +394,11 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
     pp_rank = job.parallel.pp_rank
     element = 2 if config.train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     # Under context parallelism a rank holds seq_length / cp tokens of every micro-batch.
-    shape = ActivationShape(
+    shape = activation_shape(
+        config,
         config.train.micro_batch_size * config.data.seq_length // layout.cp,
         layout.tp,
         bool(config.parallel.sequence_parallel and layout.tp > 1),
-        element,
     )
     parameters = sum(p.numel() for p in job.model.parameters())
     in_flight = peak_in_flight(job.plan, pp_rank, micro_batches)
@@ -322,26 +416,40 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
             element_bytes=element,
         )
     activations += sublayer_recompute_peak_bytes(cfg, range(*layer_ranges[0]), shape, config.data.seq_length, kernel)
+    host = 0.0
+    if config.train.offload_activations:
+        host = activations
+        activations = max(
+            chunk_activation_bytes(cfg, layer_range, shape, config.data.seq_length, kernel)
+            for layer_range in layer_ranges
+        )
     blocks = 0.0
     if layout.pp > 1:
         block_bytes = shape.outside_tokens * cfg.hidden_size * element
         blocks = theoretical_peak_blocks(job.plan, pp_rank, micro_batches) * block_bytes
+    gradients, gradient_buffers = gradient_bytes(job)
     return RankMemory(
         pp_rank,
         parameters,
-        parameters * 4.0,
-        parameters * 4.0,
+        float(sum(p.numel() * p.element_size() for p in job.model.parameters())),
+        gradients,
+        gradient_buffers,
+        master_weight_bytes(job),
         optimizer_state_elements(job) * 4.0,
         activations,
         blocks,
         expert_buffer_bytes(job, shape, 1) * moe_in_flight
         + replica_weight_bytes(job, sum(cfg.is_moe_layer(i) for r in layer_ranges for i in range(*r))),
         tuple(in_flight),
+        host,
     )
 
 
 __all__ = [
     "ActivationShape",
+    "SavedElementBytes",
+    "TORCH_PATH_BF16",
+    "activation_shape",
     "RankMemory",
     "MEMORY_HEADER",
     "rank_memory",

@@ -30,7 +30,7 @@ from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan
 from k3train.parallel.state import Layout, LayoutError, resolve_layout
 from k3train.planning.hardware import HardwareProfile
 from k3train.planning.layout_traffic import expert_layer_traffic
-from k3train.planning.memory import GIB, ActivationShape, peak_in_flight
+from k3train.planning.memory import GIB, activation_shape, peak_in_flight
 from k3train.planning.search_budget import SearchBudget
 from k3train.planning.search_cache import SearchCache
 from k3train.planning.stage_parameters import stage_parameters
@@ -78,10 +78,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def data_parallel_wire(
-    cfg: ModelConfig, layout: Layout, plan: PipelinePlan, cache: SearchCache | None = None
+    cfg: ModelConfig,
+    layout: Layout,
+    plan: PipelinePlan,
+    cache: SearchCache | None = None,
+    gradient_bytes: int = 4,
+    weight_bytes: int = 4,
 ) -> dict[str, float]:
-    """Ring wire bytes per step of the fullest stage's fp32 gradient reduction and ZeRO-1
-    exchange, as `layout_traffic.data_parallel_wire_bytes` counts them on a built rank, without
+    """Ring wire bytes per step of the fullest stage's gradient reduction (`gradient_bytes` per
+    element) and ZeRO-1 exchange (`weight_bytes`), as `layout_traffic.data_parallel_wire_bytes` counts them on a built rank, without
     padding: dense parameters over `dp` (with or without ZeRO-1: an all-reduce, or the reduce-
     scatter to the owners plus the all-gather, both 2(p−1)/p of the gradients), routed experts
     over `expert_dp` (dp·tp/ep ranks). `tests/unit/test_plan_search.py` holds it to the built
@@ -98,10 +103,11 @@ def data_parallel_wire(
         routed = moe * F.routed_experts_parameters(cfg, cfg.num_experts) / layout.ep if layout.ep > 1 else 0.0
         if params - routed > dense:
             dense, experts = params - routed, routed
+    element = gradient_bytes + weight_bytes  # (p−1)/p of each: the reduce-scatter and the all-gather
     if layout.dp > 1:
-        out["dp"] = 2 * (layout.dp - 1) / layout.dp * dense * 4
+        out["dp"] = (layout.dp - 1) / layout.dp * dense * element
     if expert_dp > 1 and experts:
-        out["expert_dp"] = 2 * (expert_dp - 1) / expert_dp * experts * 4
+        out["expert_dp"] = (expert_dp - 1) / expert_dp * experts * element
     return out
 
 
@@ -150,7 +156,7 @@ def analytic_step_bytes(
     micro_batches = train.micro_batches_per_rank(layout.dp)
     element = 2 if train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     sp = config.parallel.sequence_parallel and layout.tp > 1
-    tokens = train.micro_batch_size * config.data.seq_length
+    tokens = train.micro_batch_size * config.data.seq_length // layout.cp  # a rank's share of each sequence
     full = tokens * cfg.hidden_size * element
     ranks = [[i for start, end in plan.layer_ranges(rank) for i in range(start, end)] for rank in range(layout.pp)]
     comm: dict[str, float] = {}
@@ -159,9 +165,10 @@ def analytic_step_bytes(
         moe = sum(cfg.is_moe_layer(i) for i in layers)
         regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
         comm["tp"] = micro_batches * regions * 2 * (full + (full / layout.tp if sp else 0))
-    comm.update(data_parallel_wire(cfg, layout, plan, cache))
-    if layout.pp > 1:  # the schedule's wire dtype is fp32 whatever the compute precision
-        block = tokens * cfg.hidden_size * 4 // (layout.tp if sp else 1)
+    gradient = 2 if train.grad_dtype == "bf16" else 4
+    comm.update(data_parallel_wire(cfg, layout, plan, cache, gradient, weight_bytes(config)))
+    if layout.pp > 1:  # the schedule's wire dtype: the model's (bf16 weights), else fp32
+        block = tokens * cfg.hidden_size * weight_bytes(config) // (layout.tp if sp else 1)
         comm["pp"] = sum(plan.rank_step_bytes(1 % layout.pp, int(block), micro_batches).values())
     if layout.ep > 1:
         moe = max(sum(cfg.is_moe_layer(i) for i in layers) for layers in ranks)
@@ -169,11 +176,16 @@ def analytic_step_bytes(
         assert ep is not None  # ep > 1 always has a dispatcher
         local_tokens = tokens // (layout.tp if sp else 1)
         per_micro_batch, per_step = expert_layer_traffic(
-            ep, cfg, local_tokens, element, 4, ep.max_replicas, cfg.recompute == "sublayer"
+            ep, cfg, local_tokens, element, weight_bytes(config), ep.max_replicas, cfg.recompute == "sublayer"
         )
         # + the expert share of the global gradient norm (one fp32 scalar).
         comm["ep"] = moe * (micro_batches * per_micro_batch[0] + (per_step[0] if per_step else 0)) + 4
     return comm
+
+
+def weight_bytes(config: JobConfig) -> int:
+    """Bytes of one model weight element (and of the pipeline's wire and the expert replicas)."""
+    return 2 if config.train.weights == "bf16_with_fp32_master_shards" else 4
 
 
 def static_memory_gib(config: JobConfig, layout: Layout, plan: PipelinePlan, cache: SearchCache | None = None) -> float:
@@ -185,10 +197,18 @@ def static_memory_gib(config: JobConfig, layout: Layout, plan: PipelinePlan, cac
 
 def _static_bytes(config: JobConfig, layout: Layout, ranges: list[tuple[int, int]], cache: SearchCache) -> float:
     params, state = cache.stage_parameters(config.model, ranges, layout.tp, layout.ep)
+    shards = 1
     if config.parallel.zero1:
         expert_dp = layout.dp * layout.tp // layout.ep
-        state /= min(layout.dp, expert_dp) if layout.ep > 1 else layout.dp
-    return params * 8 + state * 4
+        shards = min(layout.dp, expert_dp) if layout.ep > 1 else layout.dp
+    gradient = 2 if config.train.grad_dtype == "bf16" else 4
+    if config.train.weights == "bf16_with_fp32_master_shards":
+        # bf16 weights, the persistent gradient buffers, fp32 masters and state of the owned share
+        return params * (2 + gradient) + (params + state) * 4 / shards
+    # fp32 weights and p.grad, the bucket buffers of the reduction (about the gradients again
+    # when anything is reduced), fp32 state of the owned share
+    buckets = params * gradient if layout.dp > 1 or layout.tp > 1 else 0.0
+    return params * 8 + buckets + state * 4 / shards
 
 
 def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache: SearchCache | None = None) -> float:
@@ -198,7 +218,7 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
     micro_batches = train.micro_batches_per_rank(layout.dp)
     element = 2 if train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     sp = config.parallel.sequence_parallel and layout.tp > 1
-    shape = ActivationShape(train.micro_batch_size * config.data.seq_length, layout.tp, sp, element)
+    shape = activation_shape(config, train.micro_batch_size * config.data.seq_length // layout.cp, layout.tp, sp)
     expert_buffers = replica_weights = 0.0  # per MoE layer in flight; per MoE layer held
     if layout.ep > 1:  # as memory.py: dispatch and combine of every MoE layer in flight, replicas per layer
         ep = cache.expert_parallel(layout, config.parallel, cfg.num_experts)
@@ -213,10 +233,10 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
         exchange = 0.0  # `online` replicas: the [R, M, F] buffer of the layer fetching now
         if "replica_weights" in shapes and ep.max_replicas:
             if len(shapes["replica_weights"]) == 3:  # as memory.py: [M, F] held per layer, one exchange
-                exchange = math.prod(shapes["replica_weights"]) * 4
-                replica_weights = math.prod(shapes["replica_weights"][1:]) * 4
+                exchange = math.prod(shapes["replica_weights"]) * weight_bytes(config)
+                replica_weights = math.prod(shapes["replica_weights"][1:]) * weight_bytes(config)
             else:
-                replica_weights = 2 * math.prod(shapes["replica_weights"]) * 4
+                replica_weights = 2 * math.prod(shapes["replica_weights"]) * weight_bytes(config)
     worst = 0.0
     for rank in range(layout.pp):
         ranges = plan.layer_ranges(rank)
@@ -224,6 +244,8 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
         activations = sum(
             n * cache.chunk_activation_bytes(cfg, r, shape, config.data.seq_length) for n, r in zip(in_flight, ranges)
         )
+        if train.offload_activations:  # as memory.py: one micro-batch of the largest chunk on the device
+            activations = max(cache.chunk_activation_bytes(cfg, r, shape, config.data.seq_length) for r in ranges)
         if layout.pp > 1:  # the AttnRes blocks the pipeline cache holds
             activations += (
                 cache.peak_blocks(plan, rank, micro_batches) * shape.outside_tokens * cfg.hidden_size * element

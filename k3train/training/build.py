@@ -29,12 +29,14 @@ from k3train.optim.muon import PerHeadMuon
 from k3train.parallel.comm import Group
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, GradientReducer
+from k3train.parallel.mixed_precision import MainGradReducer
 from k3train.parallel.muon_split import install_muon_split
 from k3train.parallel.pipeline import PipelineExecutor, PipelinePlan, residual_shape
 from k3train.parallel.state import Layout, ParallelState
 from k3train.parallel.zero1 import DistributedOptimizer
 from k3train.training.compile import compile_elementwise
 from k3train.training.loop import precision_context
+from k3train.training.offload import HostOffload, with_offload
 
 META = torch.device("meta")
 
@@ -52,6 +54,7 @@ class RankJob:
     reducer: GradientReducer
     optimizer: DistributedOptimizer
     schedule: PipelineExecutor
+    offload: HostOffload | None = None  # train.offload_activations: the hooks and the bytes they moved
 
 
 class _PlanningState(ParallelState):
@@ -191,6 +194,17 @@ def forward_precision_context(
     return bf16_and_fp8
 
 
+def model_weight_dtype(config: JobConfig) -> torch.dtype | None:
+    """The dtype the model's weights are cast to under sharded fp32 masters (None: fp32 weights
+    stepped in place)."""
+    return torch.bfloat16 if config.train.weights == "bf16_with_fp32_master_shards" else None
+
+
+def gradient_dtype(config: JobConfig) -> torch.dtype:
+    """`train.grad_dtype` as a torch dtype: what gradients accumulate and are reduced in."""
+    return torch.bfloat16 if config.train.grad_dtype == "bf16" else torch.float32
+
+
 def _build_optimizer(
     model: K3RankModel, config: JobConfig, parallel: ParallelState, bucket_bytes: int
 ) -> DistributedOptimizer:
@@ -204,8 +218,9 @@ def _build_optimizer(
         parameter_costs(model, config.optimizer),
         zero1=config.parallel.zero1,
         bucket_bytes=bucket_bytes,
+        model_dtype=model_weight_dtype(config),
     )
-    if not config.parallel.zero1 and config.optimizer.muon_split_over_dp:
+    if not config.parallel.zero1 and config.optimizer.muon_split_over_dp and optimizer.master_weights is None:
         # Each DP rank orthogonalises the matrices ZeRO-1 would give it; updates all-gathered.
         install_muon_split(optimizer.optimizer, model.named_parameters(), optimizer.plan.owners, parallel, bucket_bytes)
     return optimizer
@@ -261,9 +276,27 @@ def build_rank(
     if device.type == "cpu" and isinstance(optimizer.optimizer, PerHeadMuon):
         optimizer.optimizer.ns_cpu_bf16_min_flops = agreed_cpu_bf16_min_flops(parallel.data_tensor)
     # Under ZeRO-1 the gradients are reduce-scattered to their owners (the optimizer's plan).
-    reducer = GradientReducer(
-        model, parallel, bucket_bytes=bucket_bytes, overlap=overlap, owners=optimizer.gradient_owners()
-    )
+    reducer: GradientReducer
+    if optimizer.master_weights is not None:  # bf16 weights: gradients accumulate in the buffers
+        reducer = MainGradReducer(
+            model,
+            parallel,
+            gradient_dtype(config),
+            bucket_bytes=bucket_bytes,
+            overlap=overlap,
+            owners=optimizer.gradient_owners(),
+        )
+        optimizer.take_gradients_from(reducer)
+    else:
+        reducer = GradientReducer(
+            model,
+            parallel,
+            bucket_bytes=bucket_bytes,
+            reduce_dtype=torch.bfloat16 if config.train.grad_dtype == "bf16" else None,
+            overlap=overlap,
+            owners=optimizer.gradient_owners(),
+        )
+    offload = HostOffload() if config.train.offload_activations and device.type != "meta" else None
     schedule = PipelineExecutor(
         plan,
         parallel.pp,
@@ -274,9 +307,10 @@ def build_rank(
             parallel.tp.size,
             parallel.sequence_parallel,
         ),
-        dtype=torch.float32,
+        # Stage outputs travel in the model's dtype: bf16 weights make a bf16 residual stream.
+        dtype=model_weight_dtype(config) or torch.float32,
         device=device,
-        forward_context=forward_precision_context(config, device, parallel),
+        forward_context=with_offload(forward_precision_context(config, device, parallel), offload),
         # The pipeline's last backward of each chunk turns on gradient reduction (DP overlap).
         before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
         grad_group=parallel.pp_grad,  # backward messages on their own communicator (NCCL order)
@@ -286,7 +320,7 @@ def build_rank(
             else None
         ),
     )
-    return RankJob(config, parallel, device, plan, expert_parallel, model, reducer, optimizer, schedule)
+    return RankJob(config, parallel, device, plan, expert_parallel, model, reducer, optimizer, schedule, offload)
 
 
 def build_planning_rank(
@@ -310,6 +344,8 @@ __all__ = [
     "build_model",
     "check_precision_support",
     "forward_precision_context",
+    "gradient_dtype",
+    "model_weight_dtype",
     "fp8_excluded_layers",
     "planning_parallel_state",
 ]

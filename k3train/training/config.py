@@ -28,6 +28,18 @@ class TrainConfig:
     GEMMs in the Transformer Engine projections (needs CUDA, transformer-engine and
     model.linear_backend te or auto). AttnRes, router, QB statistics, norms, softmaxes, SiTU-GLU
     and the loss stay fp32/bf16 (docs/precision.md)."""
+    weights: Literal["fp32", "bf16_with_fp32_master_shards"] = "fp32"
+    """Where the weights live: fp32 parameters on every rank (the optimizer steps them in place),
+    or bf16 parameters in the model with fp32 master weights and optimizer state only in the
+    ZeRO-1 owners' shards (Megatron's distributed optimizer); the second needs precision bf16 or
+    fp8 (docs/precision.md, "Master weights")."""
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype gradients are accumulated over micro-batches and reduced over data parallel in
+    (Megatron's --grad-reduce-in-bf16 for bf16); under fp32 weights, the reduction's dtype only."""
+    offload_activations: bool = False
+    """Copy every tensor a chunk's forward saves for backward to host memory and back when
+    backward needs it (pinned buffers on a side stream on CUDA): exact, trades device memory for
+    host traffic (docs/planning.md, "Activation options")."""
     fp8_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
     """FP8 scaling under precision fp8: delayed (per-tensor scales from an amax history),
     current (per-tensor scales from the tensor itself) or mxfp8 (32-element blocks; Blackwell)."""
@@ -98,6 +110,11 @@ class TrainConfig:
                 (
                     self.fp8_excluded_layers is None or all(i >= 0 for i in self.fp8_excluded_layers),
                     f"train.fp8_excluded_layers must be 0-based layer indices, got {self.fp8_excluded_layers}",
+                ),
+                (
+                    self.weights == "fp32" or self.precision != "fp32",
+                    "train.weights=bf16_with_fp32_master_shards runs the forward in bf16: set train.precision=bf16 "
+                    "(or fp8), or train.weights=fp32",
                 ),
                 (self.num_threads >= 0, f"train.num_threads must be 0 (automatic) or positive, got {self.num_threads}"),
                 (

@@ -162,7 +162,12 @@ class Trainer:
         self.reducer.finish()
         finish_expert_step(self.model.moe_layers(), parallel)  # replica gradients home; next step's replicas
         step_loss = average_over_dp(local_loss, parallel).item()
-        grad_norm = clip_grad_norm(model.parameters(), config.optimizer.clip_grad, parallel).item()
+        grad_norm = clip_grad_norm(
+            self.optimizer.gradients_for_step(),  # the model's parameters, or the owned fp32 masters
+            config.optimizer.clip_grad,
+            parallel,
+            owner_only=self.optimizer.owner_only_gradients(),
+        ).item()
 
         expert_stats = self._pooled_expert_stats()
         optimizer_seconds, newton_schulz = 0.0, None

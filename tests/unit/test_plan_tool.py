@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from k3train.planning.memory import MEMORY_HEADER
+
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -51,7 +53,37 @@ def test_k3_plan_prints_memory_traffic_bubble_and_step_time():
     assert all(f"{group} " in counted for group in ("tp", "dp", "pp", "ep"))
     assert "ZeRO-1 exchange on the wire" in out and "gradients all-reduced instead" in out
     assert "| pipeline bubble |" in out and "MFU" in out and "step " in out
-    # The recipe's own layout does not fit an H200 by the planner's model (its fullest rank is pp1).
+    # The recipe's own layout fits an H200 by the planner's model, its fullest rank under the limit.
+    largest = largest_rank_gib(out)
+    assert largest <= 118.2
+    assert verdict_line(out).startswith(f"fits: largest rank {largest:.1f} GiB (pp")
+    assert "<= 118.2 GiB (limit: 90% of the 141 GB HBM of one H200 SXM)" in verdict_line(out)
+
+
+@pytest.mark.parametrize("world_size", [2048, 4096])
+def test_k3_recipe_fits_an_h200_at_larger_world_sizes(world_size):
+    """The same recipe at 2,048 and 4,096 GPUs (dp grows, nothing else changes) fits too."""
+    result = plan("--recipe", "recipes/k3.yaml", "--world-size", str(world_size), "--hardware", "h200")
+    assert result.returncode == 0, result.stderr
+    assert largest_rank_gib(result.stdout) <= 118.2
+    assert verdict_line(result.stdout).startswith("fits: largest rank ")
+
+
+def test_k3_recipe_s_old_layout_with_fp32_weights_does_not_fit():
+    """Without cp and the master shards (the recipe's previous layout) the fullest rank is pp1, over the limit."""
+    result = plan(
+        "--recipe",
+        "recipes/k3.yaml",
+        "--world-size",
+        "1024",
+        "--hardware",
+        "h200",
+        "parallel.cp=1",
+        "train.weights=fp32",
+        "train.grad_dtype=fp32",
+        "parallel.pipeline_layers=[5,6,6,6,6,6,6,6,6,6,6,6,6,6,6,4]",
+    )
+    out = result.stdout
     assert verdict_line(out).startswith(
         f"does not fit: largest rank {largest_rank_gib(out):.1f} GiB (pp1) > 118.2 GiB "
         "(limit: 90% of the 141 GB HBM of one H200 SXM); "
@@ -67,7 +99,9 @@ def verdict_line(stdout: str) -> str:
 
 def largest_rank_gib(stdout: str) -> float:
     return max(
-        float(row.split("|")[-3].replace(",", "")) for row in stdout.splitlines() if re.match(r"\| pp\d+ \|", row)
+        float(row.strip("|").split("|")[MEMORY_HEADER.index("total GiB")].replace(",", ""))
+        for row in stdout.splitlines()
+        if re.match(r"\| pp\d+ \|", row)
     )
 
 

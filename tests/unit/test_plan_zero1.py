@@ -16,8 +16,18 @@ K3 = str(CHECKOUT / "recipes" / "k3.yaml")
 DATA_GROUPS = ("dp", "data_tensor", "expert_dp")
 
 
+# The recipe with cp 1, fp32 weights and fp32 gradients (dp 8 at 1,024 GPUs, six-layer stages
+# from pp1): the layout these volumes were read on; the recipe's own cp 2 halves dp.
+FP32_CP1 = [
+    "parallel.cp=1",
+    "train.weights=fp32",
+    "train.grad_dtype=fp32",
+    "parallel.pipeline_layers=[5,6,6,6,6,6,6,6,6,6,6,6,6,6,6,4]",
+]
+
+
 def k3_rank(world_size: int, pp_rank: int):
-    config = load_config(K3, [])
+    config = load_config(K3, FP32_CP1)
     p, m = config.parallel, config.model
     layout = resolve_layout(
         world_size,
@@ -56,7 +66,7 @@ def test_owner_rows_reduce_scatter_without_padding(k3_pp1):
 
 
 def test_k3_gradients_and_exchange_at_distributed_optimizer_volume(k3_pp1):
-    """Recipe layout at 1,024 GPUs (dp 8, tp 8, ep 64), pipeline rank 1: ring bytes on the
+    """The recipe at 1,024 GPUs with cp 1 and fp32 gradients (dp 8, tp 8, ep 64), pipeline rank 1: ring bytes on the
     network groups within 10% of a padding-free reduce-scatter + all-gather (2(p−1)/p of the
     fp32 gradients), and at least 1.3× below all-reducing the same buckets plus the same
     exchange (the old ZeRO-1's 1.5× less the padding); more than 90% of the gradient elements

@@ -7,6 +7,7 @@ import sys
 
 from k3train.config import load_config
 from k3train.model.flops import parameter_counts
+from k3train.planning.memory import MEMORY_HEADER
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = CHECKOUT / "recipes" / "k3-1gpu.yaml"
@@ -56,6 +57,6 @@ def test_plan_fits_one_h200():
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| pp0 ")]
     assert len(rows) == 1, result.stdout
-    total_gib = float(rows[0].strip("|").split("|")[8])
+    total_gib = float(rows[0].strip("|").split("|")[MEMORY_HEADER.index("total GiB")])
     assert 0.8 * H200_GIB <= total_gib <= H200_GIB, total_gib  # fills the GPU, does not exceed it
     assert "MFU" in result.stdout
