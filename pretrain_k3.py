@@ -39,6 +39,7 @@ from k3train.config.command_line import parse_job_args_or_exit
 from k3train.errors import RunDirectoryError, UserError
 from k3train.job.ending import exit_same_on_every_rank, write_torchrun_error_file
 from k3train.job.preflight import check_input_files
+from k3train.job.run_lock import release_run_directories
 from k3train.job.signals import StoppedOutsideTheLoop, exit_unsaved, stop_signals_raise
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         raise  # not reached: exit_unsaved ends the process
     finally:
+        release_run_directories()  # a crash (kill -9, os._exit) leaves a stale lock the next start takes over
         # The status is decided. torchrun's agent SIGTERMs the other ranks as soon as one ends, and
         # Python's shutdown resets its handlers to the default: a SIGTERM then would turn this
         # rank's status (2, 3, 0) into -15. SIG_IGN survives the shutdown; SIGKILL still ends a
@@ -201,6 +203,25 @@ def writable(action: str, path, fix: str):
     return context()
 
 
+def claim_run_directories(directories: list[pathlib.Path], is_lock_rank: bool) -> None:
+    """Rank 0 locks the run and checkpoint directories (k3train/job/run_lock.py); every rank learns
+    whether it could, so a refusal is one line and status 2 everywhere, before any collective."""
+    import torch
+
+    from k3train.job.run_lock import lock_run_directories
+
+    refusal: list[str | None] = [None]
+    if is_lock_rank:
+        try:
+            lock_run_directories(directories)
+        except RunDirectoryError as error:
+            refusal = [str(error)]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise RunDirectoryError(refusal[0])
+
+
 def resume(checkpointer, resume_setting: str, model, app_state, progress) -> None:
     """Load the checkpoint `checkpoint.resume` names, if any: a whole training state, or a
     model-only checkpoint (tools/convert_checkpoint.py from-hf) to fine-tune from."""
@@ -234,6 +255,9 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     is_logging_rank = parallel.rank == 0
     threads_line = set_up_rank(config, parallel)
     run_dir = shared_run_dir(run_dir_arg)
+    checkpoint_dir = pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+    # Before anything there is read, cleaned or written: one job per run directory.
+    claim_run_directories([run_dir, checkpoint_dir], is_logging_rank)
     print(f"run directory: {run_dir}")
     layout = parallel.layout
     print(
@@ -285,7 +309,6 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         job.reducer,
         job.schedule,
     )
-    checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
     with writable(
         "creating or reading the checkpoint directory", checkpoint_dir, "; set checkpoint.dir to a writable directory"
     ):
