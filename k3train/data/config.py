@@ -39,6 +39,10 @@ class DataConfig:
                 (self.seq_length >= 1, f"data.seq_length must be at least 1, got {self.seq_length}"),
                 (self.max_epochs >= 1, f"data.max_epochs must be at least 1, got {self.max_epochs}"),
                 (
+                    self.corpus_max_bytes >= 1,
+                    f"data.corpus_max_bytes must be at least 1, got {self.corpus_max_bytes}",
+                ),
+                (
                     0.0 <= self.validation_fraction < 1.0,
                     f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}",
                 ),
