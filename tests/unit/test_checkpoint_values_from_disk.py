@@ -1,0 +1,103 @@
+"""Every value a checkpoint holds is checked before use: the manifest by its format version, the
+sizes `.metadata` declares before anything is allocated, JSON nesting, RNG state structure and
+progress counters. Each crafted file ends in one CheckpointError line, never a traceback."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from k3train.checkpoint import Checkpointer, CheckpointError, PerRank, RNGState, verify_checkpoint, write_manifest
+from k3train.checkpoint.integrity import checksum_files
+from k3train.checkpoint.safe_metadata import read_metadata_safely
+from k3train.checkpoint.values import MAGIC, decode_value
+from k3train.checkpoint.verify import checkpoint_problems
+from k3train.training.loop import Progress
+
+
+def _reseal(path: Path, **changes) -> None:
+    """Rewrite the manifest with fresh checksums and `changes` (what a careful forger does)."""
+    manifest = json.loads((path / "k3train.json").read_text())
+    files = checksum_files(path, sorted(manifest["files"]))
+    extra = {k: v for k, v in manifest.items() if k not in ("step", "world_size", "complete", "files")}
+    extra.update(files=files)
+    extra.update(changes)
+    write_manifest(path, manifest["step"], **extra)
+
+
+def test_a_version_2_manifest_without_checksums_is_damage_not_an_old_format(tmp_path):
+    model = nn.Linear(3, 2)
+    ck = Checkpointer(tmp_path)
+    older, newest = ck.save(1, {"model": model}), ck.save(2, {"model": model})
+    manifest = json.loads((newest / "k3train.json").read_text())
+    del manifest["files"]
+    (newest / "k3train.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="format version 2.*lost its list of file checksums"):
+        verify_checkpoint(newest)
+    assert [p.reason for p in checkpoint_problems(newest).problems] == ["manifest"]  # verify_checkpoint.py: not ok
+    assert ck.resolve_resume("auto") == older
+    assert (tmp_path / "step_00000002.damaged-manifest").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("version", None, "no valid format version"),
+        ("version", 99, "newer than this k3train reads"),
+        ("step", -5, "step -5"),
+        ("format", "other", "format 'other'"),
+    ],
+)
+def test_manifest_fields_are_checked(tmp_path, field, value, says):
+    path = Checkpointer(tmp_path).save(3, {"model": nn.Linear(3, 2)})
+    manifest = json.loads((path / "k3train.json").read_text())
+    manifest[field] = value
+    (path / "k3train.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=says):
+        verify_checkpoint(path)
+
+
+def test_a_deeply_nested_manifest_is_unreadable_not_a_recursion_error(tmp_path):
+    path = Checkpointer(tmp_path).save(3, {"model": nn.Linear(3, 2)})
+    (path / "k3train.json").write_text('{"complete": true, "x": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        verify_checkpoint(path)
+
+
+def test_deeply_nested_json_values_are_refused():
+    with pytest.raises(CheckpointError, match="nested deeper"):
+        decode_value(MAGIC + b"[" * 200_000 + b"]" * 200_000, "checkpoint value x")
+
+
+def test_metadata_declaring_a_huge_tensor_is_refused_before_allocation(tmp_path):
+    path = Checkpointer(tmp_path).save(3, {"model": nn.Linear(3, 2)})
+    metadata = read_metadata_safely(path)
+    md = metadata.state_dict_metadata["model.weight"]
+    md.size = torch.Size([2**20, 2**20])
+    md.chunks[0].sizes = torch.Size([2**20, 2**20])
+    buffer = io.BytesIO()
+    pickle.dump(metadata, buffer)
+    (path / ".metadata").write_bytes(buffer.getvalue())
+    _reseal(path)
+    with pytest.raises(CheckpointError, match=r"model.weight chunk \[1048576, 1048576\].*stored in"):
+        verify_checkpoint(path)
+
+
+def test_garbage_rng_state_is_one_line_and_sets_nothing(tmp_path):
+    path = Checkpointer(tmp_path).save(3, {"rng": PerRank({"torch": "garbage", "python": [1, 2]})})
+    before = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match="saved 'rng' state is not valid.*not an RNG state"):
+        Checkpointer(tmp_path).load(path, {"rng": RNGState()})
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_negative_progress_step_is_refused(tmp_path):
+    path = Checkpointer(tmp_path).save(3, {"progress": {"step": -5, "consecutive_nonfinite": 0, "skipped_steps": 0}})
+    with pytest.raises(CheckpointError, match=r"'progress' state is not valid.*progress.step .*got -5"):
+        Checkpointer(tmp_path).load(path, {"progress": Progress()})
