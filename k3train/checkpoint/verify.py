@@ -5,10 +5,10 @@ first as a `CheckpointError`. Nothing here loads a model or runs code from the f
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import math
+from typing import TypeGuard
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -116,7 +116,7 @@ def checkpoint_problems(path: str | Path, checksums: bool = True, share: tuple[i
     return Verdict(metadata, problems, checksummed)
 
 
-def _whole(value: object) -> bool:
+def _whole(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
