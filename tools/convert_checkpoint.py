@@ -414,8 +414,9 @@ def from_hf(args: argparse.Namespace) -> int:
     _prepare_out(out, args.overwrite, ["config.yaml", "checkpoints"])
     job = load_config(args.recipe, []) if args.recipe else JobConfig()
     job.model = model_config
-    if (hf.path / "tokenizer.json").is_file():
-        job.data.tokenizer = str((hf.path / "tokenizer.json").resolve())
+    tokenizer = hf.tokenizer_file()
+    if tokenizer is not None:
+        job.data.tokenizer = str(tokenizer.resolve())
     job.checkpoint.dir = None  # RUN_DIR/checkpoints, where the converted step is
     job.checkpoint.resume = "auto"
     job.validate()
@@ -424,7 +425,7 @@ def from_hf(args: argparse.Namespace) -> int:
     total = sum(spec.numel for spec in specs)
     print(f"from-hf: {hf.path} → {out}: {len(specs):,} tensors, {total / 1e6:.2f}M values")
     with tqdm(total=len(specs), unit="tensor", unit_scale=True, desc="from-hf", disable=args.quiet) as bar:
-        load_hf_weights(model, hf, specs, progress=bar.update)
+        load_hf_weights(model, hf, specs, progress=bar.update, allow_nonfinite=args.allow_nonfinite)
     save_config(job, str(out / "config.yaml"))
     if (out / "checkpoints").exists() and args.overwrite:
         shutil.rmtree(out / "checkpoints")
@@ -506,6 +507,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run directory to create: config.yaml + checkpoints/step_00000000")
     p.add_argument(
         "--recipe", default=None, help="recipe for everything but the model section (default: k3train's defaults)"
+    )
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="import tensors holding NaN or Inf values (refused by default: training would stop on them)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace config.yaml and checkpoints/ in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from k3train.checkpoint.bounded_json import json_file
+from k3train.checkpoint.integrity import CHECKSUM, checksum_files
 
 MANIFEST = "k3train.json"
 METADATA = ".metadata"
@@ -103,10 +104,16 @@ def manifest_problem(manifest: dict) -> str | None:
 def write_manifest(path: str | Path, step: int, world_size: int = 1, **extra: Any) -> None:
     """Write `k3train.json` into a finished DCP directory (atomically, fsynced).
 
-    `Checkpointer.save` calls this; a converter that writes a DCP checkpoint by other means calls
-    it last to make the directory a complete checkpoint.
+    `Checkpointer.save` calls this with the checksums its ranks computed; a converter that writes
+    a DCP checkpoint by other means calls it last, without `files`, and every file in the
+    directory is checksummed here.
     """
     path = Path(path)
+    if "files" not in extra:  # a version-2 manifest always lists its files' checksums
+        names = sorted(
+            str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and not f.name.startswith(MANIFEST)
+        )
+        extra.update(checksum=CHECKSUM, files=checksum_files(path, names))
     now = time.time()
     manifest = {
         "format": FORMAT,

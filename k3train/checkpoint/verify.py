@@ -13,6 +13,7 @@ from typing import TypeGuard
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from k3train.checkpoint.containment import escapes
 from k3train.checkpoint.errors import CheckpointError
 from k3train.checkpoint.integrity import CHECKSUM, file_checksum
 from k3train.checkpoint.manifest import MANIFEST, METADATA, manifest_problem, read_manifest, resume_hint
@@ -26,7 +27,7 @@ class Problem:
     """One reason a checkpoint cannot be used."""
 
     reason: str
-    """A short word: missing, incomplete, manifest, metadata, truncated, checksum."""
+    """A short word: missing, outside, incomplete, manifest, metadata, truncated, checksum."""
     message: str
     """One line naming the checkpoint and what is wrong."""
 
@@ -52,6 +53,11 @@ def checkpoint_problems(path: str | Path, checksums: bool = True, share: tuple[i
     if not path.is_dir():
         return Verdict(None, [Problem("missing", f"checkpoint {path} is not a directory")], False)
     problems: list[Problem] = []
+    for name in (MANIFEST, METADATA):
+        outside = escapes(path, path / name)
+        if outside is not None:
+            message = f"checkpoint {path}: {name} leads outside the checkpoint (to {outside})"
+            return Verdict(None, [Problem("outside", message)], False)
     manifest = read_manifest(path)
     if not (path / METADATA).is_file():
         problems.append(
@@ -158,11 +164,7 @@ def _declared_size_problem(metadata: Metadata) -> str | None:
 
 
 def _inside(root: Path, file: Path) -> bool:
-    try:
-        file.resolve().relative_to(root.resolve())
-    except ValueError:
-        return False
-    return True
+    return escapes(root, file) is None
 
 
 def _check_file(path: Path, rel: str, recorded: object) -> list[Problem]:
