@@ -11,7 +11,7 @@ checkpoint resume → training loop → checkpoints.
 Exit status (every failure is one line on stderr, `error: ...`, no traceback):
     0  done: train.steps reached ("done: step N, loss A (step 1) → B (step N)")
     2  a recipe, layout, data, checkpoint or training error (rank 0 prints it)
-    3  stopped by SIGTERM/SIGINT after saving a checkpoint ("stopped at step N (SIGTERM)")
+    3  stopped by SIGTERM/SIGINT/SIGHUP after saving a checkpoint ("stopped at step N (SIGTERM)")
     4  stopped by a signal it could not honour within train.stop_grace_s (a rank blocked on a
        collective), signalled twice, or signalled outside the training loop (start-up): no
        checkpoint written, the newest complete one is kept
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         # rank's status (2, 3, 0) into -15. SIG_IGN survives the shutdown; SIGKILL still ends a
         # process that hangs in it.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def start_job(config, run_dir_arg: str | None) -> int:
@@ -342,12 +343,17 @@ def train(config, trainer, checkpointer, app_state, logger, parallel, run_dir, r
     import torch
 
     from k3train.checkpoint import CheckpointError
-    from k3train.job.signals import STOPPED, GracefulExit, signal_name
+    from k3train.job.signals import STOPPED, GracefulExit, launcher_grace, signal_name
     from k3train.training.summary import done_line
 
     is_logging_rank = parallel.rank == 0
 
     def save_checkpoint(step: int) -> None:
+        if trainer.progress.consecutive_nonfinite and not stop.acknowledged:
+            # The update was skipped: a periodic save would only push a finite checkpoint out of
+            # checkpoint.keep_last. A stop still saves (the same weights, and its step to resume).
+            print(f"checkpoint skipped at step {step}: the step was not finite; {newest_kept()}", flush=True)
+            return
         with writable(f"saving the checkpoint of step {step} in", checkpointer.directory, ""):
             path = checkpointer.save(step, app_state())
         # An asynchronous save returns once the state is copied; the write finishes in the background.
@@ -360,9 +366,12 @@ def train(config, trainer, checkpointer, app_state, logger, parallel, run_dir, r
             kept = None
         return f"the newest complete checkpoint is {kept}" if kept else "no complete checkpoint is kept"
 
+    grace_s, grace_line = launcher_grace(config.train.stop_grace_s, os.environ)
+    if grace_line:
+        print(f"note: {grace_line}")
     try:
         with GracefulExit(
-            grace_s=config.train.stop_grace_s,
+            grace_s=grace_s,
             on_unanswered=lambda signum, reason: exit_unsaved(signum, reason, trainer.progress.step),
         ) as stop:
             history = trainer.run(stop.requested, save_checkpoint)  # any rank signalled: all stop
