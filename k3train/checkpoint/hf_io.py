@@ -12,15 +12,16 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from k3train.checkpoint.bounded_json import json_file
 from k3train.checkpoint.containment import contained, escapes
-from k3train.checkpoint.errors import CheckpointError, one_line
+from k3train.checkpoint.errors import CheckpointError, describe_failure, one_line
 from k3train.checkpoint.hf import HFConversionError, TensorSpec, import_tensor, short_listing
-from k3train.checkpoint.manifest import complete_checkpoints, is_complete
+from k3train.checkpoint.manifest import complete_checkpoints, is_complete, resume_hint
 from k3train.checkpoint.safe_metadata import SafeFileSystemReader
 from k3train.checkpoint.verify import verify_checkpoint
 from k3train.model.config import ModelConfig
@@ -148,9 +149,19 @@ class CheckpointTensorReader:
             tensor = torch.empty(size, dtype=md.properties.dtype)
             targets[fqn] = (tensor, tuple(offsets))
             out.append(tensor)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
-            dcp.load({}, storage_reader=self._reader, planner=_SliceLoadPlanner(targets), no_dist=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
+                warnings.filterwarnings("ignore", message=r"Detected pickle protocol")  # a crafted slot's
+                dcp.load({}, storage_reader=self._reader, planner=_SliceLoadPlanner(targets), no_dist=True)
+        except (Exception, CheckpointException) as e:  # a damaged or crafted tensor slot (a pickle, garbage)
+            found = describe_failure(e)
+            if "UnpicklingError" in found:  # torch's text advises weights_only=False: running the file's code
+                found = "a tensor slot holds something other than a plain tensor; refused, nothing in it was run"
+            raise CheckpointError(
+                f"reading tensors of checkpoint {self.path} failed ({found}); the files may be damaged: "
+                f"{resume_hint(self.path)}"
+            ) from None
         return out
 
 

@@ -151,3 +151,46 @@ def test_a_deeply_nested_config_json_is_one_line(tmp_path, capsys):
     raw = (folder / "config.json").read_text().rstrip()
     (folder / "config.json").write_text(raw[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}")
     assert "nested deeper" in _from_hf_error(tmp_path, capsys, folder)
+
+
+# -- to-hf: what it reads from a checkpoint and what a failed write leaves -------------------------
+
+
+@pytest.fixture
+def converted_run(tmp_path) -> Path:
+    """A k3train run directory made by from-hf of the tiny folder (a model-only checkpoint)."""
+    run = tmp_path / "run"
+    assert _convert().main(["from-hf", "--load", str(tiny_hf_dir(tmp_path / "hf")), "--out", str(run), "--quiet"]) == 0
+    return run
+
+
+def test_to_hf_into_a_full_disk_is_one_line_and_leaves_no_part_file(converted_run, tmp_path, capsys, monkeypatch):
+    import errno
+
+    convert = _convert()
+
+    def full(self, spec, tensor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(convert.ShardWriter, "write", full)
+    out = tmp_path / "export"
+    assert convert.main(["to-hf", "--load", str(converted_run), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no space left on device" in err, err
+    assert not list(out.glob("*.part")) and not list(out.glob("*.safetensors"))
+
+
+def test_to_hf_of_a_garbage_tensor_slot_is_one_line(converted_run, tmp_path, capsys):
+    from k3train.checkpoint.integrity import checksum_files
+    from k3train.checkpoint.manifest import write_manifest
+
+    step = converted_run / "checkpoints" / "step_00000000"
+    data = sorted(step.glob("*.distcp"))[0]
+    data.write_bytes(b"\x80\x04" + b"\x00" * (data.stat().st_size - 2))  # a pickle opcode, then garbage
+    manifest = json.loads((step / "k3train.json").read_text())
+    write_manifest(
+        step, 0, keys=manifest["keys"], checksum="crc32", files=checksum_files(step, sorted(manifest["files"]))
+    )
+    assert _convert().main(["to-hf", "--load", str(converted_run), "--out", str(tmp_path / "export"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "reading tensors of checkpoint" in err, err
