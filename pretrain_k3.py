@@ -103,7 +103,7 @@ def shared_run_dir(requested: str | None) -> pathlib.Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop_signals_raise()  # SIGTERM/SIGINT outside the training loop: one line and status 4
+    stop_signals_raise()  # SIGTERM/SIGINT/SIGHUP outside the training loop: one line and status 4
     try:
         # 1. Recipe → config and the files it names (seconds, not the minutes of a model build);
         #    then torch and the model code.

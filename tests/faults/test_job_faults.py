@@ -119,10 +119,10 @@ SLOW_START_UP = (
 )
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_signal_during_start_up_is_one_line_and_the_unsaved_status(tmp_path, signum):
-    """Before the loop there is nothing to save: status 4 and one line, not SIGTERM's silent
-    death (-15) or Ctrl-C's KeyboardInterrupt traceback."""
+    """Before the loop there is nothing to save: status 4 and one line, not SIGTERM's or SIGHUP's
+    silent death (-15, -1) or Ctrl-C's KeyboardInterrupt traceback."""
     # A model that takes a second or more to build and more steps than could finish: the signal
     # lands in the start-up however late a loaded machine lets this process send it.
     job = single(tmp_path / "early", *SLOW_START_UP)

@@ -101,3 +101,12 @@ def test_a_negative_progress_step_is_refused(tmp_path):
     path = Checkpointer(tmp_path).save(3, {"progress": {"step": -5, "consecutive_nonfinite": 0, "skipped_steps": 0}})
     with pytest.raises(CheckpointError, match=r"'progress' state is not valid.*progress.step .*got -5"):
         Checkpointer(tmp_path).load(path, {"progress": Progress()})
+
+
+def test_resume_path_to_a_checkpoint_moved_aside_at_start_up_names_where_it_is(tmp_path):
+    model = nn.Linear(3, 2)
+    broken = Checkpointer(tmp_path).save(2, {"model": model})
+    (broken / ".metadata").unlink()
+    ck = Checkpointer(tmp_path)  # start-up moves the incomplete checkpoint aside
+    with pytest.raises(CheckpointError, match=r"was unusable and is kept as .*step_00000002\.damaged-incomplete"):
+        ck.resolve_resume(str(broken))
