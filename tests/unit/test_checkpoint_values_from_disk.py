@@ -110,3 +110,14 @@ def test_resume_path_to_a_checkpoint_moved_aside_at_start_up_names_where_it_is(t
     ck = Checkpointer(tmp_path)  # start-up moves the incomplete checkpoint aside
     with pytest.raises(CheckpointError, match=r"was unusable and is kept as .*step_00000002\.damaged-incomplete"):
         ck.resolve_resume(str(broken))
+
+
+@pytest.mark.parametrize("name", [".metadata", "k3train.json"])
+def test_a_checkpoint_file_linked_out_of_the_checkpoint_is_refused(tmp_path, name):
+    path = Checkpointer(tmp_path / "checkpoints").save(3, {"model": nn.Linear(3, 2)})
+    outside = tmp_path / f"outside{name}"
+    (path / name).rename(outside)
+    (path / name).symlink_to(outside)
+    verdict = checkpoint_problems(path)
+    assert [p.reason for p in verdict.problems] == ["outside"], verdict.problems
+    assert f"{name} leads outside the checkpoint" in verdict.problems[0].message
