@@ -5,6 +5,7 @@ built from: the stop watchdog, the collective-failure line, the test-only NaN ho
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def test_failed_save_is_one_line_saying_what_was_kept(tmp_path):
     # directory for a file even on a loaded machine (step 2 followed within milliseconds).
     job = single(run_dir, f"checkpoint.dir={checkpoints}", "checkpoint.resume=none", "checkpoint.interval=4")
     job.wait_for(r"step 1/6")
-    checkpoints.rmdir()
+    shutil.rmtree(checkpoints)  # with the job's lock file in it
     checkpoints.write_text("not a directory")
     assert job.finish() == 2, job.stderr[-3000:]
     lines = job.error_lines()
