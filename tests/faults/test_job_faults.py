@@ -75,6 +75,9 @@ def test_kill_9_mid_step_then_resume(tmp_path, reference_single):
     resumed_dir = tmp_path / "resumed"
     resume = single(resumed_dir, f"checkpoint.dir={run_dir / 'checkpoints'}", "checkpoint.resume=auto")
     assert resume.finish() == 0, resume.stderr[-3000:]
+    # kill -9 ran no clean-up: the killed job's lock is stale (its pid is dead) and taken over
+    stale = f"taking over the stale lock {run_dir / 'checkpoints' / '.k3train.lock'} of pid {job.process.pid}"
+    assert stale in resume.stderr, resume.stderr[-3000:]
     assert_resume_matches(resumed_dir, reference_single, kept[-1], losses(resumed_dir))
 
 

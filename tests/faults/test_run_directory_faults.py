@@ -1,5 +1,6 @@
 """One job per run directory: a second job on a live job's run directory is refused with one
-line naming the holder, and touches nothing there; a crashed job's stale lock is taken over."""
+line naming the holder, and touches nothing there. (A killed job's stale lock being taken over
+is asserted by test_job_faults.py's kill -9 scenario.)"""
 
 from __future__ import annotations
 
@@ -45,16 +46,3 @@ def test_second_job_on_a_live_run_directory_is_refused_and_the_first_finishes(tm
     assert steps_kept(run_dir) == [2, 4, 6]
     assert "lr: 0.003" in (run_dir / "config.yaml").read_text()  # the first job's, not overwritten
     assert not (run_dir / LOCK_NAME).exists()  # released on the way out
-
-
-def test_a_killed_jobs_stale_lock_is_taken_over(tmp_path):
-    run_dir = tmp_path / "crashed"
-    first = single(run_dir)
-    first.wait_for(r"checkpoint saved: .*step_00000002")
-    os.kill(first.process.pid, signal.SIGKILL)
-    assert first.finish() == -signal.SIGKILL
-    assert (run_dir / LOCK_NAME).exists()  # kill -9 runs no clean-up
-    second = single(run_dir, "checkpoint.resume=auto")
-    assert second.finish() == 0, second.stderr[-3000:]
-    assert f"stale lock {run_dir / LOCK_NAME} of pid {first.process.pid}" in second.stderr, second.stderr[-3000:]
-    assert "resumed from" in second.stdout and f"done: step {STEPS}" in second.stdout
