@@ -53,6 +53,12 @@ def checkpoint_problems(path: str | Path, checksums: bool = True, share: tuple[i
     if not path.is_dir():
         return Verdict(None, [Problem("missing", f"checkpoint {path} is not a directory")], False)
     problems: list[Problem] = []
+    if path.is_symlink() and escapes(path.parent, path) is not None:
+        message = (
+            f"checkpoint {path} is a link to {path.resolve()}, outside {path.parent}; "
+            "pass the checkpoint's real path, or copy it in"
+        )
+        return Verdict(None, [Problem("outside", message)], False)
     for name in (MANIFEST, METADATA):
         outside = escapes(path, path / name)
         if outside is not None:

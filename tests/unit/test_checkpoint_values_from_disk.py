@@ -121,3 +121,15 @@ def test_a_checkpoint_file_linked_out_of_the_checkpoint_is_refused(tmp_path, nam
     verdict = checkpoint_problems(path)
     assert [p.reason for p in verdict.problems] == ["outside"], verdict.problems
     assert f"{name} leads outside the checkpoint" in verdict.problems[0].message
+
+
+def test_a_step_directory_linked_out_of_the_checkpoint_directory_is_refused(tmp_path):
+    elsewhere = Checkpointer(tmp_path / "elsewhere").save(3, {"model": nn.Linear(3, 2)})
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / elsewhere.name).symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match=f"is a link to {elsewhere}, outside {root}"):
+        verify_checkpoint(root / elsewhere.name)
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint.*step_00000003 \(outside\)"):
+        Checkpointer(root).resolve_resume("auto")
+    assert (elsewhere / "k3train.json").is_file()  # only the link was moved aside
