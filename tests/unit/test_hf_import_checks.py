@@ -194,3 +194,17 @@ def test_to_hf_of_a_garbage_tensor_slot_is_one_line(converted_run, tmp_path, cap
     assert _convert().main(["to-hf", "--load", str(converted_run), "--out", str(tmp_path / "export"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "reading tensors of checkpoint" in err, err
+
+
+def test_score_refuses_a_deeply_nested_tokens_file_in_one_line(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("_tool_score_checks", CHECKOUT / "tools" / "score.py")
+    assert spec is not None and spec.loader is not None
+    score = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = score
+    spec.loader.exec_module(score)
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[" * 100_000 + "]" * 100_000)
+    folder = tiny_hf_dir(tmp_path / "hf")
+    assert score.main(["--load", str(folder), "--tokens-file", str(tokens), "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "nested deeper" in err, err
