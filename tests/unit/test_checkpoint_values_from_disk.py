@@ -133,3 +133,13 @@ def test_a_step_directory_linked_out_of_the_checkpoint_directory_is_refused(tmp_
     with pytest.raises(CheckpointError, match=r"no usable checkpoint.*step_00000003 \(outside\)"):
         Checkpointer(root).resolve_resume("auto")
     assert (elsewhere / "k3train.json").is_file()  # only the link was moved aside
+
+
+def test_an_oversized_metadata_file_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    import k3train.checkpoint.safe_metadata as safe_metadata
+
+    path = Checkpointer(tmp_path).save(3, {"model": nn.Linear(3, 2)})
+    monkeypatch.setattr(safe_metadata, "METADATA_MAX_BYTES", 64)
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} was read"))
+    with pytest.raises(CheckpointError, match=r"has a \.metadata of [\d,]+ bytes, more than the 64"):
+        read_metadata_safely(path)
