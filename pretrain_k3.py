@@ -11,7 +11,7 @@ checkpoint resume → training loop → checkpoints.
 Exit status (every failure is one line on stderr, `error: ...`, no traceback):
     0  done: train.steps reached ("done: step N, loss A (step 1) → B (step N)")
     2  a recipe, layout, data, checkpoint or training error (rank 0 prints it)
-    3  stopped by SIGTERM/SIGINT after saving a checkpoint ("stopped at step N (SIGTERM)")
+    3  stopped by SIGTERM/SIGINT/SIGHUP after saving a checkpoint ("stopped at step N (SIGTERM)")
     4  stopped by a signal it could not honour within train.stop_grace_s (a rank blocked on a
        collective), signalled twice, or signalled outside the training loop (start-up): no
        checkpoint written, the newest complete one is kept
@@ -39,6 +39,7 @@ from k3train.config.command_line import parse_job_args_or_exit
 from k3train.errors import RunDirectoryError, UserError
 from k3train.job.ending import exit_same_on_every_rank, write_torchrun_error_file
 from k3train.job.preflight import check_input_files
+from k3train.job.run_lock import release_run_directories
 from k3train.job.signals import StoppedOutsideTheLoop, exit_unsaved, stop_signals_raise
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def shared_run_dir(requested: str | None) -> pathlib.Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop_signals_raise()  # SIGTERM/SIGINT outside the training loop: one line and status 4
+    stop_signals_raise()  # SIGTERM/SIGINT/SIGHUP outside the training loop: one line and status 4
     try:
         # 1. Recipe → config and the files it names (seconds, not the minutes of a model build);
         #    then torch and the model code.
@@ -117,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         raise  # not reached: exit_unsaved ends the process
     finally:
+        release_run_directories()  # a crash (kill -9, os._exit) leaves a stale lock the next start takes over
         # The status is decided. torchrun's agent SIGTERMs the other ranks as soon as one ends, and
         # Python's shutdown resets its handlers to the default: a SIGTERM then would turn this
         # rank's status (2, 3, 0) into -15. SIG_IGN survives the shutdown; SIGKILL still ends a
         # process that hangs in it.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def start_job(config, run_dir_arg: str | None) -> int:
@@ -201,6 +204,25 @@ def writable(action: str, path, fix: str):
     return context()
 
 
+def claim_run_directories(directories: list[pathlib.Path], is_lock_rank: bool) -> None:
+    """Rank 0 locks the run and checkpoint directories (k3train/job/run_lock.py); every rank learns
+    whether it could, so a refusal is one line and status 2 everywhere, before any collective."""
+    import torch
+
+    from k3train.job.run_lock import lock_run_directories
+
+    refusal: list[str | None] = [None]
+    if is_lock_rank:
+        try:
+            lock_run_directories(directories)
+        except RunDirectoryError as error:
+            refusal = [str(error)]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise RunDirectoryError(refusal[0])
+
+
 def resume(checkpointer, resume_setting: str, model, app_state, progress) -> None:
     """Load the checkpoint `checkpoint.resume` names, if any: a whole training state, or a
     model-only checkpoint (tools/convert_checkpoint.py from-hf) to fine-tune from."""
@@ -234,6 +256,9 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     is_logging_rank = parallel.rank == 0
     threads_line = set_up_rank(config, parallel)
     run_dir = shared_run_dir(run_dir_arg)
+    checkpoint_dir = pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+    # Before anything there is read, cleaned or written: one job per run directory.
+    claim_run_directories([run_dir, checkpoint_dir], is_logging_rank)
     print(f"run directory: {run_dir}")
     layout = parallel.layout
     print(
@@ -285,7 +310,6 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         job.reducer,
         job.schedule,
     )
-    checkpoint_dir = config.checkpoint.dir or run_dir / "checkpoints"
     with writable(
         "creating or reading the checkpoint directory", checkpoint_dir, "; set checkpoint.dir to a writable directory"
     ):
@@ -319,12 +343,17 @@ def train(config, trainer, checkpointer, app_state, logger, parallel, run_dir, r
     import torch
 
     from k3train.checkpoint import CheckpointError
-    from k3train.job.signals import STOPPED, GracefulExit, signal_name
+    from k3train.job.signals import STOPPED, GracefulExit, launcher_grace, signal_name
     from k3train.training.summary import done_line
 
     is_logging_rank = parallel.rank == 0
 
     def save_checkpoint(step: int) -> None:
+        if trainer.progress.consecutive_nonfinite and not stop.acknowledged:
+            # The update was skipped: a periodic save would only push a finite checkpoint out of
+            # checkpoint.keep_last. A stop still saves (the same weights, and its step to resume).
+            print(f"checkpoint skipped at step {step}: the step was not finite; {newest_kept()}", flush=True)
+            return
         with writable(f"saving the checkpoint of step {step} in", checkpointer.directory, ""):
             path = checkpointer.save(step, app_state())
         # An asynchronous save returns once the state is copied; the write finishes in the background.
@@ -337,9 +366,12 @@ def train(config, trainer, checkpointer, app_state, logger, parallel, run_dir, r
             kept = None
         return f"the newest complete checkpoint is {kept}" if kept else "no complete checkpoint is kept"
 
+    grace_s, grace_line = launcher_grace(config.train.stop_grace_s, os.environ)
+    if grace_line:
+        print(f"note: {grace_line}")
     try:
         with GracefulExit(
-            grace_s=config.train.stop_grace_s,
+            grace_s=grace_s,
             on_unanswered=lambda signum, reason: exit_unsaved(signum, reason, trainer.progress.step),
         ) as stop:
             history = trainer.run(stop.requested, save_checkpoint)  # any rank signalled: all stop

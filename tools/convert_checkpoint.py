@@ -65,6 +65,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from k3train.checkpoint import Checkpointer, CheckpointError  # noqa: E402
+from k3train.checkpoint.errors import describe_save_failure  # noqa: E402
 from k3train.checkpoint.hf import (  # noqa: E402
     HUB_LAYOUTS,
     HFConversionError,
@@ -211,6 +212,12 @@ class ShardWriter:
         if self._remaining == 0:
             self._close()
 
+    def abandon(self) -> None:
+        """Close the shard being written without renaming it (its `.part` is the caller's to remove)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
     def finish(self) -> dict[str, str]:
         """Close the last shard; the index's weight map."""
         leftover = next(self._queue, None)
@@ -354,35 +361,41 @@ def to_hf(args: argparse.Namespace) -> int:
         f"to-hf: {checkpoint} (config {config_path}) → {out}: {len(specs):,} tensors, "
         f"{total / 1e9:.3f} GB {args.dtype}, {len(shards)} shard(s)"
     )
-    with tqdm(total=total, unit="B", unit_scale=True, desc="to-hf", disable=args.quiet) as bar:
-        for batch in batched_reads(read_units(specs, reader, args.read_budget), args.read_budget):
-            tensors = reader.read([request for unit in batch for request in unit.requests])
-            position = 0
-            for unit in batch:
-                loaded = dict(
-                    zip((name for name, _ in unit.requests), tensors[position : position + len(unit.requests)])
-                )
-                position += len(unit.requests)
-                for spec in unit.specs:
-                    value = loaded[spec.k3_name]
-                    if spec.expert is not None:
-                        value = value[spec.expert - unit.start]
-                    writer.write(spec, export_tensor(spec, value, dtype))
-                    bar.update(spec.nbytes(dtype))
-                loaded.clear()
-            del tensors
-    weight_map = writer.finish()
-    _write_json(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    if layout.name == "kimi_k3":  # the model's own code, for AutoModelForCausalLM(..., trust_remote_code=True)
-        for name in REMOTE_CODE_FILES:
-            shutil.copyfile(REMOTE_CODE_DIR / name, out / name)
-        hf_config = dict(hf_config, auto_map=dict(REMOTE_CODE_AUTO_MAP))
-    _write_json(out / "config.json", hf_config)
-    tokenizer = pathlib.Path(job.data.tokenizer).expanduser()
-    if job.data.tokenizer != "byte":
-        source = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
-        if source.is_file():
-            shutil.copyfile(source, out / "tokenizer.json")
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="to-hf", disable=args.quiet) as bar:
+            for batch in batched_reads(read_units(specs, reader, args.read_budget), args.read_budget):
+                tensors = reader.read([request for unit in batch for request in unit.requests])
+                position = 0
+                for unit in batch:
+                    loaded = dict(
+                        zip((name for name, _ in unit.requests), tensors[position : position + len(unit.requests)])
+                    )
+                    position += len(unit.requests)
+                    for spec in unit.specs:
+                        value = loaded[spec.k3_name]
+                        if spec.expert is not None:
+                            value = value[spec.expert - unit.start]
+                        writer.write(spec, export_tensor(spec, value, dtype))
+                        bar.update(spec.nbytes(dtype))
+                    loaded.clear()
+                del tensors
+        weight_map = writer.finish()
+        _write_json(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if layout.name == "kimi_k3":  # the model's own code, for AutoModelForCausalLM(..., trust_remote_code=True)
+            for name in REMOTE_CODE_FILES:
+                shutil.copyfile(REMOTE_CODE_DIR / name, out / name)
+            hf_config = dict(hf_config, auto_map=dict(REMOTE_CODE_AUTO_MAP))
+        _write_json(out / "config.json", hf_config)
+        tokenizer = pathlib.Path(job.data.tokenizer).expanduser()
+        if job.data.tokenizer != "byte":
+            source = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
+            if source.is_file():
+                shutil.copyfile(source, out / "tokenizer.json")
+    except OSError as error:  # a full disk, a removed directory: no half-written file is left
+        writer.abandon()
+        for part in out.glob("*.part"):
+            part.unlink(missing_ok=True)
+        raise HFConversionError(f"to-hf: writing {out} failed: {describe_save_failure(error, out, total)}") from None
     print(f"wrote {out / 'config.json'}, {INDEX_NAME} and {len(shards)} shard(s)")
     return 0
 
@@ -414,8 +427,9 @@ def from_hf(args: argparse.Namespace) -> int:
     _prepare_out(out, args.overwrite, ["config.yaml", "checkpoints"])
     job = load_config(args.recipe, []) if args.recipe else JobConfig()
     job.model = model_config
-    if (hf.path / "tokenizer.json").is_file():
-        job.data.tokenizer = str((hf.path / "tokenizer.json").resolve())
+    tokenizer = hf.tokenizer_file()
+    if tokenizer is not None:
+        job.data.tokenizer = str(tokenizer.resolve())
     job.checkpoint.dir = None  # RUN_DIR/checkpoints, where the converted step is
     job.checkpoint.resume = "auto"
     job.validate()
@@ -424,7 +438,7 @@ def from_hf(args: argparse.Namespace) -> int:
     total = sum(spec.numel for spec in specs)
     print(f"from-hf: {hf.path} → {out}: {len(specs):,} tensors, {total / 1e6:.2f}M values")
     with tqdm(total=len(specs), unit="tensor", unit_scale=True, desc="from-hf", disable=args.quiet) as bar:
-        load_hf_weights(model, hf, specs, progress=bar.update)
+        load_hf_weights(model, hf, specs, progress=bar.update, allow_nonfinite=args.allow_nonfinite)
     save_config(job, str(out / "config.yaml"))
     if (out / "checkpoints").exists() and args.overwrite:
         shutil.rmtree(out / "checkpoints")
@@ -506,6 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run directory to create: config.yaml + checkpoints/step_00000000")
     p.add_argument(
         "--recipe", default=None, help="recipe for everything but the model section (default: k3train's defaults)"
+    )
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="import tensors holding NaN or Inf values (refused by default: training would stop on them)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace config.yaml and checkpoints/ in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

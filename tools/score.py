@@ -40,6 +40,7 @@ if __name__ == "__main__":  # before torch loads (seconds; far more on a cold di
 import torch  # noqa: E402
 
 from k3train.checkpoint import Checkpointer, CheckpointError  # noqa: E402
+from k3train.checkpoint.bounded_json import json_file  # noqa: E402
 from k3train.checkpoint.hf import (  # noqa: E402
     HFConversionError,
     bind_stored_names,
@@ -81,10 +82,13 @@ def load_model(path: str, config: str | None = None) -> tuple[K3ModelChunk, str]
     return model, f"k3train checkpoint {checkpoint} (config {config_path})"
 
 
+TOKENS_FILE_MAX_BYTES = 1 << 30
+
+
 def read_tokens(path: str, vocab_size: int) -> torch.Tensor:
     try:
-        data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
+        data = json_file(path, TOKENS_FILE_MAX_BYTES)
+    except (OSError, ValueError) as error:  # too large or nested too deep included
         raise HFConversionError(f"--tokens-file {path}: {error}") from None
     if (
         not isinstance(data, list)

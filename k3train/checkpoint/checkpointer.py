@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from k3train.checkpoint.errors import CheckpointError, describe_failure
 from k3train.checkpoint.load_plan import plan_load
 from k3train.checkpoint.manifest import (
+    DAMAGED_INFIX,
     METADATA,
     OLD_PREFIX,
     TMP_PREFIX,
@@ -124,6 +125,13 @@ class Checkpointer:
         path = Path(text).expanduser()
         if not path.exists() and not path.is_absolute() and (self.directory / path).exists():
             path = self.directory / path
+        if not path.exists():
+            aside = sorted(path.parent.glob(f"{path.name}{DAMAGED_INFIX}*")) if path.parent.is_dir() else []
+            if aside:  # start-up moved it aside (incomplete or damaged): say so, not "does not exist"
+                raise CheckpointError(
+                    f"checkpoint.resume={text}: that checkpoint was unusable and is kept as {aside[-1]} "
+                    f"(its reason is in the name); pass checkpoint.resume=auto or another checkpoint"
+                )
         try:
             verify_checkpoint(path, checksums=False)
         except CheckpointError as e:

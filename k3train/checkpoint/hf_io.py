@@ -5,7 +5,6 @@ it reads; the name/shape mapping and config.json conversion it relies on are in 
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -13,13 +12,16 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from k3train.checkpoint.errors import CheckpointError, one_line
+from k3train.checkpoint.bounded_json import json_file
+from k3train.checkpoint.containment import contained, escapes
+from k3train.checkpoint.errors import CheckpointError, describe_failure, one_line
 from k3train.checkpoint.hf import HFConversionError, TensorSpec, import_tensor, short_listing
-from k3train.checkpoint.manifest import complete_checkpoints, is_complete
+from k3train.checkpoint.manifest import complete_checkpoints, is_complete, resume_hint
 from k3train.checkpoint.safe_metadata import SafeFileSystemReader
 from k3train.checkpoint.verify import verify_checkpoint
 from k3train.model.config import ModelConfig
@@ -147,9 +149,19 @@ class CheckpointTensorReader:
             tensor = torch.empty(size, dtype=md.properties.dtype)
             targets[fqn] = (tensor, tuple(offsets))
             out.append(tensor)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
-            dcp.load({}, storage_reader=self._reader, planner=_SliceLoadPlanner(targets), no_dist=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
+                warnings.filterwarnings("ignore", message=r"Detected pickle protocol")  # a crafted slot's
+                dcp.load({}, storage_reader=self._reader, planner=_SliceLoadPlanner(targets), no_dist=True)
+        except (Exception, CheckpointException) as e:  # a damaged or crafted tensor slot (a pickle, garbage)
+            found = describe_failure(e)
+            if "UnpicklingError" in found:  # torch's text advises weights_only=False: running the file's code
+                found = "a tensor slot holds something other than a plain tensor; refused, nothing in it was run"
+            raise CheckpointError(
+                f"reading tensors of checkpoint {self.path} failed ({found}); the files may be damaged: "
+                f"{resume_hint(self.path)}"
+            ) from None
         return out
 
 
@@ -200,12 +212,12 @@ class HFDirectory:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser()
-        config_path = self.path / "config.json"
+        config_path = contained(self.path, "config.json", HFConversionError)
         if not config_path.is_file():
             raise HFConversionError(f"{self.path} has no config.json: not a Hugging Face model directory")
         self.config = _read_json_object(config_path)
-        index = self.path / "model.safetensors.index.json"
-        single = self.path / "model.safetensors"
+        index = contained(self.path, "model.safetensors.index.json", HFConversionError)
+        single = contained(self.path, "model.safetensors", HFConversionError)
         indexed: dict[str, Path] | None  # tensor name → shard file, from the index (None: one file)
         if index.is_file():
             weight_map = _read_json_object(index).get("weight_map")
@@ -254,10 +266,14 @@ class HFDirectory:
                 f"{index}: weight_map[{str(name)!r}] = {file!r} is not a file name inside {self.path}"
             )
         path = self.path / file
-        root = self.path.resolve()
-        if root not in path.resolve().parents:
+        if escapes(self.path, path) is not None:
             raise HFConversionError(f"{index}: weight_map[{str(name)!r}] = {file!r} leads outside {self.path}")
         return path
+
+    def tokenizer_file(self) -> Path | None:
+        """This folder's `tokenizer.json` (None without one); refused when it leads outside."""
+        path = contained(self.path, "tokenizer.json", HFConversionError)
+        return path if path.is_file() else None
 
     def _handle(self, file: Path):
         from safetensors import safe_open
@@ -286,10 +302,14 @@ class HFDirectory:
             ) from None
 
 
+HF_JSON_MAX_BYTES = 256 << 20
+"""config.json and the index are kilobytes to a few megabytes; a larger file is not one."""
+
+
 def _read_json_object(path: Path) -> dict:
     """A JSON file that must hold an object; one line (`HFConversionError`) otherwise."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json_file(path, HF_JSON_MAX_BYTES)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise HFConversionError(f"{path} is not valid JSON ({type(e).__name__}: {one_line(e, 160)})") from None
     if not isinstance(value, dict):
@@ -323,15 +343,32 @@ def build_empty_model(config: ModelConfig):
     return model
 
 
+def check_imported_dtype(name: str, stored: torch.dtype, wanted: torch.dtype, source: Path) -> None:
+    """Refuse a stored dtype whose cast to the model's would change what the values mean: an
+    integer or bool tensor for a floating-point parameter (F32 bytes labelled I32 read as
+    integers), or any other dtype for an integer or bool buffer. Floating widths convert."""
+    if wanted.is_floating_point and stored.is_floating_point:
+        return
+    if stored == wanted:
+        return
+    raise HFConversionError(
+        f"{source}: tensor {name} is stored as {str(stored).removeprefix('torch.')}, the model holds "
+        f"{str(wanted).removeprefix('torch.')} there (a cast would change its values' meaning); "
+        "re-export the weights in a floating-point dtype"
+    )
+
+
 def load_hf_weights(
     model: torch.nn.Module,
     hf: HFDirectory,
     specs: Sequence[TensorSpec],
     progress: Callable[[int], None] | None = None,
+    allow_nonfinite: bool = False,
 ) -> None:
     """Copy every spec's HF tensor into `model` (one tensor in memory at a time besides the
     model); every model tensor must be covered (a tied head through the embedding). `progress(1)`
-    is called after each tensor."""
+    is called after each tensor. Each tensor's dtype must be one a copy keeps the meaning of
+    (`check_imported_dtype`) and, unless `allow_nonfinite`, all its values finite."""
     state = model.state_dict()
     covered: set[str] = set()
     with torch.no_grad():
@@ -340,6 +377,14 @@ def load_hf_weights(
             target = state[spec.k3_name]
             if spec.expert is not None:
                 target = target[spec.expert]
+            check_imported_dtype(spec.hf_name, value.dtype, target.dtype, hf.path)
+            if not allow_nonfinite and value.is_floating_point():
+                bad = int((~torch.isfinite(value)).sum())
+                if bad:
+                    raise HFConversionError(
+                        f"{hf.path}: tensor {spec.hf_name} holds {bad:,} NaN or infinite value(s) of "
+                        f"{value.numel():,}; fix the weights, or pass --allow-nonfinite to import them anyway"
+                    )
             target.copy_(value)
             covered.add(spec.k3_name)
             if progress is not None:

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from k3train.checkpoint.errors import CheckpointError, one_line
+from k3train.checkpoint.manifest import resume_hint
 from k3train.checkpoint.rng import PerRank
 from k3train.checkpoint.state import (
     clean_name,
@@ -271,7 +272,13 @@ def _plan_value(
         )
         merged = merge_loaded(base, value)
         if stateful:
-            obj.load_state_dict(merged)
+            try:
+                obj.load_state_dict(merged)
+            except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # damaged or crafted values
+                raise CheckpointError(
+                    f"checkpoint {path}: the saved '{key}' state is not valid ({type(e).__name__}: {one_line(e)}); "
+                    f"{resume_hint(path)}"
+                ) from None
         elif isinstance(obj, dict) and isinstance(merged, dict):
             obj.clear()
             obj.update(merged)

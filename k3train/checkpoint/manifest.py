@@ -13,11 +13,16 @@ from typing import Any
 
 import torch
 
+from k3train.checkpoint.bounded_json import json_file
+from k3train.checkpoint.integrity import CHECKSUM, checksum_files
+
 MANIFEST = "k3train.json"
 METADATA = ".metadata"
 FORMAT = "k3train-dcp"
 FORMAT_VERSION = 2
 """2: non-tensor values as JSON (`values.py`) and a checksum per file in the manifest."""
+MANIFEST_MAX_BYTES = 64 << 20
+"""A manifest lists one checksum per file (about 100 bytes each): 64 MiB is far above any real one."""
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 OLD_PREFIX = ".old_"
@@ -62,9 +67,8 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
 def read_manifest(path: str | Path) -> dict | None:
     """The manifest of a checkpoint directory, or None when it is missing or unreadable."""
     try:
-        with open(Path(path) / MANIFEST, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
+        manifest = json_file(Path(path) / MANIFEST, MANIFEST_MAX_BYTES)
+    except (OSError, ValueError):  # UnicodeDecodeError, too large or too deep included
         return None
     return manifest if isinstance(manifest, dict) else None
 
@@ -78,13 +82,38 @@ def is_complete(path: str | Path) -> bool:
     return bool(manifest and manifest.get("complete") is True)
 
 
+def manifest_problem(manifest: dict) -> str | None:
+    """What is wrong with a complete manifest's own fields, by its format version (None: fine).
+    Every version k3train wrote names itself; from version 2 on the checksums are part of the
+    format, so a version-2 manifest without them is damage, not an older checkpoint."""
+    version = manifest.get("version")
+    if manifest.get("format") != FORMAT:
+        return f"its {MANIFEST} has format {manifest.get('format')!r}, not {FORMAT!r}"
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        return f"its {MANIFEST} has no valid format version ({version!r})"
+    if version > FORMAT_VERSION:
+        return f"its {MANIFEST} is format version {version}, newer than this k3train reads ({FORMAT_VERSION}): upgrade k3train"
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"its {MANIFEST} has step {step!r}, not a non-negative whole number"
+    if version >= 2 and not isinstance(manifest.get("files"), dict):
+        return f"its {MANIFEST} (format version {version}) has lost its list of file checksums"
+    return None
+
+
 def write_manifest(path: str | Path, step: int, world_size: int = 1, **extra: Any) -> None:
     """Write `k3train.json` into a finished DCP directory (atomically, fsynced).
 
-    `Checkpointer.save` calls this; a converter that writes a DCP checkpoint by other means calls
-    it last to make the directory a complete checkpoint.
+    `Checkpointer.save` calls this with the checksums its ranks computed; a converter that writes
+    a DCP checkpoint by other means calls it last, without `files`, and every file in the
+    directory is checksummed here.
     """
     path = Path(path)
+    if "files" not in extra:  # a version-2 manifest always lists its files' checksums
+        names = sorted(
+            str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and not f.name.startswith(MANIFEST)
+        )
+        extra.update(checksum=CHECKSUM, files=checksum_files(path, names))
     now = time.time()
     manifest = {
         "format": FORMAT,

@@ -32,8 +32,65 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def _is_uint8_state(value: Any, like: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and tuple(value.shape) == tuple(like.shape)
+
+
+def rng_state_problem(state: Any) -> str | None:
+    """What makes `state` not a state `capture_rng_state` wrote (None: it is one). Checked before
+    any stream is set, so a damaged state changes nothing: torch's and CUDA's are uint8 tensors
+    of this torch's size, Python's is (version, 625 words, gauss), numpy's is MT19937's tuple."""
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}, not a mapping of streams"
+    unknown = sorted(set(state) - {"torch", "cuda", "python", "numpy"})
+    if unknown:
+        return f"unknown streams {unknown}"
+    if "torch" in state and not _is_uint8_state(state["torch"], torch.get_rng_state()):
+        return "the torch stream is not a uint8 tensor of torch's generator size"
+    if "cuda" in state:
+        cuda = state["cuda"]
+        ok = isinstance(cuda, list | tuple) and all(
+            isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.dim() == 1 for s in cuda
+        )
+        if not ok:
+            return "the cuda streams are not a list of uint8 tensors"
+    if "python" in state:
+        py = state["python"]
+        words = py[1] if isinstance(py, list | tuple) and len(py) == 3 else None
+        ok = (
+            isinstance(words, list | tuple)
+            and py[0] == random.getstate()[0]
+            and len(words) == len(random.getstate()[1])
+            and all(isinstance(w, int) and 0 <= w < 2**32 for w in words)
+            and (py[2] is None or isinstance(py[2], float))
+        )
+        if not ok:
+            return "the python stream is not (version, 625 words, gauss) of random.getstate()"
+    if "numpy" in state:
+        import numpy as np
+
+        np_state = state["numpy"]
+        ok = (
+            isinstance(np_state, list | tuple)
+            and len(np_state) == 5
+            and np_state[0] == "MT19937"
+            and isinstance(np_state[1], np.ndarray)
+            and np_state[1].shape == (624,)
+            and np.issubdtype(np_state[1].dtype, np.integer)
+            and isinstance(np_state[2], int | np.integer)
+            and 0 <= int(np_state[2]) <= 624
+        )
+        if not ok:
+            return "the numpy stream is not MT19937's (name, 624 words, position, has_gauss, gauss)"
+    return None
+
+
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Set the RNG streams captured by `capture_rng_state` (streams absent from `state` are left)."""
+    """Set the RNG streams captured by `capture_rng_state` (streams absent from `state` are left).
+    Raises ValueError, setting nothing, for a state `capture_rng_state` could not have written."""
+    problem = rng_state_problem(state)
+    if problem is not None:
+        raise ValueError(f"not an RNG state: {problem}")
     if "torch" in state:
         torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu())
     if "python" in state:

@@ -40,6 +40,9 @@ _ALLOWED: dict[str, frozenset[str]] = {
     "builtins": frozenset({"set", "frozenset", "complex", "slice"}),
 }
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+METADATA_MAX_BYTES = 4 << 30
+"""`.metadata` lists each saved chunk (about 200 bytes): far below this even for a K3-sized
+model sharded over thousands of ranks; the bound keeps a damaged file from being read whole."""
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -59,8 +62,16 @@ def read_metadata_safely(path: str | Path) -> Metadata:
     Raises `CheckpointError` (one line) for a file that names anything else or is not metadata."""
     file = Path(path) / ".metadata"
     try:
+        size = file.stat().st_size
+        if size > METADATA_MAX_BYTES:
+            raise CheckpointError(
+                f"checkpoint {path} has a .metadata of {size:,} bytes, more than the {METADATA_MAX_BYTES:,} "
+                "any checkpoint's index of its tensors needs: it is damaged or not DCP metadata"
+            )
         data = file.read_bytes()
         metadata = MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"checkpoint {path} has a .metadata that is refused: {one_line(e, 200)}") from None
     except Exception as e:  # a damaged pickle can raise almost anything (EOFError, ValueError, ...)

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from k3train.checkpoint.bounded_json import json_text
 from k3train.checkpoint.errors import CheckpointError, one_line
 
 MAGIC = b"K3JSON1\n"
@@ -130,7 +131,7 @@ def decode_value(data: bytes, where: str = "value") -> Any:
             "the checkpoint was written by another tool or an older k3train, or was tampered with"
         )
     try:
-        return _from_json(json.loads(data[len(MAGIC) :].decode("utf-8")))
+        return _from_json(json_text(data[len(MAGIC) :].decode("utf-8")))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{where} is a damaged k3train value ({type(e).__name__}: {one_line(e, 160)})") from None
 

@@ -5,14 +5,18 @@ first as a `CheckpointError`. Nothing here loads a model or runs code from the f
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
-from torch.distributed.checkpoint.metadata import Metadata
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from k3train.checkpoint.containment import escapes
 from k3train.checkpoint.errors import CheckpointError
 from k3train.checkpoint.integrity import CHECKSUM, file_checksum
-from k3train.checkpoint.manifest import MANIFEST, METADATA, read_manifest, resume_hint
+from k3train.checkpoint.manifest import MANIFEST, METADATA, manifest_problem, read_manifest, resume_hint
 from k3train.checkpoint.safe_metadata import read_metadata_safely
 
 logger = logging.getLogger(__name__)
@@ -23,7 +27,7 @@ class Problem:
     """One reason a checkpoint cannot be used."""
 
     reason: str
-    """A short word: missing, incomplete, metadata, truncated, checksum."""
+    """A short word: missing, outside, incomplete, manifest, metadata, truncated, checksum."""
     message: str
     """One line naming the checkpoint and what is wrong."""
 
@@ -49,6 +53,17 @@ def checkpoint_problems(path: str | Path, checksums: bool = True, share: tuple[i
     if not path.is_dir():
         return Verdict(None, [Problem("missing", f"checkpoint {path} is not a directory")], False)
     problems: list[Problem] = []
+    if path.is_symlink() and escapes(path.parent, path) is not None:
+        message = (
+            f"checkpoint {path} is a link to {path.resolve()}, outside {path.parent}; "
+            "pass the checkpoint's real path, or copy it in"
+        )
+        return Verdict(None, [Problem("outside", message)], False)
+    for name in (MANIFEST, METADATA):
+        outside = escapes(path, path / name)
+        if outside is not None:
+            message = f"checkpoint {path}: {name} leads outside the checkpoint (to {outside})"
+            return Verdict(None, [Problem("outside", message)], False)
     manifest = read_manifest(path)
     if not (path / METADATA).is_file():
         problems.append(
@@ -64,11 +79,17 @@ def checkpoint_problems(path: str | Path, checksums: bool = True, share: tuple[i
     if problems:
         return Verdict(None, problems, False)
     assert manifest is not None  # a missing manifest is a problem above
+    damage = manifest_problem(manifest)
+    if damage is not None:
+        return Verdict(None, [Problem("manifest", f"checkpoint {path} is damaged: {damage}")], False)
     try:
         metadata = read_metadata_safely(path)
     except CheckpointError as e:
         return Verdict(None, [Problem("metadata", str(e))], False)
 
+    declared = _declared_size_problem(metadata)
+    if declared is not None:
+        return Verdict(None, [Problem("metadata", f"checkpoint {path}: {METADATA} {declared}")], False)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
@@ -107,12 +128,49 @@ def checkpoint_problems(path: str | Path, checksums: bool = True, share: tuple[i
     return Verdict(metadata, problems, checksummed)
 
 
+def _whole(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _declared_size_problem(metadata: Metadata) -> str | None:
+    """What is impossible in the sizes `.metadata` declares, before anything is allocated from
+    them: each tensor's chunks lie inside it and cover it exactly, and each chunk's stored bytes
+    are at least its elements' (the data files are then checked to hold those bytes), so a
+    declared size no file backs is refused here, not met as a terabyte allocation."""
+    storage = metadata.storage_data or {}
+    for fqn, md in (metadata.state_dict_metadata or {}).items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        size = tuple(md.size)
+        dtype = getattr(md.properties, "dtype", None)
+        if not all(_whole(s) for s in size) or not isinstance(dtype, torch.dtype):
+            return f"declares tensor {fqn} with size {list(size)} and dtype {dtype!r}"
+        covered = 0
+        for index, chunk in enumerate(md.chunks):
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if len(offsets) != len(size) or len(sizes) != len(size):
+                return f"declares a chunk of tensor {fqn} with {len(sizes)} dimensions, the tensor has {len(size)}"
+            if not all(_whole(o) and _whole(n) and o + n <= s for o, n, s in zip(offsets, sizes, size, strict=True)):
+                return f"declares a chunk of tensor {fqn} (offsets {list(offsets)}, sizes {list(sizes)}) outside its size {list(size)}"
+            elements = math.prod(sizes)
+            covered += elements
+            info = storage.get(MetadataIndex(fqn, offsets, index)) or storage.get(MetadataIndex(fqn, offsets))
+            length = getattr(info, "length", None)
+            if info is None or not _whole(length) or not _whole(getattr(info, "offset", None)):
+                return f"names no stored bytes for a chunk of tensor {fqn} (offsets {list(offsets)})"
+            item_size = torch.empty((), dtype=dtype).element_size()
+            if length < elements * item_size:
+                return (
+                    f"declares tensor {fqn} chunk {list(sizes)} ({elements * item_size:,} bytes) stored in "
+                    f"{length:,} bytes"
+                )
+        if covered != math.prod(size):
+            return f"declares tensor {fqn} of size {list(size)} whose chunks hold {covered:,} of its {math.prod(size):,} elements"
+    return None
+
+
 def _inside(root: Path, file: Path) -> bool:
-    try:
-        file.resolve().relative_to(root.resolve())
-    except ValueError:
-        return False
-    return True
+    return escapes(root, file) is None
 
 
 def _check_file(path: Path, rel: str, recorded: object) -> list[Problem]:

@@ -53,6 +53,10 @@ class DataConfig:
                     f"got {self.document_boundaries!r}",
                 ),
                 (
+                    self.corpus_max_bytes >= 1,
+                    f"data.corpus_max_bytes must be at least 1, got {self.corpus_max_bytes}",
+                ),
+                (
                     0.0 <= self.validation_fraction < 1.0,
                     f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}",
                 ),

@@ -1,4 +1,4 @@
-"""`GracefulExit`: turn SIGTERM/SIGINT into a stop flag the training loop checks (and agrees on
+"""`GracefulExit`: turn SIGTERM/SIGINT/SIGHUP into a stop flag the training loop checks (and agrees on
 across ranks), so a job saves a checkpoint before it exits; and a watchdog that ends the process
 when the loop cannot answer (a rank blocked in a collective whose peer stopped answering).
 
@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from k3train.job.ending import write_torchrun_error_file
@@ -32,6 +32,39 @@ STOPPED = 3
 """Exit status of a run stopped by SIGTERM/SIGINT after saving a checkpoint at the step it printed."""
 STOPPED_UNSAVED = 4
 """Exit status of a run stopped by a signal it could not honour in time (blocked, or signalled twice): no save."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""What asks the job to stop. SIGHUP too: a closed terminal sends it, and torchrun's agent,
+which handles SIGHUP like SIGTERM, forwards it to every rank (its default is a silent death)."""
+
+TORCHRUN_STOP_WINDOW_S = 30.0
+"""torchrun's agent, stopped by a signal, forwards it to the ranks and SIGKILLs those still
+running `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds later, 30 by default
+(torch/distributed/elastic/multiprocessing/api.py, `PContext.close(death_sig, timeout=30)`;
+`--shutdown-timeout` sets the agent's value without telling the ranks)."""
+SAVE_MARGIN_S = 10.0
+"""Of torchrun's window, what the grace leaves for the save after the step (at least half)."""
+
+
+def launcher_grace(grace_s: float, environ: Mapping[str, str]) -> tuple[float, str | None]:
+    """The stop grace to use: `grace_s`, or under torchrun at most its window less the time the
+    save needs (so the stop saves, or says why not, before the SIGKILL), with the line saying so."""
+    if "TORCHELASTIC_RUN_ID" not in environ:
+        return grace_s, None
+    raw = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "")
+    try:
+        window = float(raw) if raw else TORCHRUN_STOP_WINDOW_S
+    except ValueError:
+        window = TORCHRUN_STOP_WINDOW_S
+    limit = max(window - SAVE_MARGIN_S, window / 2)
+    if grace_s <= limit:
+        return grace_s, None
+    return limit, (
+        f"train.stop_grace_s={grace_s:g} is longer than torchrun allows after a stop signal "
+        f"({window:g}s to SIGKILL, TORCH_ELASTIC_SHUTDOWN_TIMEOUT): the step in progress gets {limit:g}s "
+        f"and the save the rest; set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (for torchrun and the ranks) to give more"
+    )
+
 
 # A repeated signal closer than this to the first is the same request (a launcher forwarding the
 # signal its process group already got), not an impatient second one.
@@ -81,7 +114,7 @@ def stop_signals_raise() -> None:
     def handle(signum: int, frame: Any) -> None:
         raise StoppedOutsideTheLoop(signum)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, handle)
 
 
@@ -116,7 +149,7 @@ class GracefulExit:
 
     def __init__(
         self,
-        signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT),
+        signals: Iterable[int] = STOP_SIGNALS,
         grace_s: float = 60.0,
         on_unanswered: Callable[[int, str], None] = exit_unsaved,
     ) -> None:

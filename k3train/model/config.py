@@ -10,6 +10,41 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from k3train.config.field_ranges import out_of_range
+
+FIELD_RANGES = {
+    "vocab_size": "at_least_one",
+    "hidden_size": "at_least_one",
+    "num_hidden_layers": "at_least_one",
+    "rms_norm_eps": "positive",
+    "init_std": "non_negative",
+    "num_attention_heads": "at_least_one",
+    "q_lora_rank": "at_least_one_or_null",
+    "kv_lora_rank": "at_least_one",
+    "qk_nope_head_dim": "non_negative",
+    "qk_rope_head_dim": "non_negative",
+    "v_head_dim": "at_least_one",
+    "linear_attn_config.num_heads": "at_least_one",
+    "linear_attn_config.head_dim": "at_least_one",
+    "linear_attn_config.short_conv_kernel_size": "at_least_one",
+    "linear_attn_config.gate_low_rank_dim": "at_least_one_or_null",
+    "linear_attn_config.output_gate_rank": "at_least_one_or_null",
+    "linear_attn_config.chunk_size": "at_least_one",
+    "activation_situ_beta": "positive",
+    "activation_situ_linear_beta": "positive",
+    "intermediate_size": "at_least_one",
+    "num_experts": "non_negative",
+    "num_shared_experts": "non_negative",
+    "moe_intermediate_size": "at_least_one",
+    "routed_expert_hidden_size": "at_least_one_or_null",
+    "routed_scaling_factor": "positive",
+    "balancer_bins": "at_least_one",
+    "balancer_sign_rate": "non_negative",
+    "attn_res_block_size": "at_least_one",
+}
+"""The range of every numeric model field (k3train/config/field_ranges.py kinds); fields that
+depend on others (top-k, first_k_dense_replace, full_attn_layers) are checked in `validate`."""
+
 
 @dataclass
 class LinearAttnConfig:
@@ -170,12 +205,17 @@ class ModelConfig:
         return lac.gate_low_rank_dim if lac.gate_low_rank_dim is not None else lac.head_dim
 
     def validate(self) -> None:
-        """Raise ValueError naming the first inconsistent field."""
+        """Raise ValueError naming the first out-of-range or inconsistent field."""
+        problem = out_of_range(self, FIELD_RANGES, "model.")
+        if problem is None and self.num_experts and not 1 <= self.num_experts_per_token < self.num_experts:
+            problem = (
+                f"model.num_experts_per_token must lie in [1, model.num_experts) = [1, {self.num_experts}), "
+                f"got {self.num_experts_per_token}"
+            )
+        if problem is not None:
+            raise ValueError(problem)
         checks = [
-            (
-                self.num_experts_per_token < max(self.num_experts, 1) or self.num_experts == 0,
-                "num_experts_per_token must be smaller than num_experts",
-            ),
+            (self.qk_head_dim >= 1, "qk_nope_head_dim + qk_rope_head_dim must be at least 1"),
             (self.attn_res_block_size >= 1, "attn_res_block_size must be at least 1"),
             (self.hidden_size > 0 and self.num_hidden_layers > 0, "hidden_size and num_hidden_layers must be positive"),
             (

@@ -4,7 +4,22 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from k3train.config.recipe import check
+from k3train.config.field_ranges import out_of_range
+from k3train.config.recipe import ConfigError, check
+
+OPTIMIZER_RANGES = {
+    "lr": "non_negative",
+    "weight_decay": "non_negative",
+    "adam_beta1": "open_fraction",
+    "adam_beta2": "open_fraction",
+    "adam_eps": "positive",
+    "muon_momentum": "open_fraction",
+    "muon_ns_steps": "at_least_one",
+    "muon_ns_eps": "positive",
+    "muon_update_rms": "positive",
+    "clip_grad": "non_negative",
+}
+"""Every numeric optimizer field's range (k3train/config/field_ranges.py kinds)."""
 
 
 @dataclass
@@ -61,6 +76,9 @@ class OptimizerConfig:
                 (self.lr >= 0, f"optimizer.lr must not be negative, got {self.lr}"),
             ]
         )
+        problem = out_of_range(self, OPTIMIZER_RANGES, "optimizer.")
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 @dataclass
@@ -82,5 +100,9 @@ class ScheduleConfig:
             [
                 (self.warmup_steps >= 0, f"schedule.warmup_steps must not be negative, got {self.warmup_steps}"),
                 (0 <= self.min_lr_ratio <= 1, f"schedule.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}"),
+                (
+                    0 <= self.decay_fraction <= 1,
+                    f"schedule.decay_fraction must lie in [0, 1], got {self.decay_fraction}",
+                ),
             ]
         )

@@ -78,10 +78,12 @@ class TrainConfig:
     (every AttnRes mix with its sublayer's input norm). On the CPU `norms` and `activations`
     trace plain formulas that can run slower than the eager written-out backwards; measure with
     `benchmarks/step_vs_dense.py --compile` (docs/performance.md has the measured ratios)."""
-    stop_grace_s: float = 60.0
-    """After SIGTERM/SIGINT, seconds the step in progress may take before the process exits without
-    saving (status 4): a rank blocked on a collective whose peer stopped answering cannot finish
-    it. Within the grace the run saves at the end of the step and exits with status 3."""
+    stop_grace_s: float = 20.0
+    """After SIGTERM/SIGINT/SIGHUP, seconds the step in progress may take before the process exits
+    without saving (status 4): a rank blocked on a collective whose peer stopped answering cannot
+    finish it. Within the grace the run saves at the end of the step and exits with status 3.
+    Under torchrun at most its SIGTERM-to-SIGKILL window (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by
+    default) less 10 s for the save: the default 20 fits."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""

@@ -74,9 +74,15 @@ class Progress:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
-        self.skipped_steps = int(state["skipped_steps"])
+        """Raises ValueError for a counter that is not a non-negative whole number (a damaged or
+        crafted checkpoint: a negative step would train outside the schedule)."""
+        for name in ("step", "consecutive_nonfinite", "skipped_steps"):
+            value = state[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"progress.{name} must be a non-negative whole number, got {value!r}")
+        self.step = state["step"]
+        self.consecutive_nonfinite = state["consecutive_nonfinite"]
+        self.skipped_steps = state["skipped_steps"]
 
 
 def precision_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:

@@ -75,6 +75,9 @@ def test_kill_9_mid_step_then_resume(tmp_path, reference_single):
     resumed_dir = tmp_path / "resumed"
     resume = single(resumed_dir, f"checkpoint.dir={run_dir / 'checkpoints'}", "checkpoint.resume=auto")
     assert resume.finish() == 0, resume.stderr[-3000:]
+    # kill -9 ran no clean-up: the killed job's lock is stale (its pid is dead) and taken over
+    stale = f"taking over the stale lock {run_dir / 'checkpoints' / '.k3train.lock'} of pid {job.process.pid}"
+    assert stale in resume.stderr, resume.stderr[-3000:]
     assert_resume_matches(resumed_dir, reference_single, kept[-1], losses(resumed_dir))
 
 
@@ -119,10 +122,10 @@ SLOW_START_UP = (
 )
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_signal_during_start_up_is_one_line_and_the_unsaved_status(tmp_path, signum):
-    """Before the loop there is nothing to save: status 4 and one line, not SIGTERM's silent
-    death (-15) or Ctrl-C's KeyboardInterrupt traceback."""
+    """Before the loop there is nothing to save: status 4 and one line, not SIGTERM's or SIGHUP's
+    silent death (-15, -1) or Ctrl-C's KeyboardInterrupt traceback."""
     # A model that takes a second or more to build and more steps than could finish: the signal
     # lands in the start-up however late a loaded machine lets this process send it.
     job = single(tmp_path / "early", *SLOW_START_UP)

@@ -5,6 +5,7 @@ built from: the stop watchdog, the collective-failure line, the test-only NaN ho
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,11 @@ from tests.faults.harness import CHECKOUT, complete_checkpoints, single
         ("optimizer.lr=.inf", "optimizer.lr must be a finite number, got inf"),
         ("parallel.collective_timeout_s=-1", "parallel.collective_timeout_s must be 0"),
         ("train.stop_grace_s=0", "train.stop_grace_s must be a positive number"),
+        ("model.linear_attn_config.chunk_size=0", "model.linear_attn_config.chunk_size must be at least 1, got 0"),
+        ("model.kv_lora_rank=0", "model.kv_lora_rank must be at least 1, got 0"),
+        ("model.num_shared_experts=-1", "model.num_shared_experts must not be negative, got -1"),
+        ("optimizer.clip_grad=-1", "optimizer.clip_grad must not be negative, got -1.0"),
+        ("model.num_experts_per_token=0", "model.num_experts_per_token must lie in [1, model.num_experts)"),
     ],
 )
 def test_impossible_value_is_one_line(tmp_path, override, expected):
@@ -65,7 +71,7 @@ def test_failed_save_is_one_line_saying_what_was_kept(tmp_path):
     # directory for a file even on a loaded machine (step 2 followed within milliseconds).
     job = single(run_dir, f"checkpoint.dir={checkpoints}", "checkpoint.resume=none", "checkpoint.interval=4")
     job.wait_for(r"step 1/6")
-    checkpoints.rmdir()
+    shutil.rmtree(checkpoints)  # with the job's lock file in it
     checkpoints.write_text("not a directory")
     assert job.finish() == 2, job.stderr[-3000:]
     lines = job.error_lines()
