@@ -90,7 +90,7 @@ def test_situ_glu_leaves_its_inputs_alone_unless_told_and_survives_retain_graph(
     assert not torch.equal(scratch_gate.detach(), gate0)  # told: its buffer now holds tanh(gate/β1)
 
 
-def _reference_activation(gate, up, beta, linear_beta, row_scale=None, overwrite_inputs=False):
+def _reference_activation(gate, up, beta, linear_beta, row_scale=None, overwrite_inputs=False, recompute_factors=False):
     return _reference(gate, up, row_scale, beta, linear_beta)
 
 

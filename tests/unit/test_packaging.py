@@ -119,5 +119,6 @@ def test_pretrain_script_imports_torch_only_after_parsing():
         "k3train.errors",
         "k3train.job.ending",
         "k3train.job.preflight",
+        "k3train.job.run_lock",
     }
     assert not any(name.startswith("k3train.") and name not in torch_free for name in top_level), top_level
