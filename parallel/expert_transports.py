@@ -19,6 +19,7 @@ per node) implements the same three methods.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,9 +91,10 @@ class Delivery:
     saved: tuple[Any, ...]  # the transport's own indices for `combine`
 
 
-class TokenTransport:
-    """The interface; `route` is shared by the transports whose only capacity is per destination
-    (each source takes contiguous ranges of a replicated expert's slots)."""
+class TokenTransport(abc.ABC):
+    """The interface (`route`, `dispatch`, `combine_weighted`); `route` is shared by the
+    transports whose only capacity is per destination (each source takes contiguous ranges of a
+    replicated expert's slots)."""
 
     name = ""
 
@@ -107,19 +109,27 @@ class TokenTransport:
         dest, local_id = replica_route(expert_flat, counts, self.group.rank, plan)
         return dest, local_id, pair_slots(counts, plan)
 
+    @abc.abstractmethod
     def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
-        raise NotImplementedError
+        """This source's slots to their experts' ranks: what this rank received."""
 
-    def combine(self, output: torch.Tensor, delivery: Delivery) -> torch.Tensor:
-        """The outputs back into the source's slots `[s·k, l]`."""
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def combine_weighted(self, output, delivery: Delivery, weights_flat, top_k: int) -> torch.Tensor:
         """`Σ_k p_k · E_k` per token `[s, l]`; a transport may reduce before the rows travel back."""
+
+
+class SlotTransport(TokenTransport):
+    """A transport that returns every slot's output to its source, where the weighted sum is made."""
+
+    @abc.abstractmethod
+    def combine(self, output: torch.Tensor, delivery: Delivery) -> torch.Tensor:
+        """The outputs back into the source's slots `[s·k, l]`."""
+
+    def combine_weighted(self, output, delivery: Delivery, weights_flat, top_k: int) -> torch.Tensor:
         return weighted_sum(self.combine(output, delivery), weights_flat, top_k)
 
 
-class SpreadTransport(TokenTransport):
+class SpreadTransport(SlotTransport):
     """Hop 1 `[R, C1]` spreads each source's slots evenly over all ranks, hop 2 `[R, C2]`
     forwards them to their destinations; combine runs both backwards."""
 
@@ -163,7 +173,7 @@ class SpreadTransport(TokenTransport):
         return combined.index_select(0, hop1_index)
 
 
-class RelayTransport(TokenTransport):
+class RelayTransport(SlotTransport):
     """Hop 1 `[R, first]`: each pair's first `direct` slots (highest routing weight) straight to
     their destination, its overflow round robin through other ranks' spare rows; hop 2
     `[R, second]`: each relay forwards what it holds for others. Combine runs the two hops
@@ -218,7 +228,7 @@ class RelayTransport(TokenTransport):
         return torch.cat([combined, zero_row]).index_select(0, hop1_index)
 
 
-class PaddedTransport(TokenTransport):
+class PaddedTransport(SlotTransport):
     """Send `[R, s·k]` per pair; the receiver gathers its rows into `[C_dest]` by source offsets."""
 
     name = "padded"
@@ -259,7 +269,7 @@ class PaddedTransport(TokenTransport):
         return torch.cat([returned, returned.new_zeros(1, width)]).index_select(0, buffer_index)
 
 
-class SplitsTransport(TokenTransport):
+class SplitsTransport(SlotTransport):
     """Exactly the rows that exist, received into exactly the rows that arrive (its only capacity
     is the `R·s·k` slots that exist: it never drops); split sizes read on the host (a device
     synchronisation per dispatch on CUDA, none on gloo)."""
