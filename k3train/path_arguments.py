@@ -28,7 +28,7 @@ class PathArgument:
     option: str
     """`--load`; the empty string means the first positional argument."""
     fix: str
-    """What to pass instead, e.g. "pass a step_XXXXXXXX directory or a run directory"."""
+    """What to pass instead, e.g. "pass a step_NNNNNNNN directory or a run directory"."""
     subcommand: str | None = None
     """Only after this subcommand (the first argument), e.g. convert_checkpoint's `from-hf`."""
     contains: str | None = None

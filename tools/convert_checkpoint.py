@@ -40,7 +40,7 @@ CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 PATH_ARGUMENTS = (
     PathArgument(
         "--load",
-        "pass a checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX), a checkpoints/ directory or a run directory",
+        "pass a checkpoint (RUN_DIR/checkpoints/step_NNNNNNNN), a checkpoints/ directory or a run directory",
         subcommand="to-hf",
     ),
     PathArgument(
@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--load",
         required=True,
-        help="checkpoint: a step_XXXXXXXX directory, a checkpoints/ directory or a run directory (newest step)",
+        help="checkpoint: a step_NNNNNNNN directory, a checkpoints/ directory or a run directory (newest step)",
     )
     p.add_argument("--out", required=True, help="output directory (config.json, shards, index)")
     p.add_argument(

@@ -28,7 +28,7 @@ from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing
 PATH_ARGUMENTS = (
     PathArgument(
         "--load",
-        "pass a k3train checkpoint (a step_XXXXXXXX, checkpoints/ or run directory) "
+        "pass a k3train checkpoint (a step_NNNNNNNN, checkpoints/ or run directory) "
         "or a Hugging Face directory (config.json + safetensors)",
     ),
     PathArgument("--tokens-file", "pass a JSON file holding a list of equal-length token-id lists"),

@@ -4,7 +4,7 @@ readable through the allow-listed unpickler, every data file is present and long
 file matches the size and CRC-32 the manifest recorded.
 
     python tools/verify_checkpoint.py RUN_DIR/checkpoints/step_00001000
-    python tools/verify_checkpoint.py RUN_DIR/checkpoints      # every step_XXXXXXXX below it
+    python tools/verify_checkpoint.py RUN_DIR/checkpoints      # every step_NNNNNNNN below it
     python tools/verify_checkpoint.py RUN_DIR                  # the same, below RUN_DIR/checkpoints
 
 Prints one line per problem (and one `ok` line per good checkpoint); exit status 0 when every
@@ -22,7 +22,7 @@ from k3train.path_arguments import PathArgument, exit_if_a_path_is_missing
 
 PATH_ARGUMENTS = (
     PathArgument(
-        "", "pass a checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX), a checkpoints/ directory or a run directory"
+        "", "pass a checkpoint (RUN_DIR/checkpoints/step_NNNNNNNN), a checkpoints/ directory or a run directory"
     ),
 )
 if __name__ == "__main__":  # before torch loads (seconds; far more on a cold disk): a wrong path answers at once
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     found = checkpoints_under(path)
     if not found:
-        print(f"error: {path} holds no k3train checkpoint (step_XXXXXXXX directories)", file=sys.stderr)
+        print(f"error: {path} holds no k3train checkpoint (step_NNNNNNNN directories)", file=sys.stderr)
         return 2
     bad = 0
     for checkpoint in found:

@@ -28,7 +28,7 @@ from k3train.model.config import ModelConfig
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """The complete k3train checkpoint `path` names: a `step_XXXXXXXX` directory, a checkpoint
+    """The complete k3train checkpoint `path` names: a `step_NNNNNNNN` directory, a checkpoint
     directory (its newest complete step) or a run directory (`RUN/checkpoints`, newest step).
 
     Never modifies anything (unlike `Checkpointer(...)`, which cleans stale saves on start-up).
@@ -43,7 +43,7 @@ def find_checkpoint(path: str | Path) -> Path:
         if steps:
             return steps[-1][1]
     raise HFConversionError(
-        f"{path} is neither a complete k3train checkpoint (step_XXXXXXXX with .metadata and a complete "
+        f"{path} is neither a complete k3train checkpoint (step_NNNNNNNN with .metadata and a complete "
         "k3train.json) nor a directory holding one (checkpoints/ of a run)"
     )
 

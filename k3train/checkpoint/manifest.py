@@ -1,4 +1,4 @@
-"""Checkpoint directory layout (`step_XXXXXXXX`, `.tmp_`/`.old_` prefixes, `.damaged-` suffixes) and
+"""Checkpoint directory layout (`step_NNNNNNNN`, `.tmp_`/`.old_` prefixes, `.damaged-` suffixes) and
 the `k3train.json` manifest (with every file's checksum). `verify.py` checks a directory against it."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def step_of(name: str) -> int | None:
 
 
 def replaced_step_name(name: str) -> str | None:
-    """The final name (`step_XXXXXXXX`) an `.old_` directory was moved aside from, else None."""
+    """The final name (`step_NNNNNNNN`) an `.old_` directory was moved aside from, else None."""
     match = _OLD_RE.match(name)
     return match.group(1) if match else None
 

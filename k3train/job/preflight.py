@@ -44,5 +44,5 @@ def _check_resume_path(config: JobConfig, run_dir: str | None) -> None:
     looked = f"{path}" + (f" or {below}" if below is not None else "")
     raise DataError(
         f"checkpoint.resume={resume}: no such checkpoint ({looked} does not exist); pass a "
-        f"step_XXXXXXXX directory, checkpoint.resume=auto (the newest in checkpoint.dir) or none"
+        f"step_NNNNNNNN directory, checkpoint.resume=auto (the newest in checkpoint.dir) or none"
     )

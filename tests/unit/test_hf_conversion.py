@@ -69,7 +69,7 @@ def _randomise(model: K3ModelChunk, seed: int = 7) -> None:
 
 
 def _save_run(run: Path, config: ModelConfig, step: int = 3, with_optimizer: bool = True) -> dict[str, torch.Tensor]:
-    """A run directory like pretrain_k3.py leaves: config.yaml + checkpoints/step_XXXXXXXX."""
+    """A run directory like pretrain_k3.py leaves: config.yaml + checkpoints/step_NNNNNNNN."""
     model = K3ModelChunk(config)
     _randomise(model)
     job = JobConfig()
