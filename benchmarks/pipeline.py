@@ -80,6 +80,7 @@ def bench_worker(env, payload) -> list[dict]:
 
     from k3train.contracts.stage_io import ResidualState
     from k3train.model.config import ModelConfig
+    from k3train.parallel.config import ModelSplitSizes
     from k3train.parallel.pipeline import PipelineExecutor, residual_shape
     from k3train.parallel.state import ParallelState, resolve_layout
     from k3train.training.build import build_model
@@ -97,19 +98,7 @@ def bench_worker(env, payload) -> list[dict]:
             routed_expert_hidden_size=16,
             attn_res_block_size=size,
         )
-        layout = resolve_layout(
-            env.world_size,
-            1,
-            pp,
-            0,
-            1,
-            v,
-            config.num_attention_heads,
-            config.linear_attn_config.num_heads,
-            config.vocab_size,
-            config.num_experts,
-            layers,
-        )
+        layout = resolve_layout(env.world_size, 1, pp, 0, 1, v, ModelSplitSizes.of(config))
         state = ParallelState(layout, env.rank)
         plan = PipelinePlan.build(layers, pp, v, "block", size)
         chunks = build_model(config, plan, state, seed=1).chunks

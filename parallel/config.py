@@ -18,6 +18,7 @@ from k3train.config.recipe import ConfigError, check
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "LayoutError",
+    "ModelSplitSizes",
     "ParallelConfig",
     "check_context_split",
     "check_model_split",
@@ -67,14 +68,37 @@ def check_pipeline_sizes(pp: int, virtual_stages: int) -> None:
         )
 
 
-def check_model_split(tp: int, ep: int, mla_heads: int, kda_heads: int, vocab_size: int, num_experts: int) -> None:
+@dataclass(frozen=True)
+class ModelSplitSizes:
+    """The model's counts that a parallel layout must divide: heads and vocabulary by tp, experts
+    by ep, layers into pipeline chunks."""
+
+    mla_heads: int
+    kda_heads: int
+    vocab_size: int
+    num_experts: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, model_config) -> ModelSplitSizes:
+        """From a `ModelConfig` (read by attribute: this module stays torch- and model-free)."""
+        return cls(
+            model_config.num_attention_heads,
+            model_config.linear_attn_config.num_heads,
+            model_config.vocab_size,
+            model_config.num_experts,
+            model_config.num_hidden_layers,
+        )
+
+
+def check_model_split(tp: int, ep: int, model: ModelSplitSizes) -> None:
     """Raise LayoutError unless tp divides the heads and the vocabulary and ep divides the experts
     (a count of 0, such as no experts, needs no split)."""
     for what, count, size_name, size in (
-        ("model.num_attention_heads (MLA heads)", mla_heads, "parallel.tp", tp),
-        ("model.linear_attn_config.num_heads (KDA heads)", kda_heads, "parallel.tp", tp),
-        ("model.vocab_size", vocab_size, "parallel.tp", tp),
-        ("model.num_experts", num_experts, "parallel.ep", ep),
+        ("model.num_attention_heads (MLA heads)", model.mla_heads, "parallel.tp", tp),
+        ("model.linear_attn_config.num_heads (KDA heads)", model.kda_heads, "parallel.tp", tp),
+        ("model.vocab_size", model.vocab_size, "parallel.tp", tp),
+        ("model.num_experts", model.num_experts, "parallel.ep", ep),
     ):
         if count and count % size:
             raise LayoutError(

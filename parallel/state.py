@@ -34,7 +34,13 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from k3train.parallel.comm import Group, TrafficCounter
-from k3train.parallel.config import LayoutError, check_model_split, collective_timeout_seconds, divisors
+from k3train.parallel.config import (
+    LayoutError,
+    ModelSplitSizes,
+    check_model_split,
+    collective_timeout_seconds,
+    divisors,
+)
 from k3train.parallel.pipeline_schedule import partition_layers
 
 
@@ -115,11 +121,7 @@ def resolve_layout(
     dp: int,
     ep: int,
     virtual_stages: int,
-    mla_heads: int,
-    kda_heads: int,
-    vocab_size: int,
-    num_experts: int,
-    num_layers: int,
+    model: ModelSplitSizes,
     cp: int = 1,
 ) -> Layout:
     """Check a layout against the world size and the model; raise LayoutError with a fix."""
@@ -138,9 +140,7 @@ def resolve_layout(
                 f"dp={data}; set parallel.dp=0 (automatic) or {data}, or launch {dp * tp * pp * cp} "
                 f"processes"
             )
-        replicas = resolve_layout(
-            world_size, tp, pp, data * cp, ep, virtual_stages, mla_heads, kda_heads, vocab_size, num_experts, num_layers
-        )
+        replicas = resolve_layout(world_size, tp, pp, data * cp, ep, virtual_stages, model)
         return Layout(world_size, tp, pp, replicas.dp, ep, virtual_stages, cp)
     if world_size % (tp * pp):
         fits = [f"tp={t} pp={p}" for t in divisors(world_size) for p in divisors(world_size // t)][:6]
@@ -154,14 +154,21 @@ def resolve_layout(
             f"parallel.dp={dp} but world size {world_size} / (tp*pp = {tp * pp}) leaves dp={resolved_dp}; "
             f"set parallel.dp=0 (automatic) or {resolved_dp}, or launch {dp * tp * pp} processes"
         )
-    check_model_split(tp, ep, mla_heads, kda_heads, vocab_size, num_experts)
+    check_model_split(tp, ep, model)
     if (tp * resolved_dp) % ep:
         raise LayoutError(
             f"parallel.ep={ep} must divide dp*tp = {resolved_dp}*{tp} = {resolved_dp * tp} (expert parallelism is "
             f"carved out of the data- and tensor-parallel ranks); choose ep from {divisors(resolved_dp * tp)}"
         )
-    partition_layers(num_layers, pp, virtual_stages)  # every chunk gets a layer (raises a LayoutError)
+    partition_layers(model.num_layers, pp, virtual_stages)  # every chunk gets a layer (raises a LayoutError)
     return Layout(world_size, tp, pp, resolved_dp, ep, virtual_stages)
+
+
+def layout_of(world_size: int, parallel_config, model_config) -> Layout:
+    """The layout a recipe's `parallel` and `model` sections give on `world_size` processes
+    (`resolve_layout` with every size taken from them)."""
+    p = parallel_config
+    return resolve_layout(world_size, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, ModelSplitSizes.of(model_config), p.cp)
 
 
 class ParallelState:
@@ -225,20 +232,7 @@ class ParallelState:
         (or the backend's default)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        layout = resolve_layout(
-            world_size,
-            parallel_config.tp,
-            parallel_config.pp,
-            parallel_config.dp,
-            parallel_config.ep,
-            parallel_config.virtual_stages,
-            model_config.num_attention_heads,
-            model_config.linear_attn_config.num_heads,
-            model_config.vocab_size,
-            model_config.num_experts,
-            model_config.num_hidden_layers,
-            parallel_config.cp,
-        )
+        layout = layout_of(world_size, parallel_config, model_config)
         backend = "nccl" if device_type == "cuda" else "gloo"
         timeout_s = collective_timeout_seconds(parallel_config.collective_timeout_s, backend)
         if world_size > 1 and not dist.is_initialized():

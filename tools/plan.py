@@ -28,7 +28,7 @@ from k3train.model.k3 import K3RankModel
 from k3train.optim.builder import route_parameters
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan
-from k3train.parallel.state import LayoutError, resolve_layout
+from k3train.parallel.state import LayoutError, layout_of
 from k3train.planning.fit import memory_verdict
 from k3train.planning.hardware import load_profile
 from k3train.planning.layout_traffic import data_parallel_wire_bytes, layout_step_bytes
@@ -210,20 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.recipe, args.overrides)
         parallel = config.parallel
         world = args.world_size or parallel.tp * parallel.pp * parallel.cp * max(parallel.dp, 1)
-        layout = resolve_layout(
-            world,
-            parallel.tp,
-            parallel.pp,
-            parallel.dp,
-            parallel.ep,
-            parallel.virtual_stages,
-            config.model.num_attention_heads,
-            config.model.linear_attn_config.num_heads,
-            config.model.vocab_size,
-            config.model.num_experts,
-            config.model.num_hidden_layers,
-            cp=parallel.cp,
-        )
+        layout = layout_of(world, parallel, config.model)
         plan = PipelinePlan.from_config(config.model, parallel)
     except (ConfigError, LayoutError, PipelineConfigError) as error:
         searching = bool(args.hardware and args.world_size)

@@ -24,7 +24,7 @@ from k3train.config.recipe import ConfigError
 from k3train.data.config import DataConfig
 from k3train.model.config import ModelConfig
 from k3train.optim.config import OptimizerConfig, ScheduleConfig
-from k3train.parallel.config import ParallelConfig, check_context_split, check_model_split
+from k3train.parallel.config import ModelSplitSizes, ParallelConfig, check_context_split, check_model_split
 from k3train.parallel.pipeline_schedule import partition_layers
 from k3train.training.config import LoggingConfig, TrainConfig
 
@@ -77,14 +77,7 @@ class JobConfig:
                 raise ConfigError(str(error)) from None
         model, parallel = self.model, self.parallel
         self.train.micro_batches_per_rank(parallel.dp or 1)
-        check_model_split(
-            parallel.tp,
-            parallel.ep,
-            model.num_attention_heads,
-            model.linear_attn_config.num_heads,
-            model.vocab_size,
-            model.num_experts,
-        )
+        check_model_split(parallel.tp, parallel.ep, ModelSplitSizes.of(model))
         partition_layers(model.num_hidden_layers, parallel.pp, parallel.virtual_stages, parallel.pipeline_layers)
         check_context_split(
             parallel.cp,

@@ -26,8 +26,9 @@ from typing import Literal
 from k3train.config import ConfigError, JobConfig, apply_overrides, load_config
 from k3train.model import flops as F
 from k3train.model.config import ModelConfig
+from k3train.parallel.config import divisors
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan, check_interleaved_micro_batches
-from k3train.parallel.state import Layout, LayoutError, resolve_layout
+from k3train.parallel.state import Layout, LayoutError, layout_of
 from k3train.planning.hardware import HardwareProfile
 from k3train.planning.layout_traffic import expert_layer_traffic
 from k3train.planning.memory import GIB, activation_shape, peak_in_flight
@@ -47,7 +48,8 @@ class Candidate:
     pp: int
     virtual_stages: int
     ep: int
-    dp: int
+    dp: int  # `parallel.dp`: the batch shards (each holds `cp` replicas of the weights)
+    cp: int  # the recipe's context-parallel size, which the search keeps
     recompute: str
     micro_batch_size: int
     expert_dispatch: str
@@ -60,6 +62,7 @@ class Candidate:
             f"parallel.tp={self.tp}",
             f"parallel.pp={self.pp}",
             f"parallel.dp={self.dp}",
+            f"parallel.cp={self.cp}",
             f"parallel.ep={self.ep}",
             f"parallel.virtual_stages={self.virtual_stages}",
             f"model.recompute={self.recompute}",
@@ -71,10 +74,6 @@ class Candidate:
         if not keep_pipeline_layers:
             out.append("parallel.pipeline_layers=null")
         return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def data_parallel_wire(
@@ -119,21 +118,9 @@ def accepted(
     try:
         config = apply_overrides(base, overrides)  # the recipe's own validation, parsed once
         p, m = config.parallel, config.model
-        layout = resolve_layout(
-            world_size,
-            p.tp,
-            p.pp,
-            p.dp,
-            p.ep,
-            p.virtual_stages,
-            m.num_attention_heads,
-            m.linear_attn_config.num_heads,
-            m.vocab_size,
-            m.num_experts,
-            m.num_hidden_layers,
-        )
+        layout = layout_of(world_size, p, m)
         plan = PipelinePlan.from_config(m, p)
-        micro_batches = config.train.micro_batches_per_rank(layout.dp)
+        micro_batches = config.train.micro_batches_per_rank(layout.data_parallel)
         if layout.virtual_stages > 1:
             check_interleaved_micro_batches(layout.pp, micro_batches)
         cache.expert_parallel(layout, p, m.num_experts)  # the dispatcher's EP/SP rule
@@ -153,7 +140,7 @@ def analytic_step_bytes(
     replica slot filled). `tests/unit/test_plan_search.py` holds each to the built rank's bytes."""
     cache = cache or SearchCache()
     cfg, train = config.model, config.train
-    micro_batches = train.micro_batches_per_rank(layout.dp)
+    micro_batches = train.micro_batches_per_rank(layout.data_parallel)
     element = 2 if train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     sp = config.parallel.sequence_parallel and layout.tp > 1
     tokens = train.micro_batch_size * config.data.seq_length // layout.cp  # a rank's share of each sequence
@@ -215,7 +202,7 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
     """GiB of the fullest pipeline rank of an accepted layout, analytically."""
     cache = cache or SearchCache()
     cfg, train = config.model, config.train
-    micro_batches = train.micro_batches_per_rank(layout.dp)
+    micro_batches = train.micro_batches_per_rank(layout.data_parallel)
     element = 2 if train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     sp = config.parallel.sequence_parallel and layout.tp > 1
     shape = activation_shape(config, train.micro_batch_size * config.data.seq_length // layout.cp, layout.tp, sp)
@@ -278,7 +265,7 @@ def estimate_time(
         hardware,
         micro_batch_size=train.micro_batch_size,
         seq_length=config.data.seq_length,
-        micro_batches=train.micro_batches_per_rank(layout.dp),
+        micro_batches=train.micro_batches_per_rank(layout.data_parallel),
         precision=train.precision,
         comm_bytes=comm,
         efficiency=efficiency,
@@ -308,7 +295,8 @@ class LayoutOption:
 
     tp: int
     pp: int
-    dp: int
+    dp: int  # `parallel.dp`: the batch shards
+    cp: int
     ep: int
     virtual_stages: int
     micro_batch_size: int
@@ -319,6 +307,7 @@ class LayoutOption:
             f"parallel.tp={self.tp}",
             f"parallel.pp={self.pp}",
             f"parallel.dp={self.dp}",
+            f"parallel.cp={self.cp}",
             f"parallel.ep={self.ep}",
             f"parallel.virtual_stages={self.virtual_stages}",
             f"train.micro_batch_size={self.micro_batch_size}",
@@ -390,22 +379,26 @@ class LayoutSearch:
         self.cache = SearchCache()
 
     def options(self, world_size: int) -> list[LayoutOption]:
-        """`tp` dividing the node, `pp` up to the layers, `dp` the rest, `ep` 1 and the three
-        largest divisors of dp·tp that divide the experts, v 1 or 2, each micro-batch size and
-        dispatch mode (one dispatch when ep = 1: there is no dispatcher)."""
+        """`tp` dividing the node, `pp` up to the layers, the recipe's `cp`, `dp` the rest, `ep` 1
+        and the three largest divisors of the stage's dp·cp·tp ranks that divide the experts, v 1
+        or 2, each micro-batch size and dispatch mode (one dispatch when ep = 1: there is no
+        dispatcher). `cp` is kept: the recipe sets it for its sequence length."""
         cfg = self.base.model
+        cp = self.base.parallel.cp
         out: list[LayoutOption] = []
-        for tp in [t for t in _divisors(self.gpus_per_node) if world_size % t == 0]:
-            for pp in [p for p in _divisors(world_size // tp) if p <= cfg.num_hidden_layers]:
-                dp = world_size // (tp * pp)
-                eps = [e for e in _divisors(dp * tp) if cfg.num_experts == 0 or cfg.num_experts % e == 0]
+        for tp in [t for t in divisors(self.gpus_per_node) if world_size % t == 0]:
+            for pp in [p for p in divisors(world_size // tp) if p <= cfg.num_hidden_layers]:
+                if world_size % (tp * pp * cp):
+                    continue
+                dp = world_size // (tp * pp * cp)
+                eps = [e for e in divisors(dp * cp * tp) if cfg.num_experts == 0 or cfg.num_experts % e == 0]
                 eps = sorted(set([1, *eps[-3:]])) if cfg.num_experts else [1]
                 for ep, v, mbs, dispatch in itertools.product(
                     eps, (1, 2) if pp > 1 else (1,), self.micro_batch_sizes, ("balanced", "capacity")
                 ):
                     if ep == 1 and dispatch != self.base.parallel.expert_dispatch:
                         continue
-                    out.append(LayoutOption(tp, pp, dp, ep, v, mbs, dispatch))
+                    out.append(LayoutOption(tp, pp, dp, cp, ep, v, mbs, dispatch))
         return out
 
     def screen(self, world_size: int, option: LayoutOption) -> LayoutScreen:
@@ -415,19 +408,7 @@ class LayoutSearch:
         the fullest rank's weights, gradients and optimizer state."""
         cfg = self.base.model
         try:
-            layout = resolve_layout(
-                world_size,
-                option.tp,
-                option.pp,
-                option.dp,
-                option.ep,
-                option.virtual_stages,
-                cfg.num_attention_heads,
-                cfg.linear_attn_config.num_heads,
-                cfg.vocab_size,
-                cfg.num_experts,
-                cfg.num_hidden_layers,
-            )
+            layout = layout_of(world_size, option, cfg)
             plan = PipelinePlan.build(
                 cfg.num_hidden_layers, option.pp, option.virtual_stages, cfg.attn_res, cfg.attn_res_block_size, None
             )  # as `parallel.pipeline_layers=null`
@@ -476,6 +457,7 @@ class LayoutSearch:
                             option.virtual_stages,
                             option.ep,
                             option.dp,
+                            option.cp,
                             recompute,
                             option.micro_batch_size,
                             option.expert_dispatch,
@@ -564,15 +546,15 @@ __all__ = [
 def describe_candidates(candidates: list[Candidate]) -> str:
     """The table `tools/plan.py --search` prints (markdown)."""
     lines = [
-        "| tp | pp | v | ep | dispatch | dp | recompute | mbs | GiB (fullest rank) | step s | tokens/s | MFU "
+        "| tp | pp | v | ep | dispatch | cp | dp | recompute | mbs | GiB (fullest rank) | step s | tokens/s | MFU "
         "| bubble | exposed comm |",
-        "| ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for c in candidates:
         t = c.time
         dispatch = c.expert_dispatch if c.ep > 1 else "-"
         lines.append(
-            f"| {c.tp} | {c.pp} | {c.virtual_stages} | {c.ep} | {dispatch} | {c.dp} | {c.recompute} | {c.micro_batch_size} "
+            f"| {c.tp} | {c.pp} | {c.virtual_stages} | {c.ep} | {dispatch} | {c.cp} | {c.dp} | {c.recompute} | {c.micro_batch_size} "
             f"| {c.memory_gib:,.1f} | {t.step_s:,.2f} | {t.tokens_per_s:,.0f} | {t.mfu:.1%} "
             f"| {t.shares()['bubble']:.0%} | {sum(t.exposed_comm_s.values()) / t.step_s:.0%} |"
         )

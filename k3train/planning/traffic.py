@@ -20,6 +20,7 @@ from k3train.config import JobConfig
 from k3train.model.moe import LatentMoE
 from k3train.optim.builder import route_parameters
 from k3train.optim.muon import block_layout
+from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, is_tensor_parallel
 from k3train.parallel.state import resolve_layout
 from k3train.planning.layout_traffic import pipeline_expert_traffic
@@ -52,19 +53,7 @@ def _planning_job(
 ) -> RankJob:
     """Rank `(tp_rank, dp_rank)` of a `tp × dp` job built on the meta device as the job builds it;
     the layout is checked as at start-up (`resolve_layout`)."""
-    layout = resolve_layout(
-        tp * dp,
-        tp,
-        1,
-        dp,
-        1,
-        1,
-        model_config.num_attention_heads,
-        model_config.linear_attn_config.num_heads,
-        model_config.vocab_size,
-        model_config.num_experts,
-        model_config.num_hidden_layers,
-    )
+    layout = resolve_layout(tp * dp, tp, 1, dp, 1, 1, ModelSplitSizes.of(model_config))
     if not (0 <= tp_rank < tp and 0 <= dp_rank < dp):
         raise ValueError(f"rank (tp {tp_rank}, dp {dp_rank}) outside tp={tp} × dp={dp}")
     base = JobConfig()

@@ -16,8 +16,8 @@ last test runs `pretrain_k3.py` itself under cp (five short launches).
 
 import pytest
 
-from k3train.parallel.config import LayoutError, check_context_split
-from k3train.parallel.state import resolve_layout
+from k3train.parallel.config import LayoutError, ModelSplitSizes, check_context_split
+from k3train.parallel.state import layout_of, resolve_layout
 from tests.distributed.harness import run_workers
 
 TOLERANCE = 1e-12
@@ -61,11 +61,11 @@ def test_context_parallel_combined_with_dp_tp_pp_ep():
     check(run_workers(4, "tests.distributed.workers_context:run_checks", FOUR_RANKS, timeout_s=480))
 
 
-DEBUG_MODEL = dict(mla_heads=4, kda_heads=4, vocab_size=384, num_experts=16, num_layers=8)
+DEBUG_MODEL = ModelSplitSizes(mla_heads=4, kda_heads=4, vocab_size=384, num_experts=16, num_layers=8)
 
 
 def test_rank_order_puts_cp_between_tp_and_dp():
-    layout = resolve_layout(16, 2, 2, 0, 1, 1, *DEBUG_MODEL.values(), cp=2)
+    layout = resolve_layout(16, 2, 2, 0, 1, 1, DEBUG_MODEL, cp=2)
     assert (layout.dp, layout.data_parallel, layout.cp) == (4, 2, 2)  # replicas = data × cp
     assert layout.cp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
     assert layout.tp_groups()[0] == [0, 1]
@@ -83,7 +83,7 @@ def test_rank_order_puts_cp_between_tp_and_dp():
 )
 def test_impossible_layouts_say_what_fits(args, message):
     with pytest.raises(LayoutError, match=message):
-        resolve_layout(args["world"], 1, 1, args.get("dp", 0), 1, 1, *DEBUG_MODEL.values(), cp=args["cp"])
+        resolve_layout(args["world"], 1, 1, args.get("dp", 0), 1, 1, DEBUG_MODEL, cp=args["cp"])
 
 
 @pytest.mark.parametrize(
@@ -115,20 +115,7 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
     for cp in (1, 2):
         config = load_config(str(checkout / "recipes" / "debug.yaml"), [f"parallel.cp={cp}"])
         m = config.model
-        layout = resolve_layout(
-            2 * cp,
-            1,
-            1,
-            2,
-            1,
-            1,
-            m.num_attention_heads,
-            m.linear_attn_config.num_heads,
-            m.vocab_size,
-            m.num_experts,
-            m.num_hidden_layers,
-            cp=cp,
-        )
+        layout = resolve_layout(2 * cp, 1, 1, 2, 1, 1, ModelSplitSizes.of(m), cp=cp)
         job = build_planning_rank(config, layout, 0)
         memories[cp] = rank_memory(job, layout, micro_batches=2).activations
         traffic[cp] = layout_step_bytes(job, micro_batches=2)
@@ -137,20 +124,7 @@ def test_planner_counts_a_rank_s_share_of_the_sequence():
 
     long = load_config(str(checkout / "recipes" / "k3-long.yaml"), [])
     p, m = long.parallel, long.model
-    layout = resolve_layout(
-        2048,
-        p.tp,
-        p.pp,
-        p.dp,
-        p.ep,
-        p.virtual_stages,
-        m.num_attention_heads,
-        m.linear_attn_config.num_heads,
-        m.vocab_size,
-        m.num_experts,
-        m.num_hidden_layers,
-        cp=p.cp,
-    )
+    layout = layout_of(2048, p, m)
     assert (layout.cp, layout.data_parallel, long.data.seq_length // layout.cp) == (8, 2, 16384)
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from k3train.config import load_config
 from k3train.data import build_data
 from k3train.model.flops import training_flops_per_token
+from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.planning.traffic import predicted_job_traffic, predicted_step_traffic, step_traffic_terms
 from k3train.training import loop
@@ -82,19 +83,7 @@ def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict
     tp, dp, pp, ep = config.parallel.tp, config.parallel.dp, config.parallel.pp, config.parallel.ep
     world = tp * dp * pp
     model_config = config.model
-    grid = resolve_layout(
-        world,
-        tp,
-        pp,
-        dp,
-        ep,
-        config.parallel.virtual_stages,
-        model_config.num_attention_heads,
-        model_config.linear_attn_config.num_heads,
-        model_config.vocab_size,
-        model_config.num_experts,
-        model_config.num_hidden_layers,
-    )
+    grid = resolve_layout(world, tp, pp, dp, ep, config.parallel.virtual_stages, ModelSplitSizes.of(model_config))
     member = env.rank < world
     # Every process creates the layout's groups in the same order; non-members pose as rank 0.
     state = ParallelState(grid, env.rank if member else 0, sequence_parallel=config.parallel.sequence_parallel)

@@ -20,7 +20,7 @@ from k3train.data.config import DataConfig
 from k3train.model.config import LinearAttnConfig, ModelConfig
 from k3train.model.k3 import K3ModelChunk
 from k3train.model.moe import finish_expert_step
-from k3train.parallel.config import ParallelConfig
+from k3train.parallel.config import ModelSplitSizes, ParallelConfig
 from k3train.parallel.expert import ExpertParameter
 from k3train.parallel.grad_reduce import average_over_dp
 from k3train.parallel.state import ParallelState, resolve_layout
@@ -87,20 +87,7 @@ def reference_view(full: torch.Tensor, param: torch.Tensor, state: ParallelState
 def compare(env, spec: dict[str, Any]) -> dict[str, Any]:
     config = job_config(spec)
     p = config.parallel
-    layout = resolve_layout(
-        env.world_size,
-        p.tp,
-        p.pp,
-        0,
-        p.ep,
-        1,
-        CONFIG.num_attention_heads,
-        CONFIG.linear_attn_config.num_heads,
-        CONFIG.vocab_size,
-        CONFIG.num_experts,
-        CONFIG.num_hidden_layers,
-        cp=p.cp,
-    )
+    layout = resolve_layout(env.world_size, p.tp, p.pp, 0, p.ep, 1, ModelSplitSizes.of(CONFIG), cp=p.cp)
     state = ParallelState(layout, env.rank, sequence_parallel=p.sequence_parallel)
     job = build_rank(config, state, torch.device("cpu"), overlap=False, dtype=torch.float64)
     job.schedule.dtype = torch.float64  # pipeline hops in the model's dtype

@@ -21,6 +21,7 @@ from k3train.contracts.token_batch import TokenBatch
 from k3train.data.documents import token_batch
 from k3train.model.k3 import K3ModelChunk
 from k3train.model.moe import finish_expert_step
+from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.grad_reduce import average_over_dp
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.training.build import build_rank
@@ -74,20 +75,7 @@ def compare(env, spec: dict[str, Any]) -> dict[str, Any]:
         config, data=dataclasses.replace(config.data, document_boundaries="reset", eod_mask_loss=True)
     )
     p = config.parallel
-    layout = resolve_layout(
-        env.world_size,
-        p.tp,
-        p.pp,
-        0,
-        p.ep,
-        1,
-        CONFIG.num_attention_heads,
-        CONFIG.linear_attn_config.num_heads,
-        CONFIG.vocab_size,
-        CONFIG.num_experts,
-        CONFIG.num_hidden_layers,
-        cp=p.cp,
-    )
+    layout = resolve_layout(env.world_size, p.tp, p.pp, 0, p.ep, 1, ModelSplitSizes.of(CONFIG), cp=p.cp)
     state = ParallelState(layout, env.rank, sequence_parallel=p.sequence_parallel)
     job = build_rank(config, state, torch.device("cpu"), overlap=False, dtype=torch.float64)
     job.schedule.dtype = torch.float64  # pipeline hops in the model's dtype

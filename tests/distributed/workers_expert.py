@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from k3train.model.decoder import DecoderLayer
 from k3train.model.k3 import K3ModelChunk
 from k3train.model.moe import GroupedExperts, LatentMoE, finish_expert_step
+from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.expert import ExpertParallel, ExpertParameter, routing_statistics_group
 from k3train.parallel.grad_reduce import GradientReducer
 from k3train.parallel.state import ParallelState, resolve_layout
@@ -236,19 +237,7 @@ def routing_checks(models: list, reference: K3ModelChunk, state: ParallelState) 
 def setup(env, spec: dict):
     config = small_config(**spec.get("config", {}))
     tp, ep, sp = spec.get("tp", 1), spec["ep"], spec.get("sequence_parallel", False)
-    layout = resolve_layout(
-        env.world_size,
-        tp,
-        spec.get("pp", 1),
-        0,
-        ep,
-        1,
-        config.num_attention_heads,
-        config.linear_attn_config.num_heads,
-        config.vocab_size,
-        config.num_experts,
-        config.num_hidden_layers,
-    )
+    layout = resolve_layout(env.world_size, tp, spec.get("pp", 1), 0, ep, 1, ModelSplitSizes.of(config))
     state = ParallelState(layout, env.rank, sequence_parallel=sp)
     expert_parallel = ExpertParallel(
         state.ep,
@@ -412,19 +401,7 @@ def no_host_reads():
 def static_shapes(env, spec: dict) -> dict:
     """Forward + backward of one EP MoE layer under the guard for several routings."""
     config = small_config(balancer="quantile", **spec.get("config", {}))  # exact QB: no bincount in observe
-    layout = resolve_layout(
-        env.world_size,
-        1,
-        1,
-        0,
-        env.world_size,
-        1,
-        config.num_attention_heads,
-        config.linear_attn_config.num_heads,
-        config.vocab_size,
-        config.num_experts,
-        config.num_hidden_layers,
-    )
+    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, ModelSplitSizes.of(config))
     state = ParallelState(layout, env.rank)
     expert_parallel = ExpertParallel(
         state.ep,

@@ -22,6 +22,7 @@ import torch.distributed
 
 from k3train.model.config import ModelConfig
 from k3train.model.moe import GroupedExperts
+from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.expert_plan import capacity_per_pair, home_route
 from k3train.parallel.state import ParallelState, resolve_layout
@@ -85,19 +86,7 @@ def skewed_sources(env, spec: dict) -> dict:
     the home experts' gradients the sum of the single-process gradients over all ranks."""
     config = small_config(num_experts=8 * env.world_size, num_experts_per_token=4)
     experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
-    layout = resolve_layout(
-        env.world_size,
-        1,
-        1,
-        0,
-        env.world_size,
-        1,
-        config.num_attention_heads,
-        config.linear_attn_config.num_heads,
-        config.vocab_size,
-        experts,
-        config.num_hidden_layers,
-    )
+    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, ModelSplitSizes.of(config))
     state = ParallelState(layout, env.rank)
     dispatcher = ExpertParallel(
         state.ep,
@@ -158,19 +147,7 @@ def concentrated_routing(env, spec: dict) -> dict:
     single-process gradients over the ranks (after `finish_step`, which `step` planning needs)."""
     config = small_config(num_experts=spec.get("experts_per_rank", 4) * env.world_size, num_experts_per_token=4)
     experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
-    layout = resolve_layout(
-        env.world_size,
-        1,
-        1,
-        0,
-        env.world_size,
-        1,
-        config.num_attention_heads,
-        config.linear_attn_config.num_heads,
-        config.vocab_size,
-        experts,
-        config.num_hidden_layers,
-    )
+    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, ModelSplitSizes.of(config))
     state = ParallelState(layout, env.rank)
     dispatcher = ExpertParallel(
         state.ep,
@@ -222,19 +199,7 @@ def node_dedup(env, spec: dict) -> dict:
     gpus_per_node = spec.get("gpus_per_node", 2)
     config = small_config(num_experts=4 * env.world_size, num_experts_per_token=4)
     experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
-    layout = resolve_layout(
-        env.world_size,
-        1,
-        1,
-        0,
-        env.world_size,
-        1,
-        config.num_attention_heads,
-        config.linear_attn_config.num_heads,
-        config.vocab_size,
-        experts,
-        config.num_hidden_layers,
-    )
+    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, ModelSplitSizes.of(config))
     state = ParallelState(layout, env.rank)
     dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport="nodes", gpus_per_node=gpus_per_node)
     full = GroupedExperts(config, experts).double()

@@ -13,7 +13,7 @@ import torch
 from k3train.config import load_config
 from k3train.parallel.grad_reduce import replica_group
 from k3train.parallel.mixed_precision import main_grad_of
-from k3train.parallel.state import ParallelState, resolve_layout
+from k3train.parallel.state import ParallelState, layout_of
 from k3train.planning.memory import rank_memory
 from k3train.training.build import build_planning_rank
 from tests.distributed.workers_comm import build_trainer, layout_overrides
@@ -97,19 +97,7 @@ def train_layouts(env, payload: dict[str, Any]) -> list[dict[str, Any]]:
             config = load_config(payload["recipe"], [*overrides, f"train.steps={payload['steps']}", *extra])
             p = config.parallel
             m = config.model
-            grid = resolve_layout(
-                env.world_size,
-                p.tp,
-                p.pp,
-                p.dp,
-                p.ep,
-                p.virtual_stages,
-                m.num_attention_heads,
-                m.linear_attn_config.num_heads,
-                m.vocab_size,
-                m.num_experts,
-                m.num_hidden_layers,
-            )
+            grid = layout_of(env.world_size, p, m)
             state = ParallelState(grid, env.rank, sequence_parallel=p.sequence_parallel)
             trainer = build_trainer(config, state)
             losses = []

@@ -25,6 +25,7 @@ from torch import nn
 
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3ModelChunk
+from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.pipeline import (
     PROTOCOLS,
     PipelineExecutor,
@@ -146,19 +147,7 @@ def run_one(env, check: dict) -> dict:
     config = small_config(**check.get("config", {}))
     tp, pp, virtual = check.get("tp", 1), check["pp"], check.get("virtual_stages", 1)
     sequence_parallel = check.get("sequence_parallel", False)
-    layout = resolve_layout(
-        env.world_size,
-        tp,
-        pp,
-        0,
-        1,
-        virtual,
-        config.num_attention_heads,
-        config.linear_attn_config.num_heads,
-        config.vocab_size,
-        config.num_experts,
-        config.num_hidden_layers,
-    )
+    layout = resolve_layout(env.world_size, tp, pp, 0, 1, virtual, ModelSplitSizes.of(config))
     state = ParallelState(layout, env.rank, sequence_parallel=sequence_parallel)
     plan = PipelinePlan.build(
         config.num_hidden_layers, pp, virtual, config.attn_res, config.attn_res_block_size, check.get("pipeline_layers")

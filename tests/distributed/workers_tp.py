@@ -15,6 +15,7 @@ import torch
 
 from k3train.model.config import ModelConfig
 from k3train.model.k3 import K3ModelChunk
+from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.parallel.tensor import ShardedParameter, reduce_tensor_parallel_grads
 
@@ -24,19 +25,7 @@ def small_config(**changes) -> ModelConfig:
 
 
 def build_state(world_size: int, rank: int, tp: int, sequence_parallel: bool, config: ModelConfig) -> ParallelState:
-    layout = resolve_layout(
-        world_size,
-        tp,
-        1,
-        0,
-        1,
-        1,
-        config.num_attention_heads,
-        config.linear_attn_config.num_heads,
-        config.vocab_size,
-        config.num_experts,
-        config.num_hidden_layers,
-    )
+    layout = resolve_layout(world_size, tp, 1, 0, 1, 1, ModelSplitSizes.of(config))
     return ParallelState(layout, rank, sequence_parallel=sequence_parallel)
 
 

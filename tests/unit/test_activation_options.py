@@ -9,7 +9,7 @@ import torch
 from k3train.config import load_config
 from k3train.data import build_data
 from k3train.model.flops import training_flops_per_token
-from k3train.parallel.state import ParallelState, resolve_layout
+from k3train.parallel.state import ParallelState, layout_of
 from k3train.planning.memory import ActivationShape, chunk_activation_bytes, rank_memory
 from k3train.training.build import build_planning_rank, build_rank
 from k3train.training.loop import Trainer
@@ -64,7 +64,7 @@ def test_offload_is_exact_and_moves_what_the_planner_prices(precision):
     assert job.offload is not None and reference.offload is None
     # One micro-batch per step, two steps: the bytes moved per step (each storage once per forward)
     # against the host column.
-    layout = resolve_layout(1, 1, 1, 1, 1, 1, 4, 4, config.model.vocab_size, config.model.num_experts, 8)
+    layout = layout_of(1, config.parallel, config.model)
     predicted = rank_memory(build_planning_rank(config, layout, 0), layout, 1)
     moved = job.offload.bytes_offloaded / config.train.steps
     assert predicted.host_activations > 0 and predicted.activations <= predicted.host_activations

@@ -291,6 +291,7 @@ def test_batch_split_rule_is_one_function():
 
 
 def test_layout_rules_at_load_and_at_start_up_are_the_same_check():
+    from k3train.parallel.config import ModelSplitSizes
     from k3train.parallel.pipeline_schedule import partition_layers
     from k3train.parallel.state import LayoutError, resolve_layout
 
@@ -302,11 +303,7 @@ def test_layout_rules_at_load_and_at_start_up_are_the_same_check():
             dp=0,
             ep=1,
             virtual_stages=1,
-            mla_heads=4,
-            kda_heads=4,
-            vocab_size=384,
-            num_experts=16,
-            num_layers=8,
+            model=ModelSplitSizes(mla_heads=4, kda_heads=4, vocab_size=384, num_experts=16, num_layers=8),
         )
     assert config_error(None, ["parallel.tp=3"]).endswith(str(at_start.value))
     with pytest.raises(LayoutError) as at_start:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.state import Layout, LayoutError, ParallelState, resolve_layout
 
 DEBUG = dict(mla_heads=4, kda_heads=4, vocab_size=384, num_experts=16, num_layers=8)
@@ -9,19 +10,7 @@ DEBUG = dict(mla_heads=4, kda_heads=4, vocab_size=384, num_experts=16, num_layer
 
 def resolve(world, tp=1, pp=1, dp=0, ep=1, virtual_stages=1, **model):
     sizes = {**DEBUG, **model}
-    return resolve_layout(
-        world,
-        tp,
-        pp,
-        dp,
-        ep,
-        virtual_stages,
-        sizes["mla_heads"],
-        sizes["kda_heads"],
-        sizes["vocab_size"],
-        sizes["num_experts"],
-        sizes["num_layers"],
-    )
+    return resolve_layout(world, tp, pp, dp, ep, virtual_stages, ModelSplitSizes(**sizes))
 
 
 def test_rank_order_is_tp_fastest_then_dp_then_pp():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from k3train.config import load_config
+from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.pipeline_schedule import PipelinePlan
 from k3train.parallel.state import ParallelState, resolve_layout
 from k3train.planning.hardware import available_profiles, load_profile
@@ -70,19 +71,7 @@ def test_peak_in_flight_follows_the_schedule():
 def test_rank_memory_and_traffic_of_a_pp_layout():
     config = load_config(RECIPE, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"])
     m = config.model
-    layout = resolve_layout(
-        4,
-        2,
-        2,
-        0,
-        1,
-        1,
-        m.num_attention_heads,
-        m.linear_attn_config.num_heads,
-        m.vocab_size,
-        m.num_experts,
-        m.num_hidden_layers,
-    )
+    layout = resolve_layout(4, 2, 2, 0, 1, 1, ModelSplitSizes.of(m))
     job = build_planning_rank(config, layout, 0)
     memory = rank_memory(job, layout, micro_batches=4)
     assert memory.weights == sum(p.numel() for p in job.model.parameters()) * 4
@@ -104,19 +93,7 @@ def test_step_time_terms_follow_the_formulas():
 
     config = load_config(RECIPE, [])
     m = config.model
-    layout = resolve_layout(
-        32,
-        2,
-        4,
-        0,
-        1,
-        1,
-        m.num_attention_heads,
-        m.linear_attn_config.num_heads,
-        m.vocab_size,
-        m.num_experts,
-        m.num_hidden_layers,
-    )
+    layout = resolve_layout(32, 2, 4, 0, 1, 1, ModelSplitSizes.of(m))
     assert group_link(layout, "tp", 8) == "nvlink" and group_link(layout, "dp", 8) == "nvlink"
     assert group_link(layout, "pp", 8) == "network"
     plan = PipelinePlan.build(m.num_hidden_layers, 4, 1, m.attn_res, m.attn_res_block_size)

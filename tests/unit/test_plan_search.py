@@ -6,7 +6,7 @@ import pytest
 
 from k3train.config import load_config
 from k3train.parallel.pipeline_schedule import PipelinePlan, check_interleaved_micro_batches
-from k3train.parallel.state import resolve_layout
+from k3train.parallel.state import layout_of
 from k3train.planning.hardware import load_profile
 from k3train.planning.search import describe_candidates, nearest_fitting_world_sizes, search_layouts
 from k3train.training.build import build_planning_rank
@@ -19,22 +19,10 @@ K3 = str(CHECKOUT / "recipes" / "k3.yaml")
 def assert_runs(recipe: str, world_size: int, overrides: list[str]) -> None:
     config = load_config(recipe, overrides)
     p, m = config.parallel, config.model
-    layout = resolve_layout(
-        world_size,
-        p.tp,
-        p.pp,
-        p.dp,
-        p.ep,
-        p.virtual_stages,
-        m.num_attention_heads,
-        m.linear_attn_config.num_heads,
-        m.vocab_size,
-        m.num_experts,
-        m.num_hidden_layers,
-    )
+    layout = layout_of(world_size, p, m)
     PipelinePlan.from_config(m, p)
     if p.virtual_stages > 1:
-        check_interleaved_micro_batches(p.pp, config.train.micro_batches_per_rank(layout.dp))
+        check_interleaved_micro_batches(p.pp, config.train.micro_batches_per_rank(layout.data_parallel))
     job = build_planning_rank(config, layout, 0)
     assert sum(param.numel() for param in job.model.parameters()) > 0
 
@@ -45,7 +33,7 @@ def test_debug_suggestions_run(world_size):
     assert found and "| tp |" in describe_candidates(found)
     assert found == sorted(found, key=lambda c: (round(c.time.step_s, 6), c.memory_gib))
     for candidate in found:
-        assert candidate.tp * candidate.pp * candidate.dp == world_size
+        assert candidate.tp * candidate.pp * candidate.cp * candidate.dp == world_size
         assert_runs(DEBUG, world_size, candidate.overrides())
     # And the planner itself takes the first suggestion (every stage built, every term priced).
     import subprocess
@@ -119,21 +107,9 @@ def test_search_terms_match_the_built_ranks(recipe, world_size, overrides):
 
     config = load_config(recipe, overrides)
     p, m = config.parallel, config.model
-    layout = resolve_layout(
-        world_size,
-        p.tp,
-        p.pp,
-        p.dp,
-        p.ep,
-        p.virtual_stages,
-        m.num_attention_heads,
-        m.linear_attn_config.num_heads,
-        m.vocab_size,
-        m.num_experts,
-        m.num_hidden_layers,
-    )
+    layout = layout_of(world_size, p, m)
     plan = PipelinePlan.from_config(m, p)
-    micro_batches = config.train.micro_batches_per_rank(layout.dp)
+    micro_batches = config.train.micro_batches_per_rank(layout.data_parallel)
     analytic = analytic_step_bytes(config, layout, plan)
     busiest = max(
         range(layout.pp), key=lambda r: sum(m.is_moe_layer(i) for s, e in plan.layer_ranges(r) for i in range(s, e))
@@ -179,6 +155,7 @@ def reference_search(recipe: str, world_size: int, hardware, limit_gib: float, o
                         option.virtual_stages,
                         option.ep,
                         option.dp,
+                        option.cp,
                         recompute,
                         option.micro_batch_size,
                         option.expert_dispatch,

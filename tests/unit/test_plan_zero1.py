@@ -7,7 +7,7 @@ import pytest
 
 from k3train.config import load_config
 from k3train.parallel.grad_reduce import owner_rows
-from k3train.parallel.state import resolve_layout
+from k3train.parallel.state import layout_of
 from k3train.planning.layout_traffic import data_parallel_wire_bytes
 from k3train.training.build import build_planning_rank
 from tests.distributed.harness import CHECKOUT
@@ -29,19 +29,7 @@ FP32_CP1 = [
 def k3_rank(world_size: int, pp_rank: int):
     config = load_config(K3, FP32_CP1)
     p, m = config.parallel, config.model
-    layout = resolve_layout(
-        world_size,
-        p.tp,
-        p.pp,
-        p.dp,
-        p.ep,
-        p.virtual_stages,
-        m.num_attention_heads,
-        m.linear_attn_config.num_heads,
-        m.vocab_size,
-        m.num_experts,
-        m.num_hidden_layers,
-    )
+    layout = layout_of(world_size, p, m)
     return build_planning_rank(config, layout, layout.rank_of(0, 0, pp_rank))
 
 
