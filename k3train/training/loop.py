@@ -32,7 +32,8 @@ from k3train.model import flops
 from k3train.model.k3 import K3RankModel
 from k3train.model.moe import finish_expert_step, pool_routing_statistics
 from k3train.optim.schedules import lr_at, set_lr
-from k3train.parallel.grad_reduce import GradientReducer, average_over_dp, clip_grad_norm
+from k3train.parallel.grad_norm import clip_grad_norm
+from k3train.parallel.grad_reduce import GradientReducer, average_over_dp
 from k3train.parallel.pipeline import PipelineExecutor
 from k3train.parallel.pipeline_schedule import PipelineConfigError, check_interleaved_micro_batches
 from k3train.parallel.state import ParallelState

@@ -4,109 +4,19 @@ speed with a hand-written backward (`chunk.py`'s docstring has the math and the 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ..precision import without_autocast
+from .chunk_layout import ChunkLayout
 from .naive import compute_dtype_for
-from .tiles import causal_keys_seen, causal_keys_seen_of_tile, diagonal_tile_size, flushing_denormals, tile_decay
-
-
-class _ChunkLayout(NamedTuple):
-    """`[B, T, H, D]` <-> chunk-major `[N, B·H, C, D]` (chunks of `C` tokens, the last one
-    zero-padded)."""
-
-    batch: int
-    seq_len: int
-    heads: int
-    n_chunks: int
-    chunk: int
-
-    @classmethod
-    def of(cls, x: torch.Tensor, chunk: int) -> _ChunkLayout:
-        batch, seq_len, heads = x.shape[:3]
-        return cls(batch, seq_len, heads, -(-seq_len // chunk), chunk)
-
-    def _pieces(self, chunked: torch.Tensor, tokens: torch.Tensor):
-        """Matching views: (chunks of `chunked` [N, B·H, C, D], the same tokens of `tokens`
-        [B, T, H, D]) for the full chunks and for the tail, each as [N', B, H, C', D]."""
-        batch, seq_len, heads, n_chunks, chunk = self
-        dim = tokens.shape[-1]
-        full = seq_len // chunk
-        by_chunk = chunked.view(n_chunks, batch, heads, chunk, dim)
-        pieces = []
-        if full:
-            pieces.append(
-                (
-                    by_chunk[:full],
-                    tokens[:, : full * chunk].reshape(batch, full, chunk, heads, dim).permute(1, 0, 3, 2, 4),
-                )
-            )
-        if full < n_chunks:
-            tail = seq_len - full * chunk
-            pieces.append((by_chunk[full:, :, :, :tail], tokens[:, full * chunk :].unsqueeze(0).permute(0, 1, 3, 2, 4)))
-        return pieces
-
-    @property
-    def padded(self) -> bool:
-        return self.n_chunks * self.chunk != self.seq_len
-
-    def by_chunk(self, tokens: torch.Tensor) -> torch.Tensor:
-        """`[N, B, H, C, D]` view of `[B, T, H, D]` tokens (no padding: `T` a multiple of `C`), so
-        an elementwise pass can read or write the token layout directly instead of a copy."""
-        return tokens.unflatten(1, (self.n_chunks, self.chunk)).permute(1, 0, 3, 2, 4)
-
-    def chunk_source(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`x` as `[N, B, H, C, D]` for reading: the token layout itself where it can be (no
-        padding, already `dtype`), else a padded copy."""
-        if not self.padded and x.dtype == dtype:
-            return self.by_chunk(x)
-        return self.to_chunks(x, dtype).unflatten(1, (self.batch, self.heads))
-
-    def to_chunks(self, x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Contiguous `[N, B·H, C, D]` in `dtype` (or written into `out`, any strides), in one
-        pass. Zero padding makes the padded tokens no-ops on the state: k = 0 and beta = 0 write
-        nothing, g = 0 decays nothing; their gradients are dropped."""
-        batch, seq_len, heads, n_chunks, chunk = self
-        if out is None:
-            out = torch.empty(n_chunks, batch * heads, chunk, x.shape[-1], dtype=dtype, device=x.device)
-        if n_chunks * chunk > seq_len:
-            out[-1].zero_()
-        for destination, source in self._pieces(out, x):
-            destination.copy_(source)
-        return out
-
-    def from_chunks(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`[B, T, H, D]` in `dtype` from `[N, B·H, C, D]`, in one pass."""
-        batch, seq_len, heads = self.batch, self.seq_len, self.heads
-        out = torch.empty(batch, seq_len, heads, x.shape[-1], dtype=dtype, device=x.device)
-        for source, destination in self._pieces(x, out):
-            destination.copy_(source)
-        return out
-
-
-def _causal_multipliers(
-    chunk: int, tile: int, dtype: torch.dtype, device: torch.device, query_scale: float = 1.0
-) -> torch.Tensor:
-    """`[n_tiles, 2, tile, C]` in `dtype`: per row tile, 1 on the key Gram's strict lower triangle,
-    `query_scale` on the query Gram's lower triangle, 0 elsewhere. Multiplying by it masks (and
-    scales) in one pass; what it clears is finite (the Gram matrices' entries above the diagonal
-    are bounded by the tile span, their gradients are plain products), so the product there is
-    exactly 0. (A multiply, not `masked_fill_`: with a broadcast mask that runs an order of
-    magnitude slower on CPU.)"""
-    masks = _causal_masks(chunk, tile, device)
-    multipliers = masks.to(dtype)
-    multipliers[:, 1].mul_(query_scale)
-    return multipliers
-
-
-def _causal_masks(chunk: int, tile: int, device: torch.device) -> torch.Tensor:
-    """`[n_tiles, 2, tile, C]`: per row tile, the strict lower triangle (the key Gram, which the
-    unit-triangular solve reads below the diagonal only) and the lower triangle (the query Gram)."""
-    rows = torch.arange(chunk, device=device).view(chunk // tile, 1, tile, 1)
-    columns = torch.arange(chunk, device=device)
-    return torch.cat([columns < rows, columns <= rows], dim=1)
+from .tiles import (
+    causal_keys_seen,
+    causal_keys_seen_of_tile,
+    causal_multipliers,
+    diagonal_tile_size,
+    flushing_denormals,
+    tile_decay,
+)
 
 
 class ChunkKDA(torch.autograd.Function):
@@ -185,7 +95,7 @@ def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size
     transition `F = Diag(e^{G_C}) − (k e^{G_C−G})ᵀ W` and `B = (k e^{G_C−G})ᵀ u_base` formed for a
     whole group at once (the backward reuses `F`). The outputs `o = P u_base + q_state S` and
     `u = u_base − W S` are then batched matmuls over the group, before the next group starts."""
-    layout = _ChunkLayout.of(q, chunk_size)
+    layout = ChunkLayout.of(q, chunk_size)
     batch, seq_len, heads, n_chunks, chunk = layout
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     dtype = compute_dtype_for(q, k, v, g, beta)
@@ -289,7 +199,7 @@ def _chunk_local_forward(
     # A = β ⊙ (key Gram): the solve reads its strict lower triangle only, so β is not masked; the
     # backward's copy of the key Gram, if it needs one, is. P is scaled and masked (j > i dropped)
     # in the same multiply (C×C per chunk: cheaper to scale than q). What the masks clear is finite.
-    multipliers = _causal_multipliers(chunk, tile, dtype, q_chunks.device, scale)
+    multipliers = causal_multipliers(chunk, tile, dtype, q_chunks.device, scale)
     if n_tiles == 1:
         keys_seen, bridge = key_columns, None  # one tile per chunk: the keys as they are
         key_gram, query_gram = (stacked_rows @ key_columns.transpose(-1, -2)).split(tile, dim=-2)
@@ -410,7 +320,7 @@ def _chunk_kda_backward(saved, meta, scale: float, grad_o, grad_final_state):
 
     (dq, dq_chunks), (dk, dk_chunks), (dv, dv_chunks) = (token_gradient(d) for d in (key_dim, key_dim, value_dim))
     dg = torch.empty(n_chunks, bh, chunk, key_dim, dtype=dtype, device=device)
-    causal = _causal_multipliers(chunk, tile, dtype, device)
+    causal = causal_multipliers(chunk, tile, dtype, device)
     dbeta = torch.empty(n_chunks, bh, chunk, dtype=dtype, device=device)
     step = max(1, _GROUP_MATRICES // bh)
     local_names = (
@@ -515,7 +425,7 @@ def _chunk_gradients(
     """The chunk-local part of `_chunk_kda_backward` for a group of chunks (all tensors sliced
     alike along the chunk axis), writing into the group's slices of `dq, dk, dv, dg, dbeta` (the
     first three `[n, B, H, C, D]`, possibly views of the token layout). `causal`:
-    `_causal_multipliers`. `key_gram`: the masked key Gram, or None for dβ through `u / β`."""
+    `causal_multipliers`. `key_gram`: the masked key Gram, or None for dβ through `u / β`."""
     n_chunks, bh, n_tiles, _, key_dim = stacked_rows.shape
     chunk = n_tiles * tile
     value_dim = states.shape[-1]

@@ -187,3 +187,26 @@ class FlushDenormalsInBackward(torch.autograd.Function):
         elif ctx.mode.pop("switched", False):
             torch.set_flush_denormal(False)
         return (None, None, *grads)
+
+
+def causal_multipliers(
+    chunk: int, tile: int, dtype: torch.dtype, device: torch.device, query_scale: float = 1.0
+) -> torch.Tensor:
+    """`[n_tiles, 2, tile, C]` in `dtype`: per row tile, 1 on the key Gram's strict lower triangle,
+    `query_scale` on the query Gram's lower triangle, 0 elsewhere. Multiplying by it masks (and
+    scales) in one pass; what it clears is finite (the Gram matrices' entries above the diagonal
+    are bounded by the tile span, their gradients are plain products), so the product there is
+    exactly 0. (A multiply, not `masked_fill_`: with a broadcast mask that runs an order of
+    magnitude slower on CPU.)"""
+    masks = causal_masks(chunk, tile, device)
+    multipliers = masks.to(dtype)
+    multipliers[:, 1].mul_(query_scale)
+    return multipliers
+
+
+def causal_masks(chunk: int, tile: int, device: torch.device) -> torch.Tensor:
+    """`[n_tiles, 2, tile, C]`: per row tile, the strict lower triangle (the key Gram, which the
+    unit-triangular solve reads below the diagonal only) and the lower triangle (the query Gram)."""
+    rows = torch.arange(chunk, device=device).view(chunk // tile, 1, tile, 1)
+    columns = torch.arange(chunk, device=device)
+    return torch.cat([columns < rows, columns <= rows], dim=1)

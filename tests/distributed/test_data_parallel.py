@@ -30,7 +30,8 @@ from k3train.model.k3 import K3ModelChunk, lm_loss
 from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.optim.clip import clip_grad_norm_
 from k3train.optim.config import OptimizerConfig
-from k3train.parallel.grad_reduce import GradientReducer, clip_grad_norm
+from k3train.parallel.grad_norm import clip_grad_norm
+from k3train.parallel.grad_reduce import GradientReducer
 from k3train.parallel.state import ParallelState
 from k3train.parallel.zero1 import DistributedOptimizer
 from tests.distributed.harness import run_workers
