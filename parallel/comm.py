@@ -6,14 +6,27 @@ read the counters to check communication volume against the formulas. Byte count
 rank contributes: an all-reduce of N bytes counts N, an all-gather of a local shard of N bytes
 counts N, a reduce-scatter of a full N-byte input counts N, an all-to-all counts its input.
 
-The counter also remembers the last collective this rank launched (group and operation): when a
-peer dies or stops answering, torch's error names neither, and `describe_collective_failure`
-turns it into one line that does.
+The counter also keeps the seconds this rank waited in each group's collectives (the exposed
+communication: a blocking collective's whole call, an asynchronous one's `wait()`), and the last
+collective this rank launched (group and operation): when a peer dies or stops answering,
+torch's error names neither, and `describe_collective_failure` turns it into one line that does.
+
+A group may carry an `EmulatedLink` (`parallel.emulate_network`, CPU runs): each collective then
+completes no earlier than `latency + bytes / bandwidth` after its launch, as on that link, so a
+gloo run on one machine shows what overlapping communication with compute hides: an
+asynchronous collective whose `wait()` comes after enough compute waits for nothing.
+Point-to-point messages (`send`, `recv`, `isend`, `irecv`: the pipeline's hops) are timed but
+not delayed: a receiver cannot tell when its peer sent without a message of its own. On CUDA the
+recorded wait is the host's (NCCL calls return at launch): the exposed time of a GPU run is the
+profiler's to measure.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +39,9 @@ class TrafficCounter:
 
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     messages: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wait_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Seconds this rank waited for each label's collectives (blocking calls whole, asynchronous
+    ones inside `wait()`): the communication compute did not hide."""
     last_launched: tuple[str, str] | None = None
     """(group name, operation) of the last collective this rank launched (a failure report names it)."""
 
@@ -38,12 +54,55 @@ class TrafficCounter:
         """Record a launch that sends nothing counted (a receive)."""
         self.last_launched = (group_name, operation)
 
+    def waited(self, label: str, seconds: float) -> None:
+        self.wait_seconds[label] += seconds
+
     def reset(self) -> None:
         self.bytes.clear()
         self.messages.clear()
+        self.wait_seconds.clear()
 
     def snapshot(self) -> dict[str, tuple[int, int]]:
         return {name: (self.bytes[name], self.messages[name]) for name in sorted(self.bytes)}
+
+
+@dataclass(frozen=True)
+class EmulatedLink:
+    """A network link for CPU runs: a collective of `nbytes` (what this rank sends, as counted)
+    completes `latency_s + nbytes / bandwidth_bytes_per_s` after its launch at the earliest."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+    def hold_until_done(self, launched: float, nbytes: int) -> None:
+        """Sleep until the emulated completion of a collective launched at `launched`."""
+        remaining = launched + self.seconds(nbytes) - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+
+
+class TimedWork:
+    """An asynchronous collective's work: `wait()` blocks until it is done (and, with an emulated
+    link, until the link would have delivered it) and counts the time spent waiting as exposed."""
+
+    def __init__(self, work: dist.Work, label: str, counter: TrafficCounter, link: EmulatedLink | None, nbytes: int):
+        self.work, self.label, self.counter, self.link, self.nbytes = work, label, counter, link, nbytes
+        self.launched = time.perf_counter()
+
+    def is_completed(self) -> bool:
+        """Done on the wire (the emulated link's delay is applied at `wait()`)."""
+        return self.work.is_completed()
+
+    def wait(self) -> bool:
+        started = time.perf_counter()
+        done = self.work.wait()
+        if self.link is not None:
+            self.link.hold_until_done(self.launched, self.nbytes)
+        self.counter.waited(self.label, time.perf_counter() - started)
+        return done
 
 
 @dataclass
@@ -58,6 +117,8 @@ class Group:
     rank: int  # this process's index within `ranks`
     process_group: dist.ProcessGroup | None
     counter: TrafficCounter
+    link: EmulatedLink | None = None
+    """The emulated network link (CPU runs with `parallel.emulate_network`), else None."""
 
     @property
     def size(self) -> int:
@@ -66,27 +127,74 @@ class Group:
     def global_rank(self, index: int) -> int:
         return self.ranks[index]
 
+    @contextmanager
+    def _blocking(
+        self,
+        tensor: torch.Tensor | None,
+        operation: str,
+        label: str | None = None,
+        emulated: bool = True,
+        sends: bool = True,
+    ) -> Iterator[None]:
+        """Count a blocking collective (`sends` False: this rank sends nothing counted, as a
+        receive or a broadcast's receivers) and its whole call as waited, held to the emulated
+        link's delivery of `tensor`'s bytes."""
+        label = label or self.name
+        if sends and tensor is not None:
+            self.counter.add(label, tensor, operation)
+        else:
+            self.counter.note(label, operation)
+        nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
+        started = time.perf_counter()
+        yield
+        if self.link is not None and emulated:
+            self.link.hold_until_done(started, nbytes)
+        self.counter.waited(label, time.perf_counter() - started)
+
+    def _timed(self, work: dist.Work | None, tensor: torch.Tensor, label: str, emulated: bool = True) -> TimedWork:
+        assert work is not None, "torch returns no work only to a rank outside the group"
+        link = self.link if emulated else None
+        return TimedWork(work, label, self.counter, link, tensor.numel() * tensor.element_size())
+
     # ------------------------------------------------------------------ collectives
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     ) -> torch.Tensor:
         if self.size > 1:
-            self.counter.add(self.name, tensor)
-            dist.all_reduce(tensor, op=op, group=self.process_group)
+            with self._blocking(tensor, "all_reduce"):
+                dist.all_reduce(tensor, op=op, group=self.process_group)
         return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> TimedWork | None:
+        """SUM all-reduce of `tensor` in place, launched asynchronously (None when size 1)."""
+        if self.size == 1:
+            return None
+        self.counter.add(self.name, tensor)
+        return self._timed(dist.all_reduce(tensor, group=self.process_group, async_op=True), tensor, self.name)
+
+    def reduce_scatter_async(self, tensor: torch.Tensor, output: torch.Tensor) -> TimedWork | None:
+        """SUM reduce-scatter of `tensor` (equal segments along dim 0, rank order) into `output`,
+        launched asynchronously and counted as `reduce_scatter` (its full input; copied, and None,
+        when size 1)."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return None
+        self.counter.add(self.name, tensor, "reduce_scatter")
+        work = dist.reduce_scatter_single(output, tensor, group=self.process_group, async_op=True)
+        return self._timed(work, tensor, self.name)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `tensor` along `dim` (rank order)."""
         if self.size == 1:
             return tensor
-        self.counter.add(self.name, tensor, "all_gather")
         tensor = tensor.contiguous()
-        if dim == 0:
-            output = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
-            dist.all_gather_single(output, tensor, group=self.process_group)
-            return output
-        pieces = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(pieces, tensor, group=self.process_group)
+        with self._blocking(tensor, "all_gather"):
+            if dim == 0:
+                output = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+                dist.all_gather_single(output, tensor, group=self.process_group)
+                return output
+            pieces = [torch.empty_like(tensor) for _ in range(self.size)]
+            dist.all_gather(pieces, tensor, group=self.process_group)
         return torch.cat(pieces, dim=dim)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -95,29 +203,26 @@ class Group:
             return tensor
         if tensor.shape[dim] % self.size:
             raise ValueError(f"{self.name}: dimension {dim} of {tuple(tensor.shape)} does not split into {self.size}")
-        self.counter.add(self.name, tensor, "reduce_scatter")
         if dim != 0:
             tensor = tensor.movedim(dim, 0)
         output = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
-        dist.reduce_scatter_single(output, tensor.contiguous(), group=self.process_group)
+        with self._blocking(tensor, "reduce_scatter"):
+            dist.reduce_scatter_single(output, tensor.contiguous(), group=self.process_group)
         return output.movedim(0, dim).contiguous() if dim != 0 else output
 
     def broadcast(self, tensor: torch.Tensor, source_index: int) -> torch.Tensor:
         if self.size > 1:
-            if self.rank == source_index:
-                self.counter.add(self.name, tensor, "broadcast")
-            else:
-                self.counter.note(self.name, "broadcast")
-            dist.broadcast(tensor, src=self.ranks[source_index], group=self.process_group)
+            with self._blocking(tensor, "broadcast", sends=self.rank == source_index):
+                dist.broadcast(tensor, src=self.ranks[source_index], group=self.process_group)
         return tensor
 
     def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
         """Equal splits along dim 0: slice i goes to rank i, slice j of the output came from rank j."""
         if self.size == 1:
             return tensor
-        self.counter.add(self.name, tensor, "all_to_all")
         output = torch.empty_like(tensor)
-        dist.all_to_all_single(output, tensor.contiguous(), group=self.process_group)
+        with self._blocking(tensor, "all_to_all"):
+            dist.all_to_all_single(output, tensor.contiguous(), group=self.process_group)
         return output
 
     def all_to_all_uneven(
@@ -127,39 +232,39 @@ class Group:
         Counted under `label` (default: the group's name)."""
         if self.size == 1:
             return tensor
-        self.counter.add(label or self.name, tensor)
         output = tensor.new_empty(sum(receive), *tensor.shape[1:])
-        dist.all_to_all_single(output, tensor.contiguous(), receive, send, group=self.process_group)
+        with self._blocking(tensor, "all_to_all", label):
+            dist.all_to_all_single(output, tensor.contiguous(), receive, send, group=self.process_group)
         return output
 
     def send(self, tensor: torch.Tensor, destination_index: int) -> None:
-        self.counter.add(self.name, tensor, "send")
-        dist.send(tensor.contiguous(), dst=self.ranks[destination_index], group=self.process_group)
+        with self._blocking(tensor, "send", emulated=False):
+            dist.send(tensor.contiguous(), dst=self.ranks[destination_index], group=self.process_group)
 
     def recv(self, tensor: torch.Tensor, source_index: int) -> torch.Tensor:
-        self.counter.note(self.name, "recv")
-        dist.recv(tensor, src=self.ranks[source_index], group=self.process_group)
+        with self._blocking(tensor, "recv", emulated=False, sends=False):
+            dist.recv(tensor, src=self.ranks[source_index], group=self.process_group)
         return tensor
 
-    def isend(self, tensor: torch.Tensor, destination_index: int, tag: int = 0, label: str | None = None) -> dist.Work:
+    def isend(self, tensor: torch.Tensor, destination_index: int, tag: int = 0, label: str | None = None) -> TimedWork:
         """Non-blocking send of a contiguous `tensor` (unchanged until the work completes),
         counted under `label` (default: the group's name, e.g. `pp.forward` for pipeline hops)."""
-        self.counter.add(label or self.name, tensor, "isend")
+        label = label or self.name
+        self.counter.add(label, tensor, "isend")
         work = dist.isend(tensor, dst=self.ranks[destination_index], group=self.process_group, tag=tag)
-        assert work is not None, "torch returns no work only to a rank outside the group"
-        return work
+        return self._timed(work, tensor, label, emulated=False)
 
-    def irecv(self, tensor: torch.Tensor, source_index: int, tag: int = 0) -> dist.Work:
-        """Non-blocking receive into `tensor` (matched by source and tag on gloo)."""
+    def irecv(self, tensor: torch.Tensor, source_index: int, tag: int = 0) -> TimedWork:
+        """Non-blocking receive into `tensor` (matched by source and tag on gloo); its wait is
+        counted under the group's name."""
         self.counter.note(self.name, "irecv")
         work = dist.irecv(tensor, src=self.ranks[source_index], group=self.process_group, tag=tag)
-        assert work is not None, "torch returns no work only to a rank outside the group"
-        return work
+        return self._timed(work, tensor, self.name, emulated=False)
 
     def barrier(self) -> None:
         if self.size > 1:
-            self.counter.note(self.name, "barrier")
-            dist.barrier(group=self.process_group)
+            with self._blocking(None, "barrier", sends=False):
+                dist.barrier(group=self.process_group)
 
 
 # What gloo and NCCL say when a peer stops answering or goes away (they name no group).

@@ -9,7 +9,7 @@ in `state.py` (`resolve_layout`); how layers are split into pipeline chunks live
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
@@ -136,6 +136,26 @@ def check_context_split(
         )
 
 
+EMULATED_GROUPS = ("tp", "cp", "dp", "pp", "ep", "expert_dp", "data_tensor", "model")
+
+
+def check_emulated_network(emulate_network: dict[str, list[float]]) -> None:
+    """Raise ConfigError unless every entry names a group and gives [GB/s > 0, latency µs >= 0]."""
+    for name, link in emulate_network.items():
+        if name not in EMULATED_GROUPS:
+            raise ConfigError(
+                f"parallel.emulate_network: unknown group '{name}'; groups are {', '.join(EMULATED_GROUPS)}"
+            )
+        if (
+            len(link) != 2
+            or not (link[0] > 0 and math.isfinite(link[0]))
+            or not (link[1] >= 0 and math.isfinite(link[1]))
+        ):
+            raise ConfigError(
+                f"parallel.emulate_network.{name} must be [bandwidth GB/s > 0, latency µs >= 0], got {link}"
+            )
+
+
 @dataclass
 class ParallelConfig:
     """How the job is split across processes. The values are checked here; whether they fit the
@@ -206,6 +226,14 @@ class ParallelConfig:
     Applies to the default group and every sub-group. On NCCL the watchdog enforces it
     (TORCH_NCCL_ASYNC_ERROR_HANDLING must not be 0)."""
 
+    emulate_network: dict[str, list[float]] = field(default_factory=dict)
+    """CPU runs only: delay each collective of a group as a link of that bandwidth and latency
+    would, `{group: [GB/s, latency µs]}` (groups: tp, cp, dp, pp, ep, expert_dp, data_tensor,
+    model), e.g. `{ep: [25, 10]}`; a collective then completes no earlier than `latency + bytes /
+    bandwidth` after its launch, so a gloo run shows the communication overlap hides (the step
+    line's `comm` and metrics.jsonl's `exposed_comm_s`). Pipeline point-to-point hops are timed
+    but not delayed. Empty: collectives run at the machine's own speed."""
+
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range field."""
         check(
@@ -215,6 +243,7 @@ class ParallelConfig:
             ]
         )
         check_pipeline_sizes(self.pp, self.virtual_stages)
+        check_emulated_network(self.emulate_network)
         check(
             [
                 (self.dp >= 0, f"parallel.dp must be 0 (the rest of the world size) or positive, got {self.dp}"),

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from k3train.parallel.comm import Group
+from k3train.parallel.comm import Group, TimedWork
 from k3train.parallel.state import ParallelState
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -144,23 +143,6 @@ def owner_rows(
     return rows
 
 
-def _all_reduce_async(group: Group, tensor: torch.Tensor) -> dist.Work | None:
-    """SUM all-reduce of `tensor` over `group`, launched asynchronously and counted like
-    comm.py's synchronous collectives (bytes this rank contributes, one message)."""
-    if group.size == 1:
-        return None
-    group.counter.add(group.name, tensor)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group.process_group, async_op=True)
-
-
-def _reduce_scatter_async(group: Group, tensor: torch.Tensor, output: torch.Tensor) -> dist.Work | None:
-    """SUM reduce-scatter of `tensor` (equal segments, rank order) into `output` over `group`,
-    launched asynchronously and counted like comm.py's `reduce_scatter` (its full input, one
-    message)."""
-    group.counter.add(group.name, tensor)
-    return dist.reduce_scatter_single(output, tensor, op=dist.ReduceOp.SUM, group=group.process_group, async_op=True)
-
-
 def average_over_dp(value: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """The mean of a per-replica scalar (e.g. the step loss) over DP; a new fp64 tensor, the
     same on every rank (so a NaN guard decides the same everywhere)."""
@@ -215,7 +197,7 @@ class GradBucket:
     buffer: torch.Tensor | None = None
     result: torch.Tensor | None = None
     """The reduced values this rank receives: the whole buffer, or its segment when sharded."""
-    work: dist.Work | None = None
+    work: TimedWork | None = None
     launched: bool = False
 
     def reset(self) -> None:
@@ -500,10 +482,10 @@ class GradientReducer:
         group = bucket.reduction.group
         if bucket.sharded:
             bucket.result = buffer.new_empty(bucket.segment)
-            bucket.work = _reduce_scatter_async(bucket.owner_group, buffer, bucket.result)
+            bucket.work = bucket.owner_group.reduce_scatter_async(buffer, bucket.result)
         else:
             bucket.result = buffer
-            bucket.work = _all_reduce_async(group, buffer)
+            bucket.work = group.all_reduce_async(buffer)
         bucket.launched = True
 
     def finish(self) -> None:

@@ -21,8 +21,6 @@ from k3train.parallel.grad_reduce import (
     DEFAULT_BUCKET_BYTES,
     GradBucket,
     GradientReducer,
-    _all_reduce_async,
-    _reduce_scatter_async,
     replica_group,
 )
 from k3train.parallel.state import ParallelState
@@ -125,10 +123,10 @@ class MainGradReducer(GradientReducer):
         bucket.buffer = storage
         if bucket.sharded:
             bucket.result = storage.new_empty(bucket.segment)
-            bucket.work = _reduce_scatter_async(bucket.owner_group, storage, bucket.result)
+            bucket.work = bucket.owner_group.reduce_scatter_async(storage, bucket.result)
         else:
             bucket.result = storage
-            bucket.work = _all_reduce_async(bucket.reduction.group, storage)
+            bucket.work = bucket.reduction.group.all_reduce_async(storage)
         bucket.launched = True
 
     def finish(self) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from k3train.contracts.stage_io import ResidualState
 from k3train.contracts.token_batch import TokenBatch, token_rows
-from k3train.parallel.comm import Group
+from k3train.parallel.comm import Group, TimedWork
 from k3train.parallel.pipeline_cache import BlockCache, BlockCacheError
 from k3train.parallel.pipeline_schedule import (  # noqa: F401  (re-exported)
     PROTOCOLS,
@@ -145,7 +145,7 @@ class PipelineExecutor:
         self.document_starts_shape = None if document_starts_shape is None else tuple(document_starts_shape)
         self.cache = BlockCache(trace_cache)
         self.stats = PipelineStats()
-        self._pending: list[tuple[torch.distributed.Work, torch.Tensor]] = []
+        self._pending: list[tuple[TimedWork, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ the step
     def run(
@@ -371,7 +371,7 @@ class PipelineExecutor:
             work = group.isend(tensor, destination, tag=self._tag(direction, hop, micro_batch, index), label=label)
             self._pending.append((work, tensor))
 
-    def _post_receives(self, step: Step) -> list[tuple[torch.Tensor, torch.distributed.Work]] | None:
+    def _post_receives(self, step: Step) -> list[tuple[torch.Tensor, TimedWork]] | None:
         """Post the receives a step needs (its inputs: activations for a forward, gradients for a
         backward); None when it needs none."""
         plan = self.plan

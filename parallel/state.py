@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from k3train.parallel.comm import Group, TrafficCounter
+from k3train.parallel.comm import EmulatedLink, Group, TrafficCounter
 from k3train.parallel.config import (
     LayoutError,
     ModelSplitSizes,
@@ -171,6 +172,11 @@ def layout_of(world_size: int, parallel_config, model_config) -> Layout:
     return resolve_layout(world_size, p.tp, p.pp, p.dp, p.ep, p.virtual_stages, ModelSplitSizes.of(model_config), p.cp)
 
 
+def emulated_links(emulate_network: Mapping[str, list[float]]) -> dict[str, EmulatedLink]:
+    """`parallel.emulate_network` ({group: [GB/s, latency µs]}, checked by the config) as links."""
+    return {name: EmulatedLink(gbps * 1e9, latency_us * 1e-6) for name, (gbps, latency_us) in emulate_network.items()}
+
+
 class ParallelState:
     """This rank's place in the layout and its groups (`tp`, `dp`, `pp` and `pp_grad`, `ep`,
     `expert_dp`, `data_tensor`, `model`, `cp`), each a counted `Group`. `collective_timeout_s` bounds
@@ -183,10 +189,13 @@ class ParallelState:
         sequence_parallel: bool = False,
         counter: TrafficCounter | None = None,
         collective_timeout_s: float | None = None,
+        network: Mapping[str, EmulatedLink] | None = None,
     ):
         self.layout = layout
         self.rank = rank
         self.collective_timeout_s = collective_timeout_s
+        self.network = dict(network or {})
+        """Emulated links by group name (CPU runs: `parallel.emulate_network`); `pp_grad` takes `pp`'s."""
         self.sequence_parallel = sequence_parallel and layout.tp > 1
         self.counter = counter or TrafficCounter()
         self.tp_rank, self.dp_rank, self.pp_rank = layout.coordinates(rank)
@@ -217,7 +226,8 @@ class ParallelState:
                 )
                 process_group = dist.new_group(ranks, timeout=timeout, group_desc=name)
             if self.rank in ranks:
-                mine = Group(name, tuple(ranks), ranks.index(self.rank), process_group, self.counter)
+                link = self.network.get("pp" if name == "pp_grad" else name)
+                mine = Group(name, tuple(ranks), ranks.index(self.rank), process_group, self.counter, link)
         assert mine is not None, f"rank {self.rank} is in no {name} group"
         return mine
 
@@ -237,7 +247,13 @@ class ParallelState:
         timeout_s = collective_timeout_seconds(parallel_config.collective_timeout_s, backend)
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(layout, rank, parallel_config.sequence_parallel, collective_timeout_s=timeout_s)
+        network = emulated_links(parallel_config.emulate_network)
+        if network and device_type != "cpu":
+            raise LayoutError(
+                "parallel.emulate_network delays collectives on CPU runs only (a GPU job has a real network); "
+                "remove it or run on CPU"
+            )
+        return cls(layout, rank, parallel_config.sequence_parallel, collective_timeout_s=timeout_s, network=network)
 
     def describe(self) -> str:
         layout = self.layout

@@ -18,7 +18,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,13 @@ def precision_context(precision: str, device: torch.device) -> Callable[[], cont
     return contextlib.nullcontext
 
 
+def exposed_communication(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Seconds waited per label between two readings of a `TrafficCounter.wait_seconds` (the
+    labels with any wait, sorted)."""
+    waited = {label: after[label] - before.get(label, 0.0) for label in sorted(after)}
+    return {label: seconds for label, seconds in waited.items() if seconds > 0}
+
+
 class Trainer:
     """Runs the steps of one rank. Parallel layouts enter through `parallel` (a
     `k3train.parallel.state.ParallelState`; `ParallelState.single()` for one process, where every
@@ -151,6 +158,7 @@ class Trainer:
         """One optimizer step; returns the step's metrics."""
         started = time.perf_counter()
         config, model, parallel = self.config, self.model, self.parallel
+        waited_before = dict(parallel.counter.wait_seconds)
         step = self.progress.step + 1
         lr = lr_at(step - 1, config.schedule, config.optimizer.lr, config.train.steps)
         set_lr(self.optimizer, lr)
@@ -200,6 +208,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step = step
         metrics = self._step_metrics(step, step_loss, grad_norm, lr, expert_stats, time.perf_counter() - started)
+        exposed = exposed_communication(waited_before, parallel.counter.wait_seconds)
+        metrics.update(
+            exposed_comm_s=exposed,  # per counter label: the seconds this rank waited in its collectives
+            exposed_comm_total_s=sum(exposed.values()),
+        )
         metrics.update(
             optimizer_time_s=optimizer_seconds,
             optimizer_share=optimizer_seconds / metrics["step_time_s"],

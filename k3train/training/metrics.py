@@ -39,6 +39,11 @@ def format_step_line(metrics: dict[str, Any], total_steps: int, mfu_label: str) 
             parts.append(
                 f"EP wire {metrics['ep_token_bytes'] / 2**20:.2f}+{metrics['ep_replica_bytes'] / 2**20:.2f} MiB"
             )
+    exposed = metrics.get("exposed_comm_s") or {}
+    if exposed:  # the seconds this rank waited in collectives: communication nothing hid
+        worst = max(exposed, key=exposed.__getitem__)
+        share = 100 * metrics["exposed_comm_total_s"] / metrics["step_time_s"]
+        parts.append(f"comm {share:.1f}% ({worst} {100 * exposed[worst] / metrics['step_time_s']:.1f}%)")
     if metrics.get("skipped_steps"):
         parts.append(f"skipped {metrics['skipped_steps']}")
     per_rank = metrics.get("memory_gib_per_rank") or []

@@ -60,6 +60,14 @@ LAYOUTS = [
     # segment over tp); pipeline stages with expert parallelism and ZeRO-1 together.
     dict(name="DP2×TP2+SP ZeRO-1", tp=2, dp=2, sequence_parallel=True, zero1=True),
     dict(name="PP2×DP2 EP2 balanced ZeRO-1", pp=2, dp=2, ep=2, zero1=True, overrides=["parallel.ep_transport=relay"]),
+    # An emulated network (0.5 GB/s, 2 ms per EP collective; 1 GB/s, 0.5 ms on dp) delays
+    # collectives without changing what they carry.
+    dict(
+        name="EP2 balanced emulated network",
+        dp=2,
+        ep=2,
+        overrides=["parallel.ep_transport=relay", "parallel.emulate_network={ep: [0.5, 2000], dp: [1, 500]}"],
+    ),
     # recompute=sublayer reruns each MoE layer's forward all-to-alls in backward.
     dict(
         name="EP2 balanced recompute=sublayer",
@@ -98,6 +106,16 @@ def test_measured_traffic_equals_formula_per_group_and_rank():
             }
         if layout.get("ep", 1) > 1:
             assert results[0][index]["predicted"]["ep"][0] > 0
+    # Every rank waited in its groups' collectives; under the emulated links each blocking EP
+    # collective waited at least latency + bytes / bandwidth (a sleep never ends early), so the
+    # step's EP wait is at least messages × 2 ms + bytes / 0.5 GB/s.
+    emulated = next(i for i, layout in enumerate(LAYOUTS) if "emulated" in layout["name"])
+    plain_ep = next(i for i, layout in enumerate(LAYOUTS) if layout["name"] == "EP2 balanced")
+    for rank in range(2):
+        result = results[rank][emulated]
+        ep_bytes, ep_messages = result["measured"]["ep"]
+        assert result["exposed"]["ep"] >= ep_messages * 2e-3 + ep_bytes / 0.5e9, result["exposed"]
+        assert {"ep", "dp"} <= set(results[rank][plain_ep]["exposed"])  # measured without emulation too
     # Under ZeRO-1 with TP the owners of the whole-matrix Muon gathers differ between DP ranks.
     zero1_tp = [results[rank][1]["measured"]["tp"] for rank in range(4)]
     assert zero1_tp[0] == zero1_tp[1] and zero1_tp[2] == zero1_tp[3] and zero1_tp[0] != zero1_tp[2]

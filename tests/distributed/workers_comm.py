@@ -22,7 +22,7 @@ from k3train.config import load_config
 from k3train.data import build_data
 from k3train.model.flops import training_flops_per_token
 from k3train.parallel.config import ModelSplitSizes
-from k3train.parallel.state import ParallelState, resolve_layout
+from k3train.parallel.state import ParallelState, emulated_links, resolve_layout
 from k3train.planning.traffic import predicted_job_traffic, predicted_step_traffic, step_traffic_terms
 from k3train.training import loop
 from k3train.training.build import build_planning_rank, build_rank
@@ -86,7 +86,12 @@ def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict
     grid = resolve_layout(world, tp, pp, dp, ep, config.parallel.virtual_stages, ModelSplitSizes.of(model_config))
     member = env.rank < world
     # Every process creates the layout's groups in the same order; non-members pose as rank 0.
-    state = ParallelState(grid, env.rank if member else 0, sequence_parallel=config.parallel.sequence_parallel)
+    state = ParallelState(
+        grid,
+        env.rank if member else 0,
+        sequence_parallel=config.parallel.sequence_parallel,
+        network=emulated_links(config.parallel.emulate_network),
+    )
     result: dict[str, Any] = {"name": layout["name"], "member": member}
     if member:
         started = time.perf_counter()
@@ -101,6 +106,7 @@ def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict
         finally:
             loop.rank_memory_gib = real_memory
         measured = state.counter.snapshot()
+        result["exposed"] = metrics["exposed_comm_s"]
         # Every layout: the whole step of this rank from its meta-device build (any pp, ep).
         job = build_planning_rank(config, grid, env.rank)
         result["predicted_job"] = predicted_job_traffic(job, micro_batches)
