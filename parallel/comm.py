@@ -12,7 +12,8 @@ collective this rank launched (group and operation): when a peer dies or stops a
 torch's error names neither, and `describe_collective_failure` turns it into one line that does.
 
 A group may carry an `EmulatedLink` (`parallel.emulate_network`, CPU runs): each collective then
-completes no earlier than `latency + bytes / bandwidth` after its launch, as on that link, so a
+completes no earlier than `latency + bytes / bandwidth` after the link is free (transfers queue
+on it), as on that link, so a
 gloo run on one machine shows what overlapping communication with compute hides: an
 asynchronous collective whose `wait()` comes after enough compute waits for nothing.
 Point-to-point messages (`send`, `recv`, `isend`, `irecv`: the pipeline's hops) are timed but
@@ -66,22 +67,33 @@ class TrafficCounter:
         return {name: (self.bytes[name], self.messages[name]) for name in sorted(self.bytes)}
 
 
-@dataclass(frozen=True)
+@dataclass
 class EmulatedLink:
-    """A network link for CPU runs: a collective of `nbytes` (what this rank sends, as counted)
-    completes `latency_s + nbytes / bandwidth_bytes_per_s` after its launch at the earliest."""
+    """A network link for CPU runs, one per group and rank. Transfers share it one after the
+    other: a collective of `nbytes` (what this rank sends, as counted) launched at `t` starts
+    when the link is free, `start = max(t, busy_until)`, and completes at `start + latency_s +
+    nbytes / bandwidth_bytes_per_s` at the earliest (the link is busy until `start + nbytes /
+    bandwidth`). Two pieces launched together thus arrive one after the other, as on a wire."""
 
     bandwidth_bytes_per_s: float
     latency_s: float
+    busy_until: float = 0.0
 
     def seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
-    def hold_until_done(self, launched: float, nbytes: int) -> None:
-        """Sleep until the emulated completion of a collective launched at `launched`."""
-        remaining = launched + self.seconds(nbytes) - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
+    def schedule(self, launched: float, nbytes: int) -> float:
+        """The emulated completion time of a transfer launched at `launched` (and book the link)."""
+        start = max(launched, self.busy_until)
+        self.busy_until = start + nbytes / self.bandwidth_bytes_per_s
+        return start + self.seconds(nbytes)
+
+
+def hold_until(deadline: float) -> None:
+    """Sleep until `deadline` (`time.perf_counter()` seconds), if it is still ahead."""
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
 
 
 class TimedWork:
@@ -89,8 +101,8 @@ class TimedWork:
     link, until the link would have delivered it) and counts the time spent waiting as exposed."""
 
     def __init__(self, work: dist.Work, label: str, counter: TrafficCounter, link: EmulatedLink | None, nbytes: int):
-        self.work, self.label, self.counter, self.link, self.nbytes = work, label, counter, link, nbytes
-        self.launched = time.perf_counter()
+        self.work, self.label, self.counter = work, label, counter
+        self.deadline = link.schedule(time.perf_counter(), nbytes) if link is not None else None
 
     def is_completed(self) -> bool:
         """Done on the wire (the emulated link's delay is applied at `wait()`)."""
@@ -99,8 +111,8 @@ class TimedWork:
     def wait(self) -> bool:
         started = time.perf_counter()
         done = self.work.wait()
-        if self.link is not None:
-            self.link.hold_until_done(self.launched, self.nbytes)
+        if self.deadline is not None:
+            hold_until(self.deadline)
         self.counter.waited(self.label, time.perf_counter() - started)
         return done
 
@@ -146,9 +158,10 @@ class Group:
             self.counter.note(label, operation)
         nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
         started = time.perf_counter()
+        deadline = self.link.schedule(started, nbytes) if self.link is not None and emulated else None
         yield
-        if self.link is not None and emulated:
-            self.link.hold_until_done(started, nbytes)
+        if deadline is not None:
+            hold_until(deadline)
         self.counter.waited(label, time.perf_counter() - started)
 
     def _timed(self, work: dist.Work | None, tensor: torch.Tensor, label: str, emulated: bool = True) -> TimedWork:
@@ -171,6 +184,16 @@ class Group:
             return None
         self.counter.add(self.name, tensor)
         return self._timed(dist.all_reduce(tensor, group=self.process_group, async_op=True), tensor, self.name)
+
+    def all_gather_async(self, tensor: torch.Tensor, output: torch.Tensor) -> TimedWork | None:
+        """Every rank's `tensor` stacked along dim 0 of `output` (`[size * n, ...]`, rank order),
+        launched asynchronously and counted as `all_gather` (copied, and None, when size 1)."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return None
+        self.counter.add(self.name, tensor, "all_gather")
+        work = dist.all_gather_single(output, tensor.contiguous(), group=self.process_group, async_op=True)
+        return self._timed(work, tensor, self.name)
 
     def reduce_scatter_async(self, tensor: torch.Tensor, output: torch.Tensor) -> TimedWork | None:
         """SUM reduce-scatter of `tensor` (equal segments along dim 0, rank order) into `output`,

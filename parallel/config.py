@@ -179,6 +179,15 @@ class ParallelConfig:
     """Virtual pipeline stages per rank (interleaved 1F1B when > 1; needs pp > 1)."""
     sequence_parallel: bool = False
     """Split the sequence dimension of norms and residual activations across the TP ranks."""
+    tp_overlap_chunks: int = 0
+    """Tensor-parallel regions whose column-parallel projections are plain torch linears (the
+    dense MLP and shared experts): overlap the entry's collectives with their GEMMs. With sequence
+    parallelism the all-gather runs in this many pieces along the sequence, each piece's GEMMs
+    while the next is on the wire; in backward the input gradient's reduce-scatter (all-reduce
+    without SP) runs under the weight-gradient GEMMs. 0 (default): the entry's collective, then
+    the GEMMs. Off by default because on CPU (gloo, the debug model) it measured no gain: its
+    GEMMs are too short to hide a piece (docs/traffic.md); the GPU measurement is pending.
+    parallel/tensor_overlap.py."""
     zero1: bool = True
     """Shard the optimizer state across the data-parallel ranks (ZeRO-1)."""
     pipeline_layers: list[int] | None = None
@@ -247,6 +256,10 @@ class ParallelConfig:
         check(
             [
                 (self.dp >= 0, f"parallel.dp must be 0 (the rest of the world size) or positive, got {self.dp}"),
+                (
+                    self.tp_overlap_chunks >= 0,
+                    f"parallel.tp_overlap_chunks must be 0 (no overlap) or a number of pieces, got {self.tp_overlap_chunks}",
+                ),
                 (self.capacity_factor > 0, f"parallel.capacity_factor must be positive, got {self.capacity_factor}"),
                 (
                     self.max_replicas_per_rank >= 1,

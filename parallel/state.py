@@ -38,6 +38,7 @@ from k3train.parallel.comm import EmulatedLink, Group, TrafficCounter
 from k3train.parallel.config import (
     LayoutError,
     ModelSplitSizes,
+    ParallelConfig,
     check_model_split,
     collective_timeout_seconds,
     divisors,
@@ -190,9 +191,12 @@ class ParallelState:
         counter: TrafficCounter | None = None,
         collective_timeout_s: float | None = None,
         network: Mapping[str, EmulatedLink] | None = None,
+        tp_overlap_chunks: int = ParallelConfig.tp_overlap_chunks,
     ):
         self.layout = layout
         self.rank = rank
+        self.tp_overlap_chunks = tp_overlap_chunks
+        """`parallel.tp_overlap_chunks`: how tensor-parallel entries overlap their projections' GEMMs."""
         self.collective_timeout_s = collective_timeout_s
         self.network = dict(network or {})
         """Emulated links by group name (CPU runs: `parallel.emulate_network`); `pp_grad` takes `pp`'s."""
@@ -253,7 +257,14 @@ class ParallelState:
                 "parallel.emulate_network delays collectives on CPU runs only (a GPU job has a real network); "
                 "remove it or run on CPU"
             )
-        return cls(layout, rank, parallel_config.sequence_parallel, collective_timeout_s=timeout_s, network=network)
+        return cls(
+            layout,
+            rank,
+            parallel_config.sequence_parallel,
+            collective_timeout_s=timeout_s,
+            network=network,
+            tp_overlap_chunks=parallel_config.tp_overlap_chunks,
+        )
 
     def describe(self) -> str:
         layout = self.layout

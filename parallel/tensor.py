@@ -24,7 +24,7 @@ With a TP group of size 1 every function here is the identity and nothing is mar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -35,6 +35,7 @@ from k3train.contracts.param_roles import HeadBlocks
 from k3train.kernels.precision import upcast
 from k3train.kernels.te import torch_linear
 from k3train.parallel.comm import Group
+from k3train.parallel.tensor_overlap import enter_and_project
 
 SEQUENCE_DIM = 1
 
@@ -130,10 +131,19 @@ class TensorParallel:
     default, `nn.Linear(bias=False)`) or a `kernels.te.TELinearFactory` (Transformer Engine,
     with `tp_size=1` on this rank's shard: the regions here stay k3train's)."""
 
-    def __init__(self, group: Group, sequence_parallel: bool, linear_factory: Callable | None = None):
+    def __init__(
+        self,
+        group: Group,
+        sequence_parallel: bool,
+        linear_factory: Callable | None = None,
+        overlap_chunks: int = 0,
+    ):
         self.group = group
         self.sequence_parallel = sequence_parallel and group.size > 1
         self.linear_factory = linear_factory or torch_linear
+        self.overlap_chunks = overlap_chunks
+        """`parallel.tp_overlap_chunks` (0, the default of a bare `TensorParallel`: no overlap in
+        `enter_projections`; the model passes its parallel state's)."""
 
     @classmethod
     def single(cls, linear_factory: Callable | None = None) -> TensorParallel:
@@ -166,6 +176,24 @@ class TensorParallel:
         if self.sequence_parallel:
             return _GatherSequence.apply(x, self.group)
         return _CopyToRegion.apply(x, self.group)
+
+    def enter_projections(
+        self, x: torch.Tensor, projections: Sequence[nn.Module]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`enter(x)` and each column-parallel projection of it: (the region's whole input, the
+        projections' outputs). Plain bias-free `nn.Linear` projections take the fused path whose
+        collectives overlap the GEMMs (`parallel/tensor_overlap.py`); others, or
+        `overlap_chunks == 0`, run `enter` and then the modules."""
+        fused = (
+            self.size > 1
+            and self.overlap_chunks > 0
+            and all(type(p) is nn.Linear and p.bias is None for p in projections)
+        )
+        if not fused:
+            whole = self.enter(x)
+            return whole, [projection(whole) for projection in projections]
+        weights = [cast(nn.Linear, p).weight for p in projections]
+        return enter_and_project(x, self.group, self.sequence_parallel, weights, self.overlap_chunks)
 
     def leave(self, partial_output: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial outputs (row-parallel projection) back into the residual layout."""

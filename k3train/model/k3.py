@@ -60,7 +60,7 @@ class K3ModelChunk(nn.Module):
         config.validate()
         self.config = config
         self.tp = tp = (
-            TensorParallel(parallel.tp, parallel.sequence_parallel, linear_factory)
+            TensorParallel(parallel.tp, parallel.sequence_parallel, linear_factory, parallel.tp_overlap_chunks)
             if parallel is not None
             else TensorParallel.single(linear_factory)
         )

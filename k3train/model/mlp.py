@@ -40,8 +40,8 @@ class GLUMLP(nn.Module):
         self.activation = glu_activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.tp.enter(x)
+        _, (gate, up) = self.tp.enter_projections(x, [self.gate_proj, self.up_proj])
         # the projections' fresh outputs are scratch (a linear's backward keeps its input, not its
         # output): SiTU-GLU keeps two of its saved tensors in their buffers
-        hidden = self.activation(self.gate_proj(x), self.up_proj(x), overwrite_inputs=True)
+        hidden = self.activation(gate, up, overwrite_inputs=True)
         return self.tp.leave(self.down_proj(hidden))

@@ -15,14 +15,17 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from k3train.config import JobConfig
+from k3train.model.mlp import GLUMLP
 from k3train.model.moe import LatentMoE
 from k3train.optim.builder import route_parameters
 from k3train.optim.muon import block_layout
 from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, is_tensor_parallel
 from k3train.parallel.state import resolve_layout
+from k3train.parallel.tensor_overlap import chunk_bounds
 from k3train.planning.layout_traffic import pipeline_expert_traffic
 from k3train.training.build import RankJob, build_planning_rank
 
@@ -50,6 +53,7 @@ def _planning_job(
     dp_rank: int,
     bucket_bytes: int,
     param_dtype: torch.dtype,
+    tp_overlap_chunks: int = 0,
 ) -> RankJob:
     """Rank `(tp_rank, dp_rank)` of a `tp × dp` job built on the meta device as the job builds it;
     the layout is checked as at start-up (`resolve_layout`)."""
@@ -61,7 +65,14 @@ def _planning_job(
         base,
         model=model_config,
         optimizer=optimizer_config,
-        parallel=dataclasses.replace(base.parallel, tp=tp, dp=dp, zero1=zero1, sequence_parallel=sequence_parallel),
+        parallel=dataclasses.replace(
+            base.parallel,
+            tp=tp,
+            dp=dp,
+            zero1=zero1,
+            sequence_parallel=sequence_parallel,
+            tp_overlap_chunks=tp_overlap_chunks,
+        ),
         train=dataclasses.replace(base.train, micro_batch_size=micro_batch_size),
         data=dataclasses.replace(base.data, seq_length=seq_length),
     )
@@ -88,6 +99,7 @@ def step_traffic_terms(
     tp_rank: int = 0,
     dp_rank: int = 0,
     param_dtype: torch.dtype = torch.float32,
+    tp_overlap_chunks: int = 0,
 ) -> list[TrafficTerm]:
     """Every term of one training step on rank `(tp_rank, dp_rank)`, in `docs/traffic.md`'s
     order (terms that send nothing are left out). `micro_batches` is per rank and step
@@ -113,8 +125,22 @@ def step_traffic_terms(
         dp_rank,
         bucket_bytes,
         param_dtype,
+        tp_overlap_chunks,
     )
     return job_traffic_terms(job, micro_batches, dtype_bytes)
+
+
+def overlapped_entry_pieces(job: RankJob, local_sequence: int) -> int:
+    """Pieces of a sequence shard of `local_sequence` tokens the job's overlapped MLP entries
+    gather in (1 when they do not overlap: `parallel.tp_overlap_chunks` 0, or projections that
+    are not plain torch linears, e.g. Transformer Engine's)."""
+    chunks = job.parallel.tp_overlap_chunks
+    plain = all(
+        type(m.gate_proj) is nn.Linear and m.gate_proj.bias is None
+        for m in job.model.modules()
+        if isinstance(m, GLUMLP)
+    )
+    return len(chunk_bounds(local_sequence, chunks)) if chunks > 0 and plain else 1
 
 
 def job_traffic_terms(
@@ -154,19 +180,26 @@ def job_traffic_terms(
 
     # ---- tp: TP regions, embedding, head, cross-entropy, norm, Muon gathers
     if tp > 1:
-        regions = layers + dense_layers + (moe_layers if cfg.num_shared_experts > 0 else 0)
+        mlp_regions = dense_layers + (moe_layers if cfg.num_shared_experts > 0 else 0)
+        regions = layers + mlp_regions
+        # The MLP regions' overlapped entries (parallel/tensor_overlap.py) move the same bytes in
+        # pieces along the sequence: one message per piece in forward and in backward.
+        pieces = overlapped_entry_pieces(job, seq_length // (state.layout.cp * tp)) if sp else 1
+        extra = M * mlp_regions * (pieces - 1)
         if sp:
             add(
                 "tp",
-                f"{regions} TP regions fwd: enter all-gather N/tp + leave reduce-scatter N",
+                f"{regions} TP regions fwd: enter all-gather N/tp + leave reduce-scatter N"
+                + (f" ({mlp_regions} MLP entries in {pieces} pieces)" if pieces > 1 else ""),
                 M * regions * (shard + full),
-                M * regions * 2,
+                M * regions * 2 + extra,
             )
             add(
                 "tp",
-                f"{regions} TP regions bwd: leave all-gather N/tp + enter reduce-scatter N",
+                f"{regions} TP regions bwd: leave all-gather N/tp + enter reduce-scatter N"
+                + (f" ({mlp_regions} MLP entries in {pieces} pieces)" if pieces > 1 else ""),
                 M * regions * (shard + full),
-                M * regions * 2,
+                M * regions * 2 + extra,
             )
         else:
             add("tp", f"{regions} TP regions fwd: leave all-reduce N", M * regions * full, M * regions)
@@ -176,7 +209,7 @@ def job_traffic_terms(
                 "tp",
                 f"recompute=sublayer: {regions} regions' enter all-gather N/tp again in backward",
                 M * regions * shard,
-                M * regions,
+                M * regions + extra,
             )
         if sp:
             if first_stage:

@@ -27,6 +27,7 @@ from k3train.model.k3 import K3ModelChunk, K3RankModel
 from k3train.optim.builder import build_optimizer, parameter_costs
 from k3train.optim.muon import PerHeadMuon
 from k3train.parallel.comm import Group
+from k3train.parallel.config import ParallelConfig
 from k3train.parallel.expert import ExpertParallel
 from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES, GradientReducer
 from k3train.parallel.mixed_precision import MainGradReducer
@@ -65,11 +66,16 @@ class _PlanningState(ParallelState):
         return super()._own_group(name, all_groups, False)
 
 
-def planning_parallel_state(layout: Layout, rank: int, sequence_parallel: bool = False) -> ParallelState:
+def planning_parallel_state(
+    layout: Layout,
+    rank: int,
+    sequence_parallel: bool = False,
+    tp_overlap_chunks: int = ParallelConfig.tp_overlap_chunks,
+) -> ParallelState:
     """The parallel state global rank `rank` of `layout` would have, without torch.distributed."""
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} outside a world of {layout.world_size}")
-    return _PlanningState(layout, rank, sequence_parallel=sequence_parallel)
+    return _PlanningState(layout, rank, sequence_parallel=sequence_parallel, tp_overlap_chunks=tp_overlap_chunks)
 
 
 def fp8_excluded_layers(model_config: ModelConfig, excluded: Sequence[int] | None) -> list[int]:
@@ -333,7 +339,9 @@ def build_planning_rank(
 ) -> RankJob:
     """`build_rank` for global rank `rank` of `layout` on the meta device, without process groups
     (for the planner and the traffic formula: exact shapes, buckets and ownership, no memory)."""
-    parallel = planning_parallel_state(layout, rank, config.parallel.sequence_parallel)
+    parallel = planning_parallel_state(
+        layout, rank, config.parallel.sequence_parallel, config.parallel.tp_overlap_chunks
+    )
     return build_rank(config, parallel, META, bucket_bytes=bucket_bytes, overlap=False, dtype=dtype)
 
 

@@ -91,6 +91,7 @@ def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict
         env.rank if member else 0,
         sequence_parallel=config.parallel.sequence_parallel,
         network=emulated_links(config.parallel.emulate_network),
+        tp_overlap_chunks=config.parallel.tp_overlap_chunks,
     )
     result: dict[str, Any] = {"name": layout["name"], "member": member}
     if member:
@@ -130,6 +131,7 @@ def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict
             sequence_parallel=config.parallel.sequence_parallel,
             tp_rank=state.tp_rank,
             dp_rank=state.dp_rank,
+            tp_overlap_chunks=config.parallel.tp_overlap_chunks,
         )
         result.update(
             measured=measured,

@@ -9,7 +9,7 @@ of the single-process one.
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -116,3 +116,56 @@ def compare_three_steps(env, payload) -> dict:
     reference_biases = [moe.gate.e_score_correction_bias for moe in reference.moe_layers()]
     bias_error = max((a - b).abs().max().item() for a, b in zip(biases, reference_biases))
     return {"max_param_error": worst, "worst_param": worst_name, "bias_error": bias_error}
+
+
+def compare_fused_entry(env, payload) -> list[dict]:
+    """`TensorParallel.enter_projections` with overlap (chunks 1, 2, 3: uneven pieces of a
+    5-token shard) against `enter` + `F.linear`, with and without sequence parallelism, float64:
+    the whole input, the outputs, and the gradients of the input and both weights; and the
+    entry's counted bytes (the pieces add up to the unfused collective)."""
+    from k3train.parallel.tensor import TensorParallel
+
+    config = small_config()
+    state = build_state(env.world_size, env.rank, env.world_size, True, config)
+    results = []
+    for sequence_parallel in (False, True):
+        for chunks in (1, 2, 3):
+            generator = torch.Generator().manual_seed(7)
+            full_input = torch.randn(2, 10, 6, generator=generator, dtype=torch.float64)
+            weights = [torch.randn(rows, 6, generator=generator, dtype=torch.float64) for rows in (4, 3)]
+            probes = [torch.randn(2, 10, width, generator=generator, dtype=torch.float64) for width in (6, 4, 3)]
+            shard = full_input.chunk(env.world_size, dim=1)[env.rank] if sequence_parallel else full_input
+            measured: dict[bool, dict[str, Any]] = {}
+            for fused in (True, False):
+                tp = TensorParallel(state.tp, sequence_parallel, overlap_chunks=chunks if fused else 0)
+                x = shard.clone().requires_grad_(True)
+                projections = []
+                for weight in weights:
+                    linear = torch.nn.Linear(6, weight.shape[0], bias=False, dtype=torch.float64)
+                    linear.weight.data.copy_(weight)
+                    projections.append(linear)
+                state.counter.reset()
+                whole, outputs = tp.enter_projections(x, projections)
+                loss = sum((tensor * probe).sum() for tensor, probe in zip([whole, *outputs], probes))
+                assert isinstance(loss, torch.Tensor)
+                loss.backward()
+                assert x.grad is not None
+                measured[fused] = dict(
+                    values=[t.detach() for t in (whole, *outputs)],
+                    grads=[x.grad, *(p.weight.grad for p in projections)],
+                    bytes=state.counter.bytes.get("tp", 0),
+                )
+            error = max(
+                (a - b).abs().max().item()
+                for key in ("values", "grads")
+                for a, b in zip(measured[True][key], measured[False][key])
+            )
+            results.append(
+                dict(
+                    sequence_parallel=sequence_parallel,
+                    chunks=chunks,
+                    error=error,
+                    bytes=(measured[True]["bytes"], measured[False]["bytes"]),
+                )
+            )
+    return results

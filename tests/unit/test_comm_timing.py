@@ -59,6 +59,20 @@ def test_a_wait_after_enough_compute_is_hidden(clock):
     assert clock.sleeps == [] and counter.wait_seconds["ep"] == 0.0
 
 
+def test_transfers_queue_on_the_link(clock):
+    """Two 2-ms pieces launched together: the second arrives 2 ms after the first (the wire is
+    shared), so 2 ms of compute after the first wait hides the second entirely."""
+    counter = TrafficCounter()
+    link = EmulatedLink(1e9, 0.0)
+    first = TimedWork(DoneWork(), "tp", counter, link, nbytes=2_000_000)
+    second = TimedWork(DoneWork(), "tp", counter, link, nbytes=2_000_000)
+    first.wait()
+    assert clock.sleeps == [pytest.approx(2e-3)]
+    clock.now += 2e-3  # the GEMMs of the first piece
+    second.wait()
+    assert clock.sleeps == [pytest.approx(2e-3)] and counter.wait_seconds["tp"] == pytest.approx(2e-3)
+
+
 def test_without_a_link_nothing_is_delayed(clock):
     counter = TrafficCounter()
     TimedWork(DoneWork(), "dp", counter, None, nbytes=10**9).wait()
