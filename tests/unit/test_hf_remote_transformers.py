@@ -8,6 +8,7 @@ Checks that compare two orders of the same arithmetic run in float64, where the 
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from k3train.model.config import LinearAttnConfig, ModelConfig
 from tests.unit.test_hf_conversion import _save_run, convert
-from tests.unit.test_hf_remote_code import TOLERANCE, _load_remote, _score
+from tests.unit.test_hf_remote_code import TOLERANCE, _load_remote, _score, fp32_forward_error_bound
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,8 +37,12 @@ def _export_run(root: Path, config: ModelConfig) -> Path:
 def export(tmp_path_factory) -> Path:
     """A Block-AttnRes export with KDA chunks of 16 (MLA at layers 4 and 8)."""
     root = tmp_path_factory.mktemp("remote")
-    _export_run(root, ModelConfig(linear_attn_config=LinearAttnConfig(chunk_size=16)))
+    _export_run(root, model_config())
     return root
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig(linear_attn_config=LinearAttnConfig(chunk_size=16))
 
 
 def _tokens(batch: int, length: int, seed: int) -> torch.Tensor:
@@ -134,3 +139,189 @@ def test_gradient_checkpointing_trains_the_same_gradients(export, reentrant):
     worst = max(_difference(plain[name], checkpointed[name]) for name in plain)
     print(f"gradient checkpointing (use_reentrant={reentrant}): {len(plain)} gradients, max abs difference {worst:.3g}")
     assert plain.keys() == checkpointed.keys() and worst <= FLOAT64_AGREEMENT
+
+
+def _full_forward_log_probability(model, sequence: torch.Tensor, prompt_length: int) -> float:
+    """Σ log p(token_t | tokens_<t) over the generated tokens, from one forward without cache."""
+    with torch.no_grad():
+        log_probs = model(input_ids=sequence[None]).logits[0].log_softmax(-1)
+    generated = sequence[prompt_length:]
+    return log_probs[prompt_length - 1 : -1].gather(-1, generated[:, None]).sum().item()
+
+
+def test_cache_is_a_transformers_cache_and_beam_search_reorders_it(export):
+    model = _load_remote(export / "hf").double()
+    prompt = _tokens(1, 6, 5)
+    with torch.no_grad():
+        output = model(input_ids=prompt, use_cache=True)
+        assert isinstance(output.past_key_values, transformers.DynamicCache)
+        assert output.past_key_values.get_seq_length() == prompt.shape[1]
+        beams = model.generate(
+            prompt,
+            max_new_tokens=8,
+            num_beams=3,
+            num_return_sequences=3,
+            do_sample=False,
+            length_penalty=0.0,  # a beam's score is then the sum of its tokens' log-probabilities
+            early_stopping=True,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    # Every returned beam's score, accumulated through the reordered cache, is its log-probability
+    # from a forward of the whole sequence: a beam continuing another beam's state would not be.
+    differences = [
+        abs(score.item() - _full_forward_log_probability(model, sequence, prompt.shape[1]))
+        for sequence, score in zip(beams.sequences, beams.sequences_scores)
+    ]
+    # generate() takes each step's log-softmax in fp32 (logits cast to fp32, a sum over the
+    # vocabulary: ~(2 + log2 V) roundings) and adds 8 of them: the beam scores carry that much fp32
+    # error; a beam scored on another beam's state would be off by the log-probabilities' spread.
+    steps = 8
+    bound = steps * (2 + math.log2(VOCAB)) * 2.0**-24 * max(abs(s.item()) for s in beams.sequences_scores)
+    print(
+        f"beam search: {len(differences)} beams, max |score − full-forward log-probability| {max(differences):.3g} "
+        f"(fp32 bound {bound:.3g})"
+    )
+    assert len({tuple(s.tolist()) for s in beams.sequences}) == 3
+    assert max(differences) <= bound
+
+
+def test_manual_decode_loop_with_past_key_values_equals_full_forwards(export):
+    model = _load_remote(export / "hf").double()
+    tokens = _tokens(2, 24, 6)
+    with torch.no_grad():
+        whole = model(input_ids=tokens).logits
+        output = model(input_ids=tokens[:, :5], use_cache=True)
+        steps = [output.logits]
+        for position in range(5, tokens.shape[1]):
+            output = model(
+                input_ids=tokens[:, position : position + 1],
+                past_key_values=output.past_key_values,
+                attention_mask=torch.ones(2, position + 1, dtype=torch.long),
+                use_cache=True,
+            )
+            steps.append(output.logits)
+    difference = _difference(torch.cat(steps, dim=1), whole)
+    print(
+        f"manual decode loop: 5-token prefill + 19 single tokens vs one forward, fp64 max abs difference {difference:.3g}"
+    )
+    assert difference <= FLOAT64_AGREEMENT
+
+
+def test_prompt_lookup_decoding_is_refused_in_one_line(export):
+    model = _load_remote(export / "hf")
+    with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
+        model.generate(_tokens(1, 12, 7), max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=3)
+
+
+def _left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt) :], mask[row, longest - len(prompt) :] = prompt, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_left_padded_batch_generates_each_prompt_alone(export, dtype):
+    """3 prompts of 5, 11 and 19 tokens, left-padded to 19, 30 greedy tokens each (through the
+    KDA chunk edges at 16 and 32): the batch's tokens are each prompt's own generation. float64:
+    the padded rows' logits equal the unpadded ones to rounding; fp32: the tokens are compared
+    (the difference is rounding, ~1e-5, far below this model's top-2 logit gaps)."""
+    model = _load_remote(export / "hf").to(dtype)
+    prompts = [_tokens(1, length, 10 + length)[0] for length in (5, 11, 19)]
+    ids, mask = _left_padded(prompts, pad=0)
+    settings = {"max_new_tokens": 30, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, pad_token_id=0, **settings)
+        alone = [model.generate(p[None], pad_token_id=0, **settings) for p in prompts]
+        prefill = model(input_ids=ids, attention_mask=mask).logits
+        prefill_alone = [model(input_ids=p[None]).logits for p in prompts]
+    matching = []
+    for row, single in enumerate(alone):
+        new_tokens = batch.sequences[row, ids.shape[1] :]
+        matching.append(int((new_tokens == single.sequences[0, len(prompts[row]) :]).sum()))
+    logit_gap = max(
+        _difference(torch.stack(batch.logits)[:, row], torch.stack(single.logits)[:, 0])
+        for row, single in enumerate(alone)
+    )
+    prefill_gap = max(
+        _difference(prefill[row, ids.shape[1] - len(p) :], single[0])
+        for row, (p, single) in enumerate(zip(prompts, prefill_alone))
+    )
+    top_two = torch.stack([torch.stack(single.logits)[:, 0] for single in alone]).topk(2, dim=-1).values
+    closest_choice = (top_two[..., 0] - top_two[..., 1]).min().item()
+    print(
+        f"left padding ({dtype}): tokens equal to each prompt alone {matching} of 30; max abs logit difference: "
+        f"prefill {prefill_gap:.3g}, generated steps {logit_gap:.3g}; closest greedy choice alone {closest_choice:.3g}"
+    )
+    if dtype == torch.float64:
+        assert matching == [30, 30, 30]
+        assert prefill_gap <= FLOAT64_AGREEMENT and logit_gap <= FLOAT64_AGREEMENT
+    else:  # fp32: padding changes the chunk edges, hence the rounding, within fp32's forward error
+        bound = 2 * fp32_forward_error_bound(model_config(), 49, top_two.abs().max().item())
+        assert prefill_gap <= bound and logit_gap <= bound
+        if closest_choice > bound:  # no greedy choice within rounding of a tie: the tokens must agree
+            assert matching == [30, 30, 30]
+
+
+class OffloadHook:
+    """What accelerate's disk/CPU offload hook does to a module, without accelerate: the module's
+    own weights are real only between `pre_forward` and `post_forward` (NaN otherwise), so a weight
+    read anywhere but inside its module's call, or `hooks_fired`, turns the logits NaN."""
+
+    def __init__(self, module: torch.nn.Module):
+        tensors = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+        self.real = {name: tensor.detach().clone() for name, tensor in tensors.items()}
+        self.depth = 0
+        self.offload(module)
+
+    def offload(self, module):
+        for name, tensor in self.real.items():
+            getattr(module, name).data = torch.full_like(tensor, float("nan"))
+
+    def pre_forward(self, module, *args, **kwargs):
+        if self.depth == 0:
+            for name, tensor in self.real.items():
+                getattr(module, name).data = tensor.clone()
+        self.depth += 1
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        self.depth -= 1
+        if self.depth == 0:
+            self.offload(module)
+        return output
+
+
+def _attach_offload_hooks(model: torch.nn.Module) -> int:
+    hooked = 0
+    for module in model.modules():
+        if not any(True for _ in module.parameters(recurse=False)) and not any(True for _ in module.buffers(False)):
+            continue
+        hook = OffloadHook(module)
+        forward = module.forward
+
+        def hooked_forward(*args, _hook=hook, _module=module, _forward=forward, **kwargs):
+            args, kwargs = _hook.pre_forward(_module, *args, **kwargs)
+            return _hook.post_forward(_module, _forward(*args, **kwargs))
+
+        module.forward = hooked_forward
+        module._hf_hook = hook
+        hooked += 1
+    return hooked
+
+
+def test_every_weight_is_read_inside_its_modules_hook(export):
+    """Offload's contract: each module's weights are present only while its hook runs."""
+    model = _load_remote(export / "hf").double()
+    tokens = _tokens(2, 20, 8)
+    with torch.no_grad():
+        expected = model(input_ids=tokens).logits
+        generated = model.generate(tokens[:1, :6], max_new_tokens=6, do_sample=False)
+        hooked = _attach_offload_hooks(model)
+        offloaded = model(input_ids=tokens).logits
+        generated_offloaded = model.generate(tokens[:1, :6], max_new_tokens=6, do_sample=False)
+    print(f"offload hooks on {hooked} modules: logits finite {bool(torch.isfinite(offloaded).all())}")
+    assert torch.equal(offloaded, expected) and torch.equal(generated_offloaded, generated)
