@@ -208,10 +208,55 @@ def test_manual_decode_loop_with_past_key_values_equals_full_forwards(export):
     assert difference <= FLOAT64_AGREEMENT
 
 
-def test_prompt_lookup_decoding_is_refused_in_one_line(export):
-    model = _load_remote(export / "hf")
-    with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
-        model.generate(_tokens(1, 12, 7), max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=3)
+def test_prompt_lookup_decoding_equals_greedy_decoding(export):
+    """Prompt lookup drafts tokens from n-grams of the prompt, verifies them in one forward and
+    crops the cache to the accepted ones: the KDA state is recomputed over the kept tokens, so
+    the tokens and logits are greedy decoding's (the logits to fp32 rounding: generate() returns
+    fp32 copies of the float64 logits, which may round to neighbouring fp32 values)."""
+    model = _load_remote(export / "hf").double()
+    phrase = _tokens(1, 7, 7)
+    prompt = torch.cat([phrase, phrase, phrase[:, :3]], dim=1)  # repeats, so lookups find drafts
+    settings = {"max_new_tokens": 24, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    with torch.no_grad():
+        greedy = model.generate(prompt, **settings)
+        cache = transformers.DynamicCache(config=model.config)
+        pieces: list[int] = []
+        model.register_forward_hook(
+            lambda module, args, kwargs, out: pieces.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+        )
+        lookup = model.generate(prompt, prompt_lookup_num_tokens=4, past_key_values=cache, **settings)
+    difference = _difference(torch.stack(lookup.logits), torch.stack(greedy.logits))
+    bound = 2.0**-23 * torch.stack(greedy.logits).abs().max().item()
+    drafted = sum(1 for length in [pieces[0] - prompt.shape[1] + 1, *pieces[1:]] if length > 1)  # forwards with drafts
+    print(
+        f"prompt lookup: {len(pieces)} forwards of {pieces} tokens, {drafted} verifying drafts; tokens equal to greedy "
+        f"{bool(torch.equal(lookup.sequences, greedy.sequences))}, max abs logit difference {difference:.3g} "
+        f"(bound {bound:.3g})"
+    )
+    assert torch.equal(lookup.sequences, greedy.sequences) and difference <= bound
+    assert drafted > 0  # drafts were verified and the rejected ones cropped off the cache
+    assert cache.get_seq_length() == lookup.sequences.shape[1] - 1
+
+
+def test_cache_crop_keeps_the_accepted_tokens_of_a_piece(export):
+    """A forward of 6 drafted tokens, 4 of them rejected (`crop(-4)`), then the next tokens: the
+    logits equal one forward of the kept sequence (the random model accepts few real drafts)."""
+    model = _load_remote(export / "hf").double()
+    tokens = _tokens(1, 20, 9)
+    with torch.no_grad():
+        whole = model(input_ids=tokens).logits
+        cache = transformers.DynamicCache(config=model.config)
+        cache.activate_past_recording()  # what assisted generation does first
+        first = model(input_ids=tokens[:, :8], past_key_values=cache, use_cache=True).logits
+        drafts = torch.cat([tokens[:, 8:10], _tokens(1, 4, 10)], dim=1)
+        model(input_ids=drafts, past_key_values=cache, use_cache=True)
+        cache.crop(-4)
+        rest = model(input_ids=tokens[:, 10:], past_key_values=cache, use_cache=True).logits
+    kept = torch.cat([first, rest], dim=1)
+    difference = _difference(kept, torch.cat([whole[:, :8], whole[:, 10:]], dim=1))
+    print(f"crop: 8 + 6 drafted − 4 cropped + 10 tokens vs one forward, fp64 max abs difference {difference:.3g}")
+    assert cache.is_croppable and cache.get_seq_length() == tokens.shape[1]
+    assert difference <= FLOAT64_AGREEMENT
 
 
 def _left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,8 +352,8 @@ def _attach_offload_hooks(model: torch.nn.Module) -> int:
             args, kwargs = _hook.pre_forward(_module, *args, **kwargs)
             return _hook.post_forward(_module, _forward(*args, **kwargs))
 
-        module.forward = hooked_forward
-        module._hf_hook = hook
+        object.__setattr__(module, "forward", hooked_forward)
+        object.__setattr__(module, "_hf_hook", hook)  # a plain attribute, as accelerate sets it
         hooked += 1
     return hooked
 

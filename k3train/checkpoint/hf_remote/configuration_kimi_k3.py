@@ -10,6 +10,8 @@ from transformers import PretrainedConfig
 
 KDA_CONV_STREAMS = 3
 """KDA's short convolutions (q, k, v): one conv state each in a layer's cache."""
+KDA_LAYER_TYPE = "kimi_delta_attention"
+"""A KDA layer's cache kind (`cache_kimi_k3.KimiDeltaCacheLayer`, registered by the model code)."""
 
 
 class KimiK3TextConfig(PretrainedConfig):
@@ -21,12 +23,12 @@ class KimiK3TextConfig(PretrainedConfig):
     @property
     def layer_types(self) -> list[str]:
         """Each layer's cache kind for transformers' `DynamicCache(config=…)`: `full_attention`
-        (MLA keys and values) or `linear_attention` (KDA's recurrent state and conv tails). Derived
+        (MLA keys and values) or `kimi_delta_attention` (KDA's recurrent state and conv tails). Derived
         from `linear_attn_config.full_attn_layers` (1-based), never stored."""
         linear = dict(getattr(self, "linear_attn_config", None) or {})
         linear.update(dict(getattr(self, "k3train", None) or {}).get("linear_attn_config") or {})
         full = set(linear.get("full_attn_layers") or [])
-        return ["full_attention" if i + 1 in full else "linear_attention" for i in range(self.num_hidden_layers)]
+        return ["full_attention" if i + 1 in full else KDA_LAYER_TYPE for i in range(self.num_hidden_layers)]
 
     @property
     def number_of_conv_states(self) -> int:

@@ -8,11 +8,12 @@ output gate, Stable LatentMoE (latent RMSNorm, SiTU-GLU or SwiGLU experts, share
 balancing bias `e_score_correction_bias` in the top-k choice). Parameter names are the hub's
 (`language_model.model.…`). KDA runs a prompt in k3train's chunkwise form (the same chunk size
 and the same fp32 operations, so the logits equal k3train's, not only to rounding of a different
-algorithm) and each decoded token as one step of the recurrence; the cache is transformers' own
-`DynamicCache` (a `LinearAttentionLayer` per KDA layer: recurrent state and three conv tails; a
-`DynamicLayer` per MLA layer), so `generate()`, beam search and manual decode loops drive it as
-they drive transformers' models. `attention_mask` marks padded positions (left padding): KDA sees
-them as absent (zero input, no decay, no update), MLA masks them as keys.
+algorithm) and each decoded token as one step of the recurrence. The cache is transformers' own
+`DynamicCache`: per KDA layer a `KimiDeltaCacheLayer` (transformers' `LinearAttentionLayer`, the
+recurrent state and three conv histories, that can also be cropped), per MLA layer a
+`DynamicLayer`; so `generate()` (greedy, sampling, beam search, prompt lookup) and manual decode
+loops drive it as they drive transformers' models. `attention_mask` marks padded positions (left
+padding): KDA sees them as absent (zero input, no decay, no update), MLA masks them as keys.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
 try:
+    from .cache_kimi_k3 import KDAPiece, KimiDeltaCacheLayer
     from .configuration_kimi_k3 import KimiK3Config
     from .kda_kimi_k3 import chunk_kda, recurrent_kda_step
 except ImportError:  # loaded as top-level modules (tests)
+    from cache_kimi_k3 import KDAPiece, KimiDeltaCacheLayer  # type: ignore[no-redef]
     from configuration_kimi_k3 import KimiK3Config  # type: ignore[no-redef]  # same class, other import path
     from kda_kimi_k3 import chunk_kda, recurrent_kda_step  # type: ignore[no-redef]
 
@@ -217,15 +220,14 @@ class ShortConvolution(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
         self.kernel = kernel
 
-    def forward(self, x, tail):
-        """Causal depthwise convolution of `x` `[B, T, C]` after the `kernel − 1` inputs `tail`
-        `[B, C, kernel − 1]` (None: zeros); returns (SiLU of the output, the new tail)."""
+    def forward(self, x, history):
+        """SiLU of the causal depthwise convolution of `x` `[B, T, C]` after the inputs `history`
+        `[B, C, ≤ any]` (None: none; zeros stand for inputs before the sequence's first)."""
         channels_first = x.transpose(1, 2)
-        if tail is None:
-            tail = channels_first.new_zeros(x.shape[0], x.shape[2], self.kernel - 1)
-        padded = torch.cat([tail.to(channels_first.dtype), channels_first], dim=-1)
-        out = F.conv1d(padded, self.weight.to(x.dtype), groups=x.shape[2])
-        return F.silu(out).transpose(1, 2), padded[..., padded.shape[-1] - (self.kernel - 1) :]
+        context = channels_first.new_zeros(x.shape[0], x.shape[2], 0) if history is None else history
+        context = context[..., max(context.shape[-1] - (self.kernel - 1), 0) :].to(channels_first.dtype)
+        padded = torch.cat([F.pad(context, (self.kernel - 1 - context.shape[-1], 0)), channels_first], dim=-1)
+        return F.silu(F.conv1d(padded, self.weight.to(x.dtype), groups=x.shape[2])).transpose(1, 2)
 
 
 def padded_positions_absent(mask: torch.Tensor | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -279,11 +281,13 @@ class KimiDeltaAttention(nn.Module):
         (x,) = padded_positions_absent(token_mask, x)
         streams = {}
         for index, name in enumerate(("q", "k", "v")):
-            tail = cache.get_conv_state(self.layer_idx, index) if cache is not None else None
-            out, tail = getattr(self, f"{name}_conv1d")(getattr(self, f"{name}_proj")(x), tail)
-            if cache is not None:
-                cache.update_conv_state(tail, self.layer_idx, state_idx=index, conv_kernel_size=tail.shape[-1])
-            streams[name] = out.view(batch, seq, heads, dim)
+            conv, projected = getattr(self, f"{name}_conv1d"), getattr(self, f"{name}_proj")(x)
+            history = cache.get_conv_state(self.layer_idx, index) if cache is not None else None
+            streams[name] = conv(projected, history).view(batch, seq, heads, dim)
+            if cache is not None:  # transformers' conv state: the last kernel − 1 inputs (all, while recording)
+                cache.update_conv_state(
+                    projected.transpose(1, 2), self.layer_idx, state_idx=index, conv_kernel_size=conv.kernel - 1
+                )
         q, k = self.l2_normalize(streams["q"]), self.l2_normalize(streams["k"])
         v = up(streams["v"])
         z = up(self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, dim))
@@ -296,6 +300,10 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(up(self.b_proj(x)))
         k, v, g, beta = padded_positions_absent(token_mask, k, v, g, beta)
         state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
+        layer_cache = cache.layers[self.layer_idx] if cache is not None else None
+        if isinstance(layer_cache, KimiDeltaCacheLayer) and layer_cache.record_past:  # assisted generation
+            initial = state.clone() if state is not None else q.new_zeros(batch, heads, dim, v.shape[-1])
+            layer_cache.record(KDAPiece(initial, q, k, v, g, beta, dim**-0.5, self.chunk_size))
         if seq == 1 and state is not None:  # decoding: one step of the recurrence
             o, state = recurrent_kda_step(q, k, v, g, beta, dim**-0.5, state)
         else:  # a prompt (or any piece of several tokens): chunkwise, as k3train computes it
@@ -468,9 +476,6 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
-    # The KDA state cannot be rolled back to drop rejected draft tokens: assisted generation
-    # (prompt lookup, an assistant model) is refused, as for transformers' own Kimi Linear.
-    _is_stateful = True
 
     def _init_weights(self, module):
         pass  # every tensor comes from the checkpoint (resize_token_embeddings initialises new rows itself)
