@@ -370,3 +370,16 @@ def test_every_weight_is_read_inside_its_modules_hook(export):
         generated_offloaded = model.generate(tokens[:1, :6], max_new_tokens=6, do_sample=False)
     print(f"offload hooks on {hooked} modules: logits finite {bool(torch.isfinite(offloaded).all())}")
     assert torch.equal(offloaded, expected) and torch.equal(generated_offloaded, generated)
+
+
+def test_a_model_without_mla_layers_generates_through_the_cache(tmp_path):
+    """Every layer KDA: the cache's length comes from the KDA layers' token count."""
+    config = ModelConfig(num_hidden_layers=3, linear_attn_config=LinearAttnConfig(chunk_size=16, full_attn_layers=[]))
+    model = _load_remote(_export_run(tmp_path, config)).double()
+    prompt = _tokens(1, 6, 11)
+    with torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+        full = model(input_ids=generated.sequences).logits
+        cache = model(input_ids=prompt, use_cache=True).past_key_values
+    assert cache.get_seq_length() == prompt.shape[1]
+    assert torch.equal(full[0, prompt.shape[1] - 1 : -1].argmax(-1), generated.sequences[0, prompt.shape[1] :])

@@ -2,8 +2,11 @@
 (three short-convolution histories, q/k/v, and the recurrent state) that can also be cropped, so
 assisted generation (prompt lookup, an assistant model) can drop rejected draft tokens.
 
-Registered as the layer type `kimi_delta_attention` (`KimiK3TextConfig.layer_types` names it for
-KDA layers), so `DynamicCache(config=…)`, which `generate()` builds, holds one per KDA layer.
+Registered as the layer type `kimi_delta_attention` (`_layer_type`, as transformers' own models
+register theirs; `KimiK3TextConfig.layer_types` names it for KDA layers), so
+`DynamicCache(config=…)`, which `generate()` builds, holds one per KDA layer. It is also a
+`CacheLayerMixin` that counts the tokens it has seen, so `get_seq_length()` works on a model
+without MLA layers too.
 While transformers records the past (`activate_past_recording`, assisted generation only), the
 layer keeps the state before the last forward and that forward's KDA inputs; `crop(-n)` recomputes
 the state over the kept tokens. Needs torch and transformers only."""
@@ -13,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import cache_utils
-from transformers.cache_utils import LinearAttentionLayer
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
 try:
     from .configuration_kimi_k3 import KDA_CONV_STREAMS, KDA_LAYER_TYPE
@@ -44,25 +46,46 @@ class KDAPiece:
         return chunk_kda(q, k, v, g, beta, self.scale, self.initial_state, self.chunk_size)[1]
 
 
-class KimiDeltaCacheLayer(LinearAttentionLayer):
+class KimiDeltaCacheLayer(LinearAttentionLayer, CacheLayerMixin):
+    _layer_type = KDA_LAYER_TYPE
     is_compileable = False  # generate() then keeps the 2-D attention mask the model reads
 
     def __init__(self, number_of_states: int = KDA_CONV_STREAMS, **kwargs):
-        super().__init__(number_of_states=number_of_states)
+        CacheLayerMixin.__init__(self)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
         self.last_piece: KDAPiece | None = None
+        self.seen_tokens = 0
+
+    def advance(self, tokens: int) -> None:
+        """Counts a forward's tokens (padding included, as attention caches count positions)."""
+        self.seen_tokens += tokens
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise TypeError("a KDA layer's cache holds no keys and values: use update_conv_state/update_recurrent_state")
+
+    def reset(self) -> None:
+        super().reset()
+        self.last_piece, self.seen_tokens = None, 0
 
     def record(self, piece: KDAPiece) -> None:
         """Keeps `piece` for a later `crop` (only while the past is recorded)."""
         self.last_piece = piece if self.record_past else None
 
     @property
-    def is_croppable(self) -> bool:
+    def is_croppable(self) -> bool:  # type: ignore[override]  # CacheLayerMixin: a class flag
         return self.record_past
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)  # the convolution histories
         piece, self.last_piece = self.last_piece, None
         removed = abs(tokens_to_remove)
+        self.seen_tokens -= removed
         if removed == 0 or not self.is_recurrent_states_initialized[0]:
             return
         if piece is None or removed > piece.q.shape[1]:
@@ -90,9 +113,3 @@ class KimiDeltaCacheLayer(LinearAttentionLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_states(lambda x: x[indices, ...])
-
-
-# transformers' own models register their layer kinds the same way (CacheLayerMixin's `_layer_type`);
-# linear layers serve dynamic and static caches alike.
-for _mapping in (cache_utils.DYNAMIC_LAYER_TYPE_MAPPING, cache_utils.STATIC_LAYER_TYPE_MAPPING):
-    _mapping.setdefault(KDA_LAYER_TYPE, KimiDeltaCacheLayer)

@@ -301,9 +301,11 @@ class KimiDeltaAttention(nn.Module):
         k, v, g, beta = padded_positions_absent(token_mask, k, v, g, beta)
         state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
-        if isinstance(layer_cache, KimiDeltaCacheLayer) and layer_cache.record_past:  # assisted generation
-            initial = state.clone() if state is not None else q.new_zeros(batch, heads, dim, v.shape[-1])
-            layer_cache.record(KDAPiece(initial, q, k, v, g, beta, dim**-0.5, self.chunk_size))
+        if isinstance(layer_cache, KimiDeltaCacheLayer):
+            layer_cache.advance(seq)
+            if layer_cache.record_past:  # assisted generation: kept for `crop`
+                initial = state.clone() if state is not None else q.new_zeros(batch, heads, dim, v.shape[-1])
+                layer_cache.record(KDAPiece(initial, q, k, v, g, beta, dim**-0.5, self.chunk_size))
         if seq == 1 and state is not None:  # decoding: one step of the recurrence
             o, state = recurrent_kda_step(q, k, v, g, beta, dim**-0.5, state)
         else:  # a prompt (or any piece of several tokens): chunkwise, as k3train computes it
