@@ -272,8 +272,9 @@ def _left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, t
 def test_left_padded_batch_generates_each_prompt_alone(export, dtype):
     """3 prompts of 5, 11 and 19 tokens, left-padded to 19, 30 greedy tokens each (through the
     KDA chunk edges at 16 and 32): the batch's tokens are each prompt's own generation. float64:
-    the padded rows' logits equal the unpadded ones to rounding; fp32: the tokens are compared
-    (the difference is rounding, ~1e-5, far below this model's top-2 logit gaps)."""
+    the padded rows' logits equal the unpadded ones to rounding. fp32: padding moves the chunk
+    edges, so the logits differ by rounding, held to twice the worst-case forward error; the
+    tokens must agree wherever no greedy choice is within that bound of a tie."""
     model = _load_remote(export / "hf").to(dtype)
     prompts = [_tokens(1, length, 10 + length)[0] for length in (5, 11, 19)]
     ids, mask = _left_padded(prompts, pad=0)
@@ -299,7 +300,8 @@ def test_left_padded_batch_generates_each_prompt_alone(export, dtype):
     closest_choice = (top_two[..., 0] - top_two[..., 1]).min().item()
     print(
         f"left padding ({dtype}): tokens equal to each prompt alone {matching} of 30; max abs logit difference: "
-        f"prefill {prefill_gap:.3g}, generated steps {logit_gap:.3g}; closest greedy choice alone {closest_choice:.3g}"
+        f"prefill {prefill_gap:.3g}, generated steps {logit_gap:.3g}; closest greedy choice alone {closest_choice:.3g}; "
+        f"fp32 bound {2 * fp32_forward_error_bound(model_config(), 49, 1.0):.3g} per unit logit"
     )
     if dtype == torch.float64:
         assert matching == [30, 30, 30]
