@@ -385,3 +385,20 @@ def test_a_model_without_mla_layers_generates_through_the_cache(tmp_path):
         cache = model(input_ids=prompt, use_cache=True).past_key_values
     assert cache.get_seq_length() == prompt.shape[1]
     assert torch.equal(full[0, prompt.shape[1] - 1 : -1].argmax(-1), generated.sequences[0, prompt.shape[1] :])
+
+
+def test_cache_batch_repeat_interleave_and_select_indices(export):
+    """One prompt's cache repeated for 3 continuations (as contrastive search does), then 2 of them
+    kept: each continuation's logits equal a forward of its whole sequence."""
+    model = _load_remote(export / "hf").double()
+    prompt, continuations = _tokens(1, 9, 12), _tokens(3, 4, 13)
+    with torch.no_grad():
+        cache = model(input_ids=prompt, use_cache=True).past_key_values
+        cache.batch_repeat_interleave(3)
+        first = model(input_ids=continuations[:, :2], past_key_values=cache, use_cache=True).logits
+        cache.batch_select_indices(torch.tensor([2, 0]))
+        second = model(input_ids=continuations[[2, 0], 2:], past_key_values=cache, use_cache=True).logits
+        whole = model(input_ids=torch.cat([prompt.expand(3, -1), continuations], dim=1)).logits
+    difference = max(_difference(first, whole[:, 9:11]), _difference(second, whole[[2, 0], 11:]))
+    print(f"batch_repeat_interleave + batch_select_indices: fp64 max abs difference to full forwards {difference:.3g}")
+    assert difference <= FLOAT64_AGREEMENT
