@@ -95,7 +95,7 @@ from k3train.config import ConfigError, JobConfig, load_config, save_config  # n
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 REMOTE_CODE_DIR = CHECKOUT / "k3train" / "checkpoint" / "hf_remote"
-REMOTE_CODE_FILES = ("configuration_kimi_k3.py", "modeling_kimi_k3.py")
+REMOTE_CODE_FILES = ("cache_kimi_k3.py", "configuration_kimi_k3.py", "kda_kimi_k3.py", "modeling_kimi_k3.py")
 REMOTE_CODE_AUTO_MAP = {
     "AutoConfig": "configuration_kimi_k3.KimiK3Config",
     "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",

@@ -108,7 +108,8 @@ def test_remote_code_export_computes_k3train_logits_and_greedy_decode(attn_res, 
         whole = remote(input_ids=tokens).logits
         first = remote(input_ids=tokens[:, :9], use_cache=True)
         cache = getattr(first, remote_module(remote).CACHE_FIELD)  # `cache` (transformers ≥ 5.24) or `past_key_values`
-        second = remote(input_ids=tokens, cache=cache, use_cache=True)
+        assert isinstance(cache, transformers.Cache)
+        second = remote(input_ids=tokens[:, 9:], past_key_values=cache, use_cache=True)
         remote.float()
     pieces = (torch.cat([first.logits, second.logits], dim=1) - whole).abs().max().item()
     print(
@@ -179,8 +180,10 @@ def _decode_through_cache(remote, tokens: torch.Tensor, prompt_length: int) -> l
     output = remote(input_ids=tokens[:, :prompt_length], use_cache=True)
     logits = [output.logits[:, -1]]
     for end in range(prompt_length + 1, tokens.shape[1]):
-        output = remote(
-            input_ids=tokens[:, :end], cache=getattr(output, remote_module(remote).CACHE_FIELD), use_cache=True
+        output = remote(  # the new token only, as a manual decode loop passes it
+            input_ids=tokens[:, end - 1 : end],
+            past_key_values=getattr(output, remote_module(remote).CACHE_FIELD),
+            use_cache=True,
         )
         logits.append(output.logits[:, -1])
     return logits
@@ -191,7 +194,7 @@ def _max_difference(first, second) -> float:
 
 
 def test_remote_code_needs_no_k3train():
-    for name in ("configuration_kimi_k3.py", "modeling_kimi_k3.py"):
+    for name in convert.REMOTE_CODE_FILES:
         tree = ast.parse((REMOTE / name).read_text())
         modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         modules |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}

@@ -8,12 +8,31 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+KDA_CONV_STREAMS = 3
+"""KDA's short convolutions (q, k, v): one conv state each in a layer's cache."""
+KDA_LAYER_TYPE = "kimi_delta_attention"
+"""A KDA layer's cache kind (`cache_kimi_k3.KimiDeltaCacheLayer`, registered by the model code)."""
+
 
 class KimiK3TextConfig(PretrainedConfig):
     """The text model's fields as written (k3train's ModelConfig names; `linear_attn_config` and
     `k3train` as nested dicts)."""
 
     model_type = "kimi_k3_text"
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Each layer's cache kind for transformers' `DynamicCache(config=…)`: `full_attention`
+        (MLA keys and values) or `kimi_delta_attention` (KDA's recurrent state and conv tails). Derived
+        from `linear_attn_config.full_attn_layers` (1-based), never stored."""
+        linear = dict(getattr(self, "linear_attn_config", None) or {})
+        linear.update(dict(getattr(self, "k3train", None) or {}).get("linear_attn_config") or {})
+        full = set(linear.get("full_attn_layers") or [])
+        return ["full_attention" if i + 1 in full else KDA_LAYER_TYPE for i in range(self.num_hidden_layers)]
+
+    @property
+    def number_of_conv_states(self) -> int:
+        return KDA_CONV_STREAMS
 
 
 class KimiK3Config(PretrainedConfig):

@@ -8,26 +8,38 @@ output gate, Stable LatentMoE (latent RMSNorm, SiTU-GLU or SwiGLU experts, share
 balancing bias `e_score_correction_bias` in the top-k choice). Parameter names are the hub's
 (`language_model.model.…`). KDA runs a prompt in k3train's chunkwise form (the same chunk size
 and the same fp32 operations, so the logits equal k3train's, not only to rounding of a different
-algorithm) and each decoded token as one step of the recurrence; `generate()` keeps a cache per
-layer (KDA recurrent state and short-convolution tails, MLA keys and values).
+algorithm) and each decoded token as one step of the recurrence. The cache is transformers' own
+`DynamicCache`: per KDA layer a `KimiDeltaCacheLayer` (transformers' `LinearAttentionLayer`, the
+recurrent state and three conv histories, that can also be cropped), per MLA layer a
+`DynamicLayer`; so `generate()` (greedy, sampling, beam search, prompt lookup) and manual decode
+loops drive it as they drive transformers' models. `attention_mask` marks padded positions (left
+padding): KDA sees them as absent (zero input, no decay, no update), MLA masks them as keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
 
 try:
+    from .cache_kimi_k3 import KDAPiece, KimiDeltaCacheLayer
     from .configuration_kimi_k3 import KimiK3Config
-except ImportError:  # loaded as a top-level module (tests)
+    from .kda_kimi_k3 import chunk_kda, recurrent_kda_step
+except ImportError:  # loaded as top-level modules (tests)
+    from cache_kimi_k3 import KDAPiece, KimiDeltaCacheLayer  # type: ignore[no-redef]
     from configuration_kimi_k3 import KimiK3Config  # type: ignore[no-redef]  # same class, other import path
+    from kda_kimi_k3 import chunk_kda, recurrent_kda_step  # type: ignore[no-redef]
 
 LATENT_NORM_EPS = 1e-6  # MLA's q_a/kv_a layernorms
 # The cache's name in model outputs and generation kwargs: `cache` from transformers 5.24 on,
@@ -87,6 +99,32 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = up(x)
         return (up(self.weight) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """KDA's output norm and gate: `RMSNorm(o) ⊙ σ(gate)`, in k3train's order of operations."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x32 = up(x)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * up(self.weight)
+        return (normed * torch.sigmoid(up(gate))).to(x.dtype)
+
+
+@contextmanager
+def hooks_fired(*modules: nn.Module) -> Iterator[None]:
+    """Runs accelerate's hooks of `modules` around a block that reads their weights without calling
+    them (as transformers' `force_accelerate_hooks` does): with disk or CPU offload, a module's
+    weights are on its device only between its hook's `pre_forward` and `post_forward`."""
+    hooks = [(module, getattr(module, "_hf_hook", None)) for module in modules]
+    for module, hook in hooks:
+        if hook is not None:
+            hook.pre_forward(module)
+    try:
+        yield
+    finally:
+        for module, hook in reversed(hooks):
+            if hook is not None:
+                hook.post_forward(module, ())
 
 
 def glu(settings: TextSettings, gate: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -176,167 +214,36 @@ class LatentMoE(nn.Module):
         return output
 
 
-@dataclass
-class LayerCache:
-    """One layer's state between calls: KDA's recurrent state and conv tails, or MLA's keys/values."""
-
-    state: torch.Tensor | None = None
-    tails: dict = field(default_factory=dict)
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-
-
-class KimiK3Cache:
-    """What `generate()` carries from step to step: one `LayerCache` per layer and the tokens seen."""
-
-    def __init__(self, num_layers: int):
-        self.layers = [LayerCache() for _ in range(num_layers)]
-        self.seen = 0
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seen
-
-
 class ShortConvolution(nn.Module):
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
         self.kernel = kernel
 
-    def forward(self, x, tail):
+    def forward(self, x, history):
+        """SiLU of the causal depthwise convolution of `x` `[B, T, C]` after the inputs `history`
+        `[B, C, ≤ any]` (None: none; zeros stand for inputs before the sequence's first)."""
         channels_first = x.transpose(1, 2)
-        if tail is None:
-            tail = channels_first.new_zeros(x.shape[0], x.shape[2], self.kernel - 1)
-        padded = torch.cat([tail, channels_first], dim=-1)
-        out = F.conv1d(padded, self.weight.to(x.dtype), groups=x.shape[2])
-        return F.silu(out).transpose(1, 2), padded[..., padded.shape[-1] - (self.kernel - 1) :]
+        context = channels_first.new_zeros(x.shape[0], x.shape[2], 0) if history is None else history
+        context = context[..., max(context.shape[-1] - (self.kernel - 1), 0) :].to(channels_first.dtype)
+        padded = torch.cat([F.pad(context, (self.kernel - 1 - context.shape[-1], 0)), channels_first], dim=-1)
+        return F.silu(F.conv1d(padded, self.weight.to(x.dtype), groups=x.shape[2])).transpose(1, 2)
 
 
-def kda_tile_size(max_decay: float, chunk_size: int, dtype: torch.dtype) -> int:
-    """Largest divisor of `chunk_size` whose decay span `(tile − 1) · max|g|` stays below
-    0.9·ln(finfo.max): every tile-local factor `e^{±(G − r)}` stays finite and normal."""
-    span_limit = 0.9 * math.log(torch.finfo(dtype).max)
-    for tile in range(chunk_size, 1, -1):
-        if chunk_size % tile == 0 and (tile - 1) * max_decay <= span_limit:
-            return tile
-    return 1
-
-
-def chunk_kda(q, k, v, g, beta, scale: float, initial_state: torch.Tensor | None, chunk_size: int):
-    """Kimi Delta Attention over a whole piece of sequence, chunkwise (k3train's training form).
-
-    Per head, `S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k_t v_tᵀ`, `o_t = S_tᵀ (scale·q_t)`.
-    Inside a chunk of `C` tokens with cumulative decay `G` and entering state `S_0`:
-    `(I + A) u = β v − β (k ⊙ e^G) S_0` with `A_ij = β_i Σ_c k_ic k_jc e^{G_ic − G_jc}` (j < i),
-    `o = (q ⊙ e^G) S_0 + P u` with `P_ij = Σ_c q_ic k_jc e^{G_ic − G_jc}` (j ≤ i), and
-    `S_C = e^{G_C} ⊙ S_0 + Σ_j (k_j ⊙ e^{G_C − G_j}) u_jᵀ`. Decays are products of bounded factors
-    around one reference point per tile (no fp32 overflow at g = −5 over 64 tokens). The operations
-    and their order are k3train's, so fp32 results are the same numbers.
-
-    q, k `[B, T, H, K]` (L2-normalised), v `[B, T, H, V]`, g `[B, T, H, K]` (≤ 0), beta `[B, T, H]`,
-    all fp32 or float64. Returns (o `[B, T, H, V]`, the state after the last token `[B, H, K, V]`).
-    """
-    batch, seq_len, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
-    dtype = q.dtype
-    if initial_state is None:
-        state = q.new_zeros(batch * heads, key_dim, value_dim, dtype=dtype)
-    else:
-        state = initial_state.to(dtype).reshape(batch * heads, key_dim, value_dim)
-    pad = (-seq_len) % chunk_size
-    n_chunks = (seq_len + pad) // chunk_size
-
-    def chunked(x):  # [B, T, H, D] -> [B*H, N, C, D]; zero padding leaves the state unchanged
-        x = x.transpose(1, 2)
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad))
-        return x.reshape(batch * heads, n_chunks, chunk_size, x.shape[-1])
-
-    def to_chunks(x):
-        return chunked(x).contiguous().to(dtype)
-
-    q_chunks, k_chunks, v_chunks = to_chunks(q), to_chunks(k), to_chunks(v)
-    beta_chunks = to_chunks(beta.unsqueeze(-1))
-    log_decay = torch.cumsum(chunked(g), dim=-2, dtype=torch.float64)  # G, formed in float64
-    lowest, highest = torch.aminmax(g.detach())
-    tile = kda_tile_size(max(-float(lowest), float(highest)), chunk_size, dtype)
-
-    n_tiles = chunk_size // tile
-    tiled_decay = log_decay.reshape(batch * heads, n_chunks, n_tiles, tile, key_dim)
-    reference = tiled_decay[..., tile // 2 : tile // 2 + 1, :].contiguous()  # r: the middle token's G
-    to_reference = torch.exp((tiled_decay - reference).to(dtype))  # e^{G − r}
-    from_reference = to_reference.reciprocal()  # e^{r − G}
-
-    def tiled(x):
-        return x.view(batch * heads, n_chunks, n_tiles, tile, x.shape[-1])
-
-    k_rows = tiled(k_chunks) * to_reference
-    q_rows = tiled(q_chunks) * to_reference
-    k_columns = tiled(k_chunks) * from_reference
-    if n_tiles == 1:
-        keys_seen = k_columns
-    else:  # bridges e^{r_a − r_b} from key tile b to row tile a ≥ b (later tiles masked before exp)
-        refs = reference.squeeze(-2)
-        bridge_exponent = (refs.unsqueeze(-2) - refs.unsqueeze(-3)).to(dtype)
-        later_tile = torch.ones(n_tiles, n_tiles, dtype=torch.bool, device=q.device).triu(1)
-        bridge = bridge_exponent.masked_fill(later_tile.unsqueeze(-1), float("-inf")).exp()
-        keys_seen = (bridge.unsqueeze(-2) * k_columns.unsqueeze(-4)).reshape(
-            batch * heads, n_chunks, n_tiles, chunk_size, key_dim
-        )
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    key_gram, query_gram = (
-        (rows @ keys_seen.transpose(-1, -2))
-        .reshape(batch * heads, n_chunks, chunk_size, chunk_size)
-        .masked_fill(~causal, 0.0)
-        for rows in (k_rows, q_rows)
-    )
-    strict_key_gram = (beta_chunks * key_gram).tril(-1)  # A
-    query_gram = query_gram * scale  # P
-
-    chunk_total = log_decay[..., -1:, :].unsqueeze(-2)  # G_C
-    reference_decay = reference.to(dtype).exp()
-    k_from_start = (k_rows * reference_decay).view_as(k_chunks)  # k e^{G}
-    q_from_start = (q_rows * reference_decay).view_as(q_chunks)  # q e^{G}
-    k_to_end = (k_columns * (chunk_total - reference).to(dtype).exp()).view_as(k_chunks).transpose(-1, -2)
-    chunk_decay = chunk_total.squeeze(-2).squeeze(-2).to(dtype).exp()  # e^{G_C}
-
-    identity = torch.eye(chunk_size, dtype=dtype, device=q.device)
-    ut_transform = torch.linalg.solve_triangular(
-        strict_key_gram, identity, upper=False, unitriangular=True
-    ) * beta_chunks.transpose(-1, -2)
-    u_base = ut_transform @ v_chunks  # u = u_base − W S_0
-    w = ut_transform @ k_from_start
-    o_base = query_gram @ u_base  # o = o_base + q_state S_0
-    q_state = torch.baddbmm(
-        q_from_start.flatten(0, 1), query_gram.flatten(0, 1), w.flatten(0, 1), beta=scale, alpha=-1.0
-    ).view_as(q_chunks)
-    chunk_outputs = []
-    for o_base_n, q_state_n, u_base_n, w_n, k_to_end_n, chunk_decay_n in zip(
-        *(x.unbind(1) for x in (o_base, q_state, u_base, w, k_to_end, chunk_decay.unsqueeze(-1)))
-    ):
-        chunk_outputs.append(torch.baddbmm(o_base_n, q_state_n, state))
-        u = torch.baddbmm(u_base_n, w_n, state, alpha=-1.0)
-        state = torch.baddbmm(state * chunk_decay_n, k_to_end_n, u)
-    o = torch.stack(chunk_outputs, dim=1).reshape(batch, heads, n_chunks * chunk_size, value_dim)
-    o = o[:, :, :seq_len].transpose(1, 2).contiguous()
-    return o, state.reshape(batch, heads, key_dim, value_dim)
-
-
-def recurrent_kda_step(q, k, v, g, beta, scale: float, state: torch.Tensor):
-    """One token of the recurrence (decoding): shapes as `chunk_kda` with T = 1."""
-    q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
-    state = state * g.exp().unsqueeze(-1)
-    predicted = torch.einsum("bhk,bhkv->bhv", k, state)
-    state = state + torch.einsum("bhk,bhv->bhkv", k, beta.unsqueeze(-1) * (v - predicted))
-    return torch.einsum("bhk,bhkv->bhv", q * scale, state).unsqueeze(1), state
+def padded_positions_absent(mask: torch.Tensor | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """`tensors` (`[B, T, …]`) with the positions where `mask` `[B, T]` is False set to zero."""
+    if mask is None:
+        return list(tensors)
+    return [t.masked_fill(~mask.view(*mask.shape, *([1] * (t.dim() - 2))), 0.0) for t in tensors]
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, s: TextSettings):
+    def __init__(self, s: TextSettings, layer_idx: int):
         super().__init__()
         lin = s.linear
         heads, head_dim, hidden = lin["num_heads"], lin["head_dim"], s.hidden_size
         width, kernel = heads * head_dim, lin.get("short_conv_kernel_size", 4)
+        self.layer_idx = layer_idx
         self.heads, self.head_dim, self.lower_bound = heads, head_dim, lin.get("gate_lower_bound", -5.0)
         self.chunk_size = lin.get("chunk_size") or 64  # k3train's default
         for name in ("q", "k", "v"):
@@ -356,7 +263,7 @@ class KimiDeltaAttention(nn.Module):
             output_rank = lin.get("output_gate_rank") or head_dim
             self.g_a_proj = nn.Linear(hidden, output_rank, bias=False)
             self.g_b_proj = nn.Linear(output_rank, width, bias=False)
-        self.o_norm = RMSNorm(head_dim, s.rms_norm_eps)
+        self.o_norm = GatedRMSNorm(head_dim, s.rms_norm_eps)
         self.o_proj = nn.Linear(width, hidden, bias=False)
 
     @staticmethod
@@ -364,14 +271,23 @@ class KimiDeltaAttention(nn.Module):
         x32 = up(x)
         return x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + 1e-6)
 
-    def forward(self, x, cache: LayerCache | None):
+    def forward(self, x, key_mask: torch.Tensor | None, cache: Cache | None):
+        """`key_mask` `[B, past + T]` (None: every position real): a padded position is absent,
+        its input zero (so the conv tails hold zeros, as before a sequence's first token), its
+        decay 0 and its update strength β 0 (the state passes it unchanged)."""
         batch, seq, _ = x.shape
         heads, dim = self.heads, self.head_dim
-        tails = cache.tails if cache is not None else {}
+        token_mask = None if key_mask is None else key_mask[:, -seq:]
+        (x,) = padded_positions_absent(token_mask, x)
         streams = {}
-        for name in ("q", "k", "v"):
-            out, tail = getattr(self, f"{name}_conv1d")(getattr(self, f"{name}_proj")(x), tails.get(name))
-            streams[name], tails[name] = out.view(batch, seq, heads, dim), tail
+        for index, name in enumerate(("q", "k", "v")):
+            conv, projected = getattr(self, f"{name}_conv1d"), getattr(self, f"{name}_proj")(x)
+            history = cache.get_conv_state(self.layer_idx, index) if cache is not None else None
+            streams[name] = conv(projected, history).view(batch, seq, heads, dim)
+            if cache is not None:  # transformers' conv state: the last kernel − 1 inputs (all, while recording)
+                cache.update_conv_state(
+                    projected.transpose(1, 2), self.layer_idx, state_idx=index, conv_kernel_size=conv.kernel - 1
+                )
         q, k = self.l2_normalize(streams["q"]), self.l2_normalize(streams["k"])
         v = up(streams["v"])
         z = up(self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, dim))
@@ -382,25 +298,30 @@ class KimiDeltaAttention(nn.Module):
         else:
             g = -rate * F.softplus(shifted)
         beta = torch.sigmoid(up(self.b_proj(x)))
-        state = cache.state if cache is not None else None
+        k, v, g, beta = padded_positions_absent(token_mask, k, v, g, beta)
+        state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
+        layer_cache = cache.layers[self.layer_idx] if cache is not None else None
+        if isinstance(layer_cache, KimiDeltaCacheLayer):
+            layer_cache.advance(seq)
+            if layer_cache.record_past:  # assisted generation: kept for `crop`
+                initial = state.clone() if state is not None else q.new_zeros(batch, heads, dim, v.shape[-1])
+                layer_cache.record(KDAPiece(initial, q, k, v, g, beta, dim**-0.5, self.chunk_size))
         if seq == 1 and state is not None:  # decoding: one step of the recurrence
             o, state = recurrent_kda_step(q, k, v, g, beta, dim**-0.5, state)
         else:  # a prompt (or any piece of several tokens): chunkwise, as k3train computes it
             o, state = chunk_kda(q, k, v, g, beta, dim**-0.5, state, self.chunk_size)
         if cache is not None:
-            cache.state, cache.tails = state, tails
-        o = o.to(x.dtype)
+            cache.update_recurrent_state(state, self.layer_idx)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        o32 = up(o)
-        normed = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.o_norm.eps) * up(self.o_norm.weight)
-        o = (normed * torch.sigmoid(up(gate.view(batch, seq, heads, dim)))).to(x.dtype)
+        o = self.o_norm(o.to(x.dtype), gate.view(batch, seq, heads, dim))
         return self.o_proj(o.reshape(batch, seq, heads * dim))
 
 
 class GatedMLA(nn.Module):
-    def __init__(self, s: TextSettings):
+    def __init__(self, s: TextSettings, layer_idx: int):
         super().__init__()
         hidden, heads = s.hidden_size, s.num_attention_heads
+        self.layer_idx = layer_idx
         self.heads, self.nope, self.rope, self.v_dim = heads, s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim
         self.kv_rank = s.kv_lora_rank
         qk = self.nope + self.rope
@@ -418,31 +339,36 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
         self.scale = qk**-0.5
 
-    def forward(self, x, cache: LayerCache | None):
+    def forward(self, x, key_mask: torch.Tensor | None, cache: Cache | None):
+        """`key_mask` `[B, past + T]` (None: every key real): padded keys are masked; a padded
+        query attends to itself only (its output is unused, and finite)."""
         batch, seq, _ = x.shape
         heads = self.heads
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(batch, seq, heads, -1)
+        q = q.view(batch, seq, heads, -1).transpose(1, 2)
         compressed, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(compressed)).view(batch, seq, heads, -1)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, heads, -1)], dim=-1)  # NoPE: never rotated
-        past = 0
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D], as transformers' caches hold them
         if cache is not None:
-            if cache.keys is not None:
-                assert cache.values is not None, "keys and values are cached together"
-                past = cache.keys.shape[1]
-                k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)
-            cache.keys, cache.values = k, v
-        if past == 0:
-            attended = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
-            )
+            k, v = cache.update(k, v, self.layer_idx)
+        total = k.shape[2]
+        past = total - seq
+        if key_mask is None and past == 0:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
-            mask = torch.arange(seq, device=x.device)[:, None] + past >= torch.arange(past + seq, device=x.device)[None]
-            attended = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale
-            )
+            query_at = torch.arange(seq, device=x.device)[:, None] + past
+            key_at = torch.arange(total, device=x.device)[None]
+            mask = (query_at >= key_at)[None, None]
+            if key_mask is not None:
+                if key_mask.shape[-1] != total:
+                    raise ValueError(
+                        f"attention_mask covers {key_mask.shape[-1]} positions, the cache and the input {total}: "
+                        "pass the mask of every position so far (past and new tokens)"
+                    )
+                mask = mask & key_mask[:, None, None, :] | (query_at == key_at)[None, None]
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         attended = attended.transpose(1, 2)
         if hasattr(self, "g_proj"):
             attended = attended * torch.sigmoid(self.g_proj(x)).view(batch, seq, heads, -1)
@@ -452,9 +378,10 @@ class GatedMLA(nn.Module):
 def attn_res_mix(sources, norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
     """Depth attention over `sources`: softmax of `(γ ⊙ w)ᵀ RMSNorm(v_i)` weighting the raw `v_i`.
     Computed as k3train computes it (scores as `(γ ⊙ w)ᵀ v_i` times each token's inverse RMS, no
-    normalised keys formed), so the logits agree to the bit."""
+    normalised keys formed), so the logits agree to the bit. Per token: padding never mixes in."""
     rows = [up(source) for source in sources]
-    weight = up(norm.weight) * up(proj.weight[0])
+    with hooks_fired(norm, proj):  # the weights are read, not called
+        weight = up(norm.weight) * up(proj.weight[0])
     for row in rows:
         weight = weight.to(torch.promote_types(weight.dtype, row.dtype))
     rows = [row.to(weight.dtype) for row in rows]
@@ -468,12 +395,12 @@ def attn_res_mix(sources, norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
     return mixed.to(sources[0].dtype)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(GradientCheckpointingLayer):
     def __init__(self, s: TextSettings, index: int):
         super().__init__()
         self.s, self.index = s, index
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.self_attn = GatedMLA(s) if s.is_mla(index) else KimiDeltaAttention(s)
+        self.self_attn = GatedMLA(s, index) if s.is_mla(index) else KimiDeltaAttention(s, index)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         if s.is_moe(index):
             self.block_sparse_moe = LatentMoE(s)
@@ -498,12 +425,22 @@ class DecoderLayer(nn.Module):
             return blocks + [partial], output
         return blocks, partial + output
 
-    def forward(self, blocks, partial, cache: LayerCache | None):
-        blocks, partial = self.sublayer(
-            blocks, partial, "self_attention_res", "mixer", self.input_layernorm, lambda h: self.self_attn(h, cache)
+    def forward(self, partial, *blocks, key_mask=None, past_key_values=None):
+        """(the finished AttnRes blocks…, the running partial sum) after this layer. Tensors are
+        positional, so gradient checkpointing (re-entrant or not) sees every input."""
+        blocks_so_far, partial = self.sublayer(
+            list(blocks),
+            partial,
+            "self_attention_res",
+            "mixer",
+            self.input_layernorm,
+            lambda h: self.self_attn(h, key_mask, past_key_values),
         )
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return self.sublayer(blocks, partial, "mlp_res", "ffn", self.post_attention_layernorm, ffn)
+        blocks_so_far, partial = self.sublayer(
+            blocks_so_far, partial, "mlp_res", "ffn", self.post_attention_layernorm, ffn
+        )
+        return (*blocks_so_far, partial)
 
 
 class KimiK3TextModel(nn.Module):
@@ -517,11 +454,11 @@ class KimiK3TextModel(nn.Module):
             self.output_attn_res_proj = nn.Linear(s.hidden_size, 1, bias=False)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, input_ids, cache: KimiK3Cache | None):
+    def forward(self, inputs_embeds, key_mask: torch.Tensor | None, cache: Cache | None):
         blocks: list[torch.Tensor] = []
-        partial = self.embed_tokens(input_ids)
-        for index, layer in enumerate(self.layers):
-            blocks, partial = layer(blocks, partial, cache.layers[index] if cache is not None else None)
+        partial = inputs_embeds
+        for layer in self.layers:
+            *blocks, partial = layer(partial, *blocks, key_mask=key_mask, past_key_values=cache)
         sources = blocks + [partial]
         if self.s.attn_res == "none" or len(sources) == 1:
             return self.norm(partial if self.s.attn_res == "none" else sources[0])
@@ -538,44 +475,77 @@ class KimiK3LanguageModel(nn.Module):
 class KimiK3PreTrainedModel(PreTrainedModel):
     config_class = KimiK3Config
     base_model_prefix = "language_model"
+    supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
 
     def _init_weights(self, module):
-        pass  # every tensor comes from the checkpoint
+        pass  # every tensor comes from the checkpoint (resize_token_embeddings initialises new rows itself)
 
 
 class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"language_model.lm_head.weight": "language_model.model.embed_tokens.weight"}
+
     def __init__(self, config: KimiK3Config):
         super().__init__(config)
         text = config.text_config
         self.settings = TextSettings(text.to_dict() if hasattr(text, "to_dict") else dict(text))
         self.language_model = KimiK3LanguageModel(self.settings)
-        if self.settings.get("tie_word_embeddings", False):
-            self.language_model.lm_head.weight = self.language_model.model.embed_tokens.weight
-        self.post_init()
+        self.post_init()  # ties the head to the embedding when config.tie_word_embeddings
 
     def get_input_embeddings(self):
         return self.language_model.model.embed_tokens
 
-    def forward(self, input_ids=None, cache=None, past_key_values=None, use_cache=None, attention_mask=None, **kwargs):
-        given = cache if cache is not None else past_key_values
-        cache = given if isinstance(given, KimiK3Cache) else None
-        if cache is None and use_cache:
-            cache = KimiK3Cache(len(self.language_model.model.layers))
-        if cache is not None:
-            input_ids = input_ids[:, cache.seen :]  # the tokens not yet in the cache
-        hidden = self.language_model.model(input_ids, cache)
-        logits = self.language_model.lm_head(hidden)
-        if cache is not None:
-            cache.seen += input_ids.shape[1]
-        return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: cache})
+    def set_input_embeddings(self, value):
+        self.language_model.model.embed_tokens = value
 
-    def prepare_inputs_for_generation(self, input_ids, **kwargs):
-        given = kwargs.get("cache", kwargs.get("past_key_values"))
-        cache = given if isinstance(given, KimiK3Cache) else None
-        return {"input_ids": input_ids, CACHE_FIELD: cache, "use_cache": True}
+    def get_output_embeddings(self):
+        return self.language_model.lm_head
 
-    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
-        model_kwargs.pop("past_key_values", None)
-        model_kwargs[CACHE_FIELD] = getattr(outputs, CACHE_FIELD)
-        return model_kwargs
+    def set_output_embeddings(self, new_embeddings):
+        self.language_model.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,  # accepted and unused: K3's attention has no positions (NoPE)
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """transformers' causal-LM forward: `input_ids` (or `inputs_embeds`) are the tokens not yet
+        in `past_key_values`; `attention_mask` `[B, past + T]` marks real (1) and padded (0)
+        positions; `labels` give the shifted cross-entropy `loss` (-100 ignored);
+        `logits_to_keep` computes the head on the last positions only."""
+        if past_key_values is None:
+            past_key_values = kwargs.pop("cache", None)  # the cache's name from transformers 5.24 on
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if past_key_values is not None and not isinstance(past_key_values, Cache):
+            raise ValueError(
+                f"past_key_values is a {type(past_key_values).__name__}: pass a transformers Cache, e.g. "
+                "DynamicCache(config=model.config)"
+            )
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        key_mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    f"attention_mask has {attention_mask.dim()} dimensions: pass the 2-D [batch, length] mask"
+                )
+            if not bool(attention_mask.all()):  # an all-ones mask computes the unmasked path, to the bit
+                key_mask = attention_mask.to(torch.bool)
+        hidden = self.language_model.model(inputs_embeds, key_mask, past_key_values)
+        logits = self.get_output_embeddings()(slice_logits_to_keep(hidden, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
+        cache_field: dict[str, Any] = {CACHE_FIELD: past_key_values}
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_field)
