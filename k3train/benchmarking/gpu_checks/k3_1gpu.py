@@ -235,6 +235,7 @@ def train_k3_1gpu(ctx: Context, job, precision: str, attn_res: str, steps: int, 
         marks.mark()
         torch.nn.utils.clip_grad_norm_(model.parameters(), job.optimizer.clip_grad)
         optimizer.step()
+        te_kernels.new_fp8_weights([model])  # as training: the next forward casts the new weights
         model.update_routing_biases()
         losses.append(loss.detach())
         model_ms, optimizer_ms = marks.finish()
