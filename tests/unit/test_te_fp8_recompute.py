@@ -177,3 +177,27 @@ def test_blockwise_recipe_and_te_argument_checks():
     del older.recipe.Float8BlockScaling
     with pytest.raises(ValueError, match="Float8BlockScaling"):
         te_kernels.make_fp8_recipe(older, "blockwise")
+
+
+def test_start_up_takes_fp8_with_sublayer_recompute_and_checks_blockwise_support(monkeypatch):
+    """`check_precision_support` on a (pretend) CUDA device with TE: fp8 with every recompute
+    mode passes; blockwise is refused in one line naming the field where TE says this GPU cannot
+    run Float8BlockScaling, and passes where it can."""
+    from k3train.config import JobConfig, apply_overrides
+    from k3train.config.recipe import ConfigError
+    from k3train.training.build import check_precision_support
+
+    te = make_stand_in()
+    support = {"available": (True, "")}
+    te.pytorch.is_fp8_block_scaling_available = lambda return_reason=False: support["available"]
+    monkeypatch.setattr(te_kernels, "te_missing", lambda device: None)
+    monkeypatch.setattr(te_kernels, "import_transformer_engine", lambda: (te, ""))
+    cuda = torch.device("cuda")
+    for recompute in ("none", "attn_res", "sublayer"):
+        config = apply_overrides(JobConfig(), ["train.precision=fp8", f"model.recompute={recompute}"])
+        check_precision_support(config, cuda)
+    blockwise = apply_overrides(JobConfig(), ["train.precision=fp8", "train.fp8_recipe=blockwise"])
+    check_precision_support(blockwise, cuda)
+    support["available"] = (False, "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9.")
+    with pytest.raises(ConfigError, match=r"train.fp8_recipe=blockwise .*compute capability 9.0"):
+        check_precision_support(blockwise, cuda)
