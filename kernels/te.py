@@ -37,12 +37,12 @@ import torch
 from torch import nn
 
 INSTALL_HINT = "pip install transformer-engine[pytorch]"
-FP8_RECIPES = ("delayed", "current", "mxfp8")
+FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise")
 FP8_STATE_VERSION = 1.0
 # FP8 GEMMs need both matrix dimensions divisible by 16 (cuBLASLt); TE refuses others.
 FP8_DIM_MULTIPLE = 16
 # Rows per expert group are padded to this under FP8 (MXFP8 scales blocks of 32 rows).
-FP8_GROUP_ROWS = {"delayed": 16, "current": 16, "mxfp8": 32}
+FP8_GROUP_ROWS = {"delayed": 16, "current": 16, "mxfp8": 32, "blockwise": 16}
 
 
 # ---------------------------------------------------------------------------------- import
@@ -109,8 +109,10 @@ def torch_linear(in_features: int, out_features: int, device=None, dtype=None) -
 # ---------------------------------------------------------------------------------- FP8 recipes
 def make_fp8_recipe(te: Any, name: str, amax_history_len: int = 1024, amax_compute_algo: str = "max"):
     """TE's recipe object: `delayed` (DelayedScaling, HYBRID: E4M3 forward, E5M2 gradients),
-    `current` (Float8CurrentScaling, per-tensor scales from the tensor itself) or `mxfp8`
-    (MXFP8BlockScaling, 32-element blocks; Blackwell and later)."""
+    `current` (Float8CurrentScaling, per-tensor scales from the tensor itself), `mxfp8`
+    (MXFP8BlockScaling, 32-element blocks; Blackwell and later) or `blockwise`
+    (Float8BlockScaling, E4M3 with power-of-two scales per 1 × 128 block of the inputs and
+    gradients and per 128 × 128 block of the weights: DeepSeek-V3's recipe, Hopper with CUDA ≥ 12.9)."""
     recipe = te.recipe
     if name == "delayed":
         return recipe.DelayedScaling(
@@ -120,6 +122,13 @@ def make_fp8_recipe(te: Any, name: str, amax_history_len: int = 1024, amax_compu
         return recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)
     if name == "mxfp8":
         return recipe.MXFP8BlockScaling()
+    if name == "blockwise":
+        if not hasattr(recipe, "Float8BlockScaling"):
+            raise ValueError(
+                "train.fp8_recipe=blockwise needs Transformer Engine 2.3 or later (Float8BlockScaling); "
+                f"upgrade it ({INSTALL_HINT}) or use fp8_recipe=delayed or current"
+            )
+        return recipe.Float8BlockScaling(fp8_format=recipe.Format.E4M3)
     raise ValueError(f"train.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {name!r}")
 
 
@@ -133,6 +142,28 @@ def fp8_autocast(te: Any, enabled: bool, recipe=None, amax_group=None):
         return autocast(enabled=enabled, recipe=recipe, **kwargs)
     kwargs = {"fp8_group": amax_group} if amax_group is not None else {}
     return te.pytorch.fp8_autocast(enabled=enabled, fp8_recipe=recipe, **kwargs)
+
+
+def blockwise_unsupported(te: Any) -> str | None:
+    """Why this GPU cannot run `Float8BlockScaling` (TE's own check, where it has one), or None."""
+    check = getattr(te.pytorch, "is_fp8_block_scaling_available", None)
+    if check is None:
+        return None if hasattr(te.recipe, "Float8BlockScaling") else "Transformer Engine has no Float8BlockScaling"
+    available, reason = check(return_reason=True)
+    return None if available else str(reason)
+
+
+def fp8_checkpoint(te: Any) -> Callable:
+    """Activation recompute for code that runs TE modules: `te.pytorch.checkpoint(function,
+    *args, use_reentrant=False)`. Its recompute re-enters the forward's FP8 region (recipe and
+    all) and torch's autocast state, and the delayed-scaling modules reuse the scales their first
+    forward used instead of counting the recompute's amaxes; torch's own checkpoint would rerun
+    the projections outside the FP8 region, in another precision than the forward."""
+
+    def checkpoint(function: Callable, *args: Any) -> Any:
+        return te.pytorch.checkpoint(function, *args, use_reentrant=False)
+
+    return checkpoint
 
 
 def fp8_enabled(te: Any) -> bool:
@@ -221,6 +252,20 @@ class FP8StateMixin:
     te_namespace: Any = None
     fp8_num_gemms: int = 1
 
+    def _is_first_microbatch(self, weight: torch.Tensor) -> bool | None:
+        """TE's `is_first_microbatch` for this call: True when the weight may have changed since
+        its FP8 cast was cached (TE casts it again and caches it), False when it cannot have (TE
+        reuses the cache: micro-batches after the first, and the recompute of any), None outside
+        FP8. "Changed": another tensor, an in-place update autograd counts (`_version`), or
+        `new_fp8_weights` since (the optimizer step, writes through `.data` that bump no version)."""
+        te = self.te_namespace
+        if self.keep_out_of_fp8 or not fp8_enabled(te):
+            return None
+        key = (weight.data_ptr(), weight._version)
+        first = self.__dict__.get("fp8_weight_key") != key
+        self.__dict__["fp8_weight_key"] = key
+        return first
+
     def get_extra_state(self) -> torch.Tensor:
         return fp8_state_tensor(cast(nn.Module, self))  # always mixed into a TE module
 
@@ -265,7 +310,7 @@ def te_linear_class(te: Any) -> type:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             with self._fp8_region():
-                return super().forward(x)
+                return super().forward(x, is_first_microbatch=self._is_first_microbatch(self.weight))
 
     return TELinear
 
@@ -321,6 +366,11 @@ class TELinearFactory:
         self.te = te
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.fp8_rows = fp8_rows
+
+    def checkpoint(self, function: Callable, *args: Any) -> Any:
+        """The activation recompute for code running the modules this factory builds (the
+        model's `recompute: sublayer`): TE's checkpoint (`fp8_checkpoint`)."""
+        return fp8_checkpoint(self.te)(function, *args)
 
     def _device(self, device) -> torch.device:
         device = torch.device(device) if device is not None else self.device
@@ -399,6 +449,18 @@ def linear_factory_for(backend: str, device: torch.device, fp8_recipe: str = "de
     return TELinearFactory(te, device, fp8_rows=FP8_GROUP_ROWS.get(fp8_recipe, 16))
 
 
+def new_fp8_weights(modules: Sequence[nn.Module]) -> int:
+    """After the weights of `modules` changed (an optimizer step): the next FP8 forward of each
+    TE linear casts its weight again (`is_first_microbatch=True`). Returns how many were told."""
+    count = 0
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, FP8StateMixin):
+                module.__dict__["fp8_weight_key"] = None
+                count += 1
+    return count
+
+
 def keep_modules_out_of_fp8(modules: Sequence[nn.Module]) -> int:
     """Switch FP8 off in every TE module inside `modules` (the recipe's excluded layers); returns
     how many were switched."""
@@ -423,13 +485,16 @@ __all__ = [
     "TENamespace",
     "GroupedExpertGEMM",
     "TELinearFactory",
+    "blockwise_unsupported",
     "fp8_autocast",
+    "fp8_checkpoint",
     "fp8_forward_context",
     "fp8_state_tensor",
     "import_transformer_engine",
     "keep_modules_out_of_fp8",
     "linear_factory_for",
     "make_fp8_recipe",
+    "new_fp8_weights",
     "pad_groups",
     "parse_fp8_state",
     "resolve_linear_backend",

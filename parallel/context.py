@@ -22,13 +22,14 @@ per token (embeddings, norms, AttnRes over depth, MoE routing, the head) runs on
   Finally `o = o⁰ + M · S_in`. Why: docs/context_parallel.md.
 - MLA. The compressed KV (`kv_a` output: `kv_lora_rank + qk_rope_head_dim` per token, shared by
   every head) is all-gathered over cp into true order (backward: reduce-scatter), up-projected
-  locally, and each local query attends the keys at or before its true position.
+  locally, and each local piece attends the keys up to its own end under a lower-right causal
+  mask (no mask tensor: the causal minimum of scores, flash attention on CUDA).
 
 Packed documents (`document_starts`, the whole sequence's, on every cp rank): a piece is cut
 into its documents, each run as a sequence of its own; a piece's first document continues from
 the piece before unless the piece begins one, so the state handed across a boundary is used only
 up to the first document start in the piece (`A = 0`, `M = 0` after it), and a convolution tail
-keeps only the inputs of the document it continues. MLA's mask adds "same document".
+keeps only the inputs of the document it continues. MLA's piece masks add "same document".
 
 With a cp group of size 1 nothing here is called; `ContextParallel.single()` is the identity.
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from k3train.kernels.kda import chunk_kda
 from k3train.kernels.kda.varlen import chunk_kda_varlen
@@ -212,11 +214,6 @@ class ContextParallel:
         pieces = self.gather_pieces(x.reshape(batch, 2, local // 2, *x.shape[2:]).transpose(0, 1))
         return pieces.transpose(0, 1).reshape(batch, self.num_pieces * (local // 2), *x.shape[2:])
 
-    def causal_mask(self, local_length: int, device=None) -> torch.Tensor:
-        """`[2L, T]` boolean: local query i may attend key j iff j ≤ its true position."""
-        keys = torch.arange(local_length * self.size, device=device)
-        return keys.unsqueeze(0) <= self.positions(local_length, device).unsqueeze(1)
-
     def tail_mask(self, document_starts: torch.Tensor, width: int) -> torch.Tensor:
         """`[2B, 1, width]` bool (`split_pieces` order): which of the `width` inputs before each
         local piece belong to the document its first token is in (none where the piece begins a
@@ -362,15 +359,54 @@ def context_attention(
 ) -> torch.Tensor:
     """Causal attention of the local queries `[B, 2L, H, D]` over the whole sequence's keys and
     values `[B, T, H, D]` (true order); returns `[B, 2L, H, Dv]`. With `document_starts`
-    (`[B, T]` bool) a query sees only the keys of its own document."""
-    mask = cp.causal_mask(q.shape[1], q.device)
-    if document_starts is not None:
+    (`[B, T]` bool) a query sees only the keys of its own document.
+
+    Each local piece `p` (true positions `[pL, (p + 1)L)`) attends only the keys up to its own
+    end, `[0, (p + 1)L)`, under a lower-right causal mask (`torch.nn.attention.bias.
+    causal_lower_right`: query `i` sees keys `j ≤ pL + i`): the causal minimum of scores, and no
+    mask tensor on CUDA, where SDPA runs that mask inside flash attention. With documents the
+    keys start at the earliest document any of the piece's queries is in, and the mask adds
+    "same document" (a materialised `[B, 1, L, keys]` mask: documents need it)."""
+    piece = q.shape[1] // 2
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    if training and v_dim < qk_dim:  # flash wants one head dim: zero columns, sliced off after
+        v = F.pad(v, (0, qk_dim - v_dim))
+    outputs = []
+    for slot, index in enumerate(cp.local_pieces()):
+        queries = q[:, slot * piece : (slot + 1) * piece]
+        end = (index + 1) * piece
+        if document_starts is None:
+            outputs.append(_piece_attention(queries, k[:, :end], v[:, :end], scale))
+            continue
         documents = segment_ids(document_starts.to(q.device))  # [B, T]
-        local = cp.shard_sequence(documents)  # [B, 2L]
-        mask = (mask & (local[:, :, None] == documents[:, None, :])).unsqueeze(1)  # [B, 1, 2L, T]
+        begin = _document_begin(document_starts, index * piece)
+        query_positions = torch.arange(index * piece, end, device=q.device)
+        key_positions = torch.arange(begin, end, device=q.device)
+        causal = key_positions[None, :] <= query_positions[:, None]
+        same_document = documents[:, index * piece : end, None] == documents[:, None, begin:end]
+        mask = (causal & same_document).unsqueeze(1)  # [B, 1, L, end − begin]
+        outputs.append(_piece_attention(queries, k[:, begin:end], v[:, begin:end], scale, mask))
+    return torch.cat(outputs, dim=1)[..., :v_dim]
+
+
+def _piece_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`[B, L, H, D]` queries over `[B, S, H, D]` keys, `S ≥ L`, the queries being the last `L`
+    positions of the keys' span: lower-right causal, or `mask` (`[B, 1, L, S]`) where given."""
+    attn_mask = causal_lower_right(q.shape[1], k.shape[1]) if mask is None else mask
     return F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale
     ).transpose(1, 2)
+
+
+def _document_begin(document_starts: torch.Tensor, position: int) -> int:
+    """The earliest true position, over the batch, of the document holding token `position`:
+    no query at or after `position` sees a key before it."""
+    positions = torch.arange(position + 1, device=document_starts.device)
+    starts = torch.where(document_starts[:, : position + 1].to(torch.bool), positions, 0)
+    return int(starts.amax(dim=1).amin())  # each row's last start at or before `position`
 
 
 __all__ = ["ContextParallel", "context_attention"]

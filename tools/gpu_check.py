@@ -4,6 +4,16 @@
     python tools/gpu_check.py                         # every check, on CUDA (without a GPU: one line, exit 2)
     python tools/gpu_check.py --device cpu --quick    # the logic at small sizes (tests/unit runs this)
     python tools/gpu_check.py --only kda_fla --only grouped_mm --json /tmp/rows.json
+    python tools/gpu_check.py --budget 480 --json first.json   # the most valuable checks that fit
+    python tools/gpu_check.py --budget 480 --only NAME ...     # the rest: the first run prints this line
+
+The checks run in three groups, in order of value (`GROUPS`): the model's CUDA kernels against
+their references and the K3 training row; the remaining fast paths and the debug model; the
+speed-ups, the larger model and the step against a dense peer. `--budget SECONDS` (start-up
+included) starts a check only while its estimate fits in what is left (the registry's
+estimates, or a previous run's measured seconds with `--estimates PATH` of its `--json`), stops
+one that overruns at the budget's end (its rows so far stay), and prints what it left out with
+the command that runs it (k3train/benchmarking/gpu_checks/budget.py).
 
 Each check compares a fast path with a reference in higher precision (float64, mostly on the CPU)
 and times the fast path against the path it replaces on the same device (median of several runs
@@ -37,13 +47,16 @@ it the `transformer_engine` rows and the fp8 runs of `k3_1gpu` SKIP.
 
 `k3_1gpu` trains recipes/k3-1gpu.yaml (every K3 feature, 1.1B active parameters) for 50 steps in
 bf16 and in fp8 from the same weights and batches, compares the loss curves, and prints a table
-of tokens/s, TFLOP/s, MFU (against the GPU's dense bf16 peak from tools/hardware/) and peak
-memory for bf16 and fp8, with Block AttnRes and without; `--json PATH` writes the rows, that
+for bf16 and fp8, with Block AttnRes and without: the forward-backward of a micro-batch and the
+optimizer step timed apart (medians after warm-up), model MFU (against the GPU's dense bf16 peak
+from tools/hardware/), the optimizer's time, the recipe's whole step from them (its 32
+micro-batches, one optimizer step: tokens/s and MFU as the training step line reports) and peak
+memory; `--json PATH` writes the rows, that
 table and the loss curves. `step_vs_dense` times k3train's whole step against a dense transformer
 of equal FLOPs per token (`benchmarks/step_vs_dense.py`) in bf16, at 2,048 and 16,384 tokens per
 step (at 2,048 also with `train.compile=true`), and prints where one profiled step's kernel time
-goes. The whole script is sized for under
-8 minutes on one H200.
+goes. The whole script is estimated at 7 to 17 minutes on one H200; `--budget` splits it over
+calls.
 
 This file is the driver: the registry of checks (it fixes the order of the table), the CLI and
 the table. The checks live beside it in k3train/benchmarking/gpu_checks/, one module per subject; its common
@@ -76,10 +89,20 @@ from k3train.benchmarking.gpu_checks import (
     step_vs_dense,
     transformer_engine,
 )
+from k3train.benchmarking.gpu_checks.budget import (
+    Budget,
+    BudgetExceeded,
+    load_estimates,
+    rest_command,
+    seconds_since_process_start,
+)
 from k3train.benchmarking.gpu_checks.common import Context, Row, describe, release
+from k3train.errors import UserError
 
 NO_GPU = 2
 """Exit status when CUDA is wanted (the default) and torch sees no device."""
+USAGE_ERROR = 2
+"""Exit status for unusable arguments (argparse's)."""
 
 
 def package_version(module: str, distribution: str) -> str:
@@ -99,48 +122,75 @@ def package_version(module: str, distribution: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Check:
+    """One check: its group (`GROUPS`, in order of value) and its estimated seconds on CUDA at
+    full sizes, on CUDA with `--quick`, and on the CPU (`--device cpu`, always small)."""
+
     name: str
     run: Callable[[Context], Iterator[Row]]
+    group: str
+    estimate_s: tuple[float, float, float]
+
+    def estimate(self, ctx: Context, measured: dict[str, float]) -> float:
+        if self.name in measured:
+            return measured[self.name]
+        full, quick, cpu = self.estimate_s
+        return cpu if not ctx.cuda else quick if ctx.quick else full
 
 
+GROUPS = {
+    "first": "the model's CUDA kernels against their references, and the K3 training row",
+    "paths": "the remaining fast paths against their references, the debug model",
+    "speed": "speed-ups against the paths they replace, the larger model, the step against a dense peer",
+}
+"""The groups in the order they run: under `--budget` the most valuable first."""
+
+# Estimates: CPU seconds measured here (2 cores, --device cpu --quick) with ~1.5x margin; CUDA
+# sized from the parts (fla's first-call autotuning, four builds of the K3 model, compilation),
+# to be replaced by a GPU run's own (`--json`, then `--estimates`).
 CHECKS: list[Check] = [
-    Check("kda_chunk", kda.check_kda_chunk),
-    Check("kda_fla", kda.check_kda_fla),
-    Check("kda_speed", kda.check_kda_speed),
-    Check("kda_fla_raw", kda.check_kda_fla_raw),
-    Check("short_conv_fla", kda.check_short_conv_fla),
-    Check("gated_norm_fla", kda.check_gated_norm_fla),
-    Check("grouped_mm", grouped_gemm.check_grouped_mm),
-    Check("grouped_mm_speed", grouped_gemm.check_grouped_mm_speed),
-    Check("attn_res", fused_paths.check_attn_res),
-    Check("situ_glu", fused_paths.check_situ_glu),
-    Check("fused_paths", fused_paths.check_fused_paths),
-    Check("newton_schulz", newton_schulz.check_newton_schulz),
-    Check("model_debug", model.check_model_debug),
-    Check("model_large", model.check_model_large),
-    Check("expert_dispatch", grouped_gemm.check_expert_dispatch),
-    Check("transformer_engine", transformer_engine.check_transformer_engine),
-    Check("k3_1gpu", k3_1gpu.check_k3_1gpu),
-    Check("step_vs_dense", step_vs_dense.check_step_vs_dense),
+    Check("kda_fla_raw", kda.check_kda_fla_raw, "first", (60, 30, 1)),
+    Check("kda_fla", kda.check_kda_fla, "first", (60, 30, 1)),
+    Check("short_conv_fla", kda.check_short_conv_fla, "first", (20, 10, 1)),
+    Check("gated_norm_fla", kda.check_gated_norm_fla, "first", (20, 10, 1)),
+    Check("grouped_mm", grouped_gemm.check_grouped_mm, "first", (20, 10, 3)),
+    Check("transformer_engine", transformer_engine.check_transformer_engine, "first", (30, 20, 2)),
+    Check("k3_1gpu", k3_1gpu.check_k3_1gpu, "first", (240, 90, 4)),
+    Check("kda_chunk", kda.check_kda_chunk, "paths", (20, 10, 2)),
+    Check("attn_res", fused_paths.check_attn_res, "paths", (10, 5, 1)),
+    Check("situ_glu", fused_paths.check_situ_glu, "paths", (10, 5, 1)),
+    Check("fused_paths", fused_paths.check_fused_paths, "paths", (20, 10, 4)),
+    Check("newton_schulz", newton_schulz.check_newton_schulz, "paths", (15, 10, 1)),
+    Check("expert_dispatch", grouped_gemm.check_expert_dispatch, "paths", (10, 10, 1)),
+    Check("model_debug", model.check_model_debug, "paths", (30, 20, 5)),
+    Check("kda_speed", kda.check_kda_speed, "speed", (40, 20, 1)),
+    Check("grouped_mm_speed", grouped_gemm.check_grouped_mm_speed, "speed", (20, 10, 1)),
+    Check("model_large", model.check_model_large, "speed", (60, 30, 1)),
+    Check("step_vs_dense", step_vs_dense.check_step_vs_dense, "speed", (150, 60, 23)),
 ]
 
 
-def run_check(ctx: Context, check: Check) -> list[Row]:
-    """The check's rows; an exception becomes a FAIL row (traceback on stderr) after any rows it
-    already produced."""
+def run_check(ctx: Context, check: Check, budget: Budget) -> tuple[list[Row], bool]:
+    """The check's rows and whether the budget stopped it; an exception becomes a FAIL row
+    (traceback on stderr) after any rows it already produced."""
     rows: list[Row] = []
+    stopped = False
     start = time.perf_counter()
     try:
-        for row in check.run(ctx):
-            rows.append(row)
-            print(f"  {format_row(row)}", flush=True)
+        with budget.stop_at_deadline():
+            for row in check.run(ctx):
+                rows.append(row)
+                print(f"  {format_row(row)}", flush=True)
+    except BudgetExceeded as exc:
+        stopped = True
+        rows.append(Row(check.name, "SKIP", note=f"stopped after {time.perf_counter() - start:.0f} s: {exc}"))
+        print(f"  {format_row(rows[-1])}", flush=True)
     except Exception as exc:
         traceback.print_exc(file=sys.stderr)
         rows.append(Row(check.name, "FAIL", note=describe(exc)))
         print(f"  {format_row(rows[-1])}", flush=True)
     release(ctx)
     print(f"  ({check.name}: {time.perf_counter() - start:.1f} s)", flush=True)
-    return rows
+    return rows, stopped
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -218,8 +268,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="NAME",
         help="run only this check (repeatable): " + ", ".join(names),
     )
+    parser.add_argument(
+        "--skip", action="append", choices=names, metavar="NAME", help="leave this check out (repeatable)"
+    )
+    parser.add_argument(
+        "--budget",
+        type=positive_seconds,
+        metavar="SECONDS",
+        help="wall seconds for the whole run (start-up included): checks start, in order of value, "
+        "only while their estimate fits; one that overruns is stopped; what was left out is printed "
+        "with the command that runs it",
+    )
+    parser.add_argument(
+        "--estimates",
+        metavar="PATH",
+        help="per-check seconds from a previous run's --json (its measured times) instead of the built-in estimates",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return parser.parse_args(argv)
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"--budget wants a positive number of seconds, got {text!r}")
+    return value
 
 
 def no_gpu_reason() -> str:
@@ -229,7 +305,29 @@ def no_gpu_reason() -> str:
     return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def budget_line(
+    args: argparse.Namespace,
+    budget: Budget,
+    left_out: list[str],
+    selected: list[Check],
+    ctx: Context,
+    measured: dict[str, float],
+) -> str:
+    """What the budget left out, and the command that runs it (the same device and sizes)."""
+    wall = budget.elapsed()
+    if not left_out:
+        return f"gpu_check: budget {args.budget:g} s, used {wall:.0f} s: every selected check ran, nothing left out"
+    estimate = sum(c.estimate(ctx, measured) for c in selected if c.name in left_out)
+    options = [f"--device {args.device}"] + (["--quick"] if args.quick else [])
+    return (
+        f"gpu_check: budget {args.budget:g} s, used {wall:.0f} s; left out {len(left_out)} check(s), "
+        f"estimated {estimate:g} s: {', '.join(left_out)}\n"
+        f"gpu_check: the rest: {rest_command(left_out, options)}"
+    )
+
+
+def main(argv: Sequence[str] | None = None, spent_s: float = 0.0) -> int:
+    """The run; `spent_s`: seconds the process spent before (its imports), counted in `--budget`."""
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         # Without CUDA the full run would take minutes on the CPU and check nothing of the GPU.
@@ -239,16 +337,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return NO_GPU
+    budget = Budget(args.budget, spent_s)
+    try:
+        measured = load_estimates(args.estimates)
+    except UserError as exc:
+        print(f"gpu_check: {exc}", file=sys.stderr)
+        return USAGE_ERROR
     ctx = Context(torch.device(args.device), args.quick)
     if not ctx.cuda:
         torch.set_num_threads(min(torch.get_num_threads(), 2))
     print(f"gpu_check: {environment(ctx)}", flush=True)
-    selected = [c for c in CHECKS if args.only is None or c.name in args.only]
+    selected = [c for c in CHECKS if (args.only is None or c.name in args.only) and c.name not in (args.skip or [])]
     rows: list[Row] = []
+    seconds: dict[str, float] = {}
+    left_out: list[str] = []
+    stopped = False
     start = time.perf_counter()
+    group = None
     for check in selected:
+        estimate = check.estimate(ctx, measured)
+        if stopped or not budget.fits(estimate):
+            left_out.append(check.name)
+            print(
+                f"[{check.name}] left out: estimated {estimate:g} s, {max(budget.left(), 0):.0f} s of the budget left"
+            )
+            continue
+        if check.group != group:
+            group = check.group
+            print(f"== {group}: {GROUPS[group]}", flush=True)
         print(f"[{check.name}]", flush=True)
-        rows.extend(run_check(ctx, check))
+        check_start = time.perf_counter()
+        check_rows, stopped = run_check(ctx, check, budget)
+        rows.extend(check_rows)
+        if stopped:
+            left_out.append(check.name)
+        else:
+            seconds[check.name] = round(time.perf_counter() - check_start, 1)
     failed = [r.name for r in rows if r.status == "FAIL"]
     print(f"\ngpu_check: {environment(ctx)}; {time.perf_counter() - start:.0f} s")
     print_table(rows)
@@ -257,10 +381,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"gpu_check: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP"
         + (f": FAILED {', '.join(failed)}" if failed else "")
     )
+    if args.budget is not None:
+        print(budget_line(args, budget, left_out, selected, ctx, measured))
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"environment": environment(ctx), "rows": [dataclasses.asdict(r) for r in rows], **ctx.results},
+                {
+                    "environment": environment(ctx),
+                    "rows": [dataclasses.asdict(r) for r in rows],
+                    "seconds": seconds,
+                    "left_out": left_out,
+                    **ctx.results,
+                },
                 indent=1,
             )
         )
@@ -268,4 +400,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(spent_s=seconds_since_process_start()))

@@ -40,6 +40,11 @@ class KeyedResidualState(ResidualState):
     block_keys: list = field(default_factory=list)
 
 
+def torch_checkpoint(function: Callable, *inputs: torch.Tensor) -> torch.Tensor:
+    """torch's non-reentrant activation checkpoint of `function(*inputs)`."""
+    return checkpoint(function, *inputs, use_reentrant=False)
+
+
 def source_keys(state: ResidualState, attn_res: AttentionResidual) -> tuple[list, list]:
     """For each of `state.sources()`, `attn_res`'s cached inverse key norm and dot, or None."""
     entries = getattr(state, "block_keys", [])
@@ -114,13 +119,16 @@ def apply_sublayer(
     sublayer: Callable[[torch.Tensor], torch.Tensor],
     recompute_sublayer: bool = False,
     later: Sequence[AttentionResidual] = (),
+    checkpoint_function: Callable | None = None,
 ) -> ResidualState:
     """Run one pre-norm sublayer on the residual state (see the module docstring for the rule).
 
     `recompute_sublayer` checkpoints the whole sublayer (mix, norm and `sublayer`), saving only
-    its inputs. `later`: the mixes after this one in the model chunk, which read a block closed
+    its inputs, through `checkpoint_function(function, *inputs)` (None: torch's non-reentrant
+    checkpoint; Transformer Engine's under TE linears, `kernels.te.fp8_checkpoint`). `later`: the mixes after this one in the model chunk, which read a block closed
     here; its keys for them are computed once, when it closes.
     """
+    recompute = checkpoint_function or torch_checkpoint
     if attn_res is None:  # plain residual: x = x + f(norm(x))
         assert state.partial is not None  # with plain residuals `partial` is the hidden state
 
@@ -128,9 +136,7 @@ def apply_sublayer(
             return sublayer(norm(hidden))
 
         output = (
-            checkpoint(plain, state.partial, use_reentrant=False)
-            if recompute_sublayer and torch.is_grad_enabled()
-            else plain(state.partial)
+            recompute(plain, state.partial) if recompute_sublayer and torch.is_grad_enabled() else plain(state.partial)
         )
         return ResidualState(state.partial + output, state.blocks)
 
@@ -145,7 +151,7 @@ def apply_sublayer(
         return sublayer(attn_res.normalized_input(list(inputs[: len(sources)]), norm, norms_in, dots_in))
 
     if recompute_sublayer and torch.is_grad_enabled():
-        output = checkpoint(run, *sources, *given, use_reentrant=False)
+        output = recompute(run, *sources, *given)
     else:
         output = run(*sources, *given)
     blocks, partial = state.blocks, state.partial

@@ -33,6 +33,8 @@ class DecoderLayer(nn.Module):
         self.attn_res_mode = config.attn_res
         self.block_size = config.attn_res_block_size
         self.recompute_sublayers = config.recompute == "sublayer"
+        # TE linears recompute through TE's checkpoint (the FP8 region re-entered); None: torch's
+        self.checkpoint_function = getattr(tp.linear_factory, "checkpoint", None)
         self.is_mla = config.is_mla_layer(layer_index)
         self.is_moe = config.is_moe_layer(layer_index)
 
@@ -105,6 +107,7 @@ class DecoderLayer(nn.Module):
             mixer,
             self.recompute_sublayers,
             after_mixer,
+            self.checkpoint_function,
         )
         return apply_sublayer(
             state,
@@ -114,4 +117,5 @@ class DecoderLayer(nn.Module):
             self.ffn,
             self.recompute_sublayers,
             later,
+            self.checkpoint_function,
         )

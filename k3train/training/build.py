@@ -159,11 +159,16 @@ def check_precision_support(config: JobConfig, device: torch.device) -> None:
             "train.precision=fp8 runs its GEMMs in Transformer Engine: set model.linear_backend=te "
             "(or auto), or use train.precision=bf16"
         )
-    if model.recompute == "sublayer":
-        raise ConfigError(
-            "train.precision=fp8 with model.recompute=sublayer would recompute the FP8 projections "
-            "outside the FP8 region: use model.recompute=attn_res or none"
-        )
+    # model.recompute=sublayer recomputes through Transformer Engine's checkpoint, inside the FP8
+    # region (kernels/te.py, fp8_checkpoint): every recompute mode runs under fp8.
+    if train.fp8_recipe == "blockwise":
+        te, _ = te_kernels.import_transformer_engine()
+        unsupported = te_kernels.blockwise_unsupported(te) if te is not None else "Transformer Engine missing"
+        if unsupported is not None:
+            raise ConfigError(
+                f"train.fp8_recipe=blockwise (Float8BlockScaling) cannot run here: {unsupported}; "
+                f"use fp8_recipe=delayed or current"
+            )
     if train.fp8_recipe == "mxfp8" and torch.cuda.get_device_capability(device)[0] < 10:
         raise ConfigError(
             f"train.fp8_recipe=mxfp8 needs a GPU of compute capability 10.0 or later (Blackwell), "

@@ -40,9 +40,11 @@ class TrainConfig:
     """Copy every tensor a chunk's forward saves for backward to host memory and back when
     backward needs it (pinned buffers on a side stream on CUDA): exact, trades device memory for
     host traffic (docs/planning.md, "Activation options")."""
-    fp8_recipe: Literal["delayed", "current", "mxfp8"] = "delayed"
+    fp8_recipe: Literal["delayed", "current", "mxfp8", "blockwise"] = "delayed"
     """FP8 scaling under precision fp8: delayed (per-tensor scales from an amax history),
-    current (per-tensor scales from the tensor itself) or mxfp8 (32-element blocks; Blackwell)."""
+    current (per-tensor scales from the tensor itself), mxfp8 (32-element blocks; Blackwell) or
+    blockwise (Transformer Engine's Float8BlockScaling: 1x128 blocks of inputs and gradients,
+    128x128 blocks of weights, as DeepSeek-V3 trains; Hopper with CUDA 12.9 or later)."""
     fp8_amax_history_len: int = 1024
     """Steps of amax history of the delayed recipe."""
     fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"

@@ -28,6 +28,7 @@ from k3train.config import ConfigError, JobConfig
 from k3train.contracts.token_batch import TokenBatch
 from k3train.data.documents import document_lengths
 from k3train.errors import UserError
+from k3train.kernels import te as te_kernels
 from k3train.model import flops
 from k3train.model.k3 import K3RankModel
 from k3train.model.moe import finish_expert_step, pool_routing_statistics
@@ -192,6 +193,8 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the optimizer's share of the step, not its launch time
             optimizer_seconds = time.perf_counter() - optimizer_started
+            if config.train.precision == "fp8":  # the FP8 weight casts cached since the last step are stale
+                te_kernels.new_fp8_weights(model.chunks)
             newton_schulz = muon_step_stats(self.optimizer)
             model.update_routing_biases(self.routing_group)  # used from the next step on
             self.progress.consecutive_nonfinite = 0

@@ -4,10 +4,14 @@ GPUs); and the fla-only rows' logic, with the PyTorch path standing in for fla's
 
 import importlib
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
 import sys
+import time
+
+from k3train.benchmarking.gpu_checks.budget import RESERVE_S
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = CHECKOUT / "tools" / "gpu_check.py"
@@ -55,7 +59,7 @@ def table_rows(stdout: str) -> list[list[str]]:
 def test_gpu_check_runs_on_cpu():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick"],
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--budget", "120"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -63,6 +67,8 @@ def test_gpu_check_runs_on_cpu():
         cwd=CHECKOUT,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    budget_lines = [line for line in result.stdout.splitlines() if line.startswith("gpu_check: budget 120 s")]
+    assert len(budget_lines) == 1, result.stdout[-2000:]  # the run says what it left out (here: nothing)
 
     rows = table_rows(result.stdout)
     statuses: dict[str, set[str]] = {}
@@ -99,8 +105,6 @@ def test_transformer_engine_and_k3_1gpu_rows_with_a_stand_in(monkeypatch, capsys
     # No CUDA and no Transformer Engine here: the CPU stand-in (tests/unit/te_stand_in.py, TE's
     # signatures with exact GEMMs) serves, so the TE rows, the fp8 training run, the loss-curve
     # comparison and the throughput table run their code instead of printing SKIP.
-    import json
-
     from k3train.kernels import te as te_kernels
     from tests.unit.te_stand_in import make_stand_in
 
@@ -138,7 +142,13 @@ def test_transformer_engine_and_k3_1gpu_rows_with_a_stand_in(monkeypatch, capsys
         row["linear_backend"] == {"bf16": "torch", "fp8": "te"}[row["precision"]] and row["tokens_per_s"] > 0
         for row in table
     )
-    assert len(report["k3_1gpu"]["loss_curves"]["fp8/block"]) == 4
+    assert len(report["k3_1gpu"]["loss_curves"]["fp8/block"]) == 5
+    # the recipe's step: its micro-batches of forward-backward and one optimizer step, timed apart
+    for row in table:
+        assert row["micro_batches"] == 32 and row["timed_steps"] >= 3, row
+        # each value is rounded to 0.01 ms: 32 × 0.005 + 0.005 + 0.005 = 0.17 ms at most
+        assert abs(row["step_ms"] - (32 * row["model_ms"] + row["optimizer_ms"])) < 0.2, row
+    assert set(report["seconds"]) == {"transformer_engine", "k3_1gpu"} and report["left_out"] == []
 
 
 def test_loss_curve_comparison():
@@ -160,3 +170,82 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:] + result.stderr[-2000:]
         assert len(lines) == 1 and lines[0].startswith("gpu_check: no GPU:") and "--device cpu" in lines[0], lines
+
+
+def fake_check(gpu_check, name: str, group: str, estimate: float, log: list[str]):
+    """A registry entry whose run records that it ran and yields a PASS row."""
+
+    def run(ctx):
+        log.append(name)
+        yield gpu_check.Row(f"{name} 0", "PASS")
+
+    return gpu_check.Check(name, run, group, (estimate, estimate, estimate))
+
+
+def test_checks_are_registered_in_the_order_of_their_groups():
+    gpu_check = load_gpu_check()
+    order = list(gpu_check.GROUPS)
+    ranks = [order.index(check.group) for check in gpu_check.CHECKS]
+    assert ranks == sorted(ranks) and set(ranks) == set(range(len(order)))
+    assert [c.name for c in gpu_check.CHECKS if c.group == "first"][-1] == "k3_1gpu"
+
+
+def test_budget_leaves_out_what_does_not_fit_and_a_second_call_takes_the_rest(monkeypatch, capsys, tmp_path):
+    """Estimates decide (no clock is read for it): with 60 s, the 1000 s check is left out, the
+    cheaper checks after it still run, and the printed command runs exactly what was left out.
+    `--estimates` replaces the built-in estimates with a previous run's measured seconds."""
+    gpu_check = load_gpu_check()
+    log: list[str] = []
+    checks = [
+        fake_check(gpu_check, "valuable", "first", 1, log),
+        fake_check(gpu_check, "huge", "paths", 1000, log),
+        fake_check(gpu_check, "cheap", "speed", 1, log),
+    ]
+    monkeypatch.setattr(gpu_check, "CHECKS", checks)
+    json_path = tmp_path / "first.json"
+    assert gpu_check.main(["--device", "cpu", "--budget", "60", "--json", str(json_path)]) == 0
+    out = capsys.readouterr().out
+    assert log == ["valuable", "cheap"]
+    assert "[huge] left out: estimated 1000 s" in out
+    rest = [line for line in out.splitlines() if line.startswith("gpu_check: the rest: ")]
+    assert rest == ["gpu_check: the rest: python tools/gpu_check.py --device cpu --only huge"], out[-2000:]
+    report = json.loads(json_path.read_text())
+    assert report["left_out"] == ["huge"] and set(report["seconds"]) == {"valuable", "cheap"}
+
+    log.clear()
+    argv = rest[0].split("python tools/gpu_check.py ")[1].split()
+    assert gpu_check.main([*argv, "--budget", "60", "--estimates", str(tmp_path / "measured.json")]) == 2  # absent
+    (tmp_path / "measured.json").write_text(json.dumps({"seconds": {"huge": 2.0}}))
+    assert gpu_check.main([*argv, "--budget", "60", "--estimates", str(tmp_path / "measured.json")]) == 0
+    assert log == ["huge"] and "nothing left out" in capsys.readouterr().out
+
+    log.clear()
+    assert gpu_check.main(["--device", "cpu", "--skip", "valuable", "--skip", "huge"]) == 0
+    assert log == ["cheap"]
+
+
+def test_a_check_that_overruns_is_stopped_at_the_budget(monkeypatch, capsys):
+    """A check whose estimate fits but which runs on is stopped when the budget ends: its rows so
+    far stay, it and everything after it are named as left out, and the run exits cleanly."""
+    gpu_check = load_gpu_check()
+    log: list[str] = []
+
+    def endless(ctx):
+        log.append("endless")
+        yield gpu_check.Row("endless 0", "PASS")
+        while True:  # only the budget's timer ends this
+            time.sleep(0.01)
+
+    checks = [
+        fake_check(gpu_check, "first_one", "first", 0, log),
+        gpu_check.Check("endless", endless, "paths", (0, 0, 0)),
+        fake_check(gpu_check, "after", "speed", 0, log),
+    ]
+    monkeypatch.setattr(gpu_check, "CHECKS", checks)
+    budget_s = RESERVE_S + 1.0  # one second for the checks
+    assert gpu_check.main(["--device", "cpu", "--budget", str(budget_s)]) == 0
+    out = capsys.readouterr().out
+    rows = {cells[0]: (cells[4], cells[-1]) for cells in table_rows(out)}
+    assert log == ["first_one", "endless"]
+    assert rows["endless 0"][0] == "PASS" and rows["endless"][0] == "SKIP" and "budget" in rows["endless"][1]
+    assert "left out 2 check(s)" in out and "--only endless --only after" in out

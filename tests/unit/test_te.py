@@ -259,7 +259,8 @@ def test_build_model_uses_the_factory_and_keeps_first_and_last_layers_out_of_fp8
     assert "layers.1.self_attn.b_proj" in kept_out  # 4 heads: no FP8 GEMM of width 4
 
     # Under the FP8 region: excluded modules run bf16, the others FP8; routed experts' groups padded.
-    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    # 2 × 16 input tokens: TE's FP8 GEMMs want the rows a multiple of 8 (the stand-in checks it)
+    tokens = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     chunk = stage.chunks[0]
     with te_kernels.fp8_autocast(te, enabled=True, recipe=te_kernels.make_fp8_recipe(te, "delayed")):
         loss = chunk.loss(chunk(tokens[:, :-1]), tokens[:, 1:])
@@ -340,8 +341,8 @@ def test_fp8_state_format_round_trip():
     linear = te_kernels.TELinearFactory(te, CPU)(32, 48)
     assert te_kernels.fp8_state_tensor(linear).numel() == 0  # never ran in FP8
     with te_kernels.fp8_autocast(te, enabled=True):
-        linear(torch.randn(4, 32))
-        linear(torch.randn(4, 32) * 3)
+        linear(torch.randn(8, 32))
+        linear(torch.randn(8, 32) * 3)
     state = linear.get_extra_state()
     assert state.dtype == torch.float32 and state.dim() == 1
     (scale_fwd, history_fwd), (scale_bwd, history_bwd) = te_kernels.parse_fp8_state(state)
@@ -356,7 +357,7 @@ def test_fp8_state_format_round_trip():
     fresh = te_kernels.TELinearFactory(te, CPU)(32, 48)
     fresh.load_state_dict(linear.state_dict())
     assert "scaling_fwd" not in fresh.fp8_meta and fresh.pending_fp8_state is not None
-    x = torch.randn(4, 32)
+    x = torch.randn(8, 32)
     with te_kernels.fp8_autocast(te, enabled=True):
         fresh(x)
         linear(x)

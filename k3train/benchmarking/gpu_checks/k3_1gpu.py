@@ -61,30 +61,57 @@ class DeviceInitModel(K3ModelChunk):
 
 @dataclasses.dataclass
 class TrainRun:
+    """One training run's losses and its timings: `model_ms` (forward and backward of one
+    micro-batch) and `optimizer_ms` (clipping, the optimizer step, the routing biases), each the
+    median over the steps after warm-up, as training's step line reports them apart."""
+
     precision: str
     attn_res: str
     backend: str
     losses: list[float]
-    step_ms: float
-    tokens_per_step: int
+    model_ms: float
+    optimizer_ms: float
+    timed_steps: int
+    tokens_per_micro_batch: int
     flops_per_token: float
     peak_gib: float | None  # CUDA allocator peak; None on the CPU
     micro_batch: int
+    micro_batches: int  # the recipe's per step on one GPU (global batch / micro-batch)
+
+    @property
+    def step_ms(self) -> float:
+        """A recipe step: `micro_batches` forward-backward passes, then one optimizer step."""
+        return self.micro_batches * self.model_ms + self.optimizer_ms
 
     def table_row(self, peak_tflops: float) -> dict:
-        tokens_per_s = self.tokens_per_step / self.step_ms * 1e3
-        tflops = tokens_per_s * self.flops_per_token / 1e12
+        model_tflops = self.tokens_per_micro_batch * self.flops_per_token / self.model_ms / 1e9
+        step_tokens = self.micro_batches * self.tokens_per_micro_batch
+        step_tflops = step_tokens * self.flops_per_token / self.step_ms / 1e9
         return {
             "precision": self.precision,
             "attn_res": self.attn_res,
             "linear_backend": self.backend,
             "micro_batch": self.micro_batch,
+            "micro_batches": self.micro_batches,
+            "timed_steps": self.timed_steps,
+            "model_ms": round(self.model_ms, 2),
+            "optimizer_ms": round(self.optimizer_ms, 2),
             "step_ms": round(self.step_ms, 2),
-            "tokens_per_s": round(tokens_per_s),
-            "tflops": round(tflops, 1),
-            "mfu": round(tflops / peak_tflops, 4),
+            "tokens_per_s": round(step_tokens / self.step_ms * 1e3),
+            "model_tflops": round(model_tflops, 1),
+            "model_mfu": round(model_tflops / peak_tflops, 4),
+            "optimizer_share": round(self.optimizer_ms / self.step_ms, 4),
+            "mfu": round(step_tflops / peak_tflops, 4),
             "peak_memory_gib": None if self.peak_gib is None else round(self.peak_gib, 2),
         }
+
+
+def warm_median(times: list[float], warmup: int) -> tuple[float, int]:
+    """The median of `times` after the first `warmup` (at least 3 timed where there are 4 or
+    more: compilation and autotuning land in the first calls), and how many were timed."""
+    skip = max(0, min(warmup, len(times) - 3))
+    timed = times[skip:]
+    return statistics.median(timed), len(timed)
 
 
 def k3_1gpu_config(ctx: Context):
@@ -138,10 +165,49 @@ def markov_batches(
     return [(tokens[step, :, :-1], tokens[step, :, 1:]) for step in range(steps)]
 
 
+WARMUP_STEPS = 5
+"""Steps left out of the CUDA medians: allocator growth, autotuning, TE's first FP8 amax."""
+
+
+class StepMarks:
+    """Two intervals of one step, forward-backward then optimizer: CUDA events on the GPU (one
+    synchronisation at the end), a host clock on the CPU."""
+
+    def __init__(self, ctx: Context):
+        self.cuda = ctx.cuda
+        if self.cuda:
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            self.events[0].record()
+        else:
+            self.times = [time.perf_counter()]
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.events[1].record()
+        else:
+            self.times.append(time.perf_counter())
+
+    def finish(self) -> tuple[float, float]:
+        if self.cuda:
+            self.events[2].record()
+            self.events[2].synchronize()
+            return self.events[0].elapsed_time(self.events[1]), self.events[1].elapsed_time(self.events[2])
+        self.times.append(time.perf_counter())
+        return 1e3 * (self.times[1] - self.times[0]), 1e3 * (self.times[2] - self.times[1])
+
+
+def recipe_micro_batches(job) -> int:
+    """Micro-batches per optimizer step of the recipe on one GPU: global batch / micro-batch."""
+    return max(1, job.train.global_batch_size // job.train.micro_batch_size)
+
+
 def train_k3_1gpu(ctx: Context, job, precision: str, attn_res: str, steps: int, batches: list) -> TrainRun:
     """`steps` optimizer steps of one micro-batch each (Per-Head Muon, the recipe's optimizer, constant
-    lr), the forward under training.build's precision context; the step time is the median after
-    warm-up (CUDA events), peak memory the allocator's."""
+    lr), the forward under training.build's precision context. The forward-backward and the
+    optimizer are timed apart (medians after warm-up, CUDA events): a recipe step is
+    `micro_batches` of the first and one of the second, so timing one micro-batch with a whole
+    optimizer step would read the model several times slower than training runs it. Peak memory
+    is the allocator's."""
     job = dataclasses.replace(
         job, model=job.model.replace(attn_res=attn_res), train=dataclasses.replace(job.train, precision=precision)
     )
@@ -156,41 +222,42 @@ def train_k3_1gpu(ctx: Context, job, precision: str, attn_res: str, steps: int, 
         te_kernels.keep_modules_out_of_fp8([model.layers[str(i)] for i in fp8_excluded_layers(model_config, None)])
     optimizer = build_optimizer(model, job.optimizer)
     context = forward_precision_context(job, ctx.device)
-    losses, times = [], []
+    losses: list[torch.Tensor] = []
+    model_times, optimizer_times = [], []
     for step in range(steps):
         tokens, labels = batches[step]
-        start = time.perf_counter()
-        if ctx.cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+        marks = StepMarks(ctx)
         optimizer.zero_grad(set_to_none=True)
         with context():
             logits = model(tokens)
         loss = model.loss(logits, labels)
         loss.backward()
+        marks.mark()
         torch.nn.utils.clip_grad_norm_(model.parameters(), job.optimizer.clip_grad)
         optimizer.step()
+        te_kernels.new_fp8_weights([model])  # as training: the next forward casts the new weights
         model.update_routing_biases()
         losses.append(loss.detach())
-        if ctx.cuda:
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            times.append(1e3 * (time.perf_counter() - start))
-    warm = times[min(5, len(times) - 1) :]
-    tokens_per_step = batches[0][0].numel()
+        model_ms, optimizer_ms = marks.finish()
+        model_times.append(model_ms)
+        optimizer_times.append(optimizer_ms)
+    warmup = WARMUP_STEPS if ctx.cuda else 1
+    model_median, timed = warm_median(model_times, warmup)
+    optimizer_median, _ = warm_median(optimizer_times, warmup)
     peak = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.cuda else None
     run = TrainRun(
         precision,
         attn_res,
         backend,
         [float(x) for x in losses],
-        statistics.median(warm),
-        tokens_per_step,
+        model_median,
+        optimizer_median,
+        timed,
+        batches[0][0].numel(),
         training_flops_per_token(model_config, tokens.shape[1]).total,
         peak,
         tokens.shape[0],
+        recipe_micro_batches(job),
     )
     del model, optimizer, logits, loss
     return run
@@ -220,13 +287,17 @@ def check_k3_1gpu(ctx: Context) -> Iterator[Row]:
     """recipes/k3-1gpu.yaml (every K3 feature, ~1.1B active, sized for a 141 GB H200) trained 50
     steps from the same weights and batches in bf16 and in fp8 (Transformer Engine, the recipe's
     FP8 recipe, first and last layers bf16): both loss curves finite, fp8 within the stated
-    tolerance of bf16 over the last 10 steps (`k3_1gpu_loss_fp8`: 3e-2 relative); then tokens/s,
-    TFLOP/s, MFU (model FLOPs against the GPU's dense bf16 peak) and peak memory for bf16 and fp8,
-    with Block AttnRes and without (plain residuals, to show AttnRes's overhead). On the CPU a
+    tolerance of bf16 over the last 10 steps (`k3_1gpu_loss_fp8`: 3e-2 relative); then, for bf16
+    and fp8, with Block AttnRes and without (plain residuals, to show AttnRes's overhead): the
+    forward-backward of one micro-batch and the optimizer step timed apart (medians after
+    warm-up), model MFU (model FLOPs of the forward-backward against the GPU's dense bf16 peak),
+    the optimizer's time, and the recipe's whole step from them (its micro-batches per step of
+    forward-backward, one optimizer step: tokens/s and MFU as training's step line reports them;
+    Newton–Schulz FLOPs are not model FLOPs), and peak memory. On the CPU a
     tiny stand-in runs the bf16 path (fp8 rows SKIP). The table also goes into --json."""
     job = k3_1gpu_config(ctx)
     te, why = te_checks.te_unavailable_reason(ctx)
-    steps, timing_steps = (50, 15) if ctx.cuda and not ctx.quick else (10, 6) if ctx.cuda else (4, 3)
+    steps, timing_steps = (50, 15) if ctx.cuda and not ctx.quick else (10, 6) if ctx.cuda else (5, 4)
     seq = job.data.seq_length
     peak_tflops, peak_source = gpu_peak_tflops(ctx)
     precisions = ["bf16", "fp8"] if te is not None else ["bf16"]
@@ -293,7 +364,11 @@ def check_k3_1gpu(ctx: Context) -> Iterator[Row]:
             table.append(row)
             finite = all(math.isfinite(x) for x in run.losses)
             plain = runs.get((precision, "none"))
-            overhead = f"; AttnRes overhead {run.step_ms / plain.step_ms:.3f}x" if attn_res == "block" and plain else ""
+            overhead = (
+                f"; AttnRes overhead {run.model_ms / plain.model_ms:.3f}x (forward-backward medians)"
+                if attn_res == "block" and plain
+                else ""
+            )
             yield Row(
                 name,
                 "PASS" if finite else "FAIL",
@@ -302,9 +377,12 @@ def check_k3_1gpu(ctx: Context) -> Iterator[Row]:
                 None,
                 None,
                 run.step_ms,
-                f"{row['tokens_per_s']:,} tok/s, {row['tflops']} TFLOP/s, MFU {row['mfu']:.1%} (peak "
-                f"{peak_tflops:g} TFLOP/s bf16, {peak_source}), peak {row['peak_memory_gib']} GiB, "
-                f"{run.backend} linears, B={run.micro_batch} T={seq}{overhead}",
+                f"recipe step of {run.micro_batches} micro-batches of B={run.micro_batch} T={seq}: "
+                f"{row['tokens_per_s']:,} tok/s, MFU {row['mfu']:.1%}; model (fwd+bwd) {row['model_ms']} ms, "
+                f"{row['model_tflops']} TFLOP/s, model MFU {row['model_mfu']:.1%}; optimizer {row['optimizer_ms']} ms "
+                f"({row['optimizer_share']:.1%} of the step); medians of {run.timed_steps} steps after warm-up "
+                f"(peak {peak_tflops:g} TFLOP/s bf16, {peak_source}), peak {row['peak_memory_gib']} GiB, "
+                f"{run.backend} linears{overhead}",
             )
     ctx.results["k3_1gpu"] = {
         "recipe": "recipes/k3-1gpu.yaml" if ctx.cuda and not ctx.quick else "k3-1gpu stand-in (small)",
@@ -325,13 +403,17 @@ def print_throughput_table(table: list[dict]) -> None:
         "attn_res",
         "linear_backend",
         "micro_batch",
+        "micro_batches",
+        "model_ms",
+        "optimizer_ms",
         "step_ms",
         "tokens_per_s",
-        "tflops",
+        "model_tflops",
+        "model_mfu",
         "mfu",
         "peak_memory_gib",
     ]
     print("  | " + " | ".join(keys) + " |")
     print("  |" + "---|" * len(keys))
     for row in table:
-        print("  | " + " | ".join(f"{row[k]:.1%}" if k == "mfu" else str(row[k]) for k in keys) + " |")
+        print("  | " + " | ".join(f"{row[k]:.1%}" if k in ("mfu", "model_mfu") else str(row[k]) for k in keys) + " |")

@@ -41,9 +41,16 @@ def te_unavailable_reason(ctx: Context):
 
 
 def fp8_recipes_here(ctx: Context) -> list[str]:
-    """The FP8 recipes this GPU runs: delayed and current on Hopper and later, MXFP8 on Blackwell."""
+    """The FP8 recipes this GPU runs: delayed and current on Hopper and later, MXFP8 on
+    Blackwell, blockwise where TE says Float8BlockScaling runs (Hopper and later, CUDA ≥ 12.9)."""
     major = torch.cuda.get_device_capability(ctx.device)[0]
-    return [name for name in te_kernels.FP8_RECIPES if name != "mxfp8" or major >= 10]
+    te, _ = te_kernels.import_transformer_engine()
+    blockwise = te is not None and te_kernels.blockwise_unsupported(te) is None
+    return [
+        name
+        for name in te_kernels.FP8_RECIPES
+        if (name != "mxfp8" or major >= 10) and (name != "blockwise" or blockwise)
+    ]
 
 
 def precision_region(te, precision: str, recipe: str | None, device: torch.device):
