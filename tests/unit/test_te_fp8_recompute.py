@@ -31,28 +31,13 @@ from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
 from k3train.model.k3 import K3ModelChunk
 from tests.unit.te_stand_in import make_stand_in
+from tests.unit.test_te import small_model  # widths multiples of 16, rows of 8: what FP8 GEMMs take
 
 CPU = torch.device("cpu")
 LOSS_TOLERANCE = 2e-2
 GRAD_TOLERANCE = 0.25
 RECOMPUTE_TOLERANCE = 1e-6
 RECIPES = ("delayed", "current", "mxfp8", "blockwise")
-
-
-def small_model(**changes) -> ModelConfig:
-    """Widths multiples of 16 (FP8 GEMMs); 2 × 16 tokens per micro-batch (rows a multiple of 8)."""
-    base = ModelConfig(
-        num_hidden_layers=4,
-        hidden_size=32,
-        intermediate_size=64,
-        num_experts=4,
-        num_experts_per_token=2,
-        moe_intermediate_size=16,
-        routed_expert_hidden_size=16,
-        vocab_size=64,
-        attn_res_block_size=2,
-    )
-    return base.replace(**changes)
 
 
 def batches(config: ModelConfig, count: int) -> list[torch.Tensor]:
