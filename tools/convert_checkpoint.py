@@ -77,11 +77,12 @@ from k3train.checkpoint.hf import (  # noqa: E402
     k3_state_shapes,
 )
 from k3train.checkpoint.hf_config import (  # noqa: E402
+    declared_special_tokens,
     from_hf_config,
     hub_layout,
-    special_token_ids,
     to_hf_config,
     to_kimi_linear_config,
+    with_special_tokens,
 )
 from k3train.checkpoint.hf_io import (  # noqa: E402
     CheckpointTensorReader,
@@ -91,6 +92,7 @@ from k3train.checkpoint.hf_io import (  # noqa: E402
     load_hf_weights,
     run_config_path,
 )
+from k3train.checkpoint.hf_tokenizer import export_tokenizer, generation_config, import_tokenizer  # noqa: E402
 from k3train.config import ConfigError, JobConfig, load_config, save_config  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -332,10 +334,7 @@ def to_hf(args: argparse.Namespace) -> int:
                 "--pad-a-log applies to --format kimi_k3 only (Kimi Linear stores A_log [1, 1, H, 1])"
             )
         hf_config = to_kimi_linear_config(
-            model_config,
-            dtype=dtype,
-            max_position_embeddings=args.max_position_embeddings,
-            **special_token_ids(job.data.tokenizer),
+            model_config, dtype=dtype, max_position_embeddings=args.max_position_embeddings
         )
     else:
         hf_config = to_hf_config(
@@ -344,14 +343,13 @@ def to_hf(args: argparse.Namespace) -> int:
             max_position_embeddings=args.max_position_embeddings,
             allow_k3train_only=args.allow_k3train_only,
             a_log_width=a_log_width,
-            **special_token_ids(job.data.tokenizer),
         )
     specs = hf_tensor_specs(model_config, a_log_width=a_log_width, layout=layout)
     reader = CheckpointTensorReader(checkpoint)
     reader.check_names(k3_state_shapes(model_config))
 
     out = pathlib.Path(args.out)
-    _prepare_out(out, args.overwrite, ["*.safetensors", INDEX_NAME, "config.json"])
+    _prepare_out(out, args.overwrite, ["*.safetensors", INDEX_NAME, "config.json", "tokenizer*.json"])
     for stale in out.glob("model-*.safetensors*"):
         stale.unlink()
     shards = plan_shards(specs, dtype, args.max_shard_size)
@@ -385,18 +383,16 @@ def to_hf(args: argparse.Namespace) -> int:
             for name in REMOTE_CODE_FILES:
                 shutil.copyfile(REMOTE_CODE_DIR / name, out / name)
             hf_config = dict(hf_config, auto_map=dict(REMOTE_CODE_AUTO_MAP))
+        tokenizer = export_tokenizer(job.data.tokenizer, job.data.eos_token, config_path.parent, out)
+        hf_config = with_special_tokens(hf_config, tokenizer.ids, model_config.vocab_size)
+        _write_json(out / "generation_config.json", generation_config(tokenizer.ids.within(model_config.vocab_size)))
         _write_json(out / "config.json", hf_config)
-        tokenizer = pathlib.Path(job.data.tokenizer).expanduser()
-        if job.data.tokenizer != "byte":
-            source = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
-            if source.is_file():
-                shutil.copyfile(source, out / "tokenizer.json")
     except OSError as error:  # a full disk, a removed directory: no half-written file is left
         writer.abandon()
         for part in out.glob("*.part"):
             part.unlink(missing_ok=True)
         raise HFConversionError(f"to-hf: writing {out} failed: {describe_save_failure(error, out, total)}") from None
-    print(f"wrote {out / 'config.json'}, {INDEX_NAME} and {len(shards)} shard(s)")
+    print(f"wrote {out / 'config.json'}, {INDEX_NAME}, {len(shards)} shard(s) and {tokenizer.description}")
     return 0
 
 
@@ -427,9 +423,11 @@ def from_hf(args: argparse.Namespace) -> int:
     _prepare_out(out, args.overwrite, ["config.yaml", "checkpoints"])
     job = load_config(args.recipe, []) if args.recipe else JobConfig()
     job.model = model_config
-    tokenizer = hf.tokenizer_file()
-    if tokenizer is not None:
-        job.data.tokenizer = str(tokenizer.resolve())
+    tokenizer = import_tokenizer(hf.path, declared_special_tokens(hf.config, str(hf.path / "config.json")), out)
+    job.data.tokenizer = tokenizer.data_tokenizer
+    if tokenizer.eos_token is not None:
+        job.data.eos_token = tokenizer.eos_token
+    print(f"from-hf: tokenizer: {tokenizer.description}")
     job.checkpoint.dir = None  # RUN_DIR/checkpoints, where the converted step is
     job.checkpoint.resume = "auto"
     job.validate()

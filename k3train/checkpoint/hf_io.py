@@ -270,11 +270,6 @@ class HFDirectory:
             raise HFConversionError(f"{index}: weight_map[{str(name)!r}] = {file!r} leads outside {self.path}")
         return path
 
-    def tokenizer_file(self) -> Path | None:
-        """This folder's `tokenizer.json` (None without one); refused when it leads outside."""
-        path = contained(self.path, "tokenizer.json", HFConversionError)
-        return path if path.is_file() else None
-
     def _handle(self, file: Path):
         from safetensors import safe_open
 

@@ -8,12 +8,29 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+ATTN_RES_MODES = ("block", "full", "none")
+
 
 class KimiK3TextConfig(PretrainedConfig):
     """The text model's fields as written (k3train's ModelConfig names; `linear_attn_config` and
-    `k3train` as nested dicts)."""
+    `k3train` as nested dicts).
+
+    `attn_res`: the residual stream's form, "block" (Attention Residuals over blocks of
+    `attn_res_block_size` layers), "full" (over every sublayer's output) or "none" (plain
+    residuals). A config written before the field existed means "block" when it gives
+    `attn_res_block_size` and "none" otherwise (unless its `k3train` entry names the mode)."""
 
     model_type = "kimi_k3_text"
+
+    def __init__(self, attn_res: str | None = None, **kwargs):
+        if attn_res is None:
+            private = kwargs.get("k3train") or {}
+            attn_res = private.get("attn_res") or ("block" if "attn_res_block_size" in kwargs else "none")
+        if attn_res not in ATTN_RES_MODES:
+            raise ValueError(f"attn_res must be one of {', '.join(ATTN_RES_MODES)}, got {attn_res!r}")
+        self.attn_res = attn_res
+        # transformers' @strict(accept_kwargs=True) wraps the dataclass __init__ to take extra kwargs
+        super().__init__(**kwargs)
 
 
 class KimiK3Config(PretrainedConfig):
