@@ -84,12 +84,11 @@ from k3train.checkpoint.hf_config import (  # noqa: E402
     to_kimi_linear_config,
     with_special_tokens,
 )
+from k3train.checkpoint.hf_import import imported_state, write_imported_checkpoint  # noqa: E402
 from k3train.checkpoint.hf_io import (  # noqa: E402
     CheckpointTensorReader,
     HFDirectory,
-    build_empty_model,
     find_checkpoint,
-    load_hf_weights,
     run_config_path,
 )
 from k3train.checkpoint.hf_tokenizer import export_tokenizer, generation_config, import_tokenizer  # noqa: E402
@@ -432,15 +431,15 @@ def from_hf(args: argparse.Namespace) -> int:
     job.checkpoint.resume = "auto"
     job.validate()
 
-    model = build_empty_model(model_config)
+    state = imported_state(model_config, hf, specs, allow_nonfinite=args.allow_nonfinite)
     total = sum(spec.numel for spec in specs)
     print(f"from-hf: {hf.path} → {out}: {len(specs):,} tensors, {total / 1e6:.2f}M values")
-    with tqdm(total=len(specs), unit="tensor", unit_scale=True, desc="from-hf", disable=args.quiet) as bar:
-        load_hf_weights(model, hf, specs, progress=bar.update, allow_nonfinite=args.allow_nonfinite)
     save_config(job, str(out / "config.yaml"))
     if (out / "checkpoints").exists() and args.overwrite:
         shutil.rmtree(out / "checkpoints")
-    path = Checkpointer(out / "checkpoints", keep_last=0).save(0, {"model": model})
+    Checkpointer(out / "checkpoints", keep_last=0)  # creates the directory and clears stale saves
+    # Streams: each tensor is read from the HF files only as DCP writes it (hf_import.py).
+    path = write_imported_checkpoint(out / "checkpoints", 0, state, args.max_file_size)
     print(f"wrote {out / 'config.yaml'} and the model-only checkpoint {path}")
     return 0
 
@@ -523,6 +522,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-nonfinite",
         action="store_true",
         help="import tensors holding NaN or Inf values (refused by default: training would stop on them)",
+    )
+    p.add_argument(
+        "--max-file-size",
+        type=parse_size,
+        default=parse_size("1GB"),
+        help="largest file of the k3train checkpoint written (default 1GB): the import holds about one such "
+        "file, the HF shard it reads and the largest tensor in memory",
     )
     p.add_argument("--overwrite", action="store_true", help="replace config.yaml and checkpoints/ in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -7,6 +7,7 @@ model_type `kimi_k3_text`). Checked against transformers 5.23 on tiny models, CP
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def _flat_kimi_linear(**changes) -> KimiLinearForCausalLM:
     """A transformers Kimi Linear built from its own field names only: no `linear_attn_config`,
     no `layer_types` (its default: full attention on layer 5 of 5), grouped routing over 2
     groups keeping both."""
-    fields = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=300,
         hidden_size=64,
         intermediate_size=96,
