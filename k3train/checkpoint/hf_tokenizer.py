@@ -182,6 +182,16 @@ def _copy_data_files(source_dir: Path, out: Path, names: tuple[str, ...] = TOKEN
     return copied
 
 
+def _vocabulary(path: Path, shown: Path | None = None) -> Any:
+    """The `tokenizers.Tokenizer` of a tokenizer.json (one line naming `shown` if it cannot load)."""
+    from k3train.data.tokenizers import _import_hf_tokenizers
+
+    try:
+        return _import_hf_tokenizers().Tokenizer.from_file(str(path))
+    except Exception as error:  # the Rust side raises a bare Exception subclass
+        raise HFConversionError(f"{shown or path} cannot be loaded as a tokenizer: {error}") from None
+
+
 def _data_files(folder: Path) -> list[str]:
     return [name for name in TOKENIZER_DATA_FILES if (folder / name).is_file()]
 
@@ -224,7 +234,7 @@ def _export_tokenizer_json(data_tokenizer: str, eos_token: str | None, out: Path
         tokenizer = HuggingFaceTokenizer(source, eos_token=eos_token)
     except DataError as error:
         raise HFConversionError(f"the run's data.tokenizer cannot be exported: {error}") from None
-    vocabulary = tokenizer._tokenizer  # the `tokenizers` object, for token ↔ id look-ups
+    vocabulary = _vocabulary(source)  # for token ↔ id look-ups
     beside = source.parent / "tokenizer_config.json"
     config = _read_json(beside) if source.name == "tokenizer.json" and beside.is_file() else None
     names: dict[str, str | None] = {"eos_token": tokenizer.eos_token, "bos_token": None, "pad_token": None}
@@ -274,20 +284,21 @@ class ImportedTokenizer:
 def import_tokenizer(hf_dir: Path, ids: SpecialTokens, run_dir: Path) -> ImportedTokenizer:
     """Copy the HF folder's tokenizer data files into `run_dir/tokenizer/` with the record of
     `ids`; the run's tokenizer is its `tokenizer.json`, or the byte tokenizer without one."""
-    from k3train.data.tokenizers import _import_hf_tokenizers
-
     target = run_dir / RUN_TOKENIZER_DIR
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
     copied = _copy_data_files(hf_dir, target)
     eos_token = None
-    if "tokenizer.json" in copied:
+    is_byte = (
+        "tokenizer.json" in copied and (target / "tokenizer.json").read_text(encoding="utf-8") == byte_tokenizer_json()
+    )
+    if is_byte and ids == byte_special_tokens():  # k3train's own byte tokenizer, exported: train with it
+        data_tokenizer = "byte"
+        description = f"{', '.join(copied)}: k3train's byte tokenizer (data.tokenizer = byte)"
+    elif "tokenizer.json" in copied:
         data_tokenizer = str((target / "tokenizer.json").resolve())
-        try:
-            vocabulary = _import_hf_tokenizers().Tokenizer.from_file(data_tokenizer)
-        except Exception as error:  # the Rust side raises a bare Exception subclass
-            raise HFConversionError(f"{hf_dir / 'tokenizer.json'} cannot be loaded: {error}") from None
+        vocabulary = _vocabulary(Path(data_tokenizer), shown=hf_dir / "tokenizer.json")
         eos_id = ids.eos_token_id[0] if isinstance(ids.eos_token_id, list) else ids.eos_token_id
         eos_token = vocabulary.id_to_token(eos_id) if eos_id is not None else None
         description = f"{', '.join(copied)} (data.tokenizer = {data_tokenizer})"

@@ -133,3 +133,15 @@ def test_a_model_saved_without_a_tokenizer_keeps_its_ids_through_a_round_trip(tm
 def test_ids_outside_the_vocabulary_are_written_as_null():
     ids = SpecialTokens(bos_token_id=5, eos_token_id=[7, 400], pad_token_id=163839)
     assert ids.within(384).as_dict() == {"bos_token_id": 5, "eos_token_id": [7], "pad_token_id": None}
+
+
+def test_a_byte_tokenizer_round_trip_trains_with_the_byte_tokenizer_again(tmp_path):
+    _save_run(tmp_path / "run", kimi_linear_model_config(), with_optimizer=False)
+    _to_hf(tmp_path / "run", tmp_path / "hf", "--format", "kimi_linear")
+    _from_hf(tmp_path / "hf", tmp_path / "back")
+    assert load_config(str(tmp_path / "back" / "config.yaml"), []).data.tokenizer == "byte"
+    _to_hf(tmp_path / "back", tmp_path / "again", "--format", "kimi_linear")
+    expected = {"bos_token_id": 257, "eos_token_id": 256, "pad_token_id": 258}
+    assert _ids(tmp_path / "again") == (expected, expected)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
