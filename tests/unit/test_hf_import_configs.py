@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from k3train.checkpoint.hf_config import from_hf_config, kimi_linear_text
+from k3train.checkpoint.hf_config import from_hf_config
+from k3train.checkpoint.hf_kimi_linear_config import kimi_linear_text
 from k3train.model.config import ModelConfig
 from tests.unit.test_hf_conversion import _assert_identical, _load_run, _save_run, convert
 from tests.unit.test_hf_kimi_linear import TOLERANCE, _hf_logits, _k3_logits, _tokens, score
