@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import re
@@ -439,7 +440,9 @@ def from_hf(args: argparse.Namespace) -> int:
         shutil.rmtree(out / "checkpoints")
     Checkpointer(out / "checkpoints", keep_last=0)  # creates the directory and clears stale saves
     # Streams: each tensor is read from the HF files only as DCP writes it (hf_import.py).
-    path = write_imported_checkpoint(out / "checkpoints", 0, state, args.max_file_size)
+    nbytes = sum(math.prod(t.shape) * t.properties.dtype.itemsize for t in state.values())
+    with tqdm(total=nbytes, unit="B", unit_scale=True, desc="from-hf", disable=args.quiet) as bar:
+        path = write_imported_checkpoint(out / "checkpoints", 0, state, args.max_file_size, progress=bar.update)
     print(f"wrote {out / 'config.yaml'} and the model-only checkpoint {path}")
     return 0
 

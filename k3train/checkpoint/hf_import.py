@@ -83,9 +83,11 @@ class ImportSavePlanner(JsonSavePlanner):
     `HFConversionError` a read raises is kept (`failure`): DCP turns it into a save failure,
     from-hf reports it as the one line it is."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: Callable[[int], object] | None = None) -> None:
         super().__init__()
         self.failure: HFConversionError | None = None
+        self.progress = progress
+        """Called with the bytes of each tensor (chunk) read."""
 
     def resolve_data(self, write_item: WriteItem):
         entry = self.state_dict.get(write_item.index.fqn)
@@ -93,10 +95,13 @@ class ImportSavePlanner(JsonSavePlanner):
             return super().resolve_data(write_item)
         assert write_item.tensor_data is not None, "an ImportedTensor's write items are tensor items"
         try:
-            return entry.chunk(write_item.tensor_data.chunk.offsets)
+            value = entry.chunk(write_item.tensor_data.chunk.offsets)
         except HFConversionError as error:
             self.failure = self.failure or error
             raise
+        if self.progress is not None:
+            self.progress(value.numel() * value.element_size())
+        return value
 
 
 def imported_state(
@@ -132,15 +137,20 @@ def imported_state(
 
 
 def write_imported_checkpoint(
-    directory: Path, step: int, state: dict[str, ImportedTensor], max_file_bytes: int
+    directory: Path,
+    step: int,
+    state: dict[str, ImportedTensor],
+    max_file_bytes: int,
+    progress: Callable[[int], object] | None = None,
 ) -> Path:
     """Write `state` as the model-only checkpoint `directory/step_NNNNNNNN` (atomic, with the
     manifest and checksums, as `Checkpointer.save` writes it); return its path. A read that
-    fails raises its `HFConversionError` (one line) and leaves no checkpoint behind."""
+    fails raises its `HFConversionError` (one line) and leaves no checkpoint behind. `progress`
+    is called with the bytes of each tensor read."""
     final = directory / step_dir_name(step)
     tmp = directory / f"{TMP_PREFIX}{final.name}_{secrets.token_hex(4)}"
     tmp.mkdir(parents=True)
-    planner = ImportSavePlanner()
+    planner = ImportSavePlanner(progress)
     job = SaveJob(
         step=step,
         tmp=tmp,
