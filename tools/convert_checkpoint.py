@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import re
@@ -77,20 +78,21 @@ from k3train.checkpoint.hf import (  # noqa: E402
     k3_state_shapes,
 )
 from k3train.checkpoint.hf_config import (  # noqa: E402
+    declared_special_tokens,
     from_hf_config,
     hub_layout,
-    special_token_ids,
     to_hf_config,
     to_kimi_linear_config,
+    with_special_tokens,
 )
+from k3train.checkpoint.hf_import import imported_state, write_imported_checkpoint  # noqa: E402
 from k3train.checkpoint.hf_io import (  # noqa: E402
     CheckpointTensorReader,
     HFDirectory,
-    build_empty_model,
     find_checkpoint,
-    load_hf_weights,
     run_config_path,
 )
+from k3train.checkpoint.hf_tokenizer import export_tokenizer, generation_config, import_tokenizer  # noqa: E402
 from k3train.config import ConfigError, JobConfig, load_config, save_config  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -332,10 +334,7 @@ def to_hf(args: argparse.Namespace) -> int:
                 "--pad-a-log applies to --format kimi_k3 only (Kimi Linear stores A_log [1, 1, H, 1])"
             )
         hf_config = to_kimi_linear_config(
-            model_config,
-            dtype=dtype,
-            max_position_embeddings=args.max_position_embeddings,
-            **special_token_ids(job.data.tokenizer),
+            model_config, dtype=dtype, max_position_embeddings=args.max_position_embeddings
         )
     else:
         hf_config = to_hf_config(
@@ -344,14 +343,13 @@ def to_hf(args: argparse.Namespace) -> int:
             max_position_embeddings=args.max_position_embeddings,
             allow_k3train_only=args.allow_k3train_only,
             a_log_width=a_log_width,
-            **special_token_ids(job.data.tokenizer),
         )
     specs = hf_tensor_specs(model_config, a_log_width=a_log_width, layout=layout)
     reader = CheckpointTensorReader(checkpoint)
     reader.check_names(k3_state_shapes(model_config))
 
     out = pathlib.Path(args.out)
-    _prepare_out(out, args.overwrite, ["*.safetensors", INDEX_NAME, "config.json"])
+    _prepare_out(out, args.overwrite, ["*.safetensors", INDEX_NAME, "config.json", "tokenizer*.json"])
     for stale in out.glob("model-*.safetensors*"):
         stale.unlink()
     shards = plan_shards(specs, dtype, args.max_shard_size)
@@ -385,18 +383,16 @@ def to_hf(args: argparse.Namespace) -> int:
             for name in REMOTE_CODE_FILES:
                 shutil.copyfile(REMOTE_CODE_DIR / name, out / name)
             hf_config = dict(hf_config, auto_map=dict(REMOTE_CODE_AUTO_MAP))
+        tokenizer = export_tokenizer(job.data.tokenizer, job.data.eos_token, config_path.parent, out)
+        hf_config = with_special_tokens(hf_config, tokenizer.ids, model_config.vocab_size)
+        _write_json(out / "generation_config.json", generation_config(tokenizer.ids.within(model_config.vocab_size)))
         _write_json(out / "config.json", hf_config)
-        tokenizer = pathlib.Path(job.data.tokenizer).expanduser()
-        if job.data.tokenizer != "byte":
-            source = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
-            if source.is_file():
-                shutil.copyfile(source, out / "tokenizer.json")
     except OSError as error:  # a full disk, a removed directory: no half-written file is left
         writer.abandon()
         for part in out.glob("*.part"):
             part.unlink(missing_ok=True)
         raise HFConversionError(f"to-hf: writing {out} failed: {describe_save_failure(error, out, total)}") from None
-    print(f"wrote {out / 'config.json'}, {INDEX_NAME} and {len(shards)} shard(s)")
+    print(f"wrote {out / 'config.json'}, {INDEX_NAME}, {len(shards)} shard(s) and {tokenizer.description}")
     return 0
 
 
@@ -427,22 +423,26 @@ def from_hf(args: argparse.Namespace) -> int:
     _prepare_out(out, args.overwrite, ["config.yaml", "checkpoints"])
     job = load_config(args.recipe, []) if args.recipe else JobConfig()
     job.model = model_config
-    tokenizer = hf.tokenizer_file()
-    if tokenizer is not None:
-        job.data.tokenizer = str(tokenizer.resolve())
+    tokenizer = import_tokenizer(hf.path, declared_special_tokens(hf.config, str(hf.path / "config.json")), out)
+    job.data.tokenizer = tokenizer.data_tokenizer
+    if tokenizer.eos_token is not None:
+        job.data.eos_token = tokenizer.eos_token
+    print(f"from-hf: tokenizer: {tokenizer.description}")
     job.checkpoint.dir = None  # RUN_DIR/checkpoints, where the converted step is
     job.checkpoint.resume = "auto"
     job.validate()
 
-    model = build_empty_model(model_config)
+    state = imported_state(model_config, hf, specs, allow_nonfinite=args.allow_nonfinite)
     total = sum(spec.numel for spec in specs)
     print(f"from-hf: {hf.path} → {out}: {len(specs):,} tensors, {total / 1e6:.2f}M values")
-    with tqdm(total=len(specs), unit="tensor", unit_scale=True, desc="from-hf", disable=args.quiet) as bar:
-        load_hf_weights(model, hf, specs, progress=bar.update, allow_nonfinite=args.allow_nonfinite)
     save_config(job, str(out / "config.yaml"))
     if (out / "checkpoints").exists() and args.overwrite:
         shutil.rmtree(out / "checkpoints")
-    path = Checkpointer(out / "checkpoints", keep_last=0).save(0, {"model": model})
+    Checkpointer(out / "checkpoints", keep_last=0)  # creates the directory and clears stale saves
+    # Streams: each tensor is read from the HF files only as DCP writes it (hf_import.py).
+    nbytes = sum(math.prod(t.shape) * t.properties.dtype.itemsize for t in state.values())
+    with tqdm(total=nbytes, unit="B", unit_scale=True, desc="from-hf", disable=args.quiet) as bar:
+        path = write_imported_checkpoint(out / "checkpoints", 0, state, args.max_file_size, progress=bar.update)
     print(f"wrote {out / 'config.yaml'} and the model-only checkpoint {path}")
     return 0
 
@@ -525,6 +525,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-nonfinite",
         action="store_true",
         help="import tensors holding NaN or Inf values (refused by default: training would stop on them)",
+    )
+    p.add_argument(
+        "--max-file-size",
+        type=parse_size,
+        default=parse_size("1GB"),
+        help="largest file of the k3train checkpoint written (default 1GB): the import holds about one such "
+        "file, the HF shard it reads and the largest tensor in memory",
     )
     p.add_argument("--overwrite", action="store_true", help="replace config.yaml and checkpoints/ in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

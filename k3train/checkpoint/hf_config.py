@@ -12,10 +12,14 @@ from typing import Any
 import torch
 
 from k3train.checkpoint.hf import K3_HUB, KIMI_LINEAR_HUB, HFConversionError, HubLayout
+from k3train.checkpoint.hf_kimi_linear_config import apply_aliases, full_attention_layers, kimi_linear_text
+from k3train.checkpoint.hf_tokenizer import SpecialTokens
 from k3train.model.config import LinearAttnConfig, ModelConfig
 
 HF_MODEL_TYPE = "kimi_k3"
 HF_TEXT_MODEL_TYPE = "kimi_linear"
+HF_REMOTE_TEXT_MODEL_TYPE = "kimi_k3_text"
+"""The text config's model_type once the remote code's `KimiK3TextConfig` has saved it."""
 HF_ARCHITECTURES = ["KimiK3ForConditionalGeneration"]
 HF_TEXT_ARCHITECTURES = ["KimiLinearForCausalLM"]
 DEFAULT_MAX_POSITION_EMBEDDINGS = 1048576
@@ -47,31 +51,22 @@ _HF_MODEL_FIELDS = (
     "hidden_act",
     "activation_situ_beta",
     "activation_situ_linear_beta",
+    "attn_res",
     "attn_res_block_size",
     "rms_norm_eps",
     "tie_word_embeddings",
 )
-_HF_LINEAR_ATTN_FIELDS = ("num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound")
+_HF_LINEAR_ATTN_FIELDS = (
+    "num_heads",
+    "head_dim",
+    "short_conv_kernel_size",
+    "gate_lower_bound",
+    "gate_low_rank_dim",
+    "output_gate_rank",
+)
 # Fields k3train derives itself (never stored in the k3train sub-dict): the layer pattern from
 # full_attn_layers/kda_layers, the output gate's kind from use_full_rank_gate.
 _DERIVED_LINEAR_ATTN_FIELDS = ("full_attn_layers", "output_gate")
-# What a Kimi Linear config means by a field it does not write (transformers' Kimi Linear has no
-# such feature); a K3 config always writes them.
-_KIMI_LINEAR_ABSENT_FIELDS = {
-    "mla_use_output_gate": False,
-    "latent_moe_use_norm": False,
-    "hidden_act": "silu",
-    "routed_expert_hidden_size": None,
-}
-# Alternative spellings some configs use (transformers' KimiLinearConfig attribute_map).
-_HF_ALIASES = {
-    "num_experts_per_tok": "num_experts_per_token",
-    "n_shared_experts": "num_shared_experts",
-    "norm_topk_prob": "moe_renormalize",
-    "num_local_experts": "num_experts",
-    "n_routed_experts": "num_experts",
-    "n_group": "num_expert_group",
-}
 
 
 def default_full_attn_layers(num_hidden_layers: int) -> list[int]:
@@ -140,6 +135,8 @@ def to_hf_config(
                 "short_conv_kernel_size": lac.short_conv_kernel_size,
                 "use_full_rank_gate": lac.output_gate == "full",
                 "gate_lower_bound": lac.gate_lower_bound,
+                "gate_low_rank_dim": lac.gate_low_rank_dim,  # null: head_dim
+                "output_gate_rank": lac.output_gate_rank,  # null: head_dim
                 "kda_layers": kda,
                 "full_attn_layers": full,
             },
@@ -147,12 +144,14 @@ def to_hf_config(
     )
     if a_log_width is not None and a_log_width != lac.num_heads:
         text["linear_attn_config"]["a_log_shape"] = [int(a_log_width)]
-    if config.attn_res == "none":
-        text.pop("attn_res_block_size")
+    extras = _k3train_extras(config)
+    if config.attn_res != "block":  # the block size means nothing then: kept for the exact round trip only
+        extras["attn_res_block_size"] = text.pop("attn_res_block_size")
+    # Written even when unknown (null): a missing id means transformers' class default, which
+    # for Kimi Linear is an id of its own 163840-token vocabulary.
     for key, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-        if value is not None:
-            text[key] = int(value)
-    text["k3train"] = _k3train_extras(config)
+        text[key] = value if value is None or isinstance(value, list) else int(value)
+    text["k3train"] = extras
 
     top: dict[str, Any] = {
         "architectures": list(HF_ARCHITECTURES),
@@ -162,8 +161,7 @@ def to_hf_config(
         "torch_dtype": _dtype_name(dtype),
     }
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if key in text:
-            top[key] = text[key]
+        top[key] = text[key]
     return top
 
 
@@ -246,7 +244,7 @@ def to_kimi_linear_config(
             "--format kimi_k3 exports every K3 feature (with remote code)"
         )
     # transformers sizes the embedding's padding_idx from pad_token_id: an id outside the
-    # vocabulary (a tokenizer's id the padded vocabulary does not hold) fails to load, leave it out.
+    # vocabulary (a tokenizer's id the padded vocabulary does not hold) fails to load: null.
     ids = {
         key: (value if value is not None and 0 <= value < config.vocab_size else None)
         for key, value in (
@@ -268,6 +266,7 @@ def to_kimi_linear_config(
             "latent_moe_use_norm",
             "activation_situ_beta",
             "activation_situ_linear_beta",
+            "attn_res",
             "attn_res_block_size",
         )
     }
@@ -278,12 +277,14 @@ def to_kimi_linear_config(
         text["first_k_dense_replace"] = config.num_hidden_layers
     text["tie_word_embeddings"] = False
     extras = dict(text.pop("k3train"))
+    extras.pop("attn_res_block_size", None)  # a K3-export entry; written below from the config
     for name in (
         "mla_use_output_gate",
         "routed_expert_hidden_size",
         "latent_moe_use_norm",
         "activation_situ_beta",
         "activation_situ_linear_beta",
+        "attn_res",
         "attn_res_block_size",
         "first_k_dense_replace",
     ):
@@ -328,72 +329,35 @@ def from_hf_config(hf_config: Mapping[str, Any], source: str = "config.json") ->
 
 
 def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
-    """The ModelConfig of a hub `config.json` (a `kimi_k3` config with `text_config`, or a bare
-    `kimi_linear` text config).
+    """The ModelConfig of a hub `config.json`: a `kimi_k3` config with `text_config` (written by
+    to-hf, or saved again by the remote code, text model_type `kimi_k3_text`), or a bare
+    `kimi_linear` config read as transformers' `KimiLinearConfig` reads it (`kimi_linear_text`).
 
     Raises `HFConversionError` (one line) for what k3train cannot represent: rotary MLA
-    (`mla_use_nope` false), grouped top-k with more than one group, a `quantization_config`, a
-    low-rank KDA output gate, another router activation, MoE on a layer pattern other than
-    `moe_layer_freq: 1`, a non-latent MoE, multi-token-prediction layers.
+    (`mla_use_nope` false), grouped top-k that keeps only some groups, a `quantization_config`,
+    another router activation, MoE on a layer pattern other than `moe_layer_freq: 1`,
+    multi-token-prediction layers, attention biases.
     """
     top = dict(hf_config)
     bare_kimi_linear = hub_layout(top) is KIMI_LINEAR_HUB
-    if not bare_kimi_linear:
-        text = dict(top.get("text_config") or {})
+    if bare_kimi_linear:
+        model_type = top.get("model_type")
+        if model_type not in (HF_TEXT_MODEL_TYPE, None):
+            raise _refuse(source, f"model_type {model_type!r} is neither {HF_MODEL_TYPE!r} nor {HF_TEXT_MODEL_TYPE!r}")
+        text = kimi_linear_text(top, source)
     else:
-        text = top
-        # transformers' Kimi Linear: NoPE MLA (it never rotates), none of K3's own features
-        text.setdefault("mla_use_nope", True)
-        for name, value in _KIMI_LINEAR_ABSENT_FIELDS.items():
-            text.setdefault(name, value)
-        text["linear_attn_config"] = {"gate_lower_bound": None, **(text.get("linear_attn_config") or {})}
+        text = dict(top.get("text_config") or {})
+        model_type = text.get("model_type")
+        if model_type not in (HF_TEXT_MODEL_TYPE, HF_REMOTE_TEXT_MODEL_TYPE, None):
+            raise _refuse(
+                source,
+                f"text model_type {model_type!r} is neither {HF_TEXT_MODEL_TYPE!r} nor {HF_REMOTE_TEXT_MODEL_TYPE!r}",
+            )
+        apply_aliases(text)
     if "routed_expert_hidden_size" not in text:  # no latent width: a plain MoE
         text["routed_expert_hidden_size"] = None
         text.setdefault("latent_moe_use_norm", False)
-    model_type = text.get("model_type")
-    if model_type not in (HF_TEXT_MODEL_TYPE, None):
-        raise _refuse(source, f"text model_type {model_type!r} is not {HF_TEXT_MODEL_TYPE!r} (Kimi Linear / K3)")
-    for key, canonical in _HF_ALIASES.items():
-        if key in text and canonical not in text:
-            text[canonical] = text[key]
-    quant = top.get("quantization_config") or text.get("quantization_config")
-    if quant:
-        what = (
-            "/".join(str(quant.get(k)) for k in ("quant_method", "format") if quant.get(k))
-            if isinstance(quant, Mapping)
-            else quant
-        )
-        raise _refuse(
-            source,
-            f"quantised checkpoint (quantization_config {what}): k3train loads unquantised "
-            "weights only; dequantise the experts to BF16 first",
-        )
-    if not text.get("mla_use_nope", False):
-        raise _refuse(
-            source, "rotary MLA (text_config.mla_use_nope is not true): k3train implements NoPE Gated MLA only"
-        )
-    groups, topk_groups = int(text.get("num_expert_group", 1) or 1), int(text.get("topk_group", 1) or 1)
-    if groups > 1 or topk_groups > 1:
-        raise _refuse(
-            source,
-            f"grouped top-k routing (num_expert_group={groups}, topk_group={topk_groups}): "
-            "k3train routes with a single group",
-        )
-    activation = text.get("moe_router_activation_func", "sigmoid")
-    if activation != "sigmoid":
-        raise _refuse(source, f"router activation {activation!r}: k3train implements the sigmoid router only")
-    if int(text.get("moe_layer_freq", 1)) != 1:
-        raise _refuse(
-            source,
-            f"moe_layer_freq={text['moe_layer_freq']}: k3train puts MoE on every layer after first_k_dense_replace",
-        )
-    if int(text.get("num_nextn_predict_layers", 0) or 0) > 0:
-        raise _refuse(
-            source, f"{text['num_nextn_predict_layers']} multi-token-prediction layers: k3train has no MTP layers"
-        )
-    hidden_act = text.get("hidden_act", "situ")
-    if hidden_act not in ("situ", "silu"):
-        raise _refuse(source, f"hidden_act {hidden_act!r}: k3train implements 'situ' and 'silu' GLUs")
+    _refuse_unrepresentable(top, text, source)
     linear = dict(text.get("linear_attn_config") or {})
     # Kimi Linear's low-rank output gate unless the config says full rank (K3 writes true).
     full_rank_gate = linear.get("use_full_rank_gate", not bare_kimi_linear)
@@ -415,7 +379,7 @@ def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
     full = linear.get("full_attn_layers")
     kda = linear.get("kda_layers")
     if full is None and kda is None and text.get("layer_types"):
-        full = [i + 1 for i, kind in enumerate(text["layer_types"]) if kind == "full_attention"]
+        full = full_attention_layers(text["layer_types"], source)
     if full is None and kda is not None:
         full = [i for i in range(1, num_layers + 1) if i not in set(kda)]
     if full is not None:
@@ -431,7 +395,7 @@ def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
     lac_values.update(extras.pop("linear_attn_config", None) or {})
     values["linear_attn_config"] = LinearAttnConfig(**_known(LinearAttnConfig, lac_values, source))
 
-    if "attn_res_block_size" not in text and "attn_res" not in extras:
+    if "attn_res" not in text and "attn_res_block_size" not in text and "attn_res" not in extras:
         values["attn_res"] = "none"  # no AttnRes in the checkpoint (e.g. a plain Kimi Linear)
     values.update(extras)  # k3train's own record of its config wins (a Kimi Linear export keeps K3 fields here)
     config = ModelConfig(**_known(ModelConfig, values, source))
@@ -440,6 +404,55 @@ def _from_hf_config(hf_config: Mapping[str, Any], source: str) -> ModelConfig:
     except ValueError as error:
         raise _refuse(source, str(error)) from None
     return config
+
+
+def _refuse_unrepresentable(top: Mapping[str, Any], text: Mapping[str, Any], source: str) -> None:
+    """One line for the first config feature k3train has no model for."""
+    quant = top.get("quantization_config") or text.get("quantization_config")
+    if quant:
+        what = (
+            "/".join(str(quant.get(k)) for k in ("quant_method", "format") if quant.get(k))
+            if isinstance(quant, Mapping)
+            else quant
+        )
+        raise _refuse(
+            source,
+            f"quantised checkpoint (quantization_config {what}): k3train loads unquantised "
+            "weights only; dequantise the experts to BF16 first",
+        )
+    if not text.get("mla_use_nope", False):
+        raise _refuse(
+            source, "rotary MLA (text_config.mla_use_nope is not true): k3train implements NoPE Gated MLA only"
+        )
+    groups, topk_groups = int(text.get("num_expert_group", 1) or 1), int(text.get("topk_group", 1) or 1)
+    # Grouped top-k that keeps every group masks no expert: the same choice as ungrouped routing.
+    if text.get("use_grouped_topk", True) and groups > 1 and topk_groups != groups:
+        raise _refuse(
+            source,
+            f"grouped top-k routing keeping {topk_groups} of {groups} expert groups (num_expert_group={groups}, "
+            f"topk_group={topk_groups}): k3train routes over all experts, which equals grouped routing only "
+            "when topk_group equals num_expert_group",
+        )
+    activation = text.get("moe_router_activation_func", "sigmoid")
+    if activation != "sigmoid":
+        raise _refuse(source, f"router activation {activation!r}: k3train implements the sigmoid router only")
+    if int(text.get("moe_layer_freq", 1)) != 1:
+        raise _refuse(
+            source,
+            f"moe_layer_freq={text['moe_layer_freq']}: k3train puts MoE on every layer after first_k_dense_replace",
+        )
+    if int(text.get("num_nextn_predict_layers", 0) or 0) > 0:
+        raise _refuse(
+            source, f"{text['num_nextn_predict_layers']} multi-token-prediction layers: k3train has no MTP layers"
+        )
+    if text.get("attention_bias"):
+        raise _refuse(source, "attention_bias is true: k3train's attention projections have no biases")
+    hidden_act = text.get("hidden_act", "situ")
+    if hidden_act not in ("situ", "silu"):
+        raise _refuse(source, f"hidden_act {hidden_act!r}: k3train implements 'situ' and 'silu' GLUs")
+    attn_res = text.get("attn_res")
+    if attn_res is not None and attn_res not in ("block", "full", "none"):
+        raise _refuse(source, f"attn_res {attn_res!r}: k3train implements 'block', 'full' and 'none'")
 
 
 def _check_layer_types(text: Mapping[str, Any], source: str) -> None:
@@ -491,19 +504,28 @@ def _check_kind(source: str, name: str, default: Any, value: Any) -> None:
         raise _refuse(source, f"{name} must be {type(default).__name__}, got {value!r}")
 
 
-def special_token_ids(tokenizer: str) -> dict[str, int]:
-    """bos/eos/pad ids of a k3train `data.tokenizer` value, as far as they are known."""
-    if tokenizer == "byte":
-        from k3train.data.tokenizers import ByteTokenizer
+def declared_special_tokens(hf_config: Mapping[str, Any], source: str = "config.json") -> SpecialTokens:
+    """The bos/eos/pad ids a `config.json` declares, as transformers reads them (a bare Kimi
+    Linear config without them means KimiLinearConfig's defaults), kept only where the model's
+    vocabulary holds them."""
+    text: Mapping[str, Any]
+    if hub_layout(hf_config) is KIMI_LINEAR_HUB:
+        text = kimi_linear_text(hf_config, source)
+        values: Mapping[str, Any] = text
+    else:
+        nested = hf_config.get("text_config")
+        text = nested if isinstance(nested, Mapping) else {}
+        values = {key: hf_config.get(key, text.get(key)) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    ids = SpecialTokens.from_mapping(values, source)
+    vocab = text.get("vocab_size")
+    return ids.within(vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) else ids
 
-        return {
-            "bos_token_id": ByteTokenizer.bos_id,
-            "eos_token_id": ByteTokenizer.eos_id,
-            "pad_token_id": ByteTokenizer.pad_id,
-        }
-    try:
-        from k3train.data.tokenizers import build_tokenizer
 
-        return {"eos_token_id": int(build_tokenizer(tokenizer).eos_id)}
-    except Exception:  # a tokenizer that cannot be read here: leave the ids out
-        return {}
+def with_special_tokens(hf_config: dict[str, Any], ids: SpecialTokens, vocab_size: int) -> dict[str, Any]:
+    """`hf_config` with `ids` (those the vocabulary holds; the rest null) at the top and, for the
+    K3 layout, in `text_config`."""
+    kept = ids.within(vocab_size).as_dict()
+    out = dict(hf_config, **kept)
+    if "text_config" in out:
+        out["text_config"] = dict(out["text_config"], **kept)
+    return out

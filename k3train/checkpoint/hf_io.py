@@ -208,7 +208,8 @@ class _SliceLoadPlanner(LoadPlanner):
 
 class HFDirectory:
     """A hub-format directory: `config.json` plus `model.safetensors` or sharded
-    `model-*.safetensors` with `model.safetensors.index.json`. Tensors are read one at a time."""
+    `model-*.safetensors` with `model.safetensors.index.json`. Tensors are read one at a time,
+    with one shard file open at a time."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser()
@@ -270,15 +271,13 @@ class HFDirectory:
             raise HFConversionError(f"{index}: weight_map[{str(name)!r}] = {file!r} leads outside {self.path}")
         return path
 
-    def tokenizer_file(self) -> Path | None:
-        """This folder's `tokenizer.json` (None without one); refused when it leads outside."""
-        path = contained(self.path, "tokenizer.json", HFConversionError)
-        return path if path.is_file() else None
-
     def _handle(self, file: Path):
         from safetensors import safe_open
 
         if file not in self._open:
+            # One shard open at a time: an open shard's pages that were read stay resident (it is
+            # memory-mapped), so keeping every shard open would hold the whole folder by the end.
+            self._open.clear()
             try:
                 self._open[file] = safe_open(str(file), framework="pt")
             except Exception as e:  # a bad header: safetensors raises SafetensorError or OSError
@@ -358,6 +357,24 @@ def check_imported_dtype(name: str, stored: torch.dtype, wanted: torch.dtype, so
     )
 
 
+def imported_value(
+    hf: HFDirectory, spec: TensorSpec, wanted: torch.dtype, allow_nonfinite: bool = False
+) -> torch.Tensor:
+    """The k3train tensor of `spec` (the expert's slice for an expert spec) read from `hf`, in
+    dtype `wanted`. The stored dtype must be one a cast keeps the meaning of
+    (`check_imported_dtype`) and, unless `allow_nonfinite`, every value finite."""
+    value = import_tensor(spec, hf.get(spec.hf_name))
+    check_imported_dtype(spec.hf_name, value.dtype, wanted, hf.path)
+    if not allow_nonfinite and value.is_floating_point():
+        bad = int((~torch.isfinite(value)).sum())
+        if bad:
+            raise HFConversionError(
+                f"{hf.path}: tensor {spec.hf_name} holds {bad:,} NaN or infinite value(s) of "
+                f"{value.numel():,}; fix the weights, or pass --allow-nonfinite to import them anyway"
+            )
+    return value.to(wanted)
+
+
 def load_hf_weights(
     model: torch.nn.Module,
     hf: HFDirectory,
@@ -366,26 +383,16 @@ def load_hf_weights(
     allow_nonfinite: bool = False,
 ) -> None:
     """Copy every spec's HF tensor into `model` (one tensor in memory at a time besides the
-    model); every model tensor must be covered (a tied head through the embedding). `progress(1)`
-    is called after each tensor. Each tensor's dtype must be one a copy keeps the meaning of
-    (`check_imported_dtype`) and, unless `allow_nonfinite`, all its values finite."""
+    model; `imported_value` checks each); every model tensor must be covered (a tied head
+    through the embedding). `progress(1)` is called after each tensor."""
     state = model.state_dict()
     covered: set[str] = set()
     with torch.no_grad():
         for spec in specs:
-            value = import_tensor(spec, hf.get(spec.hf_name))
             target = state[spec.k3_name]
             if spec.expert is not None:
                 target = target[spec.expert]
-            check_imported_dtype(spec.hf_name, value.dtype, target.dtype, hf.path)
-            if not allow_nonfinite and value.is_floating_point():
-                bad = int((~torch.isfinite(value)).sum())
-                if bad:
-                    raise HFConversionError(
-                        f"{hf.path}: tensor {spec.hf_name} holds {bad:,} NaN or infinite value(s) of "
-                        f"{value.numel():,}; fix the weights, or pass --allow-nonfinite to import them anyway"
-                    )
-            target.copy_(value)
+            target.copy_(imported_value(hf, spec, target.dtype, allow_nonfinite))
             covered.add(spec.k3_name)
             if progress is not None:
                 progress(1)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from k3train.checkpoint.errors import CheckpointError, describe_save_failure
 from k3train.checkpoint.integrity import CHECKSUM, ChecksummingWriter, checksum_files, file_checksum
@@ -50,6 +51,10 @@ class SaveJob:
     """Names the checkpoint that stays the newest if this save fails (for the error line)."""
     finished: Callable[[Path], object]
     """Called on rank 0 after the rename (pruning)."""
+    planner: SavePlanner | None = None
+    """DCP save planner (None: `JsonSavePlanner`); from-hf passes one that reads tensors as DCP writes them."""
+    max_file_bytes: int | None = None
+    """Files of at most this many tensor bytes (None: one file per rank; `ChecksummingWriter`)."""
 
 
 def state_bytes(state: Any) -> int:
@@ -85,14 +90,14 @@ def write_checkpoint(job: SaveJob, group: Any) -> Path:
     """Write `job` with every rank of `group`; return the final path. Raises `CheckpointError`
     (one line, naming what was kept) on every rank when any rank fails."""
     rank = group_rank(group)
-    writer = ChecksummingWriter(job.tmp, sync_files=True)
+    writer = ChecksummingWriter(job.tmp, sync_files=True, max_file_bytes=job.max_file_bytes)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
             dcp.save(
                 job.state,
                 storage_writer=writer,
-                planner=JsonSavePlanner(),
+                planner=job.planner if job.planner is not None else JsonSavePlanner(),
                 process_group=group,
                 no_dist=not distributed_active(),
             )

@@ -566,15 +566,20 @@ def test_hub_file_order_of_a_layer_is_the_published_listing():
     ]
 
 
-def test_attn_res_full_or_none_exports_without_the_old_flag():
-    # Formerly refused unless allow_k3train_only: the bundled remote code now runs every mode
-    # (tests/unit/test_hf_remote_code.py); the flag is still accepted.
-    for mode in ("full", "none"):
-        assert to_hf_config(ModelConfig(attn_res=mode))["text_config"]["k3train"]["attn_res"] == mode
-        assert (
-            to_hf_config(ModelConfig(attn_res=mode), allow_k3train_only=True)["text_config"]["k3train"]["attn_res"]
-            == mode
-        )
+def test_every_attn_res_mode_is_stated_in_a_public_field():
+    """config.json states the AttnRes mode itself (`attn_res`), the block size only where it means
+    something (Block), and keeps nothing but training settings and numerics in the private
+    `k3train` entry; every mode exports (the flag that once let full/none through is accepted)."""
+    training_only = {"init_std", "balancer", "balancer_bins", "balancer_sign_rate", "recompute", "recompute_glu"}
+    training_only |= {"linear_backend", "linear_attn_config"}
+    for mode in ("block", "full", "none"):
+        for allow in (False, True):
+            text = to_hf_config(ModelConfig(attn_res=mode), allow_k3train_only=allow)["text_config"]
+            assert text["attn_res"] == mode and ("attn_res_block_size" in text) == (mode == "block")
+            private = set(text["k3train"]) - ({"attn_res_block_size"} if mode != "block" else set())
+            assert private <= training_only, private
+            assert set(text["k3train"]["linear_attn_config"]) == {"chunk_size"}
+            assert from_hf_config(to_hf_config(ModelConfig(attn_res=mode))) == ModelConfig(attn_res=mode)
 
 
 def test_variant_model_round_trips_through_the_tool(tmp_path):

@@ -12,13 +12,32 @@ KDA_CONV_STREAMS = 3
 """KDA's short convolutions (q, k, v): one conv state each in a layer's cache."""
 KDA_LAYER_TYPE = "kimi_delta_attention"
 """A KDA layer's cache kind (`cache_kimi_k3.KimiDeltaCacheLayer`, registered by the model code)."""
+ATTN_RES_MODES = ("block", "full", "none")
 
 
 class KimiK3TextConfig(PretrainedConfig):
     """The text model's fields as written (k3train's ModelConfig names; `linear_attn_config` and
-    `k3train` as nested dicts)."""
+    `k3train` as nested dicts).
+
+    `attn_res`: the residual stream's form, "block" (Attention Residuals over blocks of
+    `attn_res_block_size` layers), "full" (over every sublayer's output) or "none" (plain
+    residuals). A config written before the field existed means "block" when it gives
+    `attn_res_block_size` and "none" otherwise (unless its `k3train` entry names the mode)."""
 
     model_type = "kimi_k3_text"
+
+    attn_res: str | None = None
+
+    def __post_init__(self, **kwargs):
+        # A dataclass field and a post-init, not an __init__: transformers' config __init__ would
+        # validate `layer_types` against its own layer kinds, which know no KDA layer.
+        super().__post_init__(**kwargs)
+        if self.attn_res is None:
+            private = getattr(self, "k3train", None) or {}
+            block = getattr(self, "attn_res_block_size", None) is not None
+            self.attn_res = private.get("attn_res") or ("block" if block else "none")
+        if self.attn_res not in ATTN_RES_MODES:
+            raise ValueError(f"attn_res must be one of {', '.join(ATTN_RES_MODES)}, got {self.attn_res!r}")
 
     @property
     def layer_types(self) -> list[str]:
