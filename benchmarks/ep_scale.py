@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from k3train.parallel import expert_placement
 from k3train.parallel import expert_plan as plan
 from k3train.parallel import expert_spread as spread
 
@@ -88,8 +89,10 @@ def routing(args, ranks: int, regime: str, step: int):
 
 def step_placement(plan_module, args, ranks, previous_load):
     """The step's replica placement, planned from the previous step's loads (as `finish_step` does)."""
-    first = plan_module.plan_from_load(previous_load, ranks, args.max_replicas, args.tolerance)
-    placement = plan_module.ReplicaPlacement.from_plan(first)
+    whole = {"whole_first": True} if plan_module is plan else {}  # this tree's placements: whole pieces first
+    first = plan_module.plan_from_load(previous_load, ranks, args.max_replicas, args.tolerance, **whole)
+    # this tree's placements live in their own module; older revisions kept them in the planner's
+    placement = getattr(plan_module, "ReplicaPlacement", expert_placement.ReplicaPlacement).from_plan(first)
     if not args.no_spares:
         placement = placement.with_spares(previous_load, first.rank_load, args.max_replicas)
     return placement

@@ -28,10 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.parallel.comm import Group
+from k3train.parallel.expert_placement import ReplicaPlacement
 from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the planner's public names)
     RelayCapacity,
     RelayPlan,
-    ReplicaPlacement,
     ReplicaPlan,
     apply_placement,
     capacity_per_destination,
@@ -512,16 +512,24 @@ class ExpertParallel:
         backward marked last returned are added here, which is exact only where the reduction has
         nothing to add them to across EP groups (`state` None, as in the dispatcher's own tests,
         or `expert_dp` of one rank)."""
+        planned = self.replica_planning == "step" and self.mode == "balanced" and self.size > 1
+        placements = []
         for experts, layer in self._layers.values():
             if layer.flat is not None and layer.flat.grad is not None:  # the same on every EP rank
                 self._return_late_gradients(experts, layer, state)
-            planned = self.replica_planning == "step" and self.mode == "balanced" and self.size > 1
-            if planned and int(layer.load.sum()) > 0:  # `online` plans in the dispatch: nothing here
-                plan = plan_from_load(layer.load, self.size, self.max_replicas, self.replica_tolerance)
-                layer.placement = ReplicaPlacement.from_plan(plan)
-                if self.spare_replicas:
-                    layer.placement = layer.placement.with_spares(layer.load, plan.rank_load, self.max_replicas)
+            if planned:  # `online` plans in the dispatch: nothing here
+                with torch.no_grad():
+                    plan = plan_from_load(
+                        layer.load, self.size, self.max_replicas, self.replica_tolerance, whole_first=True
+                    )
+                    placement = ReplicaPlacement.from_plan(plan)
+                    if self.spare_replicas:
+                        placement = placement.with_spares(layer.load, plan.rank_load, self.max_replicas)
+                    # a step without a training forward through the layer keeps its placement
+                    layer.placement = placement.select(layer.load.sum() > 0, layer.placement)
+                placements.append(layer.placement)
             layer.clear()
+        ReplicaPlacement.read_host(placements)  # the step boundary's one host read, for every layer
 
     @torch.no_grad()
     def _return_late_gradients(self, experts: SupportsGroupedForward, layer: StepReplicas, state) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from k3train.parallel.comm import Group
-from k3train.parallel.expert_plan import ReplicaPlacement
+from k3train.parallel.expert_placement import ReplicaPlacement
 from k3train.parallel.expert_transports import all_to_all_splits
 
 
