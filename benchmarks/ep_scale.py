@@ -89,8 +89,9 @@ def routing(args, ranks: int, regime: str, step: int):
 
 def step_placement(plan_module, args, ranks, previous_load):
     """The step's replica placement, planned from the previous step's loads (as `finish_step` does)."""
-    whole = {"whole_first": True} if plan_module is plan else {}  # this tree's placements: whole pieces first
-    first = plan_module.plan_from_load(previous_load, ranks, args.max_replicas, args.tolerance, **whole)
+    # this tree plans placements with its greedy (once per step), older ones with `plan_from_load`
+    planner = getattr(plan_module, "greedy_plan_from_load", plan_module.plan_from_load)
+    first = planner(previous_load, ranks, args.max_replicas, args.tolerance)
     # this tree's placements live in their own module; older revisions kept them in the planner's
     placement = getattr(plan_module, "ReplicaPlacement", expert_placement.ReplicaPlacement).from_plan(first)
     if not args.no_spares:

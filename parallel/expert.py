@@ -37,6 +37,7 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
     capacity_per_destination,
     capacity_per_pair,
     destination_room,
+    greedy_plan_from_load,
     home_route,
     pack_slots,
     pair_positions,
@@ -519,9 +520,7 @@ class ExpertParallel:
                 self._return_late_gradients(experts, layer, state)
             if planned:  # `online` plans in the dispatch: nothing here
                 with torch.no_grad():
-                    plan = plan_from_load(
-                        layer.load, self.size, self.max_replicas, self.replica_tolerance, whole_first=True
-                    )
+                    plan = greedy_plan_from_load(layer.load, self.size, self.max_replicas, self.replica_tolerance)
                     placement = ReplicaPlacement.from_plan(plan)
                     if self.spare_replicas:
                         placement = placement.with_spares(layer.load, plan.rank_load, self.max_replicas)

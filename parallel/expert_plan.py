@@ -87,7 +87,7 @@ def plan_replicas(counts: torch.Tensor, max_replicas_per_rank: int, tolerance: f
 
 
 def plan_from_load(
-    load: torch.Tensor, num_ranks: int, max_replicas_per_rank: int, tolerance: float = 0.0, whole_first: bool = False
+    load: torch.Tensor, num_ranks: int, max_replicas_per_rank: int, tolerance: float = 0.0
 ) -> ReplicaPlan:
     """`plan_replicas` on the per-expert loads `[E]` of an EP group of `num_ranks`, in a fixed
     number of tensor operations whatever `R` (no loop; a merge of two cumulative sums).
@@ -125,44 +125,80 @@ def plan_from_load(
     piece_expert = torch.div(line, local, rounding_mode="floor") * local + order.view(-1)[line]
     # receivers largest deficit first
     taken, receivers = torch.sort(deficit, descending=True, stable=True)
-    entries, line_slots = [], slots
-    if whole_first:  # slot 0: the k-th receiver takes the k-th piece (up to its deficit)
-        first = torch.minimum(piece[:num_ranks], taken)
-        entries.append((piece_expert[:num_ranks, None], first[:, None]))
-        piece = piece - torch.nn.functional.pad(first, (0, num_experts - num_ranks))
-        taken, line_slots = taken - first, slots - 1
-    if line_slots > 0:
-        # What is left on a line (pieces in the same order) against the deficit line: each
-        # receiver's interval takes, of the first `m + 1` pieces it overlaps, the `m` largest
-        # overlaps (`m` its slots left; so a slot is not spent on the remnant of a piece the
-        # previous receiver took most of). Past the surplus's end every overlap is empty (at
-        # least one rank gives nothing, so the line ends in empty pieces).
-        piece_end = piece.cumsum(0)
-        taken_end = taken.cumsum(0)[:, None]
-        taken_start = taken_end - taken[:, None]
-        candidates = torch.arange(line_slots + 1, device=device)
-        index = (torch.searchsorted(piece_end, taken_start, right=True) + candidates).clamp(max=num_experts - 1)
-        overlap = (
-            torch.minimum(piece_end[index], taken_end) - torch.maximum((piece_end - piece)[index], taken_start)
-        ).clamp(min=0)
-        kept = candidates[:line_slots]
-        kept = kept + (kept >= overlap.argmin(1, keepdim=True))  # all but the first smallest, in order
-        entries.append((piece_expert[index.gather(1, kept)], overlap.gather(1, kept)))
-    # entry (receiver k, j): rank receivers[k]; its non-empty entries take its slots 0, 1, …
-    expert = torch.cat([e for e, _ in entries], dim=1) if len(entries) > 1 else entries[0][0]
-    amount = torch.cat([m for _, m in entries], dim=1) if len(entries) > 1 else entries[0][1]
-    valid = amount > 0
-    if whole_first:  # slot 0 may be empty where a later one is not
-        slot = (valid.cumsum(1) - 1).clamp(min=0).view(-1)
-    else:  # each receiver's non-empty overlaps come first (its first overlap is never empty)
-        slot = candidates[:slots].repeat(num_ranks)
-    expert, amount, valid = expert.view(-1), amount.view(-1), valid.view(-1)
+    # Each receiver's interval of the deficit line takes, of the first `M + 1` pieces it overlaps,
+    # the `M` largest overlaps (so a slot is not spent on the remnant of a piece the previous
+    # receiver took most of). Past the surplus's end every overlap is empty (at least one rank
+    # gives nothing, so the line ends in empty pieces).
+    piece_end = piece.cumsum(0)
+    taken_end = taken.cumsum(0)[:, None]
+    taken_start = taken_end - taken[:, None]
+    candidates = torch.arange(slots + 1, device=device)
+    index = (torch.searchsorted(piece_end, taken_start, right=True) + candidates).clamp(max=num_experts - 1)
+    overlap = (
+        torch.minimum(piece_end[index], taken_end) - torch.maximum((piece_end - piece)[index], taken_start)
+    ).clamp(min=0)
+    kept = candidates[:slots]
+    kept = kept + (kept >= overlap.argmin(1, keepdim=True))  # all but the first smallest, in order
+    # entry (receiver k, j): rank receivers[k], slot j (its first overlap is never empty, so a
+    # receiver's non-empty entries come first)
+    expert = piece_expert[index.gather(1, kept)].view(-1)
+    amount = overlap.gather(1, kept).view(-1)
+    slot = candidates[:slots].repeat(num_ranks)
     dest = receivers[:, None].repeat(1, slots).view(-1)
     home = load.index_add(0, expert, amount, alpha=-1)
     rank_load = home.view(num_ranks, local).sum(1).index_add(0, dest, amount)
     # an expert's replica intervals follow its home share, in entry order
     start = home[expert] + ((expert[:, None] == expert).tril(-1) * amount).sum(1)
+    valid = amount > 0
     return ReplicaPlan(expert, dest, slot, start, amount, valid, load, home, rank_load)
+
+
+def greedy_plan_from_load(
+    load: torch.Tensor, num_ranks: int, max_replicas_per_rank: int, tolerance: float = 0.0
+) -> ReplicaPlan:
+    """A step's replica placement from the previous step's loads: `R·M` iterations, each moving
+    from the most loaded rank (first of them) its hottest remaining home share to the least
+    loaded rank with a free replica slot (not the source), at most down (up) to the even share; a
+    rank is relieved only while above `(1 + tolerance)` times the even share. On the device, no
+    host read; once per step and layer (`finish_step`), where its `R·M` iterations re-rank the
+    ranks after every move, which spreads a step's replicas over more distinct experts than
+    `plan_from_load` (the per-dispatch plan, a fixed number of operations) does: what the next
+    step's loads, which differ, need (`tests/unit/test_expert_plan.py`)."""
+    num_experts = load.shape[0]
+    local = num_experts // num_ranks
+    entries = num_ranks * max_replicas_per_rank
+    device = load.device
+    load = load.long()
+    home = load.clone()
+    rank_load = load.view(num_ranks, local).sum(1)
+    target = load.sum() // num_ranks  # the even share
+    threshold = (target.double() * (1.0 + tolerance)).floor().long()
+    used = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+    ranks = torch.arange(num_ranks, device=device)
+    lowest = torch.iinfo(torch.int64).min
+    experts, dests, amounts = [], [], []
+    for _ in range(entries):
+        surplus = rank_load - target
+        source = surplus.argmax()  # first of the most loaded ranks
+        home_shares = _at(home.view(num_ranks, local), source)
+        expert = source * local + home_shares.argmax()  # its hottest remaining home share
+        deficit = target - rank_load
+        eligible = (used < max_replicas_per_rank) & (ranks != source)
+        dest = torch.where(eligible, deficit, lowest).argmax()
+        amount = torch.minimum(torch.minimum(_at(surplus, source), _at(deficit, dest)), _at(home, expert)).clamp(min=0)
+        relieve = _at(eligible, dest) & (_at(rank_load, source) > threshold)
+        amount = torch.where(relieve, amount, 0)
+        home = home.index_add(0, expert.view(1), -amount.view(1))
+        rank_load = rank_load.index_add(0, torch.stack([source, dest]), torch.stack([-amount, amount]))
+        used = used.index_add(0, dest.view(1), (amount > 0).long().view(1))
+        experts.append(expert)
+        dests.append(dest)
+        amounts.append(amount)
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    expert = torch.stack(experts) if experts else empty
+    dest = torch.stack(dests) if dests else empty
+    amount = torch.stack(amounts) if amounts else empty
+    return _finish_plan(expert, dest, amount, load, home, rank_load)
 
 
 def _capped_in_order(

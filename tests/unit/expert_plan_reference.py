@@ -1,57 +1,9 @@
-"""The replica planner as it was first written, a greedy of `R·M` iterations on the device: the
-reference `parallel/expert_plan.plan_from_load` (a fixed number of operations) is held to in
-`test_expert_plan.py` (same per-destination capacity on random routings, same plan where the
-ranks' order does not change during the greedy)."""
+"""The step boundary's spare replicas as the host loop first computed them: the reference
+`ReplicaPlacement.with_spares` (on the device) is held to in `test_expert_planning_cost.py`."""
 
 from __future__ import annotations
 
 import torch
-
-from k3train.parallel.expert_plan import ReplicaPlan, _at, _finish_plan
-
-
-def greedy_plan_from_load(
-    load: torch.Tensor, num_ranks: int, max_replicas_per_rank: int, tolerance: float = 0.0
-) -> ReplicaPlan:
-    """Each of `R·M` iterations moves from the most loaded rank (first of them) its hottest
-    remaining home share to the least loaded rank with a free replica slot (not the source), at
-    most down (up) to the even share; a rank is relieved only while above `(1 + tolerance)`
-    times the even share."""
-    num_experts = load.shape[0]
-    local = num_experts // num_ranks
-    entries = num_ranks * max_replicas_per_rank
-    device = load.device
-    load = load.long()
-    home = load.clone()
-    rank_load = load.view(num_ranks, local).sum(1)
-    target = load.sum() // num_ranks  # the even share
-    threshold = (target.double() * (1.0 + tolerance)).floor().long()
-    used = torch.zeros(num_ranks, dtype=torch.int64, device=device)
-    ranks = torch.arange(num_ranks, device=device)
-    lowest = torch.iinfo(torch.int64).min
-    experts, dests, amounts = [], [], []
-    for _ in range(entries):
-        surplus = rank_load - target
-        source = surplus.argmax()  # first of the most loaded ranks
-        home_shares = _at(home.view(num_ranks, local), source)
-        expert = source * local + home_shares.argmax()  # its hottest remaining home share
-        deficit = target - rank_load
-        eligible = (used < max_replicas_per_rank) & (ranks != source)
-        dest = torch.where(eligible, deficit, lowest).argmax()
-        amount = torch.minimum(torch.minimum(_at(surplus, source), _at(deficit, dest)), _at(home, expert)).clamp(min=0)
-        relieve = _at(eligible, dest) & (_at(rank_load, source) > threshold)
-        amount = torch.where(relieve, amount, 0)
-        home = home.index_add(0, expert.view(1), -amount.view(1))
-        rank_load = rank_load.index_add(0, torch.stack([source, dest]), torch.stack([-amount, amount]))
-        used = used.index_add(0, dest.view(1), (amount > 0).long().view(1))
-        experts.append(expert)
-        dests.append(dest)
-        amounts.append(amount)
-    empty = torch.zeros(0, dtype=torch.int64, device=device)
-    expert = torch.stack(experts) if experts else empty
-    dest = torch.stack(dests) if dests else empty
-    amount = torch.stack(amounts) if amounts else empty
-    return _finish_plan(expert, dest, amount, load, home, rank_load)
 
 
 def host_spares(
