@@ -31,8 +31,11 @@ LAYOUTS: list[dict[str, Any]] = [
         overrides=["parallel.expert_dispatch=capacity", "model.attn_res_block_size=1"],
     ),
     # experts' masters sharded over expert_dp = 2; the balanced dispatcher's replica gradients
-    # reach the masters after the reduction. Replicas placed once per step: the planner's saved
-    # bytes of per-micro-batch (`online`) replicas are ~5% short on this layout, not yet traced.
+    # reach the home gradients in backward, before the reduction. Replicas placed once per step:
+    # with per-micro-batch (`online`) replicas the planner's saved bytes are 5.25% short here
+    # (21.71 of 22.91 MB). Not the replicas alone: all the planner's online replica bytes are
+    # 0.44 MB, and this `step` layout is 3.5% short too (its planner also counts the replicas'
+    # gradients, 0.34 MB that are no saved tensor); not traced further.
     dict(
         name="DP4 EP2 balanced ZeRO-1",
         dp=4,
