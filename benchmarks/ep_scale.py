@@ -37,7 +37,9 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from k3train.parallel import expert_placement
 from k3train.parallel import expert_plan as plan
 from k3train.parallel import expert_spread as spread
 
@@ -58,6 +60,25 @@ def load_old_module(revision: str, path: str = "parallel/expert.py"):
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+class KernelCounter(TorchDispatchMode):
+    """Operations run inside it that launch a kernel (views do not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.kernels += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def planning_kernels(planner, load, ranks: int, replicas: int) -> int:
+    counter = KernelCounter()
+    with counter:
+        planner(load, ranks, replicas)
+    return counter.kernels
 
 
 def routing(args, ranks: int, regime: str, step: int):
@@ -88,8 +109,11 @@ def routing(args, ranks: int, regime: str, step: int):
 
 def step_placement(plan_module, args, ranks, previous_load):
     """The step's replica placement, planned from the previous step's loads (as `finish_step` does)."""
-    first = plan_module.plan_from_load(previous_load, ranks, args.max_replicas, args.tolerance)
-    placement = plan_module.ReplicaPlacement.from_plan(first)
+    # this tree plans placements with its greedy (once per step), older ones with `plan_from_load`
+    planner = getattr(plan_module, "greedy_plan_from_load", plan_module.plan_from_load)
+    first = planner(previous_load, ranks, args.max_replicas, args.tolerance)
+    # this tree's placements live in their own module; older revisions kept them in the planner's
+    placement = getattr(plan_module, "ReplicaPlacement", expert_placement.ReplicaPlacement).from_plan(first)
     if not args.no_spares:
         placement = placement.with_spares(previous_load, first.rank_load, args.max_replicas)
     return placement
@@ -177,6 +201,9 @@ def online_code(args, ranks, ids, weights, counts, transport):
         "replica_matrices_micro_batch": 2 * ranks * args.max_replicas,
         "replicas": replicas,
         "slots_per_node_row": per_node,
+        # the per-dispatch plan's kernels, and the greedy's (the planner before) on the same loads
+        "plan_kernels": f"{planning_kernels(plan.plan_from_load, counts.sum(0), ranks, args.max_replicas)}"
+        f"/{planning_kernels(plan.greedy_plan_from_load, counts.sum(0), ranks, args.max_replicas)}",
     }
 
 
@@ -305,6 +332,7 @@ def main() -> None:
         "replica GiB",
         "replica/token",
         "slots/node row",
+        "plan kernels",
     )
     print(" | ".join(f"{h:>11}" for h in header))
     for ranks in args.ranks:
@@ -352,10 +380,15 @@ def main() -> None:
                     f"{replica_bytes / 2**30:.3f}",
                     f"{100 * replica_bytes / token_bytes:.1f}%",
                     result.get("slots_per_node_row", "-"),
+                    result.get("plan_kernels", "-"),
                 )
                 print(" | ".join(f"{str(c):>11}" for c in cells))
             print(f"{'':>11}   ({time.perf_counter() - started:.0f} s)", flush=True)
     print("skew: expert load max/mean over the group / each source's top-`hot` experts over its mean per expert.")
+    print(
+        "plan kernels (online rows): kernel launches of the per-dispatch replica plan (plan_from_load) / of the "
+        "greedy it replaced (greedy_plan_from_load, now the step placement's planner) on the same loads."
+    )
     print(
         f"over cap: {args.old_revision} = largest (source, destination) pair minus C_pair (> 0: drops); "
         f"{args.previous_revision} = largest planned destination minus C_dest (> 0: drops); new relay = largest "

@@ -18,10 +18,9 @@ gradients and statistics: docs/expert_parallel.md.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol, cast
 
 import torch
@@ -29,15 +28,16 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.parallel.comm import Group
+from k3train.parallel.expert_placement import ReplicaPlacement
 from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the planner's public names)
     RelayCapacity,
     RelayPlan,
-    ReplicaPlacement,
     ReplicaPlan,
     apply_placement,
     capacity_per_destination,
     capacity_per_pair,
     destination_room,
+    greedy_plan_from_load,
     home_route,
     pack_slots,
     pair_positions,
@@ -55,7 +55,14 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
 )
 from k3train.parallel.expert_replicas import all_to_all, fetch_replicas
 from k3train.parallel.expert_spread import spread_capacity
-from k3train.parallel.expert_transports import TRANSPORT_CLASSES, all_to_all_splits, weighted_sum, wire_bytes
+from k3train.parallel.expert_step_replicas import (
+    StepReplicas,
+    fetch_step_replicas,
+    gradients_home,
+    returning_home,
+    split_stacks,
+)
+from k3train.parallel.expert_transports import TRANSPORT_CLASSES, weighted_sum, wire_bytes
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
@@ -151,25 +158,10 @@ class DispatchInfo:
     replica_bytes: torch.Tensor  # () int64 replica bytes this rank sends this step (counted once)
 
 
-@dataclass
-class _LayerReplicas:
-    """One layer's replicas for the current step: the placement (decided before the step), the
-    fetched weights (leaves whose gradients collect every micro-batch's contribution), and the
-    loads seen this step, from which the next placement is planned."""
-
-    placement: ReplicaPlacement
-    load: torch.Tensor  # [E] int64: this step's slots per expert over the EP group
-    stacks: ExpertStacks | None = None
-    flat: torch.Tensor | None = None  # [M, F] leaf behind `stacks`
-    versions: tuple[int, ...] = ()
-    splits: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
-    fetch_bytes: int = 0
-
-
 class ExpertParallel:
     """Experts of every MoE layer split over one EP group. Per layer it keeps the step's replica
-    placement and weights; `finish_step` (after gradient reduction) returns the replicas'
-    gradients home and plans the next step."""
+    placement and weights (`step` planning; their gradients go home in the step's last
+    backward); `finish_step` (after gradient reduction) plans the next step."""
 
     def __init__(
         self,
@@ -207,9 +199,10 @@ class ExpertParallel:
         self.token_transport = TRANSPORT_CLASSES[transport](group, capacity_factor, gpus_per_node)
         self.replica_tolerance = replica_tolerance
         self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
-        self._layers: dict[int, tuple[SupportsGroupedForward, _LayerReplicas]] = {}
+        self._layers: dict[int, tuple[SupportsGroupedForward, StepReplicas]] = {}
         self._order: list[int] = []  # the experts modules in the order they were marked (checkpoint keys)
         self._restored: dict[int, list[tuple[int, int, int]]] = {}  # placements loaded before a layer ran
+        self._last_micro_batch = True  # the next backward returns the `step` replicas' gradients home
 
     @classmethod
     def from_state(
@@ -411,7 +404,7 @@ class ExpertParallel:
         return routed, info
 
     def _replicas(
-        self, experts: SupportsGroupedForward, state: _LayerReplicas | None, plan: ReplicaPlan
+        self, experts: SupportsGroupedForward, state: StepReplicas | None, plan: ReplicaPlan
     ) -> tuple[ExpertStacks, int]:
         """The replica stacks this micro-batch computes with and the replica bytes it sends: fetched
         now for `plan` (`online`), or the step's cached ones (`step`; their traffic counted with
@@ -429,7 +422,7 @@ class ExpertParallel:
         return output + experts.grouped_forward(rows, ids - self.num_local_experts, replicas, compute=self.compute)
 
     # ------------------------------------------------------------------ replicas, once per step
-    def _layer(self, experts: SupportsGroupedForward, device=None) -> _LayerReplicas:
+    def _layer(self, experts: SupportsGroupedForward, device=None) -> StepReplicas:
         key = id(experts)
         if key not in self._layers:
             restored = self._restored.pop(self._order.index(key), None) if key in self._order else None
@@ -438,52 +431,42 @@ class ExpertParallel:
             else:
                 placement = ReplicaPlacement.empty(self.size, self.max_replicas, device)  # step 0: no loads yet
             load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
-            self._layers[key] = (experts, _LayerReplicas(placement, load))
+            self._layers[key] = (experts, StepReplicas(placement, load))
         return self._layers[key][1]
 
-    def _replica_lists(self, placement: ReplicaPlacement) -> tuple[list[int], list[int], list[int], list[int]]:
-        """Host bookkeeping of the step's replica exchange: the experts this rank sends (home
-        experts, in (dest, slot) order) with their split sizes, and the replica slots it fills
-        (in (home, slot) order) with theirs."""
-        local = self.num_local_experts
-        outgoing = sorted((d, s, e) for e, d, s in placement.host if e // local == self.rank)
-        incoming = sorted((e // local, s) for e, d, s in placement.host if d == self.rank)
-        send = [sum(1 for d, _, _ in outgoing if d == r) for r in range(self.size)]
-        receive = [sum(1 for h, _ in incoming if h == r) for r in range(self.size)]
-        return [e - self.expert_offset for _, _, e in outgoing], send, [s for _, s in incoming], receive
+    def set_last_micro_batch(self, last: bool) -> None:
+        """True (the default): the next backward is the step's last through these layers, and
+        returns the `step` replicas' gradients to their home experts (the pipeline schedule says
+        it, as it tells the gradient reducer); False: they accumulate on the replicas."""
+        self._last_micro_batch = last
 
     def step_replicas(self, experts: SupportsGroupedForward) -> ExpertStacks:
         """This step's replica weights `[M, …]` (zeros in unused slots): fetched from their home
         ranks at the layer's first dispatch of the step and kept for every micro-batch; their
-        gradients collect there until `finish_step`. Exact splits: each placed replica moves
-        once (a host list decided at the step boundary, not on the dispatch path)."""
+        gradients return home in the step's last backward (`expert_step_replicas.py`). Exact
+        splits: each placed replica moves once (a host list decided at the step boundary, not on
+        the dispatch path)."""
         state = self._layer(experts)
-        versions = tuple(w._version for w in experts.stacks())
-        if state.stacks is not None:
-            if versions != state.versions:
-                raise RuntimeError(
-                    "expert weights changed since this step's replicas were fetched: call "
-                    "ExpertParallel.finish_step after the gradient reduction of every step"
-                )
-            return state.stacks
         stacks = experts.stacks()
+        versions = tuple(w._version for w in stacks)
         shapes = [w.shape[1:] for w in stacks]
-        with torch.no_grad():
-            outgoing, send, slots, receive = self._replica_lists(state.placement)
-            index = torch.tensor(outgoing, dtype=torch.int64, device=stacks[0].device)
-            rows = torch.cat([w.index_select(0, index).reshape(len(outgoing), w[0].numel()) for w in stacks], dim=1)
-            fetched = all_to_all_splits(self.group, rows, send, receive, f"{self.group.name}.replicas")
-            flat = fetched.new_zeros(self.max_replicas, rows.shape[1])
-            flat.index_copy_(0, torch.tensor(slots, dtype=torch.int64, device=flat.device), fetched)
-        cache = _building_graph()
-        flat.requires_grad_(cache)
-        sizes = [math.prod(shape) for shape in shapes]
-        result = tuple(part.reshape(self.max_replicas, *shape) for part, shape in zip(flat.split(sizes, dim=1), shapes))
-        if cache:
-            state.stacks, state.flat, state.versions = result, flat, versions
-            state.splits = (send, receive)
-            state.fetch_bytes = 2 * rows.numel() * rows.element_size()  # weights now, gradients back at the end
-        return result
+        if state.flat is not None and versions != state.versions:
+            raise RuntimeError(
+                "expert weights changed since this step's replicas were fetched: call "
+                "ExpertParallel.finish_step after the gradient reduction of every step"
+            )
+        flat = state.flat
+        if flat is None:
+            with torch.no_grad():
+                flat = fetch_step_replicas(stacks, state.placement, self.group, self.max_replicas)
+            if _building_graph():  # kept for the step; its gradients collect until the last backward
+                flat.requires_grad_(True)
+                state.flat, state.versions = flat, versions
+                sent = sum(1 for e, _, _ in state.placement.host if e // self.num_local_experts == self.rank)
+                state.fetch_bytes = 2 * sent * flat[0].numel() * flat.element_size()  # weights, gradients back
+        if flat.requires_grad and torch.is_grad_enabled():
+            flat = returning_home(flat, state, self.group, lambda: self._last_micro_batch, stacks)
+        return cast(ExpertStacks, split_stacks(flat, shapes))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -524,44 +507,45 @@ class ExpertParallel:
                 self._restored[index] = entries
 
     def finish_step(self, state=None) -> None:
-        """At the step boundary, after the gradient reduction: send each layer's replica
-        gradients to the home ranks, reduce them as the home experts' own gradients are reduced
-        (`state`: the job's ParallelState; None in one process) and add them into the home
-        gradients, so the optimizer only sees home experts; then plan the next step's replicas
-        from this step's loads and drop the cached weights."""
+        """At the step boundary, after the gradient reduction: plan each layer's next replicas from
+        this step's loads and drop the step's replica weights. Their gradients went home in the
+        step's last backward (`set_last_micro_batch`), before the reduction; gradients that no
+        backward marked last returned are added here, which is exact only where the reduction has
+        nothing to add them to across EP groups (`state` None, as in the dispatcher's own tests,
+        or `expert_dp` of one rank)."""
+        planned = self.replica_planning == "step" and self.mode == "balanced" and self.size > 1
+        placements = []
         for experts, layer in self._layers.values():
-            if layer.flat is not None:  # every EP rank ran the same layers: the collectives match
-                self._return_gradients(experts, layer, state)
-            planned = self.replica_planning == "step" and self.mode == "balanced" and self.size > 1
-            if planned and int(layer.load.sum()) > 0:  # `online` plans in the dispatch: nothing here
-                plan = plan_from_load(layer.load, self.size, self.max_replicas, self.replica_tolerance)
-                layer.placement = ReplicaPlacement.from_plan(plan)
-                if self.spare_replicas:
-                    layer.placement = layer.placement.with_spares(layer.load, plan.rank_load, self.max_replicas)
-            layer.load.zero_()
-            layer.stacks = layer.flat = None
-            layer.fetch_bytes = 0
+            if layer.flat is not None and layer.flat.grad is not None:  # the same on every EP rank
+                self._return_late_gradients(experts, layer, state)
+            if planned:  # `online` plans in the dispatch: nothing here
+                with torch.no_grad():
+                    plan = greedy_plan_from_load(layer.load, self.size, self.max_replicas, self.replica_tolerance)
+                    placement = ReplicaPlacement.from_plan(plan)
+                    if self.spare_replicas:
+                        placement = placement.with_spares(layer.load, plan.rank_load, self.max_replicas)
+                    # a step without a training forward through the layer keeps its placement
+                    layer.placement = placement.select(layer.load.sum() > 0, layer.placement)
+                placements.append(layer.placement)
+            layer.clear()
+        ReplicaPlacement.read_host(placements)  # the step boundary's one host read, for every layer
 
     @torch.no_grad()
-    def _return_gradients(self, experts: SupportsGroupedForward, layer: _LayerReplicas, state) -> None:
-        outgoing, send, slots, receive = self._replica_lists(layer.placement)
-        flat = layer.flat
-        assert flat is not None, "called for a layer that fetched replicas this step"
-        grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
-        grad = grad.index_select(0, torch.tensor(slots, dtype=torch.int64, device=flat.device))
-        home = all_to_all_splits(self.group, grad, receive, send, f"{self.group.name}.replicas")
-        stacks = experts.stacks()
-        delta = home.new_zeros(self.num_local_experts, home.shape[1]).index_add_(
-            0, torch.tensor(outgoing, dtype=torch.int64, device=home.device), home
-        )
-        if state is not None:  # as grad_reduce.py reduces expert gradients: SUM over expert_dp, / dp
+    def _return_late_gradients(self, experts: SupportsGroupedForward, layer: StepReplicas, state) -> None:
+        """Replica gradients still on the replicas after the gradient reduction, into the home
+        gradients (scaled as the reduction scales expert gradients, `1/dp`)."""
+        if state is not None and state.expert_dp.size > 1:
+            raise RuntimeError(
+                "replica gradients of this step were not returned before the gradient reduction: the "
+                "step's last backward must run after ExpertParallel.set_last_micro_batch(True)"
+            )
+        assert layer.flat is not None and layer.flat.grad is not None
+        delta = gradients_home(layer.flat.grad, layer.placement, self.group, self.num_local_experts)
+        if state is not None:
             delta.mul_(1.0 / state.layout.dp)
-            state.expert_dp.all_reduce(delta)
-        offset = 0
-        for param in stacks:
-            part = delta[:, offset : offset + param[0].numel()].reshape(param.shape).to(param.dtype)
-            offset += param[0].numel()
+        stacks = experts.stacks()
+        for param, part in zip(stacks, split_stacks(delta, [w.shape[1:] for w in stacks])):
             if param.grad is None:
-                param.grad = part.clone()
+                param.grad = part.to(param.dtype).clone()
             else:
-                param.grad.add_(part)
+                param.grad.add_(part.to(param.dtype))

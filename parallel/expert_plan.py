@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from k3train.parallel.expert_placement import ReplicaPlacement
 
 
 def capacity_per_pair(tokens: int, top_k: int, ep: int, capacity_factor: float) -> int:
@@ -85,7 +89,81 @@ def plan_replicas(counts: torch.Tensor, max_replicas_per_rank: int, tolerance: f
 def plan_from_load(
     load: torch.Tensor, num_ranks: int, max_replicas_per_rank: int, tolerance: float = 0.0
 ) -> ReplicaPlan:
-    """`plan_replicas` on the per-expert loads `[E]` of an EP group of `num_ranks`."""
+    """`plan_replicas` on the per-expert loads `[E]` of an EP group of `num_ranks`, in a fixed
+    number of tensor operations whatever `R` (no loop; a merge of two cumulative sums).
+
+    A rank above `(1 + tolerance)` times the even share gives its surplus down to the even share;
+    a rank below it takes up to its deficit. Lay the surplus on a line, givers by surplus
+    (largest first, ties: lower rank), within a giver its home experts by load (hottest first,
+    ties: lower id), each expert a piece of at most its load, until the giver's surplus is
+    covered; lay the deficits on another line, receivers by deficit (largest first, ties: lower
+    rank). Receiver `d`'s interval of the deficit line takes the first `M` pieces it overlaps
+    (its replica slots `0 … M − 1`): entry `(d, j)` hosts the `j`-th. What a receiver's `M`
+    slots cannot take stays home. Givers and receivers are disjoint, so no rank hosts a replica
+    of its own expert, and one expert has at most one replica per rank. This is the order the
+    former greedy (`R·M` iterations: the most loaded rank's hottest remaining expert to the
+    least loaded rank with a free slot) moved slots in while the ranks' order does not change;
+    it differs where the greedy re-ranks (a receiver left partly filled by a small piece, two
+    givers of nearly equal surplus), and `tests/unit/test_expert_plan.py` holds the two to the
+    same per-destination capacity on random routings."""
+    num_experts = load.shape[0]
+    local, slots = num_experts // num_ranks, max_replicas_per_rank
+    device = load.device
+    load = load.long()
+    shares = load.view(num_ranks, local)
+    rank_load = shares.sum(1)
+    excess = rank_load - load.sum() // num_ranks  # over the even share
+    # relieved only above (1 + tolerance)·target (for integer loads the same as above its floor)
+    above = excess.clamp(min=0)
+    deficit = above - excess
+    surplus = above if tolerance == 0 else above * (excess > (rank_load - excess)[0].double() * tolerance)
+    # each giver's hottest home experts, as many as cover its surplus (the last one cut): its pieces
+    hottest, order = torch.sort(shares, dim=1, descending=True, stable=True)
+    piece = (surplus[:, None] - hottest.cumsum(1) + hottest).clamp(min=torch.zeros_like(hottest), max=hottest)
+    # the surplus line: every giver's pieces, largest first (ties: lower rank, hotter expert)
+    piece, line = torch.sort(piece.view(-1), descending=True, stable=True)
+    piece_expert = torch.div(line, local, rounding_mode="floor") * local + order.view(-1)[line]
+    # receivers largest deficit first
+    taken, receivers = torch.sort(deficit, descending=True, stable=True)
+    # Each receiver's interval of the deficit line takes, of the first `M + 1` pieces it overlaps,
+    # the `M` largest overlaps (so a slot is not spent on the remnant of a piece the previous
+    # receiver took most of). Past the surplus's end every overlap is empty (at least one rank
+    # gives nothing, so the line ends in empty pieces).
+    piece_end = piece.cumsum(0)
+    taken_end = taken.cumsum(0)[:, None]
+    taken_start = taken_end - taken[:, None]
+    candidates = torch.arange(slots + 1, device=device)
+    index = (torch.searchsorted(piece_end, taken_start, right=True) + candidates).clamp(max=num_experts - 1)
+    overlap = (
+        torch.minimum(piece_end[index], taken_end) - torch.maximum((piece_end - piece)[index], taken_start)
+    ).clamp(min=0)
+    kept = candidates[:slots]
+    kept = kept + (kept >= overlap.argmin(1, keepdim=True))  # all but the first smallest, in order
+    # entry (receiver k, j): rank receivers[k], slot j (its first overlap is never empty, so a
+    # receiver's non-empty entries come first)
+    expert = piece_expert[index.gather(1, kept)].view(-1)
+    amount = overlap.gather(1, kept).view(-1)
+    slot = candidates[:slots].repeat(num_ranks)
+    dest = receivers[:, None].repeat(1, slots).view(-1)
+    home = load.index_add(0, expert, amount, alpha=-1)
+    rank_load = home.view(num_ranks, local).sum(1).index_add(0, dest, amount)
+    # an expert's replica intervals follow its home share, in entry order
+    start = home[expert] + ((expert[:, None] == expert).tril(-1) * amount).sum(1)
+    valid = amount > 0
+    return ReplicaPlan(expert, dest, slot, start, amount, valid, load, home, rank_load)
+
+
+def greedy_plan_from_load(
+    load: torch.Tensor, num_ranks: int, max_replicas_per_rank: int, tolerance: float = 0.0
+) -> ReplicaPlan:
+    """A step's replica placement from the previous step's loads: `R·M` iterations, each moving
+    from the most loaded rank (first of them) its hottest remaining home share to the least
+    loaded rank with a free replica slot (not the source), at most down (up) to the even share; a
+    rank is relieved only while above `(1 + tolerance)` times the even share. On the device, no
+    host read; once per step and layer (`finish_step`), where its `R·M` iterations re-rank the
+    ranks after every move, which spreads a step's replicas over more distinct experts than
+    `plan_from_load` (the per-dispatch plan, a fixed number of operations) does: what the next
+    step's loads, which differ, need (`tests/unit/test_expert_plan.py`)."""
     num_experts = load.shape[0]
     local = num_experts // num_ranks
     entries = num_ranks * max_replicas_per_rank
@@ -121,77 +199,6 @@ def plan_from_load(
     dest = torch.stack(dests) if dests else empty
     amount = torch.stack(amounts) if amounts else empty
     return _finish_plan(expert, dest, amount, load, home, rank_load)
-
-
-@dataclass
-class ReplicaPlacement:
-    """Which expert each rank hosts in each replica slot for a whole step, decided before the
-    step (from the previous step's loads). Device tensors for the dispatch; `host` the same entries as Python lists, read once
-    at the step boundary, for the replica-weight exchange."""
-
-    expert: torch.Tensor  # [N] int64
-    dest: torch.Tensor  # [N] int64
-    slot: torch.Tensor  # [N] int64
-    valid: torch.Tensor  # [N] bool
-    host: list[tuple[int, int, int]]  # (expert, dest, slot) of every valid entry
-
-    @classmethod
-    def from_plan(cls, plan: ReplicaPlan) -> ReplicaPlacement:
-        entries = torch.stack([plan.expert, plan.dest, plan.slot, plan.valid.long()], dim=1).tolist()
-        host = [(e, d, s) for e, d, s, v in entries if v]
-        return cls(plan.expert, plan.dest, plan.slot, plan.valid, host)
-
-    @classmethod
-    def empty(cls, num_ranks: int, max_replicas_per_rank: int, device=None) -> ReplicaPlacement:
-        entries = num_ranks * max_replicas_per_rank
-        zeros = torch.zeros(entries, dtype=torch.int64, device=device)
-        return cls(zeros, zeros.clone(), zeros.clone(), zeros.bool(), [])
-
-    @property
-    def num_replicas(self) -> int:
-        return len(self.host)
-
-    def with_spares(self, load: torch.Tensor, rank_load: torch.Tensor, max_replicas_per_rank: int) -> ReplicaPlacement:
-        """Fill the replica slots the plan left free with the hottest experts not yet replicated,
-        each on the least loaded rank with a free slot (not its home): headroom for the micro-
-        batches of the step whose loads differ from the previous step's. Host work, at the step
-        boundary."""
-        num_ranks = rank_load.shape[0]
-        local = load.shape[0] // num_ranks
-        entries = list(self.host)
-        used = [0] * num_ranks
-        for _, dest, _ in entries:
-            used[dest] += 1
-        replicated = {expert for expert, _, _ in entries}
-        planned = rank_load.tolist()
-        for expert in torch.argsort(load, descending=True, stable=True).tolist():
-            if all(count >= max_replicas_per_rank for count in used):
-                break
-            if expert in replicated or int(load[expert]) == 0:
-                continue
-            free = [r for r in range(num_ranks) if used[r] < max_replicas_per_rank and r != expert // local]
-            if not free:
-                continue
-            dest = min(free, key=lambda r: (planned[r], r))
-            entries.append((expert, dest, used[dest]))
-            used[dest] += 1
-            replicated.add(expert)
-        return ReplicaPlacement.from_host(entries, num_ranks, max_replicas_per_rank, self.expert.device)
-
-    @classmethod
-    def from_host(
-        cls, entries: list[tuple[int, int, int]], num_ranks: int, max_replicas_per_rank: int, device=None
-    ) -> ReplicaPlacement:
-        """The placement of the `(expert, dest, slot)` entries (as `host` lists them; e.g. restored
-        from a checkpoint)."""
-        size = num_ranks * max_replicas_per_rank
-        entries = [(int(e), int(d), int(s)) for e, d, s in entries]
-        padded = entries + [(0, 0, 0)] * (size - len(entries))
-        expert, dest, slot = (
-            torch.tensor([entry[i] for entry in padded], dtype=torch.int64, device=device) for i in range(3)
-        )
-        valid = torch.arange(size, device=device) < len(entries)
-        return cls(expert, dest, slot, valid, entries)
 
 
 def _capped_in_order(

@@ -10,7 +10,7 @@ expert parallelism (`LatentMoE(..., expert_parallel=...)`, see `k3train/parallel
 rank keeps only its home experts and the dispatcher sends latent token slots to the experts'
 ranks and brings the outputs back into the same slots. `pop_step_stats()` gives a step's
 tokens per expert, dropped slots, replicated experts and EP wire bytes; `finish_expert_step`
-(after the gradient reduction) returns the step's replica gradients to their home experts.
+(after the gradient reduction) plans the next step's replicas.
 """
 
 from __future__ import annotations
@@ -425,8 +425,8 @@ def pool_routing_statistics(moe_layers: list[LatentMoE], group) -> int:
 
 def finish_expert_step(moe_layers: list[LatentMoE], state=None) -> None:
     """The step boundary of expert parallelism, after the gradient reduction and before clipping:
-    each dispatcher returns its replicas' gradients into the home experts (reduced as theirs are)
-    and plans the next step's replicas. A no-op without expert parallelism."""
+    each dispatcher plans the next step's replicas and drops this step's (their gradients went
+    home in the step's last backward). A no-op without expert parallelism."""
     dispatchers = {
         id(moe.expert_parallel): moe.expert_parallel for moe in moe_layers if moe.expert_parallel is not None
     }

@@ -62,9 +62,9 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
     `[R, C, l]`, and in backward the adjoints of dispatch and combine. Per step and layer
     (balanced): the replica weights this rank sends and their gradients back, `replica_matrices`
     expert matrices each way; how many depends on the previous step's loads (none on the first
-    step, at most `max_replicas` per receiving rank), so the caller says; with expert_dp > 1
-    also the dense `[G, 3·I·l]` replica-gradient all-reduce over `expert_dp` per layer (`step`
-    replicas; `online` ones reach the home gradients in backward). Per step: the expert
+    step, at most `max_replicas` per receiving rank), so the caller says. Replica gradients reach
+    the home gradients in backward (either planning), so `expert_dp` carries the home gradients'
+    buckets alone (`data_parallel_wire_bytes`, not here). Per step: the expert
     share of the gradient norm (one fp32 scalar). `recompute: sublayer` repeats the forward
     all-to-alls that autograd tracks in backward (not modelled: refused)."""
     config = job.config
@@ -95,12 +95,9 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
         )
         out["ep"] = (micro_batches * moe * per_micro_batch[0], micro_batches * moe * per_micro_batch[1])
         if per_step is not None:
+            # their gradients return home in the step's last backward, before the gradient
+            # reduction: over `expert_dp` only the home gradients' buckets travel
             out[f"{ep.group.name}.replicas"] = (moe * per_step[0], moe * per_step[1])
-            expert_dp = job.parallel.expert_dp
-            if expert_dp.size > 1:  # `step` replicas: finish_step all-reduces a dense [G, 3·I·l] delta per layer
-                dense = ep.num_local_experts * 3 * cfg.moe_intermediate_size * cfg.expert_width * weight
-                nbytes, messages = out.get(expert_dp.name, (0, 0))
-                out[expert_dp.name] = (nbytes + moe * dense, messages + moe)
     if ep is not None:  # the expert share of the global gradient norm: one fp32 scalar (`norm_shares`)
         nbytes, messages = out.get("ep", (0, 0))
         out["ep"] = (nbytes + 4, messages + 1)

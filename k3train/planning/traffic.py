@@ -358,7 +358,6 @@ def job_traffic_terms(
             "pp.backward": "pipeline hops backward: their gradients",
             "ep": "expert all-to-alls (dispatch, ids, combine, their adjoints; loads) and the expert share of the norm",
             "ep.replicas": f"replica weights out and their gradients back, {replica_matrices} matrices per layer",
-            "expert_dp": "`step` replicas: the dense [G, 3·I·l] replica-gradient all-reduce per MoE layer",
         }[group]
         add(group, what, nbytes, messages)
     return terms

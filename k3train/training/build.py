@@ -322,8 +322,9 @@ def build_rank(
         dtype=model_weight_dtype(config) or torch.float32,
         device=device,
         forward_context=with_offload(forward_precision_context(config, device, parallel), offload),
-        # The pipeline's last backward of each chunk turns on gradient reduction (DP overlap).
-        before_backward=lambda virtual_stage, last: reducer.set_last_micro_batch(last),
+        # The pipeline's last backward of each chunk turns on gradient reduction (DP overlap) and
+        # returns the `step` expert replicas' gradients home, before the reduction reads them.
+        before_backward=lambda virtual_stage, last: _last_micro_batch(last, reducer, expert_parallel),
         grad_group=parallel.pp_grad,  # backward messages on their own communicator (NCCL order)
         document_starts_shape=(
             (config.train.micro_batch_size, config.data.seq_length)
@@ -332,6 +333,12 @@ def build_rank(
         ),
     )
     return RankJob(config, parallel, device, plan, expert_parallel, model, reducer, optimizer, schedule, offload)
+
+
+def _last_micro_batch(last: bool, reducer: GradientReducer, expert_parallel: ExpertParallel | None) -> None:
+    reducer.set_last_micro_batch(last)
+    if expert_parallel is not None:
+        expert_parallel.set_last_micro_batch(last)
 
 
 def build_planning_rank(

@@ -176,7 +176,7 @@ class Trainer:
         with self._poisoned_gradients(step in self._nan_gradient_steps):
             local_loss = self.schedule.run(self.model.chunks, micro_batches)
         self.reducer.finish()
-        finish_expert_step(self.model.moe_layers(), parallel)  # replica gradients home; next step's replicas
+        finish_expert_step(self.model.moe_layers(), parallel)  # next step's replicas
         step_loss = average_over_dp(local_loss, parallel).item()
         grad_norm = clip_grad_norm(
             self.optimizer.gradients_for_step(),  # the model's parameters, or the owned fp32 masters

@@ -48,7 +48,8 @@ LAYOUTS = [
     # expert_dp = 2: replica gradients reach the home experts in backward (online replicas), so
     # the expert_dp all-reduce is the home gradients' buckets alone; the spread transport
     dict(name="EP2×expert_dp2 balanced spread", dp=4, ep=2, overrides=["parallel.ep_transport=spread"]),
-    # `step` replicas: their gradients return at the step boundary, a dense all-reduce over expert_dp
+    # `step` replicas: their gradients return home in the step's last backward, so over expert_dp
+    # only the home gradients' buckets travel (as with online replicas)
     dict(
         name="EP2×expert_dp2 balanced step relay",
         dp=4,

@@ -108,6 +108,9 @@ CHECKS = {
         {"check": "skewed_sources", "replica_planning": "step"},
         {"check": "skewed_sources", "transport": "padded", "replica_planning": "step"},
         balanced(4, replica_planning="step"),
+        # EP2 × expert_dp 2, two micro-batches: the replicas' gradients accumulate, return home in
+        # the last backward and are reduced over expert_dp with the home gradients
+        balanced(2, replica_planning="step", micro_batches=2),
         {**balanced(2), **PP, "replica_planning": "step"},
         {"check": "concentrated_routing"},
         {"check": "concentrated_routing", "transport": "spread"},

@@ -285,8 +285,16 @@ def equivalence(env, spec: dict) -> dict:
         # step 0 places no replicas: plan them from a first step's loads
         model.loss(model(inputs[rows]), labels[rows]).backward()
         forget_warm_up_step([model], state)
-    loss = model.loss(model(inputs[rows]), labels[rows])
-    loss.backward()
+    # `micro_batches`: the rank's rows in that many backwards (equal sizes: the mean of their
+    # means is the rank's mean); `step` replicas accumulate until the last returns them home
+    count = spec.get("micro_batches", 1)
+    pieces = list(zip(inputs[rows].chunk(count), labels[rows].chunk(count)))
+    loss = torch.zeros((), dtype=torch.float64)
+    for index, (piece, piece_labels) in enumerate(pieces):
+        expert_parallel.set_last_micro_batch(index == count - 1)
+        piece_loss = model.loss(model(piece), piece_labels) / count
+        piece_loss.backward()
+        loss = loss + piece_loss.detach()
     reducer = reduce_gradients([model], state)
     finish_expert_step(model.moe_layers(), state)  # replica gradients into the home experts
     global_loss = state.dp.all_reduce(loss.detach().clone()) / dp
@@ -323,7 +331,9 @@ def pipeline_equivalence(env, spec: dict) -> dict:
         # step 0 places no replicas: plan them from a first step's loads
         PipelineExecutor(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
         forget_warm_up_step(chunks, state)
-    loss = PipelineExecutor(plan, state.pp, shape, dtype=torch.float64).run(chunks, micro_batches)
+    # as build.py: the schedule's last backward of a chunk returns the `step` replicas' gradients
+    last = lambda virtual_stage, is_last: expert_parallel.set_last_micro_batch(is_last)  # noqa: E731
+    loss = PipelineExecutor(plan, state.pp, shape, dtype=torch.float64, before_backward=last).run(chunks, micro_batches)
     reducer = reduce_gradients(chunks, state)
     finish_expert_step([moe for chunk in chunks for moe in chunk.moe_layers()], state)
     global_loss = state.dp.all_reduce(loss.clone()) / dp
@@ -451,9 +461,13 @@ def static_shapes(env, spec: dict) -> dict:
             expert_parallel.step_replicas(moe.experts)
         exchanged.clear()
         guard = StaticShapeGuard()
+        # `step` replicas: a micro-batch before the step's last (the last one's backward also
+        # returns the replicas' gradients with the step's exact splits; `finish_step` does it here)
+        expert_parallel.set_last_micro_batch(expert_parallel.replica_planning != "step")
         with no_host_reads(), guard:
             out = moe(x)
             out.square().sum().backward()
+        expert_parallel.set_last_micro_batch(True)
         traces[name] = guard.trace
         exchanges[name] = list(exchanged)
         info = moe.last_dispatch

@@ -16,13 +16,14 @@ from k3train.model.config import ModelConfig
 from k3train.model.moe import LatentMoE
 from k3train.parallel.comm import Group, TrafficCounter
 from k3train.parallel.expert import Compute, ExpertParallel, Mode
+from k3train.parallel.expert_placement import ReplicaPlacement
 from k3train.parallel.expert_plan import (
     RelayCapacity,
-    ReplicaPlacement,
     apply_placement,
     capacity_per_destination,
     capacity_per_pair,
     destination_room,
+    greedy_plan_from_load,
     home_route,
     pack_slots,
     pair_positions,
@@ -272,7 +273,7 @@ def test_step_placement_from_previous_loads():
     before, _ = skewed_routing(ranks, tokens, experts, top_k, 3.0, seed=1)
     now, weights = skewed_routing(ranks, tokens, experts, top_k, 3.0, seed=2)
     load_before = torch.bincount(before.flatten(), minlength=experts)
-    placement = ReplicaPlacement.from_plan(plan_from_load(load_before, ranks, 2, tolerance=0.05))
+    placement = ReplicaPlacement.from_plan(greedy_plan_from_load(load_before, ranks, 2, tolerance=0.05))
     assert placement.num_replicas > 0 and len(placement.host) == int(placement.valid.sum())
     counts = torch.stack([torch.bincount(now[r].flatten(), minlength=experts) for r in range(ranks)])
     plan = apply_placement(counts, placement)
@@ -310,7 +311,7 @@ def test_vectorised_placement_matches_the_sequential_greedy(ranks, skew, seed):
     before, _ = skewed_routing(ranks, tokens, experts, top_k, skew, seed=seed)
     now, _ = skewed_routing(ranks, tokens, experts, top_k, skew, seed=seed + 100)
     load_before = torch.bincount(before.flatten(), minlength=experts)
-    first = plan_from_load(load_before, ranks, 2, tolerance=0.05)
+    first = greedy_plan_from_load(load_before, ranks, 2, tolerance=0.05)
     placement = ReplicaPlacement.from_plan(first).with_spares(load_before, first.rank_load, 2)
     counts = torch.stack([torch.bincount(now[r].flatten(), minlength=experts) for r in range(ranks)])
     capacity = capacity_per_destination(tokens, top_k, ranks, 1.25)
@@ -335,7 +336,7 @@ def test_tolerance_leaves_nearly_even_loads_alone():
 def step_plan(ids, counts, ranks, experts, top_k, tokens, replicas=2):
     """A placement planned on these loads, applied to them (as the next step would)."""
     load = counts.sum(0)
-    first = plan_from_load(load, ranks, replicas, 0.05)
+    first = greedy_plan_from_load(load, ranks, replicas, 0.05)
     placement = ReplicaPlacement.from_plan(first).with_spares(load, first.rank_load, replicas)
     return apply_placement(counts, placement, capacity_per_destination(tokens, top_k, ranks, 1.25)), placement
 
