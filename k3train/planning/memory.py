@@ -355,17 +355,27 @@ def master_weight_bytes(job: RankJob) -> float:
     return float(sum(m.numel() * m.element_size() for m in masters.masters)) if masters is not None else 0.0
 
 
+def expert_layer_buffer_bytes(ep, cfg: ModelConfig, tokens: int, element_bytes: int) -> float:
+    """One MoE layer's dispatch and combine buffers for one micro-batch of `tokens` on this rank
+    (`ExpertParallel.buffer_shapes`), and the experts' saved tensors of a fixed-shape receive
+    buffer's padding rows: the whole buffer goes through the experts, so its rows beyond the s·k
+    slots the routed term counts save their latent input and SiTU-GLU's five `[rows, I]` tensors
+    too (`splits` receives exactly the rows that exist)."""
+    top_k = cfg.num_experts_per_token
+    shapes = ep.buffer_shapes(tokens, top_k, cfg.expert_width, cfg.moe_intermediate_size)
+    buffers = math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])
+    padding_rows = 0
+    if ep.mode == "balanced" and ep.transport in ("relay", "spread", "padded"):
+        padding_rows = max(0, shapes["received"][0] - tokens * top_k)
+    return (buffers + padding_rows * (cfg.expert_width + 5 * cfg.moe_intermediate_size)) * element_bytes
+
+
 def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -> float:
-    """Per MoE layer and micro-batch in flight, the dispatch and combine buffers autograd keeps
-    (`ExpertParallel.buffer_shapes`)."""
+    """Per MoE layer and micro-batch in flight, `expert_layer_buffer_bytes` over the layers."""
     ep = job.expert_parallel
     if ep is None or not moe_layers:
         return 0.0
-    cfg = job.config.model
-    shapes = ep.buffer_shapes(
-        int(shape.outside_tokens), cfg.num_experts_per_token, cfg.expert_width, cfg.moe_intermediate_size
-    )
-    return (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * shape.element_bytes * moe_layers
+    return expert_layer_buffer_bytes(ep, job.config.model, int(shape.outside_tokens), shape.element_bytes) * moe_layers
 
 
 def replica_weight_bytes(job: RankJob, moe_layers: int) -> float:

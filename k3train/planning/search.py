@@ -31,7 +31,7 @@ from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan
 from k3train.parallel.state import Layout, LayoutError, layout_of
 from k3train.planning.hardware import HardwareProfile
 from k3train.planning.layout_traffic import expert_layer_traffic
-from k3train.planning.memory import GIB, activation_shape, peak_in_flight
+from k3train.planning.memory import GIB, activation_shape, expert_layer_buffer_bytes, peak_in_flight
 from k3train.planning.search_budget import SearchBudget
 from k3train.planning.search_cache import SearchCache
 from k3train.planning.stage_parameters import stage_parameters
@@ -210,13 +210,8 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
     if layout.ep > 1:  # as memory.py: dispatch and combine of every MoE layer in flight, replicas per layer
         ep = cache.expert_parallel(layout, config.parallel, cfg.num_experts)
         assert ep is not None  # ep > 1 always has a dispatcher
-        shapes = ep.buffer_shapes(
-            int(shape.outside_tokens),
-            cfg.num_experts_per_token,
-            cfg.expert_width,
-            cfg.moe_intermediate_size,
-        )
-        expert_buffers = (math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])) * element
+        expert_buffers = expert_layer_buffer_bytes(ep, cfg, int(shape.outside_tokens), element)
+        shapes = ep.buffer_shapes(1, cfg.num_experts_per_token, cfg.expert_width, cfg.moe_intermediate_size)
         exchange = 0.0  # `online` replicas: the [R, M, F] buffer of the layer fetching now
         if "replica_weights" in shapes and ep.max_replicas:
             if len(shapes["replica_weights"]) == 3:  # as memory.py: [M, F] held per layer, one exchange

@@ -31,18 +31,16 @@ LAYOUTS: list[dict[str, Any]] = [
         overrides=["parallel.expert_dispatch=capacity", "model.attn_res_block_size=1"],
     ),
     # experts' masters sharded over expert_dp = 2; the balanced dispatcher's replica gradients
-    # reach the home gradients in backward, before the reduction. Replicas placed once per step:
-    # with per-micro-batch (`online`) replicas the planner's saved bytes are 5.25% short here
-    # (21.71 of 22.91 MB), and 3.5% with `step` replicas: the relay's, not the replicas'. The
-    # experts run over the relay's fixed receive buffer, R·(C1 + C2) = 640 rows per layer, where
-    # the planner counts the s·k = 512 slots (six saved [rows, 64] bf16 tensors per layer: 0.69 MB
-    # over the 7 MoE layers, measured by shape against `splits`, which is within 0.5%).
+    # reach the home gradients in backward, before the reduction (online replicas). The experts
+    # run over the relay's fixed receive buffer, R·(C1 + C2) = 640 rows per layer, not the s·k =
+    # 512 slots: the planner counts those padding rows' saved tensors (it was 5.25% short here
+    # without them).
     dict(
         name="DP4 EP2 balanced ZeRO-1",
         dp=4,
         ep=2,
         zero1=True,
-        overrides=["parallel.ep_transport=relay", "parallel.ep_replica_planning=step"],
+        overrides=["parallel.ep_transport=relay"],
     ),
 ]
 STEPS = 4
