@@ -34,6 +34,7 @@ def tp_rank_model(config: ModelConfig, tp: int, rank: int, ep: int = 1) -> K3Mod
     parallel = SimpleNamespace(
         tp=Group("tp", tuple(range(tp)), rank, None, TrafficCounter()),
         sequence_parallel=False,
+        tp_overlap_chunks=0,
         cp=Group("cp", (0,), 0, None, TrafficCounter()),
     )
     expert_parallel = None
