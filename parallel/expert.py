@@ -265,29 +265,21 @@ class ExpertParallel:
         replica_weights: tuple[int, ...] = (self.max_replicas, 3 * inner * latent)
         if self.replica_planning == "online":  # the per-micro-batch exchange of the planned replicas
             replica_weights = (r, self.max_replicas, 3 * inner * latent)
-        if self.transport == "spread":
-            spread = spread_capacity(tokens * top_k, r, c)
+        if self.transport in ("spread", "relay"):  # two fixed-shape hops: to a forwarder, then on
+            if self.transport == "spread":
+                spread = spread_capacity(tokens * top_k, r, c)
+                first, second, received = spread.first, spread.second, r * spread.second
+            else:
+                hop = relay_capacity(tokens, top_k, r, self.capacity_factor)
+                first, second, received = hop.first, hop.second, r * hop.rows
             return {
-                "dispatch": (r, spread.first, latent),
-                "dispatch_ids": (r, spread.first),
-                "forward": (r, spread.second, latent),
-                "forward_ids": (r, spread.second),
-                "combine_forwarded": (r, spread.second, latent),
-                "combine": (r, spread.first, latent),
-                "received": (r * spread.second, latent),
-                "slot_counts": (r, self.num_experts),
-                "replica_weights": replica_weights,
-            }
-        if self.transport == "relay":
-            hop = relay_capacity(tokens, top_k, r, self.capacity_factor)
-            return {
-                "dispatch": (r, hop.first, latent),
-                "dispatch_ids": (r, hop.first),
-                "forward": (r, hop.second, latent),
-                "forward_ids": (r, hop.second),
-                "combine_forwarded": (r, hop.second, latent),
-                "combine": (r, hop.first, latent),
-                "received": (r * hop.rows, latent),
+                "dispatch": (r, first, latent),
+                "dispatch_ids": (r, first),
+                "forward": (r, second, latent),
+                "forward_ids": (r, second),
+                "combine_forwarded": (r, second, latent),
+                "combine": (r, first, latent),
+                "received": (received, latent),
                 "slot_counts": (r, self.num_experts),
                 "replica_weights": replica_weights,
             }

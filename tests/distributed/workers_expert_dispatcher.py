@@ -78,31 +78,33 @@ def te_calls(experts: GroupedExperts) -> dict[str, int]:
     return calls
 
 
+def dispatcher_setup(env, spec: dict, experts_per_rank: int, seed: int, **dispatcher_options):
+    """The dispatcher-alone checks' common start: a config with `experts_per_rank` experts per
+    rank (top-4), this rank's `balanced` ExpertParallel over every rank, the single-process
+    experts drawn from `seed` (×0.1) and this rank's home slices of them."""
+    config = small_config(num_experts=experts_per_rank * env.world_size, num_experts_per_token=4)
+    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, ModelSplitSizes.of(config))
+    state = ParallelState(layout, env.rank)
+    options = dict(transport=spec.get("transport", "relay"), replica_planning=spec.get("replica_planning", "online"))
+    options.update(dispatcher_options)
+    max_replicas = options.pop("max_replicas", 2)
+    dispatcher = ExpertParallel(state.ep, config.num_experts, "balanced", 1.25, max_replicas, **options)
+    full = GroupedExperts(config, config.num_experts).double()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in full.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
+    return config, state, dispatcher, full, home_experts(config, dispatcher, full, spec)
+
+
 # ---------------------------------------------------------------------------- per-source skew
 def skewed_sources(env, spec: dict) -> dict:
     """The dispatcher alone under per-source skew: each rank routes its own hot experts (all on
     one other rank's home; half the ranks only), over several steps (replicas planned from the previous step). Every
     rank's output must equal the single-process experts on its tokens, and after `finish_step`
     the home experts' gradients the sum of the single-process gradients over all ranks."""
-    config = small_config(num_experts=8 * env.world_size, num_experts_per_token=4)
+    config, state, dispatcher, full, mine = dispatcher_setup(env, spec, 8, seed=5)
     experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
-    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, ModelSplitSizes.of(config))
-    state = ParallelState(layout, env.rank)
-    dispatcher = ExpertParallel(
-        state.ep,
-        experts,
-        "balanced",
-        1.25,
-        2,
-        transport=spec.get("transport", "relay"),
-        replica_planning=spec.get("replica_planning", "online"),
-    )
-    full = GroupedExperts(config, experts).double()
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param in full.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
-    mine = home_experts(config, dispatcher, full, spec)
     local, ranks, tokens = dispatcher.num_local_experts, env.world_size, 64
     hot_home = (env.rank + 1) % ranks
     worst: dict[str, Any] = {"output_error": 0.0, "grad_error": 0.0, "dropped": [], "replicas": [], "max_home_pair": 0}
@@ -145,25 +147,10 @@ def concentrated_routing(env, spec: dict) -> dict:
     experts: every slot must reach its expert (nothing dropped), outputs must equal the
     single-process experts on the same tokens, and the home experts' gradients the sum of the
     single-process gradients over the ranks (after `finish_step`, which `step` planning needs)."""
-    config = small_config(num_experts=spec.get("experts_per_rank", 4) * env.world_size, num_experts_per_token=4)
-    experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
-    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, ModelSplitSizes.of(config))
-    state = ParallelState(layout, env.rank)
-    dispatcher = ExpertParallel(
-        state.ep,
-        experts,
-        "balanced",
-        1.25,
-        spec.get("max_replicas", 2),
-        transport=spec.get("transport", "relay"),
-        replica_planning=spec.get("replica_planning", "online"),
+    config, state, dispatcher, full, mine = dispatcher_setup(
+        env, spec, spec.get("experts_per_rank", 4), seed=9, max_replicas=spec.get("max_replicas", 2)
     )
-    full = GroupedExperts(config, experts).double()
-    generator = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for param in full.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
-    mine = home_experts(config, dispatcher, full, spec)
+    experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
     local, tokens = dispatcher.num_local_experts, spec.get("tokens", 64)
     chosen = {"first_rank": list(range(top_k)), "last_rank": list(range(experts - top_k, experts))}
     worst: dict[str, Any] = {"output_error": 0.0, "grad_error": 0.0, "dropped": [], "replicas": []}
@@ -197,17 +184,10 @@ def node_dedup(env, spec: dict) -> dict:
     routing-weight gradients as one process, and the inter-node bytes exactly one row (with its
     `k` destinations, ids and weights) per (token, remote node) its slots go to."""
     gpus_per_node = spec.get("gpus_per_node", 2)
-    config = small_config(num_experts=4 * env.world_size, num_experts_per_token=4)
+    config, state, dispatcher, full, mine = dispatcher_setup(
+        env, spec, 4, seed=13, transport="nodes", replica_planning="online", gpus_per_node=gpus_per_node
+    )
     experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
-    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, ModelSplitSizes.of(config))
-    state = ParallelState(layout, env.rank)
-    dispatcher = ExpertParallel(state.ep, experts, "balanced", 1.25, 2, transport="nodes", gpus_per_node=gpus_per_node)
-    full = GroupedExperts(config, experts).double()
-    generator = torch.Generator().manual_seed(13)
-    with torch.no_grad():
-        for param in full.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
-    mine = home_experts(config, dispatcher, full, spec)
     tokens = 48
     generator = torch.Generator().manual_seed(300 + env.rank)
     logits = torch.randn(tokens, experts, generator=generator, dtype=torch.float64)

@@ -69,6 +69,11 @@ class Format:
     E5M2 = "E5M2"
 
 
+class NotModelled(RuntimeError):
+    """A Transformer Engine argument the stand-in does not model (k3train never passes it): the
+    stand-in refuses it rather than silently behaving unlike TE."""
+
+
 def no_pure_e5m2(fp8_format) -> None:
     """TE's recipes: `assert fp8_format != Format.E5M2, "Pure E5M2 training is not supported."`"""
     if fp8_format == Format.E5M2:
@@ -223,7 +228,7 @@ def make_stand_in(history: int = 4, quantize: bool = False):
                     "torch.distributed is not initialized. Call torch.distributed.init_process_group() before "
                     "using distribute_saved_activations=True."
                 )
-            raise NotImplementedError("the TE stand-in models checkpoint(..., use_reentrant=False) only")
+            raise NotModelled("the TE stand-in models checkpoint(..., use_reentrant=False) only")
         if distribute:
             warnings.warn("`distribute_saved_activations=True` has no effect when `use_reentrant=False`.", stacklevel=2)
         enabled, recipe = manager.is_fp8_enabled(), manager.get_fp8_recipe()
@@ -339,7 +344,7 @@ def make_stand_in(history: int = 4, quantize: bool = False):
             fp8_grad: bool | None = False,
         ) -> torch.Tensor:
             if fp8_output or fp8_grad:
-                raise NotImplementedError("the TE stand-in returns high-precision outputs and gradients only")
+                raise NotModelled("the TE stand-in returns high-precision outputs and gradients only")
             if is_first_microbatch not in (None, True, False):
                 raise TypeError(f"is_first_microbatch must be True, False or None, got {is_first_microbatch!r}")
             scale = self.record(inp, 1)
@@ -382,7 +387,7 @@ def make_stand_in(history: int = 4, quantize: bool = False):
         ) -> torch.Tensor:
             assert len(m_splits) == self.num_gemms and sum(m_splits) == inp.shape[0], (m_splits, inp.shape)
             if out is not None or dgrad_out is not None:
-                raise NotImplementedError("the TE stand-in allocates its outputs (out, dgrad_out: None)")
+                raise NotModelled("the TE stand-in allocates its outputs (out, dgrad_out: None)")
             fp8 = manager.is_fp8_enabled()
             if fp8:
                 assert all(m % 16 == 0 for m in m_splits), m_splits  # TE's FP8 GEMM row alignment
