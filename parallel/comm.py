@@ -260,6 +260,24 @@ class Group:
             dist.all_to_all_single(output, tensor.contiguous(), receive, send, group=self.process_group)
         return output
 
+    def all_to_all_async(
+        self,
+        tensor: torch.Tensor,
+        output: torch.Tensor,
+        send: list[int] | None = None,
+        receive: list[int] | None = None,
+        label: str | None = None,
+    ) -> TimedWork:
+        """`all_to_all` (equal splits) or `all_to_all_uneven` (`send`/`receive` rows per rank) into
+        `output`, launched asynchronously and counted under `label` (default: the group's name).
+        Needs a group of more than one rank (a caller of size 1 has nothing to exchange)."""
+        assert self.size > 1, "an all-to-all within one rank has nothing to launch"
+        label = label or self.name
+        tensor = tensor.contiguous()
+        self.counter.add(label, tensor, "all_to_all")
+        work = dist.all_to_all_single(output, tensor, receive, send, group=self.process_group, async_op=True)
+        return self._timed(work, tensor, label)
+
     def send(self, tensor: torch.Tensor, destination_index: int) -> None:
         with self._blocking(tensor, "send", emulated=False):
             dist.send(tensor.contiguous(), dst=self.ranks[destination_index], group=self.process_group)

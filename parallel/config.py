@@ -225,6 +225,13 @@ class ParallelConfig:
     between nodes (gpus_per_node) once per destination node and is forwarded inside the node;
     combine adds the outputs at the node before they cross back (host split sizes: the gloo
     reference). docs/expert_parallel.md."""
+    ep_overlap_chunks: int = 0
+    """'balanced' dispatch: overlap the expert all-to-alls with compute. Each MoE layer's tokens go
+    in this many chunks: every chunk's dispatch is launched at once, the shared experts run while
+    the first is on the wire, each chunk's experts while the next chunk's rows (and the previous
+    chunk's combine) travel; backward runs the same overlap in reverse. 0 (default): dispatch,
+    experts, combine, then the shared experts, each collective waited for at once. The same
+    losses either way (rows are independent; float64 equal to rounding). docs/expert_parallel.md."""
     gpus_per_node: int = 0
     """GPUs (ranks) per node, for ep_transport 'nodes': ranks r and r' share a node when
     r // gpus_per_node equals r' // gpus_per_node. 0: torchrun's local world size."""
@@ -259,6 +266,10 @@ class ParallelConfig:
                 (
                     self.tp_overlap_chunks >= 0,
                     f"parallel.tp_overlap_chunks must be 0 (no overlap) or a number of pieces, got {self.tp_overlap_chunks}",
+                ),
+                (
+                    self.ep_overlap_chunks >= 0,
+                    f"parallel.ep_overlap_chunks must be 0 (no overlap) or a number of chunks, got {self.ep_overlap_chunks}",
                 ),
                 (self.capacity_factor > 0, f"parallel.capacity_factor must be positive, got {self.capacity_factor}"),
                 (

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, cast
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.parallel.comm import Group
+from k3train.parallel.expert_exchange import Phased
 from k3train.parallel.expert_placement import ReplicaPlacement
 from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the planner's public names)
     RelayCapacity,
@@ -117,6 +119,14 @@ def routing_statistics_group(state) -> Group:
     return state.data_tensor if state.sequence_parallel else state.dp
 
 
+def _chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
+    """`[start, end)` token ranges of `min(chunks, tokens)` near-equal chunks (the first ones longer)."""
+    count = max(1, min(chunks, tokens))
+    sizes = [tokens // count + (1 if c < tokens % count else 0) for c in range(count)]
+    starts = [sum(sizes[:c]) for c in range(count)]
+    return [(start, start + size) for start, size in zip(starts, sizes)]
+
+
 def _building_graph() -> bool:
     """A training forward (not a recompute inside backward, not evaluation)."""
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
@@ -176,6 +186,7 @@ class ExpertParallel:
         spare_replicas: bool = True,
         replica_planning: ReplicaPlanning = "online",
         gpus_per_node: int = 0,
+        overlap_chunks: int = 0,
     ):
         if num_experts % group.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
@@ -183,6 +194,10 @@ class ExpertParallel:
             raise ValueError(f"expert_dispatch must be 'balanced' or 'capacity', got {mode!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"parallel.ep_transport must be one of {TRANSPORTS}, got {transport!r}")
+        if overlap_chunks < 0:
+            raise ValueError(
+                f"parallel.ep_overlap_chunks must be 0 (no overlap) or a number of chunks, got {overlap_chunks}"
+            )
         if replica_planning not in ("online", "step"):
             raise ValueError(f"parallel.ep_replica_planning must be 'online' or 'step', got {replica_planning!r}")
         self.group = group
@@ -199,6 +214,8 @@ class ExpertParallel:
         self.token_transport = TRANSPORT_CLASSES[transport](group, capacity_factor, gpus_per_node)
         self.replica_tolerance = replica_tolerance
         self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
+        # > 0: the tokens in this many chunks whose all-to-alls travel under other chunks' experts
+        self.overlap_chunks = overlap_chunks if mode == "balanced" else 0
         self._layers: dict[int, tuple[SupportsGroupedForward, StepReplicas]] = {}
         self._order: list[int] = []  # the experts modules in the order they were marked (checkpoint keys)
         self._restored: dict[int, list[tuple[int, int, int]]] = {}  # placements loaded before a layer ran
@@ -231,6 +248,7 @@ class ExpertParallel:
             transport=transport,
             replica_planning=getattr(parallel_config, "ep_replica_planning", "online"),
             gpus_per_node=resolve_gpus_per_node(getattr(parallel_config, "gpus_per_node", 0)),
+            overlap_chunks=getattr(parallel_config, "ep_overlap_chunks", 0),
         )
 
     # ------------------------------------------------------------------ layout
@@ -241,6 +259,11 @@ class ExpertParallel:
     @property
     def rank(self) -> int:
         return self.group.rank
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether `__call__` runs the caller's `alongside` work under its all-to-alls."""
+        return self.overlap_chunks > 0
 
     @property
     def num_local_experts(self) -> int:
@@ -309,20 +332,32 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ forward
     def __call__(
-        self, latent: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: SupportsGroupedForward
+        self,
+        latent: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: SupportsGroupedForward,
+        alongside: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, DispatchInfo]:
         """`latent [s, l]`, `expert_ids [s, k]` (global ids), `weights [s, k]` → `Σ_k p·E(latent)`
-        `[s, l]` in `latent`'s dtype, and what the dispatch did."""
+        `[s, l]` in `latent`'s dtype, and what the dispatch did. `alongside` (work independent of
+        the routed experts, as the shared experts) is called exactly once: while the first
+        dispatch is on the wire when the dispatcher `overlaps`, else after the combine."""
         tokens, top_k = expert_ids.shape
         width = latent.shape[-1]
         expert_flat = expert_ids.reshape(-1)
         weights_flat = weights.reshape(-1)
         slot_latent = latent.unsqueeze(1).expand(tokens, top_k, width).reshape(-1, width)
-        if self.mode == "balanced":
-            routed, info = self._balanced(slot_latent, expert_flat, weights_flat, experts, top_k)
+        if self.mode == "balanced" and self.overlaps:
+            routed, info = self._overlapped(slot_latent, expert_flat, weights_flat, experts, top_k, alongside)
         else:
-            slot_output, info = self._capacity(slot_latent, expert_flat, weights_flat, experts)
-            routed = weighted_sum(slot_output, weights_flat, top_k)
+            if self.mode == "balanced":
+                routed, info = self._balanced(slot_latent, expert_flat, weights_flat, experts, top_k)
+            else:
+                slot_output, info = self._capacity(slot_latent, expert_flat, weights_flat, experts)
+                routed = weighted_sum(slot_output, weights_flat, top_k)
+            if alongside is not None:
+                alongside()
         info.keep, info.dest = info.keep.view(tokens, top_k), info.dest.view(tokens, top_k)
         return routed.to(latent.dtype), info
 
@@ -391,6 +426,84 @@ class ExpertParallel:
             plan,
             capacity,
             delivery.wire_bytes,
+            torch.tensor(replica_bytes, dtype=torch.int64, device=keep.device),
+        )
+        return routed, info
+
+    def _overlapped(self, slot_latent, expert_flat, weights_flat, experts, top_k: int, alongside):
+        """`_balanced` with the tokens in `overlap_chunks` chunks (fewer when there are fewer
+        tokens), each planned from its own loads under one replica placement (the micro-batch's:
+        `online` plans it from the whole micro-batch's loads, so the replicas are fetched once).
+        Every chunk's first hop is launched at once, then `alongside` runs; chunk `i`'s experts run
+        while chunk `i + 1`'s rows and chunk `i − 1`'s combine travel
+        (`parallel/expert_exchange.py`: the backward overlaps the same way)."""
+        num_ranks, num_experts = self.size, self.num_experts
+        tokens, device = expert_flat.shape[0] // top_k, slot_latent.device
+        bounds = _chunk_bounds(tokens, self.overlap_chunks)
+        slot_ranges = [(start * top_k, end * top_k) for start, end in bounds]
+        capacities = [
+            capacity_per_destination(end - start, 1, num_ranks, self.capacity_factor) for start, end in slot_ranges
+        ]
+        state = self._layer(experts, device) if self.replica_planning == "step" else None
+        training = _building_graph()
+        with torch.no_grad():
+            chunk_of_slot = torch.cat(
+                [
+                    torch.full((end - start,), c, dtype=torch.int64, device=device)
+                    for c, (start, end) in enumerate(slot_ranges)
+                ]
+            )
+            mine = torch.zeros(len(bounds) * num_experts, dtype=torch.int64, device=device).scatter_add_(
+                0, chunk_of_slot * num_experts + expert_flat, torch.ones_like(expert_flat)
+            )
+            counts = self.group.all_gather(mine.view(1, -1), dim=0).view(num_ranks, len(bounds), num_experts)
+            load = counts.sum((0, 1))
+            if state is None:
+                whole = plan_from_load(load, num_ranks, self.max_replicas)
+                placement = ReplicaPlacement.from_plan(whole)
+            else:
+                if training:
+                    state.load += load
+                placement = state.placement
+            plans = [apply_placement(counts[:, c], placement, capacities[c]) for c in range(len(bounds))]
+            routes = [
+                self.token_transport.route(expert_flat[start:end], counts[:, c], plans[c])
+                for c, (start, end) in enumerate(slot_ranges)
+            ]
+        replicas, replica_bytes = self._replicas(experts, state, whole if state is None else plans[0])
+        dispatches = [
+            Phased(
+                self.token_transport.dispatch_phases(
+                    slot_latent[start:end], weights_flat[start:end], *routes[c], capacities[c], top_k
+                )
+            ).start()
+            for c, (start, end) in enumerate(slot_ranges)
+        ]
+        if alongside is not None:
+            alongside()  # under the first chunk's dispatch
+        combines: list[Phased[torch.Tensor]] = []
+        deliveries = []
+        for c, (start, end) in enumerate(slot_ranges):
+            delivery = dispatches[c].finish()
+            if c + 1 < len(dispatches):
+                dispatches[c + 1].advance()  # its next hop on the wire while these experts run
+            output = self._experts(delivery.rows, delivery.ids, experts, replicas)
+            combine = self.token_transport.combine_weighted_phases(output, delivery, weights_flat[start:end], top_k)
+            combines.append(Phased(combine).start())
+            if c > 0:
+                combines[c - 1].advance()
+            deliveries.append(delivery)
+        routed = torch.cat([combine.finish() for combine in combines])
+        keep = torch.cat([delivery.keep for delivery in deliveries])
+        info = DispatchInfo(
+            keep,
+            torch.cat([dest for dest, _, _ in routes]),
+            (~keep).sum(),
+            torch.stack([(delivery.ids >= 0).sum() for delivery in deliveries]).sum(),
+            plans[0].num_replicas,
+            plans[0],
+            sum(capacities),
+            torch.stack([torch.as_tensor(d.wire_bytes, device=keep.device) for d in deliveries]).sum(),
             torch.tensor(replica_bytes, dtype=torch.int64, device=keep.device),
         )
         return routed, info

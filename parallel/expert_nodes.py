@@ -24,25 +24,7 @@ from __future__ import annotations
 import torch
 
 from k3train.parallel.comm import Group
-
-
-class _AllToAllLabelled(torch.autograd.Function):
-    """Host-split all-to-all counted under `label`, whose backward sends gradients back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, send: list[int], receive: list[int], label: str):
-        ctx.group, ctx.send, ctx.receive, ctx.label = group, send, receive, label
-        return group.all_to_all_uneven(x, send, receive, label)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.group.all_to_all_uneven(grad.contiguous(), ctx.receive, ctx.send, ctx.label), None, None, None, None
-
-
-def _exchange(x: torch.Tensor, group: Group, send: list[int], receive: list[int], label: str) -> torch.Tensor:
-    if x.requires_grad:
-        return _AllToAllLabelled.apply(x, group, send, receive, label)
-    return group.all_to_all_uneven(x, send, receive, label)
+from k3train.parallel.expert_exchange import LAST, MORE, Phases, launch
 
 
 def _counts_to(ranks: torch.Tensor, size: int) -> list[int]:
@@ -72,9 +54,10 @@ def node_dispatch(
     dest: torch.Tensor,
     local_id: torch.Tensor,
     weights: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+) -> Phases[tuple[torch.Tensor, torch.Tensor, tuple]]:
     """`token_latent [s, l]`, `dest`, `local_id`, `weights` `[s, k]` → (rows this rank's experts
-    receive, their local ids, what `node_combine` needs)."""
+    receive, their local ids, what `node_combine` needs); a phase generator
+    (`parallel/expert_exchange.py`), each exchange's split sizes taken when it is resumed."""
     tokens, top_k = dest.shape
     device, size = dest.device, group.size
     node_of_rank = torch.tensor(layout.node, dtype=torch.int64, device=device)
@@ -97,13 +80,17 @@ def node_dispatch(
         unique_token, choice_here, meta, gateway = unique_token[order], choice_here[order], meta[order], gateway[order]
         local_count = int((~remote).sum())
         send_a = _counts_to(gateway[local_count:], size)
-        receive_a = group.all_to_all(torch.tensor(send_a, dtype=torch.int64, device=device)).tolist()
+        counts_a = launch(torch.tensor(send_a, dtype=torch.int64, device=device), group)
+    yield MORE
+    receive_a = counts_a.result().tolist()
     unique_weights = torch.where(choice_here, weights[unique_token], 0.0)  # [u, k], with autograd
     rows = token_latent.index_select(0, unique_token)
     label = f"{group.name}.internode"
-    arrived = _exchange(rows[local_count:], group, send_a, receive_a, label)
-    arrived_meta = _exchange(meta[local_count:], group, send_a, receive_a, label)
-    arrived_weights = _exchange(unique_weights[local_count:], group, send_a, receive_a, label)
+    hop_rows = launch(rows[local_count:], group, send_a, receive_a, label)
+    hop_meta = launch(meta[local_count:], group, send_a, receive_a, label)
+    hop_weights = launch(unique_weights[local_count:], group, send_a, receive_a, label)
+    yield MORE
+    arrived, arrived_meta, arrived_weights = hop_rows.result(), hop_meta.result(), hop_weights.result()
     held = torch.cat([rows[:local_count], arrived])  # every (token, my node) row this gateway holds
     held_meta = torch.cat([meta[:local_count], arrived_meta])
     held_weights = torch.cat([unique_weights[:local_count], arrived_weights])
@@ -114,11 +101,15 @@ def node_dispatch(
         by_dest = torch.argsort(pair_dest, stable=True)
         pair_row, pair_choice, pair_dest = pair_row[by_dest], pair_choice[by_dest], pair_dest[by_dest]
         send_b = _counts_to(pair_dest, size)
-        receive_b = group.all_to_all(torch.tensor(send_b, dtype=torch.int64, device=device)).tolist()
+        counts_b = launch(torch.tensor(send_b, dtype=torch.int64, device=device), group)
         pair_ids = held_meta[:, top_k:][pair_row, pair_choice]
+    yield MORE
+    receive_b = counts_b.result().tolist()
     intra = f"{group.name}.intranode"
-    received = _exchange(held.index_select(0, pair_row), group, send_b, receive_b, intra)
-    received_ids = _exchange(pair_ids, group, send_b, receive_b, intra)
+    hop_rows = launch(held.index_select(0, pair_row), group, send_b, receive_b, intra)
+    hop_ids = launch(pair_ids, group, send_b, receive_b, intra)
+    yield LAST
+    received, received_ids = hop_rows.result(), hop_ids.result()
     saved = (
         (send_a, receive_a, send_b, receive_b),
         (local_count, unique_token, tokens),
@@ -127,16 +118,20 @@ def node_dispatch(
     return received, received_ids, saved
 
 
-def node_combine(group: Group, output: torch.Tensor, saved: tuple) -> torch.Tensor:
+def node_combine(group: Group, output: torch.Tensor, saved: tuple) -> Phases[torch.Tensor]:
     """The experts' outputs `[N, l]` (rows as `node_dispatch` delivered them) → `Σ_k p·E`
-    per token `[s, l]`, reduced at each node's gateway before crossing back."""
+    per token `[s, l]`, reduced at each node's gateway before crossing back (a phase generator)."""
     (send_a, receive_a, send_b, receive_b), (local_count, unique_token, tokens), pairs = saved
     pair_row, pair_choice, held_weights, held_rows = pairs
     width = output.shape[-1]
     wide = torch.promote_types(output.dtype, torch.float32)
-    back = _exchange(output, group, receive_b, send_b, f"{group.name}.intranode")  # pair order
+    hop_back = launch(output, group, receive_b, send_b, f"{group.name}.intranode")
+    yield MORE
+    back = hop_back.result()  # pair order
     weighted = back.to(wide) * held_weights[pair_row, pair_choice].to(wide)[:, None]
     per_row = weighted.new_zeros(held_rows, width).index_add(0, pair_row, weighted)  # one row per (token, node)
-    returned = _exchange(per_row[local_count:], group, receive_a, send_a, f"{group.name}.internode")
+    hop_home = launch(per_row[local_count:], group, receive_a, send_a, f"{group.name}.internode")
+    yield LAST
+    returned = hop_home.result()
     mine = torch.cat([per_row[:local_count], returned])  # in the dispatch's (token, node) order
     return mine.new_zeros(tokens, width).index_add(0, unique_token, mine)

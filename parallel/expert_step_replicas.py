@@ -25,7 +25,6 @@ import torch
 
 from k3train.parallel.comm import Group
 from k3train.parallel.expert_placement import ReplicaPlacement
-from k3train.parallel.expert_transports import all_to_all_splits
 
 
 @dataclass
@@ -72,7 +71,7 @@ def fetch_step_replicas(
     outgoing, send, slot_of, receive = replica_lists(placement, group.rank, group.size, local)
     index = torch.tensor(outgoing, dtype=torch.int64, device=stacks[0].device)
     rows = torch.cat([w.index_select(0, index).reshape(len(outgoing), w[0].numel()) for w in stacks], dim=1)
-    fetched = all_to_all_splits(group, rows, send, receive, f"{group.name}.replicas")
+    fetched = group.all_to_all_uneven(rows, send, receive, f"{group.name}.replicas")
     flat = fetched.new_zeros(slots, rows.shape[1])
     return flat.index_copy_(0, torch.tensor(slot_of, dtype=torch.int64, device=flat.device), fetched)
 
@@ -88,7 +87,7 @@ def gradients_home(
     replicas' rows (the fetch's all-to-all backwards)."""
     outgoing, send, slot_of, receive = replica_lists(placement, group.rank, group.size, local)
     sent = grad.index_select(0, torch.tensor(slot_of, dtype=torch.int64, device=grad.device))
-    home = all_to_all_splits(group, sent, receive, send, f"{group.name}.replicas")
+    home = group.all_to_all_uneven(sent, receive, send, f"{group.name}.replicas")
     index = torch.tensor(outgoing, dtype=torch.int64, device=home.device)
     return home.new_zeros(local, home.shape[1]).index_add_(0, index, home)
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from k3train.parallel.comm import Group
+from k3train.parallel.expert_exchange import LAST, MORE, Phases, launch, run_phases
 from k3train.parallel.expert_nodes import NodeLayout, node_combine, node_dispatch
 from k3train.parallel.expert_plan import (
     ReplicaPlan,
@@ -42,28 +43,7 @@ from k3train.parallel.expert_plan import (
     relay_route,
     replica_route,
 )
-from k3train.parallel.expert_replicas import all_to_all
 from k3train.parallel.expert_spread import plan_spread, spread_capacity, spread_forward, spread_kept, spread_route
-
-
-def all_to_all_splits(
-    group: Group, x: torch.Tensor, send: list[int], receive: list[int], label: str | None = None
-) -> torch.Tensor:
-    """All-to-all along dim 0 with host split sizes: `send[j]` rows to rank j, `receive[j]` from it."""
-    return group.all_to_all_uneven(x, send, receive, label)
-
-
-class _AllToAllSplits(torch.autograd.Function):
-    """`all_to_all_splits` whose backward sends the gradients back the way the rows came."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, send: list[int], receive: list[int]) -> torch.Tensor:
-        ctx.group, ctx.send, ctx.receive = group, send, receive
-        return all_to_all_splits(group, x, send, receive)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_to_all_splits(ctx.group, grad, ctx.receive, ctx.send), None, None, None
 
 
 def wire_bytes(sent_rows, returned_rows, width: int, element: int) -> torch.Tensor:
@@ -94,7 +74,9 @@ class Delivery:
 class TokenTransport(abc.ABC):
     """The interface (`route`, `dispatch`, `combine_weighted`); `route` is shared by the
     transports whose only capacity is per destination (each source takes contiguous ranges of a
-    replicated expert's slots)."""
+    replicated expert's slots). A transport writes `dispatch` and `combine_weighted` as phase
+    generators (`parallel/expert_exchange.py`: each hop launched, then waited for when resumed):
+    the dispatcher runs them at once, or interleaved with other chunks' experts."""
 
     name = ""
 
@@ -109,24 +91,39 @@ class TokenTransport(abc.ABC):
         dest, local_id = replica_route(expert_flat, counts, self.group.rank, plan)
         return dest, local_id, pair_slots(counts, plan)
 
-    @abc.abstractmethod
     def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
         """This source's slots to their experts' ranks: what this rank received."""
+        return run_phases(self.dispatch_phases(slot_latent, weights_flat, dest, local_id, pairs, capacity, top_k))
 
-    @abc.abstractmethod
     def combine_weighted(self, output, delivery: Delivery, weights_flat, top_k: int) -> torch.Tensor:
         """`Σ_k p_k · E_k` per token `[s, l]`; a transport may reduce before the rows travel back."""
+        return run_phases(self.combine_weighted_phases(output, delivery, weights_flat, top_k))
+
+    @abc.abstractmethod
+    def dispatch_phases(
+        self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int
+    ) -> Phases[Delivery]:
+        """`dispatch`, one yield after each hop's launch."""
+
+    @abc.abstractmethod
+    def combine_weighted_phases(self, output, delivery: Delivery, weights_flat, top_k: int) -> Phases[torch.Tensor]:
+        """`combine_weighted`, one yield after each hop's launch."""
 
 
 class SlotTransport(TokenTransport):
     """A transport that returns every slot's output to its source, where the weighted sum is made."""
 
-    @abc.abstractmethod
     def combine(self, output: torch.Tensor, delivery: Delivery) -> torch.Tensor:
         """The outputs back into the source's slots `[s·k, l]`."""
+        return run_phases(self.combine_phases(output, delivery))
 
-    def combine_weighted(self, output, delivery: Delivery, weights_flat, top_k: int) -> torch.Tensor:
-        return weighted_sum(self.combine(output, delivery), weights_flat, top_k)
+    @abc.abstractmethod
+    def combine_phases(self, output: torch.Tensor, delivery: Delivery) -> Phases[torch.Tensor]:
+        """`combine`, one yield after each hop's launch."""
+
+    def combine_weighted_phases(self, output, delivery: Delivery, weights_flat, top_k: int) -> Phases[torch.Tensor]:
+        slot_output = yield from self.combine_phases(output, delivery)
+        return weighted_sum(slot_output, weights_flat, top_k)
 
 
 class SpreadTransport(SlotTransport):
@@ -135,7 +132,7 @@ class SpreadTransport(SlotTransport):
 
     name = "spread"
 
-    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
+    def dispatch_phases(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int):
         num_ranks, me, width = self.group.size, self.group.rank, slot_latent.shape[-1]
         device = slot_latent.device
         cap = spread_capacity(slot_latent.shape[0], num_ranks, capacity)
@@ -154,23 +151,30 @@ class SpreadTransport(SlotTransport):
         send_ids = torch.full((first_rows,), -1, dtype=torch.int32, device=device).index_copy(
             0, hop1_index, local_id.to(torch.int32)
         )
-        received = all_to_all(send.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
-        received_ids = self.group.all_to_all(send_ids.view(num_ranks, cap.first)).reshape(-1)
+        hop1 = launch(send.view(num_ranks, cap.first, width), self.group)
+        hop1_ids = launch(send_ids.view(num_ranks, cap.first), self.group)
+        yield MORE
+        received, received_ids = hop1.result().reshape(-1, width), hop1_ids.result().reshape(-1)
         forward = torch.cat([received, zero_row]).index_select(0, from_hop1)
         forward_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, from_hop1)
-        rows = all_to_all(forward.view(num_ranks, cap.second, width), self.group).reshape(-1, width)
-        row_ids = self.group.all_to_all(forward_ids.view(num_ranks, cap.second)).reshape(-1).long()
+        hop2 = launch(forward.view(num_ranks, cap.second, width), self.group)
+        hop2_ids = launch(forward_ids.view(num_ranks, cap.second), self.group)
+        yield LAST
+        rows, row_ids = hop2.result().reshape(-1, width), hop2_ids.result().reshape(-1).long()
         wire_rows = num_ranks * cap.rows
         sent = wire_bytes(wire_rows, wire_rows, width, slot_latent.element_size())
         return Delivery(rows, row_ids, keep, sent, (cap, to_hop2, hop1_index))
 
-    def combine(self, output: torch.Tensor, delivery: Delivery) -> torch.Tensor:
+    def combine_phases(self, output: torch.Tensor, delivery: Delivery):
         cap, to_hop2, hop1_index = delivery.saved
         num_ranks, width = self.group.size, output.shape[-1]
-        returned = all_to_all(output.view(num_ranks, cap.second, width), self.group).reshape(-1, width)
+        hop2 = launch(output.view(num_ranks, cap.second, width), self.group)
+        yield MORE
+        returned = hop2.result().reshape(-1, width)
         back = torch.cat([returned, output.new_zeros(1, width)]).index_select(0, to_hop2)
-        combined = all_to_all(back.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
-        return combined.index_select(0, hop1_index)
+        hop1 = launch(back.view(num_ranks, cap.first, width), self.group)
+        yield LAST
+        return hop1.result().reshape(-1, width).index_select(0, hop1_index)
 
 
 class RelayTransport(SlotTransport):
@@ -188,7 +192,7 @@ class RelayTransport(SlotTransport):
         dest, local_id = proportional_route(expert_flat, counts, self.group.rank, plan, shares)
         return dest, local_id, proportional_pairs(counts, plan, shares)
 
-    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
+    def dispatch_phases(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int):
         num_ranks, me, width = self.group.size, self.group.rank, slot_latent.shape[-1]
         slots, device = slot_latent.shape[0], slot_latent.device
         cap = relay_capacity(slots, 1, num_ranks, self.capacity_factor)
@@ -205,26 +209,34 @@ class RelayTransport(SlotTransport):
         send_ids = torch.full((first_rows + 1,), -1, dtype=torch.int32, device=device).index_copy(
             0, hop1_index, local_id.to(torch.int32)
         )
-        received = all_to_all(send[:-1].view(num_ranks, cap.first, width), self.group).reshape(-1, width)
-        received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, cap.first)).reshape(-1)
+        hop1 = launch(send[:-1].view(num_ranks, cap.first, width), self.group)
+        hop1_ids = launch(send_ids[:-1].view(num_ranks, cap.first), self.group)
+        yield MORE
+        received, received_ids = hop1.result().reshape(-1, width), hop1_ids.result().reshape(-1)
         forward = torch.cat([received, zero_row]).index_select(0, from_hop1)
         forward_ids = torch.cat([received_ids, received_ids.new_full((1,), -1)]).index_select(0, from_hop1)
-        relayed = all_to_all(forward.view(num_ranks, cap.second, width), self.group).reshape(-1, width)
-        relayed_ids = self.group.all_to_all(forward_ids.view(num_ranks, cap.second)).reshape(-1)
+        hop2 = launch(forward.view(num_ranks, cap.second, width), self.group)
+        hop2_ids = launch(forward_ids.view(num_ranks, cap.second), self.group)
+        yield LAST
+        relayed, relayed_ids = hop2.result().reshape(-1, width), hop2_ids.result().reshape(-1)
         rows = torch.cat([received, relayed])
         row_ids = torch.cat([torch.where(direct, received_ids, -1), relayed_ids]).long()
         wire_rows = num_ranks * cap.rows
         sent = wire_bytes(wire_rows, wire_rows, width, slot_latent.element_size())
         return Delivery(rows, row_ids, keep, sent, (cap, to_hop2, hop1_index))
 
-    def combine(self, output: torch.Tensor, delivery: Delivery) -> torch.Tensor:
+    def combine_phases(self, output: torch.Tensor, delivery: Delivery):
         cap, to_hop2, hop1_index = delivery.saved
         num_ranks, width = self.group.size, output.shape[-1]
         first_rows = num_ranks * cap.first
         zero_row = output.new_zeros(1, width)
-        returned = all_to_all(output[first_rows:].view(num_ranks, cap.second, width), self.group).reshape(-1, width)
+        hop2 = launch(output[first_rows:].view(num_ranks, cap.second, width), self.group)
+        yield MORE
+        returned = hop2.result().reshape(-1, width)
         back = output[:first_rows] + torch.cat([returned, zero_row]).index_select(0, to_hop2)
-        combined = all_to_all(back.view(num_ranks, cap.first, width), self.group).reshape(-1, width)
+        hop1 = launch(back.view(num_ranks, cap.first, width), self.group)
+        yield LAST
+        combined = hop1.result().reshape(-1, width)
         return torch.cat([combined, zero_row]).index_select(0, hop1_index)
 
 
@@ -233,7 +245,7 @@ class PaddedTransport(SlotTransport):
 
     name = "padded"
 
-    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
+    def dispatch_phases(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int):
         num_ranks, me, width = self.group.size, self.group.rank, slot_latent.shape[-1]
         slots, device = slot_latent.shape[0], slot_latent.device
         with torch.no_grad():
@@ -244,8 +256,10 @@ class PaddedTransport(SlotTransport):
         ids = torch.full((num_ranks * slots + 1,), -1, dtype=torch.int32, device=device)
         send = slot_latent.new_zeros(num_ranks * slots + 1, width).index_copy(0, buffer_index, slot_latent)
         send_ids = ids.index_copy(0, buffer_index, local_id.to(torch.int32))
-        received = all_to_all(send[:-1].view(num_ranks, slots, width), self.group).reshape(-1, width)
-        received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, slots)).reshape(-1)
+        hop = launch(send[:-1].view(num_ranks, slots, width), self.group)
+        hop_ids = launch(send_ids[:-1].view(num_ranks, slots), self.group)
+        yield LAST
+        received, received_ids = hop.result().reshape(-1, width), hop_ids.result().reshape(-1)
         with torch.no_grad():
             row = torch.arange(capacity, device=device)
             source = torch.searchsorted(source_start + into_me, row, right=True)
@@ -261,11 +275,13 @@ class PaddedTransport(SlotTransport):
         sent = wire_bytes(num_ranks * slots, num_ranks * slots, width, slot_latent.element_size())
         return Delivery(rows, row_ids, keep, sent, (scatter, buffer_index, slots))
 
-    def combine(self, output: torch.Tensor, delivery: Delivery) -> torch.Tensor:
+    def combine_phases(self, output: torch.Tensor, delivery: Delivery):
         scatter, buffer_index, slots = delivery.saved
         num_ranks, width = self.group.size, output.shape[-1]
         back = torch.cat([output, output.new_zeros(1, width)]).index_select(0, scatter)
-        returned = all_to_all(back.view(num_ranks, slots, width), self.group).reshape(-1, width)
+        hop = launch(back.view(num_ranks, slots, width), self.group)
+        yield LAST
+        returned = hop.result().reshape(-1, width)
         return torch.cat([returned, returned.new_zeros(1, width)]).index_select(0, buffer_index)
 
 
@@ -276,7 +292,7 @@ class SplitsTransport(SlotTransport):
 
     name = "splits"
 
-    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
+    def dispatch_phases(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int):
         num_ranks, me, width = self.group.size, self.group.rank, slot_latent.shape[-1]
         slots, device = slot_latent.shape[0], slot_latent.device
         with torch.no_grad():
@@ -289,14 +305,18 @@ class SplitsTransport(SlotTransport):
         ids = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
         send = slot_latent.new_zeros(slots + 1, width).index_copy(0, packed, slot_latent)[: sum(sent)]
         send_ids = ids.index_copy(0, packed, local_id.to(torch.int32))[: sum(sent)]
-        received = _AllToAllSplits.apply(send, self.group, sent, taken)
-        received_ids = all_to_all_splits(self.group, send_ids, sent, taken)
+        hop = launch(send, self.group, sent, taken)
+        hop_ids = launch(send_ids, self.group, sent, taken)
+        yield LAST
+        received, received_ids = hop.result(), hop_ids.result()
         sent_bytes = wire_bytes(room[me].sum(), into_me.sum(), width, slot_latent.element_size())
         return Delivery(received, received_ids.long(), keep, sent_bytes, (sent, taken, packed, slots))
 
-    def combine(self, output: torch.Tensor, delivery: Delivery) -> torch.Tensor:
+    def combine_phases(self, output: torch.Tensor, delivery: Delivery):
         sent, taken, packed, slots = delivery.saved
-        returned = _AllToAllSplits.apply(output[: delivery.rows.shape[0]], self.group, taken, sent)
+        hop = launch(output[: delivery.rows.shape[0]], self.group, taken, sent)
+        yield LAST
+        returned = hop.result()
         returned = torch.cat([returned, returned.new_zeros(slots + 1 - returned.shape[0], output.shape[-1])])
         return returned.index_select(0, packed)
 
@@ -312,10 +332,10 @@ class NodeTransport(TokenTransport):
         super().__init__(group, capacity_factor, gpus_per_node)
         self.layout = NodeLayout(group, max(1, gpus_per_node))
 
-    def dispatch(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int) -> Delivery:
+    def dispatch_phases(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int):
         width = slot_latent.shape[-1]
         token_latent = slot_latent.view(-1, top_k, width)[:, 0]
-        rows, ids, saved = node_dispatch(
+        rows, ids, saved = yield from node_dispatch(
             self.group,
             self.layout,
             token_latent,
@@ -330,8 +350,8 @@ class NodeTransport(TokenTransport):
         sent = wire_bytes(sent_rows, returned_rows, width, slot_latent.element_size())
         return Delivery(rows, ids.long(), keep, sent, saved)
 
-    def combine_weighted(self, output, delivery: Delivery, weights_flat, top_k: int) -> torch.Tensor:
-        return node_combine(self.group, output, delivery.saved)
+    def combine_weighted_phases(self, output, delivery: Delivery, weights_flat, top_k: int):
+        return (yield from node_combine(self.group, output, delivery.saved))
 
 
 TRANSPORT_CLASSES: dict[str, type[TokenTransport]] = {

@@ -326,10 +326,20 @@ class LatentMoE(nn.Module):
                 flat_ids = expert_ids.flatten()  # scatter_add, not bincount: no host sync on CUDA
                 self.step_expert_load.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         latent = self.routed_expert_down_proj(tokens) if self.routed_expert_down_proj is not None else tokens
+        shared: torch.Tensor | None = None
         if self.expert_parallel is None:
             routed = self.experts(latent, expert_ids, weights)
         else:
-            routed, self.last_dispatch = self.expert_parallel(latent, expert_ids, weights, self.experts)
+            side: list[torch.Tensor] = []
+            alongside = None
+            if self.shared_experts is not None and self.expert_parallel.overlaps:
+                shared_experts = self.shared_experts
+
+                def alongside() -> None:  # the shared experts while the first chunk's rows travel
+                    side.append(shared_experts(x))
+
+            routed, self.last_dispatch = self.expert_parallel(latent, expert_ids, weights, self.experts, alongside)
+            shared = side[0] if side else None
         if collect:
             with torch.no_grad():  # device-side counters: nothing is read on the host here
                 counts = self.step_dispatch_counts
@@ -345,7 +355,8 @@ class LatentMoE(nn.Module):
             routed = self.routed_expert_norm(routed)
         output = (self.routed_expert_up_proj(routed) if self.routed_expert_up_proj is not None else routed).view(shape)
         if self.shared_experts is not None:  # [batch, seq, hidden]: a TP region gathers the sequence
-            shared = self.shared_experts(x)
+            if shared is None:
+                shared = self.shared_experts(x)
             if (
                 torch.is_grad_enabled()
                 and shared.shape == output.shape

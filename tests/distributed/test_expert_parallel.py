@@ -87,6 +87,12 @@ CHECKS = {
         {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "transport": "spread"},
         balanced(2, transport="spread"),
         {"check": "skewed_sources", "replica_planning": "step", **TE},
+        # the overlapped schedule (tokens in chunks, all-to-alls in flight under other chunks'
+        # experts and the shared experts): the same losses and gradients
+        balanced(2, overlap_chunks=2),
+        balanced(2, overlap_chunks=3, transport="spread"),
+        balanced(2, overlap_chunks=2, transport="splits", **SP),
+        balanced(2, overlap_chunks=2, replica_planning="step", config={"recompute": "sublayer"}),
     ],
     4: [
         balanced(4),
@@ -122,6 +128,11 @@ CHECKS = {
         {"check": "concentrated_routing", "transport": "padded"},
         {"check": "concentrated_routing", "transport": "splits"},
         {"check": "concentrated_routing", "replica_planning": "step"},
+        balanced(4, overlap_chunks=2, transport="splits"),
+        # TP2 × EP2 (spread: relay's per-chunk buffers are smaller, and this skew overflows them)
+        balanced(2, overlap_chunks=2, transport="spread", **SP),
+        {**balanced(2), **PP, "overlap_chunks": 2, "transport": "splits"},  # PP2 × EP2
+        balanced(2, overlap_chunks=2, replica_planning="step", micro_batches=2, transport="splits"),
     ],
 }
 
@@ -133,6 +144,8 @@ def name(spec):
         if spec.get(key, 1) > 1:
             parts.append(f"{key}{spec[key]}")
     parts.append(f"cf{spec.get('capacity_factor', 1.25)}")
+    if spec.get("overlap_chunks"):
+        parts.append(f"overlap{spec['overlap_chunks']}")
     if spec.get("config"):
         parts.append(str(spec["config"]))
     return " ".join(parts)

@@ -247,6 +247,7 @@ def setup(env, spec: dict):
         spec.get("max_replicas", 2),
         transport=spec.get("transport", "relay"),
         replica_planning=spec.get("replica_planning", "online"),
+        overlap_chunks=spec.get("overlap_chunks", 0),
     )
     reference = K3ModelChunk(config).double()
     reference.init_weights(seed=7)
@@ -431,16 +432,22 @@ def static_shapes(env, spec: dict) -> dict:
     exchanged: list[tuple[str, tuple]] = []
     group = state.ep
     original_all_to_all, original_all_gather = group.all_to_all, group.all_gather
+    original_async = group.all_to_all_async
 
     def all_to_all(tensor):
         exchanged.append(("all_to_all", tuple(tensor.shape)))
         return original_all_to_all(tensor)
+
+    def all_to_all_async(tensor, output, send=None, receive=None, label=None):  # the transports' hops
+        exchanged.append(("all_to_all", tuple(tensor.shape)))
+        return original_async(tensor, output, send, receive, label)
 
     def all_gather(tensor, dim=0):
         exchanged.append(("all_gather", tuple(tensor.shape)))
         return original_all_gather(tensor, dim)
 
     group.all_to_all, group.all_gather = all_to_all, all_gather  # type: ignore[method-assign]  # counting wrappers patched on this instance
+    group.all_to_all_async = all_to_all_async  # type: ignore[method-assign]
     batch, seq = 2, 16
     x = torch.randn(batch, seq, config.hidden_size, generator=generator, dtype=torch.float64)
     experts = config.num_experts
@@ -474,6 +481,7 @@ def static_shapes(env, spec: dict) -> dict:
         assert info is not None  # set by the expert-parallel forward above
         facts[name] = {"dropped": int(info.dropped), "replicas": int(info.replicas), "received": int(info.received)}
     group.all_to_all, group.all_gather = original_all_to_all, original_all_gather  # type: ignore[method-assign]  # restores the originals
+    group.all_to_all_async = original_async  # type: ignore[method-assign]
     names = list(traces)
     identical = all(traces[n] == traces[names[0]] for n in names) and all(
         exchanges[n] == exchanges[names[0]] for n in names

@@ -1,0 +1,172 @@
+"""Expert all-to-alls in flight: launched in one place and waited for in another, in forward and
+in backward, so that other work runs while the rows travel.
+
+A transport's dispatch and combine are written as *phase generators*: each launches one hop's
+exchanges (`launch`), yields, and takes their results when it is resumed. Run to the end at once
+(`run_phases`) they are the blocking transport; driven by the dispatcher's overlapped schedule
+(`Phased`), other chunks' experts and the shared experts run between a hop's launch and its wait.
+A generator yields `MORE` when another hop follows the wait it will do next, `LAST` when the next
+resume ends it: the schedule advances a chunk's dispatch by one hop without waiting for its last.
+
+Autograd: `launch` of a tensor that needs gradients puts two nodes in the graph, `_Launch` (the
+exchange starts) and `_Wait` (its result is waited for). Their backwards run in the opposite
+roles: `_Wait`'s launches the gradient's exchange back, `_Launch`'s waits for it. Autograd runs a
+CPU backward on one thread, ready nodes latest-created first, so the nodes created between a
+launch and its wait in forward (the other chunks' experts) run between the gradient's launch and
+its wait in backward: the backward overlaps as the forward did, and every rank issues the
+collectives in the same order (the graph, not timing, decides it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Generic, TypeVar
+
+import torch
+
+from k3train.parallel.comm import Group, TimedWork
+
+MORE, LAST = "more", "last"
+"""What a phase generator yields: another hop follows the next wait (`MORE`), or the next resume
+finishes it (`LAST`)."""
+
+Result = TypeVar("Result")
+Phases = Generator[str, None, Result]
+
+
+class _Exchange:
+    """One all-to-all and its adjoint: who sends what (`send`/`receive` rows per rank, or equal
+    splits), the work in flight each way, and the buffers it fills."""
+
+    def __init__(self, group: Group, send: list[int] | None, receive: list[int] | None, label: str | None):
+        self.group, self.send, self.receive, self.label = group, send, receive, label
+        self.work: TimedWork | None = None
+        self.grad_work: TimedWork | None = None
+        self.grad_input: torch.Tensor | None = None
+        self.grad_output: torch.Tensor | None = None
+
+    def _output(self, x: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+        return torch.empty_like(x) if rows is None else x.new_empty(sum(rows), *x.shape[1:])
+
+    def start(self, x: torch.Tensor) -> torch.Tensor:
+        output = self._output(x, self.receive)
+        self.work = self.group.all_to_all_async(x, output, self.send, self.receive, self.label)
+        return output
+
+    def start_backward(self, grad: torch.Tensor) -> None:
+        self.grad_input = grad.contiguous()  # kept alive until the exchange completes
+        self.grad_output = self._output(grad, self.send)
+        self.grad_work = self.group.all_to_all_async(
+            self.grad_input, self.grad_output, self.receive, self.send, self.label
+        )
+
+
+class _Launch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+        ctx.exchange = exchange
+        return exchange.start(x)  # filled when the work completes: only `_Wait` reads it
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        exchange = ctx.exchange
+        assert exchange.grad_work is not None, "the gradient's exchange starts in _Wait's backward"
+        exchange.grad_work.wait()
+        grad_x, exchange.grad_input, exchange.grad_output = exchange.grad_output, None, None
+        return grad_x, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, received: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+        ctx.exchange = exchange
+        assert exchange.work is not None
+        exchange.work.wait()
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # the gradient's exchange starts here; `_Launch`'s backward waits for it and returns its
+        # result (this node hands `_Launch` the received rows' gradient, the exchange's input)
+        ctx.exchange.start_backward(grad)
+        return grad, None
+
+
+class InFlight:
+    """An exchange launched by `launch`; `result()` waits for it (once)."""
+
+    def __init__(self, x: torch.Tensor, group: Group, send, receive, label):
+        self._exchange = _Exchange(group, send, receive, label)
+        self._with_grad = x.requires_grad and torch.is_grad_enabled()
+        self._received = _Launch.apply(x, self._exchange) if self._with_grad else self._exchange.start(x)
+
+    def result(self) -> torch.Tensor:
+        if self._with_grad:
+            return _Wait.apply(self._received, self._exchange)
+        assert self._exchange.work is not None
+        self._exchange.work.wait()
+        return self._received
+
+
+class _Local:
+    """The exchange of a group of one rank: the tensor itself."""
+
+    def __init__(self, x: torch.Tensor):
+        self._x = x
+
+    def result(self) -> torch.Tensor:
+        return self._x
+
+
+def launch(
+    x: torch.Tensor,
+    group: Group,
+    send: list[int] | None = None,
+    receive: list[int] | None = None,
+    label: str | None = None,
+) -> InFlight | _Local:
+    """Start the all-to-all of `x` along dim 0 (equal splits, or `send[j]` rows to rank j and
+    `receive[j]` from it); gradients travel back the same way when `x` needs them."""
+    if group.size == 1:
+        return _Local(x)
+    return InFlight(x, group, send, receive, label)
+
+
+class Phased(Generic[Result]):
+    """A phase generator driven from outside: `start` (its first hop on the wire), `advance` (the
+    next hop launched, without the last wait), `finish` (run to the end: its result)."""
+
+    def __init__(self, phases: Phases[Result]):
+        self._phases = phases
+        self._said: str | None = None
+        self._done = False
+        self._result: Result | None = None
+
+    def _resume(self) -> None:
+        try:
+            self._said = next(self._phases)
+        except StopIteration as stop:
+            self._done, self._result = True, stop.value
+
+    def start(self) -> Phased[Result]:
+        if self._said is None and not self._done:
+            self._resume()
+        return self
+
+    def advance(self) -> None:
+        """Launch the next hop if one follows the pending wait; else leave the wait pending."""
+        if not self._done and self._said == MORE:
+            self._resume()
+
+    def finish(self) -> Result:
+        while not self._done:
+            self._resume()
+        return self._result  # type: ignore[return-value]
+
+
+def run_phases(phases: Phases[Result]) -> Result:
+    """A phase generator run to its end at once: launch, wait, launch, wait (the blocking form)."""
+    return Phased(phases).finish()
+
+
+__all__ = ["LAST", "MORE", "InFlight", "Phased", "Phases", "launch", "run_phases"]
