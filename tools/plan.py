@@ -317,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             comm_bytes={**step_bytes, **{g: v for g, v in wire.items() if g in DATA_GROUPS}},
             efficiency=args.efficiency,
             document_lengths=documents,
+            ep_overlap_chunks=config.parallel.ep_overlap_chunks,
         )
         print(
             f"\n{hardware.name}, {args.efficiency:.0%} of the dense peak: step {estimate.step_s:.2f} s, "

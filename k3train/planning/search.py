@@ -264,6 +264,7 @@ def estimate_time(
         precision=train.precision,
         comm_bytes=comm,
         efficiency=efficiency,
+        ep_overlap_chunks=config.parallel.ep_overlap_chunks,
     )
 
 

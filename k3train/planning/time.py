@@ -10,8 +10,10 @@ Assumptions (stated, and printed by tools/plan.py):
 * Communication: bytes per group and step from `k3train/planning/traffic_terms.py`, over the
   link the group crosses (rank order TP fastest, then DP, then PP: a group whose ranks are
   `stride` apart spans `stride × size` consecutive ranks, inside a node when that is at most
-  `gpus_per_node`), at the ring factor `2(n−1)/n` for all-reduces. TP and EP collectives sit on
-  the critical path (not overlapped); pipeline hops overlap the other stages' compute except in
+  `gpus_per_node`), at the ring factor `2(n−1)/n` for all-reduces. TP collectives sit on the
+  critical path; EP all-to-alls too, unless `parallel.ep_overlap_chunks` overlaps them with the
+  routed and shared experts' compute (`k3train/planning/overlap.py` replays that schedule per
+  MoE layer and micro-batch: only what the experts cannot cover is exposed); pipeline hops overlap the other stages' compute except in
   fill and drain (2(P−1) exposed hops); DP gradient buckets overlap the backward of the last
   micro-batch (only the excess is exposed); the ZeRO-1 all-gather and the optimizer are exposed.
 """
@@ -26,6 +28,7 @@ from k3train.model.config import ModelConfig
 from k3train.parallel.pipeline_schedule import PipelinePlan
 from k3train.parallel.state import Layout
 from k3train.planning.hardware import HardwareProfile
+from k3train.planning.overlap import exposed_expert_exchange_s
 
 DEFAULT_EFFICIENCY = 0.45
 
@@ -143,6 +146,7 @@ def estimate_step_time(
     efficiency: float = DEFAULT_EFFICIENCY,
     gpus_per_node: int | None = None,
     document_lengths: Sequence[int] | None = None,
+    ep_overlap_chunks: int = 0,
 ) -> StepTime:
     """The step time of `layout`; `comm_bytes` per group is what one rank sends in one step
     (`traffic_terms.layout_step_bytes`); `document_lengths`: the documents each sequence is
@@ -175,10 +179,40 @@ def estimate_step_time(
         elif group in ("dp", "expert_dp", "data_tensor"):
             gradient_share = nbytes  # overlap with the last micro-batch's backward (2/3 of its time)
             seconds = max(0.0, gradient_share / bandwidth - per_micro_batch * 2 / 3)
+        elif group == "ep" and ep_overlap_chunks > 0:
+            seconds = _overlapped_ep_s(cfg, layout, plan, seconds, tokens, rate, micro_batches, ep_overlap_chunks)
         exposed[group] = seconds
     total_tokens = tokens * micro_batches * layout.data_parallel  # the cp ranks share their rows
     model_flops = (sum(table)) * total_tokens
     return StepTime(compute, bubble, exposed, comm_bytes, links, total_tokens, layout.world_size, model_flops, peak)
+
+
+def _overlapped_ep_s(
+    cfg: ModelConfig,
+    layout: Layout,
+    plan: PipelinePlan,
+    ep_s: float,
+    tokens: int,
+    rate: float,
+    micro_batches: int,
+    chunks: int,
+) -> float:
+    """The exposed part of a step's `ep_s` seconds of expert all-to-alls on the stage with the most
+    MoE layers (whose bytes the step counts), its layers and micro-batches alike."""
+    moe_layers = max(
+        sum(1 for start, end in plan.layer_ranges(rank) for layer in range(start, end) if cfg.is_moe_layer(layer))
+        for rank in range(layout.pp)
+    )
+    if moe_layers == 0 or micro_batches == 0:
+        return ep_s
+    share = tokens / layout.tp / layout.cp / rate  # seconds per forward FLOP per token of this rank's rows
+    per_layer = exposed_expert_exchange_s(
+        ep_s / (moe_layers * micro_batches),
+        F.routed_expert_flops(cfg) * share,
+        F.shared_expert_flops(cfg) * share,
+        chunks,
+    )
+    return per_layer * moe_layers * micro_batches
 
 
 __all__ = [

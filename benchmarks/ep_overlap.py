@@ -1,0 +1,142 @@
+"""Exposed expert all-to-all time with and without the overlapped schedule, side by side.
+
+Each layout trains the debug recipe for a few steps on 4 gloo ranks (`torchrun`, one launch per
+row) with the expert-parallel group's collectives delayed as a link of `--bandwidth` GB/s and
+`--latency` µs would (`parallel.emulate_network`: the wait sleeps, so the emulated wire costs
+no CPU), once with `parallel.ep_overlap_chunks=0` and once per `--chunks` value. Per row: rank
+0's seconds waited in the `ep` collectives per step (metrics.jsonl `exposed_comm_s`, mean over
+the steps after the first), the step time, the ratio of exposed EP time to the unoverlapped
+run's, and the last step's loss (equal across rows: the schedules compute the same sums).
+
+`--dispatcher`: one MoE layer's dispatcher alone on 2 ranks (`tests/distributed/
+workers_ep_overlap.py`, one launch for every row), forward and backward timed: what the schedule
+hides when nothing else competes for the two cores.
+
+    OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py                         # TP2×EP2 and PP2×EP2
+    OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py --bandwidth 0.05 --chunks 2 4
+    OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py --dispatcher --bandwidth 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYOUTS = {
+    "TP2×EP2": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
+    "PP2×EP2": ["parallel.pp=2", "parallel.ep=2"],
+}
+
+
+def run(layout: list[str], chunks: int, args, run_dir: Path) -> dict:
+    network = f"parallel.emulate_network={{ep: [{args.bandwidth}, {args.latency}]}}"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        str(ROOT / "pretrain_k3.py"),
+        "--recipe",
+        str(ROOT / "recipes" / "debug.yaml"),
+        "--run-dir",
+        str(run_dir),
+        *layout,
+        f"train.steps={args.steps}",
+        "parallel.ep_transport=" + args.transport,
+        f"parallel.ep_overlap_chunks={chunks}",
+        "checkpoint.interval=0",
+        "train.eval_interval=0",
+        network,
+        *args.overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"ep_overlap: {' '.join(layout)} chunks={chunks} failed:\n{done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [row for row in rows if "exposed_comm_s" in row][1:]  # the first step warms up
+    exposed = [sum(s for label, s in row["exposed_comm_s"].items() if label.split(".")[0] == "ep") for row in steps]
+    return {
+        "ep_exposed_s": sum(exposed) / len(exposed),
+        "step_s": sum(row["step_time_s"] for row in steps) / len(steps),
+        "loss": steps[-1]["loss"],
+    }
+
+
+def dispatcher_table(args) -> None:
+    sys.path.insert(0, str(ROOT))
+    from tests.distributed.harness import run_workers
+
+    specs = [
+        {
+            "chunks": chunks,
+            "inner": args.inner,
+            "tokens": args.tokens,
+            "transport": args.transport,
+            "bandwidth_gbps": args.bandwidth,
+            "latency_us": args.latency,
+            "repeats": 5,
+        }
+        for chunks in [0, *args.chunks]
+    ]
+    results = run_workers(2, "tests.distributed.workers_ep_overlap:run", specs, timeout_s=args.timeout)[0]
+    print(
+        f"one MoE layer's dispatcher, 2 gloo ranks, {args.tokens} tokens × top-4, 4 experts per rank of "
+        f"inner width {args.inner}, EP link {args.bandwidth} GB/s + {args.latency} µs, ep_transport={args.transport}"
+    )
+    print("| ep_overlap_chunks | forward + backward s | exposed EP s | exposed vs chunks=0 |")
+    print("| ---: | ---: | ---: | ---: |")
+    baseline = results[0]["ep_exposed_s"]
+    for spec, result in zip(specs, results):
+        print(
+            f"| {spec['chunks']} | {result['layer_s']:.3f} | {result['ep_exposed_s']:.3f} | "
+            f"{result['ep_exposed_s'] / baseline:.0%} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--chunks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--bandwidth", type=float, default=0.1, help="emulated EP link, GB/s")
+    parser.add_argument("--latency", type=float, default=50.0, help="emulated EP link, µs")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--transport", default="splits")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--dispatcher", action="store_true", help="one MoE layer's dispatcher alone")
+    parser.add_argument("--inner", type=int, default=512, help="--dispatcher: the experts' inner width")
+    parser.add_argument("--tokens", type=int, default=1024, help="--dispatcher: tokens per rank")
+    parser.add_argument("overrides", nargs="*", help="more recipe overrides (key=value)")
+    args = parser.parse_args(argv)
+    if args.dispatcher:
+        dispatcher_table(args)
+        return 0
+    print(
+        f"debug recipe, 4 gloo ranks, EP link {args.bandwidth} GB/s + {args.latency} µs, "
+        f"ep_transport={args.transport}, {args.steps} steps (first one left out)"
+    )
+    print("| layout | ep_overlap_chunks | exposed EP s/step | step s | exposed vs chunks=0 | last loss |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.layouts:
+            baseline = None
+            for chunks in [0, *args.chunks]:
+                result = run(LAYOUTS[name], chunks, args, Path(scratch) / f"{name}-{chunks}")
+                baseline = baseline or result["ep_exposed_s"]
+                print(
+                    f"| {name} | {chunks} | {result['ep_exposed_s']:.3f} | {result['step_s']:.3f} | "
+                    f"{result['ep_exposed_s'] / baseline:.0%} | {result['loss']:.6f} |",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""Worker side of `benchmarks/ep_overlap.py --dispatcher`: one MoE layer's dispatcher alone (no
+attention, no other layers) on every rank, its EP link emulated, timed forward and backward with
+and without the overlapped schedule. Not a test: timings are printed, never asserted."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from k3train.parallel.comm import EmulatedLink
+from k3train.parallel.config import ModelSplitSizes
+from k3train.parallel.expert import ExpertParallel
+from k3train.parallel.state import ParallelState, resolve_layout
+from tests.distributed.workers_expert_dispatcher import home_experts, small_config
+
+
+def dispatcher_timing(env, spec: dict) -> dict:
+    config = dataclasses.replace(
+        small_config(num_experts=4 * env.world_size, num_experts_per_token=4), moe_intermediate_size=spec["inner"]
+    )
+    layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, ModelSplitSizes.of(config))
+    state = ParallelState(layout, env.rank)
+    dispatcher = ExpertParallel(
+        state.ep, config.num_experts, transport=spec["transport"], overlap_chunks=spec["chunks"]
+    )
+    from k3train.model.moe import GroupedExperts
+
+    full = GroupedExperts(config, config.num_experts)
+    mine = home_experts(config, dispatcher, full, {})
+    state.ep.link = EmulatedLink(spec["bandwidth_gbps"] * 1e9, spec["latency_us"] * 1e-6)
+    generator = torch.Generator().manual_seed(env.rank)
+    tokens, top_k = spec["tokens"], config.num_experts_per_token
+    latent = torch.randn(tokens, config.expert_width, generator=generator, requires_grad=True)
+    expert_ids = torch.randint(0, config.num_experts, (tokens, top_k), generator=generator)
+    weights = torch.rand(tokens, top_k, generator=generator)
+    samples = []
+    for _ in range(spec["repeats"]):
+        state.counter.wait_seconds.clear()
+        started = time.perf_counter()
+        routed, _ = dispatcher(latent, expert_ids, weights, mine)
+        routed.square().sum().backward()
+        elapsed = time.perf_counter() - started
+        waited = sum(s for label, s in state.counter.wait_seconds.items() if label.split(".")[0] == "ep")
+        samples.append((elapsed, waited))
+    samples = samples[1:]  # the first one warms up
+    return {
+        "layer_s": sum(s for s, _ in samples) / len(samples),
+        "ep_exposed_s": sum(w for _, w in samples) / len(samples),
+    }
+
+
+def run(env, payload: list[dict]) -> list[dict]:
+    return [dispatcher_timing(env, spec) for spec in payload]
