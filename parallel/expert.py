@@ -119,7 +119,7 @@ def routing_statistics_group(state) -> Group:
     return state.data_tensor if state.sequence_parallel else state.dp
 
 
-def _chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
+def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     """`[start, end)` token ranges of `min(chunks, tokens)` near-equal chunks (the first ones longer)."""
     count = max(1, min(chunks, tokens))
     sizes = [tokens // count + (1 if c < tokens % count else 0) for c in range(count)]
@@ -439,7 +439,7 @@ class ExpertParallel:
         (`parallel/expert_exchange.py`: the backward overlaps the same way)."""
         num_ranks, num_experts = self.size, self.num_experts
         tokens, device = expert_flat.shape[0] // top_k, slot_latent.device
-        bounds = _chunk_bounds(tokens, self.overlap_chunks)
+        bounds = chunk_bounds(tokens, self.overlap_chunks)
         slot_ranges = [(start * top_k, end * top_k) for start, end in bounds]
         capacities = [
             capacity_per_destination(end - start, 1, num_ranks, self.capacity_factor) for start, end in slot_ranges

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 
+from k3train.parallel.expert import chunk_bounds
 from k3train.planning.context import context_step_bytes
 from k3train.training.build import RankJob
 
@@ -32,18 +33,23 @@ def expert_layer_traffic(
     (`recompute: sublayer`) backward reruns the layer's forward, all-to-alls included (the
     replicas are the step's cached ones). Shapes from the dispatcher's own
     `ExpertParallel.buffer_shapes`."""
-    shapes = ep.buffer_shapes(
-        tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-    )
-    # The two-hop transports (spread, the GPU default, and relay) add `forward [R, C2, l]` and its ids.
-    hops = ("dispatch", "forward") if "forward" in shapes else ("dispatch",)
-    rows = sum(math.prod(shapes[hop]) for hop in hops) * activation
-    ids = sum(math.prod(shapes[f"{hop}_ids"]) for hop in hops) * 4
-    forward, forward_messages = 2 * rows + ids, 3 * len(hops)  # per hop: rows, their ids, the combine
-    if "replica_weights" in shapes:  # the all-gather of the [1, E] int64 loads
-        forward, forward_messages = forward + cfg.num_experts * 8, forward_messages + 1
+    # `ep_overlap_chunks`: each chunk of the tokens has buffers of its own size, one loads all-gather
+    chunks = [end - start for start, end in chunk_bounds(tokens, ep.overlap_chunks)] if ep.overlaps else [tokens]
+    rows = ids = hop_count = 0
+    for chunk_tokens in chunks:
+        shapes = ep.buffer_shapes(
+            chunk_tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+        )
+        # The two-hop transports (spread, the GPU default, and relay) add `forward [R, C2, l]` and its ids.
+        hops = ("dispatch", "forward") if "forward" in shapes else ("dispatch",)
+        rows += sum(math.prod(shapes[hop]) for hop in hops) * activation
+        ids += sum(math.prod(shapes[f"{hop}_ids"]) for hop in hops) * 4
+        hop_count += len(hops)
+    forward, forward_messages = 2 * rows + ids, 3 * hop_count  # per hop: rows, their ids, the combine
+    if "replica_weights" in shapes:  # the all-gather of the [1, E] int64 loads (of every chunk)
+        forward, forward_messages = forward + len(chunks) * cfg.num_experts * 8, forward_messages + 1
     nbytes = (2 if recompute else 1) * forward + 2 * rows  # + the adjoints of dispatch and combine
-    messages = (2 if recompute else 1) * forward_messages + 2 * len(hops)
+    messages = (2 if recompute else 1) * forward_messages + 2 * hop_count
     if "replica_weights" not in shapes:
         return (nbytes, messages), None
     if len(shapes["replica_weights"]) == 3:  # `online` replicas: `[R, M, F]` per micro-batch, no step exchange
