@@ -12,10 +12,13 @@ collective this rank launched (group and operation): when a peer dies or stops a
 torch's error names neither, and `describe_collective_failure` turns it into one line that does.
 
 A group may carry an `EmulatedLink` (`parallel.emulate_network`, CPU runs): each collective then
-completes no earlier than `latency + bytes / bandwidth` after the link is free (transfers queue
-on it), as on that link, so a
-gloo run on one machine shows what overlapping communication with compute hides: an
-asynchronous collective whose `wait()` comes after enough compute waits for nothing.
+completes no earlier than `latency + bytes / bandwidth` after every rank has entered it and the
+link is free (transfers queue on it), as on that link, so a gloo run on one machine shows what
+overlapping communication with compute hides: an asynchronous collective whose `wait()` comes
+after enough compute waits for nothing. The transfer starts when torch's own collective
+completes (a blocking call returns; an asynchronous one's future is done): a peer that enters
+late delays it, so the wait is the peer's lateness plus the link's time, as on a real network,
+not the larger of the two.
 Point-to-point messages (`send`, `recv`, `isend`, `irecv`: the pipeline's hops) are timed but
 not delayed: a receiver cannot tell when its peer sent without a message of its own. On CUDA the
 recorded wait is the host's (NCCL calls return at launch): the exposed time of a GPU run is the
@@ -102,7 +105,20 @@ class TimedWork:
 
     def __init__(self, work: dist.Work, label: str, counter: TrafficCounter, link: EmulatedLink | None, nbytes: int):
         self.work, self.label, self.counter = work, label, counter
-        self.deadline = link.schedule(time.perf_counter(), nbytes) if link is not None else None
+        self.link, self.nbytes = link, nbytes
+        self.launched = time.perf_counter()
+        self.entered_by_all: float | None = None
+        """When torch's collective completed (every rank had launched it), from its future."""
+        self.watched = False
+        if link is not None and hasattr(work, "get_future"):
+            try:
+                work.get_future().add_done_callback(self._completed)
+                self.watched = True
+            except RuntimeError:  # gloo's reduce-scatter has no future: judged at `wait()`
+                pass
+
+    def _completed(self, _future) -> None:
+        self.entered_by_all = time.perf_counter()
 
     def is_completed(self) -> bool:
         """Done on the wire (the emulated link's delay is applied at `wait()`)."""
@@ -110,9 +126,18 @@ class TimedWork:
 
     def wait(self) -> bool:
         started = time.perf_counter()
+        pending = self.link is not None and not self.watched and not self.work.is_completed()
         done = self.work.wait()
-        if self.deadline is not None:
-            hold_until(self.deadline)
+        if self.link is not None:
+            # The transfer starts once every rank has launched the collective (its future's
+            # completion; the callback may trail `wait()` by a moment: then now; without a future,
+            # a work still pending at `wait()` completed when it returned) and the link is free.
+            start = self.launched
+            if self.watched:
+                start = max(start, self.entered_by_all if self.entered_by_all is not None else time.perf_counter())
+            elif pending:
+                start = max(start, time.perf_counter())
+            hold_until(self.link.schedule(start, self.nbytes))
         self.counter.waited(self.label, time.perf_counter() - started)
         return done
 
@@ -158,10 +183,9 @@ class Group:
             self.counter.note(label, operation)
         nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
         started = time.perf_counter()
-        deadline = self.link.schedule(started, nbytes) if self.link is not None and emulated else None
         yield
-        if deadline is not None:
-            hold_until(deadline)
+        if self.link is not None and emulated:  # on the link once every rank has entered (torch returned)
+            hold_until(self.link.schedule(time.perf_counter(), nbytes))
         self.counter.waited(label, time.perf_counter() - started)
 
     def _timed(self, work: dist.Work | None, tensor: torch.Tensor, label: str, emulated: bool = True) -> TimedWork:

@@ -246,7 +246,7 @@ class ParallelConfig:
     """CPU runs only: delay each collective of a group as a link of that bandwidth and latency
     would, `{group: [GB/s, latency µs]}` (groups: tp, cp, dp, pp, ep, expert_dp, data_tensor,
     model), e.g. `{ep: [25, 10]}`; a collective then completes no earlier than `latency + bytes /
-    bandwidth` after its launch, so a gloo run shows the communication overlap hides (the step
+    bandwidth` after every rank has entered it (and the link is free), so a gloo run shows the communication overlap hides (the step
     line's `comm` and metrics.jsonl's `exposed_comm_s`). Pipeline point-to-point hops are timed
     but not delayed. Empty: collectives run at the machine's own speed."""
 

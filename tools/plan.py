@@ -31,13 +31,28 @@ from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan
 from k3train.parallel.state import LayoutError, layout_of
 from k3train.planning.fit import memory_verdict
 from k3train.planning.hardware import load_profile
-from k3train.planning.layout_traffic import data_parallel_wire_bytes, layout_step_bytes
+from k3train.planning.layout_traffic import (
+    DATA_PARALLEL_GROUPS,
+    data_parallel_wire_bytes,
+    gradient_bucket_schedule,
+    layout_step_bytes,
+)
 from k3train.planning.memory import GIB as _GIB
 from k3train.planning.memory import MEMORY_HEADER, rank_memory
 from k3train.planning.search import LayoutSearch, SearchOutcome, describe_candidates
 from k3train.planning.search_budget import SearchBudget
 from k3train.planning.time import estimate_step_time
 from k3train.planning.traffic import predicted_job_traffic
+from k3train.planning.validate import (
+    VALIDATION_LAYOUTS,
+    ValidationSettings,
+    compare,
+    default_max_ranks,
+    format_rows,
+    launch,
+    summary,
+    world_size_of,
+)
 from k3train.training.build import build_model, build_planning_rank, planning_parallel_state
 
 GIB = 2**30
@@ -45,7 +60,7 @@ EXIT_STATUS = """exit status: 0 when a plan or a list of layouts was computed, w
 layout fits (its "fits:" / "does not fit:" line says which); 1 when --search finds no layout of
 the world size that fits (the nearest sizes that have one are listed); 2 for a usage error or a
 layout the recipe refuses."""
-DATA_GROUPS = ("dp", "data_tensor", "expert_dp")
+DATA_GROUPS = DATA_PARALLEL_GROUPS
 """The groups whose step time uses ring wire bytes (gradient buckets and the ZeRO-1 exchange)."""
 
 
@@ -159,11 +174,61 @@ def search(args) -> int:
     return 1
 
 
+def validate(args) -> int:
+    """`--validate`: the planner's terms against gloo runs (`k3train/planning/validate.py`).
+    0: every exposed-seconds term within the bound and every byte and message count equal;
+    1: some are not (the table says which); 2: usage error or a failed launch."""
+    try:
+        bandwidth, latency = (float(part) for part in args.validate_link.split(","))
+    except ValueError:
+        print(
+            f"error: --validate-link must be GBPS,LATENCY_US (e.g. 0.05,100), got {args.validate_link!r}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.overrides:
+        print("error: --validate runs its own layouts of the debug recipe; it takes no overrides", file=sys.stderr)
+        return 2
+    settings = ValidationSettings(
+        recipe=args.recipe or ValidationSettings.recipe,
+        bandwidth_gbps=bandwidth,
+        latency_us=latency,
+        steps=args.validate_steps,
+        timeout_s=args.validate_timeout,
+        max_ranks=args.validate_ranks or default_max_ranks(),
+    )
+    chosen = [layout for layout in VALIDATION_LAYOUTS if world_size_of(layout) <= settings.max_ranks]
+    left_out = [layout["name"] for layout in VALIDATION_LAYOUTS if layout not in chosen]
+    print(
+        f"validating the planner on {len(chosen)} layouts of gloo processes "
+        f"({settings.recipe}; emulated link {bandwidth:g} GB/s, {latency:g} us on every group but pp; "
+        f"{settings.steps} plain and {settings.steps} emulated steps each after a warm-up)",
+        flush=True,
+    )
+    if left_out:
+        print(
+            f"left out (more processes than --validate-ranks {settings.max_ranks}; on fewer cores than "
+            f"processes the waits are mostly each other's turns on a core): {', '.join(left_out)}",
+            flush=True,
+        )
+    try:
+        results = launch(settings)
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    rows = compare(results, settings)
+    print(format_rows(rows))
+    print(summary(rows))
+    exposed_ok = all(row.within_bound for row in rows if row.judged)
+    counts_ok = all(row.predicted == row.measured for row in rows if row.what in ("bytes", "messages"))
+    return 0 if exposed_ok and counts_ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--recipe", help="the recipe to plan (required, except with --validate: debug.yaml)")
     parser.add_argument(
         "--world-size",
         type=int,
@@ -202,8 +267,34 @@ def main(argv: list[str] | None = None) -> int:
         help="stop searching after this much wall time and rank what was evaluated, saying how "
         "many layouts were not (default: no limit)",
     )
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="run small layouts on 4 gloo CPU processes with an emulated network and print, per "
+        "term, the planner's prediction against the measurement (bytes, messages, exposed "
+        "seconds, bubble, memory)",
+    )
+    parser.add_argument(
+        "--validate-link",
+        default="0.05,100",
+        metavar="GBPS,LATENCY_US",
+        help="--validate: the emulated link of every group but the pipeline's (default 0.05,100)",
+    )
+    parser.add_argument("--validate-steps", type=int, default=2, help="--validate: measured steps of each kind")
+    parser.add_argument(
+        "--validate-ranks",
+        type=int,
+        default=None,
+        help="--validate: run the layouts of at most this many processes (default: the cores, 2 to 4)",
+    )
+    parser.add_argument("--validate-timeout", type=float, default=900.0, help="--validate: seconds for the launch")
     parser.add_argument("overrides", nargs="*", help="section.field=value, as for pretrain_k3.py")
     args = parser.parse_intermixed_args(argv)
+    if args.validate:
+        return validate(args)
+    if not args.recipe:
+        print("error: --recipe is required (except with --validate)", file=sys.stderr)
+        return 2
     if args.search:
         return search(args)
     try:
@@ -265,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| " + " | ".join(["---"] * len(MEMORY_HEADER)) + " |")
     step_bytes: dict[str, float] = {}
     wire: dict[str, float] = {}
+    wire_parts: dict[str, float] = {}  # the same with the ZeRO-1 exchange apart (`dp.exchange`)
+    buckets: dict[str, list[tuple[float, float]]] = {}
     zero1_wire = (0.0, 0.0)  # (now, with every gradient bucket all-reduced), network groups, fullest stage
     ranks = []
     for pp_rank in range(layout.pp):
@@ -278,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         now = data_parallel_wire_bytes(job)
         for group, nbytes in now.items():
             wire[group] = max(wire.get(group, 0.0), nbytes)
+        for part, nbytes in data_parallel_wire_bytes(job, exchange_apart=True).items():
+            wire_parts[part] = max(wire_parts.get(part, 0.0), nbytes)
+        for group, schedule in gradient_bucket_schedule(job).items():  # the fullest stage's buckets
+            if sum(b for b, _ in schedule) > sum(b for b, _ in buckets.get(group, [])):
+                buckets[group] = schedule
         before = data_parallel_wire_bytes(job, all_reduced=True)
         totals = (
             sum(v for g, v in now.items() if g in DATA_GROUPS),
@@ -314,10 +412,14 @@ def main(argv: list[str] | None = None) -> int:
             seq_length=config.data.seq_length,
             micro_batches=micro_batches,
             precision=config.train.precision,
-            comm_bytes={**step_bytes, **{g: v for g, v in wire.items() if g in DATA_GROUPS}},
+            comm_bytes={
+                **step_bytes,
+                **{part: v for part, v in wire_parts.items() if part.split(".")[0] in DATA_GROUPS},
+            },
             efficiency=args.efficiency,
             document_lengths=documents,
             ep_overlap_chunks=config.parallel.ep_overlap_chunks,
+            gradient_buckets=buckets,
         )
         print(
             f"\n{hardware.name}, {args.efficiency:.0%} of the dense peak: step {estimate.step_s:.2f} s, "

@@ -111,13 +111,15 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
     return out
 
 
-def data_parallel_wire_bytes(job: RankJob, all_reduced: bool = False) -> dict[str, float]:
+def data_parallel_wire_bytes(job: RankJob, all_reduced: bool = False, exchange_apart: bool = False) -> dict[str, float]:
     """Per group: bytes this rank puts on the wire per step for the gradient buckets and the
     ZeRO-1 parameter exchange, on a ring (all-reduce 2(p-1)/p of its input, reduce-scatter
     (p-1)/p, all-gather (p-1) × the local chunk), read off the rank's own reducer and optimizer:
     the quantity that ZeRO-1's reduce-scatter to the owners lowers (docs/data_parallel.md).
     `all_reduced`: as if every bucket were all-reduced over its reduction group (ZeRO-1 before
-    the reduce-scatter to owners: all-reduce + all-gather)."""
+    the reduce-scatter to owners: all-reduce + all-gather). `exchange_apart`: the ZeRO-1 exchange
+    under `<group>.exchange` (it runs after the optimizer step, exposed, where the gradient
+    buckets overlap the last backward)."""
     out: dict[str, float] = defaultdict(float)
     for bucket in job.reducer.buckets:
         if all_reduced and bucket.sharded:
@@ -128,7 +130,29 @@ def data_parallel_wire_bytes(job: RankJob, all_reduced: bool = False) -> dict[st
         for group, nbytes in bucket.wire_bytes().items():
             out[group] += nbytes
     for exchange in job.optimizer._exchanges:
-        out[exchange.group.name] += exchange.wire_bytes()
+        out[exchange.group.name + (".exchange" if exchange_apart else "")] += exchange.wire_bytes()
+    return dict(out)
+
+
+DATA_PARALLEL_GROUPS = ("dp", "data_tensor", "expert_dp")
+
+
+def gradient_bucket_schedule(job: RankJob, counted: bool = False) -> dict[str, list[tuple[float, float]]]:
+    """Per data-parallel group, the rank's gradient buckets in launch order as `(bytes, share of
+    the backward done when the bucket is full)`, the share being the bucket's place among all
+    buckets' elements (a backward's work taken as proportional to the parameters it has passed):
+    what `time.estimate_step_time` replays. Bytes on a ring (`wire_bytes`), or as comm.py counts
+    them (`counted`: the emulated link's charge)."""
+    buckets = job.reducer.buckets
+    total = sum(bucket.numel for bucket in buckets) or 1
+    out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    done = 0
+    for bucket in buckets:
+        done += bucket.numel
+        sizes = {group: sent[0] for group, sent in bucket.sent().items()} if counted else bucket.wire_bytes()
+        for group, nbytes in sizes.items():
+            if group in DATA_PARALLEL_GROUPS and nbytes:
+                out[group].append((float(nbytes), done / total))
     return dict(out)
 
 
@@ -171,4 +195,11 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     return dict(out)
 
 
-__all__ = ["layout_step_bytes", "pipeline_expert_traffic", "data_parallel_wire_bytes", "expert_layer_traffic"]
+__all__ = [
+    "gradient_bucket_schedule",
+    "DATA_PARALLEL_GROUPS",
+    "layout_step_bytes",
+    "pipeline_expert_traffic",
+    "data_parallel_wire_bytes",
+    "expert_layer_traffic",
+]

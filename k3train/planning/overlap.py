@@ -12,9 +12,15 @@ once, last chunk first, each chunk's expert backward (`2e`) when its gradient ha
 dispatch gradient launched after, the shared experts' backward (`2S`) after the last chunk's.
 Exposed = the layer's end minus its compute. Latency is not modelled (the planner prices bytes
 over bandwidth); with `n = 0` nothing overlaps and the exposed time is all of `2·n·(d + c)`.
+
+The gradient buckets of the last micro-batch's backward (`exposed_gradient_buckets_s`) replay the
+same way: each bucket goes on the link once it is full, and only what is still on the link when
+the backward ends is exposed.
 """
 
 from __future__ import annotations
+
+import math
 
 
 def _replay(transfer_s: float, returns_s: float, chunk_s: float, before_s: float, after_s: float, chunks: int) -> float:
@@ -49,4 +55,26 @@ def exposed_expert_exchange_s(
     return forward + backward
 
 
-__all__ = ["exposed_expert_exchange_s"]
+def exposed_gradient_buckets_s(buckets: list[tuple[float, float]], backward_s: float) -> float:
+    """Exposed seconds of the gradient buckets of the step's last backward (`backward_s` long):
+    `buckets` are `(seconds on the link, share of the backward done when the bucket is full)` in
+    launch order; each starts when it is full and the link is free (one after another), and what
+    the last one still has to carry when the backward ends is exposed. A bucket holding the
+    first layers (the embedding) is full only at the end, so its whole time is exposed."""
+    link = 0.0
+    for seconds, ready_share in buckets:
+        link = max(link, ready_share * backward_s) + seconds
+    return max(0.0, link - backward_s)
+
+
+def even_buckets(total_s: float, bucket_s: float) -> list[tuple[float, float]]:
+    """`total_s` of gradients in buckets of `bucket_s` (the last one smaller), full at even shares
+    of the backward: the layout search's model, which builds no reducer."""
+    if total_s <= 0:
+        return []
+    count = max(1, math.ceil(total_s / bucket_s - 1e-9))
+    sizes = [bucket_s] * (count - 1) + [total_s - bucket_s * (count - 1)]
+    return [(size, (index + 1) / count) for index, size in enumerate(sizes)]
+
+
+__all__ = ["exposed_expert_exchange_s", "exposed_gradient_buckets_s", "even_buckets"]

@@ -153,7 +153,13 @@ def analytic_step_bytes(
         regions = len(layers) + (len(layers) - moe) + (moe if cfg.num_shared_experts else 0)
         comm["tp"] = micro_batches * regions * 2 * (full + (full / layout.tp if sp else 0))
     gradient = 2 if train.grad_dtype == "bf16" else 4
-    comm.update(data_parallel_wire(cfg, layout, plan, cache, gradient, weight_bytes(config)))
+    wire = data_parallel_wire(cfg, layout, plan, cache, gradient, weight_bytes(config))
+    if config.parallel.zero1:  # the all-gather of the updated weights runs after the step, exposed
+        share = weight_bytes(config) / (gradient + weight_bytes(config))
+        for group, nbytes in wire.items():
+            comm[group], comm[f"{group}.exchange"] = nbytes * (1 - share), nbytes * share
+    else:
+        comm.update(wire)
     if layout.pp > 1:  # the schedule's wire dtype: the model's (bf16 weights), else fp32
         block = tokens * cfg.hidden_size * weight_bytes(config) // (layout.tp if sp else 1)
         comm["pp"] = sum(plan.rank_step_bytes(1 % layout.pp, int(block), micro_batches).values())

@@ -15,20 +15,23 @@ Assumptions (stated, and printed by tools/plan.py):
   routed and shared experts' compute (`k3train/planning/overlap.py` replays that schedule per
   MoE layer and micro-batch: only what the experts cannot cover is exposed); pipeline hops overlap the other stages' compute except in
   fill and drain (2(P−1) exposed hops); DP gradient buckets overlap the backward of the last
-  micro-batch (only the excess is exposed); the ZeRO-1 all-gather and the optimizer are exposed.
+  micro-batch, each from when it is full (`overlap.exposed_gradient_buckets_s`: what is still on
+  the link when the backward ends is exposed); the ZeRO-1 all-gather after the optimizer step
+  (`<group>.exchange`) is exposed. Any other `<group>.<part>` entry is exposed on its group's link.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from k3train.model import flops as F
 from k3train.model.config import ModelConfig
+from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES
 from k3train.parallel.pipeline_schedule import PipelinePlan
 from k3train.parallel.state import Layout
 from k3train.planning.hardware import HardwareProfile
-from k3train.planning.overlap import exposed_expert_exchange_s
+from k3train.planning.overlap import even_buckets, exposed_expert_exchange_s, exposed_gradient_buckets_s
 
 DEFAULT_EFFICIENCY = 0.45
 
@@ -82,6 +85,7 @@ def chunk_training_flops(
 
 def group_link(layout: Layout, group: str, gpus_per_node: int) -> str:
     """`nvlink` or `network`: whether one group of `group` fits in one node (rank order TP, DP, PP)."""
+    group = group.split(".")[0]  # `dp.exchange`: a part of dp's traffic, on dp's link
     span = {
         "tp": layout.tp,
         "dp": layout.tp * layout.dp,
@@ -147,10 +151,14 @@ def estimate_step_time(
     gpus_per_node: int | None = None,
     document_lengths: Sequence[int] | None = None,
     ep_overlap_chunks: int = 0,
+    gradient_buckets: Mapping[str, Sequence[tuple[float, float]]] | None = None,
 ) -> StepTime:
     """The step time of `layout`; `comm_bytes` per group is what one rank sends in one step
     (`traffic_terms.layout_step_bytes`); `document_lengths`: the documents each sequence is
-    packed with when they are kept apart (MLA's attention within each: fewer FLOPs)."""
+    packed with when they are kept apart (MLA's attention within each: fewer FLOPs).
+    `gradient_buckets`: per data-parallel group, its buckets `(bytes, share of the backward done
+    when full)` in launch order (`layout_traffic.gradient_bucket_schedule`); without them a
+    group's bytes are taken as buckets of the reducer's default size, full at even shares."""
     gpn = gpus_per_node or hardware.gpus_per_node
     peak = hardware.peak_flops(precision)
     rate = peak * efficiency
@@ -177,8 +185,15 @@ def estimate_step_time(
         if group == "pp":  # hops of the steady state hide behind the other stages' compute
             seconds *= 2 * (layout.pp - 1) / max(2 * micro_batches * layout.virtual_stages, 1)
         elif group in ("dp", "expert_dp", "data_tensor"):
-            gradient_share = nbytes  # overlap with the last micro-batch's backward (2/3 of its time)
-            seconds = max(0.0, gradient_share / bandwidth - per_micro_batch * 2 / 3)
+            # The gradient buckets overlap the last micro-batch's backward (2/3 of its time), each
+            # from the moment it is full; bytes beyond the given buckets are exposed.
+            schedule = (gradient_buckets or {}).get(group)
+            if schedule is None:
+                buckets, rest = even_buckets(seconds, DEFAULT_BUCKET_BYTES / bandwidth), 0.0
+            else:
+                buckets = [(bucket_bytes / bandwidth, share) for bucket_bytes, share in schedule]
+                rest = max(0.0, nbytes - sum(bucket_bytes for bucket_bytes, _ in schedule)) / bandwidth
+            seconds = exposed_gradient_buckets_s(buckets, per_micro_batch * 2 / 3) + rest
         elif group == "ep" and ep_overlap_chunks > 0:
             seconds = _overlapped_ep_s(cfg, layout, plan, seconds, tokens, rate, micro_batches, ep_overlap_chunks)
         exposed[group] = seconds

@@ -15,62 +15,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from k3train.config import load_config
-from k3train.data import build_data
-from k3train.model.flops import training_flops_per_token
 from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.state import ParallelState, emulated_links, resolve_layout
+from k3train.planning.measured import build_trainer, layout_overrides
 from k3train.planning.traffic import predicted_job_traffic, predicted_step_traffic, step_traffic_terms
 from k3train.training import loop
-from k3train.training.build import build_planning_rank, build_rank
-from k3train.training.loop import Trainer
-from k3train.training.throughput import peak_flops
-
-
-def layout_overrides(layout: dict[str, Any], micro_batch_size: int, micro_batches: int, seq_length: int) -> list[str]:
-    """Recipe overrides for one layout: sizes, and a global batch of `micro_batches` per DP rank."""
-    dp = layout.get("dp", 1)
-    return [
-        f"parallel.tp={layout.get('tp', 1)}",
-        f"parallel.dp={dp}",
-        f"parallel.pp={layout.get('pp', 1)}",
-        f"parallel.ep={layout.get('ep', 1)}",
-        f"parallel.sequence_parallel={str(layout.get('sequence_parallel', False)).lower()}",
-        f"parallel.zero1={str(layout.get('zero1', True)).lower()}",
-        f"data.seq_length={seq_length}",
-        f"train.micro_batch_size={micro_batch_size}",
-        f"train.global_batch_size={micro_batch_size * micro_batches * dp}",
-        "train.device=cpu",
-        "train.steps=1",
-        "train.eval_interval=0",
-        "schedule.warmup_steps=1",
-        *layout.get("overrides", []),
-    ]
-
-
-def build_trainer(config, state: ParallelState) -> Trainer:
-    """The job of `pretrain_k3.main` on this rank (`build_rank`, data, `Trainer`), without run
-    directory or logger."""
-    device = torch.device("cpu")
-    torch.manual_seed(config.train.seed)
-    job = build_rank(config, state, device)
-    data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
-    return Trainer(
-        config,
-        job.model,
-        job.optimizer,
-        data,
-        device,
-        training_flops_per_token(config.model, config.data.seq_length).total,
-        peak_flops(device, config.logging.peak_tflops),
-        None,
-        state,
-        job.reducer,
-        job.schedule,
-    )
+from k3train.training.build import build_planning_rank
 
 
 def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:

@@ -12,53 +12,12 @@ import torch
 
 from k3train.config import load_config
 from k3train.parallel.grad_reduce import replica_group
-from k3train.parallel.mixed_precision import main_grad_of
 from k3train.parallel.state import ParallelState, layout_of
+from k3train.planning.measured import build_trainer, layout_overrides, measured_memory_step
 from k3train.planning.memory import rank_memory
 from k3train.training.build import build_planning_rank
-from tests.distributed.workers_comm import build_trainer, layout_overrides
 
 MIXED = ["train.precision=bf16", "train.weights=bf16_with_fp32_master_shards"]
-
-
-def _storages_bytes(tensors) -> tuple[int, set[tuple[int, int]]]:
-    keys = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
-    return sum(nbytes for _, nbytes in keys), keys
-
-
-def _measured_step(trainer) -> tuple[dict[str, Any], dict[str, float]]:
-    """One training step with every tensor autograd saves outside backward counted once (the
-    parameters, masters, gradient buffers and optimizer state excluded), and the rank's memory."""
-    model, optimizer = trainer.model, trainer.optimizer
-    masters = optimizer.master_weights.masters
-    params = [p for p in model.parameters()]
-    weights, weight_keys = _storages_bytes([*params, *model.buffers()])
-    grads, grad_keys = _storages_bytes([main_grad_of(p) for p in params if p.requires_grad])
-    master, master_keys = _storages_bytes(masters)
-    seen = weight_keys | grad_keys | master_keys
-    saved = [0]
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if torch._C._current_graph_task_id() != -1:  # a recomputation inside backward
-            return tensor
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key not in seen:
-            seen.add(key)
-            saved[0] += storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        metrics = trainer.train_step()
-    state_tensors = [
-        value
-        for per_param in optimizer.optimizer.state.values()
-        for value in per_param.values()
-        if isinstance(value, torch.Tensor) and value.ndim > 0
-    ]
-    state_bytes, _ = _storages_bytes(state_tensors) if state_tensors else (0, set())
-    memory = dict(weights=weights, gradients=grads, master=master, optimizer=state_bytes, activations=saved[0])
-    return metrics, {k: float(v) for k, v in memory.items()}
 
 
 def _checks(trainer, state: ParallelState) -> dict[str, Any]:
@@ -102,7 +61,7 @@ def train_layouts(env, payload: dict[str, Any]) -> list[dict[str, Any]]:
             trainer = build_trainer(config, state)
             losses = []
             if name == "mixed":
-                metrics, measured = _measured_step(trainer)
+                metrics, measured = measured_memory_step(trainer)
                 losses.append(metrics["loss"])
                 predicted = rank_memory(build_planning_rank(config, grid, env.rank), grid, 1)
                 runs["measured"] = measured

@@ -127,7 +127,9 @@ def test_search_terms_match_the_built_ranks(recipe, world_size, overrides):
         measured = max(
             wire.get(group, 0.0) + (wire.get("data_tensor", 0.0) if group == "dp" else 0.0) for wire in wires
         )
-        assert analytic.get(group, 0.0) * 0.99 <= measured <= 1.6 * analytic.get(group, 0.0), (group, analytic, wires)
+        # ZeRO-1's exchange is priced apart (`dp.exchange`, exposed after the step): the same bytes
+        predicted = analytic.get(group, 0.0) + analytic.get(f"{group}.exchange", 0.0)
+        assert predicted * 0.99 <= measured <= 1.6 * predicted, (group, analytic, wires)
 
 
 def reference_search(recipe: str, world_size: int, hardware, limit_gib: float, options) -> list:
