@@ -62,14 +62,15 @@ def _synthetic_results(layout, settings, wait_scale: float = 1.0):
     per_rank = []
     for rank in range(world):
         job = build_planning_rank(config, grid, rank)
-        terms = [[t.group, t.what, t.bytes, t.messages] for t in job_traffic_terms(job, settings.micro_batches)]
+        traffic_terms = job_traffic_terms(job, settings.micro_batches)
+        terms: list[list] = [[t.group, t.what, t.bytes, t.messages] for t in traffic_terms]
         buckets = {g: [list(b) for b in rows] for g, rows in gradient_bucket_schedule(job, counted=True).items()}
         predicted, _ = predicted_exposed(layout, settings, terms, buckets, compute_s=1.0)
         counted: dict[str, list[int]] = {}
-        for label, _, nbytes, messages in terms:
-            counted.setdefault(label, [0, 0])
-            counted[label][0] += nbytes
-            counted[label][1] += messages
+        for term in traffic_terms:
+            counted.setdefault(term.group, [0, 0])
+            counted[term.group][0] += term.bytes
+            counted[term.group][1] += term.messages
         plain = {label: 0.01 for label in predicted}
         emulated = {label: 0.01 + seconds * wait_scale for label, seconds in predicted.items()}
         step = dict(step_s=1.0 + sum(plain.values()) + 0.1, optimizer_s=0.1, loss=1.0, counted=counted)
