@@ -276,11 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--validate-link",
-        default="0.05,100",
+        default="0.02,100",
         metavar="GBPS,LATENCY_US",
-        help="--validate: the emulated link of every group but the pipeline's (default 0.05,100)",
+        help="--validate: the emulated link of every group but the pipeline's (default 0.02,100: slow enough that the link, not the machine's own waits, dominates)",
     )
-    parser.add_argument("--validate-steps", type=int, default=2, help="--validate: measured steps of each kind")
+    parser.add_argument("--validate-steps", type=int, default=3, help="--validate: measured steps of each kind")
     parser.add_argument(
         "--validate-ranks",
         type=int,

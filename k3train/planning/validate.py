@@ -102,9 +102,9 @@ class ValidationSettings:
     """What `--validate` runs: the emulated link of every group, the steps, the shapes."""
 
     recipe: str = str(DEFAULT_RECIPE)
-    bandwidth_gbps: float = 0.05
+    bandwidth_gbps: float = 0.02
     latency_us: float = 100.0
-    steps: int = 2
+    steps: int = 3
     """Measured steps of each kind (plain, emulated), after one warm-up step."""
     micro_batch_size: int = 1
     micro_batches: int = 4
