@@ -4,11 +4,14 @@ the layers, parameters and memory (weights, gradients, optimizer state, activati
 cache, EP buffers), the bytes per process group of one step, and with --hardware the step time,
 tokens/s and MFU; a "fits:" or "does not fit:" line compares the fullest rank with the limit
 that --search uses; --search lists the fastest layouts of a world size that fit (a progress bar
-on a terminal's stderr; --budget SECONDS stops it and says how many layouts it left out).
+on a terminal's stderr; --budget SECONDS stops it and says how many layouts it left out);
+--validate runs small layouts on gloo with an emulated network and prints the planner's terms
+beside the measured ones (k3train/planning/validate.py).
 
     python tools/plan.py --recipe recipes/k3.yaml --world-size 1024 --hardware h200
     python tools/plan.py --recipe recipes/k3.yaml --world-size 4096 --hardware b200 --search
     python tools/plan.py --recipe recipes/debug.yaml --world-size 4 parallel.tp=2 parallel.dp=2
+    python tools/plan.py --validate
 
 Every rank's model is built on the meta device through the same code the job uses (TP shards,
 EP experts, pipeline chunks, ZeRO-1 owners), so parameter counts and optimizer state are exact;
