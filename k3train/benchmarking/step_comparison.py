@@ -19,12 +19,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3train.config import JobConfig, load_config
-from k3train.data import build_data
 from k3train.model.flops import training_flops_per_token
 from k3train.parallel.state import ParallelState
-from k3train.training.build import build_rank
+from k3train.planning.measured import build_trainer
 from k3train.training.loop import Trainer, precision_context
-from k3train.training.throughput import PeakFlops, measure_cpu_matmul_tflops, muon_step_stats
+from k3train.training.throughput import measure_cpu_matmul_tflops, muon_step_stats
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (recipes/)
 DEBUG_RECIPE = ROOT / "recipes" / "debug.yaml"
@@ -178,24 +177,7 @@ def _step_loss(trainer: Trainer) -> Callable[[], float]:
 
 def k3_trainer(config: JobConfig, device: torch.device = torch.device("cpu")) -> Trainer:
     """The job's own objects (`build_rank`) in one process, on the default corpus."""
-    parallel = ParallelState.single()
-    torch.manual_seed(config.train.seed)
-    job = build_rank(config, parallel, device)
-    data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
-    flops = training_flops_per_token(config.model, config.data.seq_length).total
-    return Trainer(
-        config,
-        job.model,
-        job.optimizer,
-        data,
-        device,
-        flops,
-        PeakFlops(1.0, "MFU"),
-        None,
-        parallel,
-        job.reducer,
-        job.schedule,
-    )
+    return build_trainer(config, ParallelState.single(), device=device)
 
 
 # ---------------------------------------------------------------------------------------------

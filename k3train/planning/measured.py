@@ -45,10 +45,11 @@ def layout_overrides(layout: dict[str, Any], micro_batch_size: int, micro_batche
     ]
 
 
-def build_trainer(config, state: ParallelState, peak: PeakFlops | None = None) -> Trainer:
-    """The job of `pretrain_k3.main` on this rank (`build_rank`, data, `Trainer`) on the CPU,
-    without run directory or logger; `peak` only scales the MFU it reports."""
-    device = torch.device("cpu")
+def build_trainer(
+    config, state: ParallelState, peak: PeakFlops | None = None, device: torch.device = torch.device("cpu")
+) -> Trainer:
+    """The job of `pretrain_k3.main` on this rank (`build_rank`, data, `Trainer`), without run
+    directory or logger; `peak` only scales the MFU it reports."""
     torch.manual_seed(config.train.seed)
     job = build_rank(config, state, device)
     data = build_data(config.data, config.train.global_batch_size, config.train.steps, config.model.vocab_size)
