@@ -1,10 +1,12 @@
 """`tools/plan.py --validate`: the planner's predictions beside gloo runs of small layouts.
 
-One `torchrun` launch of 4 CPU processes runs each layout of `VALIDATION_LAYOUTS` (the debug
-recipe) in turn, as `pretrain_k3.main` builds it. After a warm-up step, steps alternate between
+One `torchrun` launch of CPU processes per world size runs the layouts of `VALIDATION_LAYOUTS`
+(the debug recipe) of that size in turn, as `pretrain_k3.main` builds them; layouts of more
+processes than `ValidationSettings.max_ranks` (default: the machine's cores, 2 to 4) are left out. After a warm-up step, steps alternate between
 the machine's own collectives ("plain") and an emulated network on every group but the
 pipeline's (`parallel.emulate_network`: each collective completes no earlier than `latency +
-bytes / bandwidth` after its link is free; pipeline hops are never delayed). Per layout and rank
+bytes / bandwidth` after every rank has entered it and its link is free; pipeline hops are
+never delayed). Per layout and rank
 it records what `parallel/comm.py` counted (bytes, messages per label), the seconds the rank
 waited per label, the step time, and, in one more step of one micro-batch, what the rank holds
 (weights, gradients, optimizer state, the bytes autograd saves).
@@ -13,9 +15,10 @@ The prediction for each term is the planner's own:
 * bytes and messages: the traffic terms of the rank's build (`planning/traffic.py`);
 * exposed seconds: `planning/time.py`'s `estimate_step_time` with the emulated link as the
   hardware (latency counted as its bytes on the link: `messages × latency × bandwidth`) and the
-  compute rate calibrated from the plain steps (the slowest rank's step minus its waits), so
-  the overlap rules (gradient buckets under the last backward, expert all-to-alls under the
-  experts, everything else exposed) are what is checked, not the CPU's speed. Measured: what
+  compute rate calibrated from the plain steps (the slowest rank's step less its waits and its
+  optimizer step), so the overlap rules (each gradient bucket under the rest of the last
+  backward from when it is full, the chunked expert all-to-alls under the experts, the ZeRO-1
+  exchange and everything else exposed) are what is checked, not the CPU's speed. Measured: what
   the link added, the label's wait in the emulated steps less its wait in the plain ones (the
   machine's own: gloo's copies and the peers' lateness, printed apart). Under the emulated link
   a transfer starts when every rank has entered the collective, so lateness and link time add,
