@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.parallel.comm import Group
-from k3train.parallel.expert_exchange import Phased
 from k3train.parallel.expert_placement import ReplicaPlacement
 from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the planner's public names)
     RelayCapacity,
@@ -117,14 +116,6 @@ def routing_statistics_group(state) -> Group:
     tokens through a layer (data-parallel ranks, and tensor-parallel ranks under sequence
     parallelism). The expert-parallel group is inside it."""
     return state.data_tensor if state.sequence_parallel else state.dp
-
-
-def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
-    """`[start, end)` token ranges of `min(chunks, tokens)` near-equal chunks (the first ones longer)."""
-    count = max(1, min(chunks, tokens))
-    sizes = [tokens // count + (1 if c < tokens % count else 0) for c in range(count)]
-    starts = [sum(sizes[:c]) for c in range(count)]
-    return [(start, start + size) for start, size in zip(starts, sizes)]
 
 
 def _building_graph() -> bool:
@@ -431,82 +422,10 @@ class ExpertParallel:
         return routed, info
 
     def _overlapped(self, slot_latent, expert_flat, weights_flat, experts, top_k: int, alongside):
-        """`_balanced` with the tokens in `overlap_chunks` chunks (fewer when there are fewer
-        tokens), each planned from its own loads under one replica placement (the micro-batch's:
-        `online` plans it from the whole micro-batch's loads, so the replicas are fetched once).
-        Every chunk's first hop is launched at once, then `alongside` runs; chunk `i`'s experts run
-        while chunk `i + 1`'s rows and chunk `i − 1`'s combine travel
-        (`parallel/expert_exchange.py`: the backward overlaps the same way)."""
-        num_ranks, num_experts = self.size, self.num_experts
-        tokens, device = expert_flat.shape[0] // top_k, slot_latent.device
-        bounds = chunk_bounds(tokens, self.overlap_chunks)
-        slot_ranges = [(start * top_k, end * top_k) for start, end in bounds]
-        capacities = [
-            capacity_per_destination(end - start, 1, num_ranks, self.capacity_factor) for start, end in slot_ranges
-        ]
-        state = self._layer(experts, device) if self.replica_planning == "step" else None
-        training = _building_graph()
-        with torch.no_grad():
-            chunk_of_slot = torch.cat(
-                [
-                    torch.full((end - start,), c, dtype=torch.int64, device=device)
-                    for c, (start, end) in enumerate(slot_ranges)
-                ]
-            )
-            mine = torch.zeros(len(bounds) * num_experts, dtype=torch.int64, device=device).scatter_add_(
-                0, chunk_of_slot * num_experts + expert_flat, torch.ones_like(expert_flat)
-            )
-            counts = self.group.all_gather(mine.view(1, -1), dim=0).view(num_ranks, len(bounds), num_experts)
-            load = counts.sum((0, 1))
-            if state is None:
-                whole = plan_from_load(load, num_ranks, self.max_replicas)
-                placement = ReplicaPlacement.from_plan(whole)
-            else:
-                if training:
-                    state.load += load
-                placement = state.placement
-            plans = [apply_placement(counts[:, c], placement, capacities[c]) for c in range(len(bounds))]
-            routes = [
-                self.token_transport.route(expert_flat[start:end], counts[:, c], plans[c])
-                for c, (start, end) in enumerate(slot_ranges)
-            ]
-        replicas, replica_bytes = self._replicas(experts, state, whole if state is None else plans[0])
-        dispatches = [
-            Phased(
-                self.token_transport.dispatch_phases(
-                    slot_latent[start:end], weights_flat[start:end], *routes[c], capacities[c], top_k
-                )
-            ).start()
-            for c, (start, end) in enumerate(slot_ranges)
-        ]
-        if alongside is not None:
-            alongside()  # under the first chunk's dispatch
-        combines: list[Phased[torch.Tensor]] = []
-        deliveries = []
-        for c, (start, end) in enumerate(slot_ranges):
-            delivery = dispatches[c].finish()
-            if c + 1 < len(dispatches):
-                dispatches[c + 1].advance()  # its next hop on the wire while these experts run
-            output = self._experts(delivery.rows, delivery.ids, experts, replicas)
-            combine = self.token_transport.combine_weighted_phases(output, delivery, weights_flat[start:end], top_k)
-            combines.append(Phased(combine).start())
-            if c > 0:
-                combines[c - 1].advance()
-            deliveries.append(delivery)
-        routed = torch.cat([combine.finish() for combine in combines])
-        keep = torch.cat([delivery.keep for delivery in deliveries])
-        info = DispatchInfo(
-            keep,
-            torch.cat([dest for dest, _, _ in routes]),
-            (~keep).sum(),
-            torch.stack([(delivery.ids >= 0).sum() for delivery in deliveries]).sum(),
-            plans[0].num_replicas,
-            plans[0],
-            sum(capacities),
-            torch.stack([torch.as_tensor(d.wire_bytes, device=keep.device) for d in deliveries]).sum(),
-            torch.tensor(replica_bytes, dtype=torch.int64, device=keep.device),
-        )
-        return routed, info
+        """`_balanced` with the tokens in `overlap_chunks` chunks (`parallel/expert_overlap.py`)."""
+        from k3train.parallel.expert_overlap import overlapped_dispatch  # it builds this module's DispatchInfo
+
+        return overlapped_dispatch(self, slot_latent, expert_flat, weights_flat, experts, top_k, alongside)
 
     def _replicas(
         self, experts: SupportsGroupedForward, state: StepReplicas | None, plan: ReplicaPlan

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from k3train.parallel.expert import chunk_bounds
+from k3train.parallel.tensor_overlap import chunk_bounds
 from k3train.planning.context import context_step_bytes
 from k3train.training.build import RankJob
 

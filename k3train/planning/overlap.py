@@ -1,5 +1,5 @@
 """The exposed time of the overlapped expert all-to-alls (`parallel.ep_overlap_chunks`), from the
-schedule the dispatcher runs (`parallel/expert.py` `_overlapped`), replayed on one link and one
+schedule the dispatcher runs (`parallel/expert_overlap.py`), replayed on one link and one
 compute stream per rank.
 
 Forward of one MoE layer, `n` chunks: every chunk's dispatch (`d` seconds on the wire each) is
