@@ -13,6 +13,12 @@ step), in one process and with steps alternated (a busy machine slows every cont
   the same conventions as `k3train/model/flops.py`: matmuls only,
   causal attention counted as its half, training = 3 × forward) equal k3train's.
 
+Every contender first takes `--warmup` untimed steps (default 10): in bf16, k3train's mix of
+bf16 and fp32 buffers of many sizes fragments glibc's heap, which keeps growing for about ten
+steps; each growth is fresh memory whose first touch page-faults (a few µs per 4 KiB page), so
+right after one warm-up step its steps took 15-20% longer than in a long run. The table prints
+the minor page faults of each timed step, so a reader can see the allocator had settled.
+
 It prints each contender's median step time, model FLOP/s over the measured fp32 matmul rate of
 this machine (`measure_cpu_matmul_tflops`, median of trials) and, on a CPU, its bf16/fp32 matmul
 rate ratio (runs on CPUs with and without bf16 matrix units read side by side), tokens/s against the dense peer,
@@ -51,7 +57,14 @@ from k3train.training.throughput import measure_cpu_matmul_tflops
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["debug", "wide512"])
-    parser.add_argument("--steps", type=int, default=3, help="measured steps per contender (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per contender (after --warmup rounds)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="untimed alternated rounds first (default 10): the first compiles; in bf16 k3train's "
+        "heap keeps growing for about ten steps, each faulting fresh pages a long run does not",
+    )
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -92,6 +105,7 @@ def main() -> None:
             not args.no_profile,
             device,
             args.precision,
+            warmup=args.warmup,
         )
 
 

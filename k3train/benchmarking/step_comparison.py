@@ -7,6 +7,7 @@ prints (and `tools/gpu_check.py` runs on a GPU). The conventions are the benchma
 from __future__ import annotations
 
 import contextlib
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -354,6 +355,15 @@ def count_operations(step: Callable[[], object]) -> OperationCounter:
     return counter
 
 
+def page_faults() -> int:
+    """This process's minor page faults so far (`getrusage`). A step that faults allocates memory
+    the process has not touched before: on a CPU each 4 KiB page costs a kernel trap and zeroing
+    (a few µs), so a 4 MB tensor written fresh takes ~10× one written into reused memory. glibc's
+    heap grows for many steps while mixed-size bf16 and fp32 buffers fragment it, so the steps
+    after a short warm-up pay faults a long run does not (the benchmark prints them)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -406,6 +416,7 @@ class Comparison:
     adamw_vs_dense: float
     final_losses: dict[str, float]
     operations: dict[str, tuple[int, int]]  # (compute, view) aten operations of one step
+    page_faults: dict[str, float]  # median minor page faults per timed step (`page_faults`)
 
 
 DENSE = "dense peer (SDPA + SwiGLU, AdamW)"
@@ -428,13 +439,18 @@ def compare(
     device: torch.device = torch.device("cpu"),
     precision: str = "fp32",
     compiled: Sequence[str] = tuple(COMPILED),
+    warmup: int = 1,
 ) -> Comparison:
     """One comparison (tables printed); `with_compile` adds the `compiled` contenders (labels of
-    `COMPILED`)."""
+    `COMPILED`). `warmup` alternated rounds run untimed first (compiles, and the allocator's
+    growth: see `page_faults`)."""
+    if warmup < 1:
+        raise ValueError(f"warmup must be at least 1 round (the first compiles and allocates), got {warmup}")
     overrides = [*overrides, f"train.precision={precision}"]
     # train.steps covers every step a contender takes: the warm-up, `steps`, the counted one and
     # the profiled one (the learning-rate schedule stays inside its range).
-    base = load_config(str(DEBUG_RECIPE), [*overrides, f"train.steps={steps + 4}", "logging.jsonl=false"])
+    total_steps = steps + warmup + 3
+    base = load_config(str(DEBUG_RECIPE), [*overrides, f"train.steps={total_steps}", "logging.jsonl=false"])
     seq, vocab = base.data.seq_length, base.model.vocab_size
     k3_flops = training_flops_per_token(base.model, seq).total
     width, mlp = size_dense_peer(k3_flops, base.model.num_hidden_layers, vocab, seq)
@@ -451,7 +467,7 @@ def compare(
     contenders[MUON] = lambda: muon.train_step()["loss"]
     adamw = k3_trainer(
         load_config(
-            str(DEBUG_RECIPE), [*overrides, f"train.steps={steps + 4}", "logging.jsonl=false", "optimizer.name=adamw"]
+            str(DEBUG_RECIPE), [*overrides, f"train.steps={total_steps}", "logging.jsonl=false", "optimizer.name=adamw"]
         ),
         device,
     )
@@ -463,7 +479,7 @@ def compare(
                     str(DEBUG_RECIPE),
                     [
                         *overrides,
-                        f"train.steps={steps + 4}",
+                        f"train.steps={total_steps}",
                         "logging.jsonl=false",
                         "optimizer.name=adamw",
                         "train.compile=true",
@@ -479,18 +495,22 @@ def compare(
     losses: dict[str, float] = {}
     newton_schulz: list[tuple[float, float]] = []
     matmul_rates = [peak_tflops]
-    for round_index in range(steps + 1):  # round 0 warms up (and compiles)
+    faults: dict[str, list[int]] = {label: [] for label in contenders}
+    for round_index in range(warmup + steps):  # the first `warmup` rounds are not timed
         # The matmul rate is sampled between the steps too: a busy machine moves the denominator
         # of "FLOP/s over the matmul rate" as much as the steps.
         matmul_rates.append(measure_matmul_tflops(device, precision))
+        timed = round_index >= warmup
         for label, step in contenders.items():
             synchronize(device)
+            faults_before = page_faults()
             started = time.perf_counter()
             losses[label] = float(step())
             synchronize(device)
-            if round_index:
+            if timed:
                 times[label].append(time.perf_counter() - started)
-            if label == MUON and round_index:
+                faults[label].append(page_faults() - faults_before)
+            if label == MUON and timed:
                 stats = muon_step_stats(muon.optimizer)
                 assert stats is not None, "the Muon contender's optimizer records step_stats"
                 newton_schulz.append((stats.ns_seconds, stats.ns_flops))
@@ -513,6 +533,7 @@ def compare(
                 f"{tokens / step_s:,.0f}",
                 f"{statistics.median(dense) / step_s:.2f} / {min(dense) / best_s:.2f}",
                 f"{100 * flops / step_s / 1e12 / peak_tflops:.0f}%",
+                f"{statistics.median(faults[label]):,.0f}",
             ]
         )
     # The best step is the one a busy machine slowed least: on a shared machine, compare both.
@@ -526,10 +547,11 @@ def compare(
             "tokens/s",
             "tokens/s vs dense (median / best)",
             "model FLOP/s over matmul rate",
+            "page faults per step (median)",
             "aten ops per step (compute / view)",
         ],
         rows,
-        f"{name}: {steps} alternated steps each on {device.type}, {precision}; matmul rate {1e3 * peak_tflops:,.1f} GFLOP/s (median of "
+        f"{name}: {steps} alternated steps each after {warmup} warm-up round(s) on {device.type}, {precision}; matmul rate {1e3 * peak_tflops:,.1f} GFLOP/s (median of "
         f"{len(matmul_rates)} samples taken between the steps)"
         + (
             f"; bf16/fp32 matmul rate {bf16_over_fp32_matmul_rate():.2f}× (1024², this machine)"
@@ -552,4 +574,5 @@ def compare(
             f"{name}: where one profiled k3train step (Per-Head Muon) goes ({wall:.2f} s under the profiler; {clock})",
         )
     medians = {label: statistics.median(samples) for label, samples in times.items()}
-    return Comparison(medians, tokens, medians[DENSE] / medians[ADAMW], losses, operations)
+    faults_per_step = {label: statistics.median(samples) for label, samples in faults.items()}
+    return Comparison(medians, tokens, medians[DENSE] / medians[ADAMW], losses, operations, faults_per_step)

@@ -16,6 +16,7 @@ from k3train.benchmarking.step_comparison import (
     MUON,
     PARTS,
     compare,
+    page_faults,
     dense_flops_per_token,
     size_dense_peer,
 )
@@ -56,16 +57,32 @@ def test_compare_in_bf16_with_profiled_parts(capsys):
         profile=True,
         device=torch.device("cpu"),
         precision="bf16",
+        warmup=2,
     )
     out = capsys.readouterr().out
     assert set(result.step_seconds) == {MUON, ADAMW, DENSE}
     assert all(math.isfinite(loss) and loss > 0 for loss in result.final_losses.values())
     assert result.tokens == 1024
     assert result.adamw_vs_dense == pytest.approx(result.step_seconds[DENSE] / result.step_seconds[ADAMW])
-    assert "on cpu, bf16" in out
+    assert "after 2 warm-up round(s) on cpu, bf16" in out
+    # Each timed step's page faults were read (a count, one per contender).
+    assert set(result.page_faults) == set(result.step_seconds)
+    assert all(faults >= 0 for faults in result.page_faults.values())
     # Every contender's step was counted; k3train's machinery runs many more operations.
     assert set(result.operations) == set(result.step_seconds)
     assert all(compute > 0 and views > 0 for compute, views in result.operations.values())
     assert result.operations[ADAMW][0] > 2 * result.operations[DENSE][0]
     for part in PARTS:  # the profiled step's table has every part
         assert f"| {part} " in out
+
+
+def test_compare_refuses_no_warm_up():
+    with pytest.raises(ValueError, match="warmup must be at least 1"):
+        compare("debug", MODELS["debug"], 1, 0.1, False, False, warmup=0)
+
+
+def test_page_faults_count_fresh_memory():
+    before = page_faults()
+    fresh = torch.empty(64 << 20, dtype=torch.uint8)  # 64 MiB: mmapped, untouched
+    fresh.fill_(1)  # first touch: 16,384 pages of 4 KiB, or 32 of 2 MiB under transparent huge pages
+    assert page_faults() - before >= 32
