@@ -187,6 +187,7 @@ class ParallelConfig:
     without SP) runs under the weight-gradient GEMMs. 0 (default): the entry's collective, then
     the GEMMs. Off by default because on CPU (gloo, the debug model) it measured no gain: its
     GEMMs are too short to hide a piece (docs/traffic.md); the GPU measurement is pending.
+    The planner prices it where the projections are torch's (docs/planning.md).
     parallel/tensor_overlap.py."""
     zero1: bool = True
     """Shard the optimizer state across the data-parallel ranks (ZeRO-1)."""

@@ -39,6 +39,7 @@ from k3train.planning.layout_traffic import (
     data_parallel_wire_bytes,
     gradient_bucket_schedule,
     layout_step_bytes,
+    overlapped_tensor_entries,
 )
 from k3train.planning.memory import GIB as _GIB
 from k3train.planning.memory import MEMORY_HEADER, rank_memory
@@ -406,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.hardware:
         hardware = load_profile(args.hardware)
+        tp_entries = overlapped_tensor_entries(config, layout)
         estimate = estimate_step_time(
             config.model,
             layout,
@@ -423,11 +425,20 @@ def main(argv: list[str] | None = None) -> int:
             document_lengths=documents,
             ep_overlap_chunks=config.parallel.ep_overlap_chunks,
             gradient_buckets=buckets,
+            tp_entries=tp_entries,
         )
         print(
             f"\n{hardware.name}, {args.efficiency:.0%} of the dense peak: step {estimate.step_s:.2f} s, "
             f"{estimate.tokens_per_s:,.0f} tokens/s, MFU {estimate.mfu:.1%}"
         )
+        if parallel.tp_overlap_chunks and layout.tp > 1:
+            print(
+                f"TP entries of the MLP regions overlapped in {tp_entries.pieces} piece(s) (torch projections)"
+                if tp_entries is not None
+                else "TP priced exposed: parallel.tp_overlap_chunks overlaps plain torch projections only, and "
+                f"model.linear_backend={config.model.linear_backend} runs Transformer Engine's on CUDA where it imports "
+                "(model.linear_backend=torch to price the overlap)"
+            )
         print("| term | seconds | share | link |")
         print("| --- | ---: | ---: | --- |")
         print(f"| compute | {estimate.compute_s:.2f} | {estimate.shares()['compute']:.0%} | |")

@@ -15,8 +15,11 @@ from collections import defaultdict
 
 import torch
 
+from k3train.config import JobConfig
+from k3train.parallel.state import Layout
 from k3train.parallel.tensor_overlap import chunk_bounds
 from k3train.planning.context import context_step_bytes
+from k3train.planning.time import TensorEntries
 from k3train.training.build import RankJob
 
 
@@ -195,7 +198,26 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     return dict(out)
 
 
+def overlapped_tensor_entries(config: JobConfig, layout: Layout, device_type: str = "cuda") -> TensorEntries | None:
+    """The MLP regions' overlapped TP entries of one step (`parallel.tp_overlap_chunks`,
+    `parallel/tensor_overlap.py`), as `estimate_step_time` prices them; None when none overlap:
+    tp 1, `tp_overlap_chunks` 0, or projections that are not plain torch linears. On CUDA
+    `model.linear_backend: auto` picks Transformer Engine's (the planner takes it to import
+    there), whose entries do not overlap, so only `torch` overlaps; on a CPU every backend is torch."""
+    chunks, tp = config.parallel.tp_overlap_chunks, layout.tp
+    if tp == 1 or chunks == 0 or (device_type == "cuda" and config.model.linear_backend != "torch"):
+        return None
+    element = 2 if config.train.precision != "fp32" else 4  # as layout_step_bytes
+    tokens = config.train.micro_batch_size * config.data.seq_length // layout.cp
+    full = tokens * config.model.hidden_size * element
+    if config.parallel.sequence_parallel:  # the all-gather of N/tp in pieces, the gradient's reduce-scatter of N
+        pieces = len(chunk_bounds(config.data.seq_length // (layout.cp * tp), chunks))
+        return TensorEntries(gather_bytes=full // tp, reduce_bytes=full, pieces=pieces)
+    return TensorEntries(gather_bytes=0, reduce_bytes=full, pieces=1)  # one all-reduce in backward
+
+
 __all__ = [
+    "overlapped_tensor_entries",
     "gradient_bucket_schedule",
     "DATA_PARALLEL_GROUPS",
     "layout_step_bytes",

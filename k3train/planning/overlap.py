@@ -13,6 +13,13 @@ dispatch gradient launched after, the shared experts' backward (`2S`) after the 
 Exposed = the layer's end minus its compute. Latency is not modelled (the planner prices bytes
 over bandwidth); with `n = 0` nothing overlaps and the exposed time is all of `2·n·(d + c)`.
 
+An overlapped tensor-parallel entry (`parallel.tp_overlap_chunks`, `parallel/tensor_overlap.py`)
+of one MLP region: forward, the sequence-parallel all-gather in `n` pieces (`g` each on the
+wire), each piece's entry GEMMs (`f/n`) once it has arrived; backward, each piece's input
+gradient (`f/n`, the same FLOPs) is reduce-scattered (`r` each) as soon as it is made, under the
+rest and then the weight-gradient GEMMs (`f`); without sequence parallelism no forward
+collective and one all-reduce under the weight gradients.
+
 The gradient buckets of the last micro-batch's backward (`exposed_gradient_buckets_s`) replay the
 same way: each bucket goes on the link once it is full, and only what is still on the link when
 the backward ends is exposed.
@@ -55,6 +62,19 @@ def exposed_expert_exchange_s(
     return forward + backward
 
 
+def exposed_tensor_entry_s(gather_s: float, reduce_s: float, entry_forward_s: float, pieces: int) -> float:
+    """Exposed seconds of one overlapped TP entry in one micro-batch's forward and backward:
+    `gather_s` / `reduce_s` its all-gather (0 without sequence parallelism) and its gradient's
+    reduce-scatter (or all-reduce) on the wire, `entry_forward_s` its column-parallel GEMMs'
+    forward compute, `pieces` (≥ 1) the pieces of the sequence."""
+    if pieces < 1:
+        raise ValueError(f"an overlapped entry runs in at least one piece, got {pieces}")
+    piece_s = entry_forward_s / pieces
+    forward = _replay(gather_s / pieces, 0.0, piece_s, 0.0, 0.0, pieces) if gather_s > 0 else 0.0
+    backward = _replay(0.0, reduce_s / pieces, piece_s, 0.0, entry_forward_s, pieces)
+    return forward + backward
+
+
 def exposed_gradient_buckets_s(buckets: list[tuple[float, float]], backward_s: float) -> float:
     """Exposed seconds of the gradient buckets of the step's last backward (`backward_s` long):
     `buckets` are `(seconds on the link, share of the backward done when the bucket is full)` in
@@ -77,4 +97,4 @@ def even_buckets(total_s: float, bucket_s: float) -> list[tuple[float, float]]:
     return [(size, (index + 1) / count) for index, size in enumerate(sizes)]
 
 
-__all__ = ["exposed_expert_exchange_s", "exposed_gradient_buckets_s", "even_buckets"]
+__all__ = ["exposed_expert_exchange_s", "exposed_tensor_entry_s", "exposed_gradient_buckets_s", "even_buckets"]

@@ -30,7 +30,7 @@ from k3train.parallel.config import divisors
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan, check_interleaved_micro_batches
 from k3train.parallel.state import Layout, LayoutError, layout_of
 from k3train.planning.hardware import HardwareProfile
-from k3train.planning.layout_traffic import expert_layer_traffic
+from k3train.planning.layout_traffic import expert_layer_traffic, overlapped_tensor_entries
 from k3train.planning.memory import GIB, activation_shape, expert_layer_buffer_bytes, peak_in_flight
 from k3train.planning.search_budget import SearchBudget
 from k3train.planning.search_cache import SearchCache
@@ -271,6 +271,7 @@ def estimate_time(
         comm_bytes=comm,
         efficiency=efficiency,
         ep_overlap_chunks=config.parallel.ep_overlap_chunks,
+        tp_entries=overlapped_tensor_entries(config, layout),
     )
 
 

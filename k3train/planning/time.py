@@ -11,7 +11,9 @@ Assumptions (stated, and printed by tools/plan.py):
   link the group crosses (rank order TP fastest, then DP, then PP: a group whose ranks are
   `stride` apart spans `stride × size` consecutive ranks, inside a node when that is at most
   `gpus_per_node`), at the ring factor `2(n−1)/n` for all-reduces. TP collectives sit on the
-  critical path; EP all-to-alls too, unless `parallel.ep_overlap_chunks` overlaps them with the
+  critical path, except the overlapped entries of the MLP regions (`parallel.tp_overlap_chunks`
+  with plain torch projections: `TensorEntries`, replayed per region and micro-batch by
+  `overlap.exposed_tensor_entry_s`); EP all-to-alls too, unless `parallel.ep_overlap_chunks` overlaps them with the
   routed and shared experts' compute (`k3train/planning/overlap.py` replays that schedule per
   MoE layer and micro-batch: only what the experts cannot cover is exposed); pipeline hops overlap the other stages' compute except in
   fill and drain (2(P−1) exposed hops); DP gradient buckets overlap the backward of the last
@@ -31,7 +33,12 @@ from k3train.parallel.grad_reduce import DEFAULT_BUCKET_BYTES
 from k3train.parallel.pipeline_schedule import PipelinePlan
 from k3train.parallel.state import Layout
 from k3train.planning.hardware import HardwareProfile
-from k3train.planning.overlap import even_buckets, exposed_expert_exchange_s, exposed_gradient_buckets_s
+from k3train.planning.overlap import (
+    even_buckets,
+    exposed_expert_exchange_s,
+    exposed_gradient_buckets_s,
+    exposed_tensor_entry_s,
+)
 
 DEFAULT_EFFICIENCY = 0.45
 
@@ -100,6 +107,18 @@ def group_link(layout: Layout, group: str, gpus_per_node: int) -> str:
     return "nvlink" if span <= gpus_per_node else "network"
 
 
+@dataclass(frozen=True)
+class TensorEntries:
+    """The overlapped TP entries of the MLP regions (dense MLPs, shared experts) of a step:
+    per region and micro-batch the all-gather's bytes (0 without sequence parallelism), the
+    gradient's reduce-scatter (all-reduce) bytes, and the pieces of the sequence. Their bytes are
+    part of the `tp` bytes given to `estimate_step_time`."""
+
+    gather_bytes: float
+    reduce_bytes: float
+    pieces: int
+
+
 @dataclass
 class StepTime:
     """Seconds per step by term, and the derived rates."""
@@ -152,13 +171,16 @@ def estimate_step_time(
     document_lengths: Sequence[int] | None = None,
     ep_overlap_chunks: int = 0,
     gradient_buckets: Mapping[str, Sequence[tuple[float, float]]] | None = None,
+    tp_entries: TensorEntries | None = None,
 ) -> StepTime:
     """The step time of `layout`; `comm_bytes` per group is what one rank sends in one step
     (`traffic_terms.layout_step_bytes`); `document_lengths`: the documents each sequence is
     packed with when they are kept apart (MLA's attention within each: fewer FLOPs).
     `gradient_buckets`: per data-parallel group, its buckets `(bytes, share of the backward done
     when full)` in launch order (`layout_traffic.gradient_bucket_schedule`); without them a
-    group's bytes are taken as buckets of the reducer's default size, full at even shares."""
+    group's bytes are taken as buckets of the reducer's default size, full at even shares.
+    `tp_entries`: the overlapped MLP entries inside the `tp` bytes (None: every TP collective
+    exposed)."""
     gpn = gpus_per_node or hardware.gpus_per_node
     peak = hardware.peak_flops(precision)
     rate = peak * efficiency
@@ -194,12 +216,52 @@ def estimate_step_time(
                 buckets = [(bucket_bytes / bandwidth, share) for bucket_bytes, share in schedule]
                 rest = max(0.0, nbytes - sum(bucket_bytes for bucket_bytes, _ in schedule)) / bandwidth
             seconds = exposed_gradient_buckets_s(buckets, per_micro_batch * 2 / 3) + rest
+        elif group == "tp" and tp_entries is not None:
+            seconds = _overlapped_tp_s(cfg, layout, plan, nbytes, bandwidth, tokens, rate, micro_batches, tp_entries)
         elif group == "ep" and ep_overlap_chunks > 0:
             seconds = _overlapped_ep_s(cfg, layout, plan, seconds, tokens, rate, micro_batches, ep_overlap_chunks)
         exposed[group] = seconds
     total_tokens = tokens * micro_batches * layout.data_parallel  # the cp ranks share their rows
     model_flops = (sum(table)) * total_tokens
     return StepTime(compute, bubble, exposed, comm_bytes, links, total_tokens, layout.world_size, model_flops, peak)
+
+
+def _overlapped_tp_s(
+    cfg: ModelConfig,
+    layout: Layout,
+    plan: PipelinePlan,
+    tp_bytes: float,
+    bandwidth: float,
+    tokens: int,
+    rate: float,
+    micro_batches: int,
+    entries: TensorEntries,
+) -> float:
+    """The exposed part of a step's `tp_bytes` on the stage with the most MLP regions (whose
+    bytes the step counts): the overlapped entries replayed per region and micro-batch under
+    their column-parallel GEMMs (gate and up: 2/3 of a GLU's FLOPs), the rest exposed."""
+
+    def regions(rank: int) -> list[float]:  # each MLP region's entry GEMMs, forward FLOPs per token
+        out = []
+        for start, end in plan.layer_ranges(rank):
+            for layer in range(start, end):
+                if not cfg.is_moe_layer(layer):
+                    out.append(F.dense_mlp_flops(cfg) * 2 / 3)
+                elif cfg.num_shared_experts > 0:
+                    out.append(F.shared_expert_flops(cfg) * 2 / 3)
+        return out
+
+    entry_flops = max((regions(rank) for rank in range(layout.pp)), key=len)
+    share = tokens / layout.tp / layout.cp / rate  # seconds per forward FLOP per token of this rank's rows
+    overlapped_bytes = micro_batches * len(entry_flops) * (entries.gather_bytes + entries.reduce_bytes)
+    exposed = max(0.0, tp_bytes - overlapped_bytes) / bandwidth
+    per_micro_batch = sum(
+        exposed_tensor_entry_s(
+            entries.gather_bytes / bandwidth, entries.reduce_bytes / bandwidth, flops * share, entries.pieces
+        )
+        for flops in entry_flops
+    )
+    return exposed + micro_batches * per_micro_batch
 
 
 def _overlapped_ep_s(
@@ -232,6 +294,7 @@ def _overlapped_ep_s(
 
 __all__ = [
     "StepTime",
+    "TensorEntries",
     "estimate_step_time",
     "layer_training_flops",
     "chunk_training_flops",

@@ -31,6 +31,7 @@ The prediction for each term is the planner's own:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -60,6 +61,7 @@ MIXED = ("train.precision=bf16", "train.weights=bf16_with_fp32_master_shards")
 
 VALIDATION_LAYOUTS: tuple[dict[str, Any], ...] = (
     dict(name="TP2+SP", tp=2, sequence_parallel=True),
+    dict(name="TP2+SP, 4 TP pieces", tp=2, sequence_parallel=True, overrides=["parallel.tp_overlap_chunks=4"]),
     dict(name="DP2", dp=2),
     dict(name="PP2", pp=2),
     dict(name="EP2 relay", dp=2, ep=2, overrides=["parallel.ep_transport=relay"]),
@@ -329,6 +331,7 @@ def predicted_exposed(
     from k3train.parallel.pipeline_schedule import PipelinePlan
     from k3train.parallel.state import layout_of
     from k3train.planning.hardware import HardwareProfile
+    from k3train.planning.layout_traffic import overlapped_tensor_entries
     from k3train.planning.measured import layout_overrides
     from k3train.planning.time import estimate_step_time
 
@@ -343,6 +346,16 @@ def predicted_exposed(
 
     latency_bytes = settings.latency_us * 1e-6 * bandwidth
     schedule = {group: [(nbytes + latency_bytes, share) for nbytes, share in rows] for group, rows in buckets.items()}
+
+    # The overlapped TP entries' pieces pay the link's latency each, as every message does here.
+    entries = overlapped_tensor_entries(config, grid, device_type="cpu")
+    if entries is not None:
+        piece_latency = entries.pieces * latency_bytes
+        entries = dataclasses.replace(
+            entries,
+            gather_bytes=entries.gather_bytes + (piece_latency if entries.gather_bytes else 0.0),
+            reduce_bytes=entries.reduce_bytes + piece_latency,
+        )
 
     def estimate(tflops: float, comm_bytes: dict[str, float]):
         profile = HardwareProfile("emulated", 1.0, tflops, tflops, 1.0, bandwidth / 1e9, bandwidth / 1e9, world)
@@ -360,6 +373,7 @@ def predicted_exposed(
             gpus_per_node=world,
             ep_overlap_chunks=config.parallel.ep_overlap_chunks,
             gradient_buckets=schedule,
+            tp_entries=entries,
         )
 
     unit = estimate(1.0, {})

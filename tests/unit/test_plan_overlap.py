@@ -3,7 +3,7 @@ against the schedule worked by hand, and its use in the step time."""
 
 import pytest
 
-from k3train.planning.overlap import exposed_expert_exchange_s
+from k3train.planning.overlap import exposed_expert_exchange_s, exposed_tensor_entry_s
 
 
 def test_no_overlap_exposes_everything():
@@ -37,3 +37,91 @@ def test_wire_longer_than_compute_exposes_the_difference():
     # bottleneck, so the exposed time is the wire time not covered by compute
     exposed = exposed_expert_exchange_s(40.0, 2.0, 0.0, chunks=4)
     assert 40.0 - 6.0 <= exposed < 40.0
+
+
+# ---- the overlapped TP entries (parallel/tensor_overlap.py), worked by hand
+
+
+def test_one_piece_exposes_the_gather_and_hides_the_gradient_under_the_weight_gradients():
+    # forward: the whole all-gather (1 s) before the GEMMs; backward: the input gradient (2 s),
+    # its reduce-scatter (3 s) under the weight gradients (2 s): 1 s left
+    assert exposed_tensor_entry_s(1.0, 3.0, 2.0, pieces=1) == pytest.approx(1.0 + 1.0)
+
+
+def test_pieces_expose_the_first_gather_and_the_last_reduce():
+    # 4 pieces: gathers of 0.25 s under 0.5 s GEMM pieces, only the first waited for; backward:
+    # each 0.25 s reduce-scatter right after its 0.5 s input-gradient piece, all done under the
+    # 2 s of weight gradients
+    assert exposed_tensor_entry_s(1.0, 1.0, 2.0, pieces=4) == pytest.approx(0.25)
+
+
+def test_wire_longer_than_the_pieces_leaves_the_difference():
+    # 8 s of gather in 4 pieces of 2 s under 0.25 s GEMM pieces: the GEMMs wait for every piece
+    # (8 s on the wire, 0.25 s after the last arrives, against 1 s of compute): 7.25 s
+    forward_only = exposed_tensor_entry_s(8.0, 0.0, 1.0, pieces=4)
+    assert forward_only == pytest.approx(8.0 + 0.25 - 1.0)
+
+
+def test_without_sequence_parallelism_only_the_backward_all_reduce_counts():
+    assert exposed_tensor_entry_s(0.0, 1.0, 2.0, pieces=1) == 0.0  # under 2 s of weight gradients
+    assert exposed_tensor_entry_s(0.0, 5.0, 2.0, pieces=1) == pytest.approx(3.0)
+
+
+def test_an_entry_needs_a_piece():
+    with pytest.raises(ValueError, match="at least one piece"):
+        exposed_tensor_entry_s(1.0, 1.0, 1.0, pieces=0)
+
+
+def _k3_step(*overrides: str):
+    from k3train.config import load_config
+    from k3train.parallel.pipeline_schedule import PipelinePlan
+    from k3train.parallel.state import layout_of
+    from k3train.planning.hardware import load_profile
+    from k3train.planning.layout_traffic import overlapped_tensor_entries
+    from k3train.planning.search import analytic_step_bytes
+    from k3train.planning.time import estimate_step_time
+
+    config = load_config("recipes/k3.yaml", list(overrides))
+    layout = layout_of(1024, config.parallel, config.model)
+    plan = PipelinePlan.from_config(config.model, config.parallel)
+    entries = overlapped_tensor_entries(config, layout)
+    step = estimate_step_time(
+        config.model,
+        layout,
+        plan,
+        load_profile("h200"),
+        micro_batch_size=config.train.micro_batch_size,
+        seq_length=config.data.seq_length,
+        micro_batches=config.train.micro_batches_per_rank(layout.data_parallel),
+        precision=config.train.precision,
+        comm_bytes=analytic_step_bytes(config, layout, plan),
+        ep_overlap_chunks=config.parallel.ep_overlap_chunks,
+        tp_entries=entries,
+    )
+    return entries, step
+
+
+def test_the_planner_prices_overlapped_entries_only_for_torch_projections():
+    none, exposed = _k3_step()
+    assert none is None  # tp_overlap_chunks 0
+    auto, on_te = _k3_step("parallel.tp_overlap_chunks=4")
+    assert auto is None  # auto: Transformer Engine's projections on CUDA, which do not overlap
+    assert on_te.exposed_comm_s["tp"] == exposed.exposed_comm_s["tp"]
+    entries, overlapped = _k3_step("parallel.tp_overlap_chunks=4", "model.linear_backend=torch")
+    assert entries is not None and entries.pieces == 4 and entries.reduce_bytes == 8 * entries.gather_bytes  # tp 8
+    # Hidden: at most the entries' bytes, at least something (the MLP GEMMs are long at K3's size).
+    hidden = exposed.exposed_comm_s["tp"] - overlapped.exposed_comm_s["tp"]
+    assert 0 < hidden < exposed.exposed_comm_s["tp"]
+    assert overlapped.compute_s == exposed.compute_s
+
+
+def test_entries_on_a_cpu_overlap_with_any_backend_and_without_sequence_parallelism():
+    from k3train.config import load_config
+    from k3train.parallel.state import layout_of
+    from k3train.planning.layout_traffic import overlapped_tensor_entries
+
+    config = load_config("recipes/debug.yaml", ["parallel.tp=2", "parallel.tp_overlap_chunks=3"])
+    layout = layout_of(2, config.parallel, config.model)
+    assert overlapped_tensor_entries(config, layout) is None  # auto on CUDA: TE
+    entries = overlapped_tensor_entries(config, layout, device_type="cpu")
+    assert entries is not None and entries.pieces == 1 and entries.gather_bytes == 0  # no SP: one all-reduce

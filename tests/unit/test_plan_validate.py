@@ -87,7 +87,7 @@ def _synthetic_results(layout, settings, wait_scale: float = 1.0):
     return per_rank
 
 
-@pytest.mark.parametrize("name", ["TP2+SP", "EP2 relay"])
+@pytest.mark.parametrize("name", ["TP2+SP", "TP2+SP, 4 TP pieces", "EP2 relay"])
 def test_compare_holds_a_run_that_waits_as_predicted_and_flags_one_that_does_not(name):
     settings = ValidationSettings(bandwidth_gbps=0.02)
     layout = next(layout for layout in VALIDATION_LAYOUTS if layout["name"] == name)
