@@ -16,8 +16,8 @@ from k3train.benchmarking.step_comparison import (
     MUON,
     PARTS,
     compare,
-    page_faults,
     dense_flops_per_token,
+    page_faults,
     size_dense_peer,
 )
 from k3train.config import load_config
