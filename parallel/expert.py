@@ -272,7 +272,9 @@ class ExpertParallel:
 
     def buffer_shapes(self, tokens: int, top_k: int, latent: int, inner: int) -> dict[str, tuple[int, ...]]:
         """Every buffer that crosses ranks or holds received rows, as a function of the config and
-        micro-batch size (the `padded` transport; `splits` sends only the rows that exist)."""
+        micro-batch size: fixed shapes for `padded`, `relay` and `spread`; `splits` sends exactly its
+        `s·k` slot rows and, under balanced loads, receives and returns as many (the `nodes`
+        transport's rows are priced by `planning/layout_traffic.node_layer_traffic`)."""
         r, c = self.size, self.capacity(tokens, top_k)
         if self.mode == "capacity":
             return {"dispatch": (r, c, latent), "dispatch_ids": (r, c), "combine": (r, c, latent)}
@@ -298,6 +300,15 @@ class ExpertParallel:
                 "replica_weights": replica_weights,
             }
         pair = tokens * top_k
+        if self.transport in ("splits", "nodes"):  # the s·k slot rows that exist, and as many back
+            return {
+                "dispatch": (pair, latent),
+                "dispatch_ids": (pair,),
+                "combine": (pair, latent),
+                "received": (c, latent),
+                "slot_counts": (r, self.num_experts),
+                "replica_weights": replica_weights,
+            }
         return {
             "dispatch": (r, pair, latent),
             "dispatch_ids": (r, pair),

@@ -24,7 +24,14 @@ from k3train.training.build import RankJob
 
 
 def expert_layer_traffic(
-    ep, cfg, tokens: int, activation: int, weight: int, replica_matrices: int = 0, recompute: bool = False
+    ep,
+    cfg,
+    tokens: int,
+    activation: int,
+    weight: int,
+    replica_matrices: int = 0,
+    recompute: bool = False,
+    gpus_per_node: int = 0,
 ) -> tuple[tuple[int, int], tuple[int, int] | None]:
     """One MoE layer's expert traffic on one rank, (bytes, messages): per micro-batch of `tokens`
     local tokens (dispatch + combine `[R, C, l]` and their adjoints, the int32 slot ids `[R, C]`,
@@ -35,14 +42,23 @@ def expert_layer_traffic(
     planning instead, per micro-batch, the `[R, M, F]` replica exchange and its adjoint. With `recompute`
     (`recompute: sublayer`) backward reruns the layer's forward, all-to-alls included (the
     replicas are the step's cached ones). Shapes from the dispatcher's own
-    `ExpertParallel.buffer_shapes`."""
+    `ExpertParallel.buffer_shapes`; the `nodes` transport's rows, expected ones, from
+    `node_layer_traffic` (`gpus_per_node`: 0 for `DEFAULT_GPUS_PER_NODE`)."""
     # `ep_overlap_chunks`: each chunk of the tokens has buffers of its own size, one loads all-gather
     chunks = [end - start for start, end in chunk_bounds(tokens, ep.overlap_chunks)] if ep.overlaps else [tokens]
     rows = ids = hop_count = 0
+    node_bytes = node_messages = 0.0
     for chunk_tokens in chunks:
         shapes = ep.buffer_shapes(
             chunk_tokens, cfg.num_experts_per_token, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
         )
+        if ep.transport == "nodes":  # expected rows, deduplicated per (token, node)
+            parts = node_layer_traffic(
+                ep, cfg, chunk_tokens, activation, gpus_per_node or DEFAULT_GPUS_PER_NODE, recompute
+            )
+            node_bytes += sum(nbytes for nbytes, _ in parts.values())
+            node_messages += sum(messages for _, messages in parts.values())
+            continue
         # The two-hop transports (spread, the GPU default, and relay) add `forward [R, C2, l]` and its ids.
         hops = ("dispatch", "forward") if "forward" in shapes else ("dispatch",)
         rows += sum(math.prod(shapes[hop]) for hop in hops) * activation
@@ -53,6 +69,7 @@ def expert_layer_traffic(
         forward, forward_messages = forward + len(chunks) * cfg.num_experts * 8, forward_messages + 1
     nbytes = (2 if recompute else 1) * forward + 2 * rows  # + the adjoints of dispatch and combine
     messages = (2 if recompute else 1) * forward_messages + 2 * hop_count
+    nbytes, messages = int(nbytes + node_bytes), int(messages + node_messages)
     if "replica_weights" not in shapes:
         return (nbytes, messages), None
     if len(shapes["replica_weights"]) == 3:  # `online` replicas: `[R, M, F]` per micro-batch, no step exchange
@@ -61,6 +78,55 @@ def expert_layer_traffic(
         return (nbytes + (forwards + 1) * exchange, messages + forwards + 1), None
     matrix = math.prod(shapes["replica_weights"][1:]) * weight
     return (nbytes, messages), (2 * replica_matrices * matrix, 2)
+
+
+DEFAULT_GPUS_PER_NODE = 8  # every shipped hardware profile (tools/hardware/); `parallel.gpus_per_node` overrides
+
+
+def node_hit_probability(num_experts: int, top_k: int, nodes: int) -> float:
+    """The chance that a token's `top_k` distinct experts, drawn uniformly from `num_experts`
+    spread evenly over `nodes`, include at least one on a given node: `1 − C(E − E/n, k) / C(E, k)`."""
+    per_node = num_experts // nodes
+    return 1.0 - math.comb(num_experts - per_node, top_k) / math.comb(num_experts, top_k)
+
+
+def node_layer_traffic(
+    ep, cfg, tokens: int, activation: int, gpus_per_node: int, recompute: bool = False
+) -> dict[str, tuple[float, int]]:
+    """Expected `(bytes, messages)` of one MoE layer and micro-batch of `tokens` on one rank with
+    the `nodes` transport (`parallel/expert_nodes.py`), under routing spread evenly over the
+    experts (the most distinct nodes a token reaches; correlated routing reaches fewer), by label:
+    `ep.internode` (per (token, remote node) its row, `2k` int64 choices and `k` fp32 weights;
+    back, the gateway's fp32 sum; the adjoints of rows, weights and sums in backward),
+    `ep.intranode` (every slot's row and int64 id forwarded inside the node, the expert outputs
+    back, and their adjoints), `ep` (the two int64 split-size exchanges of `R` counts). Members
+    per node: `min(ep, gpus_per_node)`."""
+    size, top_k, width = ep.size, cfg.num_experts_per_token, cfg.expert_width
+    members = max(1, min(size, gpus_per_node))
+    nodes = max(1, size // members)
+    remote_rows = tokens * (nodes - 1) * node_hit_probability(cfg.num_experts, top_k, nodes)
+    slots = tokens * top_k  # forwarded inside the node (a gateway holds as many in expectation)
+    forwards = 2 if recompute else 1
+    internode = remote_rows * (
+        forwards * (width * activation + 2 * top_k * 8 + top_k * 4 + width * 4)  # rows, choices, weights; sums back
+        + (width * activation + top_k * 4 + width * 4)  # backward: the adjoints of rows, weights and sums
+    )
+    intranode = slots * (forwards * (width * activation + 8 + width * activation) + 2 * width * activation)
+    return {
+        "ep.internode": (internode, forwards * 4 + 3),
+        "ep.intranode": (intranode, forwards * 3 + 2),
+        "ep": (forwards * 2 * size * 8, forwards * 2),
+    }
+
+
+def nodes_intranode_bytes(ep, config: JobConfig, local_tokens: int) -> float:
+    """The expected intra-node bytes of one MoE layer and micro-batch with the `nodes` transport
+    (`node_layer_traffic`), in the job's activation dtype and recompute setting."""
+    cfg = config.model
+    activation = 4 if config.train.precision == "fp32" else 2
+    gpus_per_node = config.parallel.gpus_per_node or DEFAULT_GPUS_PER_NODE
+    traffic = node_layer_traffic(ep, cfg, local_tokens, activation, gpus_per_node, cfg.recompute == "sublayer")
+    return traffic["ep.intranode"][0]
 
 
 def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: int = 0) -> dict[str, tuple[int, int]]:
@@ -100,7 +166,14 @@ def pipeline_expert_traffic(job: RankJob, micro_batches: int, replica_matrices: 
         activation = 4 if config.train.precision == "fp32" else 2
         weight = next(job.model.parameters()).element_size()
         per_micro_batch, per_step = expert_layer_traffic(
-            ep, cfg, b * s // (tp if sp else 1), activation, weight, replica_matrices, cfg.recompute == "sublayer"
+            ep,
+            cfg,
+            b * s // (tp if sp else 1),
+            activation,
+            weight,
+            replica_matrices,
+            cfg.recompute == "sublayer",
+            config.parallel.gpus_per_node,
         )
         out["ep"] = (micro_batches * moe * per_micro_batch[0], micro_batches * moe * per_micro_batch[1])
         if per_step is not None:
@@ -184,6 +257,12 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     replicas = job.expert_parallel.max_replicas if job.expert_parallel is not None else 0
     for group, (nbytes, _) in pipeline_expert_traffic(job, micro_batches, replicas).items():
         out[group.split(".")[0]] += nbytes
+    ep = job.expert_parallel
+    if ep is not None and ep.transport == "nodes":  # its forwards stay inside the node (NVLink)
+        local_tokens = b * s // layout.cp // (tp if sp else 1)
+        intranode = micro_batches * moe * nodes_intranode_bytes(ep, config, local_tokens)
+        out["ep"] -= intranode
+        out["ep.intranode"] = intranode
     if layout.cp > 1:  # context parallelism's exchanges (k3train/planning/context.py)
         out["cp"] += context_step_bytes(
             cfg,
@@ -217,6 +296,10 @@ def overlapped_tensor_entries(config: JobConfig, layout: Layout, device_type: st
 
 
 __all__ = [
+    "DEFAULT_GPUS_PER_NODE",
+    "node_hit_probability",
+    "node_layer_traffic",
+    "nodes_intranode_bytes",
     "overlapped_tensor_entries",
     "gradient_bucket_schedule",
     "DATA_PARALLEL_GROUPS",

@@ -30,7 +30,7 @@ from k3train.parallel.config import divisors
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan, check_interleaved_micro_batches
 from k3train.parallel.state import Layout, LayoutError, layout_of
 from k3train.planning.hardware import HardwareProfile
-from k3train.planning.layout_traffic import expert_layer_traffic, overlapped_tensor_entries
+from k3train.planning.layout_traffic import expert_layer_traffic, nodes_intranode_bytes, overlapped_tensor_entries
 from k3train.planning.memory import GIB, activation_shape, expert_layer_buffer_bytes, peak_in_flight
 from k3train.planning.search_budget import SearchBudget
 from k3train.planning.search_cache import SearchCache
@@ -169,10 +169,20 @@ def analytic_step_bytes(
         assert ep is not None  # ep > 1 always has a dispatcher
         local_tokens = tokens // (layout.tp if sp else 1)
         per_micro_batch, per_step = expert_layer_traffic(
-            ep, cfg, local_tokens, element, weight_bytes(config), ep.max_replicas, cfg.recompute == "sublayer"
+            ep,
+            cfg,
+            local_tokens,
+            element,
+            weight_bytes(config),
+            ep.max_replicas,
+            cfg.recompute == "sublayer",
+            config.parallel.gpus_per_node,
         )
         # + the expert share of the global gradient norm (one fp32 scalar).
         comm["ep"] = moe * (micro_batches * per_micro_batch[0] + (per_step[0] if per_step else 0)) + 4
+        if ep.transport == "nodes":  # its forwards stay inside the node (NVLink)
+            comm["ep.intranode"] = micro_batches * moe * nodes_intranode_bytes(ep, config, local_tokens)
+            comm["ep"] -= comm["ep.intranode"]
     return comm
 
 

@@ -92,6 +92,8 @@ def chunk_training_flops(
 
 def group_link(layout: Layout, group: str, gpus_per_node: int) -> str:
     """`nvlink` or `network`: whether one group of `group` fits in one node (rank order TP, DP, PP)."""
+    if group == "ep.intranode":  # the `nodes` transport's forwards inside a node
+        return "nvlink"
     group = group.split(".")[0]  # `dp.exchange`: a part of dp's traffic, on dp's link
     span = {
         "tp": layout.tp,
