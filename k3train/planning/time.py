@@ -15,7 +15,9 @@ Assumptions (stated, and printed by tools/plan.py):
   with plain torch projections: `TensorEntries`, replayed per region and micro-batch by
   `overlap.exposed_tensor_entry_s`); EP all-to-alls too, unless `parallel.ep_overlap_chunks` overlaps them with the
   routed and shared experts' compute (`k3train/planning/overlap.py` replays that schedule per
-  MoE layer and micro-batch: only what the experts cannot cover is exposed); pipeline hops overlap the other stages' compute except in
+  MoE layer and micro-batch: only what the experts cannot cover is exposed; the `nodes`
+  transport's NVLink forwards, `ep.intranode`, are replayed with them, added to each chunk's
+  exchange); pipeline hops overlap the other stages' compute except in
   fill and drain (2(P−1) exposed hops); DP gradient buckets overlap the backward of the last
   micro-batch, each from when it is full (`overlap.exposed_gradient_buckets_s`: what is still on
   the link when the backward ends is exposed); the ZeRO-1 all-gather after the optimizer step
@@ -221,7 +223,13 @@ def estimate_step_time(
         elif group == "tp" and tp_entries is not None:
             seconds = _overlapped_tp_s(cfg, layout, plan, nbytes, bandwidth, tokens, rate, micro_batches, tp_entries)
         elif group == "ep" and ep_overlap_chunks > 0:
-            seconds = _overlapped_ep_s(cfg, layout, plan, seconds, tokens, rate, micro_batches, ep_overlap_chunks)
+            # The `nodes` transport's forwards inside the node are hops of the same chunks.
+            inside = comm_bytes.get("ep.intranode", 0.0) / (hardware.nvlink_gbps * 1e9)
+            seconds = _overlapped_ep_s(
+                cfg, layout, plan, seconds + inside, tokens, rate, micro_batches, ep_overlap_chunks
+            )
+        elif group == "ep.intranode" and ep_overlap_chunks > 0:
+            seconds = 0.0  # replayed with the chunks' network hops under "ep"
         exposed[group] = seconds
     total_tokens = tokens * micro_batches * layout.data_parallel  # the cp ranks share their rows
     model_flops = (sum(table)) * total_tokens

@@ -75,3 +75,39 @@ def test_k3_splits_sends_each_slot_once_and_nodes_keeps_its_forwards_on_nvlink()
     assert links["ep"] == "network" and links["ep.intranode"] == "nvlink"
     # between nodes: a row per (token, remote node), fewer than splits' rows per slot
     assert nodes["ep"] < splits["ep"]
+
+
+def test_chunked_overlap_replays_the_nodes_forwards_with_the_network_hops():
+    from k3train.config import load_config
+    from k3train.parallel.pipeline_schedule import PipelinePlan
+    from k3train.parallel.state import layout_of
+    from k3train.planning.hardware import load_profile
+    from k3train.planning.search import analytic_step_bytes
+    from k3train.planning.time import estimate_step_time
+
+    config = load_config("recipes/k3.yaml", ["parallel.ep_transport=nodes"])
+    layout = layout_of(1024, config.parallel, config.model)
+    plan = PipelinePlan.from_config(config.model, config.parallel)
+    comm = analytic_step_bytes(config, layout, plan)
+    hardware = load_profile("h200")
+
+    def step(comm_bytes, chunks):
+        return estimate_step_time(
+            config.model,
+            layout,
+            plan,
+            hardware,
+            micro_batch_size=1,
+            seq_length=config.data.seq_length,
+            micro_batches=config.train.micro_batches_per_rank(layout.data_parallel),
+            precision="bf16",
+            comm_bytes=comm_bytes,
+            ep_overlap_chunks=chunks,
+        ).exposed_comm_s
+
+    plain = step(comm, 0)  # nothing overlapped: each hop exposed on its own link
+    assert plain["ep.intranode"] == comm["ep.intranode"] / (hardware.nvlink_gbps * 1e9)
+    chunked = step(comm, 4)
+    without_forwards = step({**comm, "ep.intranode": 0.0}, 4)
+    assert chunked["ep.intranode"] == 0.0  # inside the chunks' replay, under "ep"
+    assert without_forwards["ep"] <= chunked["ep"] < plain["ep"] + plain["ep.intranode"]
