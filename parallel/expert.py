@@ -54,7 +54,7 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
     relay_route,
     replica_route,
 )
-from k3train.parallel.expert_replicas import all_to_all, fetch_replicas
+from k3train.parallel.expert_replicas import ReadyReplicas, all_to_all, start_fetch
 from k3train.parallel.expert_spread import spread_capacity
 from k3train.parallel.expert_step_replicas import (
     StepReplicas,
@@ -444,12 +444,17 @@ class ExpertParallel:
         """The replica stacks this micro-batch computes with and the replica bytes it sends: fetched
         now for `plan` (`online`), or the step's cached ones (`step`; their traffic counted with
         the micro-batch that fetched them)."""
+        stacks, sent_bytes = self._start_replicas(experts, state, plan).finish()
+        return cast(ExpertStacks, stacks), sent_bytes
+
+    def _start_replicas(self, experts: SupportsGroupedForward, state: StepReplicas | None, plan: ReplicaPlan):
+        """`_replicas` in two parts: the `online` fetch launched now, its `finish()` waiting for
+        it (`step`: the cached stacks, nothing in flight)."""
         if state is None:
-            stacks, sent_bytes = fetch_replicas(experts.stacks(), plan, self.group, self.max_replicas)
-            return cast(ExpertStacks, stacks), sent_bytes
+            return start_fetch(experts.stacks(), plan, self.group, self.max_replicas)
         replicas = self.step_replicas(experts)
         sent_bytes, state.fetch_bytes = state.fetch_bytes, 0
-        return replicas, sent_bytes
+        return ReadyReplicas(replicas, sent_bytes)
 
     def _experts(self, rows, ids, experts, replicas: ExpertStacks) -> torch.Tensor:
         """Received rows through the home experts, then the replica slots (ids `G … G + M − 1`)."""

@@ -57,7 +57,8 @@ def overlapped_dispatch(ep: ExpertParallel, slot_latent, expert_flat, weights_fl
             ep.token_transport.route(expert_flat[start:end], counts[:, c], plans[c])
             for c, (start, end) in enumerate(slot_ranges)
         ]
-    replicas, replica_bytes = ep._replicas(experts, state, whole if state is None else plans[0])
+    # `online`: the replicas' weights travel with the first hops and under the shared experts
+    pending = ep._start_replicas(experts, state, whole if state is None else plans[0])
     dispatches = [
         Phased(
             ep.token_transport.dispatch_phases(
@@ -68,6 +69,7 @@ def overlapped_dispatch(ep: ExpertParallel, slot_latent, expert_flat, weights_fl
     ]
     if alongside is not None:
         alongside()  # under the first chunk's dispatch
+    replicas, replica_bytes = pending.finish()
     combines: list[Phased[torch.Tensor]] = []
     deliveries = []
     for c, (start, end) in enumerate(slot_ranges):

@@ -25,6 +25,7 @@ import math
 import torch
 
 from k3train.parallel.comm import Group
+from k3train.parallel.expert_exchange import launch
 from k3train.parallel.expert_plan import ReplicaPlan
 
 
@@ -58,12 +59,38 @@ def replica_send_index(plan: ReplicaPlan, rank: int, num_ranks: int, local: int,
     return index.scatter(0, position, local_index)[:trash]
 
 
-def fetch_replicas(
-    stacks: tuple[torch.Tensor, ...], plan: ReplicaPlan, group: Group, slots: int
-) -> tuple[tuple[torch.Tensor, ...], int]:
-    """This rank's `slots` replica stacks under `plan` (zeros in slots the plan leaves empty), in
-    the dtype and shapes of `stacks` (`[G, …]` each) with `slots` groups, and the bytes this rank
-    sends for them (weights now, gradients in backward)."""
+class PendingReplicas:
+    """A replica fetch in flight (`start_fetch`): `finish()` waits for it and returns this rank's
+    replica stacks and the bytes it sent; the overlapped schedule runs the tokens' dispatch and
+    the shared experts between the two."""
+
+    def __init__(self, in_flight, sizes: list[int], shapes: list, slots: int, sent_bytes: int):
+        self._in_flight, self._sizes, self._shapes, self._slots = in_flight, sizes, shapes, slots
+        self.sent_bytes = sent_bytes
+
+    def finish(self) -> tuple[tuple[torch.Tensor, ...], int]:
+        received = self._in_flight.result()
+        replicas = received.sum(0)  # [M, F]: each slot has at most one non-zero home
+        parts = replicas.split(self._sizes, dim=1)
+        stacks = tuple(part.reshape(self._slots, *shape) for part, shape in zip(parts, self._shapes))
+        return stacks, self.sent_bytes
+
+
+class ReadyReplicas:
+    """Replica stacks already at hand (`step` planning's cached ones), with the bytes to count:
+    `finish()` returns them, as `PendingReplicas.finish` does."""
+
+    def __init__(self, stacks: tuple[torch.Tensor, ...], sent_bytes: int):
+        self._stacks, self.sent_bytes = stacks, sent_bytes
+
+    def finish(self) -> tuple[tuple[torch.Tensor, ...], int]:
+        return self._stacks, self.sent_bytes
+
+
+def start_fetch(stacks: tuple[torch.Tensor, ...], plan: ReplicaPlan, group: Group, slots: int) -> PendingReplicas:
+    """Launch the fetch of this rank's `slots` replica stacks under `plan` (zeros in slots the
+    plan leaves empty), in the dtype and shapes of `stacks` (`[G, …]` each) with `slots` groups
+    (`parallel/expert_exchange.py`'s launch: its adjoint returns the gradients home the same way)."""
     local = stacks[0].shape[0]
     shapes = [w.shape[1:] for w in stacks]
     sizes = [math.prod(shape) for shape in shapes]
@@ -72,8 +99,13 @@ def fetch_replicas(
         index = replica_send_index(plan, group.rank, group.size, local, slots)
     padded = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
     send = padded.index_select(0, index).view(group.size, slots, flat.shape[1])
-    received = all_to_all(send, group)
-    replicas = received.sum(0)  # [M, F]: each slot has at most one non-zero home
-    parts = replicas.split(sizes, dim=1)
-    sent_bytes = 2 * send.numel() * send.element_size()
-    return tuple(part.reshape(slots, *shape) for part, shape in zip(parts, shapes)), sent_bytes
+    sent_bytes = 2 * send.numel() * send.element_size()  # weights now, gradients in backward
+    return PendingReplicas(launch(send, group), sizes, shapes, slots, sent_bytes)
+
+
+def fetch_replicas(
+    stacks: tuple[torch.Tensor, ...], plan: ReplicaPlan, group: Group, slots: int
+) -> tuple[tuple[torch.Tensor, ...], int]:
+    """`start_fetch` waited for at once: this rank's replica stacks and the bytes it sends for
+    them (weights now, gradients in backward)."""
+    return start_fetch(stacks, plan, group, slots).finish()
