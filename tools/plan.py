@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if parallel.tp_overlap_chunks and layout.tp > 1:
             print(
-                f"TP entries of the MLP regions overlapped in {tp_entries.pieces} piece(s) (torch projections)"
+                f"TP entries of every mixer and MLP region overlapped in {tp_entries.pieces} piece(s) (torch projections)"
                 if tp_entries is not None
                 else "TP priced exposed: parallel.tp_overlap_chunks overlaps plain torch projections only, and "
                 f"model.linear_backend={config.model.linear_backend} runs Transformer Engine's on CUDA where it imports "

@@ -161,22 +161,20 @@ class KimiDeltaAttention(nn.Module):
     def forward_documents(self, x: torch.Tensor, document_starts: torch.Tensor) -> torch.Tensor:
         """The layer over packed documents: state and convolution tails reset where
         `document_starts` (`[batch, seq]`, the whole sequence) is True."""
-        x = self.tp.enter(x)
         cp = self.context_parallel if self.context_parallel is not None and self.context_parallel.size > 1 else None
-        starts = document_starts.to(device=x.device, dtype=torch.bool)
+        q_in, k_in, v_in, f_a, beta_logits, gate = self._project(x, cp)
+        starts = document_starts.to(device=q_in.device, dtype=torch.bool)
         if cp is not None:  # each local piece runs as a sequence of its own, with its documents
             tail_mask = cp.tail_mask(starts, self.q_conv1d.kernel_size - 1)
             starts = cp.split_pieces(cp.shard_sequence(starts))
-            x = cp.split_pieces(x)
-        batch, seq, _ = x.shape
+        batch, seq, _ = q_in.shape
         heads, head_dim = self.num_heads, self.head_dim
         cu_seqlens = segment_offsets(starts)
-        q_in, k_in, v_in = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         tails: tuple[torch.Tensor | None, ...] = (None, None, None)
         if cp is not None:  # a piece's first document continues from the piece before, unless it starts there
             width = self.q_conv1d.kernel_size - 1
             piece_tails = cp.previous_tails(torch.cat([q_in, k_in, v_in], dim=-1), width) * tail_mask
-            first = torch.searchsorted(cu_seqlens, torch.arange(batch, device=x.device) * seq)
+            first = torch.searchsorted(cu_seqlens, torch.arange(batch, device=q_in.device) * seq)
             every = piece_tails.new_zeros(len(cu_seqlens) - 1, *piece_tails.shape[1:])
             tails = every.index_copy(0, first, piece_tails).split(q_in.shape[-1], dim=1)
 
@@ -188,9 +186,9 @@ class KimiDeltaAttention(nn.Module):
             for t, conv, tail in zip((q_in, k_in, v_in), (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails)
         )
         q, k, v = (t.view(batch, seq, heads, head_dim) for t in (q, k, v))
-        gate_input = self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, head_dim)
+        gate_input = self.f_b_proj(f_a).view(batch, seq, heads, head_dim)
         q, k, g, beta = prepare_kda_inputs(
-            q, k, gate_input, self.b_proj(x), self.A_log, self.dt_bias, self.gate_lower_bound
+            q, k, gate_input, beta_logits, self.A_log, self.dt_bias, self.gate_lower_bound
         )
         if cp is not None:
             output = cp.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, piece_starts=starts)
@@ -198,13 +196,27 @@ class KimiDeltaAttention(nn.Module):
             output = chunk_kda_varlen(
                 flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens, chunk_size=self.chunk_size
             )[0].view(batch, seq, heads, -1)
-        return self._output(x, output, cp)
+        return self._output(gate, output, cp)
 
-    def _output(self, x: torch.Tensor, output: torch.Tensor, cp: ContextParallel | None) -> torch.Tensor:
-        """The gated norm and `o_proj` of the kernel's output `[batch, seq, heads, head_dim]`."""
-        batch, seq = x.shape[:2]
+    def _project(self, x: torch.Tensor, cp: ContextParallel | None) -> tuple[torch.Tensor, ...]:
+        """The region's entry and every projection of its input: `(q, k, v, f_a, β logits, output
+        gate or its low-rank a-part)`, each split into the context-parallel pieces when `cp`
+        is given. `TensorParallel.enter_projections` overlaps the entry's collectives with these
+        GEMMs when the layout asks for it (`parallel.tp_overlap_chunks`)."""
+        gate_proj = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        projections = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_proj]
+        _, outputs = self.tp.enter_projections(x, projections)
+        if cp is not None:  # each local piece of the sequence runs as a sequence of its own
+            outputs = [cp.split_pieces(t) for t in outputs]
+        return tuple(outputs)
+
+    def _output(self, gate: torch.Tensor, output: torch.Tensor, cp: ContextParallel | None) -> torch.Tensor:
+        """The gated norm and `o_proj` of the kernel's output `[batch, seq, heads, head_dim]`;
+        `gate`: the output gate's projection (the a-part when it is low-rank)."""
+        batch, seq = output.shape[:2]
         heads, head_dim = self.num_heads, self.head_dim
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        if not hasattr(self, "g_proj"):
+            gate = self.g_b_proj(gate)
         output = self.o_norm(output, gate.view(batch, seq, heads, head_dim))
         output = self.o_proj(output.reshape(batch, seq, heads * head_dim))
         if cp is not None:
@@ -214,16 +226,14 @@ class KimiDeltaAttention(nn.Module):
     def forward_with_cache(
         self, x: torch.Tensor, cache: KDACache | None, return_cache: bool = True
     ) -> tuple[torch.Tensor, KDACache | None]:
-        x = self.tp.enter(x)
         cp = self.context_parallel if self.context_parallel is not None and self.context_parallel.size > 1 else None
-        if cp is not None:  # each local piece of the sequence runs as a sequence of its own (parallel/context.py)
-            if cache is not None or return_cache:
-                raise ValueError("a KDA cache cannot be combined with context parallelism")
-            x = cp.split_pieces(x)
-        batch, seq, _ = x.shape
+        if cp is not None and (cache is not None or return_cache):
+            raise ValueError("a KDA cache cannot be combined with context parallelism")
+        # (with context parallelism each local piece of the sequence runs as a sequence of its own)
+        q_in, k_in, v_in, f_a, beta_logits, gate_projection = self._project(x, cp)
+        batch, seq, _ = q_in.shape
         heads, head_dim = self.num_heads, self.head_dim
         tails = cache.conv_tails if cache is not None else (None, None, None)
-        q_in, k_in, v_in = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if cp is not None:  # the convolutions' tails come from the pieces before
             width = self.q_conv1d.kernel_size - 1
             tails = cp.previous_tails(torch.cat([q_in, k_in, v_in], dim=-1), width).split(q_in.shape[-1], dim=1)
@@ -231,8 +241,7 @@ class KimiDeltaAttention(nn.Module):
         k, k_tail = self.k_conv1d(k_in, tails[1])
         v, v_tail = self.v_conv1d(v_in, tails[2])
         q, k, v = (t.view(batch, seq, heads, head_dim) for t in (q, k, v))
-        gate_input = self.f_b_proj(self.f_a_proj(x)).view(batch, seq, heads, head_dim)
-        beta_logits = self.b_proj(x)
+        gate_input = self.f_b_proj(f_a).view(batch, seq, heads, head_dim)
         # q and k are L2-normalised, the gate applied and β = sigmoid(logits) next to the kernel
         # (`chunk_kda_from_raw`): on CUDA with fla-core, inside its kernel.
         gate = (self.A_log, self.dt_bias, self.gate_lower_bound)
@@ -251,7 +260,7 @@ class KimiDeltaAttention(nn.Module):
                 output_final_state=return_cache,
                 chunk_size=self.chunk_size,
             )
-        output = self._output(x, output, cp)
+        output = self._output(gate_projection, output, cp)
         new_cache = None
         if return_cache:
             assert final_state is not None  # asked for: output_final_state=return_cache

@@ -153,16 +153,17 @@ class GatedMLA(nn.Module):
     def forward(self, x: torch.Tensor, document_starts: torch.Tensor | None = None) -> torch.Tensor:
         """`document_starts` (`[batch, seq]` bool over the whole sequence, or None): each query
         attends only the keys of its own document."""
-        x = self.tp.enter(x)
-        batch, seq, _ = x.shape
+        # The region's entry and every projection of its input (overlapped with the entry's
+        # collectives when the layout asks for it: `parallel.tp_overlap_chunks`).
+        query_proj = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        projections = [query_proj, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.use_output_gate else [])
+        _, (q, latent, *gate) = self.tp.enter_projections(x, projections)
+        batch, seq, _ = q.shape
         heads = self.num_heads
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if not hasattr(self, "q_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(batch, seq, heads, -1)
 
-        latent = self.kv_a_proj_with_mqa(x)
         cp = self.context_parallel if self.context_parallel is not None and self.context_parallel.size > 1 else None
         if cp is not None:  # the whole sequence's compressed KV, in true order (parallel/context.py)
             latent = cp.gather_sequence(latent)
@@ -180,5 +181,5 @@ class GatedMLA(nn.Module):
         else:
             attended = causal_attention(q, k_nope, k_rope, v, self.softmax_scale)  # [batch, seq, heads, v_head_dim]
         if self.use_output_gate:
-            attended = attended * torch.sigmoid(self.g_proj(x)).view(batch, seq, heads, -1)
+            attended = attended * torch.sigmoid(gate[0]).view(batch, seq, heads, -1)
         return self.tp.leave(self.o_proj(attended.reshape(batch, seq, heads * self.v_head_dim)))

@@ -278,7 +278,7 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
 
 
 def overlapped_tensor_entries(config: JobConfig, layout: Layout, device_type: str = "cuda") -> TensorEntries | None:
-    """The MLP regions' overlapped TP entries of one step (`parallel.tp_overlap_chunks`,
+    """The overlapped TP entries (every mixer and MLP region) of one step (`parallel.tp_overlap_chunks`,
     `parallel/tensor_overlap.py`), as `estimate_step_time` prices them; None when none overlap:
     tp 1, `tp_overlap_chunks` 0, or projections that are not plain torch linears. On CUDA
     `model.linear_backend: auto` picks Transformer Engine's (the planner takes it to import

@@ -14,7 +14,7 @@ Exposed = the layer's end minus its compute. Latency is not modelled (the planne
 over bandwidth); with `n = 0` nothing overlaps and the exposed time is all of `2·n·(d + c)`.
 
 An overlapped tensor-parallel entry (`parallel.tp_overlap_chunks`, `parallel/tensor_overlap.py`)
-of one MLP region: forward, the sequence-parallel all-gather in `n` pieces (`g` each on the
+of one region (a mixer or an MLP): forward, the sequence-parallel all-gather in `n` pieces (`g` each on the
 wire), each piece's entry GEMMs (`f/n`) once it has arrived; backward, each piece's input
 gradient (`f/n`, the same FLOPs) is reduce-scattered (`r` each) as soon as it is made, under the
 rest and then the weight-gradient GEMMs (`f`); without sequence parallelism no forward

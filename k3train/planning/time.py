@@ -11,8 +11,8 @@ Assumptions (stated, and printed by tools/plan.py):
   link the group crosses (rank order TP fastest, then DP, then PP: a group whose ranks are
   `stride` apart spans `stride × size` consecutive ranks, inside a node when that is at most
   `gpus_per_node`), at the ring factor `2(n−1)/n` for all-reduces. TP collectives sit on the
-  critical path, except the overlapped entries of the MLP regions (`parallel.tp_overlap_chunks`
-  with plain torch projections: `TensorEntries`, replayed per region and micro-batch by
+  critical path, except the overlapped entries of every mixer and MLP region
+  (`parallel.tp_overlap_chunks` with plain torch projections: `TensorEntries`, replayed per region and micro-batch by
   `overlap.exposed_tensor_entry_s`); EP all-to-alls too, unless `parallel.ep_overlap_chunks` overlaps them with the
   routed and shared experts' compute (`k3train/planning/overlap.py` replays that schedule per
   MoE layer and micro-batch: only what the experts cannot cover is exposed; the `nodes`
@@ -113,7 +113,7 @@ def group_link(layout: Layout, group: str, gpus_per_node: int) -> str:
 
 @dataclass(frozen=True)
 class TensorEntries:
-    """The overlapped TP entries of the MLP regions (dense MLPs, shared experts) of a step:
+    """The overlapped TP entries (every mixer and MLP region) of a step:
     per region and micro-batch the all-gather's bytes (0 without sequence parallelism), the
     gradient's reduce-scatter (all-reduce) bytes, and the pieces of the sequence. Their bytes are
     part of the `tp` bytes given to `estimate_step_time`."""
@@ -236,6 +236,25 @@ def estimate_step_time(
     return StepTime(compute, bubble, exposed, comm_bytes, links, total_tokens, layout.world_size, model_flops, peak)
 
 
+def mixer_entry_flops(cfg: ModelConfig, mla: bool, tp: int) -> float:
+    """Forward FLOPs per token of the GEMMs an overlapped mixer entry runs on its gathered input,
+    as if split over `tp` (the replicated low-rank projections, which every rank runs whole,
+    count `tp` times): KDA's q, k, v, β and output gate (column-parallel), f_a and a low-rank
+    gate's g_a (replicated); MLA's q (or the replicated q_a) and output gate (column-parallel)
+    and the replicated kv_a."""
+    d = cfg.hidden_size
+    if mla:
+        heads = cfg.num_attention_heads
+        query = d * heads * cfg.qk_head_dim if cfg.q_lora_rank is None else tp * d * cfg.q_lora_rank
+        gate = d * heads * cfg.v_head_dim if cfg.mla_use_output_gate else 0
+        return 2 * (query + gate + tp * d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim))
+    lac = cfg.linear_attn_config
+    width, heads = lac.num_heads * lac.head_dim, lac.num_heads
+    rank = cfg.kda_output_gate_rank
+    gate = d * width if rank is None else tp * d * rank
+    return 2 * (3 * d * width + d * heads + gate + tp * d * cfg.kda_gate_rank)
+
+
 def _overlapped_tp_s(
     cfg: ModelConfig,
     layout: Layout,
@@ -247,18 +266,19 @@ def _overlapped_tp_s(
     micro_batches: int,
     entries: TensorEntries,
 ) -> float:
-    """The exposed part of a step's `tp_bytes` on the stage with the most MLP regions (whose
-    bytes the step counts): the overlapped entries replayed per region and micro-batch under
-    their column-parallel GEMMs (gate and up: 2/3 of a GLU's FLOPs), the rest exposed."""
+    """The exposed part of a step's `tp_bytes` on the stage with the most TP regions (whose
+    bytes the step counts): the overlapped entries replayed per region and micro-batch under the
+    GEMMs of their input (`entry_flops`), the rest exposed."""
 
-    def regions(rank: int) -> list[float]:  # each MLP region's entry GEMMs, forward FLOPs per token
+    def regions(rank: int) -> list[float]:  # each region's entry GEMMs, forward FLOPs per token
         out = []
         for start, end in plan.layer_ranges(rank):
             for layer in range(start, end):
+                out.append(mixer_entry_flops(cfg, layer in cfg.full_attn_layer_set, layout.tp))
                 if not cfg.is_moe_layer(layer):
                     out.append(F.dense_mlp_flops(cfg) * 2 / 3)
                 elif cfg.num_shared_experts > 0:
-                    out.append(F.shared_expert_flops(cfg) * 2 / 3)
+                    out.append(F.shared_expert_flops(cfg) * 2 / 3)  # gate and up: 2/3 of a GLU
         return out
 
     entry_flops = max((regions(rank) for rank in range(layout.pp)), key=len)

@@ -131,9 +131,9 @@ def step_traffic_terms(
 
 
 def overlapped_entry_pieces(job: RankJob, local_sequence: int) -> int:
-    """Pieces of a sequence shard of `local_sequence` tokens the job's overlapped MLP entries
-    gather in (1 when they do not overlap: `parallel.tp_overlap_chunks` 0, or projections that
-    are not plain torch linears, e.g. Transformer Engine's)."""
+    """Pieces of a sequence shard of `local_sequence` tokens the job's overlapped TP entries (every
+    mixer and MLP region) gather in (1 when they do not overlap: `parallel.tp_overlap_chunks` 0,
+    or projections that are not plain torch linears, e.g. Transformer Engine's)."""
     chunks = job.parallel.tp_overlap_chunks
     plain = all(
         type(m.gate_proj) is nn.Linear and m.gate_proj.bias is None
@@ -182,22 +182,22 @@ def job_traffic_terms(
     if tp > 1:
         mlp_regions = dense_layers + (moe_layers if cfg.num_shared_experts > 0 else 0)
         regions = layers + mlp_regions
-        # The MLP regions' overlapped entries (parallel/tensor_overlap.py) move the same bytes in
-        # pieces along the sequence: one message per piece in forward and in backward.
+        # Overlapped entries (parallel/tensor_overlap.py: every mixer and MLP region) move the same
+        # bytes in pieces along the sequence: one message per piece in forward and in backward.
         pieces = overlapped_entry_pieces(job, seq_length // (state.layout.cp * tp)) if sp else 1
-        extra = M * mlp_regions * (pieces - 1)
+        extra = M * regions * (pieces - 1)
         if sp:
             add(
                 "tp",
                 f"{regions} TP regions fwd: enter all-gather N/tp + leave reduce-scatter N"
-                + (f" ({mlp_regions} MLP entries in {pieces} pieces)" if pieces > 1 else ""),
+                + (f" (entries in {pieces} pieces)" if pieces > 1 else ""),
                 M * regions * (shard + full),
                 M * regions * 2 + extra,
             )
             add(
                 "tp",
                 f"{regions} TP regions bwd: leave all-gather N/tp + enter reduce-scatter N"
-                + (f" ({mlp_regions} MLP entries in {pieces} pieces)" if pieces > 1 else ""),
+                + (f" (entries in {pieces} pieces)" if pieces > 1 else ""),
                 M * regions * (shard + full),
                 M * regions * 2 + extra,
             )

@@ -12,12 +12,18 @@ from tests.distributed.harness import run_workers
 TOLERANCE = 1e-12
 
 
-@pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (2, True)])
-def test_tensor_parallel_matches_single_process(tp, sequence_parallel):
+@pytest.mark.parametrize(
+    "tp,sequence_parallel,overlap_chunks",
+    [(2, False, 0), (2, True, 0), (2, True, 3), (2, False, 2)],
+    ids=["tp", "tp+sp", "tp+sp, every entry overlapped in 3 pieces", "tp, entries overlapped"],
+)
+def test_tensor_parallel_matches_single_process(tp, sequence_parallel, overlap_chunks):
+    """`parallel.tp_overlap_chunks` > 0: every mixer and MLP entry fused with its projections
+    (parallel/tensor_overlap.py); the same sums in another order, within the same 1e-12."""
     results = run_workers(
         tp,
         "tests.distributed.workers_tp:compare_one_step",
-        {"tp": tp, "sequence_parallel": sequence_parallel},
+        {"tp": tp, "sequence_parallel": sequence_parallel, "tp_overlap_chunks": overlap_chunks},
         timeout_s=240,
     )
     for rank, result in enumerate(results):

@@ -24,9 +24,11 @@ def small_config(**changes) -> ModelConfig:
     return dataclasses.replace(ModelConfig(num_hidden_layers=4, attn_res_block_size=2, recompute="none"), **changes)
 
 
-def build_state(world_size: int, rank: int, tp: int, sequence_parallel: bool, config: ModelConfig) -> ParallelState:
+def build_state(
+    world_size: int, rank: int, tp: int, sequence_parallel: bool, config: ModelConfig, tp_overlap_chunks: int = 0
+) -> ParallelState:
     layout = resolve_layout(world_size, tp, 1, 0, 1, 1, ModelSplitSizes.of(config))
-    return ParallelState(layout, rank, sequence_parallel=sequence_parallel)
+    return ParallelState(layout, rank, sequence_parallel=sequence_parallel, tp_overlap_chunks=tp_overlap_chunks)
 
 
 def local_view(full: torch.Tensor, param: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
@@ -38,7 +40,14 @@ def local_view(full: torch.Tensor, param: torch.Tensor, tp_size: int, tp_rank: i
 def compare_one_step(env, payload) -> dict:
     """Loss and gradients of a TP(+SP) model against the single-process model, float64."""
     config = small_config(**payload.get("config", {}))
-    state = build_state(env.world_size, env.rank, payload["tp"], payload["sequence_parallel"], config)
+    state = build_state(
+        env.world_size,
+        env.rank,
+        payload["tp"],
+        payload["sequence_parallel"],
+        config,
+        payload.get("tp_overlap_chunks", 0),
+    )
     reference = K3ModelChunk(config).double()
     reference.init_weights(seed=7)
     sharded = K3ModelChunk(config, parallel=state).double()
@@ -87,7 +96,14 @@ def compare_three_steps(env, payload) -> dict:
     from k3train.optim.config import OptimizerConfig
 
     config = small_config(**payload.get("config", {}))
-    state = build_state(env.world_size, env.rank, payload["tp"], payload["sequence_parallel"], config)
+    state = build_state(
+        env.world_size,
+        env.rank,
+        payload["tp"],
+        payload["sequence_parallel"],
+        config,
+        payload.get("tp_overlap_chunks", 0),
+    )
     reference = K3ModelChunk(config).double()
     reference.init_weights(seed=7)
     sharded = K3ModelChunk(config, parallel=state).double()
