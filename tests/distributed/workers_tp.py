@@ -37,8 +37,8 @@ def local_view(full: torch.Tensor, param: torch.Tensor, tp_size: int, tp_rank: i
     return full
 
 
-def compare_one_step(env, payload) -> dict:
-    """Loss and gradients of a TP(+SP) model against the single-process model, float64."""
+def _models(env, payload) -> tuple[ModelConfig, ParallelState, K3ModelChunk, K3ModelChunk]:
+    """(config, state, the single-process model, this rank's TP model), float64, same weights."""
     config = small_config(**payload.get("config", {}))
     state = build_state(
         env.world_size,
@@ -52,6 +52,12 @@ def compare_one_step(env, payload) -> dict:
     reference.init_weights(seed=7)
     sharded = K3ModelChunk(config, parallel=state).double()
     sharded.init_weights(seed=7)
+    return config, state, reference, sharded
+
+
+def compare_one_step(env, payload) -> dict:
+    """Loss and gradients of a TP(+SP) model against the single-process model, float64."""
+    config, state, reference, sharded = _models(env, payload)
 
     generator = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, config.vocab_size, (2, 33), generator=generator)  # same batch on every TP rank
@@ -95,19 +101,7 @@ def compare_three_steps(env, payload) -> dict:
     from k3train.optim.builder import build_optimizer
     from k3train.optim.config import OptimizerConfig
 
-    config = small_config(**payload.get("config", {}))
-    state = build_state(
-        env.world_size,
-        env.rank,
-        payload["tp"],
-        payload["sequence_parallel"],
-        config,
-        payload.get("tp_overlap_chunks", 0),
-    )
-    reference = K3ModelChunk(config).double()
-    reference.init_weights(seed=7)
-    sharded = K3ModelChunk(config, parallel=state).double()
-    sharded.init_weights(seed=7)
+    config, state, reference, sharded = _models(env, payload)
     optimizer_config = OptimizerConfig(lr=1e-2)
     reference_optimizer = build_optimizer(reference, optimizer_config)
     sharded_optimizer = build_optimizer(sharded, optimizer_config)
