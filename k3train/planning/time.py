@@ -183,7 +183,7 @@ def estimate_step_time(
     `gradient_buckets`: per data-parallel group, its buckets `(bytes, share of the backward done
     when full)` in launch order (`layout_traffic.gradient_bucket_schedule`); without them a
     group's bytes are taken as buckets of the reducer's default size, full at even shares.
-    `tp_entries`: the overlapped MLP entries inside the `tp` bytes (None: every TP collective
+    `tp_entries`: the overlapped entries inside the `tp` bytes (None: every TP collective
     exposed)."""
     gpn = gpus_per_node or hardware.gpus_per_node
     peak = hardware.peak_flops(precision)
