@@ -17,9 +17,18 @@ multiples of 16 bytes, given a contiguous output gradient): one call instead of 
 small matmuls, as fast as dense matmuls of the same FLOPs (benchmarks/moe.py, table e). Other
 operands (float64, odd widths) take the per-group loop. `_grouped_mm` gets a FLOP formula here,
 so `FlopCounterMode` counts it like the matmuls it replaces.
+
+On CPU in bf16/fp16 each GEMM goes through oneDNN, which builds (JIT-compiles) one kernel per
+GEMM shape and caches it. A group's row count is the number of slots routed to its expert, new
+almost every call, so an unpadded grouped GEMM pays a kernel build for most groups: 8-11 ms for
+a `[4096, 256] × [16, 256, 256]` bf16 product with fresh group sizes against 4 ms for sizes it
+has seen (docs/performance.md). `GroupPadding` pads every group with zero rows to one of a few
+sizes (`bucket_rows`) so that the shapes repeat; fp32 runs MKL's GEMM, which builds nothing.
 """
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.utils import flop_counter
@@ -128,6 +137,62 @@ class _GroupedMM(torch.autograd.Function):
                 if grad_weights is not None:
                     torch.mm(rows[start:end].t(), grad_output[start:end], out=grad_weights[group])
         return grad_x, grad_weights, None
+
+
+def bucket_rows(rows: int) -> int:
+    """`rows` rounded up to a multiple of 32, or of 1/16 of its power of two from 512 rows on: at
+    most 16 sizes per octave (so the shapes a GEMM sees repeat), at most 31 padding rows below 512
+    and under 6.25% above."""
+    if rows <= 0:
+        return 0
+    step = max(32, 1 << max(0, rows.bit_length() - 5))
+    return -(-rows // step) * step
+
+
+def pads_groups(rows: torch.Tensor) -> bool:
+    """Whether grouped GEMMs of `rows` run faster with `GroupPadding`: on CPU in bf16/fp16
+    (oneDNN's per-shape kernels; module docstring)."""
+    return rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GroupPadding:
+    """Grouped rows laid out with every group padded by zero rows: `ends` the padded cumulative
+    counts, `keep` the padded position of each original row (`[Σ counts]`, int64)."""
+
+    ends: torch.Tensor
+    keep: torch.Tensor
+    rows: int  # padded rows in all
+
+    @classmethod
+    def of(cls, counts: Sequence[int], padded_counts: Sequence[int], device: torch.device) -> "GroupPadding":
+        starts = [0]
+        for padded in padded_counts[:-1]:
+            starts.append(starts[-1] + padded)
+        keep = (
+            torch.cat([torch.arange(start, start + count, dtype=torch.int64) for count, start in zip(counts, starts)])
+            if counts
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        ends = torch.tensor(padded_counts, dtype=torch.int64).cumsum(0)
+        return cls(ends.to(device), keep.to(device), int(sum(padded_counts)))
+
+    @classmethod
+    def bucketed(cls, group_ends: torch.Tensor) -> "GroupPadding":
+        """Every group padded to `bucket_rows` of its count (a host read of `group_ends`)."""
+        ends = group_ends.tolist()
+        counts = [end - start for start, end in zip([0] + ends[:-1], ends)]
+        return cls.of(counts, [bucket_rows(count) for count in counts], group_ends.device)
+
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` (the grouped rows first; any after the last group are dropped) in the padded
+        layout, zeros between the groups; differentiable."""
+        shape = (self.rows, *rows.shape[1:])
+        return rows.new_zeros(shape).index_copy(0, self.keep, rows[: self.keep.shape[0]])
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """The original rows of a padded-layout result."""
+        return padded.index_select(0, self.keep)
 
 
 def grouped_mm(x: torch.Tensor, weights: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from .grouped_gemm import GroupPadding
+
 INSTALL_HINT = "pip install transformer-engine[pytorch]"
 FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise")
 FP8_STATE_VERSION = 1.0
@@ -428,15 +430,8 @@ def pad_groups(
     """Rows grouped by `counts` → (rows with every group zero-padded to a multiple of `multiple`,
     the padded counts, the index of the original rows in the padded tensor)."""
     padded_counts = [-(-count // multiple) * multiple for count in counts]
-    starts = torch.tensor([0] + list(padded_counts[:-1]), dtype=torch.int64).cumsum(0)
-    keep = (
-        torch.cat([torch.arange(count, dtype=torch.int64) + start for count, start in zip(counts, starts.tolist())])
-        if counts
-        else torch.zeros(0, dtype=torch.int64)
-    )
-    keep = keep.to(rows.device)
-    padded = rows.new_zeros(sum(padded_counts), rows.shape[1]).index_copy(0, keep, rows)
-    return padded, padded_counts, keep
+    padding = GroupPadding.of(counts, padded_counts, rows.device)
+    return padding.pad(rows), padded_counts, padding.keep
 
 
 def linear_factory_for(backend: str, device: torch.device, fp8_recipe: str = "delayed") -> Callable:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3train.kernels.grouped_gemm import grouped_mm
+from k3train.kernels.grouped_gemm import GroupPadding, grouped_mm, pads_groups
 from k3train.kernels.precision import accumulation_dtype, upcast, without_autocast
 from k3train.model.balance import build_balancer
 from k3train.model.config import ModelConfig
@@ -136,12 +136,17 @@ class GroupedExperts(nn.Module):
             gemm1, gemm3, gemm2 = self._te_gemms_for(w1.shape[0])
             hidden = self.activation(gemm1(rows, group_ends, w1), gemm3(rows, group_ends, w3), **scale)
             return gemm2(hidden, group_ends, w2)
+        padding = GroupPadding.bucketed(group_ends) if pads_groups(rows) else None
+        if padding is not None:  # CPU bf16: GEMM shapes that repeat (kernels/grouped_gemm.py)
+            rows, group_ends = padding.pad(rows), padding.ends
+            scale = {key: padding.pad(value) for key, value in scale.items()}
         gate = grouped_mm(rows, w1.transpose(1, 2).to(rows.dtype), group_ends)
         up = grouped_mm(rows, w3.transpose(1, 2).to(rows.dtype), group_ends)
         # gate and up are this function's own GEMM outputs (their backward keeps only inputs):
         # the activation may keep its saved tensors in their buffers
         hidden = self.activation(gate, up, overwrite_inputs=True, **scale)
-        return grouped_mm(hidden, w2.transpose(1, 2).to(rows.dtype), group_ends)
+        out = grouped_mm(hidden, w2.transpose(1, 2).to(rows.dtype), group_ends)
+        return out if padding is None else padding.unpad(out)
 
     def _te_gemms_for(self, groups: int) -> nn.ModuleList:
         """The TE grouped GEMMs built for stacks of `groups` experts (this module's own, or the

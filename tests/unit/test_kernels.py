@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_reference, attn_res_mix_rmsnorm
-from k3train.kernels.grouped_gemm import grouped_mm, grouped_mm_reference
+from k3train.kernels.grouped_gemm import GroupPadding, bucket_rows, grouped_mm, grouped_mm_reference
 from k3train.model.norm import RMSNorm
 
 
@@ -168,3 +168,78 @@ def test_attn_res_fast_mix_takes_sources_of_mixed_dtypes():
             # to neighbouring bf16 values, one ulp (at most 2^-7 of the value) apart.
             ulp = 2.0**-7 * b.float().abs() if a.dtype == torch.bfloat16 else 0.0
             assert ((a.float() - b.float()).abs() - ulp).max() <= 1e-5 * max(1.0, b.float().abs().max())
+
+
+def test_bucket_rows_repeat_few_sizes_and_pad_little():
+    """Group sizes rounded to a multiple of 32 below 512 rows, to 1/16 of the power of two above:
+    bounded padding, and few distinct GEMM shapes (oneDNN builds one kernel per shape)."""
+    sizes = [bucket_rows(rows) for rows in range(1, 1 << 14)]
+    assert bucket_rows(0) == 0
+    for rows, padded in enumerate(sizes, start=1):
+        assert padded >= rows
+        assert padded - rows <= (31 if rows < 512 else rows / 16)
+    assert len(set(sizes)) <= 16 + 16 * 5  # 32..512 in steps of 32, then 16 per octave up to 2^14
+
+
+def test_group_padding_places_rows_and_zeros():
+    group_ends = torch.tensor([3, 3, 40])  # groups of 3, 0 and 37 rows
+    padding = GroupPadding.bucketed(group_ends)
+    assert padding.ends.tolist() == [32, 32, 96]
+    rows = torch.arange(41 * 2, dtype=torch.float32).view(41, 2)  # one row past the last group
+    padded = padding.pad(rows)
+    assert padded.shape == (96, 2)
+    assert torch.equal(padded[:3], rows[:3]) and torch.equal(padded[32:69], rows[3:40])
+    assert padded[3:32].eq(0).all() and padded[69:].eq(0).all()
+    assert torch.equal(padding.unpad(padded), rows[:40])
+
+
+def _bf16_experts_run(experts, rows, group_ends, row_scale, grad_out):
+    leaves = (rows, row_scale, *experts.stacks())
+    out = experts.forward_sorted(rows, group_ends, row_scale=row_scale)
+    return out, torch.autograd.grad(out, leaves, grad_out)
+
+
+def test_padded_bf16_experts_match_unpadded_and_see_only_bucketed_groups(monkeypatch):
+    """On CPU in bf16 the experts pad each group (kernels/grouped_gemm.py). The real rows'
+    products are the same fp32-accumulated products of the same bf16 operands, so padded and
+    unpadded results differ only where an fp32 summation order flips a bf16 rounding: a few bf16
+    units (2⁻⁸ relative) of the output's scale; rows in the wrong place would differ by O(1)."""
+    import dataclasses
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import k3train.model.moe as moe
+    from k3train.model.config import ModelConfig
+
+    config = dataclasses.replace(ModelConfig(), hidden_act="situ")
+    torch.manual_seed(0)
+    experts = moe.GroupedExperts(config, 5)
+    with torch.no_grad():
+        for stack in experts.stacks():
+            stack.copy_(0.1 * torch.randn(stack.shape))
+    counts = torch.tensor([70, 0, 33, 129, 5])
+    group_ends = counts.cumsum(0)
+    rows = torch.randn(int(counts.sum()), experts.w1.shape[-1]).bfloat16().requires_grad_()
+    row_scale = torch.rand(rows.shape[0]).requires_grad_()
+    grad_out = torch.randn(rows.shape[0], rows.shape[1]).bfloat16()
+
+    class GroupSizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "_grouped_mm":
+                ends = (kwargs or {}).get("offs", args[2] if len(args) > 2 else None).tolist()
+                self.sizes.update(end - start for start, end in zip([0] + ends[:-1], ends))
+            return func(*args, **(kwargs or {}))
+
+    with GroupSizes() as seen:
+        padded_out, padded_grads = _bf16_experts_run(experts, rows, group_ends, row_scale, grad_out)
+    assert seen.sizes == {96, 0, 64, 160, 32}  # the buckets of 70, 0, 33, 129, 5
+    monkeypatch.setattr(moe, "pads_groups", lambda rows: False)
+    out, grads = _bf16_experts_run(experts, rows, group_ends, row_scale, grad_out)
+    assert padded_out.shape == out.shape
+    for mine, theirs in zip((padded_out, *padded_grads), (out, *grads)):
+        scale = theirs.float().abs().max()
+        assert (mine.float() - theirs.float()).abs().max() <= 4 * 2**-8 * scale
