@@ -35,7 +35,7 @@ from k3train.contracts.param_roles import HeadBlocks
 from k3train.kernels.precision import upcast
 from k3train.kernels.te import torch_linear
 from k3train.parallel.comm import Group
-from k3train.parallel.tensor_overlap import enter_and_project
+from k3train.parallel.tensor_overlap import enter_and_project, project_and_leave
 
 SEQUENCE_DIM = 1
 
@@ -202,6 +202,18 @@ class TensorParallel:
         if self.sequence_parallel:
             return _ReduceScatterSequence.apply(partial_output, self.group)
         return _ReduceFromRegion.apply(partial_output, self.group)
+
+    def leave_projection(self, x: torch.Tensor, projection: nn.Module, fuse: bool = True) -> torch.Tensor:
+        """`leave(projection(x))` of a row-parallel projection. A plain bias-free `nn.Linear` takes
+        the fused path whose collectives overlap the GEMM's pieces (`parallel/tensor_overlap.py`)
+        when `overlap_chunks > 0` and `fuse`; a caller whose forward is recomputed in backward
+        passes `fuse=False` (a recomputed fused leave would run its collectives again, where the
+        unfused leave's checkpoint stops at the projection's saved input)."""
+        fused = fuse and self.size > 1 and self.overlap_chunks > 0 and type(projection) is nn.Linear
+        if not fused or projection.bias is not None:
+            return self.leave(projection(x))
+        weight = cast(nn.Linear, projection).weight
+        return project_and_leave(x, weight, self.group, self.sequence_parallel, self.overlap_chunks)
 
     def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """A replicated activation → this rank's sequence shard (identity without SP)."""

@@ -1,6 +1,7 @@
-"""A tensor-parallel region's entry fused with the column-parallel projections it feeds, so the
-entry's collectives overlap the GEMMs (Megatron's async tensor-parallel linear, torch's
-`_fused_all_gather_matmul` on CUDA, in plain PyTorch with asynchronous collectives).
+"""A tensor-parallel region's entry fused with the column-parallel projections it feeds, and its
+leave fused with the row-parallel projection before it, so the collectives overlap the GEMMs
+(Megatron's async tensor-parallel linear, torch's `_fused_all_gather_matmul` and
+`_fused_matmul_reduce_scatter` on CUDA, in plain PyTorch with asynchronous collectives).
 
 `tp.enter(x)` followed by `linear_j(x)` for each projection j computes, in forward,
 
@@ -15,6 +16,17 @@ ranks, and `dW_j = dy_jᵀ · x_full`. Here:
 - backward computes `dx_full` piece by piece and launches each piece's reduce-scatter (TP: one
   all-reduce) as soon as it is computed, then the weight gradients `dW_j` while the collectives
   are in flight, and waits last.
+
+The leave, `tp.leave(x · Wᵀ)` of a row-parallel projection (each rank's partial product summed
+over the ranks: reduce-scattered along the sequence under SP, all-reduced without), is the mirror:
+
+- forward, the partial product is computed in `chunks` pieces (under SP piece i holds positions
+  i of every rank's shard, so its reduce-scatter leaves each rank piece i of its own shard) and
+  each piece's collective is launched as soon as its GEMM is done, under the next piece's GEMM;
+- backward (SP), the output gradient's all-gather runs in the same pieces, one ahead, and each
+  arrived piece's input-gradient GEMM runs while the next is on the wire; the weight gradient is
+  one GEMM over the whole gathered gradient at the end (one rounding, as the unfused path's).
+  Without SP the backward has no collective.
 
 The same sums as the unfused path in another order (float64 tests hold them together). Only
 plain `nn.Linear` projections without bias take this path (`TensorParallel.enter_projections`
@@ -169,6 +181,73 @@ def _weight_gradients(
         flat = grad.reshape(-1, grad.shape[-1])
         out.append(torch.matmul(flat.t(), inputs).to(weight.dtype))
     return out
+
+
+class _ProjectAndLeave(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: Group, sequence_parallel: bool, chunks: int):
+        ctx.group, ctx.sequence_parallel, ctx.chunks = group, sequence_parallel, chunks
+        ctx.autocast = _AutocastState(x.device.type)
+        ctx.save_for_backward(x, weight)
+        batch, full = x.shape[:2]
+        size = group.size
+        works, pieces = [], []
+        if not sequence_parallel:  # the sum stays on every rank: pieces along the whole sequence
+            for start, end in chunk_bounds(full, chunks):
+                piece = F.linear(x[:, start:end], weight).contiguous()
+                works.append(group.all_reduce_async(piece))
+                pieces.append(piece)
+        else:
+            local = full // size
+            per_rank = x.view(batch, size, local, x.shape[-1])  # [b, rank, position in its shard, in]
+            for start, end in chunk_bounds(local, chunks):
+                partial = F.linear(per_rank[:, :, start:end], weight)  # [b, rank, c, out]
+                send = partial.transpose(0, 1).contiguous()  # [rank, b, c, out]: rank r's rows first
+                pieces.append(send.new_empty(batch, end - start, send.shape[-1]))
+                works.append(group.reduce_scatter_async(send.view(size * batch, end - start, -1), pieces[-1]))
+        for work in works:
+            _wait(work)
+        return torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        with ctx.autocast.region():
+            if not ctx.sequence_parallel:  # the gradient is already every rank's: no collective
+                grad_x = torch.matmul(grad_output, weight).to(x.dtype)
+                return grad_x, _weight_gradients([grad_output], [weight], x)[0], None, None, None
+            batch, full, features = x.shape
+            size = group.size
+            local = full // size
+            bounds = chunk_bounds(local, ctx.chunks)
+            width = grad_output.shape[-1]
+            buffers = [grad_output.new_empty(size * batch, end - start, width) for start, end in bounds]
+            grad_full = grad_output.new_empty(batch, size, local, width)  # the gathered gradient
+            grad_x = x.new_empty(batch, size, local, features)
+
+            def launch(index: int) -> TimedWork | None:
+                start, end = bounds[index]
+                return group.all_gather_async(grad_output[:, start:end].contiguous(), buffers[index])
+
+            pending = launch(0)
+            for index, (start, end) in enumerate(bounds):
+                following = launch(index + 1) if index + 1 < len(bounds) else None
+                _wait(pending)
+                pending = following
+                rows = grad_full[:, :, start:end]
+                rows.copy_(buffers[index].view(size, batch, end - start, width).transpose(0, 1))
+                grad_x[:, :, start:end] = torch.matmul(rows, weight).to(x.dtype)
+            grad_weight = _weight_gradients([grad_full.view(batch, full, width)], [weight], x)[0]
+        return grad_x.view(batch, full, features), grad_weight, None, None, None
+
+
+def project_and_leave(
+    x: torch.Tensor, weight: torch.Tensor, group: Group, sequence_parallel: bool, chunks: int
+) -> torch.Tensor:
+    """`tp.leave(x · Wᵀ)` of a row-parallel projection with the leave's collectives overlapped
+    (module docstring). `group.size > 1`."""
+    return _ProjectAndLeave.apply(x, weight, group, sequence_parallel, chunks)
 
 
 def enter_and_project(

@@ -94,6 +94,8 @@ class KimiDeltaAttention(nn.Module):
         self.gate_lower_bound = lac.gate_lower_bound
         self.chunk_size = lac.chunk_size
         self.context_parallel: ContextParallel | None = None  # set by K3ModelChunk when cp > 1
+        # A sublayer recomputed in backward keeps its leave unfused (TensorParallel.leave_projection).
+        self.fuse_leave = config.recompute != "sublayer"
         hidden, heads, width = config.hidden_size, lac.num_heads, lac.num_heads * lac.head_dim
         local_width = width // tp.size
 
@@ -217,11 +219,10 @@ class KimiDeltaAttention(nn.Module):
         heads, head_dim = self.num_heads, self.head_dim
         if not hasattr(self, "g_proj"):
             gate = self.g_b_proj(gate)
-        output = self.o_norm(output, gate.view(batch, seq, heads, head_dim))
-        output = self.o_proj(output.reshape(batch, seq, heads * head_dim))
-        if cp is not None:
+        output = self.o_norm(output, gate.view(batch, seq, heads, head_dim)).reshape(batch, seq, heads * head_dim)
+        if cp is not None:  # (before o_proj, which acts on each token alone)
             output = cp.merge_pieces(output)
-        return self.tp.leave(output)
+        return self.tp.leave_projection(output, self.o_proj, self.fuse_leave)
 
     def forward_with_cache(
         self, x: torch.Tensor, cache: KDACache | None, return_cache: bool = True

@@ -116,6 +116,8 @@ class GatedMLA(nn.Module):
         self.v_head_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.context_parallel: ContextParallel | None = None  # set by K3ModelChunk when cp > 1
+        # A sublayer recomputed in backward keeps its leave unfused (TensorParallel.leave_projection).
+        self.fuse_leave = config.recompute != "sublayer"
         heads, hidden, qk_head_dim = config.num_attention_heads, config.hidden_size, config.qk_head_dim
 
         if config.q_lora_rank is None:
@@ -182,4 +184,6 @@ class GatedMLA(nn.Module):
             attended = causal_attention(q, k_nope, k_rope, v, self.softmax_scale)  # [batch, seq, heads, v_head_dim]
         if self.use_output_gate:
             attended = attended * torch.sigmoid(gate[0]).view(batch, seq, heads, -1)
-        return self.tp.leave(self.o_proj(attended.reshape(batch, seq, heads * self.v_head_dim)))
+        return self.tp.leave_projection(
+            attended.reshape(batch, seq, heads * self.v_head_dim), self.o_proj, self.fuse_leave
+        )

@@ -38,10 +38,12 @@ class GLUMLP(nn.Module):
         self.up_proj = tp.shard_linear(tp.linear(hidden_size, intermediate_size), partition_dim=0)
         self.down_proj = tp.shard_linear(tp.linear(intermediate_size, hidden_size), partition_dim=1)
         self.activation = glu_activation(config)
+        # A sublayer recomputed in backward keeps its leave unfused (TensorParallel.leave_projection).
+        self.fuse_leave = config.recompute != "sublayer"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, (gate, up) = self.tp.enter_projections(x, [self.gate_proj, self.up_proj])
         # the projections' fresh outputs are scratch (a linear's backward keeps its input, not its
         # output): SiTU-GLU keeps two of its saved tensors in their buffers
         hidden = self.activation(gate, up, overwrite_inputs=True)
-        return self.tp.leave(self.down_proj(hidden))
+        return self.tp.leave_projection(hidden, self.down_proj, self.fuse_leave)

@@ -143,6 +143,15 @@ def overlapped_entry_pieces(job: RankJob, local_sequence: int) -> int:
     return len(chunk_bounds(local_sequence, chunks)) if chunks > 0 and plain else 1
 
 
+def overlapped_leave_pieces(job: RankJob, sequence: int) -> int:
+    """Pieces of `sequence` tokens (the shard under SP, else the rank's whole sequence) the job's
+    overlapped TP leaves (every mixer and MLP region's row-parallel projection) reduce in: as
+    `overlapped_entry_pieces`, and 1 under `model.recompute=sublayer`, whose leaves stay unfused."""
+    if job.config.model.recompute == "sublayer":
+        return 1
+    return overlapped_entry_pieces(job, sequence)
+
+
 def job_traffic_terms(
     job: RankJob, micro_batches: int, dtype_bytes: int = 4, replica_matrices: int = 0
 ) -> list[TrafficTerm]:
@@ -184,32 +193,44 @@ def job_traffic_terms(
         regions = layers + mlp_regions
         # Overlapped entries (parallel/tensor_overlap.py: every mixer and MLP region) move the same
         # bytes in pieces along the sequence: one message per piece in forward and in backward.
-        pieces = overlapped_entry_pieces(job, seq_length // (state.layout.cp * tp)) if sp else 1
-        extra = M * regions * (pieces - 1)
+        # Overlapped leaves reduce their row-parallel products in pieces too (forward; and under SP
+        # the output gradient's all-gather in backward).
+        local_sequence = seq_length // state.layout.cp // (tp if sp else 1)
+        pieces = overlapped_entry_pieces(job, local_sequence) if sp else 1
+        leave_pieces = overlapped_leave_pieces(job, local_sequence)
+        entry_extra = M * regions * (pieces - 1)
+        extra = entry_extra + M * regions * (leave_pieces - 1)
+        in_pieces = ", ".join(
+            f"{what} in {count} pieces" for what, count in (("entries", pieces), ("leaves", leave_pieces)) if count > 1
+        )
+        in_pieces = f" ({in_pieces})" if in_pieces else ""
         if sp:
             add(
                 "tp",
-                f"{regions} TP regions fwd: enter all-gather N/tp + leave reduce-scatter N"
-                + (f" (entries in {pieces} pieces)" if pieces > 1 else ""),
+                f"{regions} TP regions fwd: enter all-gather N/tp + leave reduce-scatter N" + in_pieces,
                 M * regions * (shard + full),
                 M * regions * 2 + extra,
             )
             add(
                 "tp",
-                f"{regions} TP regions bwd: leave all-gather N/tp + enter reduce-scatter N"
-                + (f" (entries in {pieces} pieces)" if pieces > 1 else ""),
+                f"{regions} TP regions bwd: leave all-gather N/tp + enter reduce-scatter N" + in_pieces,
                 M * regions * (shard + full),
                 M * regions * 2 + extra,
             )
         else:
-            add("tp", f"{regions} TP regions fwd: leave all-reduce N", M * regions * full, M * regions)
+            add(
+                "tp",
+                f"{regions} TP regions fwd: leave all-reduce N" + in_pieces,
+                M * regions * full,
+                M * regions * leave_pieces,
+            )
             add("tp", f"{regions} TP regions bwd: enter all-reduce N", M * regions * full, M * regions)
         if cfg.recompute == "sublayer" and sp:  # every region sits in a recomputed sublayer
             add(
                 "tp",
                 f"recompute=sublayer: {regions} regions' enter all-gather N/tp again in backward",
                 M * regions * shard,
-                M * regions + extra,
+                M * regions + entry_extra,
             )
         if sp:
             if first_stage:

@@ -18,9 +18,15 @@ from tests.distributed.harness import CHECKOUT, run_workers
 RECIPE = str(CHECKOUT / "recipes" / "debug.yaml")
 LAYOUTS = [
     dict(name="TP2+SP", tp=2, sequence_parallel=True),
-    # The MLP entries overlapped with their GEMMs: the same bytes in 3 pieces each way.
-    dict(name="TP2+SP overlapped entries", tp=2, sequence_parallel=True, overrides=["parallel.tp_overlap_chunks=3"]),
-    dict(name="DP2×TP2 ZeRO-1", tp=2, dp=2, zero1=True),
+    # The entries and leaves overlapped with their GEMMs: the same bytes in 3 pieces each way.
+    dict(
+        name="TP2+SP overlapped entries and leaves",
+        tp=2,
+        sequence_parallel=True,
+        overrides=["parallel.tp_overlap_chunks=3"],
+    ),
+    # (without SP the overlapped leaves all-reduce in 2 pieces in forward)
+    dict(name="DP2×TP2 ZeRO-1, TP in 2 pieces", tp=2, dp=2, zero1=True, overrides=["parallel.tp_overlap_chunks=2"]),
     # The other balancers' statistics, SP without ZeRO-1, and recompute's extra gathers.
     dict(
         name="DP2×TP2+SP exact quantile",
@@ -34,7 +40,8 @@ LAYOUTS = [
         name="TP2+SP recompute=sublayer sign",
         tp=2,
         sequence_parallel=True,
-        overrides=["model.recompute=sublayer", "model.balancer=sign"],
+        # (overlapped entries; the leaves of a recomputed sublayer stay unfused)
+        overrides=["model.recompute=sublayer", "model.balancer=sign", "parallel.tp_overlap_chunks=2"],
     ),
     dict(name="DP2 ZeRO-1", dp=2, zero1=True),
     # Gradients reduce-scattered to four owners (uneven segments, padded).

@@ -15,10 +15,11 @@ TOLERANCE = 1e-12
 @pytest.mark.parametrize(
     "tp,sequence_parallel,overlap_chunks",
     [(2, False, 0), (2, True, 0), (2, True, 3), (2, False, 2)],
-    ids=["tp", "tp+sp", "tp+sp, every entry overlapped in 3 pieces", "tp, entries overlapped"],
+    ids=["tp", "tp+sp", "tp+sp, every entry and leave overlapped in 3 pieces", "tp, entries and leaves overlapped"],
 )
 def test_tensor_parallel_matches_single_process(tp, sequence_parallel, overlap_chunks):
-    """`parallel.tp_overlap_chunks` > 0: every mixer and MLP entry fused with its projections
+    """`parallel.tp_overlap_chunks` > 0: every mixer and MLP entry fused with its projections, every
+    leave with its row-parallel projection
     (parallel/tensor_overlap.py); the same sums in another order, within the same 1e-12."""
     results = run_workers(
         tp,
@@ -48,13 +49,14 @@ def test_tensor_parallel_optimizer_steps_match_single_process(tp, sequence_paral
         assert result["bias_error"] < 1e-10, (rank, result)
 
 
-def test_fused_entry_overlap_equals_enter_then_linear():
-    """The overlapped entry (parallel/tensor_overlap.py) computes the same sums in another order
-    (pieces of the sequence, input gradients summed over the projections before the collective):
-    1e-12 in float64 on values O(1) from sums of 6 to 20 products; the same bytes on the wire."""
+def test_fused_entry_and_leave_overlap_equal_the_unfused_regions():
+    """The overlapped entry and leave (parallel/tensor_overlap.py) compute the same sums in another
+    order (pieces of the sequence, input gradients summed over the projections before the
+    collective, partial products summed per piece): 1e-12 in float64 on values O(1) from sums of
+    4 to 20 products; the same bytes on the wire."""
     results = run_workers(2, "tests.distributed.workers_tp:compare_fused_entry", {}, timeout_s=240)
     for rank, cases in enumerate(results):
-        assert len(cases) == 6
+        assert len(cases) == 12 and sum(bool(case.get("leave")) for case in cases) == 6
         for case in cases:
             assert case["error"] < TOLERANCE, (rank, case)
             assert case["bytes"][0] == case["bytes"][1] > 0, (rank, case)

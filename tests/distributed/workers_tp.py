@@ -178,4 +178,43 @@ def compare_fused_entry(env, payload) -> list[dict]:
                     bytes=(measured[True]["bytes"], measured[False]["bytes"]),
                 )
             )
+            results.append(_compare_fused_leave(state, env, sequence_parallel, chunks))
     return results
+
+
+def _compare_fused_leave(state, env, sequence_parallel: bool, chunks: int) -> dict:
+    """`TensorParallel.leave_projection` with overlap against `leave(F.linear(...))`: a
+    row-parallel projection of this rank's features of the whole sequence, float64, the output
+    and the gradients of the input and the weight, and the counted bytes."""
+    from k3train.parallel.tensor import TensorParallel
+
+    generator = torch.Generator().manual_seed(11 + env.rank)  # each rank its own partial input
+    features = torch.randn(2, 10, 4, generator=generator, dtype=torch.float64)
+    weight = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    shape = (2, 10 // env.world_size if sequence_parallel else 10, 6)
+    probe = torch.randn(shape, generator=torch.Generator().manual_seed(5 + env.rank), dtype=torch.float64)
+    measured: dict[bool, dict[str, Any]] = {}
+    for fused in (True, False):
+        tp = TensorParallel(state.tp, sequence_parallel, overlap_chunks=chunks if fused else 0)
+        x = features.clone().requires_grad_(True)
+        linear = torch.nn.Linear(4, 6, bias=False, dtype=torch.float64)
+        linear.weight.data.copy_(weight)
+        state.counter.reset()
+        out = tp.leave_projection(x, linear)
+        (out * probe).sum().backward()
+        assert x.grad is not None and linear.weight.grad is not None
+        measured[fused] = dict(
+            values=[out.detach()], grads=[x.grad, linear.weight.grad], bytes=state.counter.bytes.get("tp", 0)
+        )
+    error = max(
+        (a - b).abs().max().item()
+        for key in ("values", "grads")
+        for a, b in zip(measured[True][key], measured[False][key])
+    )
+    return dict(
+        leave=True,
+        sequence_parallel=sequence_parallel,
+        chunks=chunks,
+        error=error,
+        bytes=(measured[True]["bytes"], measured[False]["bytes"]),
+    )
