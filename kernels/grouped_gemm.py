@@ -145,8 +145,13 @@ def bucket_rows(rows: int) -> int:
     and under 6.25% above."""
     if rows <= 0:
         return 0
-    step = max(32, 1 << max(0, rows.bit_length() - 5))
+    step = bucket_step(rows)
     return -(-rows // step) * step
+
+
+def bucket_step(rows: int) -> int:
+    """The multiple `bucket_rows` rounds `rows` (> 0) up to."""
+    return max(32, 1 << max(0, rows.bit_length() - 5))
 
 
 def pads_groups(rows: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ from k3train.planning.layout_traffic import (
     data_parallel_wire_bytes,
     gradient_bucket_schedule,
     layout_step_bytes,
-    overlapped_tensor_entries,
+    overlapped_tensor_regions,
 )
 from k3train.planning.memory import GIB as _GIB
 from k3train.planning.memory import MEMORY_HEADER, rank_memory
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.hardware:
         hardware = load_profile(args.hardware)
-        tp_entries = overlapped_tensor_entries(config, layout)
+        tp_overlap = overlapped_tensor_regions(config, layout)
         estimate = estimate_step_time(
             config.model,
             layout,
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             document_lengths=documents,
             ep_overlap_chunks=config.parallel.ep_overlap_chunks,
             gradient_buckets=buckets,
-            tp_entries=tp_entries,
+            tp_overlap=tp_overlap,
         )
         print(
             f"\n{hardware.name}, {args.efficiency:.0%} of the dense peak: step {estimate.step_s:.2f} s, "
@@ -433,8 +433,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         if parallel.tp_overlap_chunks and layout.tp > 1:
             print(
-                f"TP entries of every mixer and MLP region overlapped in {tp_entries.pieces} piece(s) (torch projections)"
-                if tp_entries is not None
+                f"TP entries of every mixer and MLP region overlapped in {tp_overlap.pieces} piece(s), "
+                + (
+                    f"leaves in {tp_overlap.leave_pieces} (torch projections)"
+                    if tp_overlap.leave_pieces
+                    else "leaves exposed (model.recompute=sublayer keeps them unfused; torch projections)"
+                )
+                if tp_overlap is not None
                 else "TP priced exposed: parallel.tp_overlap_chunks overlaps plain torch projections only, and "
                 f"model.linear_backend={config.model.linear_backend} runs Transformer Engine's on CUDA where it imports "
                 "(model.linear_backend=torch to price the overlap)"

@@ -19,7 +19,7 @@ from k3train.config import JobConfig
 from k3train.parallel.state import Layout
 from k3train.parallel.tensor_overlap import chunk_bounds
 from k3train.planning.context import context_step_bytes
-from k3train.planning.time import TensorEntries
+from k3train.planning.time import TensorOverlap
 from k3train.training.build import RankJob
 
 
@@ -277,22 +277,35 @@ def layout_step_bytes(job: RankJob, micro_batches: int) -> dict[str, float]:
     return dict(out)
 
 
-def overlapped_tensor_entries(config: JobConfig, layout: Layout, device_type: str = "cuda") -> TensorEntries | None:
-    """The overlapped TP entries (every mixer and MLP region) of one step (`parallel.tp_overlap_chunks`,
+def overlapped_tensor_regions(config: JobConfig, layout: Layout, device_type: str = "cuda") -> TensorOverlap | None:
+    """The overlapped TP regions (every mixer and MLP region's entry, and its leave unless
+    `model.recompute=sublayer`) of one step (`parallel.tp_overlap_chunks`,
     `parallel/tensor_overlap.py`), as `estimate_step_time` prices them; None when none overlap:
     tp 1, `tp_overlap_chunks` 0, or projections that are not plain torch linears. On CUDA
     `model.linear_backend: auto` picks Transformer Engine's (the planner takes it to import
-    there), whose entries do not overlap, so only `torch` overlaps; on a CPU every backend is torch."""
+    there), whose regions do not overlap, so only `torch` overlaps; on a CPU every backend is torch."""
     chunks, tp = config.parallel.tp_overlap_chunks, layout.tp
     if tp == 1 or chunks == 0 or (device_type == "cuda" and config.model.linear_backend != "torch"):
         return None
     element = 2 if config.train.precision != "fp32" else 4  # as layout_step_bytes
     tokens = config.train.micro_batch_size * config.data.seq_length // layout.cp
     full = tokens * config.model.hidden_size * element
+    leaves = config.model.recompute != "sublayer"
     if config.parallel.sequence_parallel:  # the all-gather of N/tp in pieces, the gradient's reduce-scatter of N
         pieces = len(chunk_bounds(config.data.seq_length // (layout.cp * tp), chunks))
-        return TensorEntries(gather_bytes=full // tp, reduce_bytes=full, pieces=pieces)
-    return TensorEntries(gather_bytes=0, reduce_bytes=full, pieces=1)  # one all-reduce in backward
+        return TensorOverlap(
+            gather_bytes=full // tp,
+            reduce_bytes=full,
+            pieces=pieces,
+            leave_reduce_bytes=full if leaves else 0,
+            leave_gather_bytes=full // tp if leaves else 0,
+            leave_pieces=pieces if leaves else 0,
+        )
+    # entry: one all-reduce in backward; leave: the forward all-reduce in pieces of the sequence
+    leave_pieces = len(chunk_bounds(tokens // config.train.micro_batch_size, chunks)) if leaves else 0
+    return TensorOverlap(
+        gather_bytes=0, reduce_bytes=full, pieces=1, leave_reduce_bytes=full if leaves else 0, leave_pieces=leave_pieces
+    )
 
 
 __all__ = [
@@ -300,7 +313,7 @@ __all__ = [
     "node_hit_probability",
     "node_layer_traffic",
     "nodes_intranode_bytes",
-    "overlapped_tensor_entries",
+    "overlapped_tensor_regions",
     "gradient_bucket_schedule",
     "DATA_PARALLEL_GROUPS",
     "layout_step_bytes",

@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 from k3train.config import JobConfig
+from k3train.kernels.grouped_gemm import bucket_step
 from k3train.model.config import ModelConfig
 from k3train.optim.builder import route_parameters
 from k3train.parallel.mixed_precision import MainGradReducer
@@ -69,6 +70,7 @@ class ActivationShape:
     sequence_parallel: bool
     element_bytes: int  # 4 fp32, 2 bf16
     saved: SavedElementBytes | None = None
+    expert_groups: int = 0  # local expert groups padded with zero rows (CPU bf16, kernels/grouped_gemm.py)
 
     @property
     def outside_tokens(self) -> float:
@@ -78,16 +80,33 @@ class ActivationShape:
         return float(self.element_bytes) if self.saved is None else getattr(self.saved, component)
 
 
-def activation_shape(config: JobConfig, tokens: int, tp: int, sequence_parallel: bool) -> ActivationShape:
+def activation_shape(config: JobConfig, tokens: int, tp: int, sequence_parallel: bool, ep: int = 1) -> ActivationShape:
     """The micro-batch shape of `config`'s precision: 4 bytes under fp32; under bf16 and fp8
     2 bytes on CUDA (the kernels' bf16 saves: an assumption no GPU run has measured yet), and
-    on the CPU the PyTorch path's measured mix (`TORCH_PATH_BF16`)."""
+    on the CPU the PyTorch path's measured mix (`TORCH_PATH_BF16`), its `num_experts / ep`
+    local expert groups padded to repeating GEMM shapes."""
     train = config.train
     if train.precision == "fp32":
         return ActivationShape(tokens, tp, sequence_parallel, 4)
     if train.device == "cpu":
-        return ActivationShape(tokens, tp, sequence_parallel, 2, TORCH_PATH_BF16)
+        groups = config.model.num_experts // ep if config.model.num_experts else 0
+        return ActivationShape(tokens, tp, sequence_parallel, 2, TORCH_PATH_BF16, groups)
     return ActivationShape(tokens, tp, sequence_parallel, 2)
+
+
+def expert_padding_bytes(cfg: ModelConfig, shape: ActivationShape) -> float:
+    """Saved bytes of the zero rows the CPU bf16 experts pad their groups with, per MoE layer:
+    at the mean slots per group, half a `bucket_rows` step per group on average, each row saving
+    the latent input and the down projection's input in bf16 and SiTU-GLU's four fp32 factors (or,
+    with `model.recompute_glu`, its bf16 gate and up)."""
+    slots = shape.outside_tokens * cfg.num_experts_per_token
+    if not shape.expert_groups or slots <= 0:
+        return 0.0
+    mean = max(1, int(slots / shape.expert_groups))
+    rows = shape.expert_groups * (bucket_step(mean) - 1) / 2
+    inner = cfg.moe_intermediate_size
+    factors = 2 * inner * shape.element_bytes if cfg.recompute_glu and cfg.hidden_act == "situ" else 4 * inner * 4
+    return rows * ((cfg.expert_width + inner) * shape.element_bytes + factors)
 
 
 def kda_elements_per_token(cfg: ModelConfig, tp: int) -> float:
@@ -177,6 +196,7 @@ def layer_activation_bytes(
         ffn = routed * outside * shape.bytes_of("moe") + shared * inside * shape.bytes_of("glu")
         inner = cfg.moe_intermediate_size
         ffn -= saving * (cfg.num_experts_per_token * inner * outside + cfg.num_shared_experts * inner / tp * inside)
+        ffn += expert_padding_bytes(cfg, shape)
     else:
         ffn = glu_elements_per_token(h, cfg.intermediate_size / tp) * inside * shape.bytes_of("glu")
         ffn -= saving * cfg.intermediate_size / tp * inside
@@ -409,6 +429,7 @@ def rank_memory(job: RankJob, layout: Layout, micro_batches: int, kernel: Attent
         config.train.micro_batch_size * config.data.seq_length // layout.cp,
         layout.tp,
         bool(config.parallel.sequence_parallel and layout.tp > 1),
+        layout.ep,
     )
     parameters = sum(p.numel() for p in job.model.parameters())
     in_flight = peak_in_flight(job.plan, pp_rank, micro_batches)

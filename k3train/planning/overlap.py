@@ -18,7 +18,12 @@ of one region (a mixer or an MLP): forward, the sequence-parallel all-gather in 
 wire), each piece's entry GEMMs (`f/n`) once it has arrived; backward, each piece's input
 gradient (`f/n`, the same FLOPs) is reduce-scattered (`r` each) as soon as it is made, under the
 rest and then the weight-gradient GEMMs (`f`); without sequence parallelism no forward
-collective and one all-reduce under the weight gradients.
+collective and one all-reduce under the weight gradients. Its overlapped leave (the row-parallel
+projection, `l` of forward GEMMs): forward, each piece's partial product (`l/n`) then its
+reduce-scatter or all-reduce (`r` each) under the next piece's; backward (sequence parallel),
+the output gradient's all-gather in `n` pieces (`g` each), each piece's input gradient (`l/n`)
+once it has arrived, then the weight gradient (`l`); without sequence parallelism no backward
+collective.
 
 The gradient buckets of the last micro-batch's backward (`exposed_gradient_buckets_s`) replay the
 same way: each bucket goes on the link once it is full, and only what is still on the link when
@@ -75,6 +80,19 @@ def exposed_tensor_entry_s(gather_s: float, reduce_s: float, entry_forward_s: fl
     return forward + backward
 
 
+def exposed_tensor_leave_s(reduce_s: float, gather_s: float, leave_forward_s: float, pieces: int) -> float:
+    """Exposed seconds of one overlapped TP leave in one micro-batch's forward and backward:
+    `reduce_s` its forward reduce-scatter (or all-reduce) on the wire, `gather_s` its output
+    gradient's all-gather (0 without sequence parallelism), `leave_forward_s` its row-parallel
+    GEMM's forward compute, `pieces` (≥ 1) the pieces of the sequence."""
+    if pieces < 1:
+        raise ValueError(f"an overlapped leave runs in at least one piece, got {pieces}")
+    piece_s = leave_forward_s / pieces
+    forward = _replay(0.0, reduce_s / pieces, piece_s, 0.0, 0.0, pieces)
+    backward = _replay(gather_s / pieces, 0.0, piece_s, 0.0, leave_forward_s, pieces) if gather_s > 0 else 0.0
+    return forward + backward
+
+
 def exposed_gradient_buckets_s(buckets: list[tuple[float, float]], backward_s: float) -> float:
     """Exposed seconds of the gradient buckets of the step's last backward (`backward_s` long):
     `buckets` are `(seconds on the link, share of the backward done when the bucket is full)` in
@@ -97,4 +115,10 @@ def even_buckets(total_s: float, bucket_s: float) -> list[tuple[float, float]]:
     return [(size, (index + 1) / count) for index, size in enumerate(sizes)]
 
 
-__all__ = ["exposed_expert_exchange_s", "exposed_tensor_entry_s", "exposed_gradient_buckets_s", "even_buckets"]
+__all__ = [
+    "exposed_expert_exchange_s",
+    "exposed_tensor_entry_s",
+    "exposed_tensor_leave_s",
+    "exposed_gradient_buckets_s",
+    "even_buckets",
+]

@@ -30,7 +30,7 @@ from k3train.parallel.config import divisors
 from k3train.parallel.pipeline_schedule import PipelineConfigError, PipelinePlan, check_interleaved_micro_batches
 from k3train.parallel.state import Layout, LayoutError, layout_of
 from k3train.planning.hardware import HardwareProfile
-from k3train.planning.layout_traffic import expert_layer_traffic, nodes_intranode_bytes, overlapped_tensor_entries
+from k3train.planning.layout_traffic import expert_layer_traffic, nodes_intranode_bytes, overlapped_tensor_regions
 from k3train.planning.memory import GIB, activation_shape, expert_layer_buffer_bytes, peak_in_flight
 from k3train.planning.search_budget import SearchBudget
 from k3train.planning.search_cache import SearchCache
@@ -221,7 +221,9 @@ def estimate_memory(config: JobConfig, layout: Layout, plan: PipelinePlan, cache
     micro_batches = train.micro_batches_per_rank(layout.data_parallel)
     element = 2 if train.precision != "fp32" else 4  # bf16, and fp8 (bf16 between its FP8 GEMMs)
     sp = config.parallel.sequence_parallel and layout.tp > 1
-    shape = activation_shape(config, train.micro_batch_size * config.data.seq_length // layout.cp, layout.tp, sp)
+    shape = activation_shape(
+        config, train.micro_batch_size * config.data.seq_length // layout.cp, layout.tp, sp, layout.ep
+    )
     expert_buffers = replica_weights = 0.0  # per MoE layer in flight; per MoE layer held
     if layout.ep > 1:  # as memory.py: dispatch and combine of every MoE layer in flight, replicas per layer
         ep = cache.expert_parallel(layout, config.parallel, cfg.num_experts)
@@ -281,7 +283,7 @@ def estimate_time(
         comm_bytes=comm,
         efficiency=efficiency,
         ep_overlap_chunks=config.parallel.ep_overlap_chunks,
-        tp_entries=overlapped_tensor_entries(config, layout),
+        tp_overlap=overlapped_tensor_regions(config, layout),
     )
 
 

@@ -12,7 +12,7 @@ Assumptions (stated, and printed by tools/plan.py):
   `stride` apart spans `stride × size` consecutive ranks, inside a node when that is at most
   `gpus_per_node`), at the ring factor `2(n−1)/n` for all-reduces. TP collectives sit on the
   critical path, except the overlapped entries of every mixer and MLP region
-  (`parallel.tp_overlap_chunks` with plain torch projections: `TensorEntries`, replayed per region and micro-batch by
+  (`parallel.tp_overlap_chunks` with plain torch projections: `TensorOverlap`, replayed per region and micro-batch by
   `overlap.exposed_tensor_entry_s`); EP all-to-alls too, unless `parallel.ep_overlap_chunks` overlaps them with the
   routed and shared experts' compute (`k3train/planning/overlap.py` replays that schedule per
   MoE layer and micro-batch: only what the experts cannot cover is exposed; the `nodes`
@@ -40,6 +40,7 @@ from k3train.planning.overlap import (
     exposed_expert_exchange_s,
     exposed_gradient_buckets_s,
     exposed_tensor_entry_s,
+    exposed_tensor_leave_s,
 )
 
 DEFAULT_EFFICIENCY = 0.45
@@ -112,15 +113,20 @@ def group_link(layout: Layout, group: str, gpus_per_node: int) -> str:
 
 
 @dataclass(frozen=True)
-class TensorEntries:
-    """The overlapped TP entries (every mixer and MLP region) of a step:
-    per region and micro-batch the all-gather's bytes (0 without sequence parallelism), the
-    gradient's reduce-scatter (all-reduce) bytes, and the pieces of the sequence. Their bytes are
+class TensorOverlap:
+    """The overlapped TP regions (every mixer and MLP region) of a step, per region and
+    micro-batch. Entry: the all-gather's bytes (0 without sequence parallelism), the gradient's
+    reduce-scatter (all-reduce) bytes, the pieces of the sequence. Leave (`leave_pieces` 0: not
+    overlapped, under `model.recompute=sublayer`): the forward reduce-scatter (all-reduce) bytes,
+    the backward all-gather bytes (0 without sequence parallelism), its pieces. Their bytes are
     part of the `tp` bytes given to `estimate_step_time`."""
 
     gather_bytes: float
     reduce_bytes: float
     pieces: int
+    leave_reduce_bytes: float = 0.0
+    leave_gather_bytes: float = 0.0
+    leave_pieces: int = 0
 
 
 @dataclass
@@ -175,7 +181,7 @@ def estimate_step_time(
     document_lengths: Sequence[int] | None = None,
     ep_overlap_chunks: int = 0,
     gradient_buckets: Mapping[str, Sequence[tuple[float, float]]] | None = None,
-    tp_entries: TensorEntries | None = None,
+    tp_overlap: TensorOverlap | None = None,
 ) -> StepTime:
     """The step time of `layout`; `comm_bytes` per group is what one rank sends in one step
     (`traffic_terms.layout_step_bytes`); `document_lengths`: the documents each sequence is
@@ -183,7 +189,7 @@ def estimate_step_time(
     `gradient_buckets`: per data-parallel group, its buckets `(bytes, share of the backward done
     when full)` in launch order (`layout_traffic.gradient_bucket_schedule`); without them a
     group's bytes are taken as buckets of the reducer's default size, full at even shares.
-    `tp_entries`: the overlapped entries inside the `tp` bytes (None: every TP collective
+    `tp_overlap`: the overlapped entries inside the `tp` bytes (None: every TP collective
     exposed)."""
     gpn = gpus_per_node or hardware.gpus_per_node
     peak = hardware.peak_flops(precision)
@@ -220,8 +226,8 @@ def estimate_step_time(
                 buckets = [(bucket_bytes / bandwidth, share) for bucket_bytes, share in schedule]
                 rest = max(0.0, nbytes - sum(bucket_bytes for bucket_bytes, _ in schedule)) / bandwidth
             seconds = exposed_gradient_buckets_s(buckets, per_micro_batch * 2 / 3) + rest
-        elif group == "tp" and tp_entries is not None:
-            seconds = _overlapped_tp_s(cfg, layout, plan, nbytes, bandwidth, tokens, rate, micro_batches, tp_entries)
+        elif group == "tp" and tp_overlap is not None:
+            seconds = _overlapped_tp_s(cfg, layout, plan, nbytes, bandwidth, tokens, rate, micro_batches, tp_overlap)
         elif group == "ep" and ep_overlap_chunks > 0:
             # The `nodes` transport's forwards inside the node are hops of the same chunks.
             inside = comm_bytes.get("ep.intranode", 0.0) / (hardware.nvlink_gbps * 1e9)
@@ -264,34 +270,53 @@ def _overlapped_tp_s(
     tokens: int,
     rate: float,
     micro_batches: int,
-    entries: TensorEntries,
+    regions: TensorOverlap,
 ) -> float:
     """The exposed part of a step's `tp_bytes` on the stage with the most TP regions (whose
-    bytes the step counts): the overlapped entries replayed per region and micro-batch under the
-    GEMMs of their input (`entry_flops`), the rest exposed."""
+    bytes the step counts): each region's overlapped entry replayed per micro-batch under the
+    GEMMs of its input (`mixer_entry_flops`), its overlapped leave under its row-parallel GEMM
+    (`region_leave_flops`), the rest (embedding, head, loss, Muon's gathers) exposed."""
 
-    def regions(rank: int) -> list[float]:  # each region's entry GEMMs, forward FLOPs per token
+    def stage_regions(rank: int) -> list[tuple[float, float]]:  # (entry, leave) forward FLOPs per token
         out = []
         for start, end in plan.layer_ranges(rank):
             for layer in range(start, end):
-                out.append(mixer_entry_flops(cfg, layer in cfg.full_attn_layer_set, layout.tp))
+                mla = layer in cfg.full_attn_layer_set
+                out.append((mixer_entry_flops(cfg, mla, layout.tp), mixer_leave_flops(cfg, mla)))
                 if not cfg.is_moe_layer(layer):
-                    out.append(F.dense_mlp_flops(cfg) * 2 / 3)
-                elif cfg.num_shared_experts > 0:
-                    out.append(F.shared_expert_flops(cfg) * 2 / 3)  # gate and up: 2/3 of a GLU
+                    out.append((F.dense_mlp_flops(cfg) * 2 / 3, F.dense_mlp_flops(cfg) / 3))
+                elif cfg.num_shared_experts > 0:  # gate and up: 2/3 of a GLU; down 1/3
+                    out.append((F.shared_expert_flops(cfg) * 2 / 3, F.shared_expert_flops(cfg) / 3))
         return out
 
-    entry_flops = max((regions(rank) for rank in range(layout.pp)), key=len)
+    stage = max((stage_regions(rank) for rank in range(layout.pp)), key=len)
     share = tokens / layout.tp / layout.cp / rate  # seconds per forward FLOP per token of this rank's rows
-    overlapped_bytes = micro_batches * len(entry_flops) * (entries.gather_bytes + entries.reduce_bytes)
-    exposed = max(0.0, tp_bytes - overlapped_bytes) / bandwidth
-    per_micro_batch = sum(
-        exposed_tensor_entry_s(
-            entries.gather_bytes / bandwidth, entries.reduce_bytes / bandwidth, flops * share, entries.pieces
+    per_region_bytes = regions.gather_bytes + regions.reduce_bytes
+    if regions.leave_pieces:
+        per_region_bytes += regions.leave_reduce_bytes + regions.leave_gather_bytes
+    exposed = max(0.0, tp_bytes - micro_batches * len(stage) * per_region_bytes) / bandwidth
+    per_micro_batch = 0.0
+    for entry_flops, leave_flops in stage:
+        per_micro_batch += exposed_tensor_entry_s(
+            regions.gather_bytes / bandwidth, regions.reduce_bytes / bandwidth, entry_flops * share, regions.pieces
         )
-        for flops in entry_flops
-    )
+        if regions.leave_pieces:
+            per_micro_batch += exposed_tensor_leave_s(
+                regions.leave_reduce_bytes / bandwidth,
+                regions.leave_gather_bytes / bandwidth,
+                leave_flops * share,
+                regions.leave_pieces,
+            )
     return exposed + micro_batches * per_micro_batch
+
+
+def mixer_leave_flops(cfg: ModelConfig, mla: bool) -> float:
+    """Forward FLOPs per token of a mixer's row-parallel output projection (whole, as if split
+    over `tp`): KDA's and MLA's `o_proj`."""
+    if mla:
+        return 2 * cfg.num_attention_heads * cfg.v_head_dim * cfg.hidden_size
+    lac = cfg.linear_attn_config
+    return 2 * lac.num_heads * lac.head_dim * cfg.hidden_size
 
 
 def _overlapped_ep_s(
@@ -324,7 +349,7 @@ def _overlapped_ep_s(
 
 __all__ = [
     "StepTime",
-    "TensorEntries",
+    "TensorOverlap",
     "estimate_step_time",
     "layer_training_flops",
     "chunk_training_flops",

@@ -331,7 +331,7 @@ def predicted_exposed(
     from k3train.parallel.pipeline_schedule import PipelinePlan
     from k3train.parallel.state import layout_of
     from k3train.planning.hardware import HardwareProfile
-    from k3train.planning.layout_traffic import overlapped_tensor_entries
+    from k3train.planning.layout_traffic import overlapped_tensor_regions
     from k3train.planning.measured import layout_overrides
     from k3train.planning.time import estimate_step_time
 
@@ -348,7 +348,7 @@ def predicted_exposed(
     schedule = {group: [(nbytes + latency_bytes, share) for nbytes, share in rows] for group, rows in buckets.items()}
 
     # The overlapped TP entries' pieces pay the link's latency each, as every message does here.
-    entries = overlapped_tensor_entries(config, grid, device_type="cpu")
+    entries = overlapped_tensor_regions(config, grid, device_type="cpu")
     if entries is not None:
         piece_latency = entries.pieces * latency_bytes
         entries = dataclasses.replace(
@@ -373,7 +373,7 @@ def predicted_exposed(
             gpus_per_node=world,
             ep_overlap_chunks=config.parallel.ep_overlap_chunks,
             gradient_buckets=schedule,
-            tp_entries=entries,
+            tp_overlap=entries,
         )
 
     unit = estimate(1.0, {})

@@ -3,7 +3,7 @@ against the schedule worked by hand, and its use in the step time."""
 
 import pytest
 
-from k3train.planning.overlap import exposed_expert_exchange_s, exposed_tensor_entry_s
+from k3train.planning.overlap import exposed_expert_exchange_s, exposed_tensor_entry_s, exposed_tensor_leave_s
 
 
 def test_no_overlap_exposes_everything():
@@ -72,19 +72,45 @@ def test_an_entry_needs_a_piece():
         exposed_tensor_entry_s(1.0, 1.0, 1.0, pieces=0)
 
 
+# ---- the overlapped TP leaves, worked by hand
+
+
+def test_one_leave_piece_exposes_its_reduce_and_gather():
+    # forward: the 2 s GEMM, then its whole 1 s reduce-scatter; backward: the 0.5 s all-gather
+    # before the input gradient, then the weight gradient (no collective left): 1.5 s
+    assert exposed_tensor_leave_s(1.0, 0.5, 2.0, pieces=1) == pytest.approx(1.5)
+
+
+def test_leave_pieces_expose_the_last_reduce_and_the_first_gather():
+    # 4 pieces of 0.5 s GEMM: each 0.25 s reduce under the next piece, the last one exposed;
+    # backward: the first 0.125 s gather piece waited for, the rest under 0.5 s input-gradient pieces
+    assert exposed_tensor_leave_s(1.0, 0.5, 2.0, pieces=4) == pytest.approx(0.25 + 0.125)
+
+
+def test_leave_wire_longer_than_its_pieces_leaves_the_difference():
+    # 8 s of reduce in 4 pieces of 2 s after 0.25 s GEMM pieces: the link starts at 0.25 s and
+    # carries 8 s, against 1 s of compute: 7.25 s; no backward collective without SP
+    assert exposed_tensor_leave_s(8.0, 0.0, 1.0, pieces=4) == pytest.approx(0.25 + 8.0 - 1.0)
+
+
+def test_a_leave_needs_a_piece():
+    with pytest.raises(ValueError, match="at least one piece"):
+        exposed_tensor_leave_s(1.0, 1.0, 1.0, pieces=0)
+
+
 def _k3_step(*overrides: str):
     from k3train.config import load_config
     from k3train.parallel.pipeline_schedule import PipelinePlan
     from k3train.parallel.state import layout_of
     from k3train.planning.hardware import load_profile
-    from k3train.planning.layout_traffic import overlapped_tensor_entries
+    from k3train.planning.layout_traffic import overlapped_tensor_regions
     from k3train.planning.search import analytic_step_bytes
     from k3train.planning.time import estimate_step_time
 
     config = load_config("recipes/k3.yaml", list(overrides))
     layout = layout_of(1024, config.parallel, config.model)
     plan = PipelinePlan.from_config(config.model, config.parallel)
-    entries = overlapped_tensor_entries(config, layout)
+    entries = overlapped_tensor_regions(config, layout)
     step = estimate_step_time(
         config.model,
         layout,
@@ -96,7 +122,7 @@ def _k3_step(*overrides: str):
         precision=config.train.precision,
         comm_bytes=analytic_step_bytes(config, layout, plan),
         ep_overlap_chunks=config.parallel.ep_overlap_chunks,
-        tp_entries=entries,
+        tp_overlap=entries,
     )
     return entries, step
 
@@ -109,19 +135,30 @@ def test_the_planner_prices_overlapped_entries_only_for_torch_projections():
     assert on_te.exposed_comm_s["tp"] == exposed.exposed_comm_s["tp"]
     entries, overlapped = _k3_step("parallel.tp_overlap_chunks=4", "model.linear_backend=torch")
     assert entries is not None and entries.pieces == 4 and entries.reduce_bytes == 8 * entries.gather_bytes  # tp 8
-    # Hidden: at most the entries' bytes, at least something (the MLP GEMMs are long at K3's size).
+    assert entries.leave_pieces == 4 and entries.leave_reduce_bytes == entries.reduce_bytes  # recompute attn_res
+    assert entries.leave_gather_bytes == entries.gather_bytes
+    # Hidden: at most the regions' bytes, at least something (the MLP GEMMs are long at K3's size).
     hidden = exposed.exposed_comm_s["tp"] - overlapped.exposed_comm_s["tp"]
     assert 0 < hidden < exposed.exposed_comm_s["tp"]
     assert overlapped.compute_s == exposed.compute_s
+    # Under sublayer recompute the leaves stay unfused: less is hidden.
+    sublayer, entries_only = _k3_step(
+        "parallel.tp_overlap_chunks=4", "model.linear_backend=torch", "model.recompute=sublayer"
+    )
+    assert sublayer is not None and sublayer.leave_pieces == 0
+    assert entries_only.exposed_comm_s["tp"] > overlapped.exposed_comm_s["tp"]
 
 
 def test_entries_on_a_cpu_overlap_with_any_backend_and_without_sequence_parallelism():
     from k3train.config import load_config
     from k3train.parallel.state import layout_of
-    from k3train.planning.layout_traffic import overlapped_tensor_entries
+    from k3train.planning.layout_traffic import overlapped_tensor_regions
 
     config = load_config("recipes/debug.yaml", ["parallel.tp=2", "parallel.tp_overlap_chunks=3"])
     layout = layout_of(2, config.parallel, config.model)
-    assert overlapped_tensor_entries(config, layout) is None  # auto on CUDA: TE
-    entries = overlapped_tensor_entries(config, layout, device_type="cpu")
+    assert overlapped_tensor_regions(config, layout) is None  # auto on CUDA: TE
+    entries = overlapped_tensor_regions(config, layout, device_type="cpu")
     assert entries is not None and entries.pieces == 1 and entries.gather_bytes == 0  # no SP: one all-reduce
+    # the leaves' forward all-reduce in 3 pieces of the sequence, no backward collective
+    assert entries.leave_pieces == 3 and entries.leave_reduce_bytes == entries.reduce_bytes
+    assert entries.leave_gather_bytes == 0
