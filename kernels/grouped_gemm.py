@@ -140,9 +140,10 @@ class _GroupedMM(torch.autograd.Function):
 
 
 def bucket_rows(rows: int) -> int:
-    """`rows` rounded up to a multiple of 32, or of 1/16 of its power of two from 512 rows on: at
-    most 16 sizes per octave (so the shapes a GEMM sees repeat), at most 31 padding rows below 512
-    and under 6.25% above."""
+    """`rows` as they are below 32 (32 shapes), rounded up to a multiple of 32 below 512, and to
+    1/16 of its power of two above: the shapes a GEMM sees repeat, at most 31 padding rows
+    below 512 and 6.25% above. (Measured on the 512-wide model against 8 sizes per octave from
+    16 rows on, whose more shapes kept missing oneDNN's cache: docs/performance.md.)"""
     if rows <= 0:
         return 0
     step = bucket_step(rows)
@@ -151,7 +152,21 @@ def bucket_rows(rows: int) -> int:
 
 def bucket_step(rows: int) -> int:
     """The multiple `bucket_rows` rounds `rows` (> 0) up to."""
-    return max(32, 1 << max(0, rows.bit_length() - 5))
+    return 1 if rows < 32 else max(32, 1 << max(0, rows.bit_length() - 5))
+
+
+def expected_padding_rows(mean_rows: float) -> float:
+    """`E[bucket_rows(c) − c]` for a group whose row count `c` is Poisson with mean `mean_rows`
+    (slots spread at random over the groups): the planner's estimate of a group's padding."""
+    if mean_rows <= 0:
+        return 0.0
+    spread = 8 * math.sqrt(mean_rows) + 16
+    low, high = max(0, int(mean_rows - spread)), int(mean_rows + spread) + 1
+    log_mean = math.log(mean_rows)
+    return sum(
+        math.exp(count * log_mean - mean_rows - math.lgamma(count + 1)) * (bucket_rows(count) - count)
+        for count in range(low, high)
+    )
 
 
 def pads_groups(rows: torch.Tensor) -> bool:

@@ -180,12 +180,16 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Split the sequence dimension of norms and residual activations across the TP ranks."""
     tp_overlap_chunks: int = 0
-    """Tensor-parallel regions whose projections of the region's input are plain torch linears
-    (every KDA and MLA mixer, the dense MLP and the shared experts): overlap the entry's
-    collectives with those GEMMs. With sequence parallelism the all-gather runs in this many
-    pieces along the sequence, each piece's GEMMs while the next is on the wire; in backward the
-    input gradient's reduce-scatter (all-reduce without SP) runs under the weight-gradient GEMMs.
-    0 (default): the entry's collective, then the GEMMs. Off by default because on CPU (gloo, the
+    """Tensor-parallel regions whose projections are plain torch linears (every KDA and MLA
+    mixer, the dense MLP and the shared experts): overlap the entry's and the leave's
+    collectives with those GEMMs. With sequence parallelism the entry's all-gather runs in this
+    many pieces along the sequence, each piece's GEMMs while the next is on the wire; in backward
+    the input gradient's reduce-scatter (all-reduce without SP) runs under the weight-gradient
+    GEMMs. The leave's row-parallel product runs in as many pieces, each piece's reduce-scatter
+    (all-reduce) under the next piece's GEMM, and in backward (SP) the output gradient's
+    all-gather in pieces under the input-gradient GEMMs; under `model.recompute=sublayer` the
+    leaves stay unfused (a recomputed fused leave would run its collectives again).
+    0 (default): each collective, then its GEMMs. Off by default because on CPU (gloo, the
     debug model) it measured no gain: its GEMMs are too short to hide a piece (docs/traffic.md);
     the GPU measurement is pending. The planner prices it where the projections are torch's
     (docs/planning.md). parallel/tensor_overlap.py."""

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 
 from k3train.config import JobConfig
-from k3train.kernels.grouped_gemm import bucket_step
+from k3train.kernels.grouped_gemm import expected_padding_rows
 from k3train.model.config import ModelConfig
 from k3train.optim.builder import route_parameters
 from k3train.parallel.mixed_precision import MainGradReducer
@@ -96,14 +96,14 @@ def activation_shape(config: JobConfig, tokens: int, tp: int, sequence_parallel:
 
 def expert_padding_bytes(cfg: ModelConfig, shape: ActivationShape) -> float:
     """Saved bytes of the zero rows the CPU bf16 experts pad their groups with, per MoE layer:
-    at the mean slots per group, half a `bucket_rows` step per group on average, each row saving
+    `expected_padding_rows` per group at the mean slots per group (routing taken as random), each
+    row saving
     the latent input and the down projection's input in bf16 and SiTU-GLU's four fp32 factors (or,
     with `model.recompute_glu`, its bf16 gate and up)."""
     slots = shape.outside_tokens * cfg.num_experts_per_token
     if not shape.expert_groups or slots <= 0:
         return 0.0
-    mean = max(1, int(slots / shape.expert_groups))
-    rows = shape.expert_groups * (bucket_step(mean) - 1) / 2
+    rows = shape.expert_groups * expected_padding_rows(slots / shape.expert_groups)
     inner = cfg.moe_intermediate_size
     factors = 2 * inner * shape.element_bytes if cfg.recompute_glu and cfg.hidden_act == "situ" else 4 * inner * 4
     return rows * ((cfg.expert_width + inner) * shape.element_bytes + factors)

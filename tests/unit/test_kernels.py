@@ -5,7 +5,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_reference, attn_res_mix_rmsnorm
-from k3train.kernels.grouped_gemm import GroupPadding, bucket_rows, grouped_mm, grouped_mm_reference
+from k3train.kernels.grouped_gemm import (
+    GroupPadding,
+    bucket_rows,
+    expected_padding_rows,
+    grouped_mm,
+    grouped_mm_reference,
+)
 from k3train.model.norm import RMSNorm
 
 
@@ -171,26 +177,39 @@ def test_attn_res_fast_mix_takes_sources_of_mixed_dtypes():
 
 
 def test_bucket_rows_repeat_few_sizes_and_pad_little():
-    """Group sizes rounded to a multiple of 32 below 512 rows, to 1/16 of the power of two above:
-    bounded padding, and few distinct GEMM shapes (oneDNN builds one kernel per shape)."""
+    """Group sizes as they are below 32 rows, rounded to a multiple of 32 below 512 and to 1/16 of
+    the power of two above: bounded padding, and few distinct GEMM shapes (oneDNN builds one
+    kernel per shape)."""
     sizes = [bucket_rows(rows) for rows in range(1, 1 << 14)]
-    assert bucket_rows(0) == 0
+    assert bucket_rows(0) == 0 and sizes[:32] == list(range(1, 33))
     for rows, padded in enumerate(sizes, start=1):
         assert padded >= rows
         assert padded - rows <= (31 if rows < 512 else rows / 16)
-    assert len(set(sizes)) <= 16 + 16 * 5  # 32..512 in steps of 32, then 16 per octave up to 2^14
+    assert len(set(sizes)) <= 32 + 15 + 16 * 5  # 1..32, 64..512 by 32, then 16 per octave to 2^14
+
+
+def test_expected_padding_rows_is_the_mean_over_poisson_counts():
+    import math
+
+    for mean in (4.0, 40.0, 300.0):
+        pmf = [math.exp(c * math.log(mean) - mean - math.lgamma(c + 1)) for c in range(2000)]
+        exact = sum(p * (bucket_rows(c) - c) for c, p in enumerate(pmf))
+        assert expected_padding_rows(mean) == pytest.approx(exact, rel=1e-9, abs=1e-12)
+    assert expected_padding_rows(0.0) == 0.0
 
 
 def test_group_padding_places_rows_and_zeros():
-    group_ends = torch.tensor([3, 3, 40])  # groups of 3, 0 and 37 rows
+    group_ends = torch.tensor([3, 3, 40])  # groups of 3, 0 and 37 rows: 37 pads to 64
     padding = GroupPadding.bucketed(group_ends)
-    assert padding.ends.tolist() == [32, 32, 96]
+    assert padding.ends.tolist() == [3, 3, 67]
     rows = torch.arange(41 * 2, dtype=torch.float32).view(41, 2)  # one row past the last group
     padded = padding.pad(rows)
-    assert padded.shape == (96, 2)
-    assert torch.equal(padded[:3], rows[:3]) and torch.equal(padded[32:69], rows[3:40])
-    assert padded[3:32].eq(0).all() and padded[69:].eq(0).all()
+    assert padded.shape == (67, 2)
+    assert torch.equal(padded[:40], rows[:40]) and padded[40:].eq(0).all()
     assert torch.equal(padding.unpad(padded), rows[:40])
+    middle = GroupPadding.bucketed(torch.tensor([40, 45]))  # 40 rows pad to 64, then 5 rows
+    assert middle.ends.tolist() == [64, 69] and middle.keep.tolist() == [*range(40), *range(64, 69)]
+    assert middle.pad(torch.ones(45, 2))[40:64].eq(0).all()
 
 
 def _bf16_experts_run(experts, rows, group_ends, row_scale, grad_out):
@@ -217,7 +236,7 @@ def test_padded_bf16_experts_match_unpadded_and_see_only_bucketed_groups(monkeyp
     with torch.no_grad():
         for stack in experts.stacks():
             stack.copy_(0.1 * torch.randn(stack.shape))
-    counts = torch.tensor([70, 0, 33, 129, 5])
+    counts = torch.tensor([70, 0, 33, 131, 5])
     group_ends = counts.cumsum(0)
     rows = torch.randn(int(counts.sum()), experts.w1.shape[-1]).bfloat16().requires_grad_()
     row_scale = torch.rand(rows.shape[0]).requires_grad_()
@@ -236,7 +255,7 @@ def test_padded_bf16_experts_match_unpadded_and_see_only_bucketed_groups(monkeyp
 
     with GroupSizes() as seen:
         padded_out, padded_grads = _bf16_experts_run(experts, rows, group_ends, row_scale, grad_out)
-    assert seen.sizes == {96, 0, 64, 160, 32}  # the buckets of 70, 0, 33, 129, 5
+    assert seen.sizes == {96, 0, 64, 160, 5}  # the buckets of 70, 0, 33, 131, 5
     monkeypatch.setattr(moe, "pads_groups", lambda rows: False)
     out, grads = _bf16_experts_run(experts, rows, group_ends, row_scale, grad_out)
     assert padded_out.shape == out.shape
