@@ -140,9 +140,9 @@ class _GroupedMM(torch.autograd.Function):
 
 
 def bucket_rows(rows: int) -> int:
-    """`rows` as they are below 32 (32 shapes), rounded up to a multiple of 32 below 512, and to
-    1/16 of its power of two above: the shapes a GEMM sees repeat, at most 31 padding rows
-    below 512 and 6.25% above. (Measured on the 512-wide model against 8 sizes per octave from
+    """`rows` as they are below 64 (64 shapes, which repeat anyway), rounded up to a multiple of
+    32 below 512, and to 1/16 of its power of two above: the shapes a GEMM sees repeat, at most
+    31 padding rows below 512 and 6.25% above. (Measured on the 512-wide model against 8 sizes per octave from
     16 rows on, whose more shapes kept missing oneDNN's cache: docs/performance.md.)"""
     if rows <= 0:
         return 0
@@ -152,7 +152,7 @@ def bucket_rows(rows: int) -> int:
 
 def bucket_step(rows: int) -> int:
     """The multiple `bucket_rows` rounds `rows` (> 0) up to."""
-    return 1 if rows < 32 else max(32, 1 << max(0, rows.bit_length() - 5))
+    return 1 if rows < 64 else max(32, 1 << max(0, rows.bit_length() - 5))
 
 
 def expected_padding_rows(mean_rows: float) -> float:

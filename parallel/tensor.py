@@ -209,8 +209,8 @@ class TensorParallel:
         when `overlap_chunks > 0` and `fuse`; a caller whose forward is recomputed in backward
         passes `fuse=False` (a recomputed fused leave would run its collectives again, where the
         unfused leave's checkpoint stops at the projection's saved input)."""
-        fused = fuse and self.size > 1 and self.overlap_chunks > 0 and type(projection) is nn.Linear
-        if not fused or projection.bias is not None:
+        plain = type(projection) is nn.Linear and projection.bias is None
+        if not (fuse and plain and self.size > 1 and self.overlap_chunks > 0):
             return self.leave(projection(x))
         weight = cast(nn.Linear, projection).weight
         return project_and_leave(x, weight, self.group, self.sequence_parallel, self.overlap_chunks)

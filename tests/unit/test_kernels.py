@@ -177,15 +177,15 @@ def test_attn_res_fast_mix_takes_sources_of_mixed_dtypes():
 
 
 def test_bucket_rows_repeat_few_sizes_and_pad_little():
-    """Group sizes as they are below 32 rows, rounded to a multiple of 32 below 512 and to 1/16 of
+    """Group sizes as they are below 64 rows, rounded to a multiple of 32 below 512 and to 1/16 of
     the power of two above: bounded padding, and few distinct GEMM shapes (oneDNN builds one
     kernel per shape)."""
     sizes = [bucket_rows(rows) for rows in range(1, 1 << 14)]
-    assert bucket_rows(0) == 0 and sizes[:32] == list(range(1, 33))
+    assert bucket_rows(0) == 0 and sizes[:64] == list(range(1, 65))
     for rows, padded in enumerate(sizes, start=1):
         assert padded >= rows
         assert padded - rows <= (31 if rows < 512 else rows / 16)
-    assert len(set(sizes)) <= 32 + 15 + 16 * 5  # 1..32, 64..512 by 32, then 16 per octave to 2^14
+    assert len(set(sizes)) <= 64 + 14 + 16 * 5  # 1..64, 96..512 by 32, then 16 per octave to 2^14
 
 
 def test_expected_padding_rows_is_the_mean_over_poisson_counts():
@@ -199,17 +199,17 @@ def test_expected_padding_rows_is_the_mean_over_poisson_counts():
 
 
 def test_group_padding_places_rows_and_zeros():
-    group_ends = torch.tensor([3, 3, 40])  # groups of 3, 0 and 37 rows: 37 pads to 64
+    group_ends = torch.tensor([3, 3, 73])  # groups of 3, 0 and 70 rows: 70 pads to 96
     padding = GroupPadding.bucketed(group_ends)
-    assert padding.ends.tolist() == [3, 3, 67]
-    rows = torch.arange(41 * 2, dtype=torch.float32).view(41, 2)  # one row past the last group
+    assert padding.ends.tolist() == [3, 3, 99]
+    rows = torch.arange(74 * 2, dtype=torch.float32).view(74, 2)  # one row past the last group
     padded = padding.pad(rows)
-    assert padded.shape == (67, 2)
-    assert torch.equal(padded[:40], rows[:40]) and padded[40:].eq(0).all()
-    assert torch.equal(padding.unpad(padded), rows[:40])
-    middle = GroupPadding.bucketed(torch.tensor([40, 45]))  # 40 rows pad to 64, then 5 rows
-    assert middle.ends.tolist() == [64, 69] and middle.keep.tolist() == [*range(40), *range(64, 69)]
-    assert middle.pad(torch.ones(45, 2))[40:64].eq(0).all()
+    assert padded.shape == (99, 2)
+    assert torch.equal(padded[:73], rows[:73]) and padded[73:].eq(0).all()
+    assert torch.equal(padding.unpad(padded), rows[:73])
+    middle = GroupPadding.bucketed(torch.tensor([70, 75]))  # 70 rows pad to 96, then 5 rows
+    assert middle.ends.tolist() == [96, 101] and middle.keep.tolist() == [*range(70), *range(96, 101)]
+    assert middle.pad(torch.ones(75, 2))[70:96].eq(0).all()
 
 
 def _bf16_experts_run(experts, rows, group_ends, row_scale, grad_out):
@@ -255,7 +255,7 @@ def test_padded_bf16_experts_match_unpadded_and_see_only_bucketed_groups(monkeyp
 
     with GroupSizes() as seen:
         padded_out, padded_grads = _bf16_experts_run(experts, rows, group_ends, row_scale, grad_out)
-    assert seen.sizes == {96, 0, 64, 160, 5}  # the buckets of 70, 0, 33, 131, 5
+    assert seen.sizes == {96, 0, 33, 160, 5}  # the buckets of 70, 0, 33, 131, 5
     monkeypatch.setattr(moe, "pads_groups", lambda rows: False)
     out, grads = _bf16_experts_run(experts, rows, group_ends, row_scale, grad_out)
     assert padded_out.shape == out.shape
