@@ -214,7 +214,7 @@ class ParallelConfig:
     routing, not even the first step's, finds its hot experts without replicas. 'step': one
     placement per step planned from the previous step's loads, weights fetched once per step (less
     replica traffic; the first step and a sudden shift of the routing can drop, counted)."""
-    ep_transport: Literal["auto", "spread", "relay", "padded", "splits", "nodes"] = "auto"
+    ep_transport: Literal["auto", "spread", "relay", "padded", "splits", "exact", "nodes"] = "auto"
     """'balanced' dispatch, how token rows cross the EP group. 'auto': 'splits' on gloo (CPU, where
     reading split sizes costs no device synchronisation), 'spread' on GPUs. 'spread': two
     fixed-shape all-to-alls that spread each source's rows evenly over all ranks and forward them
@@ -222,7 +222,10 @@ class ParallelConfig:
     whatever the (source, destination) pairs; about (1 + capacity_factor) times the unpadded rows
     plus ep rows per pair). 'splits': exactly the
     rows that exist, the receive buffer sized to what arrives (never drops; on GPUs the split sizes
-    are read on the host, a device synchronisation per dispatch). 'relay': two fixed-shape
+    are read on the host, a device synchronisation per dispatch). 'exact': exactly the rows that
+    exist on the wire, received into a fixed [capacity_factor * tokens * top_k] buffer, the split
+    sizes kept as tensors (NVSHMEM's device-split all-to-all on CUDA where it is installed, read on
+    the host otherwise; static shapes, drops only past that capacity). 'relay': two fixed-shape
     all-to-alls (a pair's overflow goes through other ranks' spare rows; wire within
     capacity_factor of the unpadded rows, no host read; drops, and counts, beyond that bound).
     'padded': one all-to-all of tokens * top_k rows per pair (ep times the rows: a reference with

@@ -67,8 +67,8 @@ from k3train.parallel.expert_transports import TRANSPORT_CLASSES, weighted_sum, 
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
-Transport = Literal["spread", "relay", "padded", "splits", "nodes"]
-TRANSPORTS = ("spread", "relay", "padded", "splits", "nodes")
+Transport = Literal["spread", "relay", "padded", "splits", "exact", "nodes"]
+TRANSPORTS = ("spread", "relay", "padded", "splits", "exact", "nodes")
 ReplicaPlanning = Literal["online", "step"]
 
 
@@ -300,7 +300,7 @@ class ExpertParallel:
                 "replica_weights": replica_weights,
             }
         pair = tokens * top_k
-        if self.transport in ("splits", "nodes"):  # the s·k slot rows that exist, and as many back
+        if self.transport in ("splits", "exact", "nodes"):  # the s·k slot rows that exist, and as many back
             return {
                 "dispatch": (pair, latent),
                 "dispatch_ids": (pair,),

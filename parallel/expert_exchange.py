@@ -20,11 +20,12 @@ collectives in the same order (the graph, not timing, decides it).
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from k3train.parallel.comm import Group, TimedWork
+from k3train.parallel.comm import Group
 
 MORE, LAST = "more", "last"
 """What a phase generator yields: another hop follows the next wait (`MORE`), or the next resume
@@ -35,26 +36,51 @@ Phases = Generator[str, None, Result]
 
 
 class _Exchange:
-    """One all-to-all and its adjoint: who sends what (`send`/`receive` rows per rank, or equal
-    splits), the work in flight each way, and the buffers it fills."""
+    """One all-to-all and its adjoint: who sends what (`send`/`receive` rows per rank as host
+    lists, `None` for equal splits, or `counted`: device counts into buffers of fixed rows), the
+    work in flight each way, and the buffers it fills."""
 
-    def __init__(self, group: Group, send: list[int] | None, receive: list[int] | None, label: str | None):
+    def __init__(
+        self,
+        group: Group,
+        send: list[int] | None,
+        receive: list[int] | None,
+        label: str | None,
+        counted: Counted | None = None,
+    ):
         self.group, self.send, self.receive, self.label = group, send, receive, label
-        self.work: TimedWork | None = None
-        self.grad_work: TimedWork | None = None
+        self.counted = counted
+        self.work: Waitable | None = None
+        self.grad_work: Waitable | None = None
         self.grad_input: torch.Tensor | None = None
         self.grad_output: torch.Tensor | None = None
 
-    def _output(self, x: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
-        return torch.empty_like(x) if rows is None else x.new_empty(sum(rows), *x.shape[1:])
+    def _output(self, x: torch.Tensor, rows: list[int] | int | None) -> torch.Tensor:
+        if rows is None:
+            return torch.empty_like(x)
+        if isinstance(rows, int):  # a fixed-row buffer: rows past what arrives stay zero
+            return x.new_zeros(rows, *x.shape[1:])
+        return x.new_empty(sum(rows), *x.shape[1:])
 
     def start(self, x: torch.Tensor) -> torch.Tensor:
+        if self.counted is not None:
+            c = self.counted
+            output = self._output(x, c.receive_rows)
+            self.work = c.exchange.launch(x, output, c.send_counts, c.receive_counts, self.label)
+            return output
         output = self._output(x, self.receive)
         self.work = self.group.all_to_all_async(x, output, self.send, self.receive, self.label)
         return output
 
     def start_backward(self, grad: torch.Tensor) -> None:
         self.grad_input = grad.contiguous()  # kept alive until the exchange completes
+        if self.counted is not None:
+            c = self.counted
+            self.grad_output = self._output(grad, c.send_rows)
+            self.grad_work = c.exchange.launch(
+                self.grad_input, self.grad_output, c.receive_counts, c.send_counts, self.label
+            )
+            return
         self.grad_output = self._output(grad, self.send)
         self.grad_work = self.group.all_to_all_async(
             self.grad_input, self.grad_output, self.receive, self.send, self.label
@@ -95,8 +121,8 @@ class _Wait(torch.autograd.Function):
 class InFlight:
     """An exchange launched by `launch`; `result()` waits for it (once)."""
 
-    def __init__(self, x: torch.Tensor, group: Group, send, receive, label):
-        self._exchange = _Exchange(group, send, receive, label)
+    def __init__(self, x: torch.Tensor, group: Group, send, receive, label, counted: Counted | None = None):
+        self._exchange = _Exchange(group, send, receive, label, counted)
         self._with_grad = x.requires_grad and torch.is_grad_enabled()
         self._received = _Launch.apply(x, self._exchange) if self._with_grad else self._exchange.start(x)
 
@@ -130,6 +156,61 @@ def launch(
     if group.size == 1:
         return _Local(x)
     return InFlight(x, group, send, receive, label)
+
+
+class CountedAllToAll(Protocol):
+    """An all-to-all whose split sizes are `[size]` int64 tensors and whose buffers have fixed
+    rows (`parallel/device_splits.py`: counts read on the host where that is free, NVSHMEM's
+    device-split all-to-all on CUDA)."""
+
+    group: Group
+
+    def launch(
+        self,
+        tensor: torch.Tensor,
+        output: torch.Tensor,
+        send_counts: torch.Tensor,
+        receive_counts: torch.Tensor,
+        label: str | None,
+    ) -> Waitable: ...
+
+
+class Waitable(Protocol):
+    def wait(self) -> object: ...
+
+
+@dataclass(frozen=True)
+class Counted:
+    """A counted exchange's sizes: device counts each way and the fixed rows of both buffers."""
+
+    exchange: CountedAllToAll
+    send_counts: torch.Tensor  # [R] rows to each rank (grouped by destination at the top of the input)
+    receive_counts: torch.Tensor  # [R] rows from each rank (source after source at the top of the output)
+    send_rows: int  # the input's rows (what the gradient comes back into)
+    receive_rows: int  # the output's rows
+
+
+def launch_counted(
+    x: torch.Tensor,
+    exchange: CountedAllToAll,
+    send_counts: torch.Tensor,
+    receive_counts: torch.Tensor,
+    receive_rows: int,
+    label: str | None = None,
+) -> InFlight | _Local:
+    """Start the all-to-all of the first `send_counts.sum()` rows of `x` (`send_counts[j]` to rank
+    `j`, grouped by destination) into `receive_rows` rows: `receive_counts[j]` from rank `j`, source
+    after source, zeros after. The counts stay tensors and every buffer's shape is fixed, so the
+    caller's code reads nothing on the host; gradients travel back the same way."""
+    group = exchange.group
+    if group.size == 1:
+        rows = x.new_zeros(receive_rows, *x.shape[1:])
+        kept = min(receive_rows, x.shape[0])
+        mask = torch.arange(kept, device=x.device) < receive_counts.sum()
+        shape = (-1,) + (1,) * (x.dim() - 1)
+        return _Local(torch.cat([torch.where(mask.view(shape), x[:kept], 0), rows[kept:]]))
+    counted = Counted(exchange, send_counts, receive_counts, x.shape[0], receive_rows)
+    return InFlight(x, group, None, None, label, counted)
 
 
 class Phased(Generic[Result]):
@@ -169,4 +250,15 @@ def run_phases(phases: Phases[Result]) -> Result:
     return Phased(phases).finish()
 
 
-__all__ = ["LAST", "MORE", "InFlight", "Phased", "Phases", "launch", "run_phases"]
+__all__ = [
+    "LAST",
+    "MORE",
+    "Counted",
+    "CountedAllToAll",
+    "InFlight",
+    "Phased",
+    "Phases",
+    "launch",
+    "launch_counted",
+    "run_phases",
+]

@@ -1,4 +1,4 @@
-"""How `balanced` expert parallelism moves token rows: one interface, four transports.
+"""How `balanced` expert parallelism moves token rows: one interface, six transports.
 
 A transport routes a source's slots to their holders under the micro-batch's replica plan
 (`route`), sends them (`dispatch`: the rows and local expert ids this rank's experts receive,
@@ -12,6 +12,8 @@ between the two; it knows nothing of the layouts. Layouts and bounds: docs/exper
   through other ranks' spare rows; drops (counted) past its bound.
 * `padded`: one all-to-all of `s·k` rows per pair, received into `[C_dest]` (a reference).
 * `splits` (the gloo default): exactly the rows that exist, split sizes read on the host.
+* `exact`: exactly the rows that exist, into a fixed `[C_dest]` buffer, split sizes as tensors
+  (NVSHMEM's device-split all-to-all on CUDA, `parallel/device_splits.py`).
 
 Another transport (a device-split or one-sided kernel, or one that crosses between nodes once
 per node) implements the same three methods.
@@ -26,7 +28,8 @@ from typing import Any
 import torch
 
 from k3train.parallel.comm import Group
-from k3train.parallel.expert_exchange import LAST, MORE, Phases, launch, run_phases
+from k3train.parallel.device_splits import counted_all_to_all
+from k3train.parallel.expert_exchange import LAST, MORE, Phases, launch, launch_counted, run_phases
 from k3train.parallel.expert_nodes import NodeLayout, node_combine, node_dispatch
 from k3train.parallel.expert_plan import (
     ReplicaPlan,
@@ -285,6 +288,26 @@ class PaddedTransport(SlotTransport):
         return torch.cat([returned, returned.new_zeros(1, width)]).index_select(0, buffer_index)
 
 
+def _packed_by_destination(dest, weights_flat, pairs, capacity: int, me: int):
+    """Each destination's kept slots packed one destination after another (highest routing weight
+    first within a pair): `(rows to each destination [R], rows from each source [R], each slot's
+    packed row or the trash row `s·k` [S], keep [S])` under `destination_room(pairs, capacity)`."""
+    num_ranks, slots = pairs.shape[0], dest.shape[0]
+    room = destination_room(pairs, capacity)
+    buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, room[me])
+    first = room[me].cumsum(0) - room[me]
+    packed = torch.where(keep, first[dest] + buffer_index - dest * slots, slots)
+    return room[me], room[:, me], packed, keep
+
+
+def _pack_rows(slot_latent, local_id, packed):
+    """The slots' rows and local ids at their packed rows `[s·k]` (the trash row cut off)."""
+    slots, width = slot_latent.shape
+    ids = torch.full((slots + 1,), -1, dtype=torch.int32, device=slot_latent.device)
+    send = slot_latent.new_zeros(slots + 1, width).index_copy(0, packed, slot_latent)[:slots]
+    return send, ids.index_copy(0, packed, local_id.to(torch.int32))[:slots]
+
+
 class SplitsTransport(SlotTransport):
     """Exactly the rows that exist, received into exactly the rows that arrive (its only capacity
     is the `R·s·k` slots that exist: it never drops); split sizes read on the host (a device
@@ -294,22 +317,16 @@ class SplitsTransport(SlotTransport):
 
     def dispatch_phases(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int):
         num_ranks, me, width = self.group.size, self.group.rank, slot_latent.shape[-1]
-        slots, device = slot_latent.shape[0], slot_latent.device
+        slots = slot_latent.shape[0]
         with torch.no_grad():
-            room = destination_room(pairs, num_ranks * slots)
-            buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, room[me])
-            into_me = room[:, me]
-            sent, taken = room[me].tolist(), into_me.tolist()
-            first = room[me].cumsum(0) - room[me]
-            packed = torch.where(keep, first[dest] + buffer_index - dest * slots, slots)
-        ids = torch.full((slots + 1,), -1, dtype=torch.int32, device=device)
-        send = slot_latent.new_zeros(slots + 1, width).index_copy(0, packed, slot_latent)[: sum(sent)]
-        send_ids = ids.index_copy(0, packed, local_id.to(torch.int32))[: sum(sent)]
-        hop = launch(send, self.group, sent, taken)
-        hop_ids = launch(send_ids, self.group, sent, taken)
+            to_each, from_each, packed, keep = _packed_by_destination(dest, weights_flat, pairs, num_ranks * slots, me)
+            sent, taken = to_each.tolist(), from_each.tolist()
+        send, send_ids = _pack_rows(slot_latent, local_id, packed)
+        hop = launch(send[: sum(sent)], self.group, sent, taken)
+        hop_ids = launch(send_ids[: sum(sent)], self.group, sent, taken)
         yield LAST
         received, received_ids = hop.result(), hop_ids.result()
-        sent_bytes = wire_bytes(room[me].sum(), into_me.sum(), width, slot_latent.element_size())
+        sent_bytes = wire_bytes(to_each.sum(), from_each.sum(), width, slot_latent.element_size())
         return Delivery(received, received_ids.long(), keep, sent_bytes, (sent, taken, packed, slots))
 
     def combine_phases(self, output: torch.Tensor, delivery: Delivery):
@@ -319,6 +336,41 @@ class SplitsTransport(SlotTransport):
         returned = hop.result()
         returned = torch.cat([returned, returned.new_zeros(slots + 1 - returned.shape[0], output.shape[-1])])
         return returned.index_select(0, packed)
+
+
+class ExactTransport(SlotTransport):
+    """Exactly the rows that exist on the wire (at most `s·k` per rank and direction), received
+    into a fixed `[C_dest]` buffer, the split sizes kept as tensors (`parallel/device_splits.py`:
+    NVSHMEM's device-split all-to-all on CUDA, read on the host on gloo). Static shapes; a slot is
+    dropped only past its destination's `C_dest`, which the replica planner keeps it under."""
+
+    name = "exact"
+
+    def __init__(self, group: Group, capacity_factor: float, gpus_per_node: int = 0):
+        super().__init__(group, capacity_factor, gpus_per_node)
+        self.exchange = counted_all_to_all(group)
+
+    def dispatch_phases(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int):
+        width, slots = slot_latent.shape[-1], slot_latent.shape[0]
+        with torch.no_grad():
+            to_each, from_each, packed, keep = _packed_by_destination(
+                dest, weights_flat, pairs, capacity, self.group.rank
+            )
+            arrived = torch.arange(capacity, device=slot_latent.device) < from_each.sum()
+        send, send_ids = _pack_rows(slot_latent, local_id, packed)
+        hop = launch_counted(send, self.exchange, to_each, from_each, capacity)
+        hop_ids = launch_counted(send_ids, self.exchange, to_each, from_each, capacity)
+        yield LAST
+        rows, row_ids = hop.result(), torch.where(arrived, hop_ids.result(), -1).long()
+        sent_bytes = wire_bytes(to_each.sum(), from_each.sum(), width, slot_latent.element_size())
+        return Delivery(rows, row_ids, keep, sent_bytes, (to_each, from_each, packed, slots))
+
+    def combine_phases(self, output: torch.Tensor, delivery: Delivery):
+        to_each, from_each, packed, slots = delivery.saved
+        hop = launch_counted(output, self.exchange, from_each, to_each, slots)
+        yield LAST
+        returned = hop.result()
+        return torch.cat([returned, returned.new_zeros(1, output.shape[-1])]).index_select(0, packed)
 
 
 class NodeTransport(TokenTransport):
@@ -355,5 +407,6 @@ class NodeTransport(TokenTransport):
 
 
 TRANSPORT_CLASSES: dict[str, type[TokenTransport]] = {
-    cls.name: cls for cls in (SpreadTransport, RelayTransport, PaddedTransport, SplitsTransport, NodeTransport)
+    cls.name: cls
+    for cls in (SpreadTransport, RelayTransport, PaddedTransport, SplitsTransport, ExactTransport, NodeTransport)
 }

@@ -80,6 +80,7 @@ from pathlib import Path
 import torch
 
 from k3train.benchmarking.gpu_checks import (
+    device_splits,
     fused_paths,
     grouped_gemm,
     k3_1gpu,
@@ -161,6 +162,7 @@ CHECKS: list[Check] = [
     Check("fused_paths", fused_paths.check_fused_paths, "paths", (20, 10, 4)),
     Check("newton_schulz", newton_schulz.check_newton_schulz, "paths", (15, 10, 1)),
     Check("expert_dispatch", grouped_gemm.check_expert_dispatch, "paths", (10, 10, 1)),
+    Check("device_splits", device_splits.check_device_splits, "paths", (15, 10, 1)),
     Check("model_debug", model.check_model_debug, "paths", (30, 20, 5)),
     Check("kda_speed", kda.check_kda_speed, "speed", (40, 20, 1)),
     Check("grouped_mm_speed", grouped_gemm.check_grouped_mm_speed, "speed", (20, 10, 1)),

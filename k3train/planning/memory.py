@@ -380,12 +380,12 @@ def expert_layer_buffer_bytes(ep, cfg: ModelConfig, tokens: int, element_bytes: 
     (`ExpertParallel.buffer_shapes`), and the experts' saved tensors of a fixed-shape receive
     buffer's padding rows: the whole buffer goes through the experts, so its rows beyond the s·k
     slots the routed term counts save their latent input and SiTU-GLU's five `[rows, I]` tensors
-    too (`splits` receives exactly the rows that exist)."""
+    too (`splits` receives exactly the rows that exist; `exact` sends them into a fixed buffer)."""
     top_k = cfg.num_experts_per_token
     shapes = ep.buffer_shapes(tokens, top_k, cfg.expert_width, cfg.moe_intermediate_size)
     buffers = math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])
     padding_rows = 0
-    if ep.mode == "balanced" and ep.transport in ("relay", "spread", "padded"):
+    if ep.mode == "balanced" and ep.transport in ("relay", "spread", "padded", "exact"):
         padding_rows = max(0, shapes["received"][0] - tokens * top_k)
     return (buffers + padding_rows * (cfg.expert_width + 5 * cfg.moe_intermediate_size)) * element_bytes
 

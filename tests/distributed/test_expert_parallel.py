@@ -2,7 +2,8 @@
 
 Two launches (2 and 4 ranks) run every check. Layouts: EP2, EP4 and EP2×DP2 (ep carved out of
 dp), EP2 with TP2 and sequence parallelism (2 and 4 ranks), EP2 inside PP2 stages with two
-micro-batches per DP rank; `balanced` mode (transports `relay`, `spread`, `padded` and `splits`;
+micro-batches per DP rank; `balanced` mode (transports `relay`, `spread`, `padded`, `splits` and
+`exact`;
 replicas planned per micro-batch, `online`, the default, or per step), `capacity` mode with a
 capacity that drops nothing
 (`C_pair = s·k`), and `capacity` mode with a small capacity, where the reference model drops, per
@@ -93,6 +94,10 @@ CHECKS = {
         balanced(2, overlap_chunks=3, transport="spread"),
         balanced(2, overlap_chunks=2, transport="splits", **SP),
         balanced(2, overlap_chunks=2, replica_planning="step", config={"recompute": "sublayer"}),
+        # `exact`: the rows that exist, fixed buffers, counts as tensors
+        balanced(2, transport="exact"),
+        {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "transport": "exact"},
+        {"check": "concentrated_routing", "transport": "exact", **TE},
     ],
     4: [
         balanced(4),
@@ -133,6 +138,11 @@ CHECKS = {
         balanced(2, overlap_chunks=2, transport="spread", **SP),
         {**balanced(2), **PP, "overlap_chunks": 2, "transport": "splits"},  # PP2 × EP2
         balanced(2, overlap_chunks=2, replica_planning="step", micro_batches=2, transport="splits"),
+        balanced(4, transport="exact"),
+        {"check": "skewed_sources", "transport": "exact"},
+        {"check": "concentrated_routing", "transport": "exact"},
+        {**balanced(2), **PP, "overlap_chunks": 2, "transport": "exact"},  # PP2 × EP2, overlapped
+        {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "transport": "exact"},
     ],
 }
 
@@ -175,6 +185,9 @@ def check_static(spec, result):
     for kind, shape in result["exchanges"]:
         if kind == "all_gather":
             assert (spec["mode"], shape) == ("balanced", (1, expected["slot_counts"][1]))
+        elif kind == "counted_all_to_all":  # `exact`: fixed send and receive buffers, either way
+            fixed = (expected["dispatch"], expected["dispatch_ids"], expected["received"], expected["received"][:1])
+            assert all(buffer in fixed for buffer in shape), shape
         else:
             assert shape in (
                 expected["dispatch"],
@@ -191,7 +204,7 @@ def check_skewed_sources(spec, result, world_size):
     """Per-source hot experts on some ranks only: the old per-pair layout would overflow (a home
     pair above C_pair). Replicas planned per micro-batch (`online`, the default) are there from
     step 0; with `step` planning (replicas from the previous step's loads) step 0 has none and
-    may drop, counted. The per-destination layouts (`padded`, `splits`) then drop nothing (from
+    may drop, counted. The per-destination layouts (`padded`, `splits`, `exact`) then drop nothing (from
     step 0 `online`, from step 1 `step`), and the `relay` transport neither on 2 ranks, while on
     4 ranks this skew (balanced destinations, but not balanced pairs) (a source sending up to ~77% of its slots to one rank's experts,
     64 tokens) is past its boundary (3 relays of `C2` rows cannot forward a pair's overflow within

@@ -28,7 +28,7 @@ from typing import cast
 import torch
 import torch.distributed
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from k3train.model.decoder import DecoderLayer
 from k3train.model.k3 import K3ModelChunk
@@ -400,10 +400,20 @@ def no_host_reads():
 
         return method
 
+    @contextmanager
+    def allowed():  # the stand-in of a device-split exchange, which reads nothing on a GPU
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        try:
+            yield
+        finally:
+            for name in names:
+                setattr(torch.Tensor, name, refuse(name))
+
     for name in names:
         setattr(torch.Tensor, name, refuse(name))
     try:
-        yield
+        yield allowed
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
@@ -448,6 +458,23 @@ def static_shapes(env, spec: dict) -> dict:
 
     group.all_to_all, group.all_gather = all_to_all, all_gather  # type: ignore[method-assign]  # counting wrappers patched on this instance
     group.all_to_all_async = all_to_all_async  # type: ignore[method-assign]
+    # `exact`: on gloo its counts are read on the host (free there; NVSHMEM's device-split
+    # all-to-all reads nothing on a GPU). Its fixed buffers are recorded, its host read let through.
+    counted = getattr(expert_parallel.token_transport, "exchange", None)
+    host_reads: dict = {}  # the guard's `allowed`, set inside it
+    if counted is not None:
+        original_counted = counted.launch
+
+        def counted_launch(tensor, output, send_counts, receive_counts, label=None):
+            exchanged.append(("counted_all_to_all", (tuple(tensor.shape), tuple(output.shape))))
+            group.all_to_all_async = original_async  # its prefixes vary
+            try:
+                with _disable_current_modes(), host_reads["allowed"]():
+                    return original_counted(tensor, output, send_counts, receive_counts, label)
+            finally:
+                group.all_to_all_async = all_to_all_async
+
+        counted.launch = counted_launch
     batch, seq = 2, 16
     x = torch.randn(batch, seq, config.hidden_size, generator=generator, dtype=torch.float64)
     experts = config.num_experts
@@ -471,7 +498,8 @@ def static_shapes(env, spec: dict) -> dict:
         # `step` replicas: a micro-batch before the step's last (the last one's backward also
         # returns the replicas' gradients with the step's exact splits; `finish_step` does it here)
         expert_parallel.set_last_micro_batch(expert_parallel.replica_planning != "step")
-        with no_host_reads(), guard:
+        with no_host_reads() as allowed, guard:
+            host_reads["allowed"] = allowed
             out = moe(x)
             out.square().sum().backward()
         expert_parallel.set_last_micro_batch(True)
@@ -482,6 +510,8 @@ def static_shapes(env, spec: dict) -> dict:
         facts[name] = {"dropped": int(info.dropped), "replicas": int(info.replicas), "received": int(info.received)}
     group.all_to_all, group.all_gather = original_all_to_all, original_all_gather  # type: ignore[method-assign]  # restores the originals
     group.all_to_all_async = original_async  # type: ignore[method-assign]
+    if counted is not None:
+        counted.launch = original_counted
     names = list(traces)
     identical = all(traces[n] == traces[names[0]] for n in names) and all(
         exchanges[n] == exchanges[names[0]] for n in names

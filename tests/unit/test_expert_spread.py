@@ -125,5 +125,6 @@ def test_the_gpu_default_transport_is_spread():
     assert resolve_transport("auto", "nccl") == "spread"
     assert resolve_transport("auto", "gloo") == "splits"
     assert resolve_transport("nodes", "gloo") == "nodes"
+    assert resolve_transport("exact", "nccl") == "exact"
     with pytest.raises(ValueError):
-        resolve_transport("exact", "nccl")
+        resolve_transport("one_sided", "nccl")

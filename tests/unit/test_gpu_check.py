@@ -24,6 +24,7 @@ CUDA_ONLY = {
     "gated_norm_fla",
     "model_large",
     "expert_dispatch",
+    "device_splits",
     "transformer_engine",
     "k3_1gpu",
 }
