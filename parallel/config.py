@@ -214,6 +214,12 @@ class ParallelConfig:
     routing, not even the first step's, finds its hot experts without replicas. 'step': one
     placement per step planned from the previous step's loads, weights fetched once per step (less
     replica traffic; the first step and a sudden shift of the routing can drop, counted)."""
+    ep_top_up_replicas: int = 0
+    """'balanced' dispatch with ep_replica_planning 'step': this many more replica slots per rank,
+    planned per micro-batch from its own loads where the step's placement would leave a rank past
+    capacity_factor times the even share (the first step, a shift of the routing), and fetched for
+    that micro-batch only (gradients home in its backward). Where the placement suffices no
+    top-up is planned and, with ep_transport 'exact', no weights travel. 0: none."""
     ep_transport: Literal["auto", "spread", "relay", "padded", "splits", "exact", "nodes"] = "auto"
     """'balanced' dispatch, how token rows cross the EP group. 'auto': 'splits' on gloo (CPU, where
     reading split sizes costs no device synchronisation), 'spread' on GPUs. 'spread': two
@@ -278,6 +284,12 @@ class ParallelConfig:
                 (
                     self.ep_overlap_chunks >= 0,
                     f"parallel.ep_overlap_chunks must be 0 (no overlap) or a number of chunks, got {self.ep_overlap_chunks}",
+                ),
+                (
+                    self.ep_top_up_replicas == 0
+                    or (self.ep_top_up_replicas > 0 and self.ep_replica_planning == "step"),
+                    f"parallel.ep_top_up_replicas={self.ep_top_up_replicas}: top-up slots follow a step placement; "
+                    "set parallel.ep_replica_planning=step, or ep_top_up_replicas=0",
                 ),
                 (self.capacity_factor > 0, f"parallel.capacity_factor must be positive, got {self.capacity_factor}"),
                 (

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.parallel.comm import Group
-from k3train.parallel.expert_placement import ReplicaPlacement
+from k3train.parallel.expert_placement import ReplicaPlacement, top_up_placement
 from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the planner's public names)
     RelayCapacity,
     RelayPlan,
@@ -54,7 +54,7 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
     relay_route,
     replica_route,
 )
-from k3train.parallel.expert_replicas import ReadyReplicas, all_to_all, start_fetch
+from k3train.parallel.expert_replicas import ReadyReplicas, StepAndTopUps, all_to_all, start_fetch
 from k3train.parallel.expert_spread import spread_capacity
 from k3train.parallel.expert_step_replicas import (
     StepReplicas,
@@ -178,6 +178,7 @@ class ExpertParallel:
         replica_planning: ReplicaPlanning = "online",
         gpus_per_node: int = 0,
         overlap_chunks: int = 0,
+        top_up_replicas: int = 0,
     ):
         if num_experts % group.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
@@ -191,6 +192,11 @@ class ExpertParallel:
             )
         if replica_planning not in ("online", "step"):
             raise ValueError(f"parallel.ep_replica_planning must be 'online' or 'step', got {replica_planning!r}")
+        if top_up_replicas < 0 or (top_up_replicas and (mode, replica_planning) != ("balanced", "step")):
+            raise ValueError(
+                f"parallel.ep_top_up_replicas={top_up_replicas}: top-ups are slots after a step placement's, "
+                "for expert_dispatch=balanced with ep_replica_planning=step (0 otherwise)"
+            )
         self.group = group
         self.num_experts = num_experts
         # `online`: each micro-batch plans its replicas from its own loads and fetches their
@@ -200,9 +206,15 @@ class ExpertParallel:
         self.mode = mode
         self.capacity_factor = capacity_factor
         self.max_replicas = max_replicas_per_rank if mode == "balanced" else 0
+        # `step` planning: this many more replica slots per rank, planned per micro-batch where
+        # the step's placement would leave a rank past its capacity (`top_up_placement`)
+        self.top_up = top_up_replicas
         self.compute = compute
         self.transport = transport
         self.token_transport = TRANSPORT_CLASSES[transport](group, capacity_factor, gpus_per_node)
+        # the device-split transport's counted exchange also fetches `online` replicas: only the
+        # replicated matrices travel (others: one equal-split all-to-all of `[R, M, F]`)
+        self.counted_replicas = getattr(self.token_transport, "exchange", None)
         self.replica_tolerance = replica_tolerance
         self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
         # > 0: the tokens in this many chunks whose all-to-alls travel under other chunks' experts
@@ -240,6 +252,7 @@ class ExpertParallel:
             replica_planning=getattr(parallel_config, "ep_replica_planning", "online"),
             gpus_per_node=resolve_gpus_per_node(getattr(parallel_config, "gpus_per_node", 0)),
             overlap_chunks=getattr(parallel_config, "ep_overlap_chunks", 0),
+            top_up_replicas=getattr(parallel_config, "ep_top_up_replicas", 0),
         )
 
     # ------------------------------------------------------------------ layout
@@ -250,6 +263,11 @@ class ExpertParallel:
     @property
     def rank(self) -> int:
         return self.group.rank
+
+    @property
+    def replica_slots(self) -> int:
+        """Replica slots per rank: the placement's (or `online` plan's) and the top-ups after them."""
+        return self.max_replicas + self.top_up
 
     @property
     def overlaps(self) -> bool:
@@ -281,6 +299,7 @@ class ExpertParallel:
         replica_weights: tuple[int, ...] = (self.max_replicas, 3 * inner * latent)
         if self.replica_planning == "online":  # the per-micro-batch exchange of the planned replicas
             replica_weights = (r, self.max_replicas, 3 * inner * latent)
+        top_up = {"top_up_weights": (r, self.top_up, 3 * inner * latent)} if self.top_up else {}
         if self.transport in ("spread", "relay"):  # two fixed-shape hops: to a forwarder, then on
             if self.transport == "spread":
                 spread = spread_capacity(tokens * top_k, r, c)
@@ -298,6 +317,7 @@ class ExpertParallel:
                 "received": (received, latent),
                 "slot_counts": (r, self.num_experts),
                 "replica_weights": replica_weights,
+                **top_up,
             }
         pair = tokens * top_k
         if self.transport in ("splits", "exact", "nodes"):  # the s·k slot rows that exist, and as many back
@@ -308,6 +328,7 @@ class ExpertParallel:
                 "received": (c, latent),
                 "slot_counts": (r, self.num_experts),
                 "replica_weights": replica_weights,
+                **top_up,
             }
         return {
             "dispatch": (r, pair, latent),
@@ -316,6 +337,7 @@ class ExpertParallel:
             "received": (c, latent),
             "slot_counts": (r, self.num_experts),
             "replica_weights": replica_weights,
+            **top_up,
         }
 
     def mark_expert_params(self, experts: SupportsGroupedForward) -> None:
@@ -412,7 +434,8 @@ class ExpertParallel:
             else:
                 if training:
                     state.load += counts.sum(0)
-                plan = apply_placement(counts, state.placement, capacity)
+                placement = self._topped_up(counts, state.placement, capacity)
+                plan = apply_placement(counts, placement, capacity)
             dest, local_id, pairs = self.token_transport.route(expert_flat, counts, plan)
         replicas, replica_bytes = self._replicas(experts, state, plan)
         delivery = self.token_transport.dispatch(slot_latent, weights_flat, dest, local_id, pairs, capacity, top_k)
@@ -428,7 +451,7 @@ class ExpertParallel:
             plan,
             capacity,
             delivery.wire_bytes,
-            torch.tensor(replica_bytes, dtype=torch.int64, device=keep.device),
+            torch.as_tensor(replica_bytes, dtype=torch.int64, device=keep.device),
         )
         return routed, info
 
@@ -451,10 +474,24 @@ class ExpertParallel:
         """`_replicas` in two parts: the `online` fetch launched now, its `finish()` waiting for
         it (`step`: the cached stacks, nothing in flight)."""
         if state is None:
-            return start_fetch(experts.stacks(), plan, self.group, self.max_replicas)
+            return start_fetch(experts.stacks(), plan, self.group, self.max_replicas, self.counted_replicas)
         replicas = self.step_replicas(experts)
         sent_bytes, state.fetch_bytes = state.fetch_bytes, 0
-        return ReadyReplicas(replicas, sent_bytes)
+        if not self.top_up:
+            return ReadyReplicas(replicas, sent_bytes)
+        # the top-up entries (after the placement's R·M), in slots 0 … T − 1 of their own stacks
+        placed = self.size * self.max_replicas
+        top_ups = ReplicaPlacement(
+            plan.expert[placed:], plan.dest[placed:], plan.slot[placed:] - self.max_replicas, plan.valid[placed:]
+        )
+        pending = start_fetch(experts.stacks(), top_ups, self.group, self.top_up, self.counted_replicas)
+        return StepAndTopUps(replicas, pending, sent_bytes)
+
+    def _topped_up(self, counts: torch.Tensor, placement: ReplicaPlacement, capacity: int) -> ReplicaPlacement:
+        """The step's placement, with this micro-batch's top-ups after it when there are top-up slots."""
+        if not self.top_up:
+            return placement
+        return top_up_placement(counts, placement, capacity, self.top_up, self.capacity_factor - 1)
 
     def _experts(self, rows, ids, experts, replicas: ExpertStacks) -> torch.Tensor:
         """Received rows through the home experts, then the replica slots (ids `G … G + M − 1`)."""

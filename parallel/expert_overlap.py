@@ -51,14 +51,15 @@ def overlapped_dispatch(ep: ExpertParallel, slot_latent, expert_flat, weights_fl
         else:
             if training:
                 state.load += load
-            placement = state.placement
+            # top-ups (if any) from the whole micro-batch's loads, fetched once for every chunk
+            placement = ep._topped_up(counts.sum(1), state.placement, sum(capacities))
         plans = [apply_placement(counts[:, c], placement, capacities[c]) for c in range(len(bounds))]
         routes = [
             ep.token_transport.route(expert_flat[start:end], counts[:, c], plans[c])
             for c, (start, end) in enumerate(slot_ranges)
         ]
     # `online`: the replicas' weights travel with the first hops and under the shared experts
-    pending = ep._start_replicas(experts, state, whole if state is None else plans[0])
+    pending = ep._start_replicas(experts, state, whole if state is None else placement)
     dispatches = [
         Phased(
             ep.token_transport.dispatch_phases(
@@ -93,7 +94,7 @@ def overlapped_dispatch(ep: ExpertParallel, slot_latent, expert_flat, weights_fl
         plans[0],
         sum(capacities),
         torch.stack([torch.as_tensor(d.wire_bytes, device=keep.device) for d in deliveries]).sum(),
-        torch.tensor(replica_bytes, dtype=torch.int64, device=keep.device),
+        torch.as_tensor(replica_bytes, dtype=torch.int64, device=keep.device),
     )
     return routed, info
 

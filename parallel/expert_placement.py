@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3train.parallel.expert_plan import ReplicaPlan
+from k3train.parallel.expert_plan import ReplicaPlan, apply_placement, plan_from_load
 
 
 @dataclass
@@ -132,3 +132,27 @@ class ReplicaPlacement:
             torch.where(self.valid, self.slot, sequence[index] % max_replicas_per_rank),
             self.valid | is_spare,
         )
+
+
+def top_up_placement(
+    counts: torch.Tensor, placement: ReplicaPlacement, capacity: int, top_up_slots: int, tolerance: float
+) -> ReplicaPlacement:
+    """The step's placement with this micro-batch's top-ups after it (`parallel.ep_top_up_replicas`):
+    the placement's replicas take their amounts (`apply_placement`); a rank still above
+    `(1 + tolerance)` times the even share (`tolerance = capacity_factor − 1`: one that would drop)
+    gives its hottest home experts' slots to `top_up_slots` more slots per rank
+    (`plan_from_load` on what stays home, the placement's amounts counted where they landed),
+    placed in slots `M … M + top_up_slots − 1` after the placement's `M`. Nothing is topped up
+    where the placement suffices, so no weights travel then."""
+    num_ranks, num_experts = counts.shape
+    local = num_experts // num_ranks
+    base = apply_placement(counts, placement, capacity)
+    placed = base.rank_load - base.home.view(num_ranks, local).sum(1)  # replica slots' amounts per rank
+    top = plan_from_load(base.home, num_ranks, top_up_slots, tolerance, extra_load=placed)
+    slots = placement.expert.shape[0] // num_ranks
+    return ReplicaPlacement(
+        torch.cat([placement.expert, top.expert]),
+        torch.cat([placement.dest, top.dest]),
+        torch.cat([placement.slot, top.slot + slots]),
+        torch.cat([placement.valid, top.valid]),
+    )

@@ -87,7 +87,11 @@ def plan_replicas(counts: torch.Tensor, max_replicas_per_rank: int, tolerance: f
 
 
 def plan_from_load(
-    load: torch.Tensor, num_ranks: int, max_replicas_per_rank: int, tolerance: float = 0.0
+    load: torch.Tensor,
+    num_ranks: int,
+    max_replicas_per_rank: int,
+    tolerance: float = 0.0,
+    extra_load: torch.Tensor | None = None,
 ) -> ReplicaPlan:
     """`plan_replicas` on the per-expert loads `[E]` of an EP group of `num_ranks`, in a fixed
     number of tensor operations whatever `R` (no loop; a merge of two cumulative sums).
@@ -105,14 +109,19 @@ def plan_from_load(
     least loaded rank with a free slot) moved slots in while the ranks' order does not change;
     it differs where the greedy re-ranks (a receiver left partly filled by a small piece, two
     givers of nearly equal surplus), and `tests/unit/test_expert_plan.py` holds the two to the
-    same per-destination capacity on random routings."""
+    same per-destination capacity on random routings.
+
+    `extra_load [R]`: slots each rank already holds besides its home shares (the replicas of a
+    step placement, when this plan tops them up): counted in its load and the even share, never
+    given away."""
     num_experts = load.shape[0]
     local, slots = num_experts // num_ranks, max_replicas_per_rank
     device = load.device
     load = load.long()
     shares = load.view(num_ranks, local)
-    rank_load = shares.sum(1)
-    excess = rank_load - load.sum() // num_ranks  # over the even share
+    extra = torch.zeros(num_ranks, dtype=torch.int64, device=device) if extra_load is None else extra_load.long()
+    rank_load = shares.sum(1) + extra
+    excess = rank_load - (load.sum() + extra.sum()) // num_ranks  # over the even share
     # relieved only above (1 + tolerance)·target (for integer loads the same as above its floor)
     above = excess.clamp(min=0)
     deficit = above - excess
@@ -146,7 +155,7 @@ def plan_from_load(
     slot = candidates[:slots].repeat(num_ranks)
     dest = receivers[:, None].repeat(1, slots).view(-1)
     home = load.index_add(0, expert, amount, alpha=-1)
-    rank_load = home.view(num_ranks, local).sum(1).index_add(0, dest, amount)
+    rank_load = (home.view(num_ranks, local).sum(1) + extra).index_add(0, dest, amount)
     # an expert's replica intervals follow its home share, in entry order
     start = home[expert] + ((expert[:, None] == expert).tril(-1) * amount).sum(1)
     valid = amount > 0

@@ -289,7 +289,7 @@ class LatentMoE(nn.Module):
         latent = config.routed_expert_hidden_size  # None: a plain MoE, no latent projections (Kimi Linear)
         self.routed_expert_down_proj = tp.linear(config.hidden_size, latent) if latent is not None else None
         num_local = config.num_experts if expert_parallel is None else expert_parallel.num_local_experts
-        replica_groups = 0 if expert_parallel is None else expert_parallel.max_replicas
+        replica_groups = 0 if expert_parallel is None else expert_parallel.replica_slots
         self.experts = GroupedExperts(config, num_local, tp.grouped_gemm_factory, replica_groups)
         if expert_parallel is not None:
             expert_parallel.mark_expert_params(self.experts)

@@ -74,6 +74,8 @@ def expert_layer_traffic(
         return (nbytes, messages), None
     if len(shapes["replica_weights"]) == 3:  # `online` replicas: `[R, M, F]` per micro-batch, no step exchange
         exchange = math.prod(shapes["replica_weights"]) * weight
+        if ep.transport == "exact":  # counted: only the replicated matrices, `M` per rank on average
+            exchange = math.prod(shapes["replica_weights"][1:]) * weight
         forwards = 2 if recompute else 1
         return (nbytes + (forwards + 1) * exchange, messages + forwards + 1), None
     matrix = math.prod(shapes["replica_weights"][1:]) * weight

@@ -60,6 +60,7 @@ def dropping(ep, capacity_factor, **extra):
 
 SP = {"tp": 2, "sequence_parallel": True}
 TE = {"linear_backend": "te"}  # the experts' GEMMs through kernels/te.py on the CPU stand-in of TE
+STEP_TOP_UP = {"replica_planning": "step", "top_up": 2}  # step replicas, topped up per micro-batch
 PP = {"check": "pipeline", "pp": 2, "config": {"num_hidden_layers": 4}, "micro_batches": 2}
 
 CHECKS = {
@@ -98,6 +99,9 @@ CHECKS = {
         balanced(2, transport="exact"),
         {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "transport": "exact"},
         {"check": "concentrated_routing", "transport": "exact", **TE},
+        # `step` replicas topped up per micro-batch where the placement falls short
+        {"check": "concentrated_routing", "transport": "exact", "replica_planning": "step", "top_up": 3, **TE},
+        {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "transport": "exact", **STEP_TOP_UP},
     ],
     4: [
         balanced(4),
@@ -143,12 +147,18 @@ CHECKS = {
         {"check": "concentrated_routing", "transport": "exact"},
         {**balanced(2), **PP, "overlap_chunks": 2, "transport": "exact"},  # PP2 × EP2, overlapped
         {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "transport": "exact"},
+        {"check": "concentrated_routing", "transport": "exact", **STEP_TOP_UP},
+        {"check": "skewed_sources", "transport": "exact", **STEP_TOP_UP},
+        balanced(2, replica_planning="step", top_up=2, micro_batches=2, transport="exact"),  # EP2 × expert_dp 2
+        {**balanced(2), **PP, "overlap_chunks": 2, "transport": "exact", **STEP_TOP_UP},
     ],
 }
 
 
 def name(spec):
     parts = [spec["check"], spec.get("mode", ""), spec.get("transport", ""), spec.get("replica_planning", "")]
+    if spec.get("top_up"):
+        parts.append(f"top-up{spec['top_up']}")
     parts.append(spec.get("linear_backend", "") + (" fp8" if spec.get("fp8") else ""))
     for key in ("ep", "tp", "pp"):
         if spec.get(key, 1) > 1:
@@ -186,7 +196,16 @@ def check_static(spec, result):
         if kind == "all_gather":
             assert (spec["mode"], shape) == ("balanced", (1, expected["slot_counts"][1]))
         elif kind == "counted_all_to_all":  # `exact`: fixed send and receive buffers, either way
-            fixed = (expected["dispatch"], expected["dispatch_ids"], expected["received"], expected["received"][:1])
+            # and the replica fetch: [R·M, F] out, [M, F] in (`online`, or the top-ups after `step`'s)
+            ranks, slots, width = expected["top_up_weights" if spec.get("top_up") else "replica_weights"]
+            fixed = (
+                expected["dispatch"],
+                expected["dispatch_ids"],
+                expected["received"],
+                expected["received"][:1],
+                (ranks * slots, width),
+                (slots, width),
+            )
             assert all(buffer in fixed for buffer in shape), shape
         else:
             assert shape in (
@@ -195,6 +214,7 @@ def check_static(spec, result):
                 expected.get("forward"),
                 expected.get("forward_ids"),
                 expected.get("replica_weights"),
+                expected.get("top_up_weights"),
             ), shape
     if spec["mode"] == "balanced":
         assert any(facts["replicas"] > 0 for facts in result["facts"].values())
@@ -213,8 +233,8 @@ def check_skewed_sources(spec, result, world_size):
     process in every case."""
     label = (name(spec), result)
     assert result["max_home_pair"] > result["pair_capacity"], label
-    online = spec.get("replica_planning", "online") == "online"
-    if online:
+    online = spec.get("replica_planning", "online") == "online" or bool(spec.get("top_up"))
+    if online:  # (top-ups: step 0's replicas are all top-ups)
         assert all(replicas > 0 for replicas in result["replicas"]), label
     else:
         assert result["replicas"][0] == 0 and result["replicas"][-1] > 0, label
@@ -254,9 +274,10 @@ def check_concentrated(spec, result):
     the first micro-batch, then all switch to the last rank's: with `online` replicas nothing is
     dropped and the outputs and home gradients match one process; `step` replicas (none in the
     first step, the wrong ones after the switch) drop, and count it (the outputs then differ from
-    the undropped reference, which is why they are not compared)."""
+    the undropped reference, which is why they are not compared), unless topped up per
+    micro-batch (`top_up`): then nothing is dropped either."""
     label = (name(spec), result)
-    if spec.get("replica_planning", "online") == "online":
+    if spec.get("replica_planning", "online") == "online" or spec.get("top_up"):
         assert result["dropped"] == [0, 0] and all(r > 0 for r in result["replicas"]), label
         assert result["output_error"] < TOLERANCE and result["grad_error"] < TOLERANCE, label
     else:

@@ -247,6 +247,7 @@ def setup(env, spec: dict):
         spec.get("max_replicas", 2),
         transport=spec.get("transport", "relay"),
         replica_planning=spec.get("replica_planning", "online"),
+        top_up_replicas=spec.get("top_up", 0),
         overlap_chunks=spec.get("overlap_chunks", 0),
     )
     reference = K3ModelChunk(config).double()
@@ -433,6 +434,7 @@ def static_shapes(env, spec: dict) -> dict:
         compute="gather",
         transport=spec.get("transport", "relay"),
         replica_planning=spec.get("replica_planning", "online"),
+        top_up_replicas=spec.get("top_up", 0),
     )
     moe = LatentMoE(config, TensorParallel.single(), expert_parallel=expert_parallel).double()
     generator = torch.Generator().manual_seed(11)
@@ -460,7 +462,7 @@ def static_shapes(env, spec: dict) -> dict:
     group.all_to_all_async = all_to_all_async  # type: ignore[method-assign]
     # `exact`: on gloo its counts are read on the host (free there; NVSHMEM's device-split
     # all-to-all reads nothing on a GPU). Its fixed buffers are recorded, its host read let through.
-    counted = getattr(expert_parallel.token_transport, "exchange", None)
+    counted = expert_parallel.counted_replicas  # the transport's, which also fetches the replicas
     host_reads: dict = {}  # the guard's `allowed`, set inside it
     if counted is not None:
         original_counted = counted.launch

@@ -46,7 +46,7 @@ def home_experts(config: ModelConfig, dispatcher: ExpertParallel, full: GroupedE
         te = make_stand_in()
         STAND_IN["te"] = te
         factory = TELinearFactory(te, device="cpu").grouped
-    mine = GroupedExperts(config, dispatcher.num_local_experts, factory, dispatcher.max_replicas).double()
+    mine = GroupedExperts(config, dispatcher.num_local_experts, factory, dispatcher.replica_slots).double()
     with torch.no_grad():
         for name in ("w1", "w3", "w2"):
             getattr(mine, name).copy_(getattr(full, name)[dispatcher.expert_offset :][: dispatcher.num_local_experts])
@@ -85,7 +85,11 @@ def dispatcher_setup(env, spec: dict, experts_per_rank: int, seed: int, **dispat
     config = small_config(num_experts=experts_per_rank * env.world_size, num_experts_per_token=4)
     layout = resolve_layout(env.world_size, 1, 1, 0, env.world_size, 1, ModelSplitSizes.of(config))
     state = ParallelState(layout, env.rank)
-    options = dict(transport=spec.get("transport", "relay"), replica_planning=spec.get("replica_planning", "online"))
+    options = dict(
+        transport=spec.get("transport", "relay"),
+        replica_planning=spec.get("replica_planning", "online"),
+        top_up_replicas=spec.get("top_up", 0),
+    )
     options.update(dispatcher_options)
     max_replicas = options.pop("max_replicas", 2)
     dispatcher = ExpertParallel(state.ep, config.num_experts, "balanced", 1.25, max_replicas, **options)
