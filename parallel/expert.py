@@ -470,7 +470,9 @@ class ExpertParallel:
         stacks, sent_bytes = self._start_replicas(experts, state, plan).finish()
         return cast(ExpertStacks, stacks), sent_bytes
 
-    def _start_replicas(self, experts: SupportsGroupedForward, state: StepReplicas | None, plan: ReplicaPlan):
+    def _start_replicas(
+        self, experts: SupportsGroupedForward, state: StepReplicas | None, plan: ReplicaPlan | ReplicaPlacement
+    ):
         """`_replicas` in two parts: the `online` fetch launched now, its `finish()` waiting for
         it (`step`: the cached stacks, nothing in flight)."""
         if state is None:
