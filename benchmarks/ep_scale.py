@@ -207,6 +207,40 @@ def online_code(args, ranks, ids, weights, counts, transport):
     }
 
 
+def exact_code(args, ranks, ids, weights, counts, previous_load):
+    """`exact` (the rows that exist, a fixed `[C_dest]` receive buffer, device split sizes) with
+    `step` replicas topped up per micro-batch (`--top-up` slots): the step's placement from the
+    previous step's loads, this micro-batch's top-ups where a rank would pass `C_dest`."""
+    slots = args.tokens * args.top_k
+    destination = plan.capacity_per_destination(args.tokens, args.top_k, ranks, args.capacity_factor)
+    placement = step_placement(plan, args, ranks, previous_load)
+    merged = expert_placement.top_up_placement(counts, placement, destination, args.top_up, args.capacity_factor - 1)
+    replica_plan = plan.apply_placement(counts, merged, destination)
+    pairs = plan.pair_slots(counts, replica_plan)
+    room = plan.destination_room(pairs, destination)
+    dropped = int((pairs - room).sum())
+    out_rows, in_rows = room.sum(1), room.sum(0)  # dispatch sends `out`, combine sends `in`
+    placed = ranks * args.max_replicas
+    top_ups = expert_placement.ReplicaPlacement(
+        replica_plan.expert[placed:],
+        replica_plan.dest[placed:],
+        replica_plan.slot[placed:],
+        replica_plan.valid[placed:],
+    )
+    return {
+        "dropped": dropped / (ranks * slots),
+        "over": int((replica_plan.rank_load - destination).max()),
+        "capacity": f"{destination}",
+        "token_rows": 2 * int((out_rows + in_rows).max()),
+        "token_ids": int(out_rows.max()),
+        "replica_matrices_step": replica_traffic(args, ranks, placement),
+        # the counted top-up fetch: only the top-ups this micro-batch placed, weights and gradients
+        "replica_matrices_micro_batch": replica_traffic(args, ranks, top_ups),
+        "replicas": int(replica_plan.num_replicas),
+        "top_ups": int(top_ups.valid.sum()),
+    }
+
+
 def previous_code(args, previous, ranks, ids, weights, counts, previous_load, transport):
     """The tree before the relay transport (main at `--previous-revision`): `balanced` with one
     `[C_dest]` receive buffer per destination, `padded` (its default: `R·s·k` rows per
@@ -299,6 +333,7 @@ def main() -> None:
         help="git revision before the relay transport (destination buffers, padded/splits); '' to skip",
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--top-up", type=int, default=2, help="exact rows: top-up slots per rank after the step's")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="for the once-per-node row count")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -360,12 +395,12 @@ def main() -> None:
             rows.append(("relay step 0", new_code(args, ranks, ids, weights, counts, first_step)))
             rows.append(("relay online", online_code(args, ranks, ids, weights, counts, "relay")))
             rows.append(("spread online", online_code(args, ranks, ids, weights, counts, "spread")))
+            rows.append(("exact step+top-up", exact_code(args, ranks, ids, weights, counts, previous_load.sum(0))))
+            rows.append(("exact step 0+top-up", exact_code(args, ranks, ids, weights, counts, first_step)))
             for label, result in rows:
                 token_bytes = (result["token_rows"] * args.latent * element + result["token_ids"] * 4) * micro
-                if "replica_matrices_step" in result:
-                    replica_bytes = result["replica_matrices_step"] * matrix
-                else:
-                    replica_bytes = result["replica_matrices_micro_batch"] * matrix * micro
+                replica_bytes = result.get("replica_matrices_step", 0) * matrix
+                replica_bytes += result.get("replica_matrices_micro_batch", 0) * matrix * micro
                 cells = (
                     ranks,
                     regime,

@@ -192,10 +192,10 @@ class ExpertParallel:
             )
         if replica_planning not in ("online", "step"):
             raise ValueError(f"parallel.ep_replica_planning must be 'online' or 'step', got {replica_planning!r}")
-        if top_up_replicas < 0 or (top_up_replicas and (mode, replica_planning) != ("balanced", "step")):
+        if top_up_replicas < 0 or (top_up_replicas and replica_planning != "step"):
             raise ValueError(
                 f"parallel.ep_top_up_replicas={top_up_replicas}: top-ups are slots after a step placement's, "
-                "for expert_dispatch=balanced with ep_replica_planning=step (0 otherwise)"
+                "for ep_replica_planning=step (0 otherwise)"
             )
         self.group = group
         self.num_experts = num_experts
@@ -208,7 +208,7 @@ class ExpertParallel:
         self.max_replicas = max_replicas_per_rank if mode == "balanced" else 0
         # `step` planning: this many more replica slots per rank, planned per micro-batch where
         # the step's placement would leave a rank past its capacity (`top_up_placement`)
-        self.top_up = top_up_replicas
+        self.top_up = top_up_replicas if mode == "balanced" else 0
         self.compute = compute
         self.transport = transport
         self.token_transport = TRANSPORT_CLASSES[transport](group, capacity_factor, gpus_per_node)

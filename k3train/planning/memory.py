@@ -380,14 +380,18 @@ def expert_layer_buffer_bytes(ep, cfg: ModelConfig, tokens: int, element_bytes: 
     (`ExpertParallel.buffer_shapes`), and the experts' saved tensors of a fixed-shape receive
     buffer's padding rows: the whole buffer goes through the experts, so its rows beyond the s·k
     slots the routed term counts save their latent input and SiTU-GLU's five `[rows, I]` tensors
-    too (`splits` receives exactly the rows that exist; `exact` sends them into a fixed buffer)."""
+    too (`splits` receives exactly the rows that exist; `exact` sends them into a fixed buffer), and
+    the top-up replica matrices a micro-batch fetched."""
     top_k = cfg.num_experts_per_token
     shapes = ep.buffer_shapes(tokens, top_k, cfg.expert_width, cfg.moe_intermediate_size)
     buffers = math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])
     padding_rows = 0
     if ep.mode == "balanced" and ep.transport in ("relay", "spread", "padded", "exact"):
         padding_rows = max(0, shapes["received"][0] - tokens * top_k)
-    return (buffers + padding_rows * (cfg.expert_width + 5 * cfg.moe_intermediate_size)) * element_bytes
+    # `step` replicas' top-up slots (`ep_top_up_replicas`): their fetched `[T, F]` matrices, kept
+    # for this micro-batch's backward (zeros where nothing was topped up: the shape is fixed)
+    top_ups = math.prod(shapes["top_up_weights"][1:]) if "top_up_weights" in shapes else 0
+    return (buffers + top_ups + padding_rows * (cfg.expert_width + 5 * cfg.moe_intermediate_size)) * element_bytes
 
 
 def expert_buffer_bytes(job: RankJob, shape: ActivationShape, moe_layers: int) -> float:

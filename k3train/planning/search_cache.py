@@ -58,6 +58,7 @@ class SearchCache:
             parallel.max_replicas_per_rank,
             getattr(parallel, "ep_transport", "auto"),
             getattr(parallel, "ep_replica_planning", "online"),
+            getattr(parallel, "ep_top_up_replicas", 0),
             num_experts,
         )
         if key not in self.expert_parallels:
