@@ -25,7 +25,7 @@ from k3train.planning.memory import ActivationShape, chunk_activation_bytes
 from k3train.planning.stage_parameters import stage_parameters
 from k3train.training.build import planning_parallel_state
 
-ExpertKey = tuple[Layout, bool, str, float, int, str, str, int]
+ExpertKey = tuple[Layout, bool, str, float, int, str, str, int, int]
 StageKey = tuple[tuple[tuple[int, int], ...], int, int]
 ChunkKey = tuple[str, tuple[int, ...], ActivationShape, int]
 
