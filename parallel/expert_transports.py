@@ -30,7 +30,7 @@ import torch
 from k3train.parallel.comm import Group
 from k3train.parallel.device_splits import counted_all_to_all
 from k3train.parallel.expert_exchange import LAST, MORE, Phases, launch, launch_counted, run_phases
-from k3train.parallel.expert_nodes import NodeLayout, node_combine, node_dispatch
+from k3train.parallel.expert_nodes import NodeLayout, node_combine, node_dispatch, node_keep, node_rooms
 from k3train.parallel.expert_plan import (
     ReplicaPlan,
     destination_room,
@@ -375,35 +375,43 @@ class ExactTransport(SlotTransport):
 
 class NodeTransport(TokenTransport):
     """Rows cross between nodes once per (token, node) and are forwarded inside the node;
-    combine reduces at the node's gateway (`parallel/expert_nodes.py`; host splits: the gloo
-    reference). Every slot is delivered (no capacity)."""
+    combine reduces at the node's gateway (`parallel/expert_nodes.py`). Fixed buffers, split sizes
+    as tensors (the `exact` transport's counted exchange); a slot is dropped only past its
+    destination's `C_dest` or its gateway's forwarding capacity (`node_rooms`)."""
 
     name = "nodes"
 
     def __init__(self, group: Group, capacity_factor: float, gpus_per_node: int = 0):
         super().__init__(group, capacity_factor, gpus_per_node)
         self.layout = NodeLayout(group, max(1, gpus_per_node))
+        self.exchange = counted_all_to_all(group)
 
     def dispatch_phases(self, slot_latent, weights_flat, dest, local_id, pairs, capacity: int, top_k: int):
         width = slot_latent.shape[-1]
         token_latent = slot_latent.view(-1, top_k, width)[:, 0]
+        with torch.no_grad():
+            room, grant = node_rooms(pairs, self.layout, capacity)
+            me = self.group.rank
+            keep = node_keep(dest, weights_flat, room[me], grant[me], self.layout, self.group.size)
         rows, ids, saved = yield from node_dispatch(
             self.group,
             self.layout,
+            self.exchange,
             token_latent,
             dest.view(-1, top_k),
             local_id.view(-1, top_k),
             weights_flat.view(-1, top_k),
+            keep.view(-1, top_k),
+            capacity,
         )
-        (send_a, receive_a, send_b, receive_b) = saved[0]
-        sent_rows = sum(send_a) + sum(send_b)
-        returned_rows = sum(receive_a) + sum(receive_b)
-        keep = torch.ones_like(dest, dtype=torch.bool)
+        send_a, receive_a, send_b, receive_b = saved[0]
+        sent_rows = send_a.sum() + send_b.sum()
+        returned_rows = receive_a.sum() + receive_b.sum()
         sent = wire_bytes(sent_rows, returned_rows, width, slot_latent.element_size())
         return Delivery(rows, ids.long(), keep, sent, saved)
 
     def combine_weighted_phases(self, output, delivery: Delivery, weights_flat, top_k: int):
-        return (yield from node_combine(self.group, output, delivery.saved))
+        return (yield from node_combine(self.group, self.exchange, output, delivery.saved))
 
 
 TRANSPORT_CLASSES: dict[str, type[TokenTransport]] = {

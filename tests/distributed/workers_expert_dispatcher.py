@@ -189,7 +189,7 @@ def node_dedup(env, spec: dict) -> dict:
     `k` destinations, ids and weights) per (token, remote node) its slots go to."""
     gpus_per_node = spec.get("gpus_per_node", 2)
     config, state, dispatcher, full, mine = dispatcher_setup(
-        env, spec, 4, seed=13, transport="nodes", replica_planning="online", gpus_per_node=gpus_per_node
+        env, spec, 4, seed=13, transport="nodes", gpus_per_node=gpus_per_node
     )
     experts, top_k, width = config.num_experts, config.num_experts_per_token, config.expert_width
     tokens = 48
