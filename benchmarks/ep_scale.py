@@ -238,7 +238,23 @@ def exact_code(args, ranks, ids, weights, counts, previous_load):
         "replica_matrices_micro_batch": replica_traffic(args, ranks, top_ups),
         "replicas": int(replica_plan.num_replicas),
         "top_ups": int(top_ups.valid.sum()),
+        "nodes_dropped": nodes_drops(args, ranks, counts, replica_plan)[0] / (ranks * slots),
     }
+
+
+def nodes_drops(args, ranks, counts, replica_plan) -> tuple[int, int]:
+    """The `nodes` transport's drops under `replica_plan` (`node_rooms`: each destination within
+    `C_dest`, each gateway's forwards within the same capacity) and its inter-node rows are not
+    simulated here; returns (slots dropped, slots routed)."""
+    from k3train.parallel.comm import Group, TrafficCounter
+    from k3train.parallel.expert_nodes import NodeLayout, node_rooms
+
+    group = Group("ep", tuple(range(ranks)), 0, None, TrafficCounter())
+    layout = NodeLayout(group, args.gpus_per_node)
+    destination = plan.capacity_per_destination(args.tokens, args.top_k, ranks, args.capacity_factor)
+    pairs = plan.pair_slots(counts, replica_plan)
+    _, grant = node_rooms(pairs, layout, destination)
+    return int(pairs.sum() - grant.sum()), int(pairs.sum())
 
 
 def previous_code(args, previous, ranks, ids, weights, counts, previous_load, transport):
@@ -418,6 +434,8 @@ def main() -> None:
                     result.get("plan_kernels", "-"),
                 )
                 print(" | ".join(f"{str(c):>11}" for c in cells))
+                if "nodes_dropped" in result:  # the same plan through the `nodes` transport's bounds
+                    print(f"{'':>11} | {'':>11} | {'  nodes: dropped':>11} {100 * result['nodes_dropped']:.3f}%")
             print(f"{'':>11}   ({time.perf_counter() - started:.0f} s)", flush=True)
     print("skew: expert load max/mean over the group / each source's top-`hot` experts over its mean per expert.")
     print(

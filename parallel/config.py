@@ -237,8 +237,8 @@ class ParallelConfig:
     'padded': one all-to-all of tokens * top_k rows per pair (ep times the rows: a reference with
     a fixed [capacity_factor * tokens * top_k] receive buffer). 'nodes': a token's row crosses
     between nodes (gpus_per_node) once per destination node and is forwarded inside the node;
-    combine adds the outputs at the node before they cross back (host split sizes: the gloo
-    reference). docs/expert_parallel.md."""
+    combine adds the outputs at the node before they cross back (fixed buffers, split sizes as
+    tensors as for 'exact'; drops only past a destination's or a gateway's capacity). docs/expert_parallel.md."""
     ep_overlap_chunks: int = 0
     """'balanced' dispatch: overlap the expert all-to-alls with compute. Each MoE layer's tokens go
     in this many chunks: every chunk's dispatch is launched at once, the shared experts run while

@@ -74,7 +74,7 @@ def expert_layer_traffic(
         return (nbytes, messages), None
     if len(shapes["replica_weights"]) == 3:  # `online` replicas: `[R, M, F]` per micro-batch, no step exchange
         exchange = math.prod(shapes["replica_weights"]) * weight
-        if ep.transport == "exact":  # counted: only the replicated matrices, `M` per rank on average
+        if ep.transport in ("exact", "nodes"):  # counted: only the replicated matrices, `M` per rank on average
             exchange = math.prod(shapes["replica_weights"][1:]) * weight
         forwards = 2 if recompute else 1
         return (nbytes + (forwards + 1) * exchange, messages + forwards + 1), None
@@ -82,7 +82,7 @@ def expert_layer_traffic(
     if "top_up_weights" in shapes:  # `step` placements' top-ups: one exchange and its adjoint per micro-batch
         forwards = 2 if recompute else 1
         top_up = math.prod(shapes["top_up_weights"]) * weight  # the equal-split `[R, T, F]`
-        if ep.transport == "exact":  # counted: only placed top-ups travel, none while the placement holds
+        if ep.transport in ("exact", "nodes"):  # counted: only placed top-ups travel, none while the placement holds
             top_up = 0
         nbytes, messages = nbytes + (forwards + 1) * top_up, messages + forwards + 1
     return (nbytes, messages), (2 * replica_matrices * matrix, 2)

@@ -386,7 +386,7 @@ def expert_layer_buffer_bytes(ep, cfg: ModelConfig, tokens: int, element_bytes: 
     shapes = ep.buffer_shapes(tokens, top_k, cfg.expert_width, cfg.moe_intermediate_size)
     buffers = math.prod(shapes["dispatch"]) + math.prod(shapes["combine"])
     padding_rows = 0
-    if ep.mode == "balanced" and ep.transport in ("relay", "spread", "padded", "exact"):
+    if ep.mode == "balanced" and ep.transport in ("relay", "spread", "padded", "exact", "nodes"):
         padding_rows = max(0, shapes["received"][0] - tokens * top_k)
     # `step` replicas' top-up slots (`ep_top_up_replicas`): their fetched `[T, F]` matrices, kept
     # for this micro-batch's backward (zeros where nothing was topped up: the shape is fixed)

@@ -50,7 +50,7 @@ def test_debug_recipe_loads():
 def test_k3_recipe_is_the_k3_preset():
     cfg = load_config(K3, [])
     # the preset's architecture, with the recipe's memory choice on top (exact: same numbers)
-    assert cfg.model == ModelConfig.preset("k3").replace(recompute_glu=True)
+    assert cfg.model == ModelConfig.preset("k3").replace(recompute_glu=True, linear_backend="torch")
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep) == (8, 16, 64)
     assert sum(cfg.parallel.pipeline_layers) == cfg.model.num_hidden_layers
 

@@ -128,9 +128,10 @@ def _k3_step(*overrides: str):
 
 
 def test_the_planner_prices_overlapped_entries_only_for_torch_projections():
-    none, exposed = _k3_step()
+    # (the recipe runs torch projections in 8 pieces; the cases below set both explicitly)
+    none, exposed = _k3_step("parallel.tp_overlap_chunks=0")
     assert none is None  # tp_overlap_chunks 0
-    auto, on_te = _k3_step("parallel.tp_overlap_chunks=4")
+    auto, on_te = _k3_step("parallel.tp_overlap_chunks=4", "model.linear_backend=auto")
     assert auto is None  # auto: Transformer Engine's projections on CUDA, which do not overlap
     assert on_te.exposed_comm_s["tp"] == exposed.exposed_comm_s["tp"]
     entries, overlapped = _k3_step("parallel.tp_overlap_chunks=4", "model.linear_backend=torch")
