@@ -160,7 +160,7 @@ def new_code(args, ranks, ids, weights, counts, previous_load):
 
 def online_code(args, ranks, ids, weights, counts, transport):
     """Replicas planned per micro-batch from its own loads (`ep_replica_planning: online`), with
-    the `spread` transport (the GPU default) or the `relay` one."""
+    the `spread` transport (the GPU default where NVSHMEM is missing) or the `relay` one."""
     slots = args.tokens * args.top_k
     destination = plan.capacity_per_destination(args.tokens, args.top_k, ranks, args.capacity_factor)
     replica_plan = plan.plan_from_load(counts.sum(0), ranks, args.max_replicas)
@@ -211,15 +211,10 @@ def exact_code(args, ranks, ids, weights, counts, previous_load):
     """`exact` (the rows that exist, a fixed `[C_dest]` receive buffer, device split sizes) with
     `step` replicas topped up per micro-batch (`--top-up` slots): the step's placement from the
     previous step's loads, this micro-batch's top-ups where a rank would pass `C_dest`."""
-    slots = args.tokens * args.top_k
     destination = plan.capacity_per_destination(args.tokens, args.top_k, ranks, args.capacity_factor)
     placement = step_placement(plan, args, ranks, previous_load)
     merged = expert_placement.top_up_placement(counts, placement, destination, args.top_up, args.capacity_factor - 1)
     replica_plan = plan.apply_placement(counts, merged, destination)
-    pairs = plan.pair_slots(counts, replica_plan)
-    room = plan.destination_room(pairs, destination)
-    dropped = int((pairs - room).sum())
-    out_rows, in_rows = room.sum(1), room.sum(0)  # dispatch sends `out`, combine sends `in`
     placed = ranks * args.max_replicas
     top_ups = expert_placement.ReplicaPlacement(
         replica_plan.expert[placed:],
@@ -228,16 +223,43 @@ def exact_code(args, ranks, ids, weights, counts, previous_load):
         replica_plan.valid[placed:],
     )
     return {
-        "dropped": dropped / (ranks * slots),
+        **exact_rows(args, ranks, counts, replica_plan),
+        "replica_matrices_step": replica_traffic(args, ranks, placement),
+        # the counted top-up fetch: only the top-ups this micro-batch placed, weights and gradients
+        "replica_matrices_micro_batch": replica_traffic(args, ranks, top_ups),
+        "top_ups": int(top_ups.valid.sum()),
+    }
+
+
+def exact_online_code(args, ranks, ids, weights, counts):
+    """`exact` with `online` replicas (the library's GPU default): every micro-batch plans its own
+    (`plan_from_load`) and fetches them through the counted exchange, each replicated matrix
+    once to each rank hosting it."""
+    replica_plan = plan.plan_from_load(counts.sum(0), ranks, args.max_replicas)
+    online = expert_placement.ReplicaPlacement(
+        replica_plan.expert, replica_plan.dest, replica_plan.slot, replica_plan.valid
+    )
+    return {
+        **exact_rows(args, ranks, counts, replica_plan),
+        "replica_matrices_micro_batch": replica_traffic(args, ranks, online),
+    }
+
+
+def exact_rows(args, ranks, counts, replica_plan):
+    """Drops and token rows of the `exact` transport under `replica_plan`, and the `nodes`
+    transport's drops under the same plan."""
+    slots = args.tokens * args.top_k
+    destination = plan.capacity_per_destination(args.tokens, args.top_k, ranks, args.capacity_factor)
+    pairs = plan.pair_slots(counts, replica_plan)
+    room = plan.destination_room(pairs, destination)
+    out_rows, in_rows = room.sum(1), room.sum(0)  # dispatch sends `out`, combine sends `in`
+    return {
+        "dropped": int((pairs - room).sum()) / (ranks * slots),
         "over": int((replica_plan.rank_load - destination).max()),
         "capacity": f"{destination}",
         "token_rows": 2 * int((out_rows + in_rows).max()),
         "token_ids": int(out_rows.max()),
-        "replica_matrices_step": replica_traffic(args, ranks, placement),
-        # the counted top-up fetch: only the top-ups this micro-batch placed, weights and gradients
-        "replica_matrices_micro_batch": replica_traffic(args, ranks, top_ups),
         "replicas": int(replica_plan.num_replicas),
-        "top_ups": int(top_ups.valid.sum()),
         "nodes_dropped": nodes_drops(args, ranks, counts, replica_plan)[0] / (ranks * slots),
     }
 
@@ -411,6 +433,7 @@ def main() -> None:
             rows.append(("relay step 0", new_code(args, ranks, ids, weights, counts, first_step)))
             rows.append(("relay online", online_code(args, ranks, ids, weights, counts, "relay")))
             rows.append(("spread online", online_code(args, ranks, ids, weights, counts, "spread")))
+            rows.append(("exact online", exact_online_code(args, ranks, ids, weights, counts)))
             rows.append(("exact step+top-up", exact_code(args, ranks, ids, weights, counts, previous_load.sum(0))))
             rows.append(("exact step 0+top-up", exact_code(args, ranks, ids, weights, counts, first_step)))
             for label, result in rows:

@@ -222,7 +222,8 @@ class ParallelConfig:
     top-up is planned and, with ep_transport 'exact', no weights travel. 0: none."""
     ep_transport: Literal["auto", "spread", "relay", "padded", "splits", "exact", "nodes"] = "auto"
     """'balanced' dispatch, how token rows cross the EP group. 'auto': 'splits' on gloo (CPU, where
-    reading split sizes costs no device synchronisation), 'spread' on GPUs. 'spread': two
+    reading split sizes costs no device synchronisation); on GPUs 'exact' where NVSHMEM is
+    installed (torch's CUDA wheels ship it; a plan assumes it), 'spread' where it is not. 'spread': two
     fixed-shape all-to-alls that spread each source's rows evenly over all ranks and forward them
     (no host read; no drop while every destination is within capacity_factor of the even share,
     whatever the (source, destination) pairs; about (1 + capacity_factor) times the unpadded rows

@@ -7,8 +7,9 @@ and the micro-batch size (CUDA-graph safe). `balanced` mode (the default) hosts 
 experts, planned per micro-batch from its own all-gathered loads (`online`,
 `parallel/expert_replicas.py`) or once per step (`step`), and keeps every rank under a
 per-destination capacity; the token rows travel through a transport behind one interface
-(`parallel/expert_transports.py`: `spread`, the GPU default, two fixed-shape hops that never drop
-while destinations are within capacity; `relay`, two hops within `capacity_factor` of the
+(`parallel/expert_transports.py`: `exact`, the GPU default, the rows that exist into a fixed
+receive buffer with device split sizes; `spread`, the GPU default without NVSHMEM, two
+fixed-shape hops that never drop while destinations are within capacity; `relay`, two hops within `capacity_factor` of the
 unpadded bytes; `padded`; `splits`, the gloo default; `nodes`, once per destination node,
 `parallel/expert_nodes.py`); `capacity` mode sends each slot home through per-pair buffers and
 drops overflow. The experts compute through their own module
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.parallel.comm import Group
+from k3train.parallel.device_splits import nvshmem_usable
 from k3train.parallel.expert_placement import ReplicaPlacement, top_up_placement
 from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the planner's public names)
     RelayCapacity,
@@ -72,13 +74,18 @@ TRANSPORTS = ("spread", "relay", "padded", "splits", "exact", "nodes")
 ReplicaPlanning = Literal["online", "step"]
 
 
-def resolve_transport(configured: str, backend: str) -> Transport:
+def resolve_transport(configured: str, backend: str, device_splits: bool = True) -> Transport:
     """`parallel.ep_transport: auto` → `splits` on gloo (tensors live in host memory, so reading
-    the split sizes costs no device synchronisation, and the exact receive layout never drops),
-    `spread` on GPU back-ends (static shapes, no host read, no drop while every destination is
-    within its capacity, which the replica planner ensures; about twice the relay's bytes)."""
+    the split sizes costs no device synchronisation, and the exact receive layout never drops);
+    on GPU back-ends `exact` where the all-to-all can take its split sizes on the device
+    (`device_splits`: NVSHMEM, which torch's CUDA wheels ship; a plan, which has no group,
+    assumes it): the rows that exist into a fixed receive buffer, static shapes, no host read;
+    else `spread` (static shapes, no host read, about twice the rows; both drop nothing while
+    every destination is within its capacity, which the replica planner ensures)."""
     if configured == "auto":
-        return "splits" if backend == "gloo" else "spread"
+        if backend == "gloo":
+            return "splits"
+        return "exact" if device_splits else "spread"
     if configured not in TRANSPORTS:
         raise ValueError(f"parallel.ep_transport must be 'auto' or one of {TRANSPORTS}, got {configured!r}")
     return configured  # type: ignore[return-value]
@@ -240,7 +247,8 @@ class ExpertParallel:
             )
         # A plan has no process groups: it prices the transport a GPU cluster would run.
         backend = dist.get_backend(state.ep.process_group) if state.ep.process_group is not None else "nccl"
-        transport = resolve_transport(getattr(parallel_config, "ep_transport", "auto"), backend)
+        device_splits = state.ep.process_group is None or nvshmem_usable(state.ep)
+        transport = resolve_transport(getattr(parallel_config, "ep_transport", "auto"), backend, device_splits)
         return cls(
             state.ep,
             num_experts,

@@ -6,17 +6,18 @@ and what its `combine` needs) and brings the expert outputs back into the source
 (`combine`). The dispatcher (`parallel/expert.py`) plans, fetches replicas and runs the experts
 between the two; it knows nothing of the layouts. Layouts and bounds: docs/expert_parallel.md.
 
-* `spread` (the GPU default): two fixed-shape hops that deliver every slot while every
-  destination is within its capacity (`parallel/expert_spread.py`).
+* `exact` (the GPU default): exactly the rows that exist, into a fixed `[C_dest]` buffer, split
+  sizes as tensors (NVSHMEM's device-split all-to-all on CUDA, `parallel/device_splits.py`).
+* `spread` (the GPU default where NVSHMEM is missing): two fixed-shape hops that deliver every
+  slot while every destination is within its capacity (`parallel/expert_spread.py`).
 * `relay`: two fixed-shape hops within `capacity_factor` of the unpadded rows; a pair's overflow
   through other ranks' spare rows; drops (counted) past its bound.
 * `padded`: one all-to-all of `s·k` rows per pair, received into `[C_dest]` (a reference).
 * `splits` (the gloo default): exactly the rows that exist, split sizes read on the host.
-* `exact`: exactly the rows that exist, into a fixed `[C_dest]` buffer, split sizes as tensors
-  (NVSHMEM's device-split all-to-all on CUDA, `parallel/device_splits.py`).
+* `nodes`: a token's row once per destination node, forwarded inside the node
+  (`parallel/expert_nodes.py`), every hop `exact`'s counted exchange.
 
-Another transport (a device-split or one-sided kernel, or one that crosses between nodes once
-per node) implements the same three methods.
+Another transport (a one-sided or DeepEP-style kernel) implements the same three methods.
 """
 
 from __future__ import annotations

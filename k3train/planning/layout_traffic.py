@@ -59,7 +59,7 @@ def expert_layer_traffic(
             node_bytes += sum(nbytes for nbytes, _ in parts.values())
             node_messages += sum(messages for _, messages in parts.values())
             continue
-        # The two-hop transports (spread, the GPU default, and relay) add `forward [R, C2, l]` and its ids.
+        # The two-hop transports (spread and relay) add `forward [R, C2, l]` and its ids.
         hops = ("dispatch", "forward") if "forward" in shapes else ("dispatch",)
         rows += sum(math.prod(shapes[hop]) for hop in hops) * activation
         ids += sum(math.prod(shapes[f"{hop}_ids"]) for hop in hops) * 4

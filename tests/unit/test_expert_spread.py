@@ -119,10 +119,11 @@ def test_spread_planning_is_a_fixed_number_of_operations():
     assert counts[4] <= 120, counts
 
 
-def test_the_gpu_default_transport_is_spread():
+def test_the_gpu_default_transport_is_exact_where_split_sizes_stay_on_the_device():
     from k3train.parallel.expert import resolve_transport
 
-    assert resolve_transport("auto", "nccl") == "spread"
+    assert resolve_transport("auto", "nccl") == "exact"
+    assert resolve_transport("auto", "nccl", device_splits=False) == "spread"
     assert resolve_transport("auto", "gloo") == "splits"
     assert resolve_transport("nodes", "gloo") == "nodes"
     assert resolve_transport("exact", "nccl") == "exact"
