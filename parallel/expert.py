@@ -20,7 +20,6 @@ gradients and statistics: docs/expert_parallel.md.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, cast
@@ -56,16 +55,10 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
     relay_route,
     replica_route,
 )
-from k3train.parallel.expert_replicas import ReadyReplicas, StepAndTopUps, all_to_all, start_fetch
+from k3train.parallel.expert_replicas import ReadyReplicas, StepAndTopUps, start_fetch
 from k3train.parallel.expert_spread import spread_capacity
-from k3train.parallel.expert_step_replicas import (
-    StepReplicas,
-    fetch_step_replicas,
-    gradients_home,
-    returning_home,
-    split_stacks,
-)
-from k3train.parallel.expert_transports import TRANSPORT_CLASSES, weighted_sum, wire_bytes
+from k3train.parallel.expert_step_replicas import StepReplicaCache, StepReplicas, building_graph
+from k3train.parallel.expert_transports import TRANSPORT_CLASSES, weighted_sum
 
 Mode = Literal["balanced", "capacity"]
 Compute = Literal["grouped", "gather"]
@@ -123,15 +116,6 @@ def routing_statistics_group(state) -> Group:
     tokens through a layer (data-parallel ranks, and tensor-parallel ranks under sequence
     parallelism). The expert-parallel group is inside it."""
     return state.data_tensor if state.sequence_parallel else state.dp
-
-
-def _building_graph() -> bool:
-    """A training forward (not a recompute inside backward, not evaluation)."""
-    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-
-
-# ---------------------------------------------------------------------------------------------
-# Autograd pieces
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,10 +210,16 @@ class ExpertParallel:
         self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
         # > 0: the tokens in this many chunks whose all-to-alls travel under other chunks' experts
         self.overlap_chunks = overlap_chunks if mode == "balanced" else 0
-        self._layers: dict[int, tuple[SupportsGroupedForward, StepReplicas]] = {}
-        self._order: list[int] = []  # the experts modules in the order they were marked (checkpoint keys)
-        self._restored: dict[int, list[tuple[int, int, int]]] = {}  # placements loaded before a layer ran
-        self._last_micro_batch = True  # the next backward returns the `step` replicas' gradients home
+        # `step` planning's per-layer replicas and the checkpoint's placements
+        # (`parallel/expert_step_replicas.py`; with `online` it only keeps the layers' order)
+        self.step_cache = StepReplicaCache(
+            group,
+            num_experts,
+            self.max_replicas,
+            replica_tolerance,
+            spare_replicas,
+            planned=replica_planning == "step" and mode == "balanced" and group.size > 1,
+        )
 
     @classmethod
     def from_state(
@@ -359,8 +349,7 @@ class ExpertParallel:
             # Checkpoints store the stack as one tensor of all experts, sharded over `ep`.
             marks.shard_group = self.group
             marks.partition_dim = 0
-        if id(experts) not in self._order:
-            self._order.append(id(experts))
+        self.step_cache.mark(experts)
 
     # ------------------------------------------------------------------ forward
     def __call__(
@@ -394,34 +383,11 @@ class ExpertParallel:
         return routed.to(latent.dtype), info
 
     def _capacity(self, slot_latent, expert_flat, weights_flat, experts):
-        """Per-pair buffers `[R, C_pair]`: every slot to its home rank, overflow dropped."""
-        num_ranks, width = self.size, slot_latent.shape[-1]
-        slots = expert_flat.shape[0]
-        capacity = capacity_per_pair(slots, 1, num_ranks, self.capacity_factor)
-        dest, local_id = home_route(expert_flat, self.num_local_experts)
-        buffer_index, keep = pack_slots(dest, weights_flat, num_ranks, capacity)
-        send = slot_latent.new_zeros(num_ranks * capacity + 1, width).index_copy(0, buffer_index, slot_latent)
-        send_ids = torch.full((num_ranks * capacity + 1,), -1, dtype=torch.int32, device=slot_latent.device)
-        send_ids = send_ids.index_copy(0, buffer_index, local_id.to(torch.int32))
-        received = all_to_all(send[:-1].view(num_ranks, capacity, width), self.group)
-        received_ids = self.group.all_to_all(send_ids[:-1].view(num_ranks, capacity)).long()
-        output = experts.grouped_forward(received.view(-1, width), received_ids.view(-1), compute=self.compute)
-        returned = all_to_all(output.view(num_ranks, capacity, width), self.group).reshape(-1, width)
-        slot_output = torch.cat([returned, returned.new_zeros(1, width)]).index_select(0, buffer_index)
-        zero = torch.zeros((), dtype=torch.int64, device=slot_latent.device)
-        rows = num_ranks * capacity
-        info = DispatchInfo(
-            keep,
-            dest,
-            (~keep).sum(),
-            (received_ids >= 0).sum(),
-            zero,
-            None,
-            capacity,
-            wire_bytes(rows, rows, width, slot_latent.element_size()),
-            zero,
-        )
-        return slot_output, info
+        """Per-pair buffers `[R, C_pair]`: every slot to its home rank, overflow dropped
+        (`parallel/expert_capacity.py`)."""
+        from k3train.parallel.expert_capacity import capacity_dispatch  # it builds this module's DispatchInfo
+
+        return capacity_dispatch(self, slot_latent, expert_flat, weights_flat, experts)
 
     def _balanced(self, slot_latent, expert_flat, weights_flat, experts, top_k: int):
         """Plan (replicas and each slot's holder), fetch the replicas, then the transport:
@@ -431,7 +397,7 @@ class ExpertParallel:
         capacity = capacity_per_destination(slots, 1, num_ranks, self.capacity_factor)
         # `online` keeps nothing across micro-batches; `step` the step's placement, loads and weights
         state = self._layer(experts, device) if self.replica_planning == "step" else None
-        training = _building_graph()  # loads of a training forward plan the next step's replicas
+        training = building_graph()  # loads of a training forward plan the next step's replicas
         with torch.no_grad():
             mine = torch.zeros(self.num_experts, dtype=torch.int64, device=device).scatter_add_(
                 0, expert_flat, torch.ones_like(expert_flat)
@@ -510,22 +476,13 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ replicas, once per step
     def _layer(self, experts: SupportsGroupedForward, device=None) -> StepReplicas:
-        key = id(experts)
-        if key not in self._layers:
-            restored = self._restored.pop(self._order.index(key), None) if key in self._order else None
-            if restored is not None:  # resumed: the placement the checkpointed step planned
-                placement = ReplicaPlacement.from_host(restored, self.size, self.max_replicas, device)
-            else:
-                placement = ReplicaPlacement.empty(self.size, self.max_replicas, device)  # step 0: no loads yet
-            load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
-            self._layers[key] = (experts, StepReplicas(placement, load))
-        return self._layers[key][1]
+        return self.step_cache.layer(experts, device)
 
     def set_last_micro_batch(self, last: bool) -> None:
         """True (the default): the next backward is the step's last through these layers, and
         returns the `step` replicas' gradients to their home experts (the pipeline schedule says
         it, as it tells the gradient reducer); False: they accumulate on the replicas."""
-        self._last_micro_batch = last
+        self.step_cache.last_micro_batch = last
 
     def step_replicas(self, experts: SupportsGroupedForward) -> ExpertStacks:
         """This step's replica weights `[M, …]` (zeros in unused slots): fetched from their home
@@ -533,65 +490,20 @@ class ExpertParallel:
         gradients return home in the step's last backward (`expert_step_replicas.py`). Exact
         splits: each placed replica moves once (a host list decided at the step boundary, not on
         the dispatch path)."""
-        state = self._layer(experts)
-        stacks = experts.stacks()
-        versions = tuple(w._version for w in stacks)
-        shapes = [w.shape[1:] for w in stacks]
-        if state.flat is not None and versions != state.versions:
-            raise RuntimeError(
-                "expert weights changed since this step's replicas were fetched: call "
-                "ExpertParallel.finish_step after the gradient reduction of every step"
-            )
-        flat = state.flat
-        if flat is None:
-            with torch.no_grad():
-                flat = fetch_step_replicas(stacks, state.placement, self.group, self.max_replicas)
-            if _building_graph():  # kept for the step; its gradients collect until the last backward
-                flat.requires_grad_(True)
-                state.flat, state.versions = flat, versions
-                sent = sum(1 for e, _, _ in state.placement.host if e // self.num_local_experts == self.rank)
-                state.fetch_bytes = 2 * sent * flat[0].numel() * flat.element_size()  # weights, gradients back
-        if flat.requires_grad and torch.is_grad_enabled():
-            flat = returning_home(flat, state, self.group, lambda: self._last_micro_batch, stacks)
-        return cast(ExpertStacks, split_stacks(flat, shapes))
+        return cast(ExpertStacks, self.step_cache.replicas(experts))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """The next step's replica placement of every layer (planned by `finish_step`), as JSON
         values: `layers[i]` lists `[expert, rank, slot]` for the `i`-th experts module marked on this
         rank. Saved per rank (`k3train.checkpoint.PerRank`): the EP groups of a job plan apart."""
-        layers = {}
-        for index, key in enumerate(self._order):
-            if key in self._layers:
-                entries = self._layers[key][1].placement.host
-            else:
-                entries = self._restored.get(index, [])
-            layers[str(index)] = [list(entry) for entry in entries]
-        return {"ep": self.size, "max_replicas_per_rank": self.max_replicas, "layers": layers}
+        return self.step_cache.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the placements `state_dict` saved, so a resumed step hosts the same replicas (and
-        sums replica gradients in the same order) as the uninterrupted run."""
-        if (int(state.get("ep", -1)), int(state.get("max_replicas_per_rank", -1))) != (self.size, self.max_replicas):
-            # another layout (the expert stacks reshard): the first step plans without replicas, as step 0
-            warnings.warn(
-                f"checkpointed expert replicas are for ep={state.get('ep')}, max_replicas_per_rank="
-                f"{state.get('max_replicas_per_rank')}; this run has ep={self.size}, max_replicas_per_rank="
-                f"{self.max_replicas}: the first resumed step places no replicas",
-                stacklevel=2,
-            )
-            return
-        for name, entries in state.get("layers", {}).items():
-            index = int(name)
-            entries = [tuple(int(v) for v in entry) for entry in entries]
-            key = self._order[index] if index < len(self._order) else None
-            if key in self._layers:
-                layer = self._layers[key][1]
-                layer.placement = ReplicaPlacement.from_host(
-                    entries, self.size, self.max_replicas, layer.placement.expert.device
-                )
-            else:
-                self._restored[index] = entries
+        sums replica gradients in the same order) as the uninterrupted run; a checkpoint of another
+        `ep` or `max_replicas_per_rank` warns and the first step places none."""
+        self.step_cache.load_state_dict(state)
 
     def finish_step(self, state=None) -> None:
         """At the step boundary, after the gradient reduction: plan each layer's next replicas from
@@ -600,39 +512,4 @@ class ExpertParallel:
         backward marked last returned are added here, which is exact only where the reduction has
         nothing to add them to across EP groups (`state` None, as in the dispatcher's own tests,
         or `expert_dp` of one rank)."""
-        planned = self.replica_planning == "step" and self.mode == "balanced" and self.size > 1
-        placements = []
-        for experts, layer in self._layers.values():
-            if layer.flat is not None and layer.flat.grad is not None:  # the same on every EP rank
-                self._return_late_gradients(experts, layer, state)
-            if planned:  # `online` plans in the dispatch: nothing here
-                with torch.no_grad():
-                    plan = greedy_plan_from_load(layer.load, self.size, self.max_replicas, self.replica_tolerance)
-                    placement = ReplicaPlacement.from_plan(plan)
-                    if self.spare_replicas:
-                        placement = placement.with_spares(layer.load, plan.rank_load, self.max_replicas)
-                    # a step without a training forward through the layer keeps its placement
-                    layer.placement = placement.select(layer.load.sum() > 0, layer.placement)
-                placements.append(layer.placement)
-            layer.clear()
-        ReplicaPlacement.read_host(placements)  # the step boundary's one host read, for every layer
-
-    @torch.no_grad()
-    def _return_late_gradients(self, experts: SupportsGroupedForward, layer: StepReplicas, state) -> None:
-        """Replica gradients still on the replicas after the gradient reduction, into the home
-        gradients (scaled as the reduction scales expert gradients, `1/dp`)."""
-        if state is not None and state.expert_dp.size > 1:
-            raise RuntimeError(
-                "replica gradients of this step were not returned before the gradient reduction: the "
-                "step's last backward must run after ExpertParallel.set_last_micro_batch(True)"
-            )
-        assert layer.flat is not None and layer.flat.grad is not None
-        delta = gradients_home(layer.flat.grad, layer.placement, self.group, self.num_local_experts)
-        if state is not None:
-            delta.mul_(1.0 / state.layout.dp)
-        stacks = experts.stacks()
-        for param, part in zip(stacks, split_stacks(delta, [w.shape[1:] for w in stacks])):
-            if param.grad is None:
-                param.grad = part.to(param.dtype).clone()
-            else:
-                param.grad.add_(part.to(param.dtype))
+        self.step_cache.finish_step(state)

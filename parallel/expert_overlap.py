@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from k3train.parallel.expert import DispatchInfo, _building_graph
+from k3train.parallel.expert import DispatchInfo
 from k3train.parallel.expert_exchange import Phased
 from k3train.parallel.expert_placement import ReplicaPlacement
 from k3train.parallel.expert_plan import apply_placement, capacity_per_destination, plan_from_load
+from k3train.parallel.expert_step_replicas import building_graph
 from k3train.parallel.tensor_overlap import chunk_bounds
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def overlapped_dispatch(ep: ExpertParallel, slot_latent, expert_flat, weights_fl
     slot_ranges = [(start * top_k, end * top_k) for start, end in bounds]
     capacities = [capacity_per_destination(end - start, 1, num_ranks, ep.capacity_factor) for start, end in slot_ranges]
     state = ep._layer(experts, device) if ep.replica_planning == "step" else None
-    training = _building_graph()
+    training = building_graph()
     with torch.no_grad():
         chunk_of_slot = torch.cat(
             [

@@ -18,13 +18,25 @@ home gradients (its buckets, its overlap with backward): no replica-gradient tra
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from k3train.parallel.comm import Group
 from k3train.parallel.expert_placement import ReplicaPlacement
+from k3train.parallel.expert_plan import greedy_plan_from_load
+
+if TYPE_CHECKING:
+    from k3train.parallel.expert import SupportsGroupedForward
+
+
+def building_graph() -> bool:
+    """A training forward (not a recompute inside backward, not evaluation): its loads plan the
+    next step's replicas and its replica weights are kept for the step."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
 @dataclass
@@ -134,3 +146,143 @@ def returning_home(
 ) -> torch.Tensor:
     """`flat` through `_ReturnHome` (with the home stacks `home` as the inputs its gradients go to)."""
     return _ReturnHome.apply(flat, layer, group, is_last, *home)
+
+
+class StepReplicaCache:
+    """Every MoE layer's `step` replicas on one EP group, and what a checkpoint keeps of them.
+
+    Per experts module: its `StepReplicas` (made at its first dispatch: the placement restored
+    from a checkpoint, else none), the order the modules were marked in (the checkpoint's keys),
+    and whether the next backward is the step's last. `finish_step` plans each layer's next
+    placement from the step's loads (`planned`: `step` planning of `balanced` dispatch on more
+    than one rank; otherwise it only clears the step's weights)."""
+
+    def __init__(
+        self, group: Group, num_experts: int, max_replicas: int, tolerance: float, spares: bool, planned: bool
+    ):
+        self.group, self.num_experts, self.max_replicas = group, num_experts, max_replicas
+        self.tolerance = tolerance  # the greedy planner relieves ranks above (1 + tolerance) · mean
+        self.spares = spares  # fill free replica slots with the next hottest experts
+        self.planned = planned
+        self.layers: dict[int, tuple[SupportsGroupedForward, StepReplicas]] = {}
+        self.order: list[int] = []  # the experts modules in the order they were marked (checkpoint keys)
+        self.restored: dict[int, list[tuple[int, int, int]]] = {}  # placements loaded before a layer ran
+        self.last_micro_batch = True  # the next backward returns the replicas' gradients home
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.group.size
+
+    def mark(self, experts: SupportsGroupedForward) -> None:
+        if id(experts) not in self.order:
+            self.order.append(id(experts))
+
+    def layer(self, experts: SupportsGroupedForward, device=None) -> StepReplicas:
+        key = id(experts)
+        if key not in self.layers:
+            restored = self.restored.pop(self.order.index(key), None) if key in self.order else None
+            size = self.group.size
+            if restored is not None:  # resumed: the placement the checkpointed step planned
+                placement = ReplicaPlacement.from_host(restored, size, self.max_replicas, device)
+            else:
+                placement = ReplicaPlacement.empty(size, self.max_replicas, device)  # step 0: no loads yet
+            load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+            self.layers[key] = (experts, StepReplicas(placement, load))
+        return self.layers[key][1]
+
+    def replicas(self, experts: SupportsGroupedForward) -> tuple[torch.Tensor, ...]:
+        """This step's replica weights `[M, …]` of `experts` (zeros in unused slots): fetched at
+        the layer's first dispatch of the step, kept for every micro-batch, their gradients home
+        in the step's last backward."""
+        state = self.layer(experts)
+        stacks = experts.stacks()
+        versions = tuple(w._version for w in stacks)
+        shapes = [w.shape[1:] for w in stacks]
+        if state.flat is not None and versions != state.versions:
+            raise RuntimeError(
+                "expert weights changed since this step's replicas were fetched: call "
+                "ExpertParallel.finish_step after the gradient reduction of every step"
+            )
+        flat = state.flat
+        if flat is None:
+            with torch.no_grad():
+                flat = fetch_step_replicas(stacks, state.placement, self.group, self.max_replicas)
+            if building_graph():  # kept for the step; its gradients collect until the last backward
+                flat.requires_grad_(True)
+                state.flat, state.versions = flat, versions
+                local, rank = self.num_local_experts, self.group.rank
+                sent = sum(1 for e, _, _ in state.placement.host if e // local == rank)
+                state.fetch_bytes = 2 * sent * flat[0].numel() * flat.element_size()  # weights, gradients back
+        if flat.requires_grad and torch.is_grad_enabled():
+            flat = returning_home(flat, state, self.group, lambda: self.last_micro_batch, stacks)
+        return split_stacks(flat, shapes)
+
+    def state_dict(self) -> dict:
+        layers = {}
+        for index, key in enumerate(self.order):
+            if key in self.layers:
+                entries = self.layers[key][1].placement.host
+            else:
+                entries = self.restored.get(index, [])
+            layers[str(index)] = [list(entry) for entry in entries]
+        return {"ep": self.group.size, "max_replicas_per_rank": self.max_replicas, "layers": layers}
+
+    def load_state_dict(self, state: dict) -> None:
+        size = self.group.size
+        if (int(state.get("ep", -1)), int(state.get("max_replicas_per_rank", -1))) != (size, self.max_replicas):
+            # another layout (the expert stacks reshard): the first step plans without replicas, as step 0
+            warnings.warn(
+                f"checkpointed expert replicas are for ep={state.get('ep')}, max_replicas_per_rank="
+                f"{state.get('max_replicas_per_rank')}; this run has ep={size}, max_replicas_per_rank="
+                f"{self.max_replicas}: the first resumed step places no replicas",
+                stacklevel=3,
+            )
+            return
+        for name, entries in state.get("layers", {}).items():
+            index = int(name)
+            entries = [tuple(int(v) for v in entry) for entry in entries]
+            key = self.order[index] if index < len(self.order) else None
+            if key in self.layers:
+                layer = self.layers[key][1]
+                layer.placement = ReplicaPlacement.from_host(
+                    entries, size, self.max_replicas, layer.placement.expert.device
+                )
+            else:
+                self.restored[index] = entries
+
+    def finish_step(self, state=None) -> None:
+        placements = []
+        for experts, layer in self.layers.values():
+            if layer.flat is not None and layer.flat.grad is not None:  # the same on every EP rank
+                self._return_late_gradients(experts, layer, state)
+            if self.planned:  # `online` plans in the dispatch: nothing here
+                with torch.no_grad():
+                    plan = greedy_plan_from_load(layer.load, self.group.size, self.max_replicas, self.tolerance)
+                    placement = ReplicaPlacement.from_plan(plan)
+                    if self.spares:
+                        placement = placement.with_spares(layer.load, plan.rank_load, self.max_replicas)
+                    # a step without a training forward through the layer keeps its placement
+                    layer.placement = placement.select(layer.load.sum() > 0, layer.placement)
+                placements.append(layer.placement)
+            layer.clear()
+        ReplicaPlacement.read_host(placements)  # the step boundary's one host read, for every layer
+
+    @torch.no_grad()
+    def _return_late_gradients(self, experts: SupportsGroupedForward, layer: StepReplicas, state) -> None:
+        """Replica gradients still on the replicas after the gradient reduction, into the home
+        gradients (scaled as the reduction scales expert gradients, `1/dp`)."""
+        if state is not None and state.expert_dp.size > 1:
+            raise RuntimeError(
+                "replica gradients of this step were not returned before the gradient reduction: the "
+                "step's last backward must run after ExpertParallel.set_last_micro_batch(True)"
+            )
+        assert layer.flat is not None and layer.flat.grad is not None
+        delta = gradients_home(layer.flat.grad, layer.placement, self.group, self.num_local_experts)
+        if state is not None:
+            delta.mul_(1.0 / state.layout.dp)
+        stacks = experts.stacks()
+        for param, part in zip(stacks, split_stacks(delta, [w.shape[1:] for w in stacks])):
+            if param.grad is None:
+                param.grad = part.to(param.dtype).clone()
+            else:
+                param.grad.add_(part.to(param.dtype))
