@@ -14,6 +14,7 @@ hides when nothing else competes for the two cores.
 
     OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py                         # TP2×EP2 and PP2×EP2
     OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py --bandwidth 0.05 --chunks 2 4
+    OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py --chunks 2 --halves    # the alternating halves too
     OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py --dispatcher --bandwidth 0.05
 """
 
@@ -32,16 +33,19 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
     "TP2×EP2": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
     "PP2×EP2": ["parallel.pp=2", "parallel.ep=2"],
+    "EP2": ["parallel.ep=2"],  # 2 ranks: one process per core on a 2-core machine
 }
+RANKS = {"TP2×EP2": 4, "PP2×EP2": 4, "EP2": 2}
 
 
-def run(layout: list[str], chunks: int, args, run_dir: Path) -> dict:
+def run(name: str, chunks: int, args, run_dir: Path, halves: bool = False) -> dict:
+    layout = LAYOUTS[name]
     network = f"parallel.emulate_network={{ep: [{args.bandwidth}, {args.latency}]}}"
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc_per_node=4",
+        f"--nproc_per_node={RANKS[name]}",
         str(ROOT / "pretrain_k3.py"),
         "--recipe",
         str(ROOT / "recipes" / "debug.yaml"),
@@ -51,6 +55,7 @@ def run(layout: list[str], chunks: int, args, run_dir: Path) -> dict:
         f"train.steps={args.steps}",
         "parallel.ep_transport=" + args.transport,
         f"parallel.ep_overlap_chunks={chunks}",
+        f"parallel.ep_overlap_halves={str(halves).lower()}",
         "checkpoint.interval=0",
         "train.eval_interval=0",
         network,
@@ -59,7 +64,7 @@ def run(layout: list[str], chunks: int, args, run_dir: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
-        raise SystemExit(f"ep_overlap: {' '.join(layout)} chunks={chunks} failed:\n{done.stderr[-2000:]}")
+        raise SystemExit(f"ep_overlap: {name} chunks={chunks} halves={halves} failed:\n{done.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [row for row in rows if "exposed_comm_s" in row][1:]  # the first step warms up
     exposed = [sum(s for label, s in row["exposed_comm_s"].items() if label.split(".")[0] == "ep") for row in steps]
@@ -103,13 +108,16 @@ def dispatcher_table(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=["TP2×EP2", "PP2×EP2"], choices=list(LAYOUTS))
     parser.add_argument("--chunks", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--bandwidth", type=float, default=0.1, help="emulated EP link, GB/s")
     parser.add_argument("--latency", type=float, default=50.0, help="emulated EP link, µs")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--transport", default="splits")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument(
+        "--halves", action="store_true", help="also each --chunks value with parallel.ep_overlap_halves=true"
+    )
     parser.add_argument("--dispatcher", action="store_true", help="one MoE layer's dispatcher alone")
     parser.add_argument("--inner", type=int, default=512, help="--dispatcher: the experts' inner width")
     parser.add_argument("--tokens", type=int, default=1024, help="--dispatcher: tokens per rank")
@@ -119,20 +127,23 @@ def main(argv: list[str] | None = None) -> int:
         dispatcher_table(args)
         return 0
     print(
-        f"debug recipe, 4 gloo ranks, EP link {args.bandwidth} GB/s + {args.latency} µs, "
+        f"debug recipe on gloo, EP link {args.bandwidth} GB/s + {args.latency} µs, "
         f"ep_transport={args.transport}, {args.steps} steps (first one left out)"
     )
-    print("| layout | ep_overlap_chunks | exposed EP s/step | step s | exposed vs chunks=0 | last loss |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| layout | ep_overlap_chunks | halves | exposed EP s/step | step s | exposed vs chunks=0 | last loss |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    runs = [(0, False), *((chunks, False) for chunks in args.chunks)]
+    if args.halves:
+        runs += [(chunks, True) for chunks in args.chunks]
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.layouts:
             baseline = None
-            for chunks in [0, *args.chunks]:
-                result = run(LAYOUTS[name], chunks, args, Path(scratch) / f"{name}-{chunks}")
+            for chunks, halves in runs:
+                result = run(name, chunks, args, Path(scratch) / f"{name}-{chunks}-{halves}", halves)
                 baseline = baseline or result["ep_exposed_s"]
                 print(
-                    f"| {name} | {chunks} | {result['ep_exposed_s']:.3f} | {result['step_s']:.3f} | "
-                    f"{result['ep_exposed_s'] / baseline:.0%} | {result['loss']:.6f} |",
+                    f"| {name} | {chunks} | {'yes' if halves else 'no'} | {result['ep_exposed_s']:.3f} | "
+                    f"{result['step_s']:.3f} | {result['ep_exposed_s'] / baseline:.0%} | {result['loss']:.6f} |",
                     flush=True,
                 )
     return 0

@@ -13,7 +13,7 @@ torch's error names neither, and `describe_collective_failure` turns it into one
 
 A group may carry an `EmulatedLink` (`parallel.emulate_network`, CPU runs): each collective then
 completes no earlier than `latency + bytes / bandwidth` after every rank has entered it and the
-link is free (transfers queue on it), as on that link, so a gloo run on one machine shows what
+link is free (transfers queue on it in the order this rank launched them), as on that link, so a gloo run on one machine shows what
 overlapping communication with compute hides: an asynchronous collective whose `wait()` comes
 after enough compute waits for nothing. The transfer starts when torch's own collective
 completes (a blocking call returns; an asynchronous one's future is done): a peer that enters
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -71,25 +71,52 @@ class TrafficCounter:
 
 
 @dataclass
+class Transfer:
+    """One collective on an emulated link: its bytes, when it could start (`entered()`: once every
+    rank has launched it, known when torch's collective completes) and, once on the link, when it
+    is delivered."""
+
+    nbytes: int
+    entered: Callable[[], float]
+    delivered_at: float | None = None
+
+
+@dataclass
 class EmulatedLink:
     """A network link for CPU runs, one per group and rank. Transfers share it one after the
-    other: a collective of `nbytes` (what this rank sends, as counted) launched at `t` starts
-    when the link is free, `start = max(t, busy_until)`, and completes at `start + latency_s +
-    nbytes / bandwidth_bytes_per_s` at the earliest (the link is busy until `start + nbytes /
-    bandwidth`). Two pieces launched together thus arrive one after the other, as on a wire."""
+    other, in the order this rank launched them: a collective of `nbytes` (what this rank
+    sends, as counted) that every rank has entered at `t` starts when the link is free,
+    `start = max(t, busy_until)`, and completes at `start + latency_s + nbytes / bandwidth` at the
+    earliest (the link is busy until `start + nbytes / bandwidth`). Two pieces launched together
+    thus arrive one after the other, as on a wire, and a blocking collective launched behind an
+    asynchronous one waits for it."""
 
     bandwidth_bytes_per_s: float
     latency_s: float
     busy_until: float = 0.0
+    queued: list[Transfer] = field(default_factory=list)
+    """Transfers launched and not yet placed on the link, in launch order."""
 
     def seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
     def schedule(self, launched: float, nbytes: int) -> float:
-        """The emulated completion time of a transfer launched at `launched` (and book the link)."""
+        """The emulated completion time of a transfer that can start at `launched` (and book the link)."""
         start = max(launched, self.busy_until)
         self.busy_until = start + nbytes / self.bandwidth_bytes_per_s
         return start + self.seconds(nbytes)
+
+    def launch(self, nbytes: int, entered: Callable[[], float]) -> Transfer:
+        transfer = Transfer(nbytes, entered)
+        self.queued.append(transfer)
+        return transfer
+
+    def delivery(self, transfer: Transfer) -> float:
+        """When `transfer` is delivered: every transfer launched before it goes on the link first."""
+        while transfer.delivered_at is None:
+            first = self.queued.pop(0)
+            first.delivered_at = self.schedule(first.entered(), first.nbytes)
+        return transfer.delivered_at
 
 
 def hold_until(deadline: float) -> None:
@@ -116,9 +143,20 @@ class TimedWork:
                 self.watched = True
             except RuntimeError:  # gloo's reduce-scatter has no future: judged at `wait()`
                 pass
+        self.transfer = link.launch(nbytes, self._entered) if link is not None else None
 
     def _completed(self, _future) -> None:
         self.entered_by_all = time.perf_counter()
+
+    def _entered(self) -> float:
+        """When the transfer can start: once every rank has launched the collective (its
+        future's completion; the callback may trail `wait()` by a moment: then now; without a
+        future, a work still pending here completed when its wait returned)."""
+        pending = not self.watched and not self.work.is_completed()
+        self.work.wait()
+        if self.watched:
+            return max(self.launched, self.entered_by_all if self.entered_by_all is not None else time.perf_counter())
+        return max(self.launched, time.perf_counter()) if pending else self.launched
 
     def is_completed(self) -> bool:
         """Done on the wire (the emulated link's delay is applied at `wait()`)."""
@@ -126,18 +164,9 @@ class TimedWork:
 
     def wait(self) -> bool:
         started = time.perf_counter()
-        pending = self.link is not None and not self.watched and not self.work.is_completed()
         done = self.work.wait()
-        if self.link is not None:
-            # The transfer starts once every rank has launched the collective (its future's
-            # completion; the callback may trail `wait()` by a moment: then now; without a future,
-            # a work still pending at `wait()` completed when it returned) and the link is free.
-            start = self.launched
-            if self.watched:
-                start = max(start, self.entered_by_all if self.entered_by_all is not None else time.perf_counter())
-            elif pending:
-                start = max(start, time.perf_counter())
-            hold_until(self.link.schedule(start, self.nbytes))
+        if self.link is not None and self.transfer is not None:
+            hold_until(self.link.delivery(self.transfer))
         self.counter.waited(self.label, time.perf_counter() - started)
         return done
 
@@ -183,9 +212,14 @@ class Group:
             self.counter.note(label, operation)
         nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
         started = time.perf_counter()
+        returned: list[float] = []
+        link = self.link if emulated else None
+        # queued behind what this rank launched before; on the link once every rank has entered (torch returned)
+        transfer = link.launch(nbytes, lambda: returned[0]) if link is not None else None
         yield
-        if self.link is not None and emulated:  # on the link once every rank has entered (torch returned)
-            hold_until(self.link.schedule(time.perf_counter(), nbytes))
+        returned.append(time.perf_counter())
+        if link is not None and transfer is not None:
+            hold_until(link.delivery(transfer))
         self.counter.waited(label, time.perf_counter() - started)
 
     def _timed(self, work: dist.Work | None, tensor: torch.Tensor, label: str, emulated: bool = True) -> TimedWork:

@@ -139,6 +139,22 @@ def check_context_split(
 EMULATED_GROUPS = ("tp", "cp", "dp", "pp", "ep", "expert_dp", "data_tensor", "model")
 
 
+def check_overlap_halves(parallel: ParallelConfig, micro_batch_size: int, recompute: str) -> None:
+    """`parallel.ep_overlap_halves` needs what it alternates: chunked exchanges, two sequences per
+    micro-batch, and sublayers that are not recomputed whole (a recomputed sublayer runs its
+    exchanges inside autograd's checkpoint, where the other half cannot run)."""
+    if not parallel.ep_overlap_halves:
+        return
+    problems = [
+        (parallel.ep_overlap_chunks >= 1, "parallel.ep_overlap_chunks >= 1 (the halves run the chunked exchange)"),
+        (micro_batch_size >= 2, f"train.micro_batch_size >= 2 (got {micro_batch_size}: a half is whole sequences)"),
+        (recompute != "sublayer", "model.recompute other than 'sublayer'"),
+    ]
+    for ok, need in problems:
+        if not ok:
+            raise ConfigError(f"parallel.ep_overlap_halves=true needs {need}; set it, or ep_overlap_halves=false")
+
+
 def check_emulated_network(emulate_network: dict[str, list[float]]) -> None:
     """Raise ConfigError unless every entry names a group and gives [GB/s > 0, latency µs >= 0]."""
     for name, link in emulate_network.items():
@@ -247,6 +263,13 @@ class ParallelConfig:
     chunk's combine) travel; backward runs the same overlap in reverse. 0 (default): dispatch,
     experts, combine, then the shared experts, each collective waited for at once. The same
     losses either way (rows are independent; float64 equal to rounding). docs/expert_parallel.md."""
+    ep_overlap_halves: bool = False
+    """With ep_overlap_chunks: each micro-batch runs as two halves of its sequences whose layers
+    alternate (one half's mixer, then the other's, each half's MoE between), so that one half's
+    expert all-to-alls travel while the other half computes its attention and experts; backward
+    alternates the same way. Needs train.micro_batch_size >= 2 and model.recompute other than
+    'sublayer'. The same losses (sequences are independent; float64 equal to rounding).
+    docs/expert_parallel.md."""
     gpus_per_node: int = 0
     """GPUs (ranks) per node, for ep_transport 'nodes': ranks r and r' share a node when
     r // gpus_per_node equals r' // gpus_per_node. 0: torchrun's local world size."""

@@ -30,6 +30,7 @@ from torch import nn
 
 from k3train.parallel.comm import Group
 from k3train.parallel.device_splits import nvshmem_usable
+from k3train.parallel.expert_exchange import Phases, run_phases
 from k3train.parallel.expert_placement import ReplicaPlacement, top_up_placement
 from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the planner's public names)
     RelayCapacity,
@@ -170,6 +171,7 @@ class ExpertParallel:
         gpus_per_node: int = 0,
         overlap_chunks: int = 0,
         top_up_replicas: int = 0,
+        overlap_halves: bool = False,
     ):
         if num_experts % group.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={group.size}")
@@ -210,6 +212,9 @@ class ExpertParallel:
         self.spare_replicas = spare_replicas  # fill free replica slots with the next hottest experts
         # > 0: the tokens in this many chunks whose all-to-alls travel under other chunks' experts
         self.overlap_chunks = overlap_chunks if mode == "balanced" else 0
+        # the model runs each micro-batch as two halves whose layers alternate, so that one
+        # half's exchanges travel under the other half's compute (`K3ModelChunk.forward_layers`)
+        self.overlap_halves = overlap_halves and self.overlap_chunks > 0
         # `step` planning's per-layer replicas and the checkpoint's placements
         # (`parallel/expert_step_replicas.py`; with `online` it only keeps the layers' order)
         self.step_cache = StepReplicaCache(
@@ -251,6 +256,7 @@ class ExpertParallel:
             gpus_per_node=resolve_gpus_per_node(getattr(parallel_config, "gpus_per_node", 0)),
             overlap_chunks=getattr(parallel_config, "ep_overlap_chunks", 0),
             top_up_replicas=getattr(parallel_config, "ep_top_up_replicas", 0),
+            overlap_halves=getattr(parallel_config, "ep_overlap_halves", False),
         )
 
     # ------------------------------------------------------------------ layout
@@ -364,13 +370,30 @@ class ExpertParallel:
         `[s, l]` in `latent`'s dtype, and what the dispatch did. `alongside` (work independent of
         the routed experts, as the shared experts) is called exactly once: while the first
         dispatch is on the wire when the dispatcher `overlaps`, else after the combine."""
+        return run_phases(self.dispatch_phases(latent, expert_ids, weights, experts, alongside))
+
+    def dispatch_phases(
+        self,
+        latent: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: SupportsGroupedForward,
+        alongside: Callable[[], None] | None = None,
+    ) -> Phases[tuple[torch.Tensor, DispatchInfo]]:
+        """`__call__` as a phase generator: when the dispatcher `overlaps` it yields while its
+        exchanges are on the wire (`parallel/expert_overlap.py`), so that a caller runs other
+        independent work there (the other half of the micro-batch); otherwise it never yields."""
         tokens, top_k = expert_ids.shape
         width = latent.shape[-1]
         expert_flat = expert_ids.reshape(-1)
         weights_flat = weights.reshape(-1)
         slot_latent = latent.unsqueeze(1).expand(tokens, top_k, width).reshape(-1, width)
         if self.mode == "balanced" and self.overlaps:
-            routed, info = self._overlapped(slot_latent, expert_flat, weights_flat, experts, top_k, alongside)
+            from k3train.parallel.expert_overlap import overlapped_dispatch  # it builds this module's DispatchInfo
+
+            routed, info = yield from overlapped_dispatch(
+                self, slot_latent, expert_flat, weights_flat, experts, top_k, alongside
+            )
         else:
             if self.mode == "balanced":
                 routed, info = self._balanced(slot_latent, expert_flat, weights_flat, experts, top_k)
@@ -429,12 +452,6 @@ class ExpertParallel:
         )
         return routed, info
 
-    def _overlapped(self, slot_latent, expert_flat, weights_flat, experts, top_k: int, alongside):
-        """`_balanced` with the tokens in `overlap_chunks` chunks (`parallel/expert_overlap.py`)."""
-        from k3train.parallel.expert_overlap import overlapped_dispatch  # it builds this module's DispatchInfo
-
-        return overlapped_dispatch(self, slot_latent, expert_flat, weights_flat, experts, top_k, alongside)
-
     def _replicas(
         self, experts: SupportsGroupedForward, state: StepReplicas | None, plan: ReplicaPlan
     ) -> tuple[ExpertStacks, int]:
@@ -447,11 +464,12 @@ class ExpertParallel:
     def _start_replicas(
         self, experts: SupportsGroupedForward, state: StepReplicas | None, plan: ReplicaPlan | ReplicaPlacement
     ):
-        """`_replicas` in two parts: the `online` fetch launched now, its `finish()` waiting for
-        it (`step`: the cached stacks, nothing in flight)."""
+        """`_replicas` in two parts: the fetch launched now, its `finish()` waiting for it
+        (`online`: this micro-batch's replicas; `step`: the step's, in flight at the layer's first
+        dispatch of the step, cached after)."""
         if state is None:
             return start_fetch(experts.stacks(), plan, self.group, self.max_replicas, self.counted_replicas)
-        replicas = self.step_replicas(experts)
+        replicas = self.step_cache.start(experts)  # the step's first dispatch of the layer: in flight
         sent_bytes, state.fetch_bytes = state.fetch_bytes, 0
         if not self.top_up:
             return ReadyReplicas(replicas, sent_bytes)

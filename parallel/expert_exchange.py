@@ -245,6 +245,22 @@ class Phased(Generic[Result]):
         return self._result  # type: ignore[return-value]
 
 
+def alternate(phases: list[Phases[Result]]) -> list[Result]:
+    """Phase generators run in turn, each to its next yield, until every one has ended; their
+    results in order. Every rank alternates the same generators the same way, so their
+    collectives are issued in the same order everywhere."""
+    results: list[Result | None] = [None] * len(phases)
+    running = list(range(len(phases)))
+    while running:
+        for index in list(running):
+            try:
+                next(phases[index])
+            except StopIteration as stop:
+                results[index] = stop.value
+                running.remove(index)
+    return results  # type: ignore[return-value]
+
+
 def run_phases(phases: Phases[Result]) -> Result:
     """A phase generator run to its end at once: launch, wait, launch, wait (the blocking form)."""
     return Phased(phases).finish()
@@ -252,6 +268,7 @@ def run_phases(phases: Phases[Result]) -> Result:
 
 __all__ = [
     "LAST",
+    "alternate",
     "MORE",
     "Counted",
     "CountedAllToAll",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3train.parallel.expert import DispatchInfo
-from k3train.parallel.expert_exchange import Phased
+from k3train.parallel.expert_exchange import Phased, Phases
 from k3train.parallel.expert_placement import ReplicaPlacement
 from k3train.parallel.expert_plan import apply_placement, capacity_per_destination, plan_from_load
 from k3train.parallel.expert_step_replicas import building_graph
@@ -20,13 +20,21 @@ if TYPE_CHECKING:
     from k3train.parallel.expert import ExpertParallel
 
 
-def overlapped_dispatch(ep: ExpertParallel, slot_latent, expert_flat, weights_flat, experts, top_k: int, alongside):
+def overlapped_dispatch(
+    ep: ExpertParallel, slot_latent, expert_flat, weights_flat, experts, top_k: int, alongside
+) -> Phases[tuple[torch.Tensor, DispatchInfo]]:
     """`ExpertParallel._balanced` with the tokens in `overlap_chunks` chunks (fewer when there are fewer
     tokens), each planned from its own loads under one replica placement (the micro-batch's:
     `online` plans it from the whole micro-batch's loads, so the replicas are fetched once).
     Every chunk's first hop is launched at once, then `alongside` runs; chunk `i`'s experts run
     while chunk `i + 1`'s rows and chunk `i − 1`'s combine travel
-    (`parallel/expert_exchange.py`: the backward overlaps the same way)."""
+    (`parallel/expert_exchange.py`: the backward overlaps the same way).
+
+    A phase generator (`run_phases` runs it at once): it yields `EXCHANGE` once the first hops
+    are on the wire (after `alongside`) and once the last combine is, so that a caller with
+    other independent work (the other half of the micro-batch, `parallel.ep_overlap_halves`)
+    runs it there (a two-hop transport's second hops go on as without halves: launched when
+    their chunk's first hop is waited for). It returns `(routed, info)`."""
     num_ranks, num_experts = ep.size, ep.num_experts
     tokens, device = expert_flat.shape[0] // top_k, slot_latent.device
     bounds = chunk_bounds(tokens, ep.overlap_chunks)
@@ -71,6 +79,7 @@ def overlapped_dispatch(ep: ExpertParallel, slot_latent, expert_flat, weights_fl
     ]
     if alongside is not None:
         alongside()  # under the first chunk's dispatch
+    yield EXCHANGE  # the other half's work, if any, under the rest of the dispatch
     replicas, replica_bytes = pending.finish()
     combines: list[Phased[torch.Tensor]] = []
     deliveries = []
@@ -84,6 +93,7 @@ def overlapped_dispatch(ep: ExpertParallel, slot_latent, expert_flat, weights_fl
         if c > 0:
             combines[c - 1].advance()
         deliveries.append(delivery)
+    yield EXCHANGE  # the other half's work, if any, under the last combines
     routed = torch.cat([combine.finish() for combine in combines])
     keep = torch.cat([delivery.keep for delivery in deliveries])
     info = DispatchInfo(
@@ -100,4 +110,7 @@ def overlapped_dispatch(ep: ExpertParallel, slot_latent, expert_flat, weights_fl
     return routed, info
 
 
-__all__ = ["overlapped_dispatch"]
+EXCHANGE = "exchange"
+"""What `overlapped_dispatch` yields: its exchanges are on the wire."""
+
+__all__ = ["EXCHANGE", "overlapped_dispatch"]

@@ -23,6 +23,7 @@ rank receives its at most `M` matrices, `M·F` elements on average per rank (`st
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
@@ -130,28 +131,37 @@ class PendingReplicas:
         return stacks, self.sent_bytes
 
 
-class ReadyReplicas:
-    """Replica stacks already at hand (`step` planning's cached ones), with the bytes to count:
-    `finish()` returns them, as `PendingReplicas.finish` does."""
+class StepStacks(Protocol):
+    """`step` planning's replica stacks of a layer (`StepReplicaCache.start`): `finish()` gives
+    them, after their fetch when it is in flight."""
 
-    def __init__(self, stacks: tuple[torch.Tensor, ...], sent_bytes: int):
-        self._stacks, self.sent_bytes = stacks, sent_bytes
+    def finish(self) -> tuple[torch.Tensor, ...]: ...
+
+
+class ReadyReplicas:
+    """The step's replica stacks (`step` planning: cached, or in flight at the layer's first
+    dispatch of the step), with the bytes to count: `finish()` returns them, as
+    `PendingReplicas.finish` does."""
+
+    def __init__(self, step: StepStacks, sent_bytes: int):
+        self._step, self.sent_bytes = step, sent_bytes
 
     def finish(self) -> tuple[tuple[torch.Tensor, ...], int]:
-        return self._stacks, self.sent_bytes
+        return self._step.finish(), self.sent_bytes
 
 
 class StepAndTopUps:
-    """The step's cached replica stacks and this micro-batch's top-ups in flight
+    """The step's replica stacks and this micro-batch's top-ups in flight
     (`parallel.ep_top_up_replicas`): `finish()` returns each stack with the top-up slots after the
     step's, and the bytes of both."""
 
-    def __init__(self, step: tuple[torch.Tensor, ...], top_ups: PendingReplicas, step_bytes: int):
+    def __init__(self, step: StepStacks, top_ups: PendingReplicas, step_bytes: int):
         self._step, self._top_ups, self._step_bytes = step, top_ups, step_bytes
 
     def finish(self) -> tuple[tuple[torch.Tensor, ...], int | torch.Tensor]:
+        step = self._step.finish()
         fetched, sent = self._top_ups.finish()
-        stacks = tuple(torch.cat([cached, new.to(cached.dtype)]) for cached, new in zip(self._step, fetched))
+        stacks = tuple(torch.cat([cached, new.to(cached.dtype)]) for cached, new in zip(step, fetched))
         return stacks, sent + self._step_bytes
 
 

@@ -50,12 +50,16 @@ class StepReplicas:
     flat: torch.Tensor | None = None
     versions: tuple[int, ...] = ()
     fetch_bytes: int = 0
+    in_flight: StepFetch | None = None
+    """The step's fetch while it travels (launched by the layer's first dispatch of the step, and
+    shared by a second one before it is waited for: the other half, `parallel.ep_overlap_halves`)."""
 
     def clear(self) -> None:
         """The step boundary: drop the weights and the loads."""
         self.load.zero_()
         self.flat = None
         self.fetch_bytes = 0
+        self.in_flight = None
 
 
 def replica_lists(
@@ -71,21 +75,38 @@ def replica_lists(
     return [e - rank * local for _, _, e in outgoing], send, [s for _, s in incoming], receive
 
 
-def fetch_step_replicas(
+class StepFetch:
+    """One layer's step replica fetch in flight (`launch_step_fetch`): `result()` waits for it
+    and gives `[slots, F]`, this rank's replica weights (zeros in free slots)."""
+
+    def __init__(self, work, fetched: torch.Tensor, slot_of: list[int], slots: int):
+        self._work, self._fetched, self._slot_of, self._slots = work, fetched, slot_of, slots
+
+    def result(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        flat = self._fetched.new_zeros(self._slots, self._fetched.shape[1])
+        index = torch.tensor(self._slot_of, dtype=torch.int64, device=flat.device)
+        return flat.index_copy_(0, index, self._fetched)
+
+
+def launch_step_fetch(
     stacks: tuple[torch.Tensor, ...],
     placement: ReplicaPlacement,
     group: Group,
     slots: int,
-) -> torch.Tensor:
-    """`[slots, F]`: this rank's replica weights under `placement` (zeros in free slots): one
+) -> StepFetch:
+    """Launch the fetch of this rank's replica weights under `placement`: one asynchronous
     all-to-all with host split sizes, each placed replica once."""
     local = stacks[0].shape[0]
     outgoing, send, slot_of, receive = replica_lists(placement, group.rank, group.size, local)
     index = torch.tensor(outgoing, dtype=torch.int64, device=stacks[0].device)
     rows = torch.cat([w.index_select(0, index).reshape(len(outgoing), w[0].numel()) for w in stacks], dim=1)
-    fetched = group.all_to_all_uneven(rows, send, receive, f"{group.name}.replicas")
-    flat = fetched.new_zeros(slots, rows.shape[1])
-    return flat.index_copy_(0, torch.tensor(slot_of, dtype=torch.int64, device=flat.device), fetched)
+    if group.size == 1:
+        return StepFetch(None, rows, slot_of, slots)
+    fetched = rows.new_empty(sum(receive), rows.shape[1])
+    work = group.all_to_all_async(rows, fetched, send, receive, f"{group.name}.replicas")
+    return StepFetch(work, fetched, slot_of, slots)
 
 
 def gradients_home(
@@ -148,6 +169,32 @@ def returning_home(
     return _ReturnHome.apply(flat, layer, group, is_last, *home)
 
 
+class PendingStepReplicas:
+    """A layer's step replicas from `StepReplicaCache.start`: `finish()` gives the stacks (after
+    the step's fetch, if it is still in flight), through `_ReturnHome` when they carry gradients.
+    `fetch`: a fetch of this call's own (evaluation: nothing kept for the step)."""
+
+    def __init__(self, cache: StepReplicaCache, state: StepReplicas, stacks, versions, fetch: StepFetch | None = None):
+        self._cache, self._state, self._stacks, self._versions, self._fetch = cache, state, stacks, versions, fetch
+
+    def finish(self) -> tuple[torch.Tensor, ...]:
+        state, stacks, cache = self._state, self._stacks, self._cache
+        if self._fetch is not None:
+            with torch.no_grad():
+                flat = self._fetch.result()
+        else:
+            if state.flat is None:  # the step's fetch arrives: a leaf whose gradients collect over the step
+                assert state.in_flight is not None, "a step fetch is launched before it is finished"
+                with torch.no_grad():
+                    fetched = state.in_flight.result()
+                state.in_flight = None
+                state.flat, state.versions = fetched.requires_grad_(True), self._versions
+            flat = state.flat
+        if flat.requires_grad and torch.is_grad_enabled():
+            flat = returning_home(flat, state, cache.group, lambda: cache.last_micro_batch, stacks)
+        return split_stacks(flat, [w.shape[1:] for w in stacks])
+
+
 class StepReplicaCache:
     """Every MoE layer's `step` replicas on one EP group, and what a checkpoint keeps of them.
 
@@ -194,28 +241,34 @@ class StepReplicaCache:
         """This step's replica weights `[M, …]` of `experts` (zeros in unused slots): fetched at
         the layer's first dispatch of the step, kept for every micro-batch, their gradients home
         in the step's last backward."""
+        return self.start(experts).finish()
+
+    def start(self, experts: SupportsGroupedForward) -> PendingStepReplicas:
+        """`replicas` in two parts: at the layer's first dispatch of the step the fetch is
+        launched here and waited for by `finish()` (the overlapped schedule runs the dispatch and
+        the shared experts between); later the cached weights, nothing in flight."""
         state = self.layer(experts)
         stacks = experts.stacks()
         versions = tuple(w._version for w in stacks)
-        shapes = [w.shape[1:] for w in stacks]
         if state.flat is not None and versions != state.versions:
             raise RuntimeError(
                 "expert weights changed since this step's replicas were fetched: call "
                 "ExpertParallel.finish_step after the gradient reduction of every step"
             )
-        flat = state.flat
-        if flat is None:
-            with torch.no_grad():
-                flat = fetch_step_replicas(stacks, state.placement, self.group, self.max_replicas)
-            if building_graph():  # kept for the step; its gradients collect until the last backward
-                flat.requires_grad_(True)
-                state.flat, state.versions = flat, versions
-                local, rank = self.num_local_experts, self.group.rank
-                sent = sum(1 for e, _, _ in state.placement.host if e // local == rank)
-                state.fetch_bytes = 2 * sent * flat[0].numel() * flat.element_size()  # weights, gradients back
-        if flat.requires_grad and torch.is_grad_enabled():
-            flat = returning_home(flat, state, self.group, lambda: self.last_micro_batch, stacks)
-        return split_stacks(flat, shapes)
+        if state.flat is not None or state.in_flight is not None:
+            return PendingStepReplicas(self, state, stacks, versions)
+        with torch.no_grad():
+            fetch = launch_step_fetch(stacks, state.placement, self.group, self.max_replicas)
+        if not building_graph():  # evaluation, a recompute: fetched for this call only
+            return PendingStepReplicas(self, state, stacks, versions, fetch)
+        state.in_flight = fetch  # kept for the step once it has arrived
+        local, rank = self.num_local_experts, self.group.rank
+        sent = sum(1 for e, _, _ in state.placement.host if e // local == rank)
+        width = sum(w[0].numel() for w in stacks)
+        state.fetch_bytes = (
+            2 * sent * width * stacks[0].element_size()
+        )  # the weights now, gradients in the last backward
+        return PendingStepReplicas(self, state, stacks, versions)
 
     def state_dict(self) -> dict:
         layers = {}

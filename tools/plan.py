@@ -424,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             efficiency=args.efficiency,
             document_lengths=documents,
             ep_overlap_chunks=config.parallel.ep_overlap_chunks,
+            ep_overlap_halves=config.parallel.ep_overlap_halves,
             gradient_buckets=buckets,
             tp_overlap=tp_overlap,
         )

@@ -24,7 +24,13 @@ from k3train.config.recipe import ConfigError
 from k3train.data.config import DataConfig
 from k3train.model.config import ModelConfig
 from k3train.optim.config import OptimizerConfig, ScheduleConfig
-from k3train.parallel.config import ModelSplitSizes, ParallelConfig, check_context_split, check_model_split
+from k3train.parallel.config import (
+    ModelSplitSizes,
+    ParallelConfig,
+    check_context_split,
+    check_model_split,
+    check_overlap_halves,
+)
 from k3train.parallel.pipeline_schedule import partition_layers
 from k3train.training.config import LoggingConfig, TrainConfig
 
@@ -86,6 +92,7 @@ class JobConfig:
             parallel.tp,
             parallel.sequence_parallel,
         )
+        check_overlap_halves(parallel, self.train.micro_batch_size, model.recompute)
 
 
 def check_finite_numbers(obj: Any, prefix: str = "") -> None:

@@ -27,6 +27,7 @@ from k3train.contracts.param_roles import mark_adamw_only
 from k3train.contracts.stage_io import ResidualState
 from k3train.kernels.attn_res import attn_res_mix, attn_res_mix_rmsnorm, block_keys
 from k3train.model.norm import RMSNorm
+from k3train.parallel.expert_exchange import Phases, run_phases
 
 
 @dataclass
@@ -128,32 +129,64 @@ def apply_sublayer(
     checkpoint; Transformer Engine's under TE linears, `kernels.te.fp8_checkpoint`). `later`: the mixes after this one in the model chunk, which read a block closed
     here; its keys for them are computed once, when it closes.
     """
+    return run_phases(
+        sublayer_phases(
+            state, attn_res, push_block, norm, at_once(sublayer), recompute_sublayer, later, checkpoint_function
+        )
+    )
+
+
+def at_once(function: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], Phases[torch.Tensor]]:
+    """`function` as a phase generator that never yields."""
+
+    def phases(x: torch.Tensor) -> Phases[torch.Tensor]:
+        return function(x)
+        yield  # a generator function: never reached
+
+    return phases
+
+
+def sublayer_phases(
+    state: ResidualState,
+    attn_res: AttentionResidual | None,
+    push_block: bool,
+    norm: nn.Module,
+    sublayer: Callable[[torch.Tensor], Phases[torch.Tensor]],
+    recompute_sublayer: bool = False,
+    later: Sequence[AttentionResidual] = (),
+    checkpoint_function: Callable | None = None,
+) -> Phases[ResidualState]:
+    """`apply_sublayer` with a sublayer written as a phase generator (`LatentMoE.forward_phases`):
+    it yields where the sublayer does, so that the caller runs other work there
+    (`parallel.ep_overlap_halves`). A recomputed sublayer runs to its end inside the checkpoint."""
     recompute = checkpoint_function or torch_checkpoint
+    checkpointed = recompute_sublayer and torch.is_grad_enabled()
     if attn_res is None:  # plain residual: x = x + f(norm(x))
         assert state.partial is not None  # with plain residuals `partial` is the hidden state
 
-        def plain(hidden: torch.Tensor) -> torch.Tensor:
-            return sublayer(norm(hidden))
+        def plain(hidden: torch.Tensor) -> Phases[torch.Tensor]:
+            return (yield from sublayer(norm(hidden)))
 
-        output = (
-            recompute(plain, state.partial) if recompute_sublayer and torch.is_grad_enabled() else plain(state.partial)
-        )
+        if checkpointed:
+            output = recompute(lambda hidden: run_phases(plain(hidden)), state.partial)
+        else:
+            output = yield from plain(state.partial)
         return ResidualState(state.partial + output, state.blocks)
 
     sources = state.sources()
     inverse_norms, dots = source_keys(state, attn_res)
     given = [t for t in inverse_norms + dots if t is not None]
 
-    def run(*inputs: torch.Tensor) -> torch.Tensor:
+    def run(*inputs: torch.Tensor) -> Phases[torch.Tensor]:
         supplied = iter(inputs[len(sources) :])
         norms_in = [next(supplied) if t is not None else None for t in inverse_norms]
         dots_in = [next(supplied) if t is not None else None for t in dots]
-        return sublayer(attn_res.normalized_input(list(inputs[: len(sources)]), norm, norms_in, dots_in))
+        return (yield from sublayer(attn_res.normalized_input(list(inputs[: len(sources)]), norm, norms_in, dots_in)))
 
-    if recompute_sublayer and torch.is_grad_enabled():
-        output = recompute(run, *sources, *given)
+    if checkpointed:
+        output = recompute(lambda *inputs: run_phases(run(*inputs)), *sources, *given)
     else:
-        output = run(*sources, *given)
+        output = yield from run(*sources, *given)
     blocks, partial = state.blocks, state.partial
     keys = list(getattr(state, "block_keys", []))
     if push_block:

@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from k3train.contracts.stage_io import ResidualState, closes_block
-from k3train.model.attn_res import AttentionResidual, apply_sublayer
+from k3train.model.attn_res import AttentionResidual, apply_sublayer, at_once, sublayer_phases
 from k3train.model.config import ModelConfig
 from k3train.model.kda import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from k3train.model.mlp import GLUMLP
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
+from k3train.parallel.expert_exchange import Phases, run_phases
 from k3train.parallel.tensor import TensorParallel
 
 
@@ -68,6 +69,12 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if self.is_moe else self.mlp
 
+    def alternates_halves(self) -> bool:
+        """Whether this layer's MoE yields to the micro-batch's other half while its exchanges are
+        on the wire (`parallel.ep_overlap_halves`)."""
+        ep = self.block_sparse_moe.expert_parallel if self.is_moe else None
+        return ep is not None and ep.overlap_halves
+
     def pushes_block_before_mixer(self) -> bool:
         """Whether the running partial sum becomes a block representation before the token mixer."""
         return closes_block(self.attn_res_mode, self.block_size, self.layer_index, "mixer")
@@ -92,6 +99,16 @@ class DecoderLayer(nn.Module):
         """`later`: the AttnRes mixes after this layer's in the model chunk (they read the blocks
         this layer closes; their keys are computed once, at the close). `document_starts`
         (`[batch, seq]` bool, or None): the token mixer keeps packed documents apart."""
+        return run_phases(self.forward_phases(state, later, document_starts))
+
+    def forward_phases(
+        self,
+        state: ResidualState,
+        later: Sequence[AttentionResidual] = (),
+        document_starts: torch.Tensor | None = None,
+    ) -> Phases[ResidualState]:
+        """`forward` as a phase generator: it yields where the MoE's exchanges are on the wire
+        (`LatentMoE.forward_phases`), so that the model runs the micro-batch's other half there."""
         after_mixer = self.attn_res_mixes()[1:] + list(later)
         # bound here, not set on the module: a recomputed forward must see this micro-batch's documents
         mixer = (
@@ -109,13 +126,17 @@ class DecoderLayer(nn.Module):
             after_mixer,
             self.checkpoint_function,
         )
-        return apply_sublayer(
-            state,
-            self.mlp_res,
-            self.pushes_block_before_ffn(),
-            self.post_attention_layernorm,
-            self.ffn,
-            self.recompute_sublayers,
-            later,
-            self.checkpoint_function,
+        # the module call (and its hooks) unless the MoE's exchanges may leave room for the other half
+        ffn = self.block_sparse_moe.forward_phases if self.alternates_halves() else at_once(self.ffn)
+        return (
+            yield from sublayer_phases(
+                state,
+                self.mlp_res,
+                self.pushes_block_before_ffn(),
+                self.post_attention_layernorm,
+                ffn,
+                self.recompute_sublayers,
+                later,
+                self.checkpoint_function,
+            )
         )

@@ -20,7 +20,7 @@ from torch import nn
 from k3train.contracts.param_roles import mark_adamw_only
 from k3train.contracts.stage_io import ResidualState
 from k3train.kernels.precision import upcast
-from k3train.model.attn_res import AttentionResidual, source_keys
+from k3train.model.attn_res import AttentionResidual, KeyedResidualState, source_keys
 from k3train.model.config import ModelConfig
 from k3train.model.decoder import DecoderLayer
 from k3train.model.initialization import TILE_ELEMENTS, TiledStream, draw_local, normal_fill, uniform_fill
@@ -29,6 +29,7 @@ from k3train.model.mla import GatedMLA
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
 from k3train.parallel.context import ContextParallel
+from k3train.parallel.expert_exchange import Phases, alternate
 from k3train.parallel.tensor import (
     ShardedParameter,
     TensorParallel,
@@ -123,10 +124,39 @@ class K3ModelChunk(nn.Module):
         output_attn_res = getattr(self, "output_attn_res", None)  # only a chunk with the head has one
         if output_attn_res is not None:
             mixes.append(output_attn_res)
+        if (
+            state.partial is not None
+            and state.partial.shape[0] >= 2
+            and any(layer.alternates_halves() for layer in layers)
+        ):
+            # `parallel.ep_overlap_halves`: two halves of the sequences, their layers alternating
+            # at every MoE's exchanges (one half's all-to-alls under the other's compute)
+            starts = (None, None) if document_starts is None else document_starts.tensor_split(2)
+            halves = alternate(
+                [
+                    self._layer_phases(layers, mixes, half, half_starts)
+                    for half, half_starts in zip(halves_of(state), starts)
+                ]
+            )
+            return joined(halves)
         done = 0
         for layer in layers:
             done += len(layer.attn_res_mixes())
             state = layer(state, later=mixes[done:], document_starts=document_starts)
+        return state
+
+    @staticmethod
+    def _layer_phases(
+        layers: list[DecoderLayer],
+        mixes: list[AttentionResidual],
+        state: ResidualState,
+        document_starts: torch.Tensor | None,
+    ) -> Phases[ResidualState]:
+        """`forward_layers`' loop as a phase generator (yielding where the MoE layers' exchanges do)."""
+        done = 0
+        for layer in layers:
+            done += len(layer.attn_res_mixes())
+            state = yield from layer.forward_phases(state, mixes[done:], document_starts)
         return state
 
     def output_hidden(self, state: ResidualState) -> torch.Tensor:
@@ -242,6 +272,52 @@ class K3ModelChunk(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, KimiDeltaAttention):
                 module.reset_gate_parameters(seed, name, tile_elements)
+
+
+def halves_of(state: ResidualState) -> list[ResidualState]:
+    """`state` as two states of the first and the last half of its sequences (batch rows; the
+    first half takes the odd one), with their block keys where `state` has them (flat over the
+    tokens: split at the same sequence)."""
+    assert state.partial is not None
+    rows = state.partial.shape[0]
+    first_rows = (rows + 1) // 2
+
+    def halves(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        per_row = tensor.shape[0] // rows  # 1 for [batch, ...] tensors, the tokens of a row for flat ones
+        return tensor.tensor_split([first_rows * per_row])
+
+    blocks = [halves(block) for block in state.blocks]
+    partial = halves(state.partial)
+    keys = getattr(state, "block_keys", [])
+    out: list[ResidualState] = []
+    for half in range(2):
+        half_keys = [
+            None
+            if entry is None
+            else (entry[0], halves(entry[1])[half], {mix: halves(dot)[half] for mix, dot in entry[2].items()})
+            for entry in keys
+        ]
+        out.append(KeyedResidualState(partial[half], [block[half] for block in blocks], half_keys))
+    return out
+
+
+def joined(states: list[ResidualState]) -> ResidualState:
+    """The halves of `halves_of` (after the layers) as one state again, block keys included."""
+    first, second = states
+
+    def cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+        return None if a is None or b is None else torch.cat([a, b])
+
+    keys: list = []  # entries as `KeyedResidualState.block_keys` holds them (None: not computed)
+    for entry_a, entry_b in zip(getattr(first, "block_keys", []), getattr(second, "block_keys", [])):
+        if entry_a is None or entry_b is None:
+            keys.append(None)
+        else:
+            keys.append(
+                (entry_a[0], cat(entry_a[1], entry_b[1]), {m: cat(d, entry_b[2][m]) for m, d in entry_a[2].items()})
+            )
+    blocks = [torch.cat([a, b]) for a, b in zip(first.blocks, second.blocks)]
+    return KeyedResidualState(cat(first.partial, second.partial), blocks, keys)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from k3train.model.config import ModelConfig
 from k3train.model.mlp import GLUMLP, glu_activation
 from k3train.model.norm import RMSNorm
 from k3train.parallel.expert import DispatchInfo, ExpertStacks
+from k3train.parallel.expert_exchange import Phases, run_phases
 from k3train.parallel.tensor import TensorParallel
 
 
@@ -311,12 +312,19 @@ class LatentMoE(nn.Module):
             tp.mark_partial_grad(routed)
         self.balancer = build_balancer(config)
         # Routing over the current step, for metrics (not saved): slots per expert, then
-        # [routed slots, dropped slots, replica placements, micro-batches, EP token bytes, EP replica bytes].
+        # [routed slots, dropped slots, replica placements, micro-batches (a half of one under
+        # parallel.ep_overlap_halves counts as one), EP token bytes, EP replica bytes].
         self.register_buffer("step_expert_load", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("step_dispatch_counts", torch.zeros(6, dtype=torch.int64), persistent=False)
         self.last_dispatch: DispatchInfo | None = None  # the latest ExpertParallel DispatchInfo (diagnostics, tests)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_phases(self.forward_phases(x))
+
+    def forward_phases(self, x: torch.Tensor) -> Phases[torch.Tensor]:
+        """`forward` as a phase generator: it yields while the expert-parallel exchanges are on the
+        wire (an overlapping dispatcher's `dispatch_phases`), so that the model runs the other
+        half of the micro-batch there (`parallel.ep_overlap_halves`); otherwise it never yields."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         collect = self.training and torch.is_grad_enabled() and not inside_backward()
@@ -343,7 +351,9 @@ class LatentMoE(nn.Module):
                 def alongside() -> None:  # the shared experts while the first chunk's rows travel
                     side.append(shared_experts(x))
 
-            routed, self.last_dispatch = self.expert_parallel(latent, expert_ids, weights, self.experts, alongside)
+            routed, self.last_dispatch = yield from self.expert_parallel.dispatch_phases(
+                latent, expert_ids, weights, self.experts, alongside
+            )
             shared = side[0] if side else None
         if collect:
             with torch.no_grad():  # device-side counters: nothing is read on the host here

@@ -33,6 +33,29 @@ def expert_layer_traffic(
     recompute: bool = False,
     gpus_per_node: int = 0,
 ) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """`dispatch_call_traffic` of a micro-batch of `tokens` local tokens: one dispatcher call, or
+    with `parallel.ep_overlap_halves` one per half of its sequences (each with its own chunks,
+    loads all-gather and `online` replica exchange; halves of `tokens // 2` and the rest, exact
+    for an even micro-batch size)."""
+    calls = [tokens // 2, tokens - tokens // 2] if getattr(ep, "overlap_halves", False) else [tokens]
+    parts = [
+        dispatch_call_traffic(ep, cfg, call, activation, weight, replica_matrices, recompute, gpus_per_node)
+        for call in calls
+    ]
+    per_micro_batch = (sum(part[0][0] for part in parts), sum(part[0][1] for part in parts))
+    return per_micro_batch, parts[0][1]
+
+
+def dispatch_call_traffic(
+    ep,
+    cfg,
+    tokens: int,
+    activation: int,
+    weight: int,
+    replica_matrices: int = 0,
+    recompute: bool = False,
+    gpus_per_node: int = 0,
+) -> tuple[tuple[int, int], tuple[int, int] | None]:
     """One MoE layer's expert traffic on one rank, (bytes, messages): per micro-batch of `tokens`
     local tokens (dispatch + combine `[R, C, l]` and their adjoints, the int32 slot ids `[R, C]`,
     and in `balanced` mode the all-gather of the `[1, E]` int64 loads the routing plan is made

@@ -24,6 +24,14 @@ from k3train.training.loop import Trainer
 from k3train.training.throughput import PeakFlops
 
 
+def layout_batching(layout: dict[str, Any], micro_batch_size: int, micro_batches: int) -> tuple[int, int]:
+    """(micro-batch size, micro-batches per DP rank) of `layout`: the ones given, or the layout's
+    own `micro_batch_size` with as many tokens per rank (the alternating halves,
+    `parallel.ep_overlap_halves`, need two sequences per micro-batch)."""
+    size = layout.get("micro_batch_size", micro_batch_size)
+    return size, max(1, micro_batch_size * micro_batches // size)
+
+
 def layout_overrides(layout: dict[str, Any], micro_batch_size: int, micro_batches: int, seq_length: int) -> list[str]:
     """Recipe overrides for one layout: sizes, and a global batch of `micro_batches` per DP rank."""
     dp = layout.get("dp", 1)

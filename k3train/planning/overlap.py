@@ -33,6 +33,7 @@ the backward ends is exposed.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def _replay(transfer_s: float, returns_s: float, chunk_s: float, before_s: float, after_s: float, chunks: int) -> float:
@@ -65,6 +66,105 @@ def exposed_expert_exchange_s(
     forward = _replay(part, part, experts_forward_s / chunks, shared_forward_s, 0.0, chunks)
     backward = _replay(part, part, 2 * experts_forward_s / chunks, 0.0, 2 * shared_forward_s, chunks)
     return forward + backward
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """One decoder layer of a stage, for `exposed_alternating_halves_s`: forward seconds of one
+    micro-batch's work before its MoE exchange (`before_s`: AttnRes, norms, the mixer, router and
+    latent projections; a dense layer's MLP too), of its routed and shared experts, and its
+    expert exchanges' whole time on the wire (`exchange_s`: dispatch and combine, forward and
+    backward; 0 for a dense layer)."""
+
+    before_s: float
+    exchange_s: float = 0.0
+    experts_s: float = 0.0
+    shared_s: float = 0.0
+
+
+def _half_segments(layers: list[LayerWork], half: str, chunks: int):
+    """The operations of one half of the micro-batch between its yields, as `K3ModelChunk`
+    alternates them (`parallel.ep_overlap_halves`): per MoE layer its work before the exchange,
+    the loads all-gather (behind what the link still carries), every chunk's dispatch, the shared
+    experts, then a yield; per chunk wait, experts, combine, then a yield; the combines are
+    waited for when the half resumes (and goes on to its next layer)."""
+    segment: list[tuple] = []
+    for index, work in enumerate(layers):
+        segment.append(("compute", work.before_s / 2))
+        if work.exchange_s <= 0:
+            continue
+        part = work.exchange_s / 8 / chunks  # one chunk of one half, one direction, forward
+        segment.append(("sync",))
+        segment += [("launch", (index, half, "dispatch", c), part) for c in range(chunks)]
+        segment.append(("compute", work.shared_s / 2))
+        yield segment
+        segment = []
+        for c in range(chunks):
+            segment += [
+                ("wait", (index, half, "dispatch", c)),
+                ("compute", work.experts_s / 2 / chunks),
+                ("launch", (index, half, "combine", c), part),
+            ]
+        yield segment
+        segment = [("wait", (index, half, "combine", c)) for c in range(chunks)]
+    yield segment
+
+
+def _run_program(program: list[tuple]) -> float:
+    """Exposed seconds of a rank's operations on one compute stream and one link: a launch goes
+    on the link when it is free (in launch order), a wait holds compute until that transfer has
+    arrived, a sync until the link is free (a blocking collective behind the ones in flight)."""
+    clock = link = busy = 0.0
+    arrival = {}
+    for operation in program:
+        kind = operation[0]
+        if kind == "compute":
+            clock += operation[1]
+            busy += operation[1]
+        elif kind == "launch":
+            link = max(clock, link) + operation[2]
+            arrival[operation[1]] = link
+        elif kind == "wait":
+            clock = max(clock, arrival[operation[1]])
+        else:  # sync
+            clock = max(clock, link)
+    return max(clock, link) - busy
+
+
+def _backward_program(forward: list[tuple]) -> list[tuple]:
+    """Autograd's mirror of `forward` (latest-created first, `parallel/expert_exchange.py`): the
+    operations reversed, compute twice as long, a wait's gradient launched where the wait was and
+    waited for where the launch was; the loads all-gather has no backward."""
+    sizes = {operation[1]: operation[2] for operation in forward if operation[0] == "launch"}
+    program: list[tuple] = []
+    for operation in reversed(forward):
+        if operation[0] == "compute":
+            program.append(("compute", 2 * operation[1]))
+        elif operation[0] == "wait":
+            program.append(("launch", operation[1], sizes[operation[1]]))
+        elif operation[0] == "launch":
+            program.append(("wait", operation[1]))
+    return program
+
+
+def exposed_alternating_halves_s(layers: list[LayerWork], chunks: int) -> float:
+    """Exposed seconds of a stage's expert exchanges in one micro-batch's forward and backward
+    when the micro-batch runs as two halves whose layers alternate (`parallel.ep_overlap_halves`,
+    each half's exchange in `chunks` chunks): half A's all-to-alls travel while half B computes
+    its mixer and experts, and the other way round; backward mirrored."""
+    if chunks < 1:
+        raise ValueError(f"the alternating halves run the chunked exchange: chunks >= 1, got {chunks}")
+    halves = [_half_segments(layers, "a", chunks), _half_segments(layers, "b", chunks)]
+    forward: list[tuple] = []
+    running = [0, 1]
+    while running:  # as `expert_exchange.alternate`: each half to its next yield, in turn
+        for half in list(running):
+            segment = next(halves[half], None)
+            if segment is None:
+                running.remove(half)
+            else:
+                forward += segment
+    return _run_program(forward) + _run_program(_backward_program(forward))
 
 
 def exposed_tensor_entry_s(gather_s: float, reduce_s: float, entry_forward_s: float, pieces: int) -> float:

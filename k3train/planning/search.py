@@ -283,6 +283,7 @@ def estimate_time(
         comm_bytes=comm,
         efficiency=efficiency,
         ep_overlap_chunks=config.parallel.ep_overlap_chunks,
+        ep_overlap_halves=config.parallel.ep_overlap_halves,
         tp_overlap=overlapped_tensor_regions(config, layout),
     )
 

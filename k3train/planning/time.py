@@ -36,7 +36,9 @@ from k3train.parallel.pipeline_schedule import PipelinePlan
 from k3train.parallel.state import Layout
 from k3train.planning.hardware import HardwareProfile
 from k3train.planning.overlap import (
+    LayerWork,
     even_buckets,
+    exposed_alternating_halves_s,
     exposed_expert_exchange_s,
     exposed_gradient_buckets_s,
     exposed_tensor_entry_s,
@@ -180,6 +182,7 @@ def estimate_step_time(
     gpus_per_node: int | None = None,
     document_lengths: Sequence[int] | None = None,
     ep_overlap_chunks: int = 0,
+    ep_overlap_halves: bool = False,
     gradient_buckets: Mapping[str, Sequence[tuple[float, float]]] | None = None,
     tp_overlap: TensorOverlap | None = None,
 ) -> StepTime:
@@ -190,7 +193,8 @@ def estimate_step_time(
     when full)` in launch order (`layout_traffic.gradient_bucket_schedule`); without them a
     group's bytes are taken as buckets of the reducer's default size, full at even shares.
     `tp_overlap`: the overlapped entries inside the `tp` bytes (None: every TP collective
-    exposed)."""
+    exposed). `ep_overlap_halves`: the chunked exchanges run as two alternating halves of each
+    micro-batch (`parallel.ep_overlap_halves`)."""
     gpn = gpus_per_node or hardware.gpus_per_node
     peak = hardware.peak_flops(precision)
     rate = peak * efficiency
@@ -232,7 +236,16 @@ def estimate_step_time(
             # The `nodes` transport's forwards inside the node are hops of the same chunks.
             inside = comm_bytes.get("ep.intranode", 0.0) / (hardware.nvlink_gbps * 1e9)
             seconds = _overlapped_ep_s(
-                cfg, layout, plan, seconds + inside, tokens, rate, micro_batches, ep_overlap_chunks
+                cfg,
+                layout,
+                plan,
+                seconds + inside,
+                tokens,
+                rate,
+                micro_batches,
+                ep_overlap_chunks,
+                ep_overlap_halves,
+                table,
             )
         elif group == "ep.intranode" and ep_overlap_chunks > 0:
             seconds = 0.0  # replayed with the chunks' network hops under "ep"
@@ -328,22 +341,39 @@ def _overlapped_ep_s(
     rate: float,
     micro_batches: int,
     chunks: int,
+    halves: bool = False,
+    table: list[float] | None = None,
 ) -> float:
     """The exposed part of a step's `ep_s` seconds of expert all-to-alls on the stage with the most
-    MoE layers (whose bytes the step counts), its layers and micro-batches alike."""
-    moe_layers = max(
-        sum(1 for start, end in plan.layer_ranges(rank) for layer in range(start, end) if cfg.is_moe_layer(layer))
-        for rank in range(layout.pp)
-    )
+    MoE layers (whose bytes the step counts), its layers and micro-batches alike. `halves`
+    (`parallel.ep_overlap_halves`): each model chunk of that stage replayed as two alternating
+    halves (`overlap.exposed_alternating_halves_s`), its layers' compute from `table`
+    (`layer_flops_table`)."""
+
+    def moe_count(ranges) -> int:
+        return sum(cfg.is_moe_layer(layer) for start, end in ranges for layer in range(start, end))
+
+    ranges = max((plan.layer_ranges(rank) for rank in range(layout.pp)), key=moe_count)
+    moe_layers = moe_count(ranges)
     if moe_layers == 0 or micro_batches == 0:
         return ep_s
     share = tokens / layout.tp / layout.cp / rate  # seconds per forward FLOP per token of this rank's rows
-    per_layer = exposed_expert_exchange_s(
-        ep_s / (moe_layers * micro_batches),
-        F.routed_expert_flops(cfg) * share,
-        F.shared_expert_flops(cfg) * share,
-        chunks,
-    )
+    exchange_s = ep_s / (moe_layers * micro_batches)
+    experts_s, shared_s = F.routed_expert_flops(cfg) * share, F.shared_expert_flops(cfg) * share
+    if halves:  # each chunk's layers in order: one half's exchanges under the other half's work
+        assert table is not None, "the alternating halves are replayed from the layers' FLOPs"
+
+        def work(layer: int) -> LayerWork:
+            forward_s = table[layer] / F.TRAINING_MULTIPLIER * share
+            if not cfg.is_moe_layer(layer):
+                return LayerWork(forward_s)
+            return LayerWork(forward_s - experts_s - shared_s, exchange_s, experts_s, shared_s)
+
+        per_micro_batch = sum(
+            exposed_alternating_halves_s([work(layer) for layer in range(start, end)], chunks) for start, end in ranges
+        )
+        return per_micro_batch * micro_batches
+    per_layer = exposed_expert_exchange_s(exchange_s, experts_s, shared_s, chunks)
     return per_layer * moe_layers * micro_batches
 
 

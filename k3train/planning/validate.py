@@ -58,6 +58,8 @@ DEFAULT_RECIPE = ROOT / "recipes" / "debug.yaml"
 EMULATED_GROUPS = ("tp", "dp", "data_tensor", "model", "ep", "expert_dp", "cp")
 """Every group the emulated link delays (the pipeline's hops are timed, never delayed)."""
 MIXED = ("train.precision=bf16", "train.weights=bf16_with_fp32_master_shards")
+HALVES = ("parallel.ep_overlap_chunks=2", "parallel.ep_overlap_halves=true", "parallel.ep_replica_planning=step")
+"""Alternating halves as docs/expert_parallel.md advises them: replicas fetched once per step."""
 
 VALIDATION_LAYOUTS: tuple[dict[str, Any], ...] = (
     dict(name="TP2+SP", tp=2, sequence_parallel=True),
@@ -70,6 +72,13 @@ VALIDATION_LAYOUTS: tuple[dict[str, Any], ...] = (
         dp=2,
         ep=2,
         overrides=["parallel.ep_transport=spread", "parallel.ep_overlap_chunks=4"],
+    ),
+    dict(
+        name="EP2 padded, 2 chunks, halves",
+        dp=2,
+        ep=2,
+        micro_batch_size=2,
+        overrides=[*HALVES, "parallel.ep_transport=padded"],
     ),
     dict(
         name="TP2×EP2+SP spread, 4 chunks",
@@ -86,9 +95,17 @@ VALIDATION_LAYOUTS: tuple[dict[str, Any], ...] = (
         ep=2,
         overrides=["parallel.ep_transport=relay", "parallel.ep_overlap_chunks=4"],
     ),
+    dict(
+        name="PP2×EP2 padded, 2 chunks, halves",
+        pp=2,
+        dp=2,
+        ep=2,
+        micro_batch_size=2,
+        overrides=[*HALVES, "parallel.ep_transport=padded"],
+    ),
 )
 """Layouts covering the planner's rules: TP collectives, gradient buckets and the ZeRO-1
-exchange, the pipeline, expert all-to-alls exposed and overlapped. Fixed-shape EP transports
+exchange, the pipeline, expert all-to-alls exposed and overlapped (in chunks, and as alternating halves). Fixed-shape EP transports
 (relay, spread), so that the bytes do not depend on the routing."""
 
 
@@ -132,12 +149,13 @@ def _measure_layout(rank: int, layout: dict[str, Any], settings: ValidationSetti
     from k3train.config import load_config
     from k3train.parallel.state import ParallelState, layout_of
     from k3train.planning.layout_traffic import gradient_bucket_schedule
-    from k3train.planning.measured import build_trainer, layout_overrides, measured_memory_step
+    from k3train.planning.measured import build_trainer, layout_batching, layout_overrides, measured_memory_step
     from k3train.planning.memory import rank_memory
     from k3train.planning.traffic import job_traffic_terms
     from k3train.training.build import build_planning_rank
 
-    overrides = layout_overrides(layout, settings.micro_batch_size, settings.micro_batches, settings.seq_length)
+    micro_batch_size, micro_batches = layout_batching(layout, settings.micro_batch_size, settings.micro_batches)
+    overrides = layout_overrides(layout, micro_batch_size, micro_batches, settings.seq_length)
     config = load_config(settings.recipe, [*overrides, f"train.steps={1 + 2 * settings.steps}"])
     grid = layout_of(world_size_of(layout), config.parallel, config.model)
     state = ParallelState(
@@ -167,14 +185,14 @@ def _measure_layout(rank: int, layout: dict[str, Any], settings: ValidationSetti
             )
     _set_links(state, None)
     planning_job = build_planning_rank(config, grid, rank)
-    terms = job_traffic_terms(planning_job, settings.micro_batches)
+    terms = job_traffic_terms(planning_job, micro_batches)
     buckets = gradient_bucket_schedule(planning_job, counted=True)
 
     # Memory: one step of one micro-batch (saved bytes of one micro-batch, counted once each), with
     # the GPU recipes' precision (bf16 weights, fp32 master shards: gradients in `main_grad` buffers).
     memory_config = load_config(
         settings.recipe,
-        [*layout_overrides(layout, settings.micro_batch_size, 1, settings.seq_length), "train.steps=1", *MIXED],
+        [*layout_overrides(layout, micro_batch_size, 1, settings.seq_length), "train.steps=1", *MIXED],
     )
     memory_state = ParallelState(
         grid, rank, sequence_parallel=memory_config.parallel.sequence_parallel, collective_timeout_s=300
@@ -332,12 +350,12 @@ def predicted_exposed(
     from k3train.parallel.state import layout_of
     from k3train.planning.hardware import HardwareProfile
     from k3train.planning.layout_traffic import overlapped_tensor_regions
-    from k3train.planning.measured import layout_overrides
+    from k3train.planning.measured import layout_batching, layout_overrides
     from k3train.planning.time import estimate_step_time
 
+    micro_batch_size, micro_batches = layout_batching(layout_spec, settings.micro_batch_size, settings.micro_batches)
     config = load_config(
-        settings.recipe,
-        layout_overrides(layout_spec, settings.micro_batch_size, settings.micro_batches, settings.seq_length),
+        settings.recipe, layout_overrides(layout_spec, micro_batch_size, micro_batches, settings.seq_length)
     )
     world = world_size_of(layout_spec)
     grid = layout_of(world, config.parallel, config.model)
@@ -364,14 +382,15 @@ def predicted_exposed(
             grid,
             plan,
             profile,
-            micro_batch_size=settings.micro_batch_size,
+            micro_batch_size=micro_batch_size,
             seq_length=settings.seq_length,
-            micro_batches=settings.micro_batches,
+            micro_batches=micro_batches,
             precision="bf16",
             comm_bytes=comm_bytes,
             efficiency=1.0,
             gpus_per_node=world,
             ep_overlap_chunks=config.parallel.ep_overlap_chunks,
+            ep_overlap_halves=config.parallel.ep_overlap_halves,
             gradient_buckets=schedule,
             tp_overlap=entries,
         )

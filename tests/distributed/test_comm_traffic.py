@@ -62,6 +62,14 @@ LAYOUTS = [
         ep=2,
         overrides=["parallel.ep_transport=relay", "parallel.ep_overlap_chunks=3"],
     ),
+    # alternating halves: each half its own chunk buffers, loads all-gather and replica exchange
+    dict(
+        name="EP2 balanced spread overlapped halves",
+        dp=2,
+        ep=2,
+        micro_batch_size=2,  # one micro-batch of two sequences (as many tokens as the others)
+        overrides=["parallel.ep_transport=spread", "parallel.ep_overlap_chunks=2", "parallel.ep_overlap_halves=true"],
+    ),
     # `step` replicas: their gradients return home in the step's last backward, so over expert_dp
     # only the home gradients' buckets travel (as with online replicas)
     dict(

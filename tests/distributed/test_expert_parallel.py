@@ -95,6 +95,10 @@ CHECKS = {
         balanced(2, overlap_chunks=3, transport="spread"),
         balanced(2, overlap_chunks=2, transport="splits", **SP),
         balanced(2, overlap_chunks=2, replica_planning="step", config={"recompute": "sublayer"}),
+        # each micro-batch in two halves whose layers alternate at the MoE exchanges
+        # (three sequences per rank: halves of two and one, the block keys split at the same row)
+        balanced(2, overlap_chunks=2, overlap_halves=True, transport="spread", batch=6),
+        balanced(2, overlap_chunks=2, overlap_halves=True, transport="splits", **SP),
         # `exact`: the rows that exist, fixed buffers, counts as tensors
         balanced(2, transport="exact"),
         {"check": "static_shapes", "mode": "balanced", "capacity_factor": 1.25, "transport": "exact"},
@@ -154,6 +158,10 @@ CHECKS = {
         {"check": "skewed_sources", "transport": "exact", **STEP_TOP_UP},
         balanced(2, replica_planning="step", top_up=2, micro_batches=2, transport="exact"),  # EP2 × expert_dp 2
         {**balanced(2), **PP, "overlap_chunks": 2, "transport": "exact", **STEP_TOP_UP},
+        # halves alternating: TP2 × EP2 and PP2 × EP2 (two micro-batches of two sequences per stage)
+        balanced(2, overlap_chunks=2, overlap_halves=True, transport="spread", **SP),
+        {**balanced(2), **PP, "overlap_chunks": 2, "overlap_halves": True, "transport": "splits"},
+        {**balanced(2), **PP, "overlap_chunks": 2, "overlap_halves": True, "transport": "exact", **STEP_TOP_UP},
     ],
 }
 
@@ -169,6 +177,8 @@ def name(spec):
     parts.append(f"cf{spec.get('capacity_factor', 1.25)}")
     if spec.get("overlap_chunks"):
         parts.append(f"overlap{spec['overlap_chunks']}")
+    if spec.get("overlap_halves"):
+        parts.append("halves")
     if spec.get("config"):
         parts.append(str(spec["config"]))
     return " ".join(parts)
@@ -180,6 +190,9 @@ def check_equivalence(spec, rank, result):
     assert result["max_grad_error"] < TOLERANCE, (label, result["worst_param"], result["max_grad_error"])
     assert result["expert_params_checked"] >= 3 and result["checked"] > 40, label
     assert result["bias_error"] < TOLERANCE and result["load_matches"], (label, result["bias_error"])
+    # `overlap_halves`: every MoE layer dispatched each micro-batch as two halves
+    calls = (2 if spec.get("overlap_halves") else 1) * spec.get("micro_batches", 1)
+    assert set(result["dispatch_calls"]) == {calls}, (label, result["dispatch_calls"])
     layers = result["layers"].values()
     if spec["mode"] == "balanced" or spec["capacity_factor"] >= spec["ep"]:
         assert all(layer["dropped"] == 0 for layer in layers), (label, result["layers"])

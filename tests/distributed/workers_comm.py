@@ -20,18 +20,15 @@ import torch.distributed as dist
 from k3train.config import load_config
 from k3train.parallel.config import ModelSplitSizes
 from k3train.parallel.state import ParallelState, emulated_links, resolve_layout
-from k3train.planning.measured import build_trainer, layout_overrides
+from k3train.planning.measured import build_trainer, layout_batching, layout_overrides
 from k3train.planning.traffic import predicted_job_traffic, predicted_step_traffic, step_traffic_terms
 from k3train.training import loop
 from k3train.training.build import build_planning_rank
 
 
 def measure_layout(env, layout: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
-    micro_batch_size, micro_batches, seq_length = (
-        payload["micro_batch_size"],
-        payload["micro_batches"],
-        payload["seq_length"],
-    )
+    micro_batch_size, micro_batches = layout_batching(layout, payload["micro_batch_size"], payload["micro_batches"])
+    seq_length = payload["seq_length"]
     config = load_config(payload["recipe"], layout_overrides(layout, micro_batch_size, micro_batches, seq_length))
     tp, dp, pp, ep = config.parallel.tp, config.parallel.dp, config.parallel.pp, config.parallel.ep
     world = tp * dp * pp

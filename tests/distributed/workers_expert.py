@@ -231,7 +231,12 @@ def routing_checks(models: list, reference: K3ModelChunk, state: ParallelState) 
         torch.equal(stat.expert_load, reference_moes[name].pop_step_stats().expert_load)
         for stat, name in zip(stats, mine)
     )
-    return {"bias_error": bias_error, "load_matches": load_matches, "stats": [s.as_dict() for s in stats]}
+    return {
+        "bias_error": bias_error,
+        "load_matches": load_matches,
+        "stats": [s.as_dict() for s in stats],
+        "dispatch_calls": [s.micro_batches for s in stats],  # per layer: two per micro-batch with halves
+    }
 
 
 def setup(env, spec: dict):
@@ -249,6 +254,7 @@ def setup(env, spec: dict):
         replica_planning=spec.get("replica_planning", "online"),
         top_up_replicas=spec.get("top_up", 0),
         overlap_chunks=spec.get("overlap_chunks", 0),
+        overlap_halves=spec.get("overlap_halves", False),
     )
     reference = K3ModelChunk(config).double()
     reference.init_weights(seed=7)

@@ -93,3 +93,22 @@ def test_links_from_the_config_and_refusals():
 
 def test_exposed_communication_is_the_step_s_difference():
     assert exposed_communication({"ep": 1.0}, {"ep": 1.5, "dp": 0.25, "tp": 0.0}) == {"dp": 0.25, "ep": 0.5}
+
+
+def test_the_link_carries_transfers_in_launch_order_whatever_the_wait_order(clock):
+    """A dispatch launched before a blocking collective is on the link first even though the
+    blocking call returns (and books the link) before the dispatch is waited for: the blocking
+    call waits for it, and the dispatch, waited for later, is then already there (the order
+    `parallel.ep_overlap_halves` relies on: one half's dispatch under the other half's mixer)."""
+    from k3train.parallel.comm import Group
+
+    counter = TrafficCounter()
+    link = EmulatedLink(1e9, 0.0)
+    group = Group("ep", (0, 1), 0, None, counter, link)
+    dispatch = TimedWork(DoneWork(), "ep", counter, link, nbytes=4_000_000)  # 4 ms on the wire
+    clock.now += 1e-3  # 1 ms of the other half's mixer
+    with group._blocking(None, "all_gather"):  # its loads all-gather: 0 bytes, behind the dispatch
+        pass
+    assert clock.sleeps == [pytest.approx(3e-3)]
+    dispatch.wait()  # delivered while the loads waited
+    assert clock.sleeps == [pytest.approx(3e-3)] and counter.wait_seconds["ep"] == pytest.approx(3e-3)

@@ -321,3 +321,18 @@ def test_data_section_checks_itself_once():
     message = str(when_built.value)
     assert "data.weights has 1 entries but data.paths has 2" in message and "one weight per path" in message
     assert config_error(None, ["data.paths=[a, b]", "data.weights=[1.0]"]).endswith(message)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["parallel.ep_overlap_chunks=0"], "parallel.ep_overlap_chunks >= 1"),
+        (["parallel.ep_overlap_chunks=2", "train.micro_batch_size=1"], "train.micro_batch_size >= 2"),
+        (["parallel.ep_overlap_chunks=2", "model.recompute=sublayer"], "model.recompute"),
+    ],
+)
+def test_overlap_halves_names_what_it_needs(overrides, named):
+    message = config_error(DEBUG, ["parallel.ep_overlap_halves=true", *overrides])
+    assert "parallel.ep_overlap_halves=true needs" in message and named in message
+    assert "\n" not in message
+    load_config(DEBUG, ["parallel.ep_overlap_halves=true", "parallel.ep_overlap_chunks=2"])  # the fields it needs

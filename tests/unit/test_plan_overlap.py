@@ -122,6 +122,7 @@ def _k3_step(*overrides: str):
         precision=config.train.precision,
         comm_bytes=analytic_step_bytes(config, layout, plan),
         ep_overlap_chunks=config.parallel.ep_overlap_chunks,
+        ep_overlap_halves=config.parallel.ep_overlap_halves,
         tp_overlap=entries,
     )
     return entries, step
@@ -163,3 +164,50 @@ def test_entries_on_a_cpu_overlap_with_any_backend_and_without_sequence_parallel
     # the leaves' forward all-reduce in 3 pieces of the sequence, no backward collective
     assert entries.leave_pieces == 3 and entries.leave_reduce_bytes == entries.reduce_bytes
     assert entries.leave_gather_bytes == 0
+
+
+# ---------------------------------------------------------------- alternating halves
+
+
+def test_halves_hide_each_others_exchanges_worked_by_hand():
+    # One MoE layer, one chunk: 1 s of work before the exchange, 2 s of experts, 8 s of wire
+    # (1 s per half, hop and direction). Forward: A's dispatch (0.5-1.5) under B's mixer, which
+    # then waits for the link (B's loads all-gather) until 1.5; B's dispatch (1.5-2.5) under A's
+    # experts (1.5-2.5), A's combine (2.5-3.5) under B's experts, B's combine (3.5-4.5) exposed:
+    # end 4.5 - 3 s of compute = 1.5. Backward (2x compute, mirrored): B's and A's combine
+    # gradients on the link 0-1 and 1-2, B's expert backward 1-3, B's dispatch gradient 3-4 under
+    # A's expert backward 3-5, A's dispatch gradient 5-6 under B's mixer backward 5-6, A's
+    # mixer backward 6-7: end 7 - 6 = 1.
+    from k3train.planning.overlap import LayerWork, exposed_alternating_halves_s
+
+    layer = LayerWork(before_s=1.0, exchange_s=8.0, experts_s=2.0, shared_s=0.0)
+    assert exposed_alternating_halves_s([layer], chunks=1) == pytest.approx(2.5)
+    # without overlap all 8 s wait; chunks alone (no halves) cannot hide under the mixer
+    assert exposed_expert_exchange_s(8.0, 2.0, 0.0, chunks=1) == pytest.approx(8.0)
+
+
+def test_halves_with_nothing_to_hide_behind_expose_the_wire():
+    from k3train.planning.overlap import LayerWork, exposed_alternating_halves_s
+
+    idle = LayerWork(before_s=0.0, exchange_s=8.0, experts_s=0.0, shared_s=0.0)
+    assert exposed_alternating_halves_s([idle, idle], chunks=2) == pytest.approx(16.0)
+
+
+def test_dense_layers_cover_the_last_combine_of_the_layer_before():
+    # the second half's last combine travels while the first half runs its next (dense) layer
+    from k3train.planning.overlap import LayerWork, exposed_alternating_halves_s
+
+    moe = LayerWork(before_s=1.0, exchange_s=8.0, experts_s=2.0, shared_s=0.0)
+    alone = exposed_alternating_halves_s([moe], chunks=1)
+    followed = exposed_alternating_halves_s([moe, LayerWork(before_s=4.0)], chunks=1)
+    assert followed < alone
+    with pytest.raises(ValueError, match="chunks >= 1"):
+        exposed_alternating_halves_s([moe], chunks=0)
+
+
+def test_the_planner_prices_the_halves_below_the_chunks_alone():
+    _, chunks_only = _k3_step()
+    _, halves = _k3_step("parallel.ep_overlap_halves=true", "train.micro_batch_size=2", "train.global_batch_size=4096")
+    _, chunks_mb2 = _k3_step("train.micro_batch_size=2", "train.global_batch_size=4096")
+    assert halves.exposed_comm_s["ep"] < chunks_mb2.exposed_comm_s["ep"]
+    assert halves.compute_s == chunks_mb2.compute_s and chunks_only.exposed_comm_s["ep"] > 0
