@@ -496,6 +496,11 @@ class ExpertParallel:
     def _layer(self, experts: SupportsGroupedForward, device=None) -> StepReplicas:
         return self.step_cache.layer(experts, device)
 
+    def one_micro_batch(self):
+        """A context: the dispatches inside are one micro-batch's halves (`parallel.ep_overlap_halves`),
+        whose `step` replicas return their gradients home together (`StepReplicaCache.one_micro_batch`)."""
+        return self.step_cache.one_micro_batch()
+
     def set_last_micro_batch(self, last: bool) -> None:
         """True (the default): the next backward is the step's last through these layers, and
         returns the `step` replicas' gradients to their home experts (the pipeline schedule says

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -191,7 +192,13 @@ class PendingStepReplicas:
                 state.flat, state.versions = fetched.requires_grad_(True), self._versions
             flat = state.flat
         if flat.requires_grad and torch.is_grad_enabled():
-            flat = returning_home(flat, state, cache.group, lambda: cache.last_micro_batch, stacks)
+            shared = cache.shared_returns
+            if shared is not None and id(state) in shared:  # the micro-batch's other half: one return home
+                flat = shared[id(state)]
+            else:
+                flat = returning_home(flat, state, cache.group, lambda: cache.last_micro_batch, stacks)
+                if shared is not None:
+                    shared[id(state)] = flat
         return split_stacks(flat, [w.shape[1:] for w in stacks])
 
 
@@ -215,6 +222,19 @@ class StepReplicaCache:
         self.order: list[int] = []  # the experts modules in the order they were marked (checkpoint keys)
         self.restored: dict[int, list[tuple[int, int, int]]] = {}  # placements loaded before a layer ran
         self.last_micro_batch = True  # the next backward returns the replicas' gradients home
+        # inside `one_micro_batch`: each layer's `_ReturnHome` output, shared by the halves
+        self.shared_returns: dict[int, torch.Tensor] | None = None
+
+    @contextmanager
+    def one_micro_batch(self) -> Iterator[None]:
+        """The dispatches inside are one micro-batch's (its two halves, `parallel.ep_overlap_halves`):
+        they share each layer's `_ReturnHome` node, so that autograd sums their replica gradients
+        and, in the step's last backward, they go home in one exchange, as without halves."""
+        self.shared_returns = {}
+        try:
+            yield
+        finally:
+            self.shared_returns = None
 
     @property
     def num_local_experts(self) -> int:

@@ -10,6 +10,7 @@ and the head only on the last: a pipeline stage runs `forward_layers` on the
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import cast
 
@@ -132,12 +133,16 @@ class K3ModelChunk(nn.Module):
             # `parallel.ep_overlap_halves`: two halves of the sequences, their layers alternating
             # at every MoE's exchanges (one half's all-to-alls under the other's compute)
             starts = (None, None) if document_starts is None else document_starts.tensor_split(2)
-            halves = alternate(
-                [
-                    self._layer_phases(layers, mixes, half, half_starts)
-                    for half, half_starts in zip(halves_of(state), starts)
-                ]
-            )
+            dispatchers = {id(ep): ep for ep in (moe.expert_parallel for moe in self.moe_layers()) if ep is not None}
+            with contextlib.ExitStack() as one_micro_batch:  # the halves' step replicas go home together
+                for dispatcher in dispatchers.values():
+                    one_micro_batch.enter_context(dispatcher.one_micro_batch())
+                halves = alternate(
+                    [
+                        self._layer_phases(layers, mixes, half, half_starts)
+                        for half, half_starts in zip(halves_of(state), starts)
+                    ]
+                )
             return joined(halves)
         done = 0
         for layer in layers:

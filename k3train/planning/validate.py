@@ -58,8 +58,9 @@ DEFAULT_RECIPE = ROOT / "recipes" / "debug.yaml"
 EMULATED_GROUPS = ("tp", "dp", "data_tensor", "model", "ep", "expert_dp", "cp")
 """Every group the emulated link delays (the pipeline's hops are timed, never delayed)."""
 MIXED = ("train.precision=bf16", "train.weights=bf16_with_fp32_master_shards")
-HALVES = ("parallel.ep_overlap_chunks=2", "parallel.ep_overlap_halves=true", "parallel.ep_replica_planning=step")
-"""Alternating halves as docs/expert_parallel.md advises them: replicas fetched once per step."""
+HALVES = ("parallel.ep_overlap_chunks=2", "parallel.ep_overlap_halves=true")
+"""Alternating halves with `online` replicas (whose bytes, unlike a step placement's, the planner
+knows before the routing: one `[R, M, F]` exchange per half)."""
 
 VALIDATION_LAYOUTS: tuple[dict[str, Any], ...] = (
     dict(name="TP2+SP", tp=2, sequence_parallel=True),

@@ -70,6 +70,19 @@ LAYOUTS = [
         micro_batch_size=2,  # one micro-batch of two sequences (as many tokens as the others)
         overrides=["parallel.ep_transport=spread", "parallel.ep_overlap_chunks=2", "parallel.ep_overlap_halves=true"],
     ),
+    # and with `step` replicas: the halves share the step's fetch and its one return home
+    dict(
+        name="EP2 balanced relay overlapped halves step",
+        dp=2,
+        ep=2,
+        micro_batch_size=2,
+        overrides=[
+            "parallel.ep_transport=relay",
+            "parallel.ep_overlap_chunks=2",
+            "parallel.ep_overlap_halves=true",
+            "parallel.ep_replica_planning=step",
+        ],
+    ),
     # `step` replicas: their gradients return home in the step's last backward, so over expert_dp
     # only the home gradients' buckets travel (as with online replicas)
     dict(

@@ -53,3 +53,62 @@ def dispatcher_timing(env, spec: dict) -> dict:
 
 def run(env, payload: list[dict]) -> list[dict]:
     return [dispatcher_timing(env, spec) for spec in payload]
+
+
+def model_timing(env, payload: dict) -> list[dict]:
+    """`benchmarks/ep_overlap.py --model`: the whole model's forward and backward (no data loader,
+    no optimizer) on every rank, its EP link emulated, for each row of `payload["rows"]`
+    (`(chunks, halves)`), the rows alternated `payload["repeats"]` times after a warm-up each;
+    per row, the median seconds of one forward and backward and of rank 0's EP waits in it."""
+    import statistics
+
+    from k3train.config import load_config
+    from k3train.model.k3 import K3ModelChunk
+    from tests.distributed.workers_expert import use_expert_parallel
+
+    job = load_config(payload["recipe"], payload["overrides"])
+    config, tp = job.model, payload["tp"]
+    layout = resolve_layout(env.world_size, tp, 1, 0, 2, 1, ModelSplitSizes.of(config))
+    state = ParallelState(layout, env.rank, sequence_parallel=tp > 1)
+    state.ep.link = EmulatedLink(payload["bandwidth_gbps"] * 1e9, payload["latency_us"] * 1e-6)
+    generator = torch.Generator().manual_seed(state.dp_rank)  # the TP ranks of a DP rank share its rows
+    tokens = torch.randint(
+        0, config.vocab_size, (job.train.micro_batch_size, job.data.seq_length + 1), generator=generator
+    )
+    models = []
+    for chunks, halves in payload["rows"]:
+        dispatcher = ExpertParallel(
+            state.ep,
+            config.num_experts,
+            transport=payload["transport"],
+            overlap_chunks=chunks,
+            overlap_halves=halves,
+            replica_planning="step",
+        )
+        model = K3ModelChunk(config, parallel=state)
+        model.init_weights(seed=7)
+        for moe in model.moe_layers():
+            use_expert_parallel(moe, dispatcher)
+        models.append(model)
+
+    def forward_backward(model) -> tuple[float, float]:
+        state.counter.wait_seconds.clear()
+        started = time.perf_counter()
+        model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        elapsed = time.perf_counter() - started
+        model.zero_grad(set_to_none=True)
+        return elapsed, sum(s for label, s in state.counter.wait_seconds.items() if label.split(".")[0] == "ep")
+
+    for model in models:
+        forward_backward(model)  # warm-up: first-call costs, the step replicas' first fetch
+    samples: list[list[tuple[float, float]]] = [[] for _ in models]
+    for _ in range(payload["repeats"]):
+        for index, model in enumerate(models):
+            samples[index].append(forward_backward(model))
+    return [
+        {
+            "seconds": statistics.median(s for s, _ in row),
+            "ep_exposed_s": statistics.median(w for _, w in row),
+        }
+        for row in samples
+    ]
