@@ -11,7 +11,8 @@ run's, and the last step's loss (equal across rows: the schedules compute the sa
 `--dispatcher`: one MoE layer's dispatcher alone on 2 ranks (`tests/distributed/
 workers_ep_overlap.py`, one launch for every row), forward and backward timed: what the schedule
 hides when nothing else competes for the two cores. `--model`: the whole model's forward and
-backward of one micro-batch (no data loader, no optimizer, replicas placed once per step), every
+backward of one micro-batch (PP2×EP2: two, through the pipeline schedule; no data loader, no
+optimizer, replicas placed once per step), every
 row in one launch, alternated `--repeats` times: what the schedules hide without the step's
 other waits (routing imbalance between the EP ranks, the step replicas' gradients going home).
 
@@ -19,7 +20,7 @@ other waits (routing imbalance between the EP ranks, the step replicas' gradient
     OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py --bandwidth 0.05 --chunks 2 4
     OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py --chunks 2 --halves    # the alternating halves too
     OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py --dispatcher --bandwidth 0.05
-    OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py --model --layouts TP2×EP2 EP2 --chunks 2 --halves --repeats 5
+    OMP_NUM_THREADS=1 python benchmarks/ep_overlap.py --model --layouts TP2×EP2 PP2×EP2 EP2 --chunks 2 --halves --repeats 5
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ LAYOUTS = {
     "EP2": ["parallel.ep=2"],  # 2 ranks: one process per core on a 2-core machine
 }
 RANKS = {"TP2×EP2": 4, "PP2×EP2": 4, "EP2": 2}
-MODEL_LAYOUTS = {"TP2×EP2": 2, "EP2": 1}  # `--model`: the layouts without a pipeline, by their tp
+MODEL_LAYOUTS = {"TP2×EP2": (2, 1), "PP2×EP2": (1, 2), "EP2": (1, 1)}  # `--model`: (tp, pp)
 
 
 def run(name: str, chunks: int, args, run_dir: Path, halves: bool = False) -> dict:
@@ -121,7 +122,7 @@ def model_table(args) -> None:
         rows += [(chunks, True) for chunks in args.chunks]
     print(
         f"the debug recipe's model ({' '.join(args.overrides) or 'no overrides'}): forward and backward of one "
-        f"micro-batch, no data or optimizer, EP link {args.bandwidth} GB/s + {args.latency} µs, "
+        f"micro-batch (PP: one per stage, 1F1B), no data or optimizer, EP link {args.bandwidth} GB/s + {args.latency} µs, "
         f"ep_transport={args.transport}, step replicas, median of {args.repeats} alternated runs"
     )
     print("| layout | ep_overlap_chunks | halves | forward + backward s | exposed EP s | exposed vs chunks=0 |")
@@ -134,14 +135,15 @@ def model_table(args) -> None:
         payload = {
             "recipe": str(ROOT / "recipes" / "debug.yaml"),
             "overrides": list(args.overrides),
-            "tp": MODEL_LAYOUTS[name],
+            "tp": MODEL_LAYOUTS[name][0],
+            "pp": MODEL_LAYOUTS[name][1],
             "rows": rows,
             "transport": args.transport,
             "bandwidth_gbps": args.bandwidth,
             "latency_us": args.latency,
             "repeats": args.repeats,
         }
-        ranks = 2 * MODEL_LAYOUTS[name]
+        ranks = RANKS[name]
         results = run_workers(
             ranks, "tests.distributed.workers_ep_overlap:model_timing", payload, timeout_s=args.timeout
         )[0]

@@ -56,25 +56,28 @@ def run(env, payload: list[dict]) -> list[dict]:
 
 
 def model_timing(env, payload: dict) -> list[dict]:
-    """`benchmarks/ep_overlap.py --model`: the whole model's forward and backward (no data loader,
-    no optimizer) on every rank, its EP link emulated, for each row of `payload["rows"]`
+    """`benchmarks/ep_overlap.py --model`: the model's forward and backward (no data loader, no
+    optimizer) on every rank, its EP link emulated, for each row of `payload["rows"]`
     (`(chunks, halves)`), the rows alternated `payload["repeats"]` times after a warm-up each;
-    per row, the median seconds of one forward and backward and of rank 0's EP waits in it."""
+    per row, the median seconds of one step's forwards and backwards (one micro-batch, or with
+    `pp` > 1 the pipeline schedule's micro-batches) and of rank 0's EP waits in them."""
     import statistics
 
     from k3train.config import load_config
-    from k3train.model.k3 import K3ModelChunk
+    from k3train.parallel.pipeline import PipelineExecutor, PipelinePlan, residual_shape
+    from k3train.training.build import build_model
     from tests.distributed.workers_expert import use_expert_parallel
 
     job = load_config(payload["recipe"], payload["overrides"])
-    config, tp = job.model, payload["tp"]
-    layout = resolve_layout(env.world_size, tp, 1, 0, 2, 1, ModelSplitSizes.of(config))
+    config, tp, pp = job.model, payload["tp"], payload["pp"]
+    layout = resolve_layout(env.world_size, tp, pp, 0, 2, 1, ModelSplitSizes.of(config))
     state = ParallelState(layout, env.rank, sequence_parallel=tp > 1)
     state.ep.link = EmulatedLink(payload["bandwidth_gbps"] * 1e9, payload["latency_us"] * 1e-6)
+    size, seq = job.train.micro_batch_size, job.data.seq_length
     generator = torch.Generator().manual_seed(state.dp_rank)  # the TP ranks of a DP rank share its rows
-    tokens = torch.randint(
-        0, config.vocab_size, (job.train.micro_batch_size, job.data.seq_length + 1), generator=generator
-    )
+    micro_batches = [torch.randint(0, config.vocab_size, (size, seq + 1), generator=generator) for _ in range(pp)]
+    plan = PipelinePlan.build(config.num_hidden_layers, pp, 1, config.attn_res, config.attn_res_block_size)
+    shape = residual_shape(size, seq, config.hidden_size, tp, tp > 1)
     models = []
     for chunks, halves in payload["rows"]:
         dispatcher = ExpertParallel(
@@ -85,26 +88,32 @@ def model_timing(env, payload: dict) -> list[dict]:
             overlap_halves=halves,
             replica_planning="step",
         )
-        model = K3ModelChunk(config, parallel=state)
-        model.init_weights(seed=7)
-        for moe in model.moe_layers():
-            use_expert_parallel(moe, dispatcher)
-        models.append(model)
+        model_chunks = build_model(config, plan, state, seed=7).chunks
+        for chunk in model_chunks:
+            for moe in chunk.moe_layers():
+                use_expert_parallel(moe, dispatcher)
+        models.append(model_chunks)
 
-    def forward_backward(model) -> tuple[float, float]:
+    def forward_backward(model_chunks) -> tuple[float, float]:
         state.counter.wait_seconds.clear()
         started = time.perf_counter()
-        model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        if pp > 1:
+            PipelineExecutor(plan, state.pp, shape).run(model_chunks, micro_batches)
+        else:
+            (model,) = model_chunks
+            tokens = micro_batches[0]
+            model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         elapsed = time.perf_counter() - started
-        model.zero_grad(set_to_none=True)
+        for chunk in model_chunks:
+            chunk.zero_grad(set_to_none=True)
         return elapsed, sum(s for label, s in state.counter.wait_seconds.items() if label.split(".")[0] == "ep")
 
-    for model in models:
-        forward_backward(model)  # warm-up: first-call costs, the step replicas' first fetch
+    for model_chunks in models:
+        forward_backward(model_chunks)  # warm-up: first-call costs
     samples: list[list[tuple[float, float]]] = [[] for _ in models]
     for _ in range(payload["repeats"]):
-        for index, model in enumerate(models):
-            samples[index].append(forward_backward(model))
+        for index, model_chunks in enumerate(models):
+            samples[index].append(forward_backward(model_chunks))
     return [
         {
             "seconds": statistics.median(s for s, _ in row),
