@@ -33,29 +33,6 @@ def expert_layer_traffic(
     recompute: bool = False,
     gpus_per_node: int = 0,
 ) -> tuple[tuple[int, int], tuple[int, int] | None]:
-    """`dispatch_call_traffic` of a micro-batch of `tokens` local tokens: one dispatcher call, or
-    with `parallel.ep_overlap_halves` one per half of its sequences (each with its own chunks,
-    loads all-gather and `online` replica exchange; halves of `tokens // 2` and the rest, exact
-    for an even micro-batch size)."""
-    calls = [tokens // 2, tokens - tokens // 2] if getattr(ep, "overlap_halves", False) else [tokens]
-    parts = [
-        dispatch_call_traffic(ep, cfg, call, activation, weight, replica_matrices, recompute, gpus_per_node)
-        for call in calls
-    ]
-    per_micro_batch = (sum(part[0][0] for part in parts), sum(part[0][1] for part in parts))
-    return per_micro_batch, parts[0][1]
-
-
-def dispatch_call_traffic(
-    ep,
-    cfg,
-    tokens: int,
-    activation: int,
-    weight: int,
-    replica_matrices: int = 0,
-    recompute: bool = False,
-    gpus_per_node: int = 0,
-) -> tuple[tuple[int, int], tuple[int, int] | None]:
     """One MoE layer's expert traffic on one rank, (bytes, messages): per micro-batch of `tokens`
     local tokens (dispatch + combine `[R, C, l]` and their adjoints, the int32 slot ids `[R, C]`,
     and in `balanced` mode the all-gather of the `[1, E]` int64 loads the routing plan is made
@@ -66,9 +43,17 @@ def dispatch_call_traffic(
     (`recompute: sublayer`) backward reruns the layer's forward, all-to-alls included (the
     replicas are the step's cached ones). Shapes from the dispatcher's own
     `ExpertParallel.buffer_shapes`; the `nodes` transport's rows, expected ones, from
-    `node_layer_traffic` (`gpus_per_node`: 0 for `DEFAULT_GPUS_PER_NODE`)."""
-    # `ep_overlap_chunks`: each chunk of the tokens has buffers of its own size, one loads all-gather
-    chunks = [end - start for start, end in chunk_bounds(tokens, ep.overlap_chunks)] if ep.overlaps else [tokens]
+    `node_layer_traffic` (`gpus_per_node`: 0 for `DEFAULT_GPUS_PER_NODE`). With
+    `parallel.ep_overlap_halves` each half of the micro-batch's sequences is a dispatcher call of
+    its own (its chunks, loads all-gather, `online` replica exchange and top-ups): halves of
+    `tokens // 2` and the rest, exact for an even micro-batch size."""
+    calls = [tokens // 2, tokens - tokens // 2] if getattr(ep, "overlap_halves", False) else [tokens]
+    # `ep_overlap_chunks`: each chunk of a call's tokens has buffers of its own size, one loads all-gather per call
+    chunks = [
+        end - start
+        for call in calls
+        for start, end in (chunk_bounds(call, ep.overlap_chunks) if ep.overlaps else [(0, call)])
+    ]
     rows = ids = hop_count = 0
     node_bytes = node_messages = 0.0
     for chunk_tokens in chunks:
@@ -88,8 +73,8 @@ def dispatch_call_traffic(
         ids += sum(math.prod(shapes[f"{hop}_ids"]) for hop in hops) * 4
         hop_count += len(hops)
     forward, forward_messages = 2 * rows + ids, 3 * hop_count  # per hop: rows, their ids, the combine
-    if "replica_weights" in shapes:  # the all-gather of the [1, E] int64 loads (of every chunk)
-        forward, forward_messages = forward + len(chunks) * cfg.num_experts * 8, forward_messages + 1
+    if "replica_weights" in shapes:  # the all-gather of the [1, E] int64 loads (of every chunk), once per call
+        forward, forward_messages = forward + len(chunks) * cfg.num_experts * 8, forward_messages + len(calls)
     nbytes = (2 if recompute else 1) * forward + 2 * rows  # + the adjoints of dispatch and combine
     messages = (2 if recompute else 1) * forward_messages + 2 * hop_count
     nbytes, messages = int(nbytes + node_bytes), int(messages + node_messages)
@@ -99,15 +84,15 @@ def dispatch_call_traffic(
         exchange = math.prod(shapes["replica_weights"]) * weight
         if ep.transport in ("exact", "nodes"):  # counted: only the replicated matrices, `M` per rank on average
             exchange = math.prod(shapes["replica_weights"][1:]) * weight
-        forwards = 2 if recompute else 1
-        return (nbytes + (forwards + 1) * exchange, messages + forwards + 1), None
+        exchanges = len(calls) * ((2 if recompute else 1) + 1)  # each call's, and its adjoint
+        return (nbytes + exchanges * exchange, messages + exchanges), None
     matrix = math.prod(shapes["replica_weights"][1:]) * weight
     if "top_up_weights" in shapes:  # `step` placements' top-ups: one exchange and its adjoint per micro-batch
-        forwards = 2 if recompute else 1
+        exchanges = len(calls) * ((2 if recompute else 1) + 1)
         top_up = math.prod(shapes["top_up_weights"]) * weight  # the equal-split `[R, T, F]`
         if ep.transport in ("exact", "nodes"):  # counted: only placed top-ups travel, none while the placement holds
             top_up = 0
-        nbytes, messages = nbytes + (forwards + 1) * top_up, messages + forwards + 1
+        nbytes, messages = nbytes + exchanges * top_up, messages + exchanges
     return (nbytes, messages), (2 * replica_matrices * matrix, 2)
 
 
