@@ -19,6 +19,9 @@ from k3train.parallel.tensor_overlap import chunk_bounds
 if TYPE_CHECKING:
     from k3train.parallel.expert import ExpertParallel
 
+EXCHANGE = "exchange"
+"""What `overlapped_dispatch` yields: its exchanges are on the wire."""
+
 
 def overlapped_dispatch(
     ep: ExpertParallel, slot_latent, expert_flat, weights_flat, experts, top_k: int, alongside
@@ -109,8 +112,5 @@ def overlapped_dispatch(
     )
     return routed, info
 
-
-EXCHANGE = "exchange"
-"""What `overlapped_dispatch` yields: its exchanges are on the wire."""
 
 __all__ = ["EXCHANGE", "overlapped_dispatch"]
