@@ -191,6 +191,18 @@ def job_traffic_terms(
     if tp > 1:
         mlp_regions = dense_layers + (moe_layers if cfg.num_shared_experts > 0 else 0)
         regions = layers + mlp_regions
+        # `parallel.ep_overlap_halves`: a model chunk whose layers alternate two halves of the
+        # micro-batch runs each region once per half (the same bytes, twice the messages)
+        halved = {
+            layer.layer_index
+            for chunk in model.chunks
+            if any(layer.alternates_halves() for layer in chunk._decoder_layers())
+            for layer in chunk._decoder_layers()
+        }
+        region_calls = sum(
+            (2 if i in halved else 1) * (1 + (not cfg.is_moe_layer(i) or cfg.num_shared_experts > 0))
+            for i in local_layers
+        )
         # Overlapped entries (parallel/tensor_overlap.py: every mixer and MLP region) move the same
         # bytes in pieces along the sequence: one message per piece in forward and in backward.
         # Overlapped leaves reduce their row-parallel products in pieces too (forward; and under SP
@@ -198,8 +210,8 @@ def job_traffic_terms(
         local_sequence = seq_length // state.layout.cp // (tp if sp else 1)
         pieces = overlapped_entry_pieces(job, local_sequence) if sp else 1
         leave_pieces = overlapped_leave_pieces(job, local_sequence)
-        entry_extra = M * regions * (pieces - 1)
-        extra = entry_extra + M * regions * (leave_pieces - 1)
+        entry_extra = M * region_calls * (pieces - 1)
+        extra = entry_extra + M * region_calls * (leave_pieces - 1)
         in_pieces = ", ".join(
             f"{what} in {count} pieces" for what, count in (("entries", pieces), ("leaves", leave_pieces)) if count > 1
         )
@@ -209,22 +221,22 @@ def job_traffic_terms(
                 "tp",
                 f"{regions} TP regions fwd: enter all-gather N/tp + leave reduce-scatter N" + in_pieces,
                 M * regions * (shard + full),
-                M * regions * 2 + extra,
+                M * region_calls * 2 + extra,
             )
             add(
                 "tp",
                 f"{regions} TP regions bwd: leave all-gather N/tp + enter reduce-scatter N" + in_pieces,
                 M * regions * (shard + full),
-                M * regions * 2 + extra,
+                M * region_calls * 2 + extra,
             )
         else:
             add(
                 "tp",
                 f"{regions} TP regions fwd: leave all-reduce N" + in_pieces,
                 M * regions * full,
-                M * regions * leave_pieces,
+                M * region_calls * leave_pieces,
             )
-            add("tp", f"{regions} TP regions bwd: enter all-reduce N", M * regions * full, M * regions)
+            add("tp", f"{regions} TP regions bwd: enter all-reduce N", M * regions * full, M * region_calls)
         if cfg.recompute == "sublayer" and sp:  # every region sits in a recomputed sublayer
             add(
                 "tp",

@@ -70,6 +70,16 @@ LAYOUTS = [
         micro_batch_size=2,  # one micro-batch of two sequences (as many tokens as the others)
         overrides=["parallel.ep_transport=spread", "parallel.ep_overlap_chunks=2", "parallel.ep_overlap_halves=true"],
     ),
+    # under TP2+SP: every TP region runs once per half (the same bytes, twice the messages)
+    dict(
+        name="TP2×EP2+SP balanced spread overlapped halves",
+        tp=2,
+        dp=2,
+        ep=2,
+        sequence_parallel=True,
+        micro_batch_size=2,
+        overrides=["parallel.ep_transport=spread", "parallel.ep_overlap_chunks=2", "parallel.ep_overlap_halves=true"],
+    ),
     # and with `step` replicas: the halves share the step's fetch and its one return home
     dict(
         name="EP2 balanced relay overlapped halves step",
