@@ -56,7 +56,7 @@ from k3train.parallel.expert_plan import (  # noqa: F401  (re-exported: the plan
     relay_route,
     replica_route,
 )
-from k3train.parallel.expert_replicas import ReadyReplicas, StepAndTopUps, start_fetch
+from k3train.parallel.expert_replicas import StepAndTopUps, StepOnly, start_fetch
 from k3train.parallel.expert_spread import spread_capacity
 from k3train.parallel.expert_step_replicas import StepReplicaCache, StepReplicas, building_graph
 from k3train.parallel.expert_transports import TRANSPORT_CLASSES, weighted_sum
@@ -472,7 +472,7 @@ class ExpertParallel:
         replicas = self.step_cache.start(experts)  # the step's first dispatch of the layer: in flight
         sent_bytes, state.fetch_bytes = state.fetch_bytes, 0
         if not self.top_up:
-            return ReadyReplicas(replicas, sent_bytes)
+            return StepOnly(replicas, sent_bytes)
         # the top-up entries (after the placement's R·M), in slots 0 … T − 1 of their own stacks
         placed = self.size * self.max_replicas
         top_ups = ReplicaPlacement(

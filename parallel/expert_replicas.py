@@ -138,10 +138,10 @@ class StepStacks(Protocol):
     def finish(self) -> tuple[torch.Tensor, ...]: ...
 
 
-class ReadyReplicas:
-    """The step's replica stacks (`step` planning: cached, or in flight at the layer's first
-    dispatch of the step), with the bytes to count: `finish()` returns them, as
-    `PendingReplicas.finish` does."""
+class StepOnly:
+    """The step's replica stacks alone (`step` planning without top-ups: cached, or in flight at
+    the layer's first dispatch of the step), with the bytes to count: `finish()` returns them,
+    as `PendingReplicas.finish` does."""
 
     def __init__(self, step: StepStacks, sent_bytes: int):
         self._step, self.sent_bytes = step, sent_bytes
