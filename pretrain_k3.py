@@ -158,12 +158,13 @@ def start_job(config, run_dir_arg: str | None) -> int:
         raise
 
 
-def set_up_rank(config, parallel) -> str:
-    """One rank prints; the thread count for this rank (returns its line); the cache's
-    deprecation notice; the seed."""
+def set_up_rank(config, parallel, device) -> list[str]:
+    """One rank prints; the thread count for this rank and the host heap's reuse of freed memory
+    (returns their lines to print); the cache's deprecation notice; the seed."""
     import torch
 
     from k3train.cache import locate_cache
+    from k3train.training.host_heap import configure_host_heap
     from k3train.training.threads import (
         available_cores,
         choose_num_threads,
@@ -185,7 +186,8 @@ def set_up_rank(config, parallel) -> str:
     if cache.deprecation and parallel.rank == 0:
         print(cache.deprecation, file=sys.stderr)
     torch.manual_seed(config.train.seed)
-    return threads_line
+    heap_line = configure_host_heap(config.train.host_heap, device.type)  # before the model's tensors
+    return [threads_line] + ([heap_line] if heap_line else [])
 
 
 def writable(action: str, path, fix: str):
@@ -254,7 +256,7 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
     from k3train.training.throughput import peak_flops
 
     is_logging_rank = parallel.rank == 0
-    threads_line = set_up_rank(config, parallel)
+    set_up_lines = set_up_rank(config, parallel, device)
     run_dir = shared_run_dir(run_dir_arg)
     checkpoint_dir = pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
     # Before anything there is read, cleaned or written: one job per run directory.
@@ -266,7 +268,8 @@ def run_job(config, run_dir_arg: str | None, parallel, device) -> int:
         f"(virtual stages {config.parallel.virtual_stages}), ep {layout.ep}, "
         f"sequence parallel {parallel.sequence_parallel}, ZeRO-1 {config.parallel.zero1}"
     )
-    print(threads_line)
+    for line in set_up_lines:
+        print(line)
 
     # 3. What this rank runs (k3train/training/build.py): its pipeline chunks with their TP shards
     #    and EP experts, initialised from the seed alone (the same weights under any layout); the

@@ -23,6 +23,7 @@ from k3train.config import JobConfig, load_config
 from k3train.model.flops import training_flops_per_token
 from k3train.parallel.state import ParallelState
 from k3train.planning.measured import build_trainer
+from k3train.training.host_heap import configure_host_heap
 from k3train.training.loop import Trainer, precision_context
 from k3train.training.throughput import measure_cpu_matmul_tflops, muon_step_stats
 
@@ -462,6 +463,11 @@ def compare(
         f"({100 * (dense_flops / k3_flops - 1):+.1f}%)"
     )
 
+    # The job's host heap setting (pretrain_k3.py sets it per rank), process-wide: both contenders
+    # run on it alike.
+    heap_line = configure_host_heap(base.train.host_heap, device.type)
+    if heap_line:
+        print(heap_line)
     contenders: dict[str, Callable[[], float]] = {}
     muon = k3_trainer(base, device)
     contenders[MUON] = lambda: muon.train_step()["loss"]
