@@ -2,7 +2,7 @@
 
 import torch
 
-from k3train.kernels.situ_glu import situ_glu, situ_glu_reference, swiglu
+from k3train.kernels.situ_glu import _tanh_through_sigmoid_, situ_glu, situ_glu_reference, swiglu
 
 
 def _inputs(shape, dtype, generator, scale=3.0):
@@ -113,3 +113,24 @@ def test_situ_glu_without_autograd_is_the_formula_bit_for_bit():
     assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
     with torch.no_grad():
         assert torch.equal(situ_glu(gate.requires_grad_(), up), situ_glu_reference(gate, up))
+
+
+def test_tanh_through_sigmoid_is_within_two_fp32_units_of_tanh():
+    """The bf16 inputs' tanh (2·sigmoid(2x) − 1): absolute error ≤ 2.4e-7 (its docstring's bound)."""
+    x = torch.cat(
+        [torch.linspace(-20, 20, 400_001), 1e-3 * torch.randn(100_000, generator=torch.Generator().manual_seed(8))]
+    )
+    error = (_tanh_through_sigmoid_(2 * x).double() - torch.tanh(x.double())).abs().max()
+    assert error <= 2.4e-7, error
+
+
+def test_situ_glu_of_bf16_inputs_near_zero_keeps_the_stated_absolute_bound():
+    """Gates and ups near 0, where tanh through sigmoid loses relative (not absolute) accuracy:
+    the bf16 output is within one bf16 rounding of the exact value plus β1·β2·2.4e-7."""
+    generator = torch.Generator().manual_seed(9)
+    gate = (1e-4 * torch.randn(256, 64, generator=generator, dtype=torch.float64)).bfloat16().requires_grad_()
+    up = (1e-3 * torch.randn(256, 64, generator=generator, dtype=torch.float64)).bfloat16().requires_grad_()
+    fused = situ_glu(gate, up)
+    exact = situ_glu_reference(gate.detach().double(), up.detach().double())
+    bound = 2.0**-8 * exact.abs() + 4.0 * 25.0 * 2.4e-7 * (1 + 2.0**-8)
+    assert ((fused.double() - exact).abs() <= bound).all()
